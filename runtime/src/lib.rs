@@ -1,0 +1,19 @@
+//! chorus-runtime: the protocols and algorithms of chorus, with as little IO
+//! as each allows.
+//!
+//! # Layout
+//! - [`store`]: the [`Store`](store::Store) trait and its backends.
+//!   `store::protocol` is the sans-IO codec of PyTorch's TCPStore wire
+//!   protocol; `store::state` the key/value state machine every backend
+//!   shares; `store::tcp` the server and client (thin tokio drivers);
+//!   `store::file` the file store; `store::prefix` namespaces.
+//! - [`rendezvous`]: from an init method (`tcp://`, `file://`, `env://`, or a
+//!   store) and a launcher's environment (torchrun, Slurm, Open MPI, Kubeflow)
+//!   to a validated membership: every rank's published [`PeerRecord`](rendezvous::PeerRecord),
+//!   keyed by generation so elastic restarts re-run it.
+//! - [`codec`]: the one place that uses bincode (small control records only;
+//!   tensor payloads are never serialized).
+
+pub mod codec;
+pub mod rendezvous;
+pub mod store;

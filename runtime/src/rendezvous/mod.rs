@@ -1,0 +1,698 @@
+//! Rendezvous: from "how was I started" to "who are my peers".
+//!
+//! 1. [`InitMethod::parse`] reads PyTorch's init URLs (`tcp://`, `file://`,
+//!    `env://`); [`resolve`] combines one with explicit arguments and the
+//!    launcher's environment ([`env`]) into a [`RendezvousConfig`]: store,
+//!    rank, world size, generation. Explicit arguments win over URL queries,
+//!    which win over the environment.
+//! 2. [`open_store`] opens that store (rank 0 hosts the TCP server for
+//!    `tcp://` and `env://`, as in PyTorch).
+//! 3. [`rendezvous`] runs the exchange on the store, under
+//!    `chorus/<run id>/g<generation>/`, so an elastic restart re-runs it as
+//!    a new generation without seeing the old one's keys:
+//!    - `world_size`: compare-and-set by the first arrival; a rank started with
+//!      another world size fails, naming the rank that set it;
+//!    - `rank/<r>`: compare-and-set by the claimant; a second process claiming
+//!      the same rank fails, naming both hosts and pids;
+//!    - `peer/<r>`: the rank's [`PeerRecord`]; every rank waits for all of them
+//!      and a timeout names the ranks that never arrived.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::store::{
+    DEFAULT_PORT, FileStore, FileStoreOptions, PrefixStore, Store, StoreError, TcpStore, TcpStoreOptions,
+    TcpStoreServer, TcpStoreServerOptions,
+};
+
+pub mod env;
+mod record;
+
+pub use record::{Claimant, HostId, PeerRecord};
+
+use env::{EnvError, LaunchEnv, Launcher};
+
+/// Errors of rendezvous, each saying what to change.
+#[derive(Debug, Error)]
+pub enum RendezvousError {
+    /// The launcher's environment is incomplete or wrong.
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    /// The init URL could not be understood.
+    #[error("bad init method {url:?}: {reason}")]
+    BadUrl {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// No rank was given anywhere.
+    #[error("no rank given: pass one explicitly, add ?rank=R to the URL, or set RANK")]
+    MissingRank,
+    /// No world size was given anywhere.
+    #[error("no world size given: pass one explicitly, add ?world_size=N to the URL, or set WORLD_SIZE")]
+    MissingWorldSize,
+    /// The world size is zero.
+    #[error("world size must be at least 1")]
+    EmptyWorld,
+    /// The rank is outside `0..world_size`.
+    #[error("rank {rank} is out of range for world size {world_size}: ranks go from 0 to {}", world_size.saturating_sub(1))]
+    RankOutOfRange {
+        /// The rank given.
+        rank: usize,
+        /// The world size given.
+        world_size: usize,
+    },
+    /// This rank was started with another world size than the first arrival.
+    #[error("world size mismatch: this process ({ours_by}) has world size {ours}, but {theirs_by} registered world size {theirs}; start every rank with the same world size")]
+    WorldSizeMismatch {
+        /// Our world size.
+        ours: usize,
+        /// Who we are.
+        ours_by: Claimant,
+        /// The world size already registered.
+        theirs: usize,
+        /// Who registered it.
+        theirs_by: Claimant,
+    },
+    /// Two processes claim the same rank.
+    #[error("rank {rank} is claimed twice: by {first} and by this process {second}; give every process its own rank")]
+    DuplicateRank {
+        /// The rank claimed twice.
+        rank: usize,
+        /// The process that claimed it first.
+        first: Claimant,
+        /// This process.
+        second: Claimant,
+    },
+    /// Not every rank arrived in time.
+    #[error("rendezvous of generation {generation} timed out after {waited:?} on store {location}: {arrived} of {world_size} ranks arrived; missing ranks {missing:?}")]
+    Incomplete {
+        /// The generation being formed.
+        generation: u64,
+        /// Ranks whose records never appeared.
+        missing: Vec<usize>,
+        /// How many arrived.
+        arrived: usize,
+        /// The expected world size.
+        world_size: usize,
+        /// How long we waited.
+        waited: Duration,
+        /// The store.
+        location: String,
+    },
+    /// A rank's published record could not be read.
+    #[error("rank {rank} published an unreadable record ({reason}); is it running another chorus version?")]
+    BadRecord {
+        /// Whose record.
+        rank: usize,
+        /// Why it is unreadable.
+        reason: String,
+    },
+    /// Rank 0 could not start the store server.
+    #[error("rank 0 could not serve the store on {addr}: {source}; {hint}")]
+    Serve {
+        /// The address it tried.
+        addr: String,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// How the ranks meet, as given by the user (PyTorch's `init_method`).
+#[derive(Debug, Clone)]
+pub enum InitMethod {
+    /// `tcp://host:port[?rank=R&world_size=N]`: rank 0 serves a TCP store there.
+    Tcp {
+        /// Host rank 0 listens on and the others connect to.
+        host: String,
+        /// Its port.
+        port: u16,
+        /// `rank` from the URL query.
+        rank: Option<usize>,
+        /// `world_size` from the URL query.
+        world_size: Option<usize>,
+    },
+    /// `file:///path[?rank=R&world_size=N]`: a [`FileStore`] at `path`.
+    File {
+        /// The store file.
+        path: PathBuf,
+        /// `rank` from the URL query.
+        rank: Option<usize>,
+        /// `world_size` from the URL query.
+        world_size: Option<usize>,
+    },
+    /// `env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, or the variables
+    /// of torchrun, Slurm, Open MPI, MPICH or Kubeflow.
+    Env,
+    /// A store the caller made; rank and world size must be given.
+    Store(Arc<dyn Store>),
+}
+
+fn parse_count(url: &str, name: &str, value: &str) -> Result<usize, RendezvousError> {
+    value.parse().map_err(|_| RendezvousError::BadUrl {
+        url: url.to_string(),
+        reason: format!("{name}={value:?} is not a non-negative integer"),
+    })
+}
+
+impl InitMethod {
+    /// Parses a PyTorch init URL.
+    pub fn parse(text: &str) -> Result<Self, RendezvousError> {
+        let bad = |reason: &str| RendezvousError::BadUrl {
+            url: text.to_string(),
+            reason: reason.to_string(),
+        };
+        let url = url::Url::parse(text).map_err(|e| bad(&format!("{e}; expected tcp://host:port, file:///path or env://")))?;
+        let (mut rank, mut world_size) = (None, None);
+        for (name, value) in url.query_pairs() {
+            match name.as_ref() {
+                "rank" => rank = Some(parse_count(text, "rank", &value)?),
+                "world_size" => world_size = Some(parse_count(text, "world_size", &value)?),
+                other => return Err(bad(&format!("unknown query parameter {other:?}; only rank and world_size are understood"))),
+            }
+        }
+        match url.scheme() {
+            "tcp" => {
+                let host = url.host_str().filter(|h| !h.is_empty()).ok_or_else(|| bad("no host; write tcp://host:port"))?;
+                let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+                let port = url.port().ok_or_else(|| bad("no port; write tcp://host:port"))?;
+                Ok(InitMethod::Tcp {
+                    host,
+                    port,
+                    rank,
+                    world_size,
+                })
+            }
+            "file" => {
+                let path = url.to_file_path().map_err(|()| bad("not an absolute local path; write file:///absolute/path"))?;
+                Ok(InitMethod::File { path, rank, world_size })
+            }
+            "env" => {
+                if rank.is_some() || world_size.is_some() {
+                    return Err(bad("env:// takes rank and world size from RANK and WORLD_SIZE, not the URL"));
+                }
+                Ok(InitMethod::Env)
+            }
+            other => Err(bad(&format!("unknown scheme {other:?}; use tcp://, file:// or env://"))),
+        }
+    }
+}
+
+/// Where the store is, once resolved.
+#[derive(Debug, Clone)]
+pub enum StoreSpec {
+    /// A TCP store; rank 0 serves it.
+    Tcp {
+        /// Host name or address.
+        host: String,
+        /// Port.
+        port: u16,
+    },
+    /// A file store.
+    File {
+        /// The store file.
+        path: PathBuf,
+    },
+    /// A store given by the caller.
+    Given(Arc<dyn Store>),
+}
+
+/// Everything rendezvous needs, resolved from the init method, explicit
+/// arguments and the environment.
+#[derive(Debug, Clone)]
+pub struct RendezvousConfig {
+    /// The store to meet on.
+    pub store: StoreSpec,
+    /// This process's rank.
+    pub rank: usize,
+    /// How many ranks.
+    pub world_size: usize,
+    /// Rank on this node, when a launcher said.
+    pub local_rank: Option<usize>,
+    /// Ranks on this node, when a launcher said.
+    pub local_world_size: Option<usize>,
+    /// Generation of the group (torchrun's restart count by default).
+    pub generation: u64,
+    /// Names the job in the store, so jobs sharing a store stay apart.
+    pub run_id: String,
+    /// The launcher detected, if any.
+    pub launcher: Option<Launcher>,
+}
+
+impl RendezvousConfig {
+    /// The master's host, for choosing the local address that routes to it.
+    pub fn master_host(&self) -> Option<&str> {
+        match &self.store {
+            StoreSpec::Tcp { host, .. } => Some(host),
+            _ => None,
+        }
+    }
+}
+
+/// Combines `method`, explicit `rank` / `world_size` and the environment
+/// (read through `lookup`) into a validated configuration.
+pub fn resolve(
+    method: InitMethod,
+    rank: Option<usize>,
+    world_size: Option<usize>,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<RendezvousConfig, RendezvousError> {
+    let launch: Option<LaunchEnv> = env::detect(lookup)?;
+    let (store, url_rank, url_world) = match method {
+        InitMethod::Tcp {
+            host,
+            port,
+            rank,
+            world_size,
+        } => (StoreSpec::Tcp { host, port }, rank, world_size),
+        InitMethod::File { path, rank, world_size } => (StoreSpec::File { path }, rank, world_size),
+        InitMethod::Store(store) => (StoreSpec::Given(store), None, None),
+        InitMethod::Env => {
+            let launch = launch.as_ref().ok_or(EnvError::Missing {
+                var: "MASTER_ADDR",
+                launcher: Launcher::Env,
+            })?;
+            let host = launch.master_addr.clone().ok_or(EnvError::Missing {
+                var: "MASTER_ADDR",
+                launcher: launch.launcher,
+            })?;
+            let port = match (launch.master_port, launch.launcher) {
+                (Some(port), _) => port,
+                // Schedulers do not hand out a port; PyTorch's default is the convention.
+                (None, Launcher::Slurm | Launcher::OpenMpi | Launcher::Mpich) => DEFAULT_PORT,
+                (None, launcher) => {
+                    return Err(EnvError::Missing {
+                        var: "MASTER_PORT",
+                        launcher,
+                    }
+                    .into());
+                }
+            };
+            (StoreSpec::Tcp { host, port }, None, None)
+        }
+    };
+    let rank = rank
+        .or(url_rank)
+        .or(launch.as_ref().map(|l| l.rank))
+        .ok_or(RendezvousError::MissingRank)?;
+    let world_size = world_size
+        .or(url_world)
+        .or(launch.as_ref().map(|l| l.world_size))
+        .ok_or(RendezvousError::MissingWorldSize)?;
+    if world_size == 0 {
+        return Err(RendezvousError::EmptyWorld);
+    }
+    if rank >= world_size {
+        return Err(RendezvousError::RankOutOfRange { rank, world_size });
+    }
+    Ok(RendezvousConfig {
+        store,
+        rank,
+        world_size,
+        local_rank: launch.as_ref().map(|l| l.local_rank),
+        local_world_size: launch.as_ref().map(|l| l.local_world_size),
+        generation: launch.as_ref().map_or(0, |l| l.restart_count),
+        run_id: launch
+            .as_ref()
+            .and_then(|l| l.run_id.clone())
+            .unwrap_or_else(|| "default".to_string()),
+        launcher: launch.map(|l| l.launcher),
+    })
+}
+
+/// An open store, with the server this process hosts for it (rank 0 of `tcp://`).
+#[derive(Debug)]
+pub struct OpenedStore {
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// The server, when this process hosts it; dropping it stops serving.
+    pub server: Option<TcpStoreServer>,
+}
+
+/// Opens the configured store; rank 0 of a TCP store starts its server.
+pub async fn open_store(config: &RendezvousConfig, timeout: Duration) -> Result<OpenedStore, RendezvousError> {
+    match &config.store {
+        StoreSpec::Given(store) => Ok(OpenedStore {
+            store: store.clone(),
+            server: None,
+        }),
+        StoreSpec::File { path } => {
+            let options = FileStoreOptions {
+                timeout,
+                ..FileStoreOptions::default()
+            };
+            let store = FileStore::open(path, options).await?;
+            Ok(OpenedStore {
+                store: Arc::new(store),
+                server: None,
+            })
+        }
+        StoreSpec::Tcp { host, port } => {
+            let server = if config.rank == 0 {
+                Some(serve(host, *port).await?)
+            } else {
+                None
+            };
+            let addr = match &server {
+                // Port 0 asked for any free port: connect to the one chosen.
+                Some(server) if *port == 0 => format!("{}:{}", bracket(host), server.local_addr().port()),
+                _ => format!("{}:{}", bracket(host), port),
+            };
+            let options = TcpStoreOptions {
+                timeout,
+                connect_timeout: timeout,
+                ..TcpStoreOptions::default()
+            };
+            let store = TcpStore::connect(addr, options).await?;
+            Ok(OpenedStore {
+                store: Arc::new(store),
+                server,
+            })
+        }
+    }
+}
+
+fn bracket(host: &str) -> String {
+    if host.contains(':') { format!("[{host}]") } else { host.to_string() }
+}
+
+/// Rank 0's server: on loopback when the master address is loopback (the
+/// job is local, so nothing else needs to reach it), on every interface
+/// otherwise, as PyTorch does.
+async fn serve(host: &str, port: u16) -> Result<TcpStoreServer, RendezvousError> {
+    let resolved = tokio::net::lookup_host((host, port)).await.map_err(|source| RendezvousError::Serve {
+        addr: format!("{host}:{port}"),
+        source,
+        hint: "the master address does not resolve; check MASTER_ADDR or the tcp:// host",
+    })?;
+    let local = resolved.into_iter().next().map(|a| a.ip());
+    let bind_ip = match local {
+        Some(ip) if ip.is_loopback() => ip,
+        Some(std::net::IpAddr::V6(_)) => std::net::IpAddr::from([0u16; 8]),
+        _ => std::net::IpAddr::from([0u8; 4]),
+    };
+    let addr = std::net::SocketAddr::new(bind_ip, port);
+    TcpStoreServer::bind(addr, TcpStoreServerOptions::default())
+        .await
+        .map_err(|source| RendezvousError::Serve {
+            addr: addr.to_string(),
+            hint: if source.kind() == std::io::ErrorKind::AddrInUse {
+                "the port is in use: pick another MASTER_PORT, or check that rank 0 is not started twice"
+            } else {
+                "check the master address and port"
+            },
+            source,
+        })
+}
+
+/// The outcome of rendezvous: this rank's place and every peer's record.
+#[derive(Debug, Clone)]
+pub struct Membership {
+    /// The generation formed.
+    pub generation: u64,
+    /// This rank.
+    pub rank: usize,
+    /// Every rank's record, indexed by rank.
+    pub peers: Vec<PeerRecord>,
+}
+
+impl Membership {
+    /// How many ranks.
+    pub fn world_size(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// This rank's own record.
+    pub fn me(&self) -> &PeerRecord {
+        &self.peers[self.rank]
+    }
+
+    /// Ranks on the same host as this one (this one included), in rank order.
+    pub fn local_ranks(&self) -> Vec<usize> {
+        let host = &self.me().host;
+        (0..self.peers.len()).filter(|&r| &self.peers[r].host == host).collect()
+    }
+}
+
+fn random_nonce() -> u64 {
+    let mut bytes = [0u8; 8];
+    // The nonce only tells a restarted process from its predecessor; a
+    // failing OS generator falls back to the time, which does that too.
+    if getrandom::fill(&mut bytes).is_err() {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        bytes = nanos.to_le_bytes();
+    }
+    u64::from_le_bytes(bytes)
+}
+
+fn decode_claim(rank: usize, bytes: &[u8]) -> Result<Claimant, RendezvousError> {
+    crate::codec::decode(bytes).map_err(|e| RendezvousError::BadRecord {
+        rank,
+        reason: e.to_string(),
+    })
+}
+
+/// Runs the exchange: claims `rank`, publishes `record` (its `rank` field is
+/// set here), and waits up to `timeout` for all `world_size` records of
+/// `generation`.
+pub async fn rendezvous(
+    store: Arc<dyn Store>,
+    config: &RendezvousConfig,
+    mut record: PeerRecord,
+    timeout: Duration,
+) -> Result<Membership, RendezvousError> {
+    let (rank, world_size, generation) = (config.rank, config.world_size, config.generation);
+    if rank >= world_size {
+        return Err(RendezvousError::RankOutOfRange { rank, world_size });
+    }
+    let scoped = PrefixStore::new(format!("chorus/{}/g{}", config.run_id, generation), store);
+    record.rank = rank as u32;
+    let me = Claimant {
+        hostname: record.host.hostname.clone(),
+        pid: record.pid,
+        nonce: random_nonce(),
+        world_size: world_size as u32,
+        rank: rank as u32,
+    };
+    let mine = crate::codec::encode(&me);
+
+    let registered = scoped.compare_set("world_size", b"", &mine).await?;
+    let first = decode_claim(rank, &registered)?;
+    if first.world_size as usize != world_size {
+        return Err(RendezvousError::WorldSizeMismatch {
+            ours: world_size,
+            ours_by: me,
+            theirs: first.world_size as usize,
+            theirs_by: first,
+        });
+    }
+
+    let claimed = scoped.compare_set(&format!("rank/{rank}"), b"", &mine).await?;
+    if claimed != mine {
+        return Err(RendezvousError::DuplicateRank {
+            rank,
+            first: decode_claim(rank, &claimed)?,
+            second: me,
+        });
+    }
+
+    scoped.set(&format!("peer/{rank}"), &record.encode()).await?;
+    let keys: Vec<String> = (0..world_size).map(|r| format!("peer/{r}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let started = tokio::time::Instant::now();
+    match scoped.wait_timeout(&key_refs, timeout).await {
+        Ok(()) => {}
+        Err(StoreError::Timeout { .. }) => {
+            let mut missing = Vec::new();
+            for (r, key) in keys.iter().enumerate() {
+                if !scoped.check(&[key.as_str()]).await? {
+                    missing.push(r);
+                }
+            }
+            return Err(RendezvousError::Incomplete {
+                generation,
+                arrived: world_size - missing.len(),
+                missing,
+                world_size,
+                waited: started.elapsed(),
+                location: scoped.location(),
+            });
+        }
+        Err(other) => return Err(other.into()),
+    }
+    let values = scoped.multi_get(&key_refs).await?;
+    let mut peers = Vec::with_capacity(world_size);
+    for (r, bytes) in values.iter().enumerate() {
+        let peer = PeerRecord::decode(bytes).map_err(|e| RendezvousError::BadRecord {
+            rank: r,
+            reason: e.to_string(),
+        })?;
+        if peer.rank as usize != r {
+            return Err(RendezvousError::BadRecord {
+                rank: r,
+                reason: format!("it says it is rank {}", peer.rank),
+            });
+        }
+        peers.push(peer);
+    }
+    Ok(Membership {
+        generation,
+        rank,
+        peers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::HashStore;
+    use std::collections::HashMap;
+
+    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn urls_parse_like_pytorch() {
+        match InitMethod::parse("tcp://10.1.2.3:23456?rank=1&world_size=4").unwrap() {
+            InitMethod::Tcp {
+                host,
+                port,
+                rank,
+                world_size,
+            } => assert_eq!((host.as_str(), port, rank, world_size), ("10.1.2.3", 23456, Some(1), Some(4))),
+            other => panic!("{other:?}"),
+        }
+        match InitMethod::parse("tcp://[::1]:29500").unwrap() {
+            InitMethod::Tcp { host, .. } => assert_eq!(host, "::1"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(InitMethod::parse("file:///tmp/store").unwrap(), InitMethod::File { .. }));
+        assert!(matches!(InitMethod::parse("env://").unwrap(), InitMethod::Env));
+        for bad in ["tcp://host", "udp://h:1", "tcp://h:1?rank=x", "tcp://h:1?color=red", "nonsense", "env://?rank=1"] {
+            assert!(matches!(InitMethod::parse(bad), Err(RendezvousError::BadUrl { .. })), "{bad}");
+        }
+    }
+
+    #[test]
+    fn explicit_arguments_beat_url_beat_environment() {
+        let env = lookup(&[("RANK", "2"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]);
+        let url = InitMethod::parse("tcp://h:1?rank=1&world_size=4").unwrap();
+        let c = resolve(url.clone(), Some(0), None, &env).unwrap();
+        assert_eq!((c.rank, c.world_size), (0, 4));
+        let c = resolve(url, None, None, &env).unwrap();
+        assert_eq!((c.rank, c.world_size), (1, 4));
+        let c = resolve(InitMethod::Env, None, None, &env).unwrap();
+        assert_eq!((c.rank, c.world_size), (2, 8));
+    }
+
+    #[test]
+    fn env_init_names_what_is_missing() {
+        let err = resolve(InitMethod::Env, None, None, &lookup(&[])).unwrap_err();
+        assert!(err.to_string().contains("MASTER_ADDR"), "{err}");
+        let err = resolve(InitMethod::Env, None, None, &lookup(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")])).unwrap_err();
+        assert!(err.to_string().contains("MASTER_PORT"), "{err}");
+        let err = resolve(InitMethod::parse("tcp://h:1").unwrap(), None, None, &lookup(&[])).unwrap_err();
+        assert!(matches!(err, RendezvousError::MissingRank));
+        let err = resolve(InitMethod::parse("tcp://h:1?rank=4&world_size=4").unwrap(), None, None, &lookup(&[])).unwrap_err();
+        assert!(matches!(err, RendezvousError::RankOutOfRange { rank: 4, world_size: 4 }));
+    }
+
+    fn config(store: &HashStore, rank: usize, world_size: usize) -> RendezvousConfig {
+        RendezvousConfig {
+            store: StoreSpec::Given(Arc::new(store.clone())),
+            rank,
+            world_size,
+            local_rank: None,
+            local_world_size: None,
+            generation: 0,
+            run_id: "t".into(),
+            launcher: None,
+        }
+    }
+
+    fn record(pid: u32) -> PeerRecord {
+        PeerRecord {
+            rank: 0,
+            host: HostId::local(),
+            pid,
+            addrs: vec!["127.0.0.1".parse().unwrap()],
+            extras: vec![],
+        }
+    }
+
+    #[tokio::test]
+    async fn every_rank_learns_every_record() {
+        let store = HashStore::default();
+        let mut tasks = Vec::new();
+        for rank in 0..5 {
+            let cfg = config(&store, rank, 5);
+            let store: Arc<dyn Store> = Arc::new(store.clone());
+            tasks.push(tokio::spawn(async move { rendezvous(store, &cfg, record(100 + rank as u32), Duration::from_secs(10)).await }));
+        }
+        for (rank, task) in tasks.into_iter().enumerate() {
+            let m = tokio::time::timeout(Duration::from_secs(20), task).await.expect("rendezvous hung").unwrap().unwrap();
+            assert_eq!(m.rank, rank);
+            assert_eq!(m.peers.iter().map(|p| p.pid).collect::<Vec<_>>(), vec![100, 101, 102, 103, 104]);
+            assert_eq!(m.local_ranks(), vec![0, 1, 2, 3, 4]);
+        }
+    }
+
+    #[tokio::test]
+    async fn duplicate_ranks_and_world_mismatch_are_named() {
+        let store = HashStore::default();
+        let shared: Arc<dyn Store> = Arc::new(store.clone());
+        let first = tokio::spawn({
+            let cfg = config(&store, 0, 2);
+            let shared = shared.clone();
+            async move { rendezvous(shared, &cfg, record(1), Duration::from_secs(10)).await }
+        });
+        store.wait(&["chorus/t/g0/rank/0"]).await.unwrap();
+        let err = rendezvous(shared.clone(), &config(&store, 0, 2), record(2), Duration::from_secs(1)).await.unwrap_err();
+        match &err {
+            RendezvousError::DuplicateRank { rank: 0, first, second } => assert_eq!((first.pid, second.pid), (1, 2)),
+            other => panic!("expected a duplicate rank error, got {other}"),
+        }
+        let err = rendezvous(shared.clone(), &config(&store, 1, 3), record(3), Duration::from_secs(1)).await.unwrap_err();
+        assert!(matches!(err, RendezvousError::WorldSizeMismatch { ours: 3, theirs: 2, .. }), "{err}");
+        rendezvous(shared, &config(&store, 1, 2), record(4), Duration::from_secs(10)).await.unwrap();
+        first.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_missing_rank_is_named_on_timeout() {
+        let store = HashStore::default();
+        let err = rendezvous(Arc::new(store.clone()), &config(&store, 1, 3), record(1), Duration::from_secs(5)).await.unwrap_err();
+        match err {
+            RendezvousError::Incomplete { missing, arrived, .. } => {
+                assert_eq!(missing, vec![0, 2]);
+                assert_eq!(arrived, 1);
+            }
+            other => panic!("expected an incomplete rendezvous, got {other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn generations_do_not_see_each_other() {
+        let store = HashStore::default();
+        let mut cfg = config(&store, 0, 1);
+        rendezvous(Arc::new(store.clone()), &cfg, record(1), Duration::from_secs(1)).await.unwrap();
+        cfg.generation = 1;
+        // The same rank claimed again in a new generation is no duplicate.
+        let m = rendezvous(Arc::new(store.clone()), &cfg, record(2), Duration::from_secs(1)).await.unwrap();
+        assert_eq!((m.generation, m.peers[0].pid), (1, 2));
+    }
+}

@@ -1,0 +1,357 @@
+//! The `chorus` command line.
+//!
+//! - `chorus hello --world N`: the quickstart job. Starts N rank processes on
+//!   this machine that rendezvous (over `tcp://`, `file://` or `env://`) and
+//!   each print who they found.
+//! - `chorus store serve`: a standalone TCPStore-compatible server.
+//! - `chorus store get|set|add|wait|check|delete|keys`: look inside a job's
+//!   store while debugging a stuck rendezvous.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use chorus::store::{self, Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
+use chorus::{InitOptions, init_process_group};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(name = "chorus", version, about = "Keeps the parameters of a distributed training job in sync.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand)]
+enum Commands {
+    /// Start N ranks on this machine that find each other and say whom they found.
+    Hello(HelloArgs),
+    /// Serve or inspect a TCPStore-compatible key/value store.
+    #[command(subcommand)]
+    Store(StoreCommand),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum InitKind {
+    Tcp,
+    File,
+    Env,
+}
+
+#[derive(Args)]
+struct HelloArgs {
+    /// Number of ranks (processes) to start.
+    #[arg(long, default_value_t = 4)]
+    world: usize,
+    /// How the ranks meet.
+    #[arg(long, value_enum, default_value = "tcp")]
+    init: InitKind,
+    /// Seconds before the job is declared stuck.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+    /// Internal: run as one rank with the given init URL.
+    #[arg(long, hide = true)]
+    worker: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum StoreCommand {
+    /// Run a standalone store server until interrupted.
+    Serve {
+        /// Port to listen on.
+        #[arg(long, default_value_t = store::DEFAULT_PORT)]
+        port: u16,
+        /// Address to listen on.
+        #[arg(long, default_value = "0.0.0.0")]
+        host: String,
+    },
+    /// Print the value of KEY (waiting for it up to --timeout).
+    Get {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The key.
+        key: String,
+    },
+    /// Set KEY to VALUE.
+    Set {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The key.
+        key: String,
+        /// The value.
+        value: String,
+    },
+    /// Add DELTA to the integer at KEY and print the result.
+    Add {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The key.
+        key: String,
+        /// The amount to add.
+        #[arg(allow_hyphen_values = true)]
+        delta: i64,
+    },
+    /// Wait until every KEY exists.
+    Wait {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The keys.
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Print whether every KEY exists (exit code 1 when not).
+    Check {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The keys.
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Delete KEY.
+    Delete {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The key.
+        key: String,
+    },
+    /// List every key in the store, as stored, with the count.
+    Keys {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+#[derive(Args)]
+struct ClientArgs {
+    /// Store address, host:port.
+    #[arg(long, default_value = "127.0.0.1:29500")]
+    addr: String,
+    /// Seconds to wait for the server and for keys.
+    #[arg(long, default_value_t = 10)]
+    timeout: u64,
+    /// Send keys as given, without the "/" PyTorch's client puts in front.
+    #[arg(long)]
+    raw: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Commands::Hello(args) => match &args.worker {
+            Some(url) => run_async(hello_worker(url.clone(), Duration::from_secs(args.timeout))),
+            None => hello(&args),
+        },
+        Commands::Store(command) => run_async(store_command(command)),
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("chorus: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_async<F: std::future::Future<Output = Result<ExitCode>>>(future: F) -> Result<ExitCode> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(future)
+}
+
+/// One rank of `chorus hello`: rendezvous, print the peers, leave together.
+async fn hello_worker(url: String, timeout: Duration) -> Result<ExitCode> {
+    let group = init_process_group(InitOptions::from_url(&url)?.timeout(timeout)).await?;
+    let me = &group.peers()[group.rank()];
+    println!(
+        "rank {}/{} (local rank {}, pid {} on {}) found:",
+        group.rank(),
+        group.world_size(),
+        group.local_rank(),
+        me.pid,
+        me.host
+    );
+    for peer in group.peers() {
+        let reach = group
+            .peer_address(peer.rank as usize)
+            .map_or_else(|| "unreachable (published only loopback)".to_string(), |ip| ip.to_string());
+        println!("  rank {} pid {} on {} via {}", peer.rank, peer.pid, peer.host, reach);
+    }
+    group.destroy().await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Picks a free loopback port for rank 0's store.
+fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// Starts `--world` worker processes, prefixes their output with their rank
+/// and fails if any fails or the job outlives `--timeout`.
+fn hello(args: &HelloArgs) -> Result<ExitCode> {
+    if args.world == 0 {
+        bail!("--world must be at least 1");
+    }
+    let exe = std::env::current_exe().context("locating the chorus binary")?;
+    let port = free_port()?;
+    let store_file = std::env::temp_dir().join(format!("chorus-hello-{}-{port}.store", std::process::id()));
+    let url = match args.init {
+        InitKind::Tcp => format!("tcp://127.0.0.1:{port}"),
+        InitKind::File => format!("file://{}", store_file.display()),
+        InitKind::Env => "env://".to_string(),
+    };
+    println!("chorus hello: {} ranks meeting over {url}", args.world);
+    let (lines_tx, lines_rx) = mpsc::channel::<String>();
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..args.world {
+        let mut command = Command::new(&exe);
+        command
+            .args(["hello", "--timeout", &args.timeout.to_string(), "--worker", &url])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", args.world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", args.world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = command.spawn().with_context(|| format!("starting rank {rank}"))?;
+        for stream in [
+            child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let tx = lines_tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send(format!("[{rank}]: {line}"));
+                }
+            });
+        }
+        children.push(child);
+    }
+    drop(lines_tx);
+    let deadline = Instant::now() + Duration::from_secs(args.timeout) + Duration::from_secs(5);
+    let mut failed = Vec::new();
+    let mut running: Vec<usize> = (0..children.len()).collect();
+    while !running.is_empty() {
+        while let Ok(line) = lines_rx.try_recv() {
+            println!("{line}");
+        }
+        running.retain(|&rank| match children[rank].try_wait() {
+            Ok(Some(status)) => {
+                if !status.success() {
+                    failed.push(format!("rank {rank} exited with {status}"));
+                }
+                false
+            }
+            Ok(None) => true,
+            Err(_) => false,
+        });
+        if Instant::now() > deadline {
+            for &rank in &running {
+                let _ = children[rank].kill();
+                failed.push(format!("rank {rank} was still running after {}s and was killed", args.timeout));
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for child in &mut children {
+        let _ = child.wait();
+    }
+    for line in lines_rx.iter() {
+        println!("{line}");
+    }
+    let _ = std::fs::remove_file(&store_file);
+    if failed.is_empty() {
+        println!("chorus hello: all {} ranks found each other", args.world);
+        Ok(ExitCode::SUCCESS)
+    } else {
+        bail!("{}", failed.join("; "))
+    }
+}
+
+fn client_options(client: &ClientArgs) -> TcpStoreOptions {
+    TcpStoreOptions {
+        timeout: Duration::from_secs(client.timeout),
+        connect_timeout: Duration::from_secs(client.timeout),
+        key_prefix: if client.raw { String::new() } else { "/".to_string() },
+        ..TcpStoreOptions::default()
+    }
+}
+
+async fn connect(client: &ClientArgs) -> Result<TcpStore> {
+    Ok(TcpStore::connect(client.addr.clone(), client_options(client)).await?)
+}
+
+/// Prints a value as text when it is text, as hex otherwise.
+fn show(value: &[u8]) -> String {
+    match std::str::from_utf8(value) {
+        Ok(text) if !text.chars().any(|c| c.is_control() && c != '\n' && c != '\t') => text.to_string(),
+        _ => format!("0x{}", value.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+    }
+}
+
+async fn store_command(command: StoreCommand) -> Result<ExitCode> {
+    match command {
+        StoreCommand::Serve { port, host } => {
+            let addr = format!("{host}:{port}")
+                .parse()
+                .with_context(|| format!("{host}:{port} is not an IP address and port"))?;
+            let server = TcpStoreServer::bind(addr, TcpStoreServerOptions::default())
+                .await
+                .with_context(|| format!("serving the store on {addr}"))?;
+            println!("chorus store serving on {}", server.local_addr());
+            tokio::signal::ctrl_c().await?;
+            server.shutdown().await;
+        }
+        StoreCommand::Get { client, key } => {
+            let value = connect(&client).await?.get(&key).await?;
+            println!("{}", show(&value));
+        }
+        StoreCommand::Set { client, key, value } => {
+            connect(&client).await?.set(&key, value.as_bytes()).await?;
+        }
+        StoreCommand::Add { client, key, delta } => {
+            println!("{}", connect(&client).await?.add(&key, delta).await?);
+        }
+        StoreCommand::Wait { client, keys } => {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            connect(&client).await?.wait(&keys).await?;
+        }
+        StoreCommand::Check { client, keys } => {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let ready = connect(&client).await?.check(&keys).await?;
+            println!("{}", if ready { "ready" } else { "not ready" });
+            if !ready {
+                return Ok(ExitCode::from(1));
+            }
+        }
+        StoreCommand::Delete { client, key } => {
+            let existed = connect(&client).await?.delete(&key).await?;
+            println!("{}", if existed { "deleted" } else { "no such key" });
+        }
+        StoreCommand::Keys { client } => {
+            let mut keys = connect(&client).await?.list_keys().await?;
+            keys.sort();
+            for key in &keys {
+                println!("{}", show(key));
+            }
+            println!("{} keys", keys.len());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,200 @@
+//! Rendezvous between real processes (the `chorus` binary), over each init
+//! method, and the errors a user gets for each way of getting it wrong.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+
+/// Runs `command` to completion, killing it and failing the test after `secs`.
+fn run(mut command: Command, secs: u64) -> Output {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chorus");
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().expect("poll child").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "chorus did not finish within {secs}s\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn hello(world: usize, init: &str) {
+    let mut command = Command::new(CHORUS);
+    command.args(["hello", "--world", &world.to_string(), "--init", init, "--timeout", "60"]);
+    let output = run(command, 90);
+    let all = text(&output);
+    assert!(output.status.success(), "hello --world {world} --init {init} failed:\n{all}");
+    for rank in 0..world {
+        let found: Vec<&str> = all.lines().filter(|l| l.starts_with(&format!("[{rank}]:   rank "))).collect();
+        assert_eq!(found.len(), world, "rank {rank} should list {world} peers:\n{all}");
+        assert!(
+            found.iter().all(|l| l.contains("via 127.0.0.1")),
+            "peers on this host are reached over loopback:\n{all}"
+        );
+    }
+    assert!(all.contains(&format!("all {world} ranks found each other")), "{all}");
+}
+
+#[test]
+fn processes_meet_over_tcp() {
+    for world in [1, 2, 5] {
+        hello(world, "tcp");
+    }
+}
+
+#[test]
+fn processes_meet_over_a_file() {
+    for world in [1, 2, 5] {
+        hello(world, "file");
+    }
+}
+
+#[test]
+fn processes_meet_over_env() {
+    for world in [1, 2, 5] {
+        hello(world, "env");
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// One rank process, with a clean environment plus `env`.
+fn worker(url: &str, timeout_secs: u64, env: &[(&str, String)]) -> Command {
+    let mut command = Command::new(CHORUS);
+    command
+        .args(["hello", "--timeout", &timeout_secs.to_string(), "--worker", url])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command
+}
+
+#[test]
+fn a_rank_outside_the_world_is_refused() {
+    let url = format!("tcp://127.0.0.1:{}?rank=3&world_size=2", free_port());
+    let output = run(worker(&url, 5, &[]), 30);
+    assert!(!output.status.success());
+    assert!(text(&output).contains("rank 3 is out of range for world size 2"), "{}", text(&output));
+}
+
+#[test]
+fn env_init_names_the_missing_variable() {
+    let output = run(worker("env://", 5, &[]), 30);
+    assert!(!output.status.success());
+    assert!(text(&output).contains("MASTER_ADDR"), "{}", text(&output));
+    let env = [("MASTER_ADDR", "127.0.0.1".to_string()), ("MASTER_PORT", free_port().to_string()), ("WORLD_SIZE", "2".to_string())];
+    let output = run(worker("env://", 5, &env), 30);
+    assert!(!output.status.success());
+    assert!(text(&output).contains("RANK"), "{}", text(&output));
+}
+
+#[test]
+fn an_unreachable_store_is_reported_with_address_and_time() {
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}?rank=1&world_size=2");
+    let started = Instant::now();
+    let output = run(worker(&url, 2, &[]), 30);
+    assert!(!output.status.success());
+    let all = text(&output);
+    assert!(all.contains(&format!("could not connect to store at 127.0.0.1:{port}")), "{all}");
+    assert!(started.elapsed() < Duration::from_secs(15), "gave up late: {:?}", started.elapsed());
+}
+
+#[test]
+fn a_duplicate_rank_names_both_processes_and_the_rest_time_out_naming_the_missing_rank() {
+    let port = free_port();
+    let url = |rank: usize| format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=3");
+    let spawn = |rank: usize| {
+        worker(&url(rank), 4, &[])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let rank0 = spawn(0);
+    std::thread::sleep(Duration::from_millis(300));
+    let first = spawn(1);
+    std::thread::sleep(Duration::from_millis(500));
+    let second = run(worker(&url(1), 4, &[]), 30);
+    let all = text(&second);
+    assert!(!second.status.success());
+    assert!(all.contains("rank 1 is claimed twice"), "{all}");
+    assert!(all.contains(&format!("pid {}", first.id())), "the first claimant's pid must be named: {all}");
+    let output = wait_with_deadline(rank0, 30);
+    let all = text(&output);
+    assert!(!output.status.success(), "rank 0 should fail: rank 2 never came");
+    assert!(all.contains("missing ranks [2]"), "rank 0: {all}");
+    // Rank 1 times out too, or first sees rank 0 (the store's host) leave.
+    let output = wait_with_deadline(first, 30);
+    let all = text(&output);
+    assert!(!output.status.success(), "rank 1 should fail: rank 2 never came");
+    assert!(all.contains("missing ranks [2]") || all.contains("closed the connection"), "rank 1: {all}");
+}
+
+fn wait_with_deadline(mut child: std::process::Child, secs: u64) -> Output {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("process {} did not exit within {secs}s", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn ranks_that_disagree_on_the_world_size_are_told_so() {
+    let port = free_port();
+    let rank0 = worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let output = run(worker(&format!("tcp://127.0.0.1:{port}?rank=1&world_size=3"), 4, &[]), 30);
+    let all = text(&output);
+    assert!(!output.status.success());
+    assert!(all.contains("world size mismatch"), "{all}");
+    assert!(all.contains("world size 3") && all.contains("world size 2"), "{all}");
+    let _ = wait_with_deadline(rank0, 30);
+}
+
+#[test]
+fn two_rank_zeros_cannot_both_serve() {
+    let port = free_port();
+    let rank0 = worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let output = run(worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]), 30);
+    let all = text(&output);
+    assert!(!output.status.success());
+    assert!(all.contains("port is in use") || all.contains("claimed twice"), "{all}");
+    let _ = wait_with_deadline(rank0, 30);
+}
