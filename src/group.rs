@@ -199,7 +199,10 @@ impl ProcessGroup {
     /// the store only when nobody needs it.
     pub async fn destroy(self) -> Result<(), InitError> {
         self.store_barrier("destroy").await?;
-        if let Some(server) = self.server {
+        let ProcessGroup { store, server, .. } = self;
+        // Our own connection must not hold the server's shutdown open.
+        drop(store);
+        if let Some(server) = server {
             server.shutdown().await;
         }
         Ok(())

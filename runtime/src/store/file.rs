@@ -32,14 +32,16 @@
 //! 2. Every live member holds a shared lock on the liveness file.
 //! 3. Opening: under rule 1, a *non-blocking* exclusive lock on the liveness
 //!    file succeeds only when no member is alive: every earlier user finished
-//!    or crashed, so the data file is stale and is reset to a fresh header.
-//!    The opener then takes its shared lock.
+//!    or crashed, so the data file is stale and is reset to a fresh header
+//!    (whatever it held, even a file chorus never wrote). The opener then
+//!    takes its shared lock.
 //! 4. Closing: under rule 1, a member drops its shared lock and tries the
 //!    exclusive one; when it gets it, it is the last member out and unlinks
-//!    the liveness file, then the data file. That order matters: a data file
-//!    created after the unlink is always paired with a new liveness file.
-//! 5. A member re-reading a replaced data file checks the run nonce, so a
-//!    store reset under a live member is reported, not silently mixed.
+//!    the liveness file, then the data file. That order matters: an opener
+//!    that creates a data file after the unlink can only find a new liveness
+//!    file, never the old one (still locked by the closer).
+//! 5. Every read checks the header's run nonce, so a store reset under a live
+//!    member (its liveness file removed by hand, say) is reported, not mixed.
 //!
 //! `flock` locks belong to an open file description, so two `FileStore`s in
 //! one process behave like two processes. On NFS, Linux emulates `flock` with
@@ -217,18 +219,20 @@ impl Inner {
     fn lock_data(&mut self) -> Result<(), StoreError> {
         loop {
             self.data.lock().map_err(|e| self.io(e))?;
-            if is_current(&self.data, &self.path).map_err(|e| self.io(e))? {
-                return Ok(());
-            }
-            let fresh = match open_rw(&self.path, false) {
+            let fresh = match is_current(&self.data, &self.path) {
+                Ok(true) => return Ok(()),
+                Ok(false) => open_rw(&self.path, false),
+                Err(e) => Err(e),
+            };
+            let fresh = match fresh {
                 Ok(file) => file,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    let _ = self.data.unlock();
-                    return Err(self.corrupt("the file was removed while members still used it"));
-                }
                 Err(e) => {
                     let _ = self.data.unlock();
-                    return Err(self.io(e));
+                    return Err(if e.kind() == io::ErrorKind::NotFound {
+                        self.corrupt("the file was removed while members still used it")
+                    } else {
+                        self.io(e)
+                    });
                 }
             };
             // Dropping the old descriptor releases its lock.
@@ -550,7 +554,9 @@ fn join(inner: &mut Inner) -> Result<(), StoreError> {
     inner.sync()
 }
 
-/// The store in a file; see the [module docs](self) for the format and locking.
+/// The store in a file: an append-only log at `path`, with `path.members`
+/// locked (shared) by every live member. A file no live member holds is stale
+/// and is reset on open, so a finished or crashed run never poisons the next.
 ///
 /// Dropping it (or [`FileStore::close`]) leaves the store, and the last
 /// member out removes the files.

@@ -41,6 +41,9 @@ pub struct TcpStoreServerOptions {
     pub handshake_timeout: Duration,
     /// Most connections served at once; more are closed on accept.
     pub max_connections: usize,
+    /// How long [`TcpStoreServer::shutdown`] lets connected clients finish
+    /// before closing them.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for TcpStoreServerOptions {
@@ -49,6 +52,7 @@ impl Default for TcpStoreServerOptions {
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(30),
             max_connections: 65_536,
+            shutdown_grace: Duration::from_secs(5),
         }
     }
 }
@@ -56,7 +60,8 @@ impl Default for TcpStoreServerOptions {
 struct Shared {
     state: Mutex<State>,
     options: TcpStoreServerOptions,
-    connections: std::sync::atomic::AtomicUsize,
+    /// How many connections are open; shutdown waits for it to reach 0.
+    connections: watch::Sender<usize>,
 }
 
 impl Shared {
@@ -66,13 +71,15 @@ impl Shared {
     }
 }
 
-/// A running store server. Dropping it (or [`TcpStoreServer::shutdown`])
-/// stops accepting and closes every connection.
+/// A running store server. [`TcpStoreServer::shutdown`] stops accepting and
+/// lets connected clients finish; dropping it closes everything at once.
 #[derive(Debug)]
 pub struct TcpStoreServer {
     local_addr: SocketAddr,
     shutdown: watch::Sender<bool>,
     accept_task: Option<JoinHandle<()>>,
+    connections: watch::Receiver<usize>,
+    grace: Duration,
 }
 
 impl TcpStoreServer {
@@ -89,8 +96,10 @@ impl TcpStoreServer {
         let shared = Arc::new(Shared {
             state: Mutex::new(KvState::new(options.limits.max_value)),
             options,
-            connections: Default::default(),
+            connections: watch::Sender::new(0),
         });
+        let connections = shared.connections.subscribe();
+        let grace = shared.options.shutdown_grace;
         let (shutdown, stop) = watch::channel(false);
         let accept_task = tokio::spawn(accept_loop(listener, shared, stop));
         tracing::debug!(%local_addr, "store server listening");
@@ -98,6 +107,8 @@ impl TcpStoreServer {
             local_addr,
             shutdown,
             accept_task: Some(accept_task),
+            connections,
+            grace,
         }
     }
 
@@ -106,12 +117,16 @@ impl TcpStoreServer {
         self.local_addr
     }
 
-    /// Stops the server and waits until it no longer accepts.
+    /// Stops accepting, waits up to the grace period for connected clients to
+    /// leave (a rank that hosts the store must not cut off ranks still reading
+    /// their last reply), then closes the rest.
     pub async fn shutdown(mut self) {
-        let _ = self.shutdown.send(true);
         if let Some(task) = self.accept_task.take() {
+            task.abort();
             let _ = task.await;
         }
+        let _ = tokio::time::timeout(self.grace, self.connections.wait_for(|&open| open == 0)).await;
+        let _ = self.shutdown.send(true);
     }
 }
 
@@ -151,7 +166,6 @@ fn raise_fd_limit() {
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
-    use std::sync::atomic::Ordering;
     loop {
         let accepted = tokio::select! {
             _ = stop.changed() => return,
@@ -159,11 +173,11 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch
         };
         match accepted {
             Ok((stream, peer)) => {
-                if shared.connections.load(Ordering::Relaxed) >= shared.options.max_connections {
+                if *shared.connections.borrow() >= shared.options.max_connections {
                     tracing::warn!(%peer, limit = shared.options.max_connections, "store: connection refused, too many connections");
                     continue;
                 }
-                shared.connections.fetch_add(1, Ordering::Relaxed);
+                shared.connections.send_modify(|open| *open += 1);
                 let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
                 let stop = stop.clone();
@@ -172,7 +186,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch
                         Ok(()) => tracing::trace!(%peer, "store: client disconnected"),
                         Err(reason) => tracing::warn!(%peer, %reason, "store: closing connection"),
                     }
-                    shared.connections.fetch_sub(1, Ordering::Relaxed);
+                    shared.connections.send_modify(|open| *open -= 1);
                 });
             }
             Err(err) => {
