@@ -84,6 +84,13 @@ pub struct LaunchEnv {
     pub run_id: Option<String>,
 }
 
+/// Whether the launcher already serves the store at MASTER_ADDR:MASTER_PORT
+/// (`TORCHELASTIC_USE_AGENT_STORE`, set by torchrun and `chorus launch`), so
+/// rank 0 must connect to it rather than serve one itself.
+pub fn uses_agent_store(lookup: &dyn Fn(&str) -> Option<String>) -> bool {
+    lookup("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| matches!(v.trim(), "True" | "true" | "1"))
+}
+
 /// The launcher environment is incomplete or inconsistent.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EnvError {

@@ -6,7 +6,8 @@
 //!    rank, world size, generation. Explicit arguments win over URL queries,
 //!    which win over the environment.
 //! 2. [`open_store`] opens that store (rank 0 hosts the TCP server for
-//!    `tcp://` and `env://`, as in PyTorch).
+//!    `tcp://` and `env://`, as in PyTorch, unless the launcher already
+//!    does: `TORCHELASTIC_USE_AGENT_STORE`).
 //! 3. [`rendezvous`] runs the exchange on the store, under
 //!    `chorus/<run id>/g<generation>/`, so an elastic restart re-runs it as
 //!    a new generation without seeing the old one's keys:
@@ -247,6 +248,9 @@ pub struct RendezvousConfig {
     pub run_id: String,
     /// The launcher detected, if any.
     pub launcher: Option<Launcher>,
+    /// Whether this process serves the TCP store: rank 0, unless the
+    /// launcher serves it (`TORCHELASTIC_USE_AGENT_STORE`).
+    pub serve_store: bool,
 }
 
 impl RendezvousConfig {
@@ -327,6 +331,7 @@ pub fn resolve(
             .and_then(|l| l.run_id.clone())
             .unwrap_or_else(|| "default".to_string()),
         launcher: launch.map(|l| l.launcher),
+        serve_store: rank == 0 && !env::uses_agent_store(lookup),
     })
 }
 
@@ -358,7 +363,7 @@ pub async fn open_store(config: &RendezvousConfig, timeout: Duration) -> Result<
             })
         }
         StoreSpec::Tcp { host, port } => {
-            let server = if config.rank == 0 {
+            let server = if config.serve_store {
                 Some(serve(host, *port).await?)
             } else {
                 None
@@ -600,6 +605,14 @@ mod tests {
     }
 
     #[test]
+    fn rank_zero_serves_unless_the_launcher_does() {
+        let mut vars = vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        assert!(resolve(InitMethod::Env, None, None, &lookup(&vars)).unwrap().serve_store);
+        vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        assert!(!resolve(InitMethod::Env, None, None, &lookup(&vars)).unwrap().serve_store);
+    }
+
+    #[test]
     fn env_init_names_what_is_missing() {
         let err = resolve(InitMethod::Env, None, None, &lookup(&[])).unwrap_err();
         assert!(err.to_string().contains("MASTER_ADDR"), "{err}");
@@ -621,6 +634,7 @@ mod tests {
             generation: 0,
             run_id: "t".into(),
             launcher: None,
+            serve_store: false,
         }
     }
 

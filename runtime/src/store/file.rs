@@ -33,8 +33,8 @@
 //! 3. Opening: under rule 1, a *non-blocking* exclusive lock on the liveness
 //!    file succeeds only when no member is alive: every earlier user finished
 //!    or crashed, so the data file is stale and is reset to a fresh header
-//!    (whatever it held, even a file chorus never wrote). The opener then
-//!    takes its shared lock.
+//!    (a file without chorus's header is refused instead: a mistyped path
+//!    must not destroy someone's file). The opener then takes its shared lock.
 //! 4. Closing: under rule 1, a member drops its shared lock and tries the
 //!    exclusive one; when it gets it, it is the last member out and unlinks
 //!    the liveness file, then the data file. That order matters: an opener
@@ -531,8 +531,17 @@ fn join(inner: &mut Inner) -> Result<(), StoreError> {
     let members = open_rw(&inner.members_path, true).map_err(|e| inner.io(e))?;
     match members.try_lock() {
         Ok(()) => {
-            // Nobody alive holds the store: whatever the file holds is stale.
+            // Nobody alive holds the store: a chorus store file is stale. A
+            // file chorus never wrote (a mistyped path) is left alone.
             let len = inner.data.metadata().map_err(|e| inner.io(e))?.len();
+            let mut start = [0u8; 8];
+            let read = inner.data.read_at(&mut start, 0).map_err(|e| inner.io(e))?;
+            if start[..read] != MAGIC[..read] {
+                return Err(StoreError::CorruptFile {
+                    path: inner.path.clone(),
+                    reason: "it is not a chorus store file, so it is not overwritten; pick another path".into(),
+                });
+            }
             if len > 0 {
                 tracing::info!(path = %inner.path.display(), "reset a stale file store left by an earlier run");
             }
@@ -1272,17 +1281,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_foreign_file_nobody_holds_is_reset() {
+    async fn a_foreign_file_is_refused_not_overwritten() {
         within(async {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("store");
             let mut noise = vec![0u8; 4096];
             getrandom::fill(&mut noise).unwrap();
+            noise[0] = b'#';
             fs::write(&path, &noise).unwrap();
-            let s = FileStore::open(&path, options()).await.unwrap();
-            assert_eq!(s.num_keys().await.unwrap(), 0);
-            s.set("k", b"v").await.unwrap();
-            assert_eq!(s.get("k").await.unwrap(), b("v"));
+            assert_corrupt(FileStore::open(&path, options()).await);
+            assert_eq!(fs::read(&path).unwrap(), noise, "a file chorus did not write must stay as it was");
         })
         .await
     }
