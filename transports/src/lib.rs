@@ -1,6 +1,13 @@
 //! chorus-transports: how ranks reach each other.
 //!
 //! # Layout
+//! - [`link`]: the one abstraction, a [`Link`](link::Link) to a peer that
+//!   carries tagged, ordered frames on independent channels with
+//!   back-pressure; the frame header codec.
+//! - [`local`]: links between ranks of one process (payloads move without a
+//!   copy).
+//! - [`quic`]: the QUIC mesh (quinn), mutual TLS with pinned per-rank
+//!   certificates, tuned for throughput.
 //! - [`netif`]: choosing the addresses a rank publishes at rendezvous (most
 //!   preferred first, never only loopback when the host has a real
 //!   interface) and the one a peer connects to. The choice is a pure function
@@ -8,7 +15,10 @@
 //!   `GLOO_SOCKET_IFNAME` spec and the route to the master; listing the
 //!   interfaces and asking the kernel for that route are thin wrappers.
 //!
-//! The transports that move tagged frames between ranks come later in this
-//! crate.
+//! This crate knows nothing of stores or collectives: it is handed peers
+//! (rank, address, fingerprint) and moves frames.
 
+pub mod link;
+pub mod local;
 pub mod netif;
+pub mod quic;

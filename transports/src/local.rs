@@ -1,0 +1,245 @@
+//! In-process links: ranks that are actors (threads, tasks) of one process
+//! exchange `Bytes` through bounded queues, so a payload moves without a copy.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::{mpsc, watch};
+
+use crate::link::{ChannelId, Frame, Link, SendError, TransportError, TransportKind};
+
+/// Frames a channel may hold before `send` waits (back-pressure).
+const DEFAULT_DEPTH: usize = 16;
+
+struct Queue {
+    tx: mpsc::Sender<Frame>,
+    rx: tokio::sync::Mutex<mpsc::Receiver<Frame>>,
+}
+
+/// The state two ranks share: one queue per direction and channel, and
+/// whether the pair is closed (and why).
+struct Pair {
+    queues: Mutex<HashMap<(usize, ChannelId), Arc<Queue>>>,
+    closed: watch::Sender<Option<String>>,
+    depth: usize,
+}
+
+impl Pair {
+    fn queue(&self, from: usize, channel: ChannelId) -> Arc<Queue> {
+        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        queues
+            .entry((from, channel))
+            .or_insert_with(|| {
+                let (tx, rx) = mpsc::channel(self.depth);
+                Arc::new(Queue {
+                    tx,
+                    rx: tokio::sync::Mutex::new(rx),
+                })
+            })
+            .clone()
+    }
+}
+
+/// One rank's link to another rank of the same process.
+pub struct LocalLink {
+    me: usize,
+    peer: usize,
+    pair: Arc<Pair>,
+}
+
+impl std::fmt::Debug for LocalLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LocalLink({} -> {})", self.me, self.peer)
+    }
+}
+
+impl LocalLink {
+    /// Two connected ends: `(a's link to b, b's link to a)`.
+    pub fn pair(a: usize, b: usize) -> (LocalLink, LocalLink) {
+        Self::pair_with_depth(a, b, DEFAULT_DEPTH)
+    }
+
+    /// Like [`LocalLink::pair`], with `depth` frames of room per channel.
+    pub fn pair_with_depth(a: usize, b: usize, depth: usize) -> (LocalLink, LocalLink) {
+        let pair = Arc::new(Pair {
+            queues: Mutex::new(HashMap::new()),
+            closed: watch::Sender::new(None),
+            depth: depth.max(1),
+        });
+        (
+            LocalLink {
+                me: a,
+                peer: b,
+                pair: pair.clone(),
+            },
+            LocalLink { me: b, peer: a, pair },
+        )
+    }
+
+    fn closed_error(&self, reason: &Option<String>) -> TransportError {
+        TransportError::Closed {
+            peer: self.peer,
+            reason: reason.clone().unwrap_or_else(|| "closed".into()),
+        }
+    }
+}
+
+/// Links for `world` ranks of one process: `mesh[r][p]` is rank `r`'s link
+/// to rank `p` (`None` on the diagonal).
+pub fn local_mesh(world: usize) -> Vec<Vec<Option<Arc<dyn Link>>>> {
+    let mut mesh: Vec<Vec<Option<Arc<dyn Link>>>> = (0..world).map(|_| (0..world).map(|_| None).collect()).collect();
+    for a in 0..world {
+        for b in a + 1..world {
+            let (ab, ba) = LocalLink::pair(a, b);
+            mesh[a][b] = Some(Arc::new(ab));
+            mesh[b][a] = Some(Arc::new(ba));
+        }
+    }
+    mesh
+}
+
+#[async_trait]
+impl Link for LocalLink {
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Local
+    }
+
+    async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError> {
+        let mut closed = self.pair.closed.subscribe();
+        if let Some(reason) = closed.borrow_and_update().clone() {
+            return Err(SendError {
+                error: self.closed_error(&Some(reason)),
+                payload,
+            });
+        }
+        let queue = self.pair.queue(self.me, channel);
+        let permit = tokio::select! {
+            permit = queue.tx.reserve() => permit.expect("the pair owns both ends of every queue"),
+            _ = closed.changed() => {
+                let reason = closed.borrow().clone();
+                return Err(SendError { error: self.closed_error(&reason), payload });
+            }
+        };
+        permit.send(Frame { tag, payload });
+        Ok(())
+    }
+
+    async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
+        let mut closed = self.pair.closed.subscribe();
+        let queue = self.pair.queue(self.peer, channel);
+        let mut rx = queue.rx.lock().await;
+        // Frames sent before a close are still delivered.
+        if let Ok(frame) = rx.try_recv() {
+            return Ok(frame);
+        }
+        if let Some(reason) = closed.borrow_and_update().clone() {
+            return Err(self.closed_error(&Some(reason)));
+        }
+        tokio::select! {
+            frame = rx.recv() => Ok(frame.expect("the pair owns both ends of every queue")),
+            _ = closed.changed() => Err(self.closed_error(&closed.borrow().clone())),
+        }
+    }
+
+    fn close(&self, reason: &str) {
+        self.pair.closed.send_if_modified(|current| {
+            if current.is_none() {
+                *current = Some(format!("closed by rank {}: {reason}", self.me));
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+impl Drop for LocalLink {
+    fn drop(&mut self) {
+        self.close("link dropped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(10), fut).await.expect("local link test hung")
+    }
+
+    #[tokio::test]
+    async fn frames_move_without_a_copy_and_channels_stay_apart() {
+        within(async {
+            let (a, b) = LocalLink::pair(0, 1);
+            let payload = Bytes::from(vec![7u8; 1 << 20]);
+            let address = payload.as_ptr();
+            a.send(2, 11, Bytes::from_static(b"other channel")).await.unwrap();
+            a.send(1, 10, payload).await.unwrap();
+            let frame = b.recv(1).await.unwrap();
+            assert_eq!(frame.tag, 10);
+            assert_eq!(frame.payload.as_ptr(), address, "the payload must not be copied");
+            assert_eq!(b.recv(2).await.unwrap().payload, Bytes::from_static(b"other channel"));
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_full_channel_makes_the_sender_wait() {
+        within(async {
+            let (a, b) = LocalLink::pair_with_depth(0, 1, 2);
+            a.send(0, 0, Bytes::new()).await.unwrap();
+            a.send(0, 1, Bytes::new()).await.unwrap();
+            let third = tokio::time::timeout(Duration::from_millis(50), a.send(0, 2, Bytes::new())).await;
+            assert!(third.is_err(), "the third send must wait for room");
+            assert_eq!(b.recv(0).await.unwrap().tag, 0);
+            a.send(0, 2, Bytes::new()).await.unwrap();
+            assert_eq!(b.recv(0).await.unwrap().tag, 1);
+            assert_eq!(b.recv(0).await.unwrap().tag, 2);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn close_wakes_the_peer_and_hands_payloads_back() {
+        within(async {
+            let (a, b) = LocalLink::pair(3, 5);
+            let waiting = tokio::spawn(async move { (b.recv(0).await, b) });
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            a.close("test");
+            let (result, b) = waiting.await.unwrap();
+            assert!(matches!(result, Err(TransportError::Closed { peer: 3, .. })), "{result:?}");
+            let err = b.send(0, 0, Bytes::from_static(b"kept")).await.unwrap_err();
+            assert_eq!(err.payload, Bytes::from_static(b"kept"));
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_mesh_connects_every_pair() {
+        within(async {
+            let mesh = local_mesh(4);
+            for (a, row) in mesh.iter().enumerate() {
+                for (b, link) in row.iter().enumerate() {
+                    if let Some(link) = link {
+                        link.send(0, (a * 10 + b) as u64, Bytes::new()).await.unwrap();
+                    }
+                }
+            }
+            for (b, row) in mesh.iter().enumerate() {
+                for (a, link) in row.iter().enumerate() {
+                    if let Some(link) = link {
+                        assert_eq!(link.recv(0).await.unwrap().tag, (a * 10 + b) as u64);
+                    }
+                }
+            }
+        })
+        .await;
+    }
+}

@@ -1,0 +1,839 @@
+//! The QUIC mesh: one quinn endpoint per rank, one connection per peer,
+//! one unidirectional stream per channel and direction.
+//!
+//! Authentication is mutual TLS with pinned certificates: every rank makes a
+//! fresh key pair and self-signed certificate ([`QuicIdentity`]), publishes
+//! its SHA-256 fingerprint through rendezvous, and both TLS verifiers accept
+//! only fingerprints of this group's members ([`QuicEndpoint::connect_mesh`]
+//! installs them). A stranger, or a member of another group, fails the
+//! handshake; the rest of the mesh is not affected.
+//!
+//! Connections: rank `i` dials every rank `j > i` and accepts from every
+//! `j < i`; an accepted connection is identified by its certificate.
+//! On a stream, the first 4 bytes name the channel, then frames follow
+//! ([`FrameHeader`] + payload). Flow control (stream and connection windows)
+//! is the back-pressure.
+//!
+//! Tuning (measured on loopback, see the transports issue): on loopback the
+//! datagram size may grow to [`LOOPBACK_MTU`] (`max_udp_payload_size`, with
+//! MTU discovery from a handshake-safe `initial_mtu`), GSO is turned off (the kernel drops GSO batches of
+//! such datagrams), and the congestion window starts at ten datagrams;
+//! windows and socket buffers are large everywhere.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
+use tokio::sync::{Notify, watch};
+
+use crate::link::{ChannelId, Frame, FrameHeader, Link, SendError, TransportError, TransportKind};
+
+/// A certificate's SHA-256 digest: what ranks publish and pin.
+pub type Fingerprint = [u8; 32];
+
+/// UDP payload size used on loopback (the loopback MTU is 64 KiB).
+pub const LOOPBACK_MTU: u16 = 64_000;
+
+/// The largest datagram a handshake may use: quinn encodes a long-header
+/// packet's length in two bytes of varint, so it must stay under 16 KiB.
+const HANDSHAKE_MTU: u16 = 16_000;
+
+const ALPN: &[u8] = b"chorus/1";
+const SERVER_NAME: &str = "chorus";
+
+/// The SHA-256 fingerprint of a DER certificate.
+pub fn fingerprint(cert_der: &[u8]) -> Fingerprint {
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, cert_der);
+    digest.as_ref().try_into().expect("SHA-256 is 32 bytes")
+}
+
+/// A rank's key pair and self-signed certificate, made fresh per process.
+pub struct QuicIdentity {
+    cert: CertificateDer<'static>,
+    key: PrivatePkcs8KeyDer<'static>,
+    fingerprint: Fingerprint,
+}
+
+impl std::fmt::Debug for QuicIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QuicIdentity({})", hex(&self.fingerprint))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl QuicIdentity {
+    /// A fresh key pair and certificate.
+    pub fn generate() -> Result<Self, TransportError> {
+        let certified = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| {
+            TransportError::Connect {
+                peer: usize::MAX,
+                reason: format!("could not make a certificate: {e}"),
+            }
+        })?;
+        let cert = certified.cert.der().clone();
+        Ok(Self {
+            fingerprint: fingerprint(&cert),
+            key: PrivatePkcs8KeyDer::from(certified.signing_key.serialize_der()),
+            cert,
+        })
+    }
+
+    /// The fingerprint to publish.
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+}
+
+/// Fingerprints this rank accepts, and the rank each belongs to.
+#[derive(Debug, Default)]
+struct Pinned(RwLock<HashMap<Fingerprint, usize>>);
+
+impl Pinned {
+    fn check(&self, cert: &CertificateDer<'_>) -> Result<(), rustls::Error> {
+        let known = self.0.read().unwrap_or_else(|p| p.into_inner());
+        if known.contains_key(&fingerprint(cert)) {
+            Ok(())
+        } else {
+            Err(rustls::Error::General(
+                "certificate is not one of this group's pinned members".into(),
+            ))
+        }
+    }
+
+    fn rank_of(&self, cert: &CertificateDer<'_>) -> Option<usize> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).get(&fingerprint(cert)).copied()
+    }
+}
+
+/// Both TLS verifiers: a certificate is valid iff it is pinned; signatures
+/// are checked with the crypto provider's algorithms.
+#[derive(Debug)]
+struct PinnedVerifier {
+    pinned: Arc<Pinned>,
+    algorithms: rustls::crypto::WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for PinnedVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.pinned.check(end_entity).map(|()| ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
+
+impl ClientCertVerifier for PinnedVerifier {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.pinned.check(end_entity).map(|()| ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
+
+/// Settings of the mesh.
+#[derive(Debug, Clone)]
+pub struct QuicOptions {
+    /// Largest frame accepted from a peer.
+    pub max_frame: usize,
+    /// How long forming the mesh may take.
+    pub connect_timeout: Duration,
+    /// A peer silent this long (no keep-alive either) is gone.
+    pub idle_timeout: Duration,
+    /// Socket buffer size asked of the kernel (root may exceed the sysctl cap).
+    pub socket_buffer: usize,
+}
+
+impl Default for QuicOptions {
+    fn default() -> Self {
+        Self {
+            max_frame: 256 << 20,
+            connect_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(30),
+            socket_buffer: 8 << 20,
+        }
+    }
+}
+
+/// A peer as rendezvous described it.
+#[derive(Debug, Clone)]
+pub struct QuicPeer {
+    /// Its rank.
+    pub rank: usize,
+    /// Where its endpoint listens.
+    pub addr: SocketAddr,
+    /// Its certificate's fingerprint.
+    pub fingerprint: Fingerprint,
+}
+
+/// One rank's QUIC endpoint.
+#[derive(Debug)]
+pub struct QuicEndpoint {
+    rank: usize,
+    endpoint: Endpoint,
+    pinned: Arc<Pinned>,
+    client: quinn::ClientConfig,
+    options: QuicOptions,
+}
+
+fn connect_error(peer: usize, reason: impl std::fmt::Display) -> TransportError {
+    TransportError::Connect {
+        peer,
+        reason: reason.to_string(),
+    }
+}
+
+fn transport_config(loopback: bool, options: &QuicOptions) -> quinn::TransportConfig {
+    let mut config = quinn::TransportConfig::default();
+    config
+        .stream_receive_window(VarInt::from_u32(64 << 20))
+        .receive_window(VarInt::from_u32(256 << 20))
+        .send_window(256 << 20)
+        .max_concurrent_uni_streams(VarInt::from_u32(4096))
+        .max_concurrent_bidi_streams(VarInt::from_u32(0))
+        .keep_alive_interval(Some(options.idle_timeout / 4))
+        .max_idle_timeout(options.idle_timeout.try_into().ok());
+    if loopback {
+        let mut cubic = quinn::congestion::CubicConfig::default();
+        cubic.initial_window(10 * u64::from(LOOPBACK_MTU));
+        // Handshake packets must stay under 16 KiB (their length field is a
+        // 2-byte varint), so start there and let discovery climb to the top.
+        let mut discovery = quinn::MtuDiscoveryConfig::default();
+        discovery.upper_bound(LOOPBACK_MTU).interval(Duration::from_secs(60));
+        config
+            .initial_mtu(HANDSHAKE_MTU)
+            .mtu_discovery_config(Some(discovery))
+            .enable_segmentation_offload(false)
+            .congestion_controller_factory(Arc::new(cubic));
+    }
+    config
+}
+
+fn udp_socket(addr: SocketAddr, buffer: usize) -> std::io::Result<std::net::UdpSocket> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::DGRAM, None)?;
+    // Root may pass the sysctl caps (SO_*BUFFORCE); others get what the caps allow.
+    let _ = socket.set_recv_buffer_size(buffer);
+    if socket.recv_buffer_size().unwrap_or(0) < buffer {
+        force_buffer(&socket, libc::SO_RCVBUFFORCE, buffer);
+    }
+    let _ = socket.set_send_buffer_size(buffer);
+    if socket.send_buffer_size().unwrap_or(0) < buffer {
+        force_buffer(&socket, libc::SO_SNDBUFFORCE, buffer);
+    }
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
+fn force_buffer(socket: &socket2::Socket, option: libc::c_int, size: usize) {
+    use std::os::fd::AsRawFd;
+    let value = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
+    // SAFETY: setsockopt reads one c_int from `value` for the length given;
+    // failure (not root) only leaves the buffer as the caps allow.
+    unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
+impl QuicEndpoint {
+    /// Binds rank `rank`'s endpoint on `ip` (port chosen by the kernel).
+    pub fn bind(rank: usize, ip: IpAddr, identity: &QuicIdentity, options: QuicOptions) -> Result<Self, TransportError> {
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let pinned = Arc::new(Pinned::default());
+        let verifier = Arc::new(PinnedVerifier {
+            pinned: pinned.clone(),
+            algorithms: provider.signature_verification_algorithms,
+        });
+        let tls_error = |e: rustls::Error| connect_error(rank, format!("tls setup: {e}"));
+        let key = || PrivateKeyDer::Pkcs8(identity.key.clone_key());
+
+        let mut server_tls = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_error)?
+            .with_client_cert_verifier(verifier.clone())
+            .with_single_cert(vec![identity.cert.clone()], key())
+            .map_err(tls_error)?;
+        server_tls.alpn_protocols = vec![ALPN.to_vec()];
+        let mut client_tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_error)?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_client_auth_cert(vec![identity.cert.clone()], key())
+            .map_err(tls_error)?;
+        client_tls.alpn_protocols = vec![ALPN.to_vec()];
+
+        let loopback = ip.is_loopback();
+        let transport = Arc::new(transport_config(loopback, &options));
+        let server_crypto = QuicServerConfig::try_from(server_tls).map_err(|e| connect_error(rank, e))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
+        server.transport_config(transport.clone());
+        let client_crypto = QuicClientConfig::try_from(client_tls).map_err(|e| connect_error(rank, e))?;
+        let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
+        client.transport_config(transport);
+
+        let mut endpoint_config = quinn::EndpointConfig::default();
+        if loopback {
+            endpoint_config
+                .max_udp_payload_size(LOOPBACK_MTU)
+                .map_err(|e| connect_error(rank, e))?;
+        }
+        let socket = udp_socket(SocketAddr::new(ip, 0), options.socket_buffer)
+            .map_err(|e| connect_error(rank, format!("binding a UDP socket on {ip}: {e}")))?;
+        let runtime = quinn::default_runtime().ok_or_else(|| connect_error(rank, "no async runtime"))?;
+        let endpoint = Endpoint::new(endpoint_config, Some(server), socket, runtime)
+            .map_err(|e| connect_error(rank, format!("starting the endpoint: {e}")))?;
+        Ok(Self {
+            rank,
+            endpoint,
+            pinned,
+            client,
+            options,
+        })
+    }
+
+    /// Where the endpoint listens; publish it at rendezvous.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.endpoint
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)))
+    }
+
+    /// Connects to every peer (dialling higher ranks, accepting lower ones)
+    /// and returns the links, indexed by rank (`None` for this rank).
+    pub async fn connect_mesh(&self, peers: &[QuicPeer]) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
+        {
+            let mut pinned = self.pinned.0.write().unwrap_or_else(|p| p.into_inner());
+            pinned.clear();
+            for peer in peers.iter().filter(|p| p.rank != self.rank) {
+                pinned.insert(peer.fingerprint, peer.rank);
+            }
+        }
+        let world = peers.iter().map(|p| p.rank + 1).max().unwrap_or(0).max(self.rank + 1);
+        let mut links: Vec<Option<Arc<dyn Link>>> = (0..world).map(|_| None).collect();
+        let dial_higher = async {
+            let mut dialled = Vec::new();
+            for peer in peers.iter().filter(|p| p.rank > self.rank) {
+                dialled.push(self.dial(peer.clone()).await?);
+            }
+            Ok::<_, TransportError>(dialled)
+        };
+        let lower = peers.iter().filter(|p| p.rank < self.rank).count();
+        let formed = async {
+            let (dialled, accepted) = tokio::join!(dial_higher, self.accept(lower));
+            Ok::<_, TransportError>((dialled?, accepted?))
+        };
+        let (dialled, accepted) = tokio::time::timeout(self.options.connect_timeout, formed)
+            .await
+            .map_err(|_| connect_error(self.rank, format!("the mesh did not form within {:?}", self.options.connect_timeout)))??;
+        for (rank, conn) in dialled.into_iter().chain(accepted) {
+            links[rank] = Some(Arc::new(QuicLink::new(rank, conn, self.options.max_frame)));
+        }
+        Ok(links)
+    }
+
+    async fn dial(&self, peer: QuicPeer) -> Result<(usize, Connection), TransportError> {
+        let connecting = self
+            .endpoint
+            .connect_with(self.client.clone(), peer.addr, SERVER_NAME)
+            .map_err(|e| connect_error(peer.rank, e))?;
+        let conn = connecting.await.map_err(|e| connect_error(peer.rank, e))?;
+        // Any member's certificate passes TLS; the dialled one must be this rank's.
+        match peer_certificate(&conn) {
+            Some(cert) if fingerprint(&cert) == peer.fingerprint => Ok((peer.rank, conn)),
+            _ => {
+                conn.close(VarInt::from_u32(1), b"unexpected certificate");
+                Err(connect_error(peer.rank, "it presented another member's certificate"))
+            }
+        }
+    }
+
+    /// Accepts until `count` members of lower rank are connected; strangers
+    /// fail the handshake and are logged, not counted.
+    async fn accept(&self, count: usize) -> Result<Vec<(usize, Connection)>, TransportError> {
+        let mut accepted: Vec<(usize, Connection)> = Vec::new();
+        while accepted.len() < count {
+            let Some(incoming) = self.endpoint.accept().await else {
+                return Err(connect_error(self.rank, "the endpoint closed while forming the mesh"));
+            };
+            let remote = incoming.remote_address();
+            let conn = match incoming.await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    tracing::warn!(%remote, error = %e, "refused a QUIC connection");
+                    continue;
+                }
+            };
+            let rank = peer_certificate(&conn).and_then(|c| self.pinned.rank_of(&c));
+            match rank {
+                Some(rank) if rank < self.rank && accepted.iter().all(|(r, _)| *r != rank) => accepted.push((rank, conn)),
+                _ => {
+                    tracing::warn!(%remote, ?rank, "closing an unexpected QUIC connection");
+                    conn.close(VarInt::from_u32(1), b"unexpected connection");
+                }
+            }
+        }
+        Ok(accepted)
+    }
+}
+
+fn peer_certificate(conn: &Connection) -> Option<CertificateDer<'static>> {
+    let identity = conn.peer_identity()?;
+    let certs = identity.downcast::<Vec<CertificateDer<'static>>>().ok()?;
+    certs.into_iter().next()
+}
+
+/// A receive stream and the buffer its payloads are read into.
+struct Incoming {
+    stream: RecvStream,
+    /// Reused across frames: `reserve` reclaims it once the caller has
+    /// dropped the previous payloads (fresh memory is ~10x slower to fill).
+    pool: BytesMut,
+}
+
+#[derive(Default)]
+struct Demux {
+    streams: Mutex<HashMap<ChannelId, Arc<tokio::sync::Mutex<Incoming>>>>,
+    arrived: Notify,
+}
+
+/// A link to one peer over a QUIC connection.
+pub struct QuicLink {
+    peer: usize,
+    conn: Connection,
+    max_frame: usize,
+    outgoing: Mutex<HashMap<ChannelId, Arc<tokio::sync::Mutex<Option<SendStream>>>>>,
+    demux: Arc<Demux>,
+    failure: watch::Receiver<Option<String>>,
+    acceptor: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for QuicLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QuicLink(peer {} at {})", self.peer, self.conn.remote_address())
+    }
+}
+
+impl QuicLink {
+    fn new(peer: usize, conn: Connection, max_frame: usize) -> Self {
+        let demux = Arc::new(Demux::default());
+        let (failed, failure) = watch::channel(None);
+        let acceptor = tokio::spawn(accept_streams(conn.clone(), demux.clone(), failed));
+        Self {
+            peer,
+            conn,
+            max_frame,
+            outgoing: Mutex::new(HashMap::new()),
+            demux,
+            failure,
+            acceptor,
+        }
+    }
+
+    fn closed(&self, reason: impl std::fmt::Display) -> TransportError {
+        TransportError::Closed {
+            peer: self.peer,
+            reason: reason.to_string(),
+        }
+    }
+
+    async fn incoming(&self, channel: ChannelId) -> Result<Arc<tokio::sync::Mutex<Incoming>>, TransportError> {
+        let mut failure = self.failure.clone();
+        loop {
+            let arrived = self.demux.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            if let Some(stream) = self.demux.streams.lock().unwrap_or_else(|p| p.into_inner()).get(&channel) {
+                return Ok(stream.clone());
+            }
+            if let Some(reason) = failure.borrow_and_update().clone() {
+                return Err(self.closed(reason));
+            }
+            tokio::select! {
+                _ = arrived => {}
+                _ = failure.changed() => {}
+            }
+        }
+    }
+}
+
+/// Takes the peer's new streams, reads each one's channel id and files it.
+async fn accept_streams(conn: Connection, demux: Arc<Demux>, failed: watch::Sender<Option<String>>) {
+    loop {
+        let mut stream = match conn.accept_uni().await {
+            Ok(stream) => stream,
+            Err(e) => {
+                let _ = failed.send(Some(e.to_string()));
+                demux.arrived.notify_waiters();
+                return;
+            }
+        };
+        let demux = demux.clone();
+        tokio::spawn(async move {
+            let mut id = [0u8; 4];
+            if stream.read_exact(&mut id).await.is_ok() {
+                let incoming = Incoming {
+                    stream,
+                    pool: BytesMut::new(),
+                };
+                demux
+                    .streams
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(u32::from_le_bytes(id), Arc::new(tokio::sync::Mutex::new(incoming)));
+                demux.arrived.notify_waiters();
+            }
+        });
+    }
+}
+
+#[async_trait]
+impl Link for QuicLink {
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Quic
+    }
+
+    async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError> {
+        let slot = self
+            .outgoing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(channel)
+            .or_default()
+            .clone();
+        let mut slot = slot.lock().await;
+        let fail = |error: TransportError, payload: Bytes| Err(SendError { error, payload });
+        if slot.is_none() {
+            let mut stream = match self.conn.open_uni().await {
+                Ok(stream) => stream,
+                Err(e) => return fail(self.closed(e), payload),
+            };
+            if let Err(e) = stream.write_all(&channel.to_le_bytes()).await {
+                return fail(self.closed(e), payload);
+            }
+            *slot = Some(stream);
+        }
+        let stream = slot.as_mut().expect("opened above");
+        let header = FrameHeader {
+            tag,
+            len: payload.len() as u64,
+        };
+        let mut chunks = [Bytes::copy_from_slice(&header.encode()), payload.clone()];
+        match stream.write_all_chunks(&mut chunks).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                *slot = None;
+                fail(self.closed(e), payload)
+            }
+        }
+    }
+
+    async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
+        let incoming = self.incoming(channel).await?;
+        let mut incoming = incoming.lock().await;
+        let mut header = [0u8; FrameHeader::SIZE];
+        incoming
+            .stream
+            .read_exact(&mut header)
+            .await
+            .map_err(|e| self.closed(format!("reading a frame header: {e}")))?;
+        let header = match FrameHeader::decode(&header, self.peer, self.max_frame) {
+            Ok(header) => header,
+            Err(e) => {
+                // A forged length poisons the stream's framing: drop the link.
+                self.conn.close(VarInt::from_u32(2), b"frame too large");
+                return Err(e);
+            }
+        };
+        let len = header.len as usize;
+        let Incoming { stream, pool } = &mut *incoming;
+        let first = stream
+            .read_chunk(len, true)
+            .await
+            .map_err(|e| self.closed(e))?;
+        let payload = match first {
+            None if len == 0 => Bytes::new(),
+            None => {
+                return Err(TransportError::Protocol {
+                    peer: self.peer,
+                    reason: format!("stream ended inside a {len}-byte frame"),
+                });
+            }
+            // One chunk holding the whole payload is handed out without a copy.
+            Some(chunk) if chunk.bytes.len() == len => chunk.bytes,
+            Some(chunk) => {
+                pool.clear();
+                pool.reserve(len);
+                pool.extend_from_slice(&chunk.bytes);
+                while pool.len() < len {
+                    match stream.read_chunk(len - pool.len(), true).await.map_err(|e| self.closed(e))? {
+                        Some(chunk) => pool.extend_from_slice(&chunk.bytes),
+                        None => {
+                            return Err(TransportError::Protocol {
+                                peer: self.peer,
+                                reason: format!("stream ended inside a {len}-byte frame"),
+                            });
+                        }
+                    }
+                }
+                pool.split().freeze()
+            }
+        };
+        Ok(Frame { tag: header.tag, payload })
+    }
+
+    fn close(&self, reason: &str) {
+        self.conn.close(VarInt::from_u32(0), reason.as_bytes());
+    }
+}
+
+impl Drop for QuicLink {
+    fn drop(&mut self) {
+        self.acceptor.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(30), fut).await.expect("QUIC test hung")
+    }
+
+    fn loopback() -> IpAddr {
+        IpAddr::from([127, 0, 0, 1])
+    }
+
+    fn options() -> QuicOptions {
+        QuicOptions {
+            connect_timeout: Duration::from_secs(10),
+            ..QuicOptions::default()
+        }
+    }
+
+    /// `world` endpoints and their published peers.
+    fn endpoints(world: usize) -> (Vec<QuicEndpoint>, Vec<QuicPeer>) {
+        let mut endpoints = Vec::new();
+        let mut peers = Vec::new();
+        for rank in 0..world {
+            let identity = QuicIdentity::generate().unwrap();
+            let endpoint = QuicEndpoint::bind(rank, loopback(), &identity, options()).unwrap();
+            peers.push(QuicPeer {
+                rank,
+                addr: endpoint.local_addr(),
+                fingerprint: identity.fingerprint(),
+            });
+            endpoints.push(endpoint);
+        }
+        (endpoints, peers)
+    }
+
+    async fn mesh(world: usize) -> (Vec<QuicEndpoint>, Vec<Vec<Option<Arc<dyn Link>>>>) {
+        let (endpoints, peers) = endpoints(world);
+        // Every rank must accept while the others dial: run them as tasks.
+        let endpoints: Vec<Arc<QuicEndpoint>> = endpoints.into_iter().map(Arc::new).collect();
+        let tasks: Vec<_> = endpoints
+            .iter()
+            .map(|endpoint| {
+                let (endpoint, peers) = (endpoint.clone(), peers.clone());
+                tokio::spawn(async move { endpoint.connect_mesh(&peers).await })
+            })
+            .collect();
+        let mut formed = Vec::new();
+        for task in tasks {
+            formed.push(task.await.unwrap().unwrap());
+        }
+        let endpoints = endpoints.into_iter().map(|e| Arc::try_unwrap(e).expect("tasks are done")).collect();
+        (endpoints, formed)
+    }
+
+    #[tokio::test]
+    async fn a_mesh_of_three_moves_frames_on_independent_channels() {
+        within(async {
+            let (_endpoints, links) = mesh(3).await;
+            let big = Bytes::from((0..8 << 20).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+            for (a, row) in links.iter().enumerate() {
+                for link in row.iter().flatten() {
+                    link.send(7, a as u64, big.clone()).await.unwrap();
+                    link.send(9, 100 + a as u64, Bytes::from_static(b"small")).await.unwrap();
+                }
+            }
+            for row in &links {
+                for link in row.iter().flatten() {
+                    // Channel 9 is read first although channel 7 was sent first.
+                    let small = link.recv(9).await.unwrap();
+                    assert_eq!((small.tag, &small.payload[..]), (100 + link.peer() as u64, &b"small"[..]));
+                    let frame = link.recv(7).await.unwrap();
+                    assert_eq!(frame.tag, link.peer() as u64);
+                    assert_eq!(frame.payload, big);
+                }
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_stranger_is_refused_and_the_mesh_still_forms() {
+        within(async {
+            let (endpoints, peers) = endpoints(2);
+            let stranger_identity = QuicIdentity::generate().unwrap();
+            let stranger = QuicEndpoint::bind(0, loopback(), &stranger_identity, options()).unwrap();
+            // The stranger pins rank 1 (it read the store) but rank 1 does not pin it.
+            let mut stranger_view = peers.clone();
+            stranger_view[0].fingerprint = stranger_identity.fingerprint();
+            stranger_view[0].addr = stranger.local_addr();
+            let stranger_attempt = tokio::time::timeout(Duration::from_secs(5), stranger.connect_mesh(&stranger_view));
+            let rank1 = endpoints[1].connect_mesh(&peers);
+            let rank0 = endpoints[0].connect_mesh(&peers);
+            let (stranger_result, rank0, rank1) = tokio::join!(stranger_attempt, rank0, rank1);
+            // TLS 1.3 lets a client finish before the server has judged its
+            // certificate, so the stranger may believe it connected; it must
+            // never get a working link.
+            if let Ok(Ok(links)) = stranger_result {
+                let link = links[1].as_ref().unwrap();
+                let outcome = tokio::time::timeout(Duration::from_secs(5), link.recv(0)).await;
+                assert!(matches!(outcome, Ok(Err(TransportError::Closed { .. }))), "{outcome:?}");
+            }
+            let (rank0, rank1) = (rank0.unwrap(), rank1.unwrap());
+            rank0[1].as_ref().unwrap().send(0, 1, Bytes::from_static(b"hi")).await.unwrap();
+            assert_eq!(rank1[0].as_ref().unwrap().recv(0).await.unwrap().payload, Bytes::from_static(b"hi"));
+        })
+        .await;
+    }
+
+    /// A raw connection from rank 0 to rank 1, and rank 1's link over it.
+    async fn raw_pair() -> (Vec<QuicEndpoint>, Connection, QuicLink) {
+        let (endpoints, peers) = endpoints(2);
+        for (endpoint, other) in endpoints.iter().zip(peers.iter().rev()) {
+            endpoint.pinned.0.write().unwrap().insert(other.fingerprint, other.rank);
+        }
+        let (dialled, accepted) = tokio::join!(endpoints[0].dial(peers[1].clone()), endpoints[1].accept(1));
+        let (_, raw) = dialled.unwrap();
+        let (rank, conn) = accepted.unwrap().pop().unwrap();
+        assert_eq!(rank, 0);
+        (endpoints, raw, QuicLink::new(0, conn, 1 << 20))
+    }
+
+    #[tokio::test]
+    async fn a_forged_length_is_refused_before_allocation() {
+        within(async {
+            let (_endpoints, raw, link) = raw_pair().await;
+            let mut stream = raw.open_uni().await.unwrap();
+            stream.write_all(&3u32.to_le_bytes()).await.unwrap();
+            stream.write_all(&FrameHeader { tag: 1, len: 1 << 60 }.encode()).await.unwrap();
+            let err = link.recv(3).await.unwrap_err();
+            assert!(matches!(err, TransportError::FrameTooLarge { peer: 0, len, .. } if len == 1 << 60), "{err}");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_peer_vanishing_mid_frame_is_an_error_not_a_hang() {
+        within(async {
+            let (_endpoints, raw, link) = raw_pair().await;
+            let mut stream = raw.open_uni().await.unwrap();
+            stream.write_all(&3u32.to_le_bytes()).await.unwrap();
+            stream.write_all(&FrameHeader { tag: 1, len: 1000 }.encode()).await.unwrap();
+            stream.write_all(&[0u8; 10]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            raw.close(VarInt::from_u32(0), b"gone");
+            let err = link.recv(3).await.unwrap_err();
+            assert!(
+                matches!(err, TransportError::Closed { peer: 0, .. } | TransportError::Protocol { peer: 0, .. }),
+                "{err}"
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_closed_peer_fails_its_link_and_the_rest_keeps_working() {
+        within(async {
+            let (_endpoints, links) = mesh(3).await;
+            links[2][0].as_ref().unwrap().close("vanishing");
+            let err = links[0][2].as_ref().unwrap().recv(0).await.unwrap_err();
+            assert!(matches!(err, TransportError::Closed { peer: 2, .. }), "{err}");
+            let err = links[0][2].as_ref().unwrap().send(0, 0, Bytes::from_static(b"kept")).await.unwrap_err();
+            assert_eq!(err.payload, Bytes::from_static(b"kept"));
+            links[0][1].as_ref().unwrap().send(5, 5, Bytes::from_static(b"still")).await.unwrap();
+            assert_eq!(links[1][0].as_ref().unwrap().recv(5).await.unwrap().tag, 5);
+        })
+        .await;
+    }
+}
