@@ -74,7 +74,11 @@ impl LocalLink {
                 peer: b,
                 pair: pair.clone(),
             },
-            LocalLink { me: b, peer: a, pair },
+            LocalLink {
+                me: b,
+                peer: a,
+                pair,
+            },
         )
     }
 
@@ -89,7 +93,9 @@ impl LocalLink {
 /// Links for `world` ranks of one process: `mesh[r][p]` is rank `r`'s link
 /// to rank `p` (`None` on the diagonal).
 pub fn local_mesh(world: usize) -> Vec<Vec<Option<Arc<dyn Link>>>> {
-    let mut mesh: Vec<Vec<Option<Arc<dyn Link>>>> = (0..world).map(|_| (0..world).map(|_| None).collect()).collect();
+    let mut mesh: Vec<Vec<Option<Arc<dyn Link>>>> = (0..world)
+        .map(|_| (0..world).map(|_| None).collect())
+        .collect();
     for a in 0..world {
         for b in a + 1..world {
             let (ab, ba) = LocalLink::pair(a, b);
@@ -171,7 +177,9 @@ mod tests {
     use std::time::Duration;
 
     async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
-        tokio::time::timeout(Duration::from_secs(10), fut).await.expect("local link test hung")
+        tokio::time::timeout(Duration::from_secs(10), fut)
+            .await
+            .expect("local link test hung")
     }
 
     #[tokio::test]
@@ -180,12 +188,21 @@ mod tests {
             let (a, b) = LocalLink::pair(0, 1);
             let payload = Bytes::from(vec![7u8; 1 << 20]);
             let address = payload.as_ptr();
-            a.send(2, 11, Bytes::from_static(b"other channel")).await.unwrap();
+            a.send(2, 11, Bytes::from_static(b"other channel"))
+                .await
+                .unwrap();
             a.send(1, 10, payload).await.unwrap();
             let frame = b.recv(1).await.unwrap();
             assert_eq!(frame.tag, 10);
-            assert_eq!(frame.payload.as_ptr(), address, "the payload must not be copied");
-            assert_eq!(b.recv(2).await.unwrap().payload, Bytes::from_static(b"other channel"));
+            assert_eq!(
+                frame.payload.as_ptr(),
+                address,
+                "the payload must not be copied"
+            );
+            assert_eq!(
+                b.recv(2).await.unwrap().payload,
+                Bytes::from_static(b"other channel")
+            );
         })
         .await;
     }
@@ -196,7 +213,8 @@ mod tests {
             let (a, b) = LocalLink::pair_with_depth(0, 1, 2);
             a.send(0, 0, Bytes::new()).await.unwrap();
             a.send(0, 1, Bytes::new()).await.unwrap();
-            let third = tokio::time::timeout(Duration::from_millis(50), a.send(0, 2, Bytes::new())).await;
+            let third =
+                tokio::time::timeout(Duration::from_millis(50), a.send(0, 2, Bytes::new())).await;
             assert!(third.is_err(), "the third send must wait for room");
             assert_eq!(b.recv(0).await.unwrap().tag, 0);
             a.send(0, 2, Bytes::new()).await.unwrap();
@@ -214,7 +232,10 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
             a.close("test");
             let (result, b) = waiting.await.unwrap();
-            assert!(matches!(result, Err(TransportError::Closed { peer: 3, .. })), "{result:?}");
+            assert!(
+                matches!(result, Err(TransportError::Closed { peer: 3, .. })),
+                "{result:?}"
+            );
             let err = b.send(0, 0, Bytes::from_static(b"kept")).await.unwrap_err();
             assert_eq!(err.payload, Bytes::from_static(b"kept"));
         })
@@ -228,7 +249,9 @@ mod tests {
             for (a, row) in mesh.iter().enumerate() {
                 for (b, link) in row.iter().enumerate() {
                     if let Some(link) = link {
-                        link.send(0, (a * 10 + b) as u64, Bytes::new()).await.unwrap();
+                        link.send(0, (a * 10 + b) as u64, Bytes::new())
+                            .await
+                            .unwrap();
                     }
                 }
             }

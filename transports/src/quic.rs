@@ -76,12 +76,13 @@ fn hex(bytes: &[u8]) -> String {
 impl QuicIdentity {
     /// A fresh key pair and certificate.
     pub fn generate() -> Result<Self, TransportError> {
-        let certified = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| {
-            TransportError::Connect {
-                peer: usize::MAX,
-                reason: format!("could not make a certificate: {e}"),
-            }
-        })?;
+        let certified =
+            rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| {
+                TransportError::Connect {
+                    peer: usize::MAX,
+                    reason: format!("could not make a certificate: {e}"),
+                }
+            })?;
         let cert = certified.cert.der().clone();
         Ok(Self {
             fingerprint: fingerprint(&cert),
@@ -113,7 +114,11 @@ impl Pinned {
     }
 
     fn rank_of(&self, cert: &CertificateDer<'_>) -> Option<usize> {
-        self.0.read().unwrap_or_else(|p| p.into_inner()).get(&fingerprint(cert)).copied()
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&fingerprint(cert))
+            .copied()
     }
 }
 
@@ -134,7 +139,9 @@ impl ServerCertVerifier for PinnedVerifier {
         _ocsp_response: &[u8],
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        self.pinned.check(end_entity).map(|()| ServerCertVerified::assertion())
+        self.pinned
+            .check(end_entity)
+            .map(|()| ServerCertVerified::assertion())
     }
 
     fn verify_tls12_signature(
@@ -171,7 +178,9 @@ impl ClientCertVerifier for PinnedVerifier {
         _intermediates: &[CertificateDer<'_>],
         _now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        self.pinned.check(end_entity).map(|()| ClientCertVerified::assertion())
+        self.pinned
+            .check(end_entity)
+            .map(|()| ClientCertVerified::assertion())
     }
 
     fn verify_tls12_signature(
@@ -265,7 +274,9 @@ fn transport_config(loopback: bool, options: &QuicOptions) -> quinn::TransportCo
         // Handshake packets must stay under 16 KiB (their length field is a
         // 2-byte varint), so start there and let discovery climb to the top.
         let mut discovery = quinn::MtuDiscoveryConfig::default();
-        discovery.upper_bound(LOOPBACK_MTU).interval(Duration::from_secs(60));
+        discovery
+            .upper_bound(LOOPBACK_MTU)
+            .interval(Duration::from_secs(60));
         config
             .initial_mtu(HANDSHAKE_MTU)
             .mtu_discovery_config(Some(discovery))
@@ -276,7 +287,11 @@ fn transport_config(loopback: bool, options: &QuicOptions) -> quinn::TransportCo
 }
 
 fn udp_socket(addr: SocketAddr, buffer: usize) -> std::io::Result<std::net::UdpSocket> {
-    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::DGRAM, None)?;
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::DGRAM,
+        None,
+    )?;
     // Root may pass the sysctl caps (SO_*BUFFORCE); others get what the caps allow.
     let _ = socket.set_recv_buffer_size(buffer);
     if socket.recv_buffer_size().unwrap_or(0) < buffer {
@@ -308,7 +323,12 @@ fn force_buffer(socket: &socket2::Socket, option: libc::c_int, size: usize) {
 
 impl QuicEndpoint {
     /// Binds rank `rank`'s endpoint on `ip` (port chosen by the kernel).
-    pub fn bind(rank: usize, ip: IpAddr, identity: &QuicIdentity, options: QuicOptions) -> Result<Self, TransportError> {
+    pub fn bind(
+        rank: usize,
+        ip: IpAddr,
+        identity: &QuicIdentity,
+        options: QuicOptions,
+    ) -> Result<Self, TransportError> {
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let pinned = Arc::new(Pinned::default());
         let verifier = Arc::new(PinnedVerifier {
@@ -336,10 +356,12 @@ impl QuicEndpoint {
 
         let loopback = ip.is_loopback();
         let transport = Arc::new(transport_config(loopback, &options));
-        let server_crypto = QuicServerConfig::try_from(server_tls).map_err(|e| connect_error(rank, e))?;
+        let server_crypto =
+            QuicServerConfig::try_from(server_tls).map_err(|e| connect_error(rank, e))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
         server.transport_config(transport.clone());
-        let client_crypto = QuicClientConfig::try_from(client_tls).map_err(|e| connect_error(rank, e))?;
+        let client_crypto =
+            QuicClientConfig::try_from(client_tls).map_err(|e| connect_error(rank, e))?;
         let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
         client.transport_config(transport);
 
@@ -351,7 +373,8 @@ impl QuicEndpoint {
         }
         let socket = udp_socket(SocketAddr::new(ip, 0), options.socket_buffer)
             .map_err(|e| connect_error(rank, format!("binding a UDP socket on {ip}: {e}")))?;
-        let runtime = quinn::default_runtime().ok_or_else(|| connect_error(rank, "no async runtime"))?;
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| connect_error(rank, "no async runtime"))?;
         let endpoint = Endpoint::new(endpoint_config, Some(server), socket, runtime)
             .map_err(|e| connect_error(rank, format!("starting the endpoint: {e}")))?;
         Ok(Self {
@@ -372,7 +395,10 @@ impl QuicEndpoint {
 
     /// Connects to every peer (dialling higher ranks, accepting lower ones)
     /// and returns the links, indexed by rank (`None` for this rank).
-    pub async fn connect_mesh(&self, peers: &[QuicPeer]) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
+    pub async fn connect_mesh(
+        &self,
+        peers: &[QuicPeer],
+    ) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
         {
             let mut pinned = self.pinned.0.write().unwrap_or_else(|p| p.into_inner());
             pinned.clear();
@@ -380,7 +406,12 @@ impl QuicEndpoint {
                 pinned.insert(peer.fingerprint, peer.rank);
             }
         }
-        let world = peers.iter().map(|p| p.rank + 1).max().unwrap_or(0).max(self.rank + 1);
+        let world = peers
+            .iter()
+            .map(|p| p.rank + 1)
+            .max()
+            .unwrap_or(0)
+            .max(self.rank + 1);
         let mut links: Vec<Option<Arc<dyn Link>>> = (0..world).map(|_| None).collect();
         let dial_higher = async {
             let mut dialled = Vec::new();
@@ -396,7 +427,15 @@ impl QuicEndpoint {
         };
         let (dialled, accepted) = tokio::time::timeout(self.options.connect_timeout, formed)
             .await
-            .map_err(|_| connect_error(self.rank, format!("the mesh did not form within {:?}", self.options.connect_timeout)))??;
+            .map_err(|_| {
+                connect_error(
+                    self.rank,
+                    format!(
+                        "the mesh did not form within {:?}",
+                        self.options.connect_timeout
+                    ),
+                )
+            })??;
         for (rank, conn) in dialled.into_iter().chain(accepted) {
             links[rank] = Some(Arc::new(QuicLink::new(rank, conn, self.options.max_frame)));
         }
@@ -414,7 +453,10 @@ impl QuicEndpoint {
             Some(cert) if fingerprint(&cert) == peer.fingerprint => Ok((peer.rank, conn)),
             _ => {
                 conn.close(VarInt::from_u32(1), b"unexpected certificate");
-                Err(connect_error(peer.rank, "it presented another member's certificate"))
+                Err(connect_error(
+                    peer.rank,
+                    "it presented another member's certificate",
+                ))
             }
         }
     }
@@ -425,7 +467,10 @@ impl QuicEndpoint {
         let mut accepted: Vec<(usize, Connection)> = Vec::new();
         while accepted.len() < count {
             let Some(incoming) = self.endpoint.accept().await else {
-                return Err(connect_error(self.rank, "the endpoint closed while forming the mesh"));
+                return Err(connect_error(
+                    self.rank,
+                    "the endpoint closed while forming the mesh",
+                ));
             };
             let remote = incoming.remote_address();
             let conn = match incoming.await {
@@ -437,7 +482,9 @@ impl QuicEndpoint {
             };
             let rank = peer_certificate(&conn).and_then(|c| self.pinned.rank_of(&c));
             match rank {
-                Some(rank) if rank < self.rank && accepted.iter().all(|(r, _)| *r != rank) => accepted.push((rank, conn)),
+                Some(rank) if rank < self.rank && accepted.iter().all(|(r, _)| *r != rank) => {
+                    accepted.push((rank, conn))
+                }
                 _ => {
                     tracing::warn!(%remote, ?rank, "closing an unexpected QUIC connection");
                     conn.close(VarInt::from_u32(1), b"unexpected connection");
@@ -481,7 +528,12 @@ pub struct QuicLink {
 
 impl std::fmt::Debug for QuicLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "QuicLink(peer {} at {})", self.peer, self.conn.remote_address())
+        write!(
+            f,
+            "QuicLink(peer {} at {})",
+            self.peer,
+            self.conn.remote_address()
+        )
     }
 }
 
@@ -508,13 +560,22 @@ impl QuicLink {
         }
     }
 
-    async fn incoming(&self, channel: ChannelId) -> Result<Arc<tokio::sync::Mutex<Incoming>>, TransportError> {
+    async fn incoming(
+        &self,
+        channel: ChannelId,
+    ) -> Result<Arc<tokio::sync::Mutex<Incoming>>, TransportError> {
         let mut failure = self.failure.clone();
         loop {
             let arrived = self.demux.arrived.notified();
             tokio::pin!(arrived);
             arrived.as_mut().enable();
-            if let Some(stream) = self.demux.streams.lock().unwrap_or_else(|p| p.into_inner()).get(&channel) {
+            if let Some(stream) = self
+                .demux
+                .streams
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&channel)
+            {
                 return Ok(stream.clone());
             }
             if let Some(reason) = failure.borrow_and_update().clone() {
@@ -529,7 +590,11 @@ impl QuicLink {
 }
 
 /// Takes the peer's new streams, reads each one's channel id and files it.
-async fn accept_streams(conn: Connection, demux: Arc<Demux>, failed: watch::Sender<Option<String>>) {
+async fn accept_streams(
+    conn: Connection,
+    demux: Arc<Demux>,
+    failed: watch::Sender<Option<String>>,
+) {
     loop {
         let mut stream = match conn.accept_uni().await {
             Ok(stream) => stream,
@@ -551,7 +616,10 @@ async fn accept_streams(conn: Connection, demux: Arc<Demux>, failed: watch::Send
                     .streams
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .insert(u32::from_le_bytes(id), Arc::new(tokio::sync::Mutex::new(incoming)));
+                    .insert(
+                        u32::from_le_bytes(id),
+                        Arc::new(tokio::sync::Mutex::new(incoming)),
+                    );
                 demux.arrived.notify_waiters();
             }
         });
@@ -641,7 +709,11 @@ impl Link for QuicLink {
                 pool.reserve(len);
                 pool.extend_from_slice(&chunk.bytes);
                 while pool.len() < len {
-                    match stream.read_chunk(len - pool.len(), true).await.map_err(|e| self.closed(e))? {
+                    match stream
+                        .read_chunk(len - pool.len(), true)
+                        .await
+                        .map_err(|e| self.closed(e))?
+                    {
                         Some(chunk) => pool.extend_from_slice(&chunk.bytes),
                         None => {
                             return Err(TransportError::Protocol {
@@ -654,7 +726,10 @@ impl Link for QuicLink {
                 pool.split().freeze()
             }
         };
-        Ok(Frame { tag: header.tag, payload })
+        Ok(Frame {
+            tag: header.tag,
+            payload,
+        })
     }
 
     fn close(&self, reason: &str) {
@@ -673,7 +748,9 @@ mod tests {
     use super::*;
 
     async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
-        tokio::time::timeout(Duration::from_secs(30), fut).await.expect("QUIC test hung")
+        tokio::time::timeout(Duration::from_secs(30), fut)
+            .await
+            .expect("QUIC test hung")
     }
 
     fn loopback() -> IpAddr {
@@ -719,7 +796,10 @@ mod tests {
         for task in tasks {
             formed.push(task.await.unwrap().unwrap());
         }
-        let endpoints = endpoints.into_iter().map(|e| Arc::try_unwrap(e).expect("tasks are done")).collect();
+        let endpoints = endpoints
+            .into_iter()
+            .map(|e| Arc::try_unwrap(e).expect("tasks are done"))
+            .collect();
         (endpoints, formed)
     }
 
@@ -731,14 +811,19 @@ mod tests {
             for (a, row) in links.iter().enumerate() {
                 for link in row.iter().flatten() {
                     link.send(7, a as u64, big.clone()).await.unwrap();
-                    link.send(9, 100 + a as u64, Bytes::from_static(b"small")).await.unwrap();
+                    link.send(9, 100 + a as u64, Bytes::from_static(b"small"))
+                        .await
+                        .unwrap();
                 }
             }
             for row in &links {
                 for link in row.iter().flatten() {
                     // Channel 9 is read first although channel 7 was sent first.
                     let small = link.recv(9).await.unwrap();
-                    assert_eq!((small.tag, &small.payload[..]), (100 + link.peer() as u64, &b"small"[..]));
+                    assert_eq!(
+                        (small.tag, &small.payload[..]),
+                        (100 + link.peer() as u64, &b"small"[..])
+                    );
                     let frame = link.recv(7).await.unwrap();
                     assert_eq!(frame.tag, link.peer() as u64);
                     assert_eq!(frame.payload, big);
@@ -753,12 +838,16 @@ mod tests {
         within(async {
             let (endpoints, peers) = endpoints(2);
             let stranger_identity = QuicIdentity::generate().unwrap();
-            let stranger = QuicEndpoint::bind(0, loopback(), &stranger_identity, options()).unwrap();
+            let stranger =
+                QuicEndpoint::bind(0, loopback(), &stranger_identity, options()).unwrap();
             // The stranger pins rank 1 (it read the store) but rank 1 does not pin it.
             let mut stranger_view = peers.clone();
             stranger_view[0].fingerprint = stranger_identity.fingerprint();
             stranger_view[0].addr = stranger.local_addr();
-            let stranger_attempt = tokio::time::timeout(Duration::from_secs(5), stranger.connect_mesh(&stranger_view));
+            let stranger_attempt = tokio::time::timeout(
+                Duration::from_secs(5),
+                stranger.connect_mesh(&stranger_view),
+            );
             let rank1 = endpoints[1].connect_mesh(&peers);
             let rank0 = endpoints[0].connect_mesh(&peers);
             let (stranger_result, rank0, rank1) = tokio::join!(stranger_attempt, rank0, rank1);
@@ -768,11 +857,22 @@ mod tests {
             if let Ok(Ok(links)) = stranger_result {
                 let link = links[1].as_ref().unwrap();
                 let outcome = tokio::time::timeout(Duration::from_secs(5), link.recv(0)).await;
-                assert!(matches!(outcome, Ok(Err(TransportError::Closed { .. }))), "{outcome:?}");
+                assert!(
+                    matches!(outcome, Ok(Err(TransportError::Closed { .. }))),
+                    "{outcome:?}"
+                );
             }
             let (rank0, rank1) = (rank0.unwrap(), rank1.unwrap());
-            rank0[1].as_ref().unwrap().send(0, 1, Bytes::from_static(b"hi")).await.unwrap();
-            assert_eq!(rank1[0].as_ref().unwrap().recv(0).await.unwrap().payload, Bytes::from_static(b"hi"));
+            rank0[1]
+                .as_ref()
+                .unwrap()
+                .send(0, 1, Bytes::from_static(b"hi"))
+                .await
+                .unwrap();
+            assert_eq!(
+                rank1[0].as_ref().unwrap().recv(0).await.unwrap().payload,
+                Bytes::from_static(b"hi")
+            );
         })
         .await;
     }
@@ -781,9 +881,15 @@ mod tests {
     async fn raw_pair() -> (Vec<QuicEndpoint>, Connection, QuicLink) {
         let (endpoints, peers) = endpoints(2);
         for (endpoint, other) in endpoints.iter().zip(peers.iter().rev()) {
-            endpoint.pinned.0.write().unwrap().insert(other.fingerprint, other.rank);
+            endpoint
+                .pinned
+                .0
+                .write()
+                .unwrap()
+                .insert(other.fingerprint, other.rank);
         }
-        let (dialled, accepted) = tokio::join!(endpoints[0].dial(peers[1].clone()), endpoints[1].accept(1));
+        let (dialled, accepted) =
+            tokio::join!(endpoints[0].dial(peers[1].clone()), endpoints[1].accept(1));
         let (_, raw) = dialled.unwrap();
         let (rank, conn) = accepted.unwrap().pop().unwrap();
         assert_eq!(rank, 0);
@@ -796,9 +902,21 @@ mod tests {
             let (_endpoints, raw, link) = raw_pair().await;
             let mut stream = raw.open_uni().await.unwrap();
             stream.write_all(&3u32.to_le_bytes()).await.unwrap();
-            stream.write_all(&FrameHeader { tag: 1, len: 1 << 60 }.encode()).await.unwrap();
+            stream
+                .write_all(
+                    &FrameHeader {
+                        tag: 1,
+                        len: 1 << 60,
+                    }
+                    .encode(),
+                )
+                .await
+                .unwrap();
             let err = link.recv(3).await.unwrap_err();
-            assert!(matches!(err, TransportError::FrameTooLarge { peer: 0, len, .. } if len == 1 << 60), "{err}");
+            assert!(
+                matches!(err, TransportError::FrameTooLarge { peer: 0, len, .. } if len == 1 << 60),
+                "{err}"
+            );
         })
         .await;
     }
@@ -809,13 +927,20 @@ mod tests {
             let (_endpoints, raw, link) = raw_pair().await;
             let mut stream = raw.open_uni().await.unwrap();
             stream.write_all(&3u32.to_le_bytes()).await.unwrap();
-            stream.write_all(&FrameHeader { tag: 1, len: 1000 }.encode()).await.unwrap();
+            stream
+                .write_all(&FrameHeader { tag: 1, len: 1000 }.encode())
+                .await
+                .unwrap();
             stream.write_all(&[0u8; 10]).await.unwrap();
             tokio::time::sleep(Duration::from_millis(50)).await;
             raw.close(VarInt::from_u32(0), b"gone");
             let err = link.recv(3).await.unwrap_err();
             assert!(
-                matches!(err, TransportError::Closed { peer: 0, .. } | TransportError::Protocol { peer: 0, .. }),
+                matches!(
+                    err,
+                    TransportError::Closed { peer: 0, .. }
+                        | TransportError::Protocol { peer: 0, .. }
+                ),
                 "{err}"
             );
         })
@@ -828,10 +953,23 @@ mod tests {
             let (_endpoints, links) = mesh(3).await;
             links[2][0].as_ref().unwrap().close("vanishing");
             let err = links[0][2].as_ref().unwrap().recv(0).await.unwrap_err();
-            assert!(matches!(err, TransportError::Closed { peer: 2, .. }), "{err}");
-            let err = links[0][2].as_ref().unwrap().send(0, 0, Bytes::from_static(b"kept")).await.unwrap_err();
+            assert!(
+                matches!(err, TransportError::Closed { peer: 2, .. }),
+                "{err}"
+            );
+            let err = links[0][2]
+                .as_ref()
+                .unwrap()
+                .send(0, 0, Bytes::from_static(b"kept"))
+                .await
+                .unwrap_err();
             assert_eq!(err.payload, Bytes::from_static(b"kept"));
-            links[0][1].as_ref().unwrap().send(5, 5, Bytes::from_static(b"still")).await.unwrap();
+            links[0][1]
+                .as_ref()
+                .unwrap()
+                .send(5, 5, Bytes::from_static(b"still"))
+                .await
+                .unwrap();
             assert_eq!(links[1][0].as_ref().unwrap().recv(5).await.unwrap().tag, 5);
         })
         .await;

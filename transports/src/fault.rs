@@ -1,0 +1,689 @@
+//! Fault injection: a [`Link`] wrapper that drops, delays, partitions,
+//! closes, kills or freezes, deterministically under a seed.
+//!
+//! Driven by an API ([`FaultPlan::parse`], [`wrap_links`]) or by the
+//! `CHORUS_FAULTS` environment variable, same grammar: rules separated by
+//! `;`, each `kind(arguments)`, plus an optional `seed=N`.
+//!
+//! ```text
+//! seed=7; drop(0->1, p=0.25); delay(*->2, ms=40, jitter_ms=10);
+//! partition(0,1|2,3, after=500ms); close(1<->2, after_frames=100);
+//! kill(rank=3, after=2s); freeze(rank=1, after_frames=20)
+//! ```
+//!
+//! - Links: `A->B` (frames A sends to B), `A<->B` (both ways), `*` for any rank.
+//! - `drop(link, p=P)`: loses each frame with probability P (default 1).
+//! - `delay(link, ms=D[, jitter_ms=J])`: holds each frame D..D+J ms.
+//! - `partition(ranks|ranks)`: frames between the two sides are lost.
+//! - `close(link)`: closes the connection (both sides see a closed link).
+//! - `kill(rank=R)`: rank R dies: every link of it closes, and when it is a
+//!   process of its own (a non-local link), the process gets SIGKILL.
+//! - `freeze(rank=R)`: rank R stops: its sends and receives never complete
+//!   (as under SIGSTOP, but also for ranks that share a process).
+//! - Triggers, on any rule: `after=T` (`ms` or `s`, since the wrapper was made)
+//!   and `after_frames=N` (frames this rank sent on the matching link, or on
+//!   all its links for `kill`/`freeze`); a rule acts once both hold.
+//!
+//! The decision ([`FaultPlan::decide`]) is a pure function of the rule, the
+//! link, the frame count, the elapsed time and a per-link random stream.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use thiserror::Error;
+use tokio::time::Instant;
+
+use crate::link::{ChannelId, Frame, Link, SendError, TransportError, TransportKind};
+
+/// A fault specification that could not be parsed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("bad fault rule {rule:?}: {reason}")]
+pub struct FaultSpecError {
+    /// The rule as written.
+    pub rule: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+/// Which frames a rule applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkMatch {
+    /// Frames from a rank (`None`: any) to a rank (`None`: any).
+    Directed(Option<usize>, Option<usize>),
+    /// Frames either way between two ranks.
+    Both(usize, usize),
+    /// Frames from one side of a partition to the other.
+    Partition(Vec<usize>, Vec<usize>),
+    /// Every frame a rank sends (for `kill` and `freeze`).
+    Rank(usize),
+}
+
+impl LinkMatch {
+    fn matches(&self, from: usize, to: usize) -> bool {
+        match self {
+            LinkMatch::Directed(a, b) => a.is_none_or(|a| a == from) && b.is_none_or(|b| b == to),
+            LinkMatch::Both(a, b) => (from, to) == (*a, *b) || (from, to) == (*b, *a),
+            LinkMatch::Partition(left, right) => {
+                (left.contains(&from) && right.contains(&to))
+                    || (right.contains(&from) && left.contains(&to))
+            }
+            LinkMatch::Rank(rank) => *rank == from,
+        }
+    }
+}
+
+/// What a rule does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FaultKind {
+    /// Lose frames with this probability.
+    Drop(f64),
+    /// Hold frames for a base time plus up to a jitter.
+    Delay(Duration, Duration),
+    /// Lose every frame (a partition).
+    Partition,
+    /// Close the connection.
+    Close,
+    /// The rank dies.
+    Kill,
+    /// The rank stops.
+    Freeze,
+}
+
+/// One rule: what, where, and when it starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FaultRule {
+    /// What it does.
+    pub kind: FaultKind,
+    /// Which frames it applies to.
+    pub link: LinkMatch,
+    /// It acts only this long after the wrapper was made.
+    pub after: Duration,
+    /// It acts only once this many frames were sent on the matching link.
+    pub after_frames: u64,
+}
+
+/// What to do with one frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Deliver it.
+    Deliver,
+    /// Lose it (the sender sees success).
+    Drop,
+    /// Deliver it after this long.
+    Delay(Duration),
+    /// Close the link instead.
+    Close,
+    /// The sending rank dies.
+    Kill,
+    /// The sending rank stops.
+    Freeze,
+}
+
+/// A parsed set of rules and the seed of their randomness.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FaultPlan {
+    /// The rules, in the order written; the first that acts wins.
+    pub rules: Vec<FaultRule>,
+    /// Seed of the per-link random streams.
+    pub seed: u64,
+}
+
+fn parse_rank(text: &str, rule: &str) -> Result<Option<usize>, FaultSpecError> {
+    let text = text.trim();
+    if text == "*" {
+        return Ok(None);
+    }
+    text.parse().map(Some).map_err(|_| FaultSpecError {
+        rule: rule.to_string(),
+        reason: format!("{text:?} is not a rank or *"),
+    })
+}
+
+fn parse_duration(text: &str, rule: &str) -> Result<Duration, FaultSpecError> {
+    let bad = || FaultSpecError {
+        rule: rule.to_string(),
+        reason: format!("{text:?} is not a duration like 250ms or 2s"),
+    };
+    let text = text.trim();
+    if let Some(ms) = text.strip_suffix("ms") {
+        return ms
+            .trim()
+            .parse::<u64>()
+            .map(Duration::from_millis)
+            .map_err(|_| bad());
+    }
+    if let Some(s) = text.strip_suffix('s') {
+        return s
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| *s >= 0.0 && s.is_finite())
+            .map(Duration::from_secs_f64)
+            .ok_or_else(bad);
+    }
+    Err(bad())
+}
+
+impl FaultPlan {
+    /// Parses the `CHORUS_FAULTS` grammar (see the module docs).
+    pub fn parse(spec: &str) -> Result<Self, FaultSpecError> {
+        let mut plan = FaultPlan::default();
+        for rule in spec.split(';').map(str::trim).filter(|r| !r.is_empty()) {
+            if let Some(seed) = rule.strip_prefix("seed=") {
+                plan.seed = seed.trim().parse().map_err(|_| FaultSpecError {
+                    rule: rule.to_string(),
+                    reason: "the seed must be an unsigned integer".into(),
+                })?;
+                continue;
+            }
+            plan.rules.push(Self::parse_rule(rule)?);
+        }
+        Ok(plan)
+    }
+
+    /// The plan in `CHORUS_FAULTS`, if set.
+    pub fn from_env() -> Result<Option<Self>, FaultSpecError> {
+        std::env::var("CHORUS_FAULTS")
+            .ok()
+            .map(|spec| Self::parse(&spec))
+            .transpose()
+    }
+
+    fn parse_rule(rule: &str) -> Result<FaultRule, FaultSpecError> {
+        let bad = |reason: &str| FaultSpecError {
+            rule: rule.to_string(),
+            reason: reason.to_string(),
+        };
+        let (name, rest) = rule
+            .split_once('(')
+            .ok_or_else(|| bad("expected kind(arguments)"))?;
+        let args = rest
+            .strip_suffix(')')
+            .ok_or_else(|| bad("missing closing parenthesis"))?;
+        let mut positional = Vec::new();
+        let mut named = std::collections::HashMap::new();
+        for arg in args.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+            match arg.split_once('=') {
+                Some((k, v)) => {
+                    named.insert(k.trim(), v.trim());
+                }
+                None => positional.push(arg),
+            }
+        }
+        let mut link = None;
+        let kind = match name.trim() {
+            "drop" => FaultKind::Drop(match named.remove("p") {
+                Some(p) => p
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|p| (0.0..=1.0).contains(p))
+                    .ok_or_else(|| bad("p must be between 0 and 1"))?,
+                None => 1.0,
+            }),
+            "delay" => {
+                let ms = named.remove("ms").ok_or_else(|| bad("delay needs ms=D"))?;
+                let ms = ms.parse().map_err(|_| bad("ms must be an integer"))?;
+                let jitter = named.remove("jitter_ms").map_or(Ok(0), |j| {
+                    j.parse().map_err(|_| bad("jitter_ms must be an integer"))
+                })?;
+                FaultKind::Delay(Duration::from_millis(ms), Duration::from_millis(jitter))
+            }
+            "partition" => {
+                let joined = positional.join(",");
+                let (left, right) = joined
+                    .split_once('|')
+                    .ok_or_else(|| bad("write partition(0,1|2,3)"))?;
+                let side = |s: &str| -> Result<Vec<usize>, FaultSpecError> {
+                    s.split(',')
+                        .map(str::trim)
+                        .filter(|r| !r.is_empty())
+                        .map(|r| r.parse().map_err(|_| bad("sides list ranks")))
+                        .collect()
+                };
+                link = Some(LinkMatch::Partition(side(left)?, side(right)?));
+                positional.clear();
+                FaultKind::Partition
+            }
+            "close" => FaultKind::Close,
+            "kill" | "freeze" => {
+                let rank = named.remove("rank").ok_or_else(|| bad("needs rank=R"))?;
+                let rank = parse_rank(rank, rule)?.ok_or_else(|| bad("rank must be a number"))?;
+                link = Some(LinkMatch::Rank(rank));
+                if name.trim() == "kill" {
+                    FaultKind::Kill
+                } else {
+                    FaultKind::Freeze
+                }
+            }
+            other => {
+                return Err(bad(&format!(
+                    "unknown kind {other:?}; use drop, delay, partition, close, kill or freeze"
+                )));
+            }
+        };
+        let link = match link {
+            Some(link) => link,
+            None => {
+                let [spec] = positional.as_slice() else {
+                    return Err(bad("name one link, like 0->1, 0<->1 or *->2"));
+                };
+                if let Some((a, b)) = spec.split_once("<->") {
+                    let (a, b) = (parse_rank(a, rule)?, parse_rank(b, rule)?);
+                    match (a, b) {
+                        (Some(a), Some(b)) => LinkMatch::Both(a, b),
+                        _ => return Err(bad("<-> needs two ranks; use -> with * instead")),
+                    }
+                } else if let Some((a, b)) = spec.split_once("->") {
+                    LinkMatch::Directed(parse_rank(a, rule)?, parse_rank(b, rule)?)
+                } else {
+                    return Err(bad("name one link, like 0->1, 0<->1 or *->2"));
+                }
+            }
+        };
+        let after = named
+            .remove("after")
+            .map_or(Ok(Duration::ZERO), |t| parse_duration(t, rule))?;
+        let after_frames = named.remove("after_frames").map_or(Ok(0), |n| {
+            n.parse()
+                .map_err(|_| bad("after_frames must be an integer"))
+        })?;
+        if let Some(unknown) = named.keys().next() {
+            return Err(bad(&format!("unknown argument {unknown:?}")));
+        }
+        Ok(FaultRule {
+            kind,
+            link,
+            after,
+            after_frames,
+        })
+    }
+
+    /// What happens to the `frames_sent`-th frame (0-based) `from` sends to
+    /// `to`, `elapsed` after the wrapper was made; `random` is the link's next
+    /// uniform draw in `[0, 1)`.
+    pub fn decide(
+        &self,
+        from: usize,
+        to: usize,
+        frames_sent: u64,
+        elapsed: Duration,
+        random: f64,
+    ) -> Action {
+        for rule in &self.rules {
+            if !rule.link.matches(from, to)
+                || elapsed < rule.after
+                || frames_sent < rule.after_frames
+            {
+                continue;
+            }
+            return match rule.kind {
+                FaultKind::Drop(p) if random < p => Action::Drop,
+                FaultKind::Drop(_) => continue,
+                FaultKind::Delay(base, jitter) => Action::Delay(base + jitter.mul_f64(random)),
+                FaultKind::Partition => Action::Drop,
+                FaultKind::Close => Action::Close,
+                FaultKind::Kill => Action::Kill,
+                FaultKind::Freeze => Action::Freeze,
+            };
+        }
+        Action::Deliver
+    }
+}
+
+/// splitmix64: a small, well-mixed generator; one stream per directed link.
+#[derive(Debug)]
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn new(seed: u64, from: usize, to: usize) -> Self {
+        Self(seed ^ ((from as u64) << 32) ^ (to as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+
+    fn next_f64(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// State one rank's wrapped links share: whether it is dead or frozen.
+#[derive(Debug)]
+struct RankState {
+    plan: FaultPlan,
+    started: Instant,
+    killed: AtomicBool,
+    frozen: AtomicBool,
+    links: Mutex<Vec<Arc<dyn Link>>>,
+}
+
+/// A link with faults injected on what this rank sends.
+#[derive(Debug)]
+pub struct FaultyLink {
+    me: usize,
+    inner: Arc<dyn Link>,
+    rank: Arc<RankState>,
+    frames: AtomicU64,
+    random: Mutex<SplitMix>,
+}
+
+impl FaultyLink {
+    async fn frozen_forever(&self) -> ! {
+        loop {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+    }
+
+    fn kill(&self) {
+        if self.rank.killed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        tracing::warn!(rank = self.me, "fault injection: killing this rank");
+        if self.inner.kind() != TransportKind::Local {
+            // A rank with a process of its own dies as under SIGKILL.
+            // SAFETY: kill(2) on our own pid with a valid signal number.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+        for link in self
+            .rank
+            .links
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            link.close("rank killed by fault injection");
+        }
+    }
+
+    fn dead(&self) -> TransportError {
+        TransportError::Closed {
+            peer: self.inner.peer(),
+            reason: "this rank was killed by fault injection".into(),
+        }
+    }
+}
+
+/// Wraps one rank's links (indexed by peer rank) with `plan`.
+pub fn wrap_links(
+    me: usize,
+    links: Vec<Option<Arc<dyn Link>>>,
+    plan: FaultPlan,
+) -> Vec<Option<Arc<dyn Link>>> {
+    let rank = Arc::new(RankState {
+        started: Instant::now(),
+        killed: AtomicBool::new(false),
+        frozen: AtomicBool::new(false),
+        links: Mutex::new(links.iter().flatten().cloned().collect()),
+        plan,
+    });
+    links
+        .into_iter()
+        .map(|link| {
+            link.map(|inner| {
+                let random = SplitMix::new(rank.plan.seed, me, inner.peer());
+                Arc::new(FaultyLink {
+                    me,
+                    inner,
+                    rank: rank.clone(),
+                    frames: AtomicU64::new(0),
+                    random: Mutex::new(random),
+                }) as Arc<dyn Link>
+            })
+        })
+        .collect()
+}
+
+#[async_trait]
+impl Link for FaultyLink {
+    fn peer(&self) -> usize {
+        self.inner.peer()
+    }
+
+    fn kind(&self) -> TransportKind {
+        self.inner.kind()
+    }
+
+    async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError> {
+        if self.rank.frozen.load(Ordering::SeqCst) {
+            self.frozen_forever().await;
+        }
+        if self.rank.killed.load(Ordering::SeqCst) {
+            return Err(SendError {
+                error: self.dead(),
+                payload,
+            });
+        }
+        let count = self.frames.fetch_add(1, Ordering::SeqCst);
+        let random = self
+            .random
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .next_f64();
+        let action = self.rank.plan.decide(
+            self.me,
+            self.peer(),
+            count,
+            self.rank.started.elapsed(),
+            random,
+        );
+        match action {
+            Action::Deliver => self.inner.send(channel, tag, payload).await,
+            Action::Drop => Ok(()),
+            Action::Delay(d) => {
+                tokio::time::sleep(d).await;
+                self.inner.send(channel, tag, payload).await
+            }
+            Action::Close => {
+                self.inner.close("closed by fault injection");
+                self.inner.send(channel, tag, payload).await
+            }
+            Action::Kill => {
+                self.kill();
+                Err(SendError {
+                    error: self.dead(),
+                    payload,
+                })
+            }
+            Action::Freeze => {
+                tracing::warn!(rank = self.me, "fault injection: freezing this rank");
+                self.rank.frozen.store(true, Ordering::SeqCst);
+                self.frozen_forever().await
+            }
+        }
+    }
+
+    async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
+        if self.rank.killed.load(Ordering::SeqCst) {
+            return Err(self.dead());
+        }
+        let frame = self.inner.recv(channel).await;
+        if self.rank.frozen.load(Ordering::SeqCst) {
+            self.frozen_forever().await;
+        }
+        frame
+    }
+
+    fn close(&self, reason: &str) {
+        self.inner.close(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::local_mesh;
+
+    #[test]
+    fn the_grammar_parses_every_kind() {
+        let plan = FaultPlan::parse(
+            "seed=7; drop(0->1, p=0.25); delay(*->2, ms=40, jitter_ms=10); partition(0,1|2,3, after=500ms); \
+             close(1<->2, after_frames=100); kill(rank=3, after=2s); freeze(rank=1, after_frames=20)",
+        )
+        .unwrap();
+        assert_eq!(plan.seed, 7);
+        assert_eq!(plan.rules.len(), 6);
+        assert_eq!(plan.rules[0].kind, FaultKind::Drop(0.25));
+        assert_eq!(plan.rules[1].link, LinkMatch::Directed(None, Some(2)));
+        assert_eq!(
+            plan.rules[2].link,
+            LinkMatch::Partition(vec![0, 1], vec![2, 3])
+        );
+        assert_eq!(plan.rules[2].after, Duration::from_millis(500));
+        assert_eq!(plan.rules[3].after_frames, 100);
+        assert_eq!(plan.rules[4].kind, FaultKind::Kill);
+        assert_eq!(plan.rules[5].link, LinkMatch::Rank(1));
+    }
+
+    #[test]
+    fn bad_rules_say_what_is_wrong() {
+        for (spec, needle) in [
+            ("drop(0->1, p=2)", "between 0 and 1"),
+            ("explode(0->1)", "unknown kind"),
+            ("drop(0-1)", "name one link"),
+            ("delay(0->1)", "needs ms"),
+            ("kill(3)", "rank=R"),
+            ("drop(0->1, after=soon)", "duration"),
+            ("drop(0->1, colour=red)", "unknown argument"),
+            ("drop(0->1", "parenthesis"),
+            ("seed=x", "unsigned"),
+        ] {
+            let err = FaultPlan::parse(spec).unwrap_err();
+            assert!(err.to_string().contains(needle), "{spec}: {err}");
+        }
+    }
+
+    #[test]
+    fn decisions_follow_triggers_and_are_deterministic() {
+        let plan =
+            FaultPlan::parse("partition(0|1, after=1s); close(0->2, after_frames=3)").unwrap();
+        assert_eq!(
+            plan.decide(0, 1, 0, Duration::from_millis(999), 0.5),
+            Action::Deliver
+        );
+        assert_eq!(
+            plan.decide(1, 0, 0, Duration::from_secs(1), 0.5),
+            Action::Drop
+        );
+        assert_eq!(plan.decide(0, 2, 2, Duration::ZERO, 0.5), Action::Deliver);
+        assert_eq!(plan.decide(0, 2, 3, Duration::ZERO, 0.5), Action::Close);
+        let draws = |seed| {
+            let mut r = SplitMix::new(seed, 0, 1);
+            (0..5).map(|_| r.next_f64()).collect::<Vec<_>>()
+        };
+        assert_eq!(draws(1), draws(1));
+        assert_ne!(draws(1), draws(2));
+        assert!(draws(3).iter().all(|x| (0.0..1.0).contains(x)));
+    }
+
+    async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(10), fut)
+            .await
+            .expect("fault test hung")
+    }
+
+    fn wrapped(world: usize, spec: &str) -> Vec<Vec<Option<Arc<dyn Link>>>> {
+        let plan = FaultPlan::parse(spec).unwrap();
+        local_mesh(world)
+            .into_iter()
+            .enumerate()
+            .map(|(r, row)| wrap_links(r, row, plan.clone()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn drops_are_seeded_and_partial() {
+        within(async {
+            let count = |seed: u64| async move {
+                let mesh = wrapped(2, &format!("seed={seed}; drop(0->1, p=0.5)"));
+                for i in 0..10u64 {
+                    mesh[0][1]
+                        .as_ref()
+                        .unwrap()
+                        .send(0, i, Bytes::new())
+                        .await
+                        .unwrap();
+                }
+                let mut got = Vec::new();
+                while let Ok(Ok(frame)) = tokio::time::timeout(
+                    Duration::from_millis(20),
+                    mesh[1][0].as_ref().unwrap().recv(0),
+                )
+                .await
+                {
+                    got.push(frame.tag);
+                }
+                got
+            };
+            let first = count(11).await;
+            assert_eq!(
+                first,
+                count(11).await,
+                "the same seed drops the same frames"
+            );
+            assert!(
+                !first.is_empty() && first.len() < 10,
+                "p=0.5 keeps some: {first:?}"
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn close_kill_and_freeze_act_on_their_links() {
+        within(async {
+            let mesh = wrapped(3, "close(0->1, after_frames=1); kill(rank=2)");
+            mesh[0][1]
+                .as_ref()
+                .unwrap()
+                .send(0, 0, Bytes::new())
+                .await
+                .unwrap();
+            assert!(
+                mesh[0][1]
+                    .as_ref()
+                    .unwrap()
+                    .send(0, 1, Bytes::new())
+                    .await
+                    .is_err()
+            );
+            assert_eq!(mesh[1][0].as_ref().unwrap().recv(0).await.unwrap().tag, 0);
+            assert!(
+                mesh[1][0].as_ref().unwrap().recv(0).await.is_err(),
+                "closed after the first frame"
+            );
+            // Rank 2 dies on its first send: its peers see closed links.
+            assert!(
+                mesh[2][0]
+                    .as_ref()
+                    .unwrap()
+                    .send(0, 0, Bytes::new())
+                    .await
+                    .is_err()
+            );
+            assert!(mesh[1][2].as_ref().unwrap().recv(0).await.is_err());
+
+            let mesh = wrapped(2, "freeze(rank=0, after_frames=1)");
+            mesh[0][1]
+                .as_ref()
+                .unwrap()
+                .send(0, 0, Bytes::new())
+                .await
+                .unwrap();
+            let frozen = tokio::time::timeout(
+                Duration::from_millis(100),
+                mesh[0][1].as_ref().unwrap().send(0, 1, Bytes::new()),
+            )
+            .await;
+            assert!(frozen.is_err(), "a frozen rank's send never completes");
+            assert_eq!(mesh[1][0].as_ref().unwrap().recv(0).await.unwrap().tag, 0);
+        })
+        .await;
+    }
+}
