@@ -4,6 +4,7 @@
 //! - [`link`]: the one abstraction, a [`Link`](link::Link) to a peer that
 //!   carries tagged, ordered frames on independent channels with
 //!   back-pressure; the frame header codec.
+//! - [`auth`]: signing published records with the job secret (HMAC-SHA256).
 //! - [`fault`]: a link wrapper injecting drops, delays, partitions, closes,
 //!   kills and freezes, deterministic under a seed (`CHORUS_FAULTS`).
 //! - [`local`]: links between ranks of one process (payloads move without a
@@ -20,6 +21,7 @@
 //! This crate knows nothing of stores or collectives: it is handed peers
 //! (rank, address, fingerprint) and moves frames.
 
+pub mod auth;
 pub mod fault;
 pub mod link;
 pub mod local;

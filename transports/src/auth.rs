@@ -1,0 +1,61 @@
+//! Authenticating what a rank publishes with the job secret.
+//!
+//! Anyone who can write to the store could publish a record naming their own
+//! certificate. With a job secret (`CHORUS_JOB_SECRET`, handed out by
+//! `chorus launch`), every rank signs its record with HMAC-SHA256 and checks
+//! its peers' signatures before pinning their certificates, so a store writer
+//! without the secret cannot join the mesh.
+
+use aws_lc_rs::hmac;
+
+/// Length of a record's signature.
+pub const TAG_LEN: usize = 32;
+
+/// The job secret, as a signing key.
+pub struct JobSecret(hmac::Key);
+
+impl std::fmt::Debug for JobSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JobSecret(..)")
+    }
+}
+
+impl JobSecret {
+    /// A key from the secret's bytes (any length; hex text works as is).
+    pub fn new(secret: &[u8]) -> Self {
+        Self(hmac::Key::new(hmac::HMAC_SHA256, secret))
+    }
+
+    /// The secret in `CHORUS_JOB_SECRET`, if set and not empty.
+    pub fn from_env() -> Option<Self> {
+        std::env::var("CHORUS_JOB_SECRET")
+            .ok()
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| Self::new(s.trim().as_bytes()))
+    }
+
+    /// The signature of `message`.
+    pub fn sign(&self, message: &[u8]) -> [u8; TAG_LEN] {
+        hmac::sign(&self.0, message).as_ref().try_into().expect("HMAC-SHA256 is 32 bytes")
+    }
+
+    /// Whether `tag` signs `message` (compared in constant time).
+    pub fn verify(&self, message: &[u8], tag: &[u8]) -> bool {
+        hmac::verify(&self.0, message, tag).is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_same_secret_verifies() {
+        let secret = JobSecret::new(b"abc123");
+        let tag = secret.sign(b"record");
+        assert!(secret.verify(b"record", &tag));
+        assert!(!secret.verify(b"recorD", &tag));
+        assert!(!JobSecret::new(b"abc124").verify(b"record", &tag));
+        assert!(!secret.verify(b"record", &tag[..31]));
+    }
+}
