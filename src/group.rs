@@ -4,7 +4,8 @@
 //! (`rendezvous::resolve`, reading the launcher's environment), open the
 //! store (rank 0 serves `tcp://`), choose the addresses to publish
 //! (`netif::local_addresses`: the route to the master first, loopback last),
-//! then exchange records (`rendezvous::rendezvous`).
+//! prepare this rank's endpoint (`mesh`), exchange records
+//! (`rendezvous::rendezvous`), then connect to every peer.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -14,8 +15,12 @@ use chorus_runtime::rendezvous::{
     self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError,
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
+use chorus_transports::link::Link;
 use chorus_transports::netif::{self, NetifError};
+use chorus_transports::quic::QuicEndpoint;
 use thiserror::Error;
+
+use crate::mesh::{MeshError, MeshPlan};
 
 /// Why a group could not be formed.
 #[derive(Debug, Error)]
@@ -29,6 +34,9 @@ pub enum InitError {
     /// The store failed after rendezvous (e.g. in a barrier).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The links to the peers could not be made.
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
 }
 
 /// What [`init_process_group`] needs; PyTorch's arguments by other names.
@@ -95,6 +103,9 @@ pub struct ProcessGroup {
     store: Arc<dyn Store>,
     timeout: Duration,
     server: Option<TcpStoreServer>,
+    links: Vec<Option<Arc<dyn Link>>>,
+    /// Kept alive for the links' connections.
+    _endpoint: QuicEndpoint,
 }
 
 /// Forms the group: resolves the configuration, opens the store, publishes
@@ -112,14 +123,17 @@ pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, In
         None => None,
     };
     let addrs = netif::local_addresses(master, &env)?;
-    let record = PeerRecord {
+    let plan = MeshPlan::prepare(config.rank, master.is_some_and(|ip| ip.is_loopback()))?;
+    let mut record = PeerRecord {
         rank: config.rank as u32,
         host: HostId::local(),
         pid: std::process::id(),
         addrs,
         extras: Vec::new(),
     };
+    plan.publish(&mut record, &config.run_id, config.generation);
     let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
+    let (endpoint, links) = plan.connect(&membership, &config.run_id, options.timeout).await?;
     tracing::info!(
         rank = membership.rank,
         world_size = membership.world_size(),
@@ -133,6 +147,8 @@ pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, In
         store: opened.store,
         timeout: options.timeout,
         server: opened.server,
+        links,
+        _endpoint: endpoint,
     })
 }
 
@@ -175,6 +191,11 @@ impl ProcessGroup {
     pub fn peer_address(&self, rank: usize) -> Option<IpAddr> {
         let peer = self.membership.peers.get(rank)?;
         netif::peer_address(&peer.addrs, peer.host == self.membership.me().host)
+    }
+
+    /// This rank's link to `rank` (`None` for itself or out of range).
+    pub fn link(&self, rank: usize) -> Option<&Arc<dyn Link>> {
+        self.links.get(rank)?.as_ref()
     }
 
     /// The store the group met on.

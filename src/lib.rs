@@ -3,14 +3,22 @@
 //!
 //! # Layout
 //! - [`group`]: [`init_process_group`] and the [`ProcessGroup`] handle it
-//!   returns (rendezvous, store, membership; collectives land here next).
+//!   returns (rendezvous, store, membership, links to every peer;
+//!   collectives land here next).
+//! - [`mesh`]: building those links: transport choice, published endpoints,
+//!   job-secret signatures, fault injection.
+//! - [`bench`]: `chorus bench` measurements.
 //! - [`store`], [`rendezvous`]: re-exported from `chorus-runtime`.
 //! - [`netif`]: re-exported from `chorus-transports` (which address a rank
 //!   publishes, which one a peer connects to).
-//! - `src/main.rs`: the `chorus` command line (`hello`, `store ...`).
+//! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
+//! - `src/main.rs`: the `chorus` command line (`hello`, `launch`, `store ...`).
 
+pub mod bench;
 pub mod group;
+pub mod launch;
+pub mod mesh;
 
 pub use chorus_runtime::{rendezvous, store};
-pub use chorus_transports::netif;
+pub use chorus_transports::{fault, link, netif};
 pub use group::{InitError, InitOptions, ProcessGroup, init_process_group};

@@ -3,6 +3,7 @@
 //! - `chorus hello --world N`: the quickstart job. Starts N rank processes on
 //!   this machine that rendezvous (over `tcp://`, `file://` or `env://`) and
 //!   each print who they found.
+//! - `chorus launch [flags] PROGRAM ...`: torchrun's launcher (`chorus::launch`).
 //! - `chorus store serve`: a standalone TCPStore-compatible server.
 //! - `chorus store get|set|add|wait|check|delete|keys`: look inside a job's
 //!   store while debugging a stuck rendezvous.
@@ -31,6 +32,16 @@ enum Commands {
     /// Serve or inspect a TCPStore-compatible key/value store.
     #[command(subcommand)]
     Store(StoreCommand),
+    /// Measure chorus against the peers it must beat.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Start a node's workers as torchrun does (`chorus launch --help`).
+    #[command(disable_help_flag = true)]
+    Launch {
+        /// Flags, then the program and its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -54,6 +65,31 @@ struct HelloArgs {
     /// Internal: run as one rank with the given init URL.
     #[arg(long, hide = true)]
     worker: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Throughput and 8-byte round trip between two processes, per transport, next to raw TCP.
+    Transport {
+        /// Bytes per transfer.
+        #[arg(long, default_value_t = 64 << 20)]
+        size: usize,
+        /// Transfers per throughput sample.
+        #[arg(long, default_value_t = 8)]
+        iters: usize,
+        /// Round trips per latency sample.
+        #[arg(long, default_value_t = 2000)]
+        rtt_iters: usize,
+        /// Samples per path (paths alternate between rounds).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Print machine-readable rows (JSON lines) instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// Internal: run as the peer process, using this store.
+        #[arg(long, hide = true)]
+        peer_store: Option<std::net::SocketAddr>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -150,6 +186,14 @@ fn main() -> ExitCode {
             None => hello(&args),
         },
         Commands::Store(command) => run_async(store_command(command)),
+        // A rank drives its links from one thread, as its actor will: a
+        // cross-thread wake-up per packet tripled the QUIC round trip.
+        Commands::Bench(command) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the async runtime")
+            .and_then(|runtime| runtime.block_on(bench_command(command))),
+        Commands::Launch { args } => return chorus::launch::main(&args),
     };
     match result {
         Ok(code) => code,
@@ -180,11 +224,25 @@ async fn hello_worker(url: String, timeout: Duration) -> Result<ExitCode> {
         me.pid,
         me.host
     );
+    // Greet every peer over the mesh: the links work, not only the store.
+    for rank in (0..group.world_size()).filter(|&r| r != group.rank()) {
+        let link = group.link(rank).context("a peer without a link")?;
+        let greeting = format!("hello from rank {}", group.rank());
+        link.send(0, group.rank() as u64, greeting.into()).await?;
+    }
     for peer in group.peers() {
+        let rank = peer.rank as usize;
         let reach = group
-            .peer_address(peer.rank as usize)
+            .peer_address(rank)
             .map_or_else(|| "unreachable (published only loopback)".to_string(), |ip| ip.to_string());
-        println!("  rank {} pid {} on {} via {}", peer.rank, peer.pid, peer.host, reach);
+        let heard = match group.link(rank) {
+            Some(link) => {
+                let frame = link.recv(0).await?;
+                format!("{} said {:?}", link.kind(), String::from_utf8_lossy(&frame.payload))
+            }
+            None => "(this rank)".to_string(),
+        };
+        println!("  rank {} pid {} on {} via {}: {}", peer.rank, peer.pid, peer.host, reach, heard);
     }
     group.destroy().await?;
     Ok(ExitCode::SUCCESS)
@@ -353,5 +411,54 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
             println!("{} keys", keys.len());
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
+    use chorus::bench::transport::{TransportBench, run_leader, run_peer};
+    let BenchCommand::Transport {
+        size,
+        iters,
+        rtt_iters,
+        rounds,
+        json,
+        peer_store,
+    } = command;
+    let bench = TransportBench {
+        size,
+        iters,
+        rtt_iters,
+        rounds: rounds.max(1),
+    };
+    if let Some(store) = peer_store {
+        run_peer(&bench, store).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let exe = std::env::current_exe().context("locating the chorus binary")?;
+    let (results, memcpy) = run_leader(&bench, &exe).await?;
+    let tcp = results.iter().find(|r| r.path == "tcp").map(|r| (r.gbps, r.rtt_us));
+    if json {
+        for r in &results {
+            println!(
+                "{{\"path\":\"{}\",\"bytes\":{},\"gbps\":{:.3},\"rtt_us\":{:.1},\"memcpy_gbps\":{:.2}}}",
+                r.path, size, r.gbps, r.rtt_us, memcpy
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("# chorus bench transport: {size} B x {iters} per sample, {rtt_iters} round trips, median of {rounds} rounds");
+    println!("#  path   throughput(GB/s)  vs tcp   rtt 8B(us)  vs tcp");
+    for r in &results {
+        let (tcp_gbps, tcp_rtt) = tcp.unwrap_or((r.gbps, r.rtt_us));
+        println!(
+            "   {:<6} {:>16.2} {:>7.2}x {:>12.1} {:>7.2}x",
+            r.path,
+            r.gbps,
+            r.gbps / tcp_gbps,
+            r.rtt_us,
+            r.rtt_us / tcp_rtt
+        );
+    }
+    println!("# single-thread memcpy: {memcpy:.2} GB/s");
     Ok(ExitCode::SUCCESS)
 }

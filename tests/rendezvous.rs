@@ -50,6 +50,10 @@ fn hello(world: usize, init: &str) {
             found.iter().all(|l| l.contains("via 127.0.0.1")),
             "peers on this host are reached over loopback:\n{all}"
         );
+        for peer in (0..world).filter(|&p| p != rank) {
+            let greeting = format!("said \"hello from rank {peer}\"");
+            assert!(found.iter().any(|l| l.contains(&greeting)), "rank {rank} never heard rank {peer}:\n{all}");
+        }
     }
     assert!(all.contains(&format!("all {world} ranks found each other")), "{all}");
 }
@@ -197,4 +201,32 @@ fn two_rank_zeros_cannot_both_serve() {
     assert!(!output.status.success());
     assert!(all.contains("port is in use") || all.contains("claimed twice"), "{all}");
     let _ = wait_with_deadline(rank0, 30);
+}
+
+#[test]
+fn a_rank_without_the_job_secret_is_refused() {
+    let port = free_port();
+    let url = |rank: usize| format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2");
+    let rank0 = worker(&url(0), 5, &[("CHORUS_JOB_SECRET", "the-real-secret".to_string())])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let intruder = run(worker(&url(1), 5, &[("CHORUS_JOB_SECRET", "a-guess".to_string())]), 30);
+    let rank0 = wait_with_deadline(rank0, 30);
+    assert!(!rank0.status.success() && !intruder.status.success());
+    let all = text(&rank0);
+    assert!(all.contains("rank 1 (pid") && all.contains("not signed with this job's secret"), "{all}");
+}
+
+#[test]
+fn faults_from_the_environment_kill_the_named_rank() {
+    let mut command = Command::new(CHORUS);
+    command
+        .args(["hello", "--world", "3", "--timeout", "5"])
+        .env("CHORUS_FAULTS", "kill(rank=1)");
+    let output = run(command, 60);
+    let all = text(&output);
+    assert!(!output.status.success(), "{all}");
+    assert!(all.contains("rank 1 exited with signal: 9"), "rank 1 must die by SIGKILL:\n{all}");
 }

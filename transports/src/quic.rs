@@ -225,7 +225,7 @@ impl Default for QuicOptions {
             max_frame: 256 << 20,
             connect_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(30),
-            socket_buffer: 8 << 20,
+            socket_buffer: 32 << 20,
         }
     }
 }
@@ -739,6 +739,8 @@ impl Link for QuicLink {
 
 impl Drop for QuicLink {
     fn drop(&mut self) {
+        let stats = self.conn.stats();
+        tracing::debug!(peer = self.peer, mtu = stats.path.current_mtu, cwnd = stats.path.cwnd, lost = stats.path.lost_packets, sent = stats.path.sent_packets, "QUIC link closed");
         self.acceptor.abort();
     }
 }

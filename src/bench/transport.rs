@@ -1,0 +1,301 @@
+//! `chorus bench transport`: throughput (large transfers) and 8-byte round
+//! trip between two processes on this machine, for each transport path, next
+//! to raw TCP measured in the same run.
+//!
+//! The parent is rank 0; it hosts a store and starts rank 1 as a child
+//! process. Both walk the same sequence of (round, path) steps; each step
+//! sets up a fresh connection (endpoints exchanged through the store under a
+//! key unique to the step), measures, and closes. Rounds alternate the paths
+//! so that noise on a shared machine hits each path alike; medians are
+//! reported.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use chorus_runtime::store::{Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
+use chorus_transports::link::Link;
+use chorus_transports::quic::{QuicEndpoint, QuicIdentity, QuicOptions, QuicPeer};
+use thiserror::Error;
+
+/// Why a benchmark could not run.
+#[derive(Debug, Error)]
+pub enum BenchError {
+    /// Setting up or talking to the peer process failed.
+    #[error("{0}")]
+    Setup(String),
+    /// IO failed during a measurement.
+    #[error("io error during the {path} measurement: {source}")]
+    Io {
+        /// The path being measured.
+        path: &'static str,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn setup(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Setup(e.to_string())
+}
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct TransportBench {
+    /// Bytes per transfer.
+    pub size: usize,
+    /// Transfers per throughput measurement.
+    pub iters: usize,
+    /// Round trips per latency measurement.
+    pub rtt_iters: usize,
+    /// Rounds (each measures every path once).
+    pub rounds: usize,
+}
+
+/// One path's medians.
+#[derive(Debug, Clone)]
+pub struct PathResult {
+    /// `tcp` or `quic`.
+    pub path: &'static str,
+    /// Median throughput, GB/s (decimal).
+    pub gbps: f64,
+    /// Median 8-byte round trip, microseconds.
+    pub rtt_us: f64,
+}
+
+const PATHS: [&str; 2] = ["tcp", "quic"];
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Rank 0: hosts the store, starts rank 1 (`chorus_exe bench transport --peer-store ...`),
+/// and returns every path's medians and the single-thread memcpy bandwidth.
+pub async fn run_leader(bench: &TransportBench, chorus_exe: &std::path::Path) -> Result<(Vec<PathResult>, f64), BenchError> {
+    let server = TcpStoreServer::bind("127.0.0.1:0".parse().expect("literal address"), TcpStoreServerOptions::default())
+        .await
+        .map_err(setup)?;
+    let store_addr = server.local_addr();
+    let mut child = tokio::process::Command::new(chorus_exe)
+        .args([
+            "bench",
+            "transport",
+            "--size",
+            &bench.size.to_string(),
+            "--iters",
+            &bench.iters.to_string(),
+            "--rtt-iters",
+            &bench.rtt_iters.to_string(),
+            "--rounds",
+            &bench.rounds.to_string(),
+            "--peer-store",
+            &store_addr.to_string(),
+        ])
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| setup(format!("starting the peer process: {e}")))?;
+    let store = connect(store_addr).await?;
+    let mut samples: Vec<(Vec<f64>, Vec<f64>)> = PATHS.iter().map(|_| (Vec::new(), Vec::new())).collect();
+    for round in 0..bench.rounds {
+        for (i, path) in PATHS.iter().enumerate() {
+            let (gbps, rtt) = step(&store, bench, round, path, 0).await?;
+            samples[i].0.push(gbps);
+            samples[i].1.push(rtt);
+        }
+    }
+    let status = child.wait().await.map_err(setup)?;
+    if !status.success() {
+        return Err(setup(format!("the peer process failed: {status}")));
+    }
+    let results = PATHS
+        .iter()
+        .zip(samples.iter_mut())
+        .map(|(path, (gbps, rtt))| PathResult {
+            path,
+            gbps: median(gbps),
+            rtt_us: median(rtt),
+        })
+        .collect();
+    Ok((results, memcpy_gbps(bench.size)))
+}
+
+/// Rank 1: follows the leader's steps.
+pub async fn run_peer(bench: &TransportBench, store_addr: SocketAddr) -> Result<(), BenchError> {
+    let store = connect(store_addr).await?;
+    for round in 0..bench.rounds {
+        for path in PATHS {
+            step(&store, bench, round, path, 1).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn connect(addr: SocketAddr) -> Result<TcpStore, BenchError> {
+    let options = TcpStoreOptions {
+        timeout: Duration::from_secs(60),
+        connect_timeout: Duration::from_secs(10),
+        ..TcpStoreOptions::default()
+    };
+    TcpStore::connect(addr.to_string(), options).await.map_err(setup)
+}
+
+/// One path in one round; rank 0 returns (GB/s, round-trip µs).
+async fn step(store: &TcpStore, bench: &TransportBench, round: usize, path: &'static str, rank: usize) -> Result<(f64, f64), BenchError> {
+    let key = |r: usize| format!("bench/{round}/{path}/{r}");
+    match path {
+        "tcp" => {
+            let bench = bench.clone();
+            if rank == 0 {
+                let listener = TcpListener::bind("127.0.0.1:0").map_err(setup)?;
+                store.set(&key(0), listener.local_addr().map_err(setup)?.to_string().as_bytes()).await.map_err(setup)?;
+                tokio::task::spawn_blocking(move || tcp_leader(listener, &bench)).await.map_err(setup)?
+            } else {
+                let addr: SocketAddr = String::from_utf8_lossy(&store.get(&key(0)).await.map_err(setup)?).parse().map_err(setup)?;
+                tokio::task::spawn_blocking(move || tcp_peer(addr, &bench)).await.map_err(setup)??;
+                Ok((0.0, 0.0))
+            }
+        }
+        _ => {
+            let identity = QuicIdentity::generate().map_err(setup)?;
+            let endpoint = QuicEndpoint::bind(rank, [127, 0, 0, 1].into(), &identity, QuicOptions::default()).map_err(setup)?;
+            let mut mine = endpoint.local_addr().port().to_le_bytes().to_vec();
+            mine.extend_from_slice(&identity.fingerprint());
+            store.set(&key(rank), &mine).await.map_err(setup)?;
+            let theirs = store.get(&key(1 - rank)).await.map_err(setup)?;
+            let mut peers = vec![
+                QuicPeer {
+                    rank,
+                    addr: endpoint.local_addr(),
+                    fingerprint: identity.fingerprint(),
+                },
+                QuicPeer {
+                    rank: 1 - rank,
+                    addr: SocketAddr::from(([127, 0, 0, 1], u16::from_le_bytes([theirs[0], theirs[1]]))),
+                    fingerprint: theirs[2..34].try_into().map_err(setup)?,
+                },
+            ];
+            peers.sort_by_key(|p| p.rank);
+            let links = endpoint.connect_mesh(&peers).await.map_err(setup)?;
+            let link = links[1 - rank].clone().ok_or_else(|| setup("no link to the peer"))?;
+            let result = if rank == 0 {
+                link_leader(&link, bench).await
+            } else {
+                link_peer(&link, bench).await.map(|()| (0.0, 0.0))
+            };
+            // Both sides must be done before either closes.
+            store.add(&format!("bench/{round}/{path}/done"), 1).await.map_err(setup)?;
+            wait_count(store, &format!("bench/{round}/{path}/done"), 2).await?;
+            result
+        }
+    }
+}
+
+async fn wait_count(store: &TcpStore, key: &str, want: i64) -> Result<(), BenchError> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while store.add(key, 0).await.map_err(setup)? < want {
+        if Instant::now() > deadline {
+            return Err(setup(format!("the peer never reached {key}")));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
+fn io(path: &'static str) -> impl Fn(std::io::Error) -> BenchError {
+    move |source| BenchError::Io { path, source }
+}
+
+fn tcp_leader(listener: TcpListener, bench: &TransportBench) -> Result<(f64, f64), BenchError> {
+    let (mut stream, _) = listener.accept().map_err(io("tcp"))?;
+    stream.set_nodelay(true).map_err(io("tcp"))?;
+    let buffer = vec![1u8; bench.size];
+    let mut ack = [0u8; 1];
+    let started = Instant::now();
+    for _ in 0..bench.iters {
+        stream.write_all(&buffer).map_err(io("tcp"))?;
+    }
+    stream.read_exact(&mut ack).map_err(io("tcp"))?;
+    let gbps = (bench.size * bench.iters) as f64 / started.elapsed().as_secs_f64() / 1e9;
+    let mut rtts = Vec::with_capacity(bench.rtt_iters);
+    let mut ping = [0u8; 8];
+    for _ in 0..bench.rtt_iters {
+        let sent = Instant::now();
+        stream.write_all(&ping).map_err(io("tcp"))?;
+        stream.read_exact(&mut ping).map_err(io("tcp"))?;
+        rtts.push(sent.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok((gbps, median(&mut rtts)))
+}
+
+fn tcp_peer(addr: SocketAddr, bench: &TransportBench) -> Result<(), BenchError> {
+    let mut stream = TcpStream::connect(addr).map_err(io("tcp"))?;
+    stream.set_nodelay(true).map_err(io("tcp"))?;
+    // Received into one reused buffer, as a pooled receiver would.
+    let mut buffer = vec![0u8; bench.size];
+    for _ in 0..bench.iters {
+        stream.read_exact(&mut buffer).map_err(io("tcp"))?;
+    }
+    stream.write_all(&[1]).map_err(io("tcp"))?;
+    let mut ping = [0u8; 8];
+    for _ in 0..bench.rtt_iters {
+        stream.read_exact(&mut ping).map_err(io("tcp"))?;
+        stream.write_all(&ping).map_err(io("tcp"))?;
+    }
+    Ok(())
+}
+
+fn link_error(e: impl std::fmt::Display) -> BenchError {
+    setup(format!("link failed: {e}"))
+}
+
+async fn link_leader(link: &Arc<dyn Link>, bench: &TransportBench) -> Result<(f64, f64), BenchError> {
+    let payload = Bytes::from(vec![1u8; bench.size]);
+    let started = Instant::now();
+    for i in 0..bench.iters {
+        link.send(0, i as u64, payload.clone()).await.map_err(link_error)?;
+    }
+    link.recv(1).await.map_err(link_error)?;
+    let gbps = (bench.size * bench.iters) as f64 / started.elapsed().as_secs_f64() / 1e9;
+    let mut rtts = Vec::with_capacity(bench.rtt_iters);
+    let ping = Bytes::from_static(&[0u8; 8]);
+    for i in 0..bench.rtt_iters {
+        let sent = Instant::now();
+        link.send(2, i as u64, ping.clone()).await.map_err(link_error)?;
+        link.recv(2).await.map_err(link_error)?;
+        rtts.push(sent.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok((gbps, median(&mut rtts)))
+}
+
+async fn link_peer(link: &Arc<dyn Link>, bench: &TransportBench) -> Result<(), BenchError> {
+    for _ in 0..bench.iters {
+        let frame = link.recv(0).await.map_err(link_error)?;
+        if frame.payload.len() != bench.size {
+            return Err(setup(format!("received {} bytes, expected {}", frame.payload.len(), bench.size)));
+        }
+    }
+    link.send(1, 0, Bytes::from_static(b"k")).await.map_err(link_error)?;
+    for _ in 0..bench.rtt_iters {
+        let frame = link.recv(2).await.map_err(link_error)?;
+        link.send(2, frame.tag, frame.payload).await.map_err(link_error)?;
+    }
+    Ok(())
+}
+
+/// Single-thread memcpy bandwidth between two reused buffers, GB/s.
+pub fn memcpy_gbps(size: usize) -> f64 {
+    let source = vec![1u8; size];
+    let mut target = vec![0u8; size];
+    target.copy_from_slice(&source);
+    let mut samples = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        target.copy_from_slice(std::hint::black_box(&source));
+        std::hint::black_box(&target);
+        samples.push(size as f64 / started.elapsed().as_secs_f64() / 1e9);
+    }
+    median(&mut samples)
+}

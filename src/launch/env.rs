@@ -1,0 +1,168 @@
+//! Sans-IO: the environment each worker gets, as torchrun gives it, plus
+//! `CHORUS_JOB_SECRET`.
+
+use std::path::{Path, PathBuf};
+
+/// What every worker of one node in one attempt shares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobEnv {
+    /// `ROLE_NAME`.
+    pub role: String,
+    /// Workers on each node (equal on every node).
+    pub nproc_per_node: usize,
+    /// This node's rank (`GROUP_RANK`).
+    pub node_rank: usize,
+    /// Nodes in the job (`GROUP_WORLD_SIZE`).
+    pub nnodes: usize,
+    /// Where the launcher's store listens.
+    pub master_addr: String,
+    /// Its port.
+    pub master_port: u16,
+    /// `TORCHELASTIC_RESTART_COUNT`.
+    pub restart_count: u64,
+    /// `TORCHELASTIC_MAX_RESTARTS`.
+    pub max_restarts: u64,
+    /// `TORCHELASTIC_RUN_ID`.
+    pub run_id: String,
+    /// `CHORUS_JOB_SECRET`.
+    pub secret: String,
+    /// This attempt's directory; each rank's `TORCHELASTIC_ERROR_FILE` is
+    /// `<attempt_dir>/<rank>/error.json`.
+    pub attempt_dir: PathBuf,
+}
+
+/// The signals the launcher forwards, as torchrun names them in
+/// `TORCHELASTIC_SIGNALS_TO_HANDLE`.
+pub const SIGNALS_TO_HANDLE: &str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT";
+
+impl JobEnv {
+    /// The global rank of `local_rank` on this node.
+    pub fn rank(&self, local_rank: usize) -> usize {
+        self.node_rank * self.nproc_per_node + local_rank
+    }
+
+    /// Number of ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+
+    /// Where `rank` writes its error report (`TORCHELASTIC_ERROR_FILE`).
+    pub fn error_file(&self, rank: usize) -> PathBuf {
+        rank_dir(&self.attempt_dir, rank).join("error.json")
+    }
+
+    /// The variables set for `local_rank`; `parent` reads the launcher's own
+    /// environment, which workers inherit and which decides the defaults
+    /// (`OMP_NUM_THREADS`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`).
+    pub fn for_worker(&self, local_rank: usize, parent: &dyn Fn(&str) -> Option<String>) -> Vec<(String, String)> {
+        let rank = self.rank(local_rank).to_string();
+        let world = self.world_size().to_string();
+        let mut vars: Vec<(&str, String)> = vec![
+            ("RANK", rank.clone()),
+            ("LOCAL_RANK", local_rank.to_string()),
+            ("WORLD_SIZE", world.clone()),
+            ("LOCAL_WORLD_SIZE", self.nproc_per_node.to_string()),
+            ("GROUP_RANK", self.node_rank.to_string()),
+            ("GROUP_WORLD_SIZE", self.nnodes.to_string()),
+            // One role per job: its ranks are the job's.
+            ("ROLE_RANK", rank.clone()),
+            ("ROLE_NAME", self.role.clone()),
+            ("ROLE_WORLD_SIZE", world),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+            ("TORCHELASTIC_RESTART_COUNT", self.restart_count.to_string()),
+            ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
+            ("TORCHELASTIC_RUN_ID", self.run_id.clone()),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True".to_string()),
+            ("TORCHELASTIC_SIGNALS_TO_HANDLE", SIGNALS_TO_HANDLE.to_string()),
+            (
+                "TORCHELASTIC_ERROR_FILE",
+                self.error_file(self.rank(local_rank)).display().to_string(),
+            ),
+            (
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                parent("TORCH_NCCL_ASYNC_ERROR_HANDLING").unwrap_or_else(|| "1".to_string()),
+            ),
+            ("CHORUS_JOB_SECRET", self.secret.clone()),
+        ];
+        if self.nproc_per_node > 1 && parent("OMP_NUM_THREADS").is_none() {
+            vars.push(("OMP_NUM_THREADS", "1".to_string()));
+        }
+        vars.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    }
+}
+
+/// `<attempt_dir>/<rank>`: a rank's log and error files.
+pub fn rank_dir(attempt_dir: &Path, rank: usize) -> PathBuf {
+    attempt_dir.join(rank.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> JobEnv {
+        JobEnv {
+            role: "trainer".into(),
+            nproc_per_node: 3,
+            node_rank: 1,
+            nnodes: 2,
+            master_addr: "n0".into(),
+            master_port: 29500,
+            restart_count: 2,
+            max_restarts: 5,
+            run_id: "job".into(),
+            secret: "ab".into(),
+            attempt_dir: PathBuf::from("/l/job/attempt_2"),
+        }
+    }
+
+    fn get<'a>(vars: &'a [(String, String)], key: &str) -> Option<&'a str> {
+        vars.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn ranks_follow_node_rank_and_local_rank() {
+        let vars = job().for_worker(2, &|_| None);
+        for (key, value) in [
+            ("RANK", "5"),
+            ("LOCAL_RANK", "2"),
+            ("WORLD_SIZE", "6"),
+            ("LOCAL_WORLD_SIZE", "3"),
+            ("GROUP_RANK", "1"),
+            ("GROUP_WORLD_SIZE", "2"),
+            ("ROLE_RANK", "5"),
+            ("ROLE_NAME", "trainer"),
+            ("ROLE_WORLD_SIZE", "6"),
+            ("MASTER_ADDR", "n0"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_MAX_RESTARTS", "5"),
+            ("TORCHELASTIC_RUN_ID", "job"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_ERROR_FILE", "/l/job/attempt_2/5/error.json"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            ("OMP_NUM_THREADS", "1"),
+            ("CHORUS_JOB_SECRET", "ab"),
+        ] {
+            assert_eq!(get(&vars, key), Some(value), "{key}");
+        }
+    }
+
+    #[test]
+    fn user_settings_are_kept() {
+        let parent = |k: &str| match k {
+            "OMP_NUM_THREADS" => Some("4".to_string()),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING" => Some("3".to_string()),
+            _ => None,
+        };
+        let vars = job().for_worker(0, &parent);
+        assert_eq!(get(&vars, "OMP_NUM_THREADS"), None, "inherited, not overridden");
+        assert_eq!(get(&vars, "TORCH_NCCL_ASYNC_ERROR_HANDLING"), Some("3"));
+        let single = JobEnv {
+            nproc_per_node: 1,
+            ..job()
+        };
+        assert_eq!(get(&single.for_worker(0, &|_| None), "OMP_NUM_THREADS"), None);
+    }
+}

@@ -1,0 +1,637 @@
+//! `chorus launch`: starts a node's workers the way torchrun does, so
+//! unmodified PyTorch scripts and chorus programs run under it.
+//!
+//! The launcher of a job serves the job's store at `MASTER_ADDR:MASTER_PORT`
+//! and tells the workers so (`TORCHELASTIC_USE_AGENT_STORE=True`): rank 0
+//! connects to it instead of serving its own, and the store outlives any
+//! worker. With several nodes the launchers meet on that store, agree on the
+//! node count, node ranks and `--nproc-per-node`, and restart together: a
+//! failure anywhere advances the store's attempt counter, which every
+//! launcher watches.
+//!
+//! # Layout
+//! - `config`: sans-IO; flags and `PET_*` variables into a [`LaunchConfig`],
+//!   and where the store is served ([`config::StorePlan`]).
+//! - `env`: sans-IO; the environment of each worker ([`env::JobEnv`]).
+//! - `plan`: sans-IO; restart policy, when the node group is formed, exit codes.
+//! - `nodes`: serving or reaching the store; the launchers' rendezvous,
+//!   attempt counter and shared secret on it.
+//! - `workers`: the worker processes of one attempt and their output.
+//! - this file: the driver tying them together ([`main`]).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::signal::unix::{Signal, SignalKind, signal};
+
+pub mod config;
+pub mod env;
+pub mod nodes;
+pub mod plan;
+pub mod workers;
+
+pub use config::{ConfigError, LaunchConfig, Parsed};
+
+use chorus_runtime::store::StoreError;
+use config::{HostFacts, Streams};
+use nodes::{JobStore, Joining, Keys};
+use plan::AfterFailure;
+use workers::{WorkerSpec, Workers};
+
+/// Why a launch failed before or between its workers' runs.
+#[derive(Debug, Error)]
+pub enum LaunchError {
+    /// The command line is wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The program is not there.
+    #[error(
+        "program {0} not found (not a file, or not on PATH, or not executable); check the path, or name a .py script"
+    )]
+    ProgramNotFound(String),
+    /// The store cannot be served.
+    #[error(
+        "cannot serve the store on {addr}: {source}; pick another --master-port (or --rdzv-endpoint port), or use --standalone"
+    )]
+    Bind {
+        /// Address tried.
+        addr: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// This launcher must serve the store but the address is elsewhere.
+    #[error(
+        "{0} is not an address of this machine, but this launcher must serve the store there (single node, or --node-rank 0); fix --master-addr / --rdzv-endpoint"
+    )]
+    NotLocal(String),
+    /// The store's host name does not resolve.
+    #[error("{0} does not resolve; fix --master-addr / --rdzv-endpoint")]
+    Unresolvable(String),
+    /// A worker could not be started.
+    #[error("cannot start rank {rank} ({program}): {source}")]
+    Spawn {
+        /// Program.
+        program: String,
+        /// Rank.
+        rank: usize,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Not enough nodes arrived in time.
+    #[error(
+        "only {joined} of {expected} nodes joined within {waited:?}; start `chorus launch` with the same --nnodes, --rdzv-id and store address on every node, or raise --rdzv-conf join_timeout"
+    )]
+    NodesMissing {
+        /// Nodes that arrived.
+        joined: usize,
+        /// Nodes needed.
+        expected: usize,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// More launchers than `--nnodes` allows.
+    #[error(
+        "the job already has its {max} nodes; this launcher is one too many (check --nnodes, --node-rank and --rdzv-id)"
+    )]
+    TooManyNodes {
+        /// The node count.
+        max: usize,
+    },
+    /// Two launchers claim one node rank.
+    #[error("node rank {node_rank} is already taken by launcher {other}; give each node its own --node-rank, or none")]
+    DuplicateNodeRank {
+        /// The rank.
+        node_rank: usize,
+        /// The launcher that holds it.
+        other: String,
+    },
+    /// Nodes disagree on `--nproc-per-node`.
+    #[error(
+        "this node runs --nproc-per-node {mine} but node {other_node} (launcher {other_id}) runs {other}; give every node the same --nproc-per-node"
+    )]
+    NprocMismatch {
+        /// This node's count.
+        mine: usize,
+        /// The other node.
+        other_node: usize,
+        /// Its launcher.
+        other_id: String,
+        /// Its count.
+        other: String,
+    },
+    /// A multi-node launcher found no secret to share.
+    #[error(
+        "no job secret arrived from the launcher serving the store; set CHORUS_JOB_SECRET or --job-secret-file on every node"
+    )]
+    NoSecret,
+    /// The secret file cannot be read.
+    #[error("cannot read the job secret from {path}: {reason}; give a readable, non-empty file")]
+    SecretFile {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Setting up the launcher (signals, directories) failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl LaunchError {
+    /// The launcher's exit code: 2 for input to fix (as with a bad command
+    /// line), 1 for failures while running.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            LaunchError::Config(_)
+            | LaunchError::ProgramNotFound(_)
+            | LaunchError::Bind { .. }
+            | LaunchError::NotLocal(_)
+            | LaunchError::Unresolvable(_)
+            | LaunchError::SecretFile { .. } => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// Runs `chorus launch` with `args` (everything after `launch`) and returns
+/// the launcher's exit code.
+pub fn main(args: &[String]) -> ExitCode {
+    let lookup = |name: &str| std::env::var(name).ok();
+    let host = HostFacts {
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        gpus: count_gpus(),
+    };
+    let config = match config::parse(args, &lookup, host) {
+        Ok(Parsed::Help) => {
+            print!("{}", config::USAGE);
+            return ExitCode::SUCCESS;
+        }
+        Ok(Parsed::Launch(config)) => *config,
+        Err(error) => return fail(&error.into()),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(source) => {
+            return fail(&LaunchError::Io {
+                what: "starting the async runtime".into(),
+                source,
+            });
+        }
+    };
+    match runtime.block_on(launch(config)) {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(error) => fail(&error),
+    }
+}
+
+fn fail(error: &LaunchError) -> ExitCode {
+    eprintln!("chorus launch: error: {error}");
+    ExitCode::from(error.exit_code())
+}
+
+fn say(message: impl std::fmt::Display) {
+    eprintln!("chorus launch: {message}");
+}
+
+/// GPUs visible as `/dev/nvidia<N>`.
+fn count_gpus() -> usize {
+    std::fs::read_dir("/dev").map_or(0, |dir| {
+        dir.filter_map(Result::ok)
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.strip_prefix("nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .count()
+    })
+}
+
+/// Whether `program` names an executable file, directly or on `PATH`.
+fn program_exists(program: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let executable =
+        |path: &Path| std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    if program.contains('/') {
+        return executable(Path::new(program));
+    }
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| executable(&dir.join(program))))
+}
+
+/// `bytes` random bytes as hex.
+fn random_hex(bytes: usize) -> Result<String, LaunchError> {
+    use std::io::Read;
+    let mut buf = vec![0u8; bytes];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .map_err(|source| LaunchError::Io {
+            what: "reading /dev/urandom".into(),
+            source,
+        })?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The signals the launcher forwards to its workers (torchrun's
+/// `--signals-to-handle` default).
+struct Signals(Vec<(i32, Signal)>);
+
+impl Signals {
+    fn new() -> Result<Self, LaunchError> {
+        [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT]
+            .into_iter()
+            .map(|n| {
+                signal(SignalKind::from_raw(n))
+                    .map(|s| (n, s))
+                    .map_err(|source| LaunchError::Io {
+                        what: "installing signal handlers".into(),
+                        source,
+                    })
+            })
+            .collect::<Result<_, _>>()
+            .map(Signals)
+    }
+
+    /// The next signal received.
+    async fn recv(&mut self) -> i32 {
+        let waits = self.0.iter_mut().map(|(n, s)| {
+            let n = *n;
+            Box::pin(async move {
+                s.recv().await;
+                n
+            })
+        });
+        futures_select_all(waits).await
+    }
+}
+
+/// The first of several futures to finish.
+async fn futures_select_all<F: std::future::Future<Output = i32> + Unpin>(futures: impl Iterator<Item = F>) -> i32 {
+    let mut futures: Vec<F> = futures.collect();
+    std::future::poll_fn(|cx| {
+        for future in &mut futures {
+            if let std::task::Poll::Ready(n) = std::pin::Pin::new(future).poll(cx) {
+                return std::task::Poll::Ready(n);
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+/// How one attempt on this node ended.
+enum Outcome {
+    /// Every local worker succeeded.
+    Succeeded,
+    /// A local worker failed.
+    Failed(workers::Ended),
+    /// Another node moved the job to this attempt.
+    Moved(u64),
+    /// The launcher got this signal.
+    Signaled(i32),
+}
+
+/// Everything fixed for the whole run.
+struct Job {
+    config: LaunchConfig,
+    store: JobStore,
+    keys: Keys,
+    run_id: String,
+    secret: String,
+    launcher_id: String,
+    /// `<log dir>/<run id>` or a temporary directory, holding `attempt_<n>/<rank>/`.
+    run_dir: PathBuf,
+    /// Whether `run_dir` is ours to remove at the end.
+    temporary: bool,
+}
+
+async fn launch(config: LaunchConfig) -> Result<i32, LaunchError> {
+    if !program_exists(&config.command[0]) {
+        return Err(LaunchError::ProgramNotFound(config.command[0].clone()));
+    }
+    let mut signals = Signals::new()?;
+    if config.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
+        say(
+            "setting OMP_NUM_THREADS=1 for each worker (as torchrun does) to avoid overloading the machine; \
+             set it yourself to tune it",
+        );
+    }
+    let plan = config.store_plan();
+    let store = tokio::select! {
+        store = nodes::open(&plan, config.join_timeout) => store?,
+        signo = signals.recv() => return Ok(128 + signo),
+    };
+    let keys_run_id = config.run_id(|| random_hex(16).unwrap_or_else(|_| std::process::id().to_string()));
+    let keys = Keys::new(&keys_run_id);
+    let secret = tokio::select! {
+        secret = job_secret(&config, &store, &keys) => secret?,
+        signo = signals.recv() => return Ok(128 + signo),
+    };
+    let (run_dir, temporary) = match &config.log_dir {
+        Some(dir) => (dir.join(&keys_run_id), false),
+        None => (
+            std::env::temp_dir().join(format!("chorus-launch-{}-{}", std::process::id(), random_hex(4)?)),
+            true,
+        ),
+    };
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let mut job = Job {
+        launcher_id: format!("{}:{}", hostname.trim(), std::process::id()),
+        config,
+        store,
+        keys,
+        run_id: keys_run_id,
+        secret,
+        run_dir,
+        temporary,
+    };
+    let result = run(&mut job, &mut signals).await;
+    if job.temporary {
+        let _ = std::fs::remove_dir_all(&job.run_dir);
+    }
+    let server = job.store.server.take();
+    // Our own connection must not hold the server's shutdown open.
+    drop(job);
+    if let Some(server) = server {
+        // Lets the other nodes' launchers read the final state before the store goes.
+        server.shutdown().await;
+    }
+    result
+}
+
+/// The job secret: CHORUS_JOB_SECRET, else `--job-secret-file`, else a fresh
+/// one (single node), else one the store's host publishes (multi-node).
+async fn job_secret(config: &LaunchConfig, store: &JobStore, keys: &Keys) -> Result<String, LaunchError> {
+    if let Some(secret) = std::env::var("CHORUS_JOB_SECRET").ok().filter(|s| !s.is_empty()) {
+        return Ok(secret);
+    }
+    if let Some(path) = &config.job_secret_file {
+        let secret = std::fs::read_to_string(path).map_err(|e| LaunchError::SecretFile {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let secret = secret.trim();
+        if secret.is_empty() {
+            return Err(LaunchError::SecretFile {
+                path: path.clone(),
+                reason: "it is empty".into(),
+            });
+        }
+        return Ok(secret.to_string());
+    }
+    let fresh = random_hex(32)?;
+    if config.max_nodes == 1 {
+        return Ok(fresh);
+    }
+    let hosting = store.server.is_some();
+    if hosting {
+        say(
+            "warning: no CHORUS_JOB_SECRET or --job-secret-file; publishing a generated job secret in the store, where anyone who can reach it can read it",
+        );
+    }
+    nodes::shared_secret(store.store.as_ref(), keys, hosting, || fresh, config.join_timeout).await
+}
+
+/// Runs attempts until the job succeeds, fails for good or is signalled.
+async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
+    let config = &job.config;
+    let store = job.store.store.clone();
+    let mut attempt = nodes::current_attempt(store.as_ref(), &job.keys).await?;
+    let mut node_rank = config.node_rank;
+    loop {
+        let joining = Joining {
+            node_rank,
+            nproc_per_node: config.nproc_per_node,
+            min_nodes: config.min_nodes,
+            max_nodes: config.max_nodes,
+            join_timeout: config.join_timeout,
+            last_call_timeout: config.last_call_timeout,
+            poll: config.monitor_interval.max(Duration::from_millis(10)),
+            launcher_id: &job.launcher_id,
+        };
+        let formed = tokio::select! {
+            formed = nodes::join(store.as_ref(), &job.keys, attempt, &joining) => formed?,
+            signo = signals.recv() => return Ok(128 + signo),
+        };
+        // Keep the node rank across restarts, so a node's ranks stay put.
+        node_rank = Some(formed.node_rank);
+        let job_env = env::JobEnv {
+            role: config.role.clone(),
+            nproc_per_node: config.nproc_per_node,
+            node_rank: formed.node_rank,
+            nnodes: formed.nnodes,
+            master_addr: job.store.host.clone(),
+            master_port: job.store.port,
+            restart_count: attempt,
+            max_restarts: config.max_restarts,
+            run_id: job.run_id.clone(),
+            secret: job.secret.clone(),
+            attempt_dir: job.run_dir.join(format!("attempt_{attempt}")),
+        };
+        let mut workers = Workers::spawn(specs(config, &job_env)?, config.shutdown_timeout).await?;
+        let outcome = supervise(&mut workers, job, formed, attempt, signals).await;
+        match outcome {
+            Outcome::Succeeded => match wait_for_nodes(job, formed, attempt, signals).await? {
+                AllDone::Yes => return Ok(0),
+                AllDone::Signaled(signo) => return Ok(128 + signo),
+                AllDone::Moved(next) => {
+                    say(format!(
+                        "{}; restarting this node's workers too",
+                        nodes::failure(store.as_ref(), &job.keys, attempt).await
+                    ));
+                    if next > config.max_restarts {
+                        return Ok(1);
+                    }
+                    attempt = next;
+                }
+            },
+            Outcome::Failed(ended) => {
+                let tail = workers.tail(ended.rank).await;
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                let what = format!(
+                    "rank {} (local rank {} on node {}, pid {}) {} in attempt {attempt}",
+                    ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit
+                );
+                report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
+                if config.max_nodes > 1 {
+                    nodes::advance_attempt(store.as_ref(), &job.keys, attempt, &what).await?;
+                }
+                match plan::after_failure(attempt, config.max_restarts) {
+                    AfterFailure::Restart { next } => {
+                        say(format!(
+                            "restarting the group (restart {next} of {})",
+                            config.max_restarts
+                        ));
+                        attempt = next;
+                    }
+                    AfterFailure::GiveUp => {
+                        say(format!(
+                            "rank {} failed and --max-restarts {} is used up; exiting",
+                            ended.rank, config.max_restarts
+                        ));
+                        return Ok(ended.exit.launcher_code());
+                    }
+                }
+            }
+            Outcome::Moved(next) => {
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                let why = nodes::failure(store.as_ref(), &job.keys, attempt).await;
+                if next > config.max_restarts {
+                    say(format!(
+                        "{why}; --max-restarts {} is used up; exiting",
+                        config.max_restarts
+                    ));
+                    return Ok(1);
+                }
+                say(format!(
+                    "{why}; restarting this node's workers (restart {next} of {})",
+                    config.max_restarts
+                ));
+                attempt = next;
+            }
+            Outcome::Signaled(signo) => {
+                say(format!("got {}; stopping the workers", plan::signal_name(signo)));
+                workers.stop(signo, config.shutdown_timeout).await;
+                return Ok(128 + signo);
+            }
+        }
+    }
+}
+
+/// The worker specs of one attempt on this node.
+fn specs(config: &LaunchConfig, job_env: &env::JobEnv) -> Result<Vec<WorkerSpec>, LaunchError> {
+    let parent = |name: &str| std::env::var(name).ok();
+    (0..config.nproc_per_node)
+        .map(|local_rank| {
+            let rank = job_env.rank(local_rank);
+            let dir = env::rank_dir(&job_env.attempt_dir, rank);
+            // The error file's directory must exist for the worker to write it.
+            std::fs::create_dir_all(&dir).map_err(|source| LaunchError::Io {
+                what: format!("creating {}", dir.display()),
+                source,
+            })?;
+            let mut argv = config.command.clone();
+            if config.pass_local_rank_arg {
+                argv.push(format!("--local-rank={local_rank}"));
+            }
+            argv.extend(config.args.iter().cloned());
+            let logged = Streams {
+                stdout: config.tee.stdout || config.redirects.stdout,
+                stderr: config.tee.stderr || config.redirects.stderr,
+            };
+            Ok(WorkerSpec {
+                rank,
+                local_rank,
+                argv,
+                env: job_env.for_worker(local_rank, &parent),
+                console: config
+                    .local_ranks_filter
+                    .as_ref()
+                    .is_none_or(|f| f.contains(&local_rank)),
+                shown: Streams {
+                    stdout: !config.redirects.stdout,
+                    stderr: !config.redirects.stderr,
+                },
+                log: config.log_dir.as_ref().map(|_| (dir, logged)),
+            })
+        })
+        .collect()
+}
+
+/// Watches one attempt until a worker fails, all succeed, another node
+/// moves the job on, or a signal arrives.
+async fn supervise(
+    workers: &mut Workers,
+    job: &Job,
+    formed: nodes::Formed,
+    attempt: u64,
+    signals: &mut Signals,
+) -> Outcome {
+    // Only other nodes change the attempt counter; one node has nothing to watch.
+    let watch = formed.nnodes > 1 || job.config.max_nodes > 1;
+    let mut poll = tokio::time::interval(job.config.monitor_interval.max(Duration::from_millis(10)));
+    loop {
+        tokio::select! {
+            ended = workers.next_exit() => match ended {
+                None => return Outcome::Succeeded,
+                Some(ended) if !ended.exit.success() => return Outcome::Failed(ended),
+                Some(_) => {}
+            },
+            signo = signals.recv() => return Outcome::Signaled(signo),
+            _ = poll.tick(), if watch => {
+                match nodes::current_attempt(job.store.store.as_ref(), &job.keys).await {
+                    Ok(current) if current > attempt => return Outcome::Moved(current),
+                    Ok(_) => {}
+                    Err(error) => {
+                        say(format!("lost the job's store ({error}); stopping"));
+                        return Outcome::Moved(u64::MAX);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// How waiting for the other nodes' workers ended.
+enum AllDone {
+    /// Every node's workers succeeded.
+    Yes,
+    /// Another node failed and moved the job to this attempt.
+    Moved(u64),
+    /// The launcher got this signal.
+    Signaled(i32),
+}
+
+/// After this node's workers succeeded: waits until every node's have, so
+/// the store stays up while others still use it.
+async fn wait_for_nodes(
+    job: &Job,
+    formed: nodes::Formed,
+    attempt: u64,
+    signals: &mut Signals,
+) -> Result<AllDone, LaunchError> {
+    let store = job.store.store.as_ref();
+    let mut done = nodes::mark_done(store, &job.keys, attempt).await?;
+    let mut poll = tokio::time::interval(job.config.monitor_interval.max(Duration::from_millis(10)));
+    while done < formed.nnodes {
+        tokio::select! {
+            _ = poll.tick() => {}
+            signo = signals.recv() => return Ok(AllDone::Signaled(signo)),
+        }
+        let current = nodes::current_attempt(store, &job.keys).await?;
+        if current > attempt {
+            return Ok(AllDone::Moved(current));
+        }
+        done = nodes::done_count(store, &job.keys, attempt).await?;
+    }
+    Ok(AllDone::Yes)
+}
+
+/// Tells which worker failed, how, and what it printed last.
+fn report(what: &str, rank: usize, tail: &[String], error_file: &Path) {
+    say(what);
+    if tail.is_empty() {
+        say(format!("rank {rank} printed nothing"));
+    } else {
+        say(format!("last {} lines of rank {rank}:", tail.len()));
+        for line in tail {
+            eprintln!("  [{rank}]: {line}");
+        }
+    }
+    if error_file.exists() {
+        say(format!("rank {rank} wrote an error report: {}", error_file.display()));
+    }
+}

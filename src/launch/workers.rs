@@ -1,0 +1,240 @@
+//! The worker processes of one attempt on this node: spawned each in its
+//! own process group (so stopping one takes its children too, and a
+//! terminal's Ctrl-C reaches only the launcher, which forwards it), their
+//! output prefixed with the rank, teed to log files and kept in a short
+//! ring buffer for failure reports.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::LaunchError;
+use super::config::Streams;
+use super::plan::WorkerExit;
+
+/// Lines kept per worker for the failure report.
+pub const TAIL_LINES: usize = 20;
+
+/// How one worker is started and where its output goes.
+#[derive(Debug, Clone)]
+pub struct WorkerSpec {
+    /// Global rank (the output prefix).
+    pub rank: usize,
+    /// Rank on this node.
+    pub local_rank: usize,
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// Variables added to the launcher's environment.
+    pub env: Vec<(String, String)>,
+    /// Whether its lines are shown on the console (`--local-ranks-filter`).
+    pub console: bool,
+    /// The streams shown on the console (all but `--redirects`).
+    pub shown: Streams,
+    /// Directory for `stdout.log` / `stderr.log`, with the streams written there.
+    pub log: Option<(PathBuf, Streams)>,
+}
+
+struct Worker {
+    rank: usize,
+    local_rank: usize,
+    pid: i32,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    readers: Vec<JoinHandle<()>>,
+    running: bool,
+}
+
+/// The workers of one attempt.
+pub struct Workers {
+    workers: Vec<Worker>,
+    exits: mpsc::UnboundedReceiver<(usize, WorkerExit)>,
+}
+
+/// A worker that ended, as reported by [`Workers::next_exit`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ended {
+    /// Global rank.
+    pub rank: usize,
+    /// Rank on this node.
+    pub local_rank: usize,
+    /// Process id.
+    pub pid: i32,
+    /// How it ended.
+    pub exit: WorkerExit,
+}
+
+impl Workers {
+    /// Starts every worker; on a spawn failure, stops the ones started.
+    pub async fn spawn(specs: Vec<WorkerSpec>, grace: Duration) -> Result<Self, LaunchError> {
+        let (tx, exits) = mpsc::unbounded_channel();
+        let mut group = Workers {
+            workers: Vec::new(),
+            exits,
+        };
+        for spec in specs {
+            match spawn_one(group.workers.len(), spec, tx.clone()) {
+                Ok(worker) => group.workers.push(worker),
+                Err(error) => {
+                    group.stop(libc::SIGTERM, grace).await;
+                    return Err(error);
+                }
+            }
+        }
+        Ok(group)
+    }
+
+    /// The next worker to end, or `None` when none is running.
+    pub async fn next_exit(&mut self) -> Option<Ended> {
+        if !self.workers.iter().any(|w| w.running) {
+            return None;
+        }
+        let (index, exit) = self.exits.recv().await?;
+        let worker = &mut self.workers[index];
+        worker.running = false;
+        Some(Ended {
+            rank: worker.rank,
+            local_rank: worker.local_rank,
+            pid: worker.pid,
+            exit,
+        })
+    }
+
+    /// The last lines the worker of `rank` printed, once its output is read
+    /// to the end (or after a second, if something it started keeps the pipe open).
+    pub async fn tail(&mut self, rank: usize) -> Vec<String> {
+        let Some(worker) = self.workers.iter_mut().find(|w| w.rank == rank) else {
+            return Vec::new();
+        };
+        drain(&mut worker.readers).await;
+        lock(&worker.tail).iter().cloned().collect()
+    }
+
+    /// Sends `signal` to every running worker's process group, waits up to
+    /// `grace` for them to end, then kills what is left of every group.
+    pub async fn stop(&mut self, signal: i32, grace: Duration) {
+        for worker in self.workers.iter().filter(|w| w.running) {
+            signal_group(worker.pid, signal);
+        }
+        let _ = tokio::time::timeout(grace, async { while self.next_exit().await.is_some() {} }).await;
+        // Children a worker started in its group may outlive it: no orphans.
+        for worker in &self.workers {
+            signal_group(worker.pid, libc::SIGKILL);
+        }
+        while self.next_exit().await.is_some() {}
+        for worker in &mut self.workers {
+            drain(&mut worker.readers).await;
+        }
+    }
+}
+
+/// Waits for a worker's output relays, each up to a second.
+async fn drain(readers: &mut Vec<JoinHandle<()>>) {
+    for reader in readers.drain(..) {
+        let _ = tokio::time::timeout(Duration::from_secs(1), reader).await;
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn signal_group(pid: i32, signal: i32) {
+    // SAFETY: kill only sends a signal; a negative pid names the process
+    // group the worker leads (spawned with process_group(0)).
+    unsafe {
+        libc::kill(-pid, signal);
+    }
+}
+
+fn spawn_one(
+    index: usize,
+    spec: WorkerSpec,
+    exits: mpsc::UnboundedSender<(usize, WorkerExit)>,
+) -> Result<Worker, LaunchError> {
+    let mut command = tokio::process::Command::new(&spec.argv[0]);
+    command
+        .args(&spec.argv[1..])
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let mut child = command.spawn().map_err(|source| LaunchError::Spawn {
+        program: spec.argv[0].clone(),
+        rank: spec.rank,
+        source,
+    })?;
+    let pid = child.id().map_or(0, |id| id as i32);
+    let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+    let mut readers = Vec::new();
+    if let Some(stdout) = child.stdout.take() {
+        readers.push(tokio::spawn(relay(stdout, true, spec.clone(), tail.clone())));
+    }
+    if let Some(stderr) = child.stderr.take() {
+        readers.push(tokio::spawn(relay(stderr, false, spec.clone(), tail.clone())));
+    }
+    tokio::spawn(async move {
+        let exit = match child.wait().await {
+            Ok(status) => WorkerExit::from_status(status),
+            Err(_) => WorkerExit::Code(1),
+        };
+        let _ = exits.send((index, exit));
+    });
+    Ok(Worker {
+        rank: spec.rank,
+        local_rank: spec.local_rank,
+        pid,
+        tail,
+        readers,
+        running: true,
+    })
+}
+
+/// Copies one stream line by line: prefixed to the console, to the log file,
+/// into the ring buffer.
+async fn relay(stream: impl AsyncRead + Unpin, stdout: bool, spec: WorkerSpec, tail: Arc<Mutex<VecDeque<String>>>) {
+    let mut file = spec
+        .log
+        .as_ref()
+        .filter(|(_, streams)| streams.has(stdout))
+        .and_then(|(dir, _)| {
+            let path = dir.join(if stdout { "stdout.log" } else { "stderr.log" });
+            std::fs::File::create(&path)
+                .inspect_err(|e| tracing::warn!(path = %path.display(), error = %e, "cannot write the worker's log"))
+                .ok()
+        });
+    let show = spec.console && spec.shown.has(stdout);
+    let mut reader = BufReader::new(stream);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        if let Some(file) = &mut file {
+            let _ = file.write_all(&buf);
+        }
+        let line = String::from_utf8_lossy(&buf);
+        let line = line.trim_end_matches(['\n', '\r']);
+        if show {
+            // A closed console must not stop the job; the files still get the lines.
+            let _ = if stdout {
+                writeln!(std::io::stdout().lock(), "[{}]: {line}", spec.rank)
+            } else {
+                writeln!(std::io::stderr().lock(), "[{}]: {line}", spec.rank)
+            };
+        }
+        let mut tail = lock(&tail);
+        if tail.len() == TAIL_LINES {
+            tail.pop_front();
+        }
+        tail.push_back(line.to_string());
+    }
+}
