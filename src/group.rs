@@ -15,10 +15,17 @@ use chorus_runtime::rendezvous::{
     self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError,
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
+use actix::{Actor, Addr};
+use chorus_actors::rank::RankActor;
+use chorus_actors::system::{self, SystemError};
+use chorus_runtime::collective::Overrides;
+use chorus_runtime::store::HashStore;
 use chorus_transports::link::Link;
+use chorus_transports::local::local_mesh;
 use chorus_transports::netif::{self, NetifError};
 use chorus_transports::quic::QuicEndpoint;
 use thiserror::Error;
+use tokio::sync::oneshot;
 
 use crate::mesh::{MeshError, MeshPlan};
 
@@ -37,6 +44,12 @@ pub enum InitError {
     /// The links to the peers could not be made.
     #[error(transparent)]
     Mesh(#[from] MeshError),
+    /// The rank's actor could not be started.
+    #[error(transparent)]
+    System(#[from] SystemError),
+    /// `CHORUS_ALGO` does not parse.
+    #[error("CHORUS_ALGO: {0}")]
+    Algorithm(String),
 }
 
 /// What [`init_process_group`] needs; PyTorch's arguments by other names.
@@ -50,6 +63,8 @@ pub struct InitOptions {
     pub world_size: Option<usize>,
     /// Limit on connecting to the store and on the whole exchange.
     pub timeout: Duration,
+    /// Default limit on each collective (PyTorch's default for Gloo: 30 min).
+    pub collective_timeout: Duration,
 }
 
 impl Default for InitOptions {
@@ -59,6 +74,7 @@ impl Default for InitOptions {
             rank: None,
             world_size: None,
             timeout: DEFAULT_TIMEOUT,
+            collective_timeout: Duration::from_secs(30 * 60),
         }
     }
 }
@@ -89,6 +105,12 @@ impl InitOptions {
         self.timeout = timeout;
         self
     }
+
+    /// Sets the default timeout of each collective.
+    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
+        self.collective_timeout = timeout;
+        self
+    }
 }
 
 /// A formed group: this rank's place, every peer's record, and the store.
@@ -96,7 +118,6 @@ impl InitOptions {
 /// Call [`ProcessGroup::destroy`] when done (PyTorch's
 /// `destroy_process_group`): it waits until every rank is done with the
 /// store, which rank 0 serves for `tcp://`.
-#[derive(Debug)]
 pub struct ProcessGroup {
     config: RendezvousConfig,
     membership: Membership,
@@ -104,15 +125,66 @@ pub struct ProcessGroup {
     timeout: Duration,
     server: Option<TcpStoreServer>,
     links: Vec<Option<Arc<dyn Link>>>,
-    /// Kept alive for the links' connections.
-    _endpoint: QuicEndpoint,
+    pub(crate) actor: Addr<RankActor>,
+    arbiter: actix_rt::Arbiter,
+    /// Kept alive for the links' connections (none for in-process groups).
+    _endpoint: Option<QuicEndpoint>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("generation", &self.generation())
+            .field("store", &self.store.location())
+            .finish()
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.arbiter.stop();
+    }
+}
+
+/// Runs `future` on `arbiter` and returns its output: a rank's endpoint and
+/// connections are made on the thread that will drive them.
+async fn on_arbiter<T: Send + 'static>(
+    arbiter: &actix_rt::Arbiter,
+    future: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, SystemError> {
+    let (tx, rx) = oneshot::channel();
+    arbiter.spawn(async move {
+        let _ = tx.send(future.await);
+    });
+    rx.await.map_err(|_| system_error("the rank's arbiter stopped"))
+}
+
+fn system_error(what: &str) -> SystemError {
+    SystemError::new(what)
+}
+
+fn overrides() -> Result<Overrides, InitError> {
+    match std::env::var("CHORUS_ALGO") {
+        Ok(value) if !value.trim().is_empty() => Overrides::parse(&value).map_err(|e| InitError::Algorithm(e.to_string())),
+        _ => Ok(Overrides::default()),
+    }
+}
+
+/// Where a group's links come from.
+enum LinkSource {
+    /// The QUIC mesh, set up on the rank's arbiter.
+    Mesh { single_host: bool },
+    /// In-process links made by [`spawn`].
+    Local(Vec<Option<Arc<dyn Link>>>),
 }
 
 /// Forms the group: resolves the configuration, opens the store, publishes
 /// this rank's addresses and waits for every peer's.
 pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, InitError> {
     let env = |name: &str| std::env::var(name).ok();
-    let config = rendezvous::resolve(options.init_method, options.rank, options.world_size, &env)?;
+    let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
     let opened = rendezvous::open_store(&config, options.timeout).await?;
     let master = match config.master_host() {
         Some(host) => tokio::net::lookup_host((host, 0))
@@ -122,18 +194,57 @@ pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, In
             .map(|a| a.ip()),
         None => None,
     };
-    let addrs = netif::local_addresses(master, &env)?;
-    let plan = MeshPlan::prepare(config.rank, master.is_some_and(|ip| ip.is_loopback()))?;
+    let single_host = master.is_some_and(|ip| ip.is_loopback());
+    form(config, opened, LinkSource::Mesh { single_host }, &options).await
+}
+
+/// Rendezvous, links and actor: the part of forming a group shared by
+/// separate processes and [`spawn`].
+async fn form(
+    config: RendezvousConfig,
+    opened: rendezvous::OpenedStore,
+    source: LinkSource,
+    options: &InitOptions,
+) -> Result<ProcessGroup, InitError> {
+    let env = |name: &str| std::env::var(name).ok();
+    let master = match config.master_host() {
+        Some(host) => tokio::net::lookup_host((host, 0))
+            .await
+            .ok()
+            .and_then(|mut addrs| addrs.next())
+            .map(|a| a.ip()),
+        None => None,
+    };
+    let overrides = overrides()?;
+    let arbiter = system::new_arbiter()?;
     let mut record = PeerRecord {
         rank: config.rank as u32,
         host: HostId::local(),
         pid: std::process::id(),
-        addrs,
+        addrs: netif::local_addresses(master, &env)?,
         extras: Vec::new(),
     };
-    plan.publish(&mut record, &config.run_id, config.generation);
-    let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
-    let (endpoint, links) = plan.connect(&membership, &config.run_id, options.timeout).await?;
+    let (membership, endpoint, links) = match source {
+        LinkSource::Mesh { single_host } => {
+            let rank = config.rank;
+            let plan = on_arbiter(&arbiter, async move { MeshPlan::prepare(rank, single_host) }).await??;
+            plan.publish(&mut record, &config.run_id, config.generation);
+            let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
+            let (known, run_id, timeout) = (membership.clone(), config.run_id.clone(), options.timeout);
+            let (endpoint, links) =
+                on_arbiter(&arbiter, async move { plan.connect(&known, &run_id, timeout).await }).await??;
+            (membership, Some(endpoint), links)
+        }
+        LinkSource::Local(links) => {
+            let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
+            (membership, None, links)
+        }
+    };
+    let actor_links = links.clone();
+    let (rank, collective_timeout) = (config.rank, options.collective_timeout);
+    let actor = RankActor::start_in_arbiter(&arbiter.handle(), move |_| {
+        RankActor::new(rank, actor_links, collective_timeout, overrides)
+    });
     tracing::info!(
         rank = membership.rank,
         world_size = membership.world_size(),
@@ -148,8 +259,50 @@ pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, In
         timeout: options.timeout,
         server: opened.server,
         links,
+        actor,
+        arbiter,
         _endpoint: endpoint,
     })
+}
+
+/// Starts `world` ranks inside this process (PyTorch's
+/// `torch.multiprocessing.spawn`, without processes: no GIL here, so one
+/// process drives many ranks in parallel). Each rank is an actor on its own
+/// thread; they meet on an in-process store and talk over in-process links.
+/// Returns every rank's result, in rank order.
+pub async fn spawn<T, F, Fut>(world: usize, body: F) -> Result<Vec<T>, InitError>
+where
+    T: Send + 'static,
+    F: Fn(ProcessGroup) -> Fut,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let mut meshes = local_mesh(world).into_iter();
+    let mut groups = Vec::with_capacity(world);
+    let mut forming = Vec::with_capacity(world);
+    for rank in 0..world {
+        let links = meshes.next().expect("one row per rank");
+        let options = InitOptions {
+            init_method: InitMethod::Store(store.clone()),
+            rank: Some(rank),
+            world_size: Some(world),
+            ..InitOptions::default()
+        };
+        forming.push(tokio::spawn(async move {
+            let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &|_| None)?;
+            let opened = rendezvous::open_store(&config, options.timeout).await?;
+            form(config, opened, LinkSource::Local(links), &options).await
+        }));
+    }
+    for task in forming {
+        groups.push(task.await.map_err(|e| system_error(&format!("a rank failed to start: {e}")))??);
+    }
+    let running: Vec<_> = groups.into_iter().map(|group| tokio::spawn(body(group))).collect();
+    let mut results = Vec::with_capacity(world);
+    for task in running {
+        results.push(task.await.map_err(|e| system_error(&format!("a rank panicked: {e}")))?);
+    }
+    Ok(results)
 }
 
 impl ProcessGroup {
@@ -218,12 +371,11 @@ impl ProcessGroup {
 
     /// Leaves the group once every rank is leaving, so rank 0 stops serving
     /// the store only when nobody needs it.
-    pub async fn destroy(self) -> Result<(), InitError> {
+    pub async fn destroy(mut self) -> Result<(), InitError> {
         self.store_barrier("destroy").await?;
-        let ProcessGroup { store, server, .. } = self;
         // Our own connection must not hold the server's shutdown open.
-        drop(store);
-        if let Some(server) = server {
+        self.store = Arc::new(HashStore::default());
+        if let Some(server) = self.server.take() {
             server.shutdown().await;
         }
         Ok(())

@@ -5,6 +5,9 @@
 //! - [`group`]: [`init_process_group`] and the [`ProcessGroup`] handle it
 //!   returns (rendezvous, store, membership, links to every peer;
 //!   collectives land here next).
+//! - [`collectives`]: every `torch.distributed` collective on a
+//!   [`ProcessGroup`], each returning a [`Work`]; [`tensor`]: the owned
+//!   buffers they take and hand back.
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
 //! - [`bench`]: `chorus bench` measurements.
@@ -15,10 +18,16 @@
 //! - `src/main.rs`: the `chorus` command line (`hello`, `launch`, `store ...`).
 
 pub mod bench;
+pub mod collectives;
 pub mod group;
 pub mod launch;
 pub mod mesh;
+pub mod tensor;
 
 pub use chorus_runtime::{rendezvous, store};
 pub use chorus_transports::{fault, link, netif};
-pub use group::{InitError, InitOptions, ProcessGroup, init_process_group};
+pub use chorus_actors::driver::CollectiveError;
+pub use chorus_runtime::collective::{DType, ReduceOp};
+pub use collectives::Work;
+pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn};
+pub use tensor::{Element, Tensor};

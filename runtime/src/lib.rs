@@ -11,9 +11,13 @@
 //!   store) and a launcher's environment (torchrun, Slurm, Open MPI, Kubeflow)
 //!   to a validated membership: every rank's published [`PeerRecord`](rendezvous::PeerRecord),
 //!   keyed by generation so elastic restarts re-run it.
+//! - [`collective`]: collectives sans IO: dtypes, reduction kernels, each
+//!   algorithm as a per-rank schedule of tagged sends and receives, and the
+//!   signatures ranks compare to detect desync.
 //! - [`codec`]: the one place that uses bincode (small control records only;
 //!   tensor payloads are never serialized).
 
 pub mod codec;
+pub mod collective;
 pub mod rendezvous;
 pub mod store;

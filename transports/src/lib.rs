@@ -11,6 +11,8 @@
 //!   copy).
 //! - [`quic`]: the QUIC mesh (quinn), mutual TLS with pinned per-rank
 //!   certificates, tuned for throughput.
+//! - [`shm`]: links between processes of one host over shared-memory rings
+//!   in `/dev/shm` (one copy per byte; received payloads point into the ring).
 //! - [`netif`]: choosing the addresses a rank publishes at rendezvous (most
 //!   preferred first, never only loopback when the host has a real
 //!   interface) and the one a peer connects to. The choice is a pure function
@@ -27,3 +29,5 @@ pub mod link;
 pub mod local;
 pub mod netif;
 pub mod quic;
+#[cfg(target_os = "linux")]
+pub mod shm;

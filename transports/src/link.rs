@@ -37,6 +37,8 @@ pub enum TransportKind {
     Local,
     /// The QUIC mesh.
     Quic,
+    /// Shared-memory rings between processes of one host.
+    Shm,
 }
 
 impl fmt::Display for TransportKind {
@@ -44,6 +46,7 @@ impl fmt::Display for TransportKind {
         f.write_str(match self {
             TransportKind::Local => "local",
             TransportKind::Quic => "quic",
+            TransportKind::Shm => "shm",
         })
     }
 }

@@ -147,9 +147,14 @@ impl Link for LocalLink {
         if let Some(reason) = closed.borrow_and_update().clone() {
             return Err(self.closed_error(&Some(reason)));
         }
+        // A frame sent just before the close wins over the close.
         tokio::select! {
+            biased;
             frame = rx.recv() => Ok(frame.expect("the pair owns both ends of every queue")),
-            _ = closed.changed() => Err(self.closed_error(&closed.borrow().clone())),
+            _ = closed.changed() => match rx.try_recv() {
+                Ok(frame) => Ok(frame),
+                Err(_) => Err(self.closed_error(&closed.borrow().clone())),
+            },
         }
     }
 

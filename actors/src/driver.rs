@@ -1,0 +1,353 @@
+//! The CPU backend's driver: runs one rank's [`Plan`] over its links.
+//!
+//! The plan is pure (`chorus_runtime::collective`); this module only moves
+//! bytes, by the plan's execution rules:
+//! 1. Every collective first sends its [`Signature`] to every other rank, on
+//!    the collective's channel, ahead of its data, and reads theirs. Every
+//!    rank reads every signature, so when ranks disagree each of them fails
+//!    naming the ranks and both signatures, instead of one hanging or
+//!    reducing garbage. A send carries its signature to its receiver only.
+//! 2. A step runs once its dependencies have: a copy at once; a send copies
+//!    its region into a frame and hands it to a task (it counts as done once
+//!    copied, rule 2 of the plan); a receive once its frame has arrived.
+//! 3. One reader task per peer reads that peer's frames in order from the
+//!    channel and hands them over by tag, so receives may complete in any
+//!    order the plan allows.
+//! 4. A deadline bounds the whole collective; on expiry the error names the
+//!    ranks whose frames never came.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use chorus_runtime::collective::{
+    Action, Combine, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId,
+    Tag, finalize_avg, reduce_into,
+};
+use chorus_transports::link::{ChannelId, Link, TransportError};
+use thiserror::Error;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+/// The tag of a signature frame (data tags pack round and segment).
+const SIGNATURE_TAG: u64 = u64::MAX;
+
+fn data_tag(tag: Tag) -> u64 {
+    (u64::from(tag.round) << 32) | u64::from(tag.segment)
+}
+
+/// Why a collective failed on this rank.
+#[derive(Debug, Error, Clone)]
+pub enum CollectiveError {
+    /// Ranks called different collectives (or the same with other arguments).
+    #[error("collective desync between rank {ours_rank} and rank {theirs_rank}: {detail}")]
+    Desync {
+        /// This rank.
+        ours_rank: usize,
+        /// The rank that disagrees.
+        theirs_rank: usize,
+        /// Both signatures and what differs.
+        detail: String,
+    },
+    /// A link failed.
+    #[error("{0}")]
+    Transport(#[from] TransportError),
+    /// The collective ran out of time.
+    #[error("{signature} timed out after {waited:?} on rank {rank}, waiting for frames from ranks {waiting_for:?}")]
+    Timeout {
+        /// The collective.
+        signature: Signature,
+        /// This rank.
+        rank: usize,
+        /// How long it ran.
+        waited: Duration,
+        /// Ranks whose frames never came.
+        waiting_for: Vec<usize>,
+    },
+    /// The arguments cannot make a plan (a bad root, a size over the limit).
+    #[error("{0}")]
+    Plan(#[from] PlanError),
+    /// The operator does not apply to the dtype.
+    #[error("{0}")]
+    Reduce(#[from] ReduceError),
+    /// A peer sent a frame of the wrong size or a bad signature.
+    #[error("rank {peer} broke the collective protocol: {reason}")]
+    Protocol {
+        /// The peer.
+        peer: usize,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A buffer does not have the length the collective needs.
+    #[error("{which} buffer holds {got} bytes but {signature} needs {want}")]
+    BufferSize {
+        /// The collective.
+        signature: Signature,
+        /// "input" or "output".
+        which: &'static str,
+        /// Its length.
+        got: usize,
+        /// The length needed.
+        want: usize,
+    },
+    /// The group failed earlier and must be restarted.
+    #[error("the process group is broken by an earlier failure: {0}")]
+    Broken(String),
+}
+
+impl From<SignatureError> for CollectiveError {
+    fn from(e: SignatureError) -> Self {
+        CollectiveError::Protocol {
+            peer: usize::MAX,
+            reason: e.to_string(),
+        }
+    }
+}
+
+/// Everything one rank needs to run one collective.
+pub struct Job<'a> {
+    /// This rank.
+    pub rank: usize,
+    /// Links indexed by rank (`None` for this rank).
+    pub links: &'a [Option<Arc<dyn Link>>],
+    /// The channel this collective uses.
+    pub channel: ChannelId,
+    /// What every rank should be calling.
+    pub signature: Signature,
+    /// This rank's plan.
+    pub plan: &'a Plan,
+    /// Ranks this rank sends its signature to.
+    pub announce_to: Vec<usize>,
+    /// Ranks whose signatures this rank checks.
+    pub check_from: Vec<usize>,
+    /// The read-only input (shared with send frames without a copy).
+    pub input: Bytes,
+    /// The output, written in place.
+    pub output: &'a mut [u8],
+    /// Deadline for the whole collective.
+    pub timeout: Duration,
+}
+
+enum Event {
+    Frame { from: usize, tag: u64, payload: Bytes },
+    Failed(CollectiveError),
+}
+
+fn link(links: &[Option<Arc<dyn Link>>], rank: usize, peer: usize) -> Result<Arc<dyn Link>, CollectiveError> {
+    links.get(peer).and_then(Clone::clone).ok_or_else(|| CollectiveError::Protocol {
+        peer,
+        reason: format!("rank {rank} has no link to it"),
+    })
+}
+
+/// Runs `job` to completion on this rank.
+pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
+    let Job {
+        rank,
+        links,
+        channel,
+        signature,
+        plan,
+        announce_to,
+        check_from,
+        input,
+        output,
+        timeout,
+    } = job;
+    let size = signature.dtype.size();
+    check_len(&signature, "input", input.len(), plan.input_len() * size)?;
+    check_len(&signature, "output", output.len(), plan.output_len() * size)?;
+    let started = Instant::now();
+    let deadline = started + timeout;
+
+    // Frames expected from each peer: its signature, then its data.
+    let mut expected: HashMap<usize, usize> = check_from.iter().map(|&p| (p, 1)).collect();
+    for step in plan.steps() {
+        if let Action::Recv { from, .. } = step.action {
+            *expected.entry(from).or_insert(1) += 1;
+        }
+    }
+    let (events, mut inbox) = mpsc::unbounded_channel();
+    let mut tasks = JoinSet::new();
+    for (&peer, &count) in &expected {
+        let link = link(links, rank, peer)?;
+        let events = events.clone();
+        tasks.spawn(async move {
+            for _ in 0..count {
+                let event = match link.recv(channel).await {
+                    Ok(frame) => Event::Frame {
+                        from: peer,
+                        tag: frame.tag,
+                        payload: frame.payload,
+                    },
+                    Err(e) => Event::Failed(e.into()),
+                };
+                let failed = matches!(event, Event::Failed(_));
+                if events.send(event).is_err() || failed {
+                    return;
+                }
+            }
+        });
+    }
+    // Sent before anything can fail here, so that even a rank that detects
+    // a desync first has told every other rank what it was calling.
+    let encoded = Bytes::copy_from_slice(&signature.encode());
+    for &peer in &announce_to {
+        link(links, rank, peer)?
+            .send(channel, SIGNATURE_TAG, encoded.clone())
+            .await
+            .map_err(|e| CollectiveError::from(e.error))?;
+    }
+
+    let steps = plan.steps();
+    let mut done = vec![false; steps.len()];
+    let mut remaining = steps.len();
+    let mut first_open = 0;
+    let mut arrived: HashMap<(usize, u64), Bytes> = HashMap::new();
+    let mut unverified: HashSet<usize> = check_from.iter().copied().collect();
+    let element = |r: &std::ops::Range<usize>| r.start * size..r.end * size;
+    let result = async {
+        loop {
+            let mut progressed = true;
+            while progressed {
+                progressed = false;
+                while first_open < steps.len() && done[first_open] {
+                    first_open += 1;
+                }
+                for index in first_open..steps.len() {
+                    if done[index] || !plan.deps(StepId(index as u32)).iter().all(|d| done[d.index()]) {
+                        continue;
+                    }
+                    let finished = match &steps[index].action {
+                        Action::Copy { src, dst } => {
+                            output[element(dst)].copy_from_slice(&input[element(src)]);
+                            true
+                        }
+                        Action::Send { to, tag, src } => {
+                            let payload = match src {
+                                Region::Input(r) => input.slice(element(r)),
+                                Region::Output(r) => Bytes::copy_from_slice(&output[element(r)]),
+                            };
+                            let link = link(links, rank, *to)?;
+                            let (events, tag) = (events.clone(), data_tag(*tag));
+                            tasks.spawn(async move {
+                                if let Err(e) = link.send(channel, tag, payload).await {
+                                    let _ = events.send(Event::Failed(e.error.into()));
+                                }
+                            });
+                            true
+                        }
+                        Action::Recv { from, tag, dst, then } => match arrived.remove(&(*from, data_tag(*tag))) {
+                            Some(payload) => {
+                                let target = &mut output[element(dst)];
+                                if payload.len() != target.len() {
+                                    return Err(CollectiveError::Protocol {
+                                        peer: *from,
+                                        reason: format!("sent {} bytes for a {}-byte segment", payload.len(), target.len()),
+                                    });
+                                }
+                                match then {
+                                    Combine::Copy => target.copy_from_slice(&payload),
+                                    Combine::Reduce => {
+                                        let op = signature.reduce_op.unwrap_or(ReduceOp::Sum);
+                                        reduce_into(op, signature.dtype, target, &payload)?;
+                                    }
+                                }
+                                true
+                            }
+                            None => false,
+                        },
+                    };
+                    if finished {
+                        done[index] = true;
+                        remaining -= 1;
+                        progressed = true;
+                    }
+                }
+            }
+            if remaining == 0 && unverified.is_empty() {
+                return Ok(());
+            }
+            let event = match tokio::time::timeout_at(deadline, inbox.recv()).await {
+                Ok(Some(event)) => event,
+                Ok(None) => unreachable!("this function holds a sender"),
+                Err(_) => {
+                    let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
+                    for (index, step) in steps.iter().enumerate() {
+                        if let (false, Action::Recv { from, .. }) = (done[index], &step.action) {
+                            waiting_for.push(*from);
+                        }
+                    }
+                    waiting_for.sort_unstable();
+                    waiting_for.dedup();
+                    return Err(CollectiveError::Timeout {
+                        signature,
+                        rank,
+                        waited: started.elapsed(),
+                        waiting_for,
+                    });
+                }
+            };
+            match event {
+                Event::Failed(e) => return Err(e),
+                Event::Frame { from, tag: SIGNATURE_TAG, payload } => {
+                    let theirs = Signature::decode(&payload).map_err(|e| CollectiveError::Protocol {
+                        peer: from,
+                        reason: e.to_string(),
+                    })?;
+                    if let Some(detail) = signature.mismatch(&theirs) {
+                        return Err(CollectiveError::Desync {
+                            ours_rank: rank,
+                            theirs_rank: from,
+                            detail,
+                        });
+                    }
+                    unverified.remove(&from);
+                }
+                Event::Frame { from, tag, payload } => {
+                    if unverified.contains(&from) {
+                        return Err(CollectiveError::Protocol {
+                            peer: from,
+                            reason: "data arrived before its signature".into(),
+                        });
+                    }
+                    arrived.insert((from, tag), payload);
+                }
+            }
+        }
+    }
+    .await;
+    if result.is_err() {
+        tasks.abort_all();
+        return result;
+    }
+    // Sends must be handed over before the next collective reuses the channel.
+    while let Some(joined) = tasks.join_next().await {
+        if joined.is_err() {
+            return Err(CollectiveError::Broken("a transport task panicked".into()));
+        }
+    }
+    while let Ok(event) = inbox.try_recv() {
+        if let Event::Failed(e) = event {
+            return Err(e);
+        }
+    }
+    if signature.reduce_op == Some(ReduceOp::Avg) {
+        finalize_avg(signature.dtype, output, plan.world())?;
+    }
+    Ok(())
+}
+
+fn check_len(signature: &Signature, which: &'static str, got: usize, want: usize) -> Result<(), CollectiveError> {
+    if got != want {
+        return Err(CollectiveError::BufferSize {
+            signature: *signature,
+            which,
+            got,
+            want,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,185 @@
+//! [`RankActor`]: one rank's actor. It owns the rank's links and runs its
+//! operations strictly in submission order, each with a sequence number.
+//!
+//! Rules:
+//! - RA-1: operations run one at a time, in the order they were submitted
+//!   (an `AtomicResponse` holds the mailbox until the running one ends).
+//! - RA-2: collectives are numbered per group; collective `n` uses channel
+//!   `n % COLLECTIVE_CHANNELS`, so consecutive collectives never share a
+//!   channel and frames of one are never read by another.
+//! - RA-3: point-to-point operations are numbered per peer and direction and
+//!   use their own channel, so ranks that do not take part in them keep the
+//!   same collective numbering.
+//! - RA-4: after a failure that may have left frames in flight (timeout,
+//!   desync, a broken link), the group is broken: later operations fail at
+//!   once until it is re-formed. Errors every rank detects alike (a bad root,
+//!   an operator the dtype lacks) leave it usable.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, WrapFuture};
+use bytes::Bytes;
+use chorus_runtime::collective::{
+    CollectiveKind, DType, Overrides, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
+};
+use chorus_transports::link::{ChannelId, Link};
+
+use crate::driver::{self, CollectiveError, Job};
+
+/// Channels collectives rotate through (RA-2).
+pub const COLLECTIVE_CHANNELS: u32 = 64;
+/// The channel point-to-point operations use (RA-3).
+pub const P2P_CHANNEL: ChannelId = COLLECTIVE_CHANNELS;
+
+/// One operation, as submitted: buffers are moved in and the output is
+/// handed back.
+#[derive(Debug)]
+pub struct Collective {
+    /// Which collective.
+    pub kind: CollectiveKind,
+    /// The element type.
+    pub dtype: DType,
+    /// Elements per rank (see `CollectiveKind` for each buffer's length).
+    pub count: usize,
+    /// The root, or the peer of a send or receive.
+    pub root: Option<usize>,
+    /// The operator, for reducing collectives.
+    pub op: Option<ReduceOp>,
+    /// The read-only input (empty for in-place collectives).
+    pub input: Bytes,
+    /// The output buffer, returned with the result.
+    pub output: Vec<u8>,
+    /// Overrides the group's timeout for this operation.
+    pub timeout: Option<Duration>,
+}
+
+impl Message for Collective {
+    type Result = Result<Vec<u8>, CollectiveError>;
+}
+
+/// Sequence number, channel, ranks to announce to, ranks to check.
+type Placement = (u64, ChannelId, Vec<usize>, Vec<usize>);
+
+/// One rank's actor.
+pub struct RankActor {
+    rank: usize,
+    world: usize,
+    links: Arc<Vec<Option<Arc<dyn Link>>>>,
+    timeout: Duration,
+    overrides: Overrides,
+    seq: u64,
+    sent: HashMap<usize, u64>,
+    received: HashMap<usize, u64>,
+    broken: Option<String>,
+}
+
+impl RankActor {
+    /// An actor for `rank` of `links.len()` ranks.
+    pub fn new(rank: usize, links: Vec<Option<Arc<dyn Link>>>, timeout: Duration, overrides: Overrides) -> Self {
+        Self {
+            rank,
+            world: links.len(),
+            links: Arc::new(links),
+            timeout,
+            overrides,
+            seq: 0,
+            sent: HashMap::new(),
+            received: HashMap::new(),
+            broken: None,
+        }
+    }
+
+    /// Numbers the operation and picks its channel, the ranks it announces
+    /// its signature to and the ranks whose signatures it checks.
+    fn place(&mut self, kind: CollectiveKind, peer: Option<usize>) -> Placement {
+        match (kind, peer) {
+            (CollectiveKind::Send, Some(peer)) => {
+                let n = self.sent.entry(peer).or_default();
+                *n += 1;
+                (*n - 1, P2P_CHANNEL, vec![peer], vec![])
+            }
+            (CollectiveKind::Recv, Some(peer)) => {
+                let n = self.received.entry(peer).or_default();
+                *n += 1;
+                (*n - 1, P2P_CHANNEL, vec![], vec![peer])
+            }
+            _ => {
+                self.seq += 1;
+                let seq = self.seq - 1;
+                let others: Vec<usize> = (0..self.world).filter(|&r| r != self.rank).collect();
+                (seq, (seq % u64::from(COLLECTIVE_CHANNELS)) as ChannelId, others.clone(), others)
+            }
+        }
+    }
+}
+
+impl Actor for RankActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<Collective> for RankActor {
+    type Result = AtomicResponse<Self, Result<Vec<u8>, CollectiveError>>;
+
+    fn handle(&mut self, msg: Collective, _ctx: &mut Context<Self>) -> Self::Result {
+        let immediate = |result| AtomicResponse::new(Box::pin(actix::fut::ready(result)));
+        if let Some(reason) = &self.broken {
+            return immediate(Err(CollectiveError::Broken(reason.clone())));
+        }
+        if let (true, Some(op)) = (msg.kind.reduces(), msg.op)
+            && !op.supports(msg.dtype)
+        {
+            return immediate(Err(ReduceError::Unsupported { op, dtype: msg.dtype }.into()));
+        }
+        let (seq, channel, announce_to, check_from) = self.place(msg.kind, msg.root);
+        let signature = Signature {
+            seq,
+            kind: msg.kind,
+            dtype: msg.dtype,
+            count: msg.count,
+            root: msg.root,
+            reduce_op: if msg.kind.reduces() { msg.op.or(Some(ReduceOp::Sum)) } else { None },
+        };
+        let spec = Spec {
+            kind: msg.kind,
+            dtype: msg.dtype,
+            count: msg.count,
+            root: msg.root,
+            world: self.world,
+        };
+        let algorithm = choose_algorithm(msg.kind, spec.bytes(), self.world, &self.overrides);
+        let plan = match spec.plan(self.rank, algorithm) {
+            Ok(plan) => plan,
+            Err(e) => return immediate(Err(e.into())),
+        };
+        let (rank, links, timeout) = (self.rank, self.links.clone(), msg.timeout.unwrap_or(self.timeout));
+        let mut output = msg.output;
+        let input = msg.input;
+        let run = async move {
+            driver::run(Job {
+                rank,
+                links: &links,
+                channel,
+                signature,
+                plan: &plan,
+                announce_to,
+                check_from,
+                input,
+                output: &mut output,
+                timeout,
+            })
+            .await
+            .map(|()| output)
+        };
+        AtomicResponse::new(Box::pin(run.into_actor(self).map(|result, actor, _| {
+            if let Err(e) = &result
+                && !matches!(e, CollectiveError::BufferSize { .. })
+            {
+                tracing::error!(rank = actor.rank, error = %e, "collective failed; the group is broken until re-formed");
+                actor.broken = Some(e.to_string());
+            }
+            result
+        })))
+    }
+}

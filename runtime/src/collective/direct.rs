@@ -1,0 +1,97 @@
+//! Schedules with one message per pair: gather and scatter (direct to and
+//! from the root), all-to-all (pairwise exchange), point-to-point send and
+//! receive, and the dissemination barrier.
+//!
+//! Gather and scatter go direct rather than through a tree: a tree would
+//! forward every block `log2 P` times and need scratch on inner ranks, and
+//! the root's link carries `(P - 1) * count` either way.
+
+use std::ops::Range;
+
+use super::plan::{Action, Builder, Combine, Region, StepId, Tag};
+
+/// Block `i` of `count` elements.
+fn block(i: usize, count: usize) -> Range<usize> {
+    i * count..(i + 1) * count
+}
+
+/// Gathers every rank's `input[0..count]` into block `i` of the root's
+/// `output`.
+pub(crate) fn gather(b: &mut Builder, rank: usize, world: usize, root: usize, count: usize) {
+    let tag = Tag::new(0, 0);
+    if rank != root {
+        b.send(root, tag, Region::Input(0..count));
+        return;
+    }
+    b.copy(0..count, block(root, count));
+    for i in (0..world).filter(|&i| i != root) {
+        b.recv(i, tag, block(i, count), Combine::Copy);
+    }
+}
+
+/// Scatters block `i` of the root's `input` into rank `i`'s
+/// `output[0..count]`.
+pub(crate) fn scatter(b: &mut Builder, rank: usize, world: usize, root: usize, count: usize) {
+    let tag = Tag::new(0, 0);
+    if rank != root {
+        b.recv(root, tag, 0..count, Combine::Copy);
+        return;
+    }
+    for i in (0..world).filter(|&i| i != root) {
+        b.send(i, tag, Region::Input(block(i, count)));
+    }
+    b.copy(block(root, count), 0..count);
+}
+
+/// All-to-all by pairwise exchange: in round `k` rank `r` sends block
+/// `r + k` of its input to rank `r + k` and receives block `r - k` of its
+/// output from rank `r - k`, so every round is a permutation and no link
+/// carries two messages at once.
+pub(crate) fn all_to_all(b: &mut Builder, rank: usize, world: usize, count: usize) {
+    b.copy(block(rank, count), block(rank, count));
+    for k in 1..world {
+        let to = (rank + k) % world;
+        let from = (rank + world - k) % world;
+        let tag = Tag::new(k, 0);
+        b.send(to, tag, Region::Input(block(to, count)));
+        b.recv(from, tag, block(from, count), Combine::Copy);
+    }
+}
+
+/// Point-to-point send of `input[0..count]` to `peer`.
+pub(crate) fn send(b: &mut Builder, peer: usize, count: usize) {
+    b.send(peer, Tag::new(0, 0), Region::Input(0..count));
+}
+
+/// Point-to-point receive of `output[0..count]` from `peer`.
+pub(crate) fn recv(b: &mut Builder, peer: usize, count: usize) {
+    b.recv(peer, Tag::new(0, 0), 0..count, Combine::Copy);
+}
+
+/// Dissemination barrier: in round `k` rank `r` sends an empty message to
+/// `r + 2^k` and waits for one from `r - 2^k`, each send after the previous
+/// round's receive (and each receive after the one before); after `ceil(log2 P)` rounds every rank has heard,
+/// transitively, from every other.
+pub(crate) fn barrier(b: &mut Builder, rank: usize, world: usize) {
+    let mut heard: Option<StepId> = None;
+    let mut k = 0;
+    while (1 << k) < world {
+        let d = 1 << k;
+        let tag = Tag::new(k, 0);
+        let send = Action::Send {
+            to: (rank + d) % world,
+            tag,
+            src: Region::Output(0..0),
+        };
+        b.push(send, heard.as_slice());
+        let recv = Action::Recv {
+            from: (rank + world - d) % world,
+            tag,
+            dst: 0..0,
+            then: Combine::Copy,
+        };
+        // Chained, so each send carries everything heard in earlier rounds.
+        heard = Some(b.push(recv, heard.as_slice()));
+        k += 1;
+    }
+}

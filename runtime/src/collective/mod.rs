@@ -1,0 +1,54 @@
+//! Collectives, sans IO: dtypes and reduction kernels, and each algorithm as
+//! a pure per-rank schedule that any transport can drive.
+//!
+//! A driver turns one call (say an all-reduce of 1 MiB of float32 with sum)
+//! into a [`Signature`] (sent with the first frame, compared by the
+//! receiver), picks an [`Algorithm`] with [`choose_algorithm`], asks
+//! [`Spec::plan`] for this rank's [`Plan`], and executes its steps by the
+//! rules in [`plan`]: sends and receives of tagged frames, with
+//! [`reduce_into`] for each received segment that reduces, and
+//! [`finalize_avg`] at the end of an average.
+//!
+//! # Layout
+//! - `dtype`: [`DType`] and [`ReduceOp`], with PyTorch's and nccl-tests'
+//!   names.
+//! - `reduce`: [`reduce_into`] and [`finalize_avg`], vectorizable kernels
+//!   over byte buffers of any alignment.
+//! - [`plan`]: the schedule representation ([`Plan`], [`Step`], [`Action`])
+//!   and the builder that derives every step's dependencies from the ranges
+//!   it touches.
+//! - `schedule`: [`CollectiveKind`], [`Algorithm`], [`choose_algorithm`] with
+//!   its thresholds and `CHORUS_ALGO` [`Overrides`], and [`Spec::plan`].
+//! - `ring`, `doubling`, `tree`, `direct`: the algorithms (segmented
+//!   pipelined rings; recursive doubling and halving-doubling with folding
+//!   for non-powers of two; binomial trees; direct and pairwise exchanges and
+//!   the dissemination barrier).
+//! - `signature`: [`Signature`], its 32-byte encoding, and mismatch reports
+//!   for desync detection.
+//! - `sim` (tests only): a reference executor running every rank's plan in
+//!   memory, detecting deadlocks, unmatched messages and size mismatches.
+
+mod direct;
+mod doubling;
+mod dtype;
+pub mod plan;
+mod reduce;
+mod ring;
+mod schedule;
+mod signature;
+mod tree;
+
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod tests;
+
+pub use dtype::{DType, ParseError, ReduceOp};
+pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
+pub use reduce::{ReduceError, finalize_avg, reduce_into};
+pub use schedule::{
+    Algorithm, CollectiveKind, HALVING_DOUBLING_MAX_BYTES, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_WORLD,
+    MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, Spec,
+    choose_algorithm,
+};
+pub use signature::{ENCODED_LEN, Signature, SignatureError};

@@ -1,0 +1,196 @@
+//! Segmented, pipelined rings: reduce-scatter, all-gather, and all-reduce as
+//! the one followed by the other (Gloo's and NCCL's large-message path).
+//!
+//! The buffer is cut into `P` chunks; each ring step moves one chunk to the
+//! right neighbour, segment by segment. A segment's send depends only on the
+//! same segment's previous receive, so sending segment `k` overlaps receiving
+//! and reducing segment `k + 1`.
+
+use std::ops::Range;
+
+use super::plan::{Builder, Combine, Region, Tag};
+use super::schedule::{MAX_SEGMENT_BYTES, MIN_SEGMENTS_PER_CHUNK};
+
+/// Start of part `i` when `n` is cut into `parts` nearly equal parts (the
+/// first `n % parts` one element longer); `bound(n, parts, parts) == n`.
+pub(crate) fn bound(n: usize, parts: usize, i: usize) -> usize {
+    i * (n / parts) + i.min(n % parts)
+}
+
+/// Part `i` of `range` cut into `parts` nearly equal parts.
+pub(crate) fn part(range: &Range<usize>, parts: usize, i: usize) -> Range<usize> {
+    let n = range.len();
+    range.start + bound(n, parts, i)..range.start + bound(n, parts, i + 1)
+}
+
+/// Segments per chunk: at most [`MAX_SEGMENT_BYTES`] each, at least
+/// [`MIN_SEGMENTS_PER_CHUNK`] (so a ring has at least `2P` in flight), at
+/// most one per element.
+pub(crate) fn segments(chunk_len: usize, elem_size: usize, min: usize) -> usize {
+    (chunk_len * elem_size)
+        .div_ceil(MAX_SEGMENT_BYTES)
+        .max(min)
+        .min(chunk_len.max(1))
+}
+
+/// A ring over `chunks` (the `P` chunk ranges of `output`), for `rank`.
+struct Ring<'a> {
+    rank: usize,
+    world: usize,
+    chunks: &'a [Range<usize>],
+    segments: usize,
+}
+
+impl Ring<'_> {
+    fn right(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    fn left(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    /// Chunk index `rank - back` modulo the world.
+    fn chunk(&self, back: usize) -> &Range<usize> {
+        &self.chunks[(self.rank + 2 * self.world - back) % self.world]
+    }
+
+    /// `P - 1` steps, tagged from round `round0`, after which this rank holds
+    /// chunk `rank` reduced over all ranks.
+    fn reduce_scatter(&self, b: &mut Builder, round0: usize) {
+        for t in 0..self.world - 1 {
+            for s in 0..self.segments {
+                let tag = Tag::new(round0 + t, s);
+                b.send(
+                    self.right(),
+                    tag,
+                    Region::Output(part(self.chunk(t + 1), self.segments, s)),
+                );
+                b.recv(
+                    self.left(),
+                    tag,
+                    part(self.chunk(t + 2), self.segments, s),
+                    Combine::Reduce,
+                );
+            }
+        }
+    }
+
+    /// `P - 1` steps, tagged from round `round0`, that spread every rank's
+    /// chunk `rank` to all ranks.
+    fn all_gather(&self, b: &mut Builder, round0: usize) {
+        for t in 0..self.world - 1 {
+            for s in 0..self.segments {
+                let tag = Tag::new(round0 + t, s);
+                b.send(
+                    self.right(),
+                    tag,
+                    Region::Output(part(self.chunk(t), self.segments, s)),
+                );
+                b.recv(
+                    self.left(),
+                    tag,
+                    part(self.chunk(t + 1), self.segments, s),
+                    Combine::Copy,
+                );
+            }
+        }
+    }
+}
+
+/// Ring all-reduce of `output[0..count]` in place.
+pub(crate) fn all_reduce(
+    b: &mut Builder,
+    rank: usize,
+    world: usize,
+    count: usize,
+    elem_size: usize,
+) {
+    let whole = 0..count;
+    let chunks: Vec<Range<usize>> = (0..world).map(|c| part(&whole, world, c)).collect();
+    let ring = Ring {
+        rank,
+        world,
+        segments: segments(count.div_ceil(world), elem_size, MIN_SEGMENTS_PER_CHUNK),
+        chunks: &chunks,
+    };
+    ring.reduce_scatter(b, 0);
+    ring.all_gather(b, world - 1);
+}
+
+/// `P` blocks of `count` elements.
+fn blocks(world: usize, count: usize) -> Vec<Range<usize>> {
+    (0..world).map(|c| c * count..(c + 1) * count).collect()
+}
+
+/// Ring reduce-scatter of `output[0..count * world]` in place; block `rank`
+/// holds the result.
+pub(crate) fn reduce_scatter(
+    b: &mut Builder,
+    rank: usize,
+    world: usize,
+    count: usize,
+    elem_size: usize,
+) {
+    let chunks = blocks(world, count);
+    let segments = segments(count, elem_size, MIN_SEGMENTS_PER_CHUNK);
+    Ring {
+        rank,
+        world,
+        chunks: &chunks,
+        segments,
+    }
+    .reduce_scatter(b, 0);
+}
+
+/// Ring all-gather of every rank's `input[0..count]` into block `i` of
+/// `output[0..count * world]`.
+pub(crate) fn all_gather(
+    b: &mut Builder,
+    rank: usize,
+    world: usize,
+    count: usize,
+    elem_size: usize,
+) {
+    let chunks = blocks(world, count);
+    b.copy(0..count, chunks[rank].clone());
+    let segments = segments(count, elem_size, MIN_SEGMENTS_PER_CHUNK);
+    Ring {
+        rank,
+        world,
+        chunks: &chunks,
+        segments,
+    }
+    .all_gather(b, 0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_cover_the_range_in_order() {
+        for n in [0, 1, 7, 64] {
+            for parts in 1..=9 {
+                let r = 3..3 + n;
+                let ps: Vec<_> = (0..parts).map(|i| part(&r, parts, i)).collect();
+                assert_eq!(ps[0].start, 3);
+                assert_eq!(ps[parts - 1].end, 3 + n);
+                assert!(
+                    ps.windows(2)
+                        .all(|w| w[0].end == w[1].start && w[0].len() >= w[1].len())
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn segments_follow_gloos_rule() {
+        // At least two per chunk, at most 1 MiB each, never empty.
+        assert_eq!(segments(1000, 4, 2), 2);
+        assert_eq!(segments(1, 4, 2), 1);
+        assert_eq!(segments(0, 4, 2), 1);
+        assert_eq!(segments(3 << 20, 1, 2), 3);
+        assert_eq!(segments((3 << 20) + 1, 1, 2), 4);
+    }
+}

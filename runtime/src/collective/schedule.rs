@@ -1,0 +1,483 @@
+//! Which collective, which algorithm, and the [`Plan`] for one rank.
+
+use std::fmt;
+use std::str::FromStr;
+
+use thiserror::Error;
+
+use super::dtype::{DType, ParseError};
+use super::plan::{Builder, Plan};
+use super::{direct, doubling, ring, tree};
+
+/// Largest segment a ring or tree sends as one message (Gloo's 1 MiB).
+pub const MAX_SEGMENT_BYTES: usize = 1 << 20;
+
+/// Fewest segments per ring chunk, so a ring of `P` ranks has at least `2P`
+/// segments and sending one overlaps reducing the next (Gloo's rule).
+pub const MIN_SEGMENTS_PER_CHUNK: usize = 2;
+
+/// All-reduces up to this size use recursive doubling: `log2 P` latencies,
+/// each moving the whole buffer. On the loopback figures in DESIGN.md (about
+/// 70 us per message, 1-3 GB/s) the whole-buffer cost overtakes the extra
+/// `log2 P` latencies of halving-doubling around 100-500 KiB at `P = 8`; this
+/// stays below that until measured on real links.
+pub const RECURSIVE_DOUBLING_MAX_BYTES: usize = 64 << 10;
+
+/// All-reduces up to this size (and above [`RECURSIVE_DOUBLING_MAX_BYTES`])
+/// use halving-doubling; larger ones the pipelined ring, whose
+/// neighbour-only, segmented traffic keeps every link busy and whose fold-free
+/// schedule costs non-powers of two nothing extra.
+pub const HALVING_DOUBLING_MAX_BYTES: usize = 1 << 20;
+
+/// Largest world a plan is made for.
+pub const MAX_WORLD: usize = 1 << 20;
+
+/// Largest buffer (in bytes, all blocks together) a plan is made for; keeps
+/// segment and round numbers within a [`Tag`](super::Tag)'s `u32`s.
+pub const MAX_BYTES: usize = 1 << 50;
+
+/// The operations of a process group.
+///
+/// Each plan reads an `input` buffer and reads and writes an `output` buffer
+/// (see [`Plan`]); `count` is the per-rank element count and `P` the world
+/// size. Where an entry says "in place", the output holds this rank's data
+/// before the plan runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CollectiveKind {
+    /// Output `count`, in place: every rank ends with the reduction.
+    AllReduce,
+    /// Output `count`: the root's data before; every rank's after.
+    Broadcast,
+    /// Output `count`, in place: the root ends with the reduction; other
+    /// ranks' outputs end unspecified (they hold partial results).
+    Reduce,
+    /// Input `count`; output `count * P`: block `i` is rank `i`'s input.
+    AllGather,
+    /// Input `count`; output `count * P` at the root (block `i` is rank
+    /// `i`'s input), none elsewhere.
+    Gather,
+    /// Input `count * P` at the root, none elsewhere; output `count`: block
+    /// `rank` of the root's input.
+    Scatter,
+    /// Output `count * P`, in place: block `rank` ends with the reduction of
+    /// every rank's block `rank`; the other blocks end unspecified.
+    ReduceScatter,
+    /// Input and output `count * P`: input block `j` goes to rank `j`,
+    /// output block `i` comes from rank `i`.
+    AllToAll,
+    /// No buffers: returns on each rank once every rank has entered.
+    Barrier,
+    /// Input `count`, sent to the peer.
+    Send,
+    /// Output `count`, received from the peer.
+    Recv,
+}
+
+impl CollectiveKind {
+    /// Every kind.
+    pub const ALL: [CollectiveKind; 11] = [
+        CollectiveKind::AllReduce,
+        CollectiveKind::Broadcast,
+        CollectiveKind::Reduce,
+        CollectiveKind::AllGather,
+        CollectiveKind::Gather,
+        CollectiveKind::Scatter,
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::AllToAll,
+        CollectiveKind::Barrier,
+        CollectiveKind::Send,
+        CollectiveKind::Recv,
+    ];
+
+    /// PyTorch's name for it (`all_reduce`, `reduce_scatter`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Reduce => "reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::Gather => "gather",
+            CollectiveKind::Scatter => "scatter",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllToAll => "all_to_all",
+            CollectiveKind::Barrier => "barrier",
+            CollectiveKind::Send => "send",
+            CollectiveKind::Recv => "recv",
+        }
+    }
+
+    /// Whether it combines values with a [`ReduceOp`](super::ReduceOp).
+    pub const fn reduces(self) -> bool {
+        matches!(
+            self,
+            CollectiveKind::AllReduce | CollectiveKind::Reduce | CollectiveKind::ReduceScatter
+        )
+    }
+
+    /// Whether it needs a root (for [`Send`](Self::Send) and
+    /// [`Recv`](Self::Recv): the peer).
+    pub const fn rooted(self) -> bool {
+        matches!(
+            self,
+            CollectiveKind::Broadcast
+                | CollectiveKind::Reduce
+                | CollectiveKind::Gather
+                | CollectiveKind::Scatter
+                | CollectiveKind::Send
+                | CollectiveKind::Recv
+        )
+    }
+
+    /// The algorithms that implement it.
+    pub const fn algorithms(self) -> &'static [Algorithm] {
+        match self {
+            CollectiveKind::AllReduce => &[
+                Algorithm::RecursiveDoubling,
+                Algorithm::HalvingDoubling,
+                Algorithm::Ring,
+            ],
+            CollectiveKind::Broadcast | CollectiveKind::Reduce => &[Algorithm::BinomialTree],
+            CollectiveKind::AllGather | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
+            CollectiveKind::Gather
+            | CollectiveKind::Scatter
+            | CollectiveKind::Send
+            | CollectiveKind::Recv => &[Algorithm::Direct],
+            CollectiveKind::AllToAll => &[Algorithm::Pairwise],
+            CollectiveKind::Barrier => &[Algorithm::Dissemination],
+        }
+    }
+
+    /// The one-byte code used in [`Signature`](super::Signature) encodings.
+    pub(crate) const fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// Inverse of [`code`](Self::code).
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(code)).copied()
+    }
+}
+
+impl fmt::Display for CollectiveKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CollectiveKind {
+    type Err = ParseError;
+
+    fn from_str(s: &str) -> Result<Self, ParseError> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
+                ParseError::new("collective", s, &names)
+            })
+    }
+}
+
+/// How a collective's data moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Segmented, pipelined ring (large all-reduce, all-gather,
+    /// reduce-scatter).
+    Ring,
+    /// Recursive doubling of the whole buffer (small all-reduce).
+    RecursiveDoubling,
+    /// Rabenseifner's recursive halving + doubling (medium all-reduce).
+    HalvingDoubling,
+    /// Binomial tree from or to the root (broadcast, reduce).
+    BinomialTree,
+    /// One message per rank and the root, or the peer (gather, scatter,
+    /// send, recv).
+    Direct,
+    /// Pairwise exchange (all-to-all).
+    Pairwise,
+    /// Dissemination of empty messages (barrier).
+    Dissemination,
+}
+
+impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 7] = [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::HalvingDoubling,
+        Algorithm::BinomialTree,
+        Algorithm::Direct,
+        Algorithm::Pairwise,
+        Algorithm::Dissemination,
+    ];
+
+    /// Its name in `CHORUS_ALGO`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::RecursiveDoubling => "recursive_doubling",
+            Algorithm::HalvingDoubling => "halving_doubling",
+            Algorithm::BinomialTree => "binomial_tree",
+            Algorithm::Direct => "direct",
+            Algorithm::Pairwise => "pairwise",
+            Algorithm::Dissemination => "dissemination",
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = ParseError;
+
+    fn from_str(s: &str) -> Result<Self, ParseError> {
+        Self::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|a| a.name()).collect();
+                ParseError::new("algorithm", s, &names)
+            })
+    }
+}
+
+/// Algorithms forced per collective: the parsed value of `CHORUS_ALGO`.
+///
+/// The grammar is a comma-separated list of `kind=algorithm` (for example
+/// `all_reduce=ring,broadcast=binomial_tree`) or bare `algorithm`, which
+/// applies to every kind that has it (`ring` forces all-reduce,
+/// all-gather and reduce-scatter onto the ring). Later entries win; the
+/// empty string forces nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Overrides {
+    forced: Vec<(CollectiveKind, Algorithm)>,
+}
+
+impl Overrides {
+    /// Parses a `CHORUS_ALGO` value.
+    pub fn parse(value: &str) -> Result<Self, ParseError> {
+        let mut forced = Vec::new();
+        for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            match entry.split_once('=') {
+                Some((kind, algo)) => {
+                    let kind: CollectiveKind = kind.trim().parse()?;
+                    let algo: Algorithm = algo.trim().parse()?;
+                    if !kind.algorithms().contains(&algo) {
+                        let names: Vec<&str> = kind.algorithms().iter().map(|a| a.name()).collect();
+                        return Err(ParseError::new(
+                            "algorithm for this collective",
+                            entry,
+                            &names,
+                        ));
+                    }
+                    forced.push((kind, algo));
+                }
+                None => {
+                    let algo: Algorithm = entry.parse()?;
+                    forced.extend(
+                        CollectiveKind::ALL
+                            .into_iter()
+                            .filter(|k| k.algorithms().contains(&algo))
+                            .map(|k| (k, algo)),
+                    );
+                }
+            }
+        }
+        Ok(Overrides { forced })
+    }
+
+    /// The algorithm forced for `kind`, if any.
+    pub fn get(&self, kind: CollectiveKind) -> Option<Algorithm> {
+        self.forced
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == kind)
+            .map(|&(_, a)| a)
+    }
+}
+
+/// Picks the algorithm for a collective of `bytes` per rank (the buffer an
+/// all-reduce reduces) over `world` ranks, unless `overrides` forces one.
+pub fn choose_algorithm(
+    kind: CollectiveKind,
+    bytes: usize,
+    world: usize,
+    overrides: &Overrides,
+) -> Algorithm {
+    if let Some(forced) = overrides.get(kind) {
+        return forced;
+    }
+    match kind {
+        // Two ranks: halving-doubling moves the same bytes as recursive
+        // doubling, in two messages instead of one.
+        CollectiveKind::AllReduce
+            if bytes <= RECURSIVE_DOUBLING_MAX_BYTES
+                || (world <= 2 && bytes <= HALVING_DOUBLING_MAX_BYTES) =>
+        {
+            Algorithm::RecursiveDoubling
+        }
+        CollectiveKind::AllReduce if bytes <= HALVING_DOUBLING_MAX_BYTES => {
+            Algorithm::HalvingDoubling
+        }
+        CollectiveKind::AllReduce => Algorithm::Ring,
+        _ => kind.algorithms()[0],
+    }
+}
+
+/// Why no plan could be made.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum PlanError {
+    /// World size zero or above [`MAX_WORLD`].
+    #[error("world size {0} is out of range 1..={MAX_WORLD}")]
+    World(usize),
+    /// The rank is not below the world size.
+    #[error("rank {rank} is out of range for a world of {world}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// A rooted collective without a root, a root (or peer) not below the
+    /// world size, or a point-to-point operation with this rank itself.
+    #[error(
+        "{kind} needs a root (for send and recv: a peer other than this rank) in 0..{world}; got {root:?}"
+    )]
+    Root {
+        /// The collective.
+        kind: CollectiveKind,
+        /// The root given.
+        root: Option<usize>,
+        /// The world size.
+        world: usize,
+    },
+    /// The algorithm does not implement the collective.
+    #[error("{kind} has no {algorithm} algorithm; it has: {}", algorithm_names(*.kind))]
+    Unsupported {
+        /// The collective.
+        kind: CollectiveKind,
+        /// The algorithm asked for.
+        algorithm: Algorithm,
+    },
+    /// The buffers are larger than [`MAX_BYTES`].
+    #[error(
+        "{count} elements of {dtype} per rank over {world} ranks exceed the limit of {MAX_BYTES} bytes"
+    )]
+    TooLarge {
+        /// Elements per rank.
+        count: usize,
+        /// The dtype.
+        dtype: DType,
+        /// The world size.
+        world: usize,
+    },
+}
+
+/// `kind`'s algorithms, for error messages.
+fn algorithm_names(kind: CollectiveKind) -> String {
+    let names: Vec<&str> = kind.algorithms().iter().map(|a| a.name()).collect();
+    names.join(", ")
+}
+
+/// What every rank agrees on about one collective (its plan also needs the
+/// rank and the algorithm).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Spec {
+    /// Which collective.
+    pub kind: CollectiveKind,
+    /// The element type (sets segment sizes; plans count elements).
+    pub dtype: DType,
+    /// Elements per rank, as in [`CollectiveKind`].
+    pub count: usize,
+    /// The root of a rooted collective, the peer of a send or receive.
+    pub root: Option<usize>,
+    /// The number of ranks.
+    pub world: usize,
+}
+
+impl Spec {
+    /// The bytes of one rank's `count` elements (what
+    /// [`choose_algorithm`] takes).
+    pub fn bytes(&self) -> usize {
+        self.count.saturating_mul(self.dtype.size())
+    }
+
+    /// The plan for `rank` with `algorithm`.
+    pub fn plan(&self, rank: usize, algorithm: Algorithm) -> Result<Plan, PlanError> {
+        let Spec {
+            kind,
+            dtype,
+            count: n,
+            root,
+            world,
+        } = *self;
+        if world == 0 || world > MAX_WORLD {
+            return Err(PlanError::World(world));
+        }
+        if rank >= world {
+            return Err(PlanError::Rank { rank, world });
+        }
+        if !kind.algorithms().contains(&algorithm) {
+            return Err(PlanError::Unsupported { kind, algorithm });
+        }
+        let size = dtype.size();
+        let all = n
+            .checked_mul(world)
+            .filter(|all| {
+                all.checked_mul(size)
+                    .is_some_and(|bytes| bytes <= MAX_BYTES)
+            })
+            .ok_or(PlanError::TooLarge {
+                count: n,
+                dtype,
+                world,
+            })?;
+        let p2p = matches!(kind, CollectiveKind::Send | CollectiveKind::Recv);
+        let root = match root {
+            _ if !kind.rooted() => 0,
+            Some(r) if r < world && !(p2p && r == rank) => r,
+            _ => return Err(PlanError::Root { kind, root, world }),
+        };
+        let is_root = rank == root;
+        let (input_len, output_len) = match kind {
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast | CollectiveKind::Reduce => {
+                (0, n)
+            }
+            CollectiveKind::AllGather => (n, all),
+            CollectiveKind::Gather => (n, if is_root { all } else { 0 }),
+            CollectiveKind::Scatter => (if is_root { all } else { 0 }, n),
+            CollectiveKind::ReduceScatter => (0, all),
+            CollectiveKind::AllToAll => (all, all),
+            CollectiveKind::Barrier => (0, 0),
+            CollectiveKind::Send => (n, 0),
+            CollectiveKind::Recv => (0, n),
+        };
+        let mut b = Builder::new(rank, world, input_len, output_len);
+        match (kind, algorithm) {
+            (CollectiveKind::AllReduce, Algorithm::Ring) => {
+                ring::all_reduce(&mut b, rank, world, n, size)
+            }
+            (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling) => {
+                doubling::recursive_doubling(&mut b, rank, world, n)
+            }
+            (CollectiveKind::AllReduce, _) => doubling::halving_doubling(&mut b, rank, world, n),
+            (CollectiveKind::Broadcast, _) => tree::broadcast(&mut b, rank, world, root, n, size),
+            (CollectiveKind::Reduce, _) => tree::reduce(&mut b, rank, world, root, n, size),
+            (CollectiveKind::AllGather, _) => ring::all_gather(&mut b, rank, world, n, size),
+            (CollectiveKind::ReduceScatter, _) => {
+                ring::reduce_scatter(&mut b, rank, world, n, size)
+            }
+            (CollectiveKind::Gather, _) => direct::gather(&mut b, rank, world, root, n),
+            (CollectiveKind::Scatter, _) => direct::scatter(&mut b, rank, world, root, n),
+            (CollectiveKind::AllToAll, _) => direct::all_to_all(&mut b, rank, world, n),
+            (CollectiveKind::Barrier, _) => direct::barrier(&mut b, rank, world),
+            (CollectiveKind::Send, _) => direct::send(&mut b, root, n),
+            (CollectiveKind::Recv, _) => direct::recv(&mut b, root, n),
+        }
+        Ok(b.finish())
+    }
+}

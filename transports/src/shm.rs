@@ -1,0 +1,1844 @@
+//! Shared-memory links between processes of one host (as NCCL's SHM
+//! transport): one ring per direction in a file under `/dev/shm`, mapped by
+//! both processes.
+//!
+//! # Ring layout
+//! The file `<dir>/chorus-<writer nonce, 16 hex digits>-to-<reader rank>` is
+//! one header page then `capacity` bytes of data (a multiple of the page
+//! size). Both sides map the data area twice, back to back (a "magic ring
+//! buffer"), so a record that crosses the end of the ring is still
+//! contiguous in memory and any record up to `capacity` bytes is one slice.
+//!
+//! | header bytes | field (all little-endian atomics) | written by |
+//! |---|---|---|
+//! | 0..8 | magic `chorusR1`, stored last (`Release`) | writer, once |
+//! | 8..12, 12..16 | version, writer pid | writer, once |
+//! | 16..24, 24..32 | capacity, data offset (the page size) | writer, once |
+//! | 32..40, 40..48 | writer rank, reader rank | writer, once |
+//! | 48..52 | reader pid (non-zero once the reader has attached) | reader, once |
+//! | 128..136 | `head`: bytes published | writer |
+//! | 136..140, 140..144, 144..148 | `head_seq` (futex), writer sleeping, writer closed | writer |
+//! | 256..264 | `tail`: bytes released | reader |
+//! | 264..268, 268..272, 272..276 | `tail_seq` (futex), reader sleeping, reader closed | reader |
+//!
+//! `head` and `tail` count bytes since the ring was made and never wrap; a
+//! position `p` lives at data offset `p % capacity`. A record is a 64-byte
+//! header (`u32` channel, `u32` zero, `u64` tag, `u64` length of this
+//! record's payload, `u64` length of the whole frame) then the payload,
+//! padded to a multiple of 64 bytes, so payloads are 64-byte aligned.
+//!
+//! # Protocol
+//! 1. A rank draws a random 64-bit nonce ([`ShmEndpoint::new`]) and
+//!    publishes it through rendezvous; the nonce names its rings, so names
+//!    never collide across processes or runs.
+//! 2. Connecting ([`ShmEndpoint::connect_mesh`]) first creates every
+//!    outbound ring (`O_EXCL`, mode 0600, space reserved with
+//!    `posix_fallocate` so a full `/dev/shm` is an error now rather than a
+//!    `SIGBUS` later), then attaches every inbound ring, then waits until
+//!    every peer has attached to this rank's rings. Both sides of a pair must
+//!    connect concurrently.
+//! 3. The writer fills the header and stores the magic last; a reader that
+//!    finds magic 0 waits, any other wrong magic, version or size is a typed
+//!    [`TransportError::Protocol`]. The reader checks that the file is its
+//!    own user's, maps it, stores its pid, and unlinks the file: from then on
+//!    nothing is left behind whatever happens. A crash between creating and
+//!    the peer's attach (the connect window) leaves the file behind.
+//! 4. The writer alone moves `head`, the reader alone moves `tail`;
+//!    `head - tail <= capacity` always. The writer copies a record into
+//!    `[head, head + size)` only once `tail` allows it, then publishes it
+//!    with one `head` store; the reader reads nothing past `head` and the
+//!    writer writes nothing in `[tail, head)`.
+//! 5. A frame whose record fits the ring is one record, handed to the
+//!    receiver without a copy (a `Bytes` over the mapping); `tail` passes it
+//!    once that `Bytes` and all its clones are dropped (records released out
+//!    of order wait for the ones before them). A larger frame is cut into
+//!    pieces of a quarter of the ring, consecutive in the ring, which the
+//!    receiver copies into a reused buffer and releases at once.
+//! 6. Sleeping: a side spins for a few microseconds, then reads the futex
+//!    word, raises its sleeping flag, re-checks the index and `FUTEX_WAIT`s
+//!    with a timeout; the other side bumps the word and `FUTEX_WAKE`s after
+//!    moving its index if the flag is up. Every timeout (the liveness
+//!    interval, 100 ms by default) checks the peer's pid, so a peer that died
+//!    without closing is an error, not a hang.
+//! 7. Closing raises this side's closed flag in both rings and wakes every
+//!    sleeper; the peer still receives every record published before it.
+//!
+//! # Copies and costs
+//! A frame that fits the ring is copied once (sender into the ring). The
+//! receiver must drop received payloads promptly: a payload held forever
+//! pins its bytes of the ring, and the sender waits once the ring is full
+//! (the collectives reduce from a payload, then drop it). Per link there is
+//! one reader thread that files records into bounded per-channel queues; a
+//! channel whose queue is full stops the reader thread, so frames of other
+//! channels behind it wait too (receive every channel you send on). Peer
+//! liveness uses pids: both processes must share a pid namespace.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::future::Future;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::pin::pin;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use tokio::sync::{mpsc, watch};
+
+use crate::link::{ChannelId, Frame, Link, SendError, TransportError, TransportKind};
+
+/// `chorusR1`: marks a fully initialized ring.
+const MAGIC: u64 = u64::from_le_bytes(*b"chorusR1");
+const VERSION: u32 = 1;
+/// Bytes in front of every record's payload; also the record alignment.
+const RECORD_HEADER: usize = 64;
+/// How long a side spins before sleeping on the futex.
+const SPIN: Duration = Duration::from_micros(20);
+/// Payloads up to this size are copied on the calling task when the ring
+/// has room; larger ones are copied on the blocking pool.
+const INLINE_LIMIT: usize = 64 << 10;
+
+/// The ring header, at the start of the file. Every field is an atomic, so
+/// both processes may touch it through shared references.
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    writer_pid: AtomicU32,
+    capacity: AtomicU64,
+    data_offset: AtomicU64,
+    writer_rank: AtomicU64,
+    reader_rank: AtomicU64,
+    reader_pid: AtomicU32,
+    writer: WriterLine,
+    reader: ReaderLine,
+}
+
+/// Fields the writer moves, on their own cache lines (128 bytes: adjacent
+/// line prefetch would otherwise share them with the reader's).
+#[repr(C, align(128))]
+struct WriterLine {
+    head: AtomicU64,
+    head_seq: AtomicU32,
+    sleeping: AtomicU32,
+    closed: AtomicU32,
+}
+
+/// Fields the reader moves.
+#[repr(C, align(128))]
+struct ReaderLine {
+    tail: AtomicU64,
+    tail_seq: AtomicU32,
+    sleeping: AtomicU32,
+    closed: AtomicU32,
+}
+
+// The layout in the module doc.
+const _: () = assert!(
+    std::mem::size_of::<Header>() <= 4096
+        && std::mem::offset_of!(Header, reader_pid) == 48
+        && std::mem::offset_of!(Header, writer) == 128
+        && std::mem::offset_of!(Header, reader) == 256
+);
+
+/// Settings of shared-memory links.
+#[derive(Debug, Clone)]
+pub struct ShmOptions {
+    /// Bytes of ring per direction (rounded up to the page size). Frames
+    /// whose record (64 bytes + payload) fits are sent without a copy on the
+    /// receiver; larger ones go in pieces and are copied once more.
+    pub capacity: usize,
+    /// Largest frame accepted from a peer.
+    pub max_frame: usize,
+    /// Frames a channel's receive queue holds before the reader thread waits.
+    pub depth: usize,
+    /// How long connecting may take.
+    pub connect_timeout: Duration,
+    /// How often a sleeping side checks that its peer is alive.
+    pub liveness_interval: Duration,
+    /// Where the ring files live (a tmpfs).
+    pub dir: PathBuf,
+}
+
+impl Default for ShmOptions {
+    fn default() -> Self {
+        Self {
+            // A 64 MiB frame (a typical gradient bucket) plus its header is
+            // one record, so it reaches the receiver without a copy.
+            capacity: (64 << 20) + (64 << 10),
+            max_frame: 1 << 30,
+            depth: 16,
+            connect_timeout: Duration::from_secs(60),
+            liveness_interval: Duration::from_millis(100),
+            dir: PathBuf::from("/dev/shm"),
+        }
+    }
+}
+
+/// A peer as rendezvous described it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShmPeer {
+    /// Its rank.
+    pub rank: usize,
+    /// The nonce it published ([`ShmEndpoint::nonce`]).
+    pub nonce: u64,
+}
+
+/// One rank's side of the shared-memory transport: its nonce and settings.
+#[derive(Debug)]
+pub struct ShmEndpoint {
+    rank: usize,
+    nonce: u64,
+    options: ShmOptions,
+}
+
+fn connect_error(peer: usize, reason: impl std::fmt::Display) -> TransportError {
+    TransportError::Connect {
+        peer,
+        reason: reason.to_string(),
+    }
+}
+
+fn protocol_error(peer: usize, reason: impl std::fmt::Display) -> TransportError {
+    TransportError::Protocol {
+        peer,
+        reason: reason.to_string(),
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).unwrap_or(4096).max(4096)
+}
+
+fn ring_path(dir: &Path, writer_nonce: u64, reader_rank: usize) -> PathBuf {
+    dir.join(format!("chorus-{writer_nonce:016x}-to-{reader_rank}"))
+}
+
+fn record_size(payload: usize) -> u64 {
+    (RECORD_HEADER + payload).next_multiple_of(RECORD_HEADER) as u64
+}
+
+impl ShmEndpoint {
+    /// Rank `rank`'s endpoint with a fresh random nonce; nothing is created
+    /// until [`connect_mesh`](Self::connect_mesh).
+    pub fn new(rank: usize, options: ShmOptions) -> Result<Self, TransportError> {
+        let mut nonce = [0u8; 8];
+        // SAFETY: getrandom writes at most `nonce.len()` bytes into `nonce`.
+        let got = unsafe { libc::getrandom(nonce.as_mut_ptr().cast(), nonce.len(), 0) };
+        if got != nonce.len() as isize {
+            return Err(connect_error(
+                rank,
+                format!("no random nonce: {}", io::Error::last_os_error()),
+            ));
+        }
+        let page = page_size();
+        let options = ShmOptions {
+            capacity: options.capacity.max(1).next_multiple_of(page),
+            depth: options.depth.max(1),
+            ..options
+        };
+        Ok(Self {
+            rank,
+            nonce: u64::from_le_bytes(nonce),
+            options,
+        })
+    }
+
+    /// The value to publish through rendezvous.
+    pub fn nonce(&self) -> u64 {
+        self.nonce
+    }
+
+    /// Connects to every peer but this rank; the peers do the same
+    /// concurrently. Returns the links indexed by rank (`None` for this rank).
+    pub async fn connect_mesh(
+        &self,
+        peers: &[ShmPeer],
+    ) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
+        let world = peers
+            .iter()
+            .map(|p| p.rank + 1)
+            .max()
+            .unwrap_or(0)
+            .max(self.rank + 1);
+        let mut links: Vec<Option<Arc<dyn Link>>> = (0..world).map(|_| None).collect();
+        for link in self.connect_all(peers).await? {
+            let peer = link.peer;
+            links[peer] = Some(Arc::new(link));
+        }
+        Ok(links)
+    }
+
+    /// Connects to one peer, which must connect back concurrently.
+    pub async fn connect(&self, peer: ShmPeer) -> Result<ShmLink, TransportError> {
+        let mut links = self.connect_all(&[peer]).await?;
+        links
+            .pop()
+            .ok_or_else(|| connect_error(peer.rank, "a rank cannot link to itself"))
+    }
+
+    async fn connect_all(&self, peers: &[ShmPeer]) -> Result<Vec<ShmLink>, TransportError> {
+        let peers: Vec<ShmPeer> = peers
+            .iter()
+            .copied()
+            .filter(|p| p.rank != self.rank)
+            .collect();
+        let deadline = Instant::now() + self.options.connect_timeout;
+        // Files this rank made and no peer has unlinked yet (rule 3).
+        let mut created = Created(Vec::new());
+        let mut outbound = Vec::new();
+        for peer in &peers {
+            let path = ring_path(&self.options.dir, self.nonce, peer.rank);
+            let ring =
+                Ring::create(&path, self.options.capacity, self.rank, peer.rank).map_err(|e| {
+                    connect_error(peer.rank, format!("creating {}: {e}", path.display()))
+                })?;
+            created.0.push(path);
+            outbound.push(Arc::new(ring));
+        }
+        let mut inbound = Vec::new();
+        for peer in &peers {
+            let path = ring_path(&self.options.dir, peer.nonce, self.rank);
+            inbound.push(Arc::new(self.attach(&path, *peer, deadline).await?));
+        }
+        for (ring, peer) in outbound.iter().zip(&peers) {
+            while ring.header().reader_pid.load(Ordering::Acquire) == 0 {
+                if Instant::now() >= deadline {
+                    return Err(connect_error(
+                        peer.rank,
+                        format!(
+                            "it did not attach within {:?}",
+                            self.options.connect_timeout
+                        ),
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        created.0.clear();
+        Ok(peers
+            .iter()
+            .zip(outbound.into_iter().zip(inbound))
+            .map(|(peer, (outbound, inbound))| {
+                ShmLink::new(self.rank, peer.rank, outbound, inbound, &self.options)
+            })
+            .collect())
+    }
+
+    /// Waits until the peer's ring to this rank exists and is initialized,
+    /// then maps it and unlinks it.
+    async fn attach(
+        &self,
+        path: &Path,
+        peer: ShmPeer,
+        deadline: Instant,
+    ) -> Result<Ring, TransportError> {
+        loop {
+            if let Some(ring) = Ring::open(path, peer.rank, self.rank)? {
+                // Mapped: the name is no longer needed (rule 3).
+                let _ = std::fs::remove_file(path);
+                return Ok(ring);
+            }
+            if Instant::now() >= deadline {
+                return Err(connect_error(
+                    peer.rank,
+                    format!(
+                        "its ring {} did not appear within {:?}",
+                        path.display(),
+                        self.options.connect_timeout
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+}
+
+/// Ring files to unlink if connecting fails.
+struct Created(Vec<PathBuf>);
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// An address-space reservation holding a ring's mappings; unmapped on drop.
+struct Mapping {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; all shared state
+// in it is accessed through atomics or within the ring protocol's ranges.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only hands out raw pointers and atomics.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base..base + len` is a reservation this value made and
+        // owns; nothing borrows from it once the last owner is dropped.
+        unsafe {
+            libc::munmap(self.base.cast(), self.len);
+        }
+    }
+}
+
+fn mmap_error(what: &str) -> io::Error {
+    let e = io::Error::last_os_error();
+    io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+impl Mapping {
+    /// Maps `file`'s header page and then its data area twice in a row.
+    fn ring(file: &File, data_offset: usize, capacity: usize) -> io::Result<Self> {
+        let len = data_offset + 2 * capacity;
+        // SAFETY: a fresh anonymous PROT_NONE reservation; the kernel picks
+        // the address.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(mmap_error("reserving address space"));
+        }
+        let mapping = Self {
+            base: base.cast(),
+            len,
+        };
+        let views = [
+            (0, 0, data_offset + capacity),
+            (data_offset + capacity, data_offset, capacity),
+        ];
+        for (at, offset, view_len) in views {
+            // SAFETY: MAP_FIXED replaces pages inside our own reservation
+            // (`at + view_len <= len`); the file is at least
+            // `data_offset + capacity` bytes long.
+            let view = unsafe {
+                libc::mmap(
+                    mapping.base.add(at).cast(),
+                    view_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
+                    file.as_raw_fd(),
+                    offset as libc::off_t,
+                )
+            };
+            if view == libc::MAP_FAILED {
+                return Err(mmap_error("mapping the ring"));
+            }
+        }
+        Ok(mapping)
+    }
+
+    /// Maps only the header page, to read a ring's geometry.
+    fn header(file: &File, data_offset: usize) -> io::Result<Self> {
+        // SAFETY: a fresh shared mapping of the file's first page; the
+        // caller checked that the file is at least that long.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                data_offset,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(mmap_error("mapping a ring header"));
+        }
+        Ok(Self {
+            base: base.cast(),
+            len: data_offset,
+        })
+    }
+
+    fn header_ref(&self) -> &Header {
+        // SAFETY: `base` is page-aligned and at least one page (>= the
+        // header's size) is mapped read-write for `self`'s lifetime; every
+        // field is an atomic, so the peer writing them is no data race.
+        unsafe { &*self.base.cast::<Header>() }
+    }
+}
+
+/// Released ranges of the inbound ring not yet contiguous with `tail`.
+#[derive(Default)]
+struct Released {
+    tail: u64,
+    pending: BTreeMap<u64, u64>,
+}
+
+/// One direction's ring, as mapped by either side.
+struct Ring {
+    map: Mapping,
+    data_offset: usize,
+    capacity: u64,
+    released: Mutex<Released>,
+}
+
+impl Ring {
+    /// Creates, sizes and initializes the ring `writer_rank` sends on.
+    fn create(
+        path: &Path,
+        capacity: usize,
+        writer_rank: usize,
+        reader_rank: usize,
+    ) -> io::Result<Ring> {
+        let data_offset = page_size();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)?;
+        let ring = (|| {
+            let len = (data_offset + capacity) as libc::off_t;
+            // SAFETY: fallocate on our own fd; it only reserves the pages.
+            let err = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+            if err != 0 {
+                let e = io::Error::from_raw_os_error(err);
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("reserving {len} bytes (is the tmpfs big enough?): {e}"),
+                ));
+            }
+            let map = Mapping::ring(&file, data_offset, capacity)?;
+            let header = map.header_ref();
+            header.version.store(VERSION, Ordering::Relaxed);
+            header
+                .writer_pid
+                .store(std::process::id(), Ordering::Relaxed);
+            header.capacity.store(capacity as u64, Ordering::Relaxed);
+            header
+                .data_offset
+                .store(data_offset as u64, Ordering::Relaxed);
+            header
+                .writer_rank
+                .store(writer_rank as u64, Ordering::Relaxed);
+            header
+                .reader_rank
+                .store(reader_rank as u64, Ordering::Relaxed);
+            header.magic.store(MAGIC, Ordering::Release);
+            Ok(Ring {
+                map,
+                data_offset,
+                capacity: capacity as u64,
+                released: Mutex::default(),
+            })
+        })();
+        if ring.is_err() {
+            let _ = std::fs::remove_file(path);
+        }
+        ring
+    }
+
+    /// Opens and maps the ring `writer_rank` made for `reader_rank`:
+    /// `None` while it does not exist or is not initialized yet.
+    fn open(
+        path: &Path,
+        writer_rank: usize,
+        reader_rank: usize,
+    ) -> Result<Option<Ring>, TransportError> {
+        let peer = writer_rank;
+        let file = match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+        {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => {
+                return Err(connect_error(
+                    peer,
+                    format!("opening {}: {e}", path.display()),
+                ));
+            }
+        };
+        let meta = file
+            .metadata()
+            .map_err(|e| connect_error(peer, format!("inspecting {}: {e}", path.display())))?;
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if meta.uid() != me || meta.mode() & 0o077 != 0 {
+            return Err(connect_error(
+                peer,
+                format!("{} is not a private file of this user", path.display()),
+            ));
+        }
+        let data_offset = page_size();
+        if meta.len() < data_offset as u64 {
+            return Ok(None);
+        }
+        let bad = |reason: String| {
+            Err(protocol_error(
+                peer,
+                format!("{}: {reason}", path.display()),
+            ))
+        };
+        let capacity = {
+            let map = Mapping::header(&file, data_offset).map_err(|e| connect_error(peer, e))?;
+            let header = map.header_ref();
+            match header.magic.load(Ordering::Acquire) {
+                0 => return Ok(None),
+                MAGIC => {}
+                other => return bad(format!("not a chorus ring (magic {other:#018x})")),
+            }
+            let version = header.version.load(Ordering::Relaxed);
+            if version != VERSION {
+                return bad(format!("ring version {version}, expected {VERSION}"));
+            }
+            let offset = header.data_offset.load(Ordering::Relaxed);
+            let capacity = header.capacity.load(Ordering::Relaxed);
+            if offset != data_offset as u64
+                || capacity == 0
+                || capacity % data_offset as u64 != 0
+                || meta.len() != data_offset as u64 + capacity
+            {
+                return bad(format!(
+                    "inconsistent geometry: data offset {offset}, capacity {capacity}, file size {}",
+                    meta.len()
+                ));
+            }
+            let (from, to) = (
+                header.writer_rank.load(Ordering::Relaxed),
+                header.reader_rank.load(Ordering::Relaxed),
+            );
+            if (from, to) != (writer_rank as u64, reader_rank as u64) {
+                return bad(format!(
+                    "the ring links rank {from} to {to}, expected {writer_rank} to {reader_rank}"
+                ));
+            }
+            capacity as usize
+        };
+        let map =
+            Mapping::ring(&file, data_offset, capacity).map_err(|e| connect_error(peer, e))?;
+        // The geometry was read from another mapping; the one used must agree.
+        if map.header_ref().capacity.load(Ordering::Acquire) != capacity as u64 {
+            return Err(protocol_error(
+                peer,
+                "the ring's capacity changed while attaching",
+            ));
+        }
+        map.header_ref()
+            .reader_pid
+            .store(std::process::id(), Ordering::Release);
+        Ok(Some(Ring {
+            map,
+            data_offset,
+            capacity: capacity as u64,
+            released: Mutex::default(),
+        }))
+    }
+
+    fn header(&self) -> &Header {
+        self.map.header_ref()
+    }
+
+    /// Where position `pos` lives; the double mapping makes the next
+    /// `capacity` bytes contiguous.
+    fn at(&self, pos: u64) -> *mut u8 {
+        // SAFETY: `data_offset + pos % capacity < data_offset + capacity`,
+        // inside the reservation.
+        unsafe {
+            self.map
+                .base
+                .add(self.data_offset + (pos % self.capacity) as usize)
+        }
+    }
+
+    /// Bumps both futex words and wakes everyone sleeping on them.
+    fn poke(&self) {
+        let header = self.header();
+        for word in [&header.writer.head_seq, &header.reader.tail_seq] {
+            word.fetch_add(1, Ordering::SeqCst);
+            futex_wake(word);
+        }
+    }
+
+    /// Marks `start..end` consumed; advances `tail` over every released
+    /// range now contiguous with it and wakes a sleeping writer.
+    fn release(&self, start: u64, end: u64) {
+        let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        if start != released.tail {
+            released.pending.insert(start, end);
+            return;
+        }
+        let mut tail = end;
+        while let Some(next) = released.pending.remove(&tail) {
+            tail = next;
+        }
+        released.tail = tail;
+        let header = self.header();
+        header.reader.tail.store(tail, Ordering::SeqCst);
+        if header.writer.sleeping.load(Ordering::SeqCst) != 0 {
+            header.reader.tail_seq.fetch_add(1, Ordering::SeqCst);
+            futex_wake(&header.reader.tail_seq);
+        }
+    }
+}
+
+/// Sleeps while `word` holds `expected`, at most `timeout`; whether it
+/// timed out (then the caller checks the peer is alive).
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) -> bool {
+    let timeout = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a live, aligned u32 in a shared mapping (no PRIVATE
+    // flag: the peer process wakes it); the kernel only reads it. Timeouts,
+    // spurious wakes and EAGAIN all just return to the caller's re-check.
+    let slept = unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &timeout as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+    slept != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ETIMEDOUT)
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned u32; FUTEX_WAKE does not touch it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Whether process `pid` still runs (a killed child its parent has not
+/// reaped yet is a zombie and counts as dead). Pid 0 means not known yet.
+fn alive(pid: u32) -> bool {
+    if pid == 0 {
+        return true;
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    if unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
+        && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rfind(')')
+                .and_then(|i| stat[i + 1..].trim_start().chars().next()),
+            Some('Z' | 'X')
+        ),
+        Err(_) => true,
+    }
+}
+
+/// A received payload still in the ring; dropping the last clone releases
+/// its record.
+struct RingSlice {
+    ring: Arc<Ring>,
+    start: u64,
+    end: u64,
+    len: usize,
+}
+
+impl AsRef<[u8]> for RingSlice {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the reader validated `len + RECORD_HEADER <= end - start <=
+        // capacity`, so the slice lies in the double-mapped data area, which
+        // `ring` keeps mapped; the writer does not write `[tail, head)` and
+        // `tail` stays at or before `start` until this value is dropped
+        // (rule 4).
+        unsafe { std::slice::from_raw_parts(self.ring.at(self.start).add(RECORD_HEADER), self.len) }
+    }
+}
+
+impl Drop for RingSlice {
+    fn drop(&mut self) {
+        self.ring.release(self.start, self.end);
+    }
+}
+
+struct Queue {
+    tx: mpsc::Sender<Frame>,
+    rx: tokio::sync::Mutex<mpsc::Receiver<Frame>>,
+}
+
+/// What a link's handle and its reader thread share.
+struct Shared {
+    me: usize,
+    peer: usize,
+    outbound: Arc<Ring>,
+    inbound: Arc<Ring>,
+    queues: Mutex<HashMap<ChannelId, Arc<Queue>>>,
+    depth: usize,
+    max_frame: usize,
+    liveness_interval: Duration,
+    /// Why the link failed, once it has.
+    closed: watch::Sender<Option<TransportError>>,
+    /// One writer at a time; owned guards survive a cancelled `send`.
+    writing: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Shared {
+    fn queue(&self, channel: ChannelId) -> Arc<Queue> {
+        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        queues
+            .entry(channel)
+            .or_insert_with(|| {
+                let (tx, rx) = mpsc::channel(self.depth);
+                Arc::new(Queue {
+                    tx,
+                    rx: tokio::sync::Mutex::new(rx),
+                })
+            })
+            .clone()
+    }
+
+    fn failure(&self) -> Option<TransportError> {
+        self.closed.borrow().clone()
+    }
+
+    fn closed(&self, reason: impl std::fmt::Display) -> TransportError {
+        TransportError::Closed {
+            peer: self.peer,
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Fails the link (the first error wins) and tells the peer (rule 7).
+    fn fail(&self, error: TransportError) {
+        // Flags first: whoever sees the error here also sees them there.
+        self.outbound
+            .header()
+            .writer
+            .closed
+            .store(1, Ordering::SeqCst);
+        self.inbound
+            .header()
+            .reader
+            .closed
+            .store(1, Ordering::SeqCst);
+        self.closed.send_if_modified(|current| {
+            if current.is_none() {
+                *current = Some(error);
+                true
+            } else {
+                false
+            }
+        });
+        self.outbound.poke();
+        self.inbound.poke();
+    }
+
+    /// Why the writer cannot go on, if it cannot.
+    fn write_blocker(&self) -> Option<TransportError> {
+        if let Some(error) = self.failure() {
+            return Some(error);
+        }
+        let header = self.outbound.header();
+        if header.reader.closed.load(Ordering::SeqCst) != 0 {
+            return Some(self.closed(format!("rank {} closed the link", self.peer)));
+        }
+        None
+    }
+
+    fn peer_died(&self, pid: u32) -> TransportError {
+        self.closed(format!("rank {} (pid {pid}) died", self.peer))
+    }
+
+    /// Where a record of `size` bytes may be written now, if anywhere.
+    fn room(&self, size: u64) -> Result<Option<u64>, TransportError> {
+        if let Some(error) = self.write_blocker() {
+            return Err(error);
+        }
+        let header = self.outbound.header();
+        let head = header.writer.head.load(Ordering::Relaxed);
+        let tail = header.reader.tail.load(Ordering::Acquire);
+        Ok((head + size - tail <= self.outbound.capacity).then_some(head))
+    }
+
+    /// Waits (spinning, then on the futex) until a record of `size` bytes
+    /// fits; returns the position to write it at.
+    fn wait_room(&self, size: u64) -> Result<u64, TransportError> {
+        let spin_until = Instant::now() + SPIN;
+        while Instant::now() < spin_until {
+            if let Some(head) = self.room(size)? {
+                return Ok(head);
+            }
+            std::hint::spin_loop();
+        }
+        let header = self.outbound.header();
+        loop {
+            let seq = header.reader.tail_seq.load(Ordering::SeqCst);
+            header.writer.sleeping.store(1, Ordering::SeqCst);
+            let room = self.room(size);
+            if !matches!(room, Ok(None)) {
+                header.writer.sleeping.store(0, Ordering::SeqCst);
+                return room.map(|head| head.expect("matched above"));
+            }
+            let timed_out = futex_wait(&header.reader.tail_seq, seq, self.liveness_interval);
+            header.writer.sleeping.store(0, Ordering::SeqCst);
+            let pid = header.reader_pid.load(Ordering::Acquire);
+            if timed_out && !alive(pid) {
+                return Err(self.peer_died(pid));
+            }
+        }
+    }
+
+    /// Copies one record to `head` and publishes it (rule 4).
+    fn put(&self, head: u64, channel: ChannelId, tag: u64, total: u64, piece: &[u8]) {
+        let mut record = [0u8; 32];
+        record[0..4].copy_from_slice(&channel.to_le_bytes());
+        record[8..16].copy_from_slice(&tag.to_le_bytes());
+        record[16..24].copy_from_slice(&(piece.len() as u64).to_le_bytes());
+        record[24..32].copy_from_slice(&total.to_le_bytes());
+        let at = self.outbound.at(head);
+        // SAFETY: the caller found `record_size(piece.len())` bytes free at
+        // `head` (`tail` is past them), which the double mapping makes
+        // contiguous; only this writer touches free space, and `piece` is
+        // ordinary memory of this process, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(record.as_ptr(), at, record.len());
+            std::ptr::copy_nonoverlapping(piece.as_ptr(), at.add(RECORD_HEADER), piece.len());
+        }
+        let header = self.outbound.header();
+        header
+            .writer
+            .head
+            .store(head + record_size(piece.len()), Ordering::SeqCst);
+        if header.reader.sleeping.load(Ordering::SeqCst) != 0 {
+            header.writer.head_seq.fetch_add(1, Ordering::SeqCst);
+            futex_wake(&header.writer.head_seq);
+        }
+    }
+
+    /// Writes a frame now if it is one record and fits; `false` if it must
+    /// wait.
+    fn try_write(
+        &self,
+        channel: ChannelId,
+        tag: u64,
+        payload: &[u8],
+    ) -> Result<bool, TransportError> {
+        let size = record_size(payload.len());
+        if size > self.outbound.capacity {
+            return Ok(false);
+        }
+        match self.room(size)? {
+            Some(head) => {
+                self.put(head, channel, tag, payload.len() as u64, payload);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Writes a frame, waiting for room: one record if it fits the ring,
+    /// otherwise pieces of a quarter ring (rule 5).
+    fn write(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<(), TransportError> {
+        let total = payload.len() as u64;
+        let capacity = self.outbound.capacity as usize;
+        if record_size(payload.len()) <= capacity as u64 {
+            let head = self.wait_room(record_size(payload.len()))?;
+            self.put(head, channel, tag, total, payload);
+            return Ok(());
+        }
+        let piece_len = (capacity / 4).max(2 * RECORD_HEADER) - RECORD_HEADER;
+        for piece in payload.chunks(piece_len) {
+            let head = self.wait_room(record_size(piece.len()))?;
+            self.put(head, channel, tag, total, piece);
+        }
+        Ok(())
+    }
+
+    /// Waits (spinning, then on the futex) until the peer publishes past
+    /// `pos`; returns the new `head`. Records published before a close or a
+    /// death are still returned first.
+    fn wait_data(&self, pos: u64) -> Result<u64, TransportError> {
+        let header = self.inbound.header();
+        let spin_until = Instant::now() + SPIN;
+        while Instant::now() < spin_until {
+            let head = header.writer.head.load(Ordering::Acquire);
+            if head != pos {
+                return Ok(head);
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            let seq = header.writer.head_seq.load(Ordering::SeqCst);
+            header.reader.sleeping.store(1, Ordering::SeqCst);
+            let head = header.writer.head.load(Ordering::SeqCst);
+            let blocker = if let Some(error) = self.failure() {
+                Some(error)
+            } else if header.writer.closed.load(Ordering::SeqCst) != 0 {
+                Some(self.closed(format!("rank {} closed the link", self.peer)))
+            } else {
+                None
+            };
+            // `head` was read before the closed flag: re-read it so a record
+            // published just before a close is not lost.
+            let head = if blocker.is_some() {
+                header.writer.head.load(Ordering::SeqCst)
+            } else {
+                head
+            };
+            if head != pos || blocker.is_some() {
+                header.reader.sleeping.store(0, Ordering::SeqCst);
+                return match blocker {
+                    Some(error) if head == pos => Err(error),
+                    _ => Ok(head),
+                };
+            }
+            let timed_out = futex_wait(&header.writer.head_seq, seq, self.liveness_interval);
+            header.reader.sleeping.store(0, Ordering::SeqCst);
+            let pid = header.writer_pid.load(Ordering::Relaxed);
+            if timed_out && !alive(pid) && header.writer.head.load(Ordering::SeqCst) == pos {
+                return Err(self.peer_died(pid));
+            }
+        }
+    }
+
+    /// Files a frame into its channel's queue, waiting while it is full;
+    /// `false` once the link is closed.
+    fn deliver(&self, channel: ChannelId, frame: Frame) -> bool {
+        let queue = self.queue(channel);
+        let frame = match queue.tx.try_send(frame) {
+            Ok(()) => return true,
+            Err(mpsc::error::TrySendError::Full(frame)) => frame,
+            Err(mpsc::error::TrySendError::Closed(_)) => unreachable!("the queue owns both ends"),
+        };
+        let mut closed = self.closed.subscribe();
+        if closed.borrow_and_update().is_some() {
+            return false;
+        }
+        block_on(async {
+            tokio::select! {
+                biased;
+                _ = closed.changed() => false,
+                permit = queue.tx.reserve() => {
+                    permit.expect("the queue owns both ends").send(frame);
+                    true
+                }
+            }
+        })
+    }
+
+    /// The reader thread: reads records in order, validates them and files
+    /// the frames by channel until the link fails.
+    fn read_loop(&self) {
+        if let Err(error) = self.read_records() {
+            self.fail(error);
+        }
+    }
+
+    fn read_records(&self) -> Result<(), TransportError> {
+        let ring = &self.inbound;
+        let mut pos = 0u64;
+        let mut pool = BytesMut::new();
+        // The frame being reassembled from pieces: (channel, tag, total).
+        let mut assembling: Option<(ChannelId, u64, u64)> = None;
+        loop {
+            let head = self.wait_data(pos)?;
+            while pos != head {
+                let available = head.wrapping_sub(pos);
+                if available > ring.capacity || available < RECORD_HEADER as u64 {
+                    return Err(protocol_error(
+                        self.peer,
+                        format!("head moved to {head} with the reader at {pos}"),
+                    ));
+                }
+                let mut record = [0u8; 32];
+                // SAFETY: `pos..pos + 64` is published (`available >= 64`)
+                // and contiguous in the double mapping; the writer does not
+                // touch it until `tail` passes it.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(ring.at(pos), record.as_mut_ptr(), record.len());
+                }
+                let field =
+                    |at: usize| u64::from_le_bytes(record[at..at + 8].try_into().expect("8 bytes"));
+                let channel = u32::from_le_bytes(record[0..4].try_into().expect("4 bytes"));
+                let (tag, len, total) = (field(8), field(16), field(24));
+                if total > self.max_frame as u64 {
+                    return Err(TransportError::FrameTooLarge {
+                        peer: self.peer,
+                        len: total,
+                        limit: self.max_frame,
+                    });
+                }
+                // The writer publishes whole records (padding included).
+                if len > total || len > available || record_size(len as usize) > available {
+                    return Err(protocol_error(
+                        self.peer,
+                        format!(
+                            "a record of {len} bytes (frame of {total}) with {available} bytes published"
+                        ),
+                    ));
+                }
+                let (start, end) = (pos, pos + record_size(len as usize));
+                pos = end;
+                if assembling.is_none() && len == total {
+                    let payload = if len == 0 {
+                        ring.release(start, end);
+                        Bytes::new()
+                    } else {
+                        Bytes::from_owner(RingSlice {
+                            ring: ring.clone(),
+                            start,
+                            end,
+                            len: len as usize,
+                        })
+                    };
+                    if !self.deliver(channel, Frame { tag, payload }) {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                match assembling {
+                    None => {
+                        // Reclaims the pool once earlier frames are dropped.
+                        pool.reserve(total as usize);
+                        assembling = Some((channel, tag, total));
+                    }
+                    Some(frame) if frame == (channel, tag, total) => {}
+                    Some((c, t, n)) => {
+                        return Err(protocol_error(
+                            self.peer,
+                            format!(
+                                "a piece of frame ({channel}, {tag}, {total} bytes) inside frame ({c}, {t}, {n} bytes)"
+                            ),
+                        ));
+                    }
+                }
+                if pool.len() as u64 + len > total {
+                    return Err(protocol_error(
+                        self.peer,
+                        format!("pieces overflow a {total}-byte frame"),
+                    ));
+                }
+                // SAFETY: as for the record header: `start + 64 .. + len` is
+                // published, contiguous and not written by the peer.
+                let piece = unsafe {
+                    std::slice::from_raw_parts(ring.at(start).add(RECORD_HEADER), len as usize)
+                };
+                pool.extend_from_slice(piece);
+                ring.release(start, end);
+                if pool.len() as u64 == total {
+                    assembling = None;
+                    let payload = pool.split().freeze();
+                    if !self.deliver(channel, Frame { tag, payload }) {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Wakes a thread parked in [`block_on`].
+struct ThreadWaker(std::thread::Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Runs a future on the current (non-runtime) thread; the reader thread
+/// only awaits tokio channels, which need no runtime.
+fn block_on<F: Future>(future: F) -> F::Output {
+    let mut future = pin!(future);
+    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+/// A link to a rank of another process on this host, over two rings.
+pub struct ShmLink {
+    peer: usize,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ShmLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ShmLink({} -> {})", self.shared.me, self.peer)
+    }
+}
+
+impl ShmLink {
+    fn new(
+        me: usize,
+        peer: usize,
+        outbound: Arc<Ring>,
+        inbound: Arc<Ring>,
+        options: &ShmOptions,
+    ) -> Self {
+        let shared = Arc::new(Shared {
+            me,
+            peer,
+            outbound,
+            inbound,
+            queues: Mutex::new(HashMap::new()),
+            depth: options.depth,
+            max_frame: options.max_frame,
+            liveness_interval: options.liveness_interval,
+            closed: watch::Sender::new(None),
+            writing: Arc::new(tokio::sync::Mutex::new(())),
+        });
+        let reader = shared.clone();
+        // The thread ends once the link fails or closes (close wakes it).
+        std::thread::Builder::new()
+            .name(format!("chorus-shm-{me}<-{peer}"))
+            .spawn(move || reader.read_loop())
+            .expect("spawning a thread");
+        Self { peer, shared }
+    }
+}
+
+#[async_trait]
+impl Link for ShmLink {
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError> {
+        if let Some(error) = self.shared.failure() {
+            return Err(SendError { error, payload });
+        }
+        let guard = self.shared.writing.clone().lock_owned().await;
+        if payload.len() <= INLINE_LIMIT {
+            match self.shared.try_write(channel, tag, &payload) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(error) => return Err(SendError { error, payload }),
+            }
+        }
+        // Waiting for room and copying big payloads happen off the runtime;
+        // the guard goes along, so a cancelled send still finishes its frame
+        // before the next one starts.
+        let shared = self.shared.clone();
+        let kept = payload.clone();
+        let written = tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            shared.write(channel, tag, &kept)
+        })
+        .await;
+        match written {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(SendError { error, payload }),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(SendError {
+                error: self.shared.closed(format!("the send was abandoned: {e}")),
+                payload,
+            }),
+        }
+    }
+
+    async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
+        let mut closed = self.shared.closed.subscribe();
+        let queue = self.shared.queue(channel);
+        let mut rx = queue.rx.lock().await;
+        // Frames filed before a failure are still delivered.
+        if let Ok(frame) = rx.try_recv() {
+            return Ok(frame);
+        }
+        if let Some(error) = closed.borrow_and_update().clone() {
+            return rx.try_recv().map_err(|_| error);
+        }
+        tokio::select! {
+            frame = rx.recv() => Ok(frame.expect("the queue owns both ends")),
+            _ = closed.changed() => {
+                let error = closed.borrow().clone().unwrap_or_else(|| self.shared.closed("closed"));
+                rx.try_recv().map_err(|_| error)
+            }
+        }
+    }
+
+    fn close(&self, reason: &str) {
+        self.shared.fail(
+            self.shared
+                .closed(format!("closed by rank {}: {reason}", self.shared.me)),
+        );
+    }
+}
+
+impl Drop for ShmLink {
+    fn drop(&mut self) {
+        self.close("link dropped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::{Child, Command, Stdio};
+
+    /// The env var naming a child process's role in the two-process tests.
+    const ROLE: &str = "CHORUS_SHM_TEST_ROLE";
+    const PARENT_NONCE: &str = "CHORUS_SHM_TEST_PARENT_NONCE";
+    const NONCE_LINE: &str = "CHORUS_SHM_TEST_NONCE=";
+    const BIG: usize = 64 << 20;
+
+    async fn within<T>(fut: impl Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(30), fut)
+            .await
+            .expect("shm test hung")
+    }
+
+    fn options(capacity: usize) -> ShmOptions {
+        ShmOptions {
+            capacity,
+            connect_timeout: Duration::from_secs(10),
+            ..ShmOptions::default()
+        }
+    }
+
+    /// Links 0 -> 1 and 1 -> 0 between two endpoints of this process.
+    async fn pair(capacity: usize) -> (ShmLink, ShmLink) {
+        let a = ShmEndpoint::new(0, options(capacity)).unwrap();
+        let b = ShmEndpoint::new(1, options(capacity)).unwrap();
+        let (ab, ba) = tokio::join!(
+            a.connect(ShmPeer {
+                rank: 1,
+                nonce: b.nonce()
+            }),
+            b.connect(ShmPeer {
+                rank: 0,
+                nonce: a.nonce()
+            })
+        );
+        let (ab, ba) = (ab.unwrap(), ba.unwrap());
+        for (endpoint, peer) in [(&a, 1), (&b, 0)] {
+            let path = ring_path(&endpoint.options.dir, endpoint.nonce, peer);
+            assert!(
+                !path.exists(),
+                "{} must be unlinked once mapped",
+                path.display()
+            );
+        }
+        (ab, ba)
+    }
+
+    fn pattern(len: usize, seed: u8) -> Bytes {
+        Bytes::from(
+            (0..len)
+                .map(|i| (i % 251) as u8 ^ seed)
+                .collect::<Vec<u8>>(),
+        )
+    }
+
+    #[tokio::test]
+    async fn frames_on_several_channels_arrive_in_order_and_apart() {
+        within(async {
+            let (a, b) = pair(1 << 20).await;
+            // Within the queue depth (16): a channel left unread beyond it
+            // stalls the others (see the module doc).
+            for tag in 0..16u64 {
+                a.send(1, tag, pattern(100 + tag as usize, 1))
+                    .await
+                    .unwrap();
+                a.send(2, 1000 + tag, Bytes::new()).await.unwrap();
+            }
+            // Channel 2 is read first although frames were interleaved.
+            for tag in 0..16u64 {
+                let frame = b.recv(2).await.unwrap();
+                assert_eq!((frame.tag, frame.payload.len()), (1000 + tag, 0));
+            }
+            for tag in 0..16u64 {
+                let frame = b.recv(1).await.unwrap();
+                assert_eq!(frame.tag, tag);
+                assert_eq!(frame.payload, pattern(100 + tag as usize, 1));
+                assert_eq!(frame.payload.as_ptr() as usize % RECORD_HEADER, 0);
+            }
+            b.send(9, 5, Bytes::from_static(b"back")).await.unwrap();
+            assert_eq!(
+                a.recv(9).await.unwrap().payload,
+                Bytes::from_static(b"back")
+            );
+            assert_eq!(a.kind(), TransportKind::Shm);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_64_mib_frame_and_frames_larger_than_the_ring_arrive_intact() {
+        within(async {
+            let (a, b) = pair(ShmOptions::default().capacity).await;
+            let big = pattern(BIG, 7);
+            a.send(0, 1, big.clone()).await.unwrap();
+            let frame = b.recv(0).await.unwrap();
+            let ring = b.shared.inbound.at(0) as usize;
+            assert!(
+                (ring..ring + 2 * b.shared.inbound.capacity as usize)
+                    .contains(&(frame.payload.as_ptr() as usize)),
+                "a frame that fits the ring is received without a copy"
+            );
+            assert!(frame.payload == big);
+            drop(frame);
+            // 5 MiB through a 1 MiB ring goes in pieces, reassembled.
+            let (a, b) = pair(1 << 20).await;
+            let sender = tokio::spawn(async move {
+                for seed in 0..3 {
+                    a.send(4, seed as u64, pattern(5 << 20, seed))
+                        .await
+                        .unwrap();
+                }
+                a
+            });
+            for seed in 0..3 {
+                let frame = b.recv(4).await.unwrap();
+                assert_eq!(frame.tag, seed as u64);
+                assert!(frame.payload == pattern(5 << 20, seed));
+            }
+            sender.await.unwrap();
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_receiver_holding_payloads_makes_the_sender_wait() {
+        within(async {
+            let (a, b) = pair(64 << 10).await;
+            // 4 records of 16 KiB fill the ring; the receiver keeps them all.
+            let mut held = Vec::new();
+            for tag in 0..4 {
+                a.send(0, tag, pattern((16 << 10) - RECORD_HEADER, 0))
+                    .await
+                    .unwrap();
+            }
+            for _ in 0..4 {
+                held.push(b.recv(0).await.unwrap());
+            }
+            let a = Arc::new(a);
+            let blocked = tokio::spawn({
+                let a = a.clone();
+                async move { a.send(0, 4, pattern(100, 0)).await }
+            });
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(!blocked.is_finished(), "the fifth send must wait for room");
+            // Released out of order: nothing frees until the first goes.
+            held.swap_remove(3);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert!(
+                !blocked.is_finished(),
+                "tail must wait for the first record"
+            );
+            held.remove(0);
+            blocked.await.unwrap().unwrap();
+            assert_eq!(b.recv(0).await.unwrap().tag, 4);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn close_fails_both_sides_after_delivering_what_was_sent() {
+        within(async {
+            let (a, b) = pair(1 << 20).await;
+            a.send(0, 1, Bytes::from_static(b"last words"))
+                .await
+                .unwrap();
+            a.close("test");
+            let frame = b.recv(0).await.unwrap();
+            assert_eq!(frame.payload, Bytes::from_static(b"last words"));
+            let err = b.recv(0).await.unwrap_err();
+            assert!(
+                matches!(err, TransportError::Closed { peer: 0, .. }),
+                "{err}"
+            );
+            let err = b.send(0, 0, Bytes::from_static(b"kept")).await.unwrap_err();
+            assert_eq!(err.payload, Bytes::from_static(b"kept"));
+            let err = a.recv(0).await.unwrap_err();
+            assert!(
+                matches!(err, TransportError::Closed { peer: 1, .. }),
+                "{err}"
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_ring_with_a_bad_header_is_a_typed_error_and_leaks_nothing() {
+        within(async {
+            let b = ShmEndpoint::new(1, options(4096)).unwrap();
+            let fake = 0x5eed_u64;
+            let garbage = ring_path(&b.options.dir, fake, 1);
+            std::fs::write(&garbage, vec![0xab; 2 * page_size()]).unwrap();
+            let mut perms = std::fs::metadata(&garbage).unwrap().permissions();
+            std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o600);
+            std::fs::set_permissions(&garbage, perms).unwrap();
+            let err = b
+                .connect(ShmPeer {
+                    rank: 0,
+                    nonce: fake,
+                })
+                .await
+                .unwrap_err();
+            std::fs::remove_file(&garbage).unwrap();
+            assert!(
+                matches!(&err, TransportError::Protocol { peer: 0, reason } if reason.contains("magic")),
+                "{err}"
+            );
+            assert!(
+                !ring_path(&b.options.dir, b.nonce, 0).exists(),
+                "a failed connect removes its own ring"
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn forged_record_lengths_are_typed_errors() {
+        within(async {
+            let (a, b) = pair(64 << 10).await;
+            // A frame announced far over the receiver's limit.
+            a.shared.put(0, 1, 2, 1 << 40, b"x");
+            let err = b.recv(1).await.unwrap_err();
+            assert!(
+                matches!(err, TransportError::FrameTooLarge { peer: 0, len, .. } if len == 1 << 40),
+                "{err}"
+            );
+            // A record longer than what was published.
+            let (a, b) = pair(64 << 10).await;
+            let mut record = [0u8; RECORD_HEADER];
+            record[16..24].copy_from_slice(&1000u64.to_le_bytes());
+            record[24..32].copy_from_slice(&1000u64.to_le_bytes());
+            let ring = &a.shared.outbound;
+            // SAFETY: the ring is empty and only this test writes to it.
+            unsafe { std::ptr::copy_nonoverlapping(record.as_ptr(), ring.at(0), RECORD_HEADER) };
+            ring.header()
+                .writer
+                .head
+                .store(RECORD_HEADER as u64, Ordering::SeqCst);
+            ring.poke();
+            let err = b.recv(0).await.unwrap_err();
+            assert!(
+                matches!(err, TransportError::Protocol { peer: 0, .. }),
+                "{err}"
+            );
+            // The writer learns that the reader gave up.
+            let err = a.send(0, 0, Bytes::new()).await.unwrap_err();
+            assert!(
+                matches!(err.error, TransportError::Closed { peer: 1, .. }),
+                "{}",
+                err.error
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_never_comes_times_out() {
+        within(async {
+            let a = ShmEndpoint::new(
+                0,
+                ShmOptions {
+                    connect_timeout: Duration::from_millis(200),
+                    ..options(4096)
+                },
+            )
+            .unwrap();
+            let err = a.connect(ShmPeer { rank: 1, nonce: 1 }).await.unwrap_err();
+            assert!(
+                matches!(err, TransportError::Connect { peer: 1, .. }),
+                "{err}"
+            );
+            assert!(!ring_path(&a.options.dir, a.nonce, 1).exists());
+        })
+        .await;
+    }
+
+    /// A child process running [`child_process`] in `role`, killed on drop.
+    struct ChildProcess {
+        child: Child,
+        nonce: u64,
+    }
+
+    impl ChildProcess {
+        fn spawn(role: &str, parent_nonce: u64, env: &[(&str, String)]) -> Self {
+            let mut child = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "shm::tests::child_process",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(ROLE, role)
+                .env(PARENT_NONCE, format!("{parent_nonce:016x}"))
+                .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let stdout = BufReader::new(child.stdout.take().unwrap());
+            let (found, nonce) = std::sync::mpsc::channel();
+            // Reads the child's nonce, then drains its output.
+            std::thread::spawn(move || {
+                for line in stdout.lines().map_while(Result::ok) {
+                    // libtest may print the test's name on the same line.
+                    if let Some(at) = line.find(NONCE_LINE) {
+                        let hex = line[at + NONCE_LINE.len()..].trim();
+                        let _ = found.send(u64::from_str_radix(hex, 16).unwrap());
+                    }
+                }
+            });
+            let nonce = nonce
+                .recv_timeout(Duration::from_secs(20))
+                .expect("the child did not print its nonce");
+            Self { child, nonce }
+        }
+    }
+
+    impl Drop for ChildProcess {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// Rank 0 here, connected to rank 1 in a child process.
+    async fn with_child(role: &str, env: &[(&str, String)]) -> (ShmLink, ChildProcess) {
+        let endpoint = ShmEndpoint::new(0, ShmOptions::default()).unwrap();
+        let child = ChildProcess::spawn(role, endpoint.nonce(), env);
+        let link = endpoint
+            .connect(ShmPeer {
+                rank: 1,
+                nonce: child.nonce,
+            })
+            .await
+            .unwrap();
+        (link, child)
+    }
+
+    /// The other process of the two-process tests; does nothing unless
+    /// started by one of them.
+    #[test]
+    #[ignore = "a helper process started by the two-process tests"]
+    fn child_process() {
+        let Ok(role) = std::env::var(ROLE) else {
+            return;
+        };
+        let parent = u64::from_str_radix(&std::env::var(PARENT_NONCE).unwrap(), 16).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            if role == "tcp-sink" {
+                return tcp_sink();
+            }
+            let endpoint = ShmEndpoint::new(1, ShmOptions::default()).unwrap();
+            println!("{NONCE_LINE}{:016x}", endpoint.nonce());
+            std::io::stdout().flush().unwrap();
+            let link = endpoint
+                .connect(ShmPeer {
+                    rank: 0,
+                    nonce: parent,
+                })
+                .await
+                .unwrap();
+            match role.as_str() {
+                // Echoes channel 4's frame, then channel 3's five frames.
+                "echo" => {
+                    for channel in [4, 3, 3, 3, 3, 3] {
+                        let frame = link.recv(channel).await.unwrap();
+                        link.send(channel, frame.tag, frame.payload).await.unwrap();
+                    }
+                    // The parent closes once it has every echo.
+                    let _ = link.recv(0).await;
+                }
+                // Sends one frame, reads nothing, waits to be killed.
+                "hold" => {
+                    link.send(0, 7, Bytes::from_static(b"alive")).await.unwrap();
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                }
+                // Receives and drops frames until the count, then acks.
+                "sink" => {
+                    let count: usize = std::env::var("CHORUS_SHM_TEST_COUNT")
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    for _ in 0..count {
+                        let frame = link.recv(0).await.unwrap();
+                        assert_eq!(frame.payload.len(), BIG);
+                    }
+                    link.send(0, 0, Bytes::new()).await.unwrap();
+                    let _ = link.recv(0).await;
+                }
+                other => panic!("unknown role {other}"),
+            }
+        });
+    }
+
+    /// Reads `count` 64 MiB transfers from the parent's TCP port into one
+    /// reused buffer, then acks with one byte.
+    fn tcp_sink() {
+        let port: u16 = std::env::var("CHORUS_SHM_TEST_PORT")
+            .unwrap()
+            .parse()
+            .unwrap();
+        let count: usize = std::env::var("CHORUS_SHM_TEST_COUNT")
+            .unwrap()
+            .parse()
+            .unwrap();
+        println!("{NONCE_LINE}0");
+        std::io::stdout().flush().unwrap();
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let mut buffer = vec![1u8; BIG];
+        for _ in 0..count {
+            stream.read_exact(&mut buffer).unwrap();
+        }
+        stream.write_all(&[1]).unwrap();
+    }
+
+    #[tokio::test]
+    async fn two_processes_exchange_frames_on_several_channels() {
+        within(async {
+            let (link, _child) = with_child("echo", &[]).await;
+            let big = pattern(BIG, 3);
+            for tag in 0..5u64 {
+                link.send(3, tag, pattern(1000 + tag as usize, 9))
+                    .await
+                    .unwrap();
+            }
+            link.send(4, 99, big.clone()).await.unwrap();
+            let frame = link.recv(4).await.unwrap();
+            assert_eq!(frame.tag, 99);
+            assert!(frame.payload == big, "the 64 MiB frame came back altered");
+            for tag in 0..5u64 {
+                let frame = link.recv(3).await.unwrap();
+                assert_eq!(frame.tag, tag);
+                assert_eq!(frame.payload, pattern(1000 + tag as usize, 9));
+            }
+            link.close("done");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_peer_killed_with_sigkill_fails_sends_and_receives_within_seconds() {
+        within(async {
+            let (link, mut child) = with_child("hold", &[]).await;
+            assert_eq!(link.recv(0).await.unwrap().tag, 7);
+            let link = Arc::new(link);
+            // The child reads nothing: fill its queue and the ring until a
+            // send waits.
+            let sender = tokio::spawn({
+                let link = link.clone();
+                async move {
+                    let frame = Bytes::from(vec![0u8; 16 << 20]);
+                    loop {
+                        if let Err(e) = link.send(0, 0, frame.clone()).await {
+                            return e;
+                        }
+                    }
+                }
+            });
+            let receiver = tokio::spawn({
+                let link = link.clone();
+                async move { link.recv(0).await }
+            });
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(!sender.is_finished() && !receiver.is_finished());
+            child.child.kill().unwrap();
+            let killed = Instant::now();
+            let err = sender.await.unwrap();
+            assert!(
+                matches!(err.error, TransportError::Closed { peer: 1, .. }),
+                "{}",
+                err.error
+            );
+            assert_eq!(err.payload.len(), 16 << 20);
+            let err = receiver.await.unwrap().unwrap_err();
+            assert!(
+                matches!(err, TransportError::Closed { peer: 1, .. }),
+                "{err}"
+            );
+            assert!(
+                killed.elapsed() < Duration::from_secs(2),
+                "took {:?}",
+                killed.elapsed()
+            );
+        })
+        .await;
+    }
+
+    /// Prints GB/s for 64 MiB transfers to another process, over shared
+    /// memory and over raw TCP on loopback, measured in the same run.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a benchmark: cargo test --release -p chorus-transports shm_throughput -- --ignored --nocapture"]
+    async fn shm_throughput_against_tcp() {
+        const COUNT: usize = 20;
+        let count = [("CHORUS_SHM_TEST_COUNT", (COUNT + 2).to_string())];
+        let payload = pattern(BIG, 5);
+        let gbps = |elapsed: Duration| (COUNT * BIG) as f64 / elapsed.as_secs_f64() / 1e9;
+
+        let (link, _child) = with_child("sink", &count).await;
+        // Two warm-up transfers, then the timed ones; the ack ends the clock.
+        for _ in 0..2 {
+            link.send(0, 0, payload.clone()).await.unwrap();
+        }
+        let start = Instant::now();
+        for _ in 0..COUNT {
+            link.send(0, 0, payload.clone()).await.unwrap();
+        }
+        link.recv(0).await.unwrap();
+        let shm = gbps(start.elapsed());
+        link.close("done");
+
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port().to_string();
+        let _child = ChildProcess::spawn(
+            "tcp-sink",
+            0,
+            &[count[0].clone(), ("CHORUS_SHM_TEST_PORT", port)],
+        );
+        let (mut stream, _) = listener.accept().unwrap();
+        for _ in 0..2 {
+            stream.write_all(&payload).unwrap();
+        }
+        let start = Instant::now();
+        for _ in 0..COUNT {
+            stream.write_all(&payload).unwrap();
+        }
+        stream.read_exact(&mut [0u8]).unwrap();
+        let tcp = gbps(start.elapsed());
+        println!(
+            "64 MiB x {COUNT} to another process: shm {shm:.2} GB/s, raw TCP loopback {tcp:.2} GB/s ({:.2}x)",
+            shm / tcp
+        );
+    }
+}
