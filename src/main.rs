@@ -1,8 +1,9 @@
 //! The `chorus` command line.
 //!
 //! - `chorus hello --world N`: the quickstart job. Starts N rank processes on
-//!   this machine that rendezvous (over `tcp://`, `file://` or `env://`) and
-//!   each print who they found.
+//!   this machine that rendezvous (over `tcp://`, `file://` or `env://`),
+//!   print who they found, greet each other over the mesh, and all-reduce
+//!   16 MiB, checking every element.
 //! - `chorus launch [flags] PROGRAM ...`: torchrun's launcher (`chorus::launch`).
 //! - `chorus store serve`: a standalone TCPStore-compatible server.
 //! - `chorus store get|set|add|wait|check|delete|keys`: look inside a job's
@@ -27,7 +28,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Commands {
-    /// Start N ranks on this machine that find each other and say whom they found.
+    /// Start N ranks on this machine that find each other, all-reduce and check the result.
     Hello(HelloArgs),
     /// Serve or inspect a TCPStore-compatible key/value store.
     #[command(subcommand)]
@@ -212,7 +213,8 @@ fn run_async<F: std::future::Future<Output = Result<ExitCode>>>(future: F) -> Re
         .block_on(future)
 }
 
-/// One rank of `chorus hello`: rendezvous, print the peers, leave together.
+/// One rank of `chorus hello`: rendezvous, greet every peer over the mesh,
+/// all-reduce and check the result, leave together.
 async fn hello_worker(url: String, timeout: Duration) -> Result<ExitCode> {
     let group = init_process_group(InitOptions::from_url(&url)?.timeout(timeout)).await?;
     let me = &group.peers()[group.rank()];
@@ -244,8 +246,33 @@ async fn hello_worker(url: String, timeout: Duration) -> Result<ExitCode> {
         };
         println!("  rank {} pid {} on {} via {}: {}", peer.rank, peer.pid, peer.host, reach, heard);
     }
+    check_all_reduce(&group).await?;
     group.destroy().await?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// All-reduces 16 MiB of float32 (rank r contributes r + 1 everywhere) and
+/// checks every element of the sum, so the job proves the data path.
+async fn check_all_reduce(group: &chorus::ProcessGroup) -> Result<()> {
+    const ELEMENTS: usize = 4 << 20;
+    let world = group.world_size();
+    let mine = chorus::Tensor::from_slice(&vec![(group.rank() + 1) as f32; ELEMENTS]);
+    let started = std::time::Instant::now();
+    let sum = group.all_reduce(mine, chorus::ReduceOp::Sum).await?;
+    let took = started.elapsed();
+    let expected = (world * (world + 1) / 2) as f32;
+    let wrong = sum.to_vec::<f32>()?.iter().filter(|&&v| v != expected).count();
+    if wrong > 0 {
+        bail!("all_reduce gave {wrong} wrong elements of {ELEMENTS} (expected {expected} everywhere)");
+    }
+    let bytes = (ELEMENTS * 4) as f64;
+    let busbw = bytes / took.as_secs_f64() / 1e9 * 2.0 * (world - 1) as f64 / world as f64;
+    println!(
+        "all_reduce of {} MiB float32: every element is {expected}, correct; {:.1} ms, busbw {busbw:.2} GB/s",
+        ELEMENTS * 4 >> 20,
+        took.as_secs_f64() * 1e3
+    );
+    Ok(())
 }
 
 /// Picks a free loopback port for rank 0's store.
