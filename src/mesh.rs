@@ -2,10 +2,12 @@
 //! publishes for it, and checking what peers published.
 //!
 //! Before rendezvous, [`MeshPlan::prepare`] makes this rank's QUIC identity
-//! and endpoint and the extras to publish (`quic`: port and certificate
-//! fingerprint; `mac`: the record's HMAC under the job secret). After it,
-//! [`MeshPlan::connect`] verifies every peer's signature, pins their
-//! fingerprints and connects, then wraps the links with `CHORUS_FAULTS`.
+//! and endpoint, its shared-memory endpoint, and the extras to publish
+//! (`quic`: port and certificate fingerprint; `shm`: the ring nonce; `mac`:
+//! the record's HMAC under the job secret). After it, [`MeshPlan::connect`]
+//! verifies every peer's signature, picks each peer's path (`auto`: shared
+//! memory with peers on this host, QUIC with the others), connects, then
+//! wraps the links with `CHORUS_FAULTS`.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Once};
@@ -17,17 +19,27 @@ use chorus_transports::fault::{FaultPlan, FaultSpecError, wrap_links};
 use chorus_transports::link::{Link, TransportError};
 use chorus_transports::netif;
 use chorus_transports::quic::{Fingerprint, QuicEndpoint, QuicIdentity, QuicOptions, QuicPeer};
+use chorus_transports::shm::{ShmEndpoint, ShmOptions, ShmPeer};
 use thiserror::Error;
 
 const QUIC_EXTRA: &str = "quic";
+const SHM_EXTRA: &str = "shm";
 const MAC_EXTRA: &str = "mac";
 
 /// Why the mesh could not be built.
 #[derive(Debug, Error)]
 pub enum MeshError {
     /// `CHORUS_TRANSPORT` names no transport.
-    #[error("CHORUS_TRANSPORT={0:?} is not a transport; use auto, quic or local")]
+    #[error("CHORUS_TRANSPORT={0:?} is not a transport; use auto, quic or shm (local is for ranks in one process, chorus::spawn)")]
     UnknownTransport(String),
+    /// `CHORUS_TRANSPORT=shm` with a peer on another host.
+    #[error("CHORUS_TRANSPORT=shm, but rank {rank} runs on {host}, not on this host; use auto or quic")]
+    NotOnThisHost {
+        /// The peer.
+        rank: usize,
+        /// Its host.
+        host: String,
+    },
     /// `CHORUS_FAULTS` does not parse.
     #[error("CHORUS_FAULTS: {0}")]
     Faults(#[from] FaultSpecError),
@@ -62,13 +74,16 @@ pub enum MeshError {
     Transport(#[from] TransportError),
 }
 
-/// Which transport links use.
+/// Which transport links between processes use (`CHORUS_TRANSPORT`).
+/// Ranks in one process ([`crate::spawn`]) always use in-process links.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportChoice {
-    /// The best path per peer.
+    /// Shared memory with peers on this host, QUIC with the others.
     Auto,
     /// QUIC for every peer.
     Quic,
+    /// Shared memory for every peer (all must be on this host).
+    Shm,
 }
 
 impl TransportChoice {
@@ -77,15 +92,25 @@ impl TransportChoice {
         match std::env::var("CHORUS_TRANSPORT").ok().as_deref().map(str::trim) {
             None | Some("") | Some("auto") => Ok(TransportChoice::Auto),
             Some("quic") => Ok(TransportChoice::Quic),
+            Some("shm") => Ok(TransportChoice::Shm),
             Some(other) => Err(MeshError::UnknownTransport(other.to_string())),
         }
     }
 }
 
+/// Outgoing ring size per peer: a whole 64 MiB bucket in one record for a
+/// few local peers, less per peer for many, so a rank maps at most ~256 MiB.
+fn shm_capacity(local_peers: usize) -> usize {
+    let full = ShmOptions::default().capacity;
+    (256usize << 20).checked_div(local_peers).map_or(full, |share| share.clamp(4 << 20, full))
+}
+
 /// This rank's side of the mesh, made before rendezvous.
 #[derive(Debug)]
 pub(crate) struct MeshPlan {
+    choice: TransportChoice,
     endpoint: QuicEndpoint,
+    shm_nonce: u64,
     fingerprint: Fingerprint,
     secret: Option<JobSecret>,
     faults: Option<FaultPlan>,
@@ -112,7 +137,7 @@ impl MeshPlan {
     /// Makes the identity and endpoint, on loopback with loopback tuning when
     /// the whole job is on this host, on every interface otherwise.
     pub(crate) fn prepare(rank: usize, single_host: bool) -> Result<Self, MeshError> {
-        TransportChoice::from_env()?;
+        let choice = TransportChoice::from_env()?;
         let faults = FaultPlan::from_env()?;
         let secret = JobSecret::from_env();
         if secret.is_none() {
@@ -128,7 +153,12 @@ impl MeshPlan {
             IpAddr::from([0, 0, 0, 0])
         };
         let endpoint = QuicEndpoint::bind(rank, ip, &identity, QuicOptions::default())?;
+        // The shared-memory endpoint is made once the local peers are known;
+        // its nonce names the rings and is published now.
+        let shm_nonce = ShmEndpoint::new(rank, ShmOptions::default())?.nonce();
         Ok(Self {
+            choice,
+            shm_nonce,
             endpoint,
             fingerprint: identity.fingerprint(),
             secret,
@@ -141,13 +171,15 @@ impl MeshPlan {
         let mut quic = self.endpoint.local_addr().port().to_le_bytes().to_vec();
         quic.extend_from_slice(&self.fingerprint);
         record.extras.push((QUIC_EXTRA.to_string(), quic));
+        record.extras.push((SHM_EXTRA.to_string(), self.shm_nonce.to_le_bytes().to_vec()));
         if let Some(secret) = &self.secret {
             let tag = secret.sign(&signed_message(run_id, generation, record));
             record.extras.push((MAC_EXTRA.to_string(), tag.to_vec()));
         }
     }
 
-    /// Verifies the peers' records and connects to every peer.
+    /// Verifies the peers' records and connects to every peer, over shared
+    /// memory or QUIC as [`TransportChoice`] says.
     pub(crate) async fn connect(
         self,
         membership: &Membership,
@@ -155,38 +187,85 @@ impl MeshPlan {
         timeout: Duration,
     ) -> Result<(QuicEndpoint, Vec<Option<Arc<dyn Link>>>), MeshError> {
         let me = membership.me();
-        let mut peers = Vec::new();
+        let mut quic_peers = Vec::new();
+        let mut shm_peers = Vec::new();
         for peer in &membership.peers {
+            let rank = peer.rank as usize;
             if let Some(secret) = &self.secret {
                 let message = signed_message(run_id, membership.generation, peer);
                 if !peer.extra(MAC_EXTRA).is_some_and(|tag| secret.verify(&message, tag)) {
                     return Err(MeshError::Unauthenticated {
-                        rank: peer.rank as usize,
+                        rank,
                         pid: peer.pid,
                         host: peer.host.hostname.clone(),
                     });
                 }
             }
+            let same_host = peer.host == me.host;
+            let use_shm = match self.choice {
+                TransportChoice::Auto => same_host,
+                TransportChoice::Quic => false,
+                TransportChoice::Shm if same_host => true,
+                TransportChoice::Shm => {
+                    return Err(MeshError::NotOnThisHost {
+                        rank,
+                        host: peer.host.hostname.clone(),
+                    });
+                }
+            };
+            if use_shm {
+                let nonce = peer
+                    .extra(SHM_EXTRA)
+                    .and_then(|b| b.try_into().ok())
+                    .map(u64::from_le_bytes)
+                    .ok_or(MeshError::MissingEndpoint { rank, what: "shared-memory nonce" })?;
+                shm_peers.push(ShmPeer { rank, nonce });
+                continue;
+            }
             let (port, fingerprint) = quic_extra(peer).ok_or(MeshError::MissingEndpoint {
-                rank: peer.rank as usize,
+                rank,
                 what: "QUIC endpoint",
             })?;
-            let ip = netif::peer_address(&peer.addrs, peer.host == me.host).ok_or_else(|| MeshError::Unreachable {
-                rank: peer.rank as usize,
+            let ip = netif::peer_address(&peer.addrs, same_host).ok_or_else(|| MeshError::Unreachable {
+                rank,
                 host: peer.host.hostname.clone(),
             })?;
-            peers.push(QuicPeer {
-                rank: peer.rank as usize,
+            quic_peers.push(QuicPeer {
+                rank,
                 addr: SocketAddr::new(ip, port),
                 fingerprint,
             });
         }
-        let links = tokio::time::timeout(timeout, self.endpoint.connect_mesh(&peers))
-            .await
-            .map_err(|_| TransportError::Connect {
-                peer: membership.rank,
-                reason: format!("the mesh did not form within {timeout:?}"),
-            })??;
+        let mut links: Vec<Option<Arc<dyn Link>>> = (0..membership.world_size()).map(|_| None).collect();
+        let formed = async {
+            // This rank itself counts in both lists, so each side skips only
+            // when it has no peer of that kind.
+            if shm_peers.len() > 1 {
+                let options = ShmOptions {
+                    capacity: shm_capacity(shm_peers.len() - 1),
+                    connect_timeout: timeout,
+                    ..ShmOptions::default()
+                };
+                let shm = ShmEndpoint::with_nonce(membership.rank, self.shm_nonce, options);
+                for (rank, link) in shm.connect_mesh(&shm_peers).await?.into_iter().enumerate() {
+                    if link.is_some() {
+                        links[rank] = link;
+                    }
+                }
+            }
+            if quic_peers.len() > 1 {
+                for (rank, link) in self.endpoint.connect_mesh(&quic_peers).await?.into_iter().enumerate() {
+                    if link.is_some() {
+                        links[rank] = link;
+                    }
+                }
+            }
+            Ok::<_, TransportError>(())
+        };
+        tokio::time::timeout(timeout, formed).await.map_err(|_| TransportError::Connect {
+            peer: membership.rank,
+            reason: format!("the mesh did not form within {timeout:?}"),
+        })??;
         let links = match self.faults {
             Some(plan) => wrap_links(membership.rank, links, plan),
             None => links,

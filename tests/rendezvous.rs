@@ -230,3 +230,21 @@ fn faults_from_the_environment_kill_the_named_rank() {
     assert!(!output.status.success(), "{all}");
     assert!(all.contains("rank 1 exited with signal: 9"), "rank 1 must die by SIGKILL:\n{all}");
 }
+
+#[test]
+fn the_transport_follows_chorus_transport() {
+    for (choice, expected) in [("auto", "shm said"), ("quic", "quic said"), ("shm", "shm said")] {
+        let mut command = Command::new(CHORUS);
+        command.args(["hello", "--world", "3", "--timeout", "30"]).env("CHORUS_TRANSPORT", choice);
+        let output = run(command, 60);
+        let all = text(&output);
+        assert!(output.status.success(), "CHORUS_TRANSPORT={choice}:\n{all}");
+        assert_eq!(all.matches(expected).count(), 6, "CHORUS_TRANSPORT={choice} must give 6 {expected:?} lines:\n{all}");
+        assert_eq!(all.matches("correct;").count(), 3, "every rank checks its all_reduce:\n{all}");
+    }
+    let mut command = Command::new(CHORUS);
+    command.args(["hello", "--world", "2", "--timeout", "10"]).env("CHORUS_TRANSPORT", "carrier-pigeon");
+    let output = run(command, 60);
+    assert!(!output.status.success());
+    assert!(text(&output).contains("CHORUS_TRANSPORT=\"carrier-pigeon\" is not a transport"), "{}", text(&output));
+}

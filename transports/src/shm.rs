@@ -238,17 +238,19 @@ impl ShmEndpoint {
                 format!("no random nonce: {}", io::Error::last_os_error()),
             ));
         }
+        Ok(Self::with_nonce(rank, u64::from_le_bytes(nonce), options))
+    }
+
+    /// Rank `rank`'s endpoint with a nonce it already published (so the
+    /// options can be chosen once the peers are known).
+    pub fn with_nonce(rank: usize, nonce: u64, options: ShmOptions) -> Self {
         let page = page_size();
         let options = ShmOptions {
             capacity: options.capacity.max(1).next_multiple_of(page),
             depth: options.depth.max(1),
             ..options
         };
-        Ok(Self {
-            rank,
-            nonce: u64::from_le_bytes(nonce),
-            options,
-        })
+        Self { rank, nonce, options }
     }
 
     /// The value to publish through rendezvous.
