@@ -8,6 +8,8 @@
 //! - [`collectives`]: every `torch.distributed` collective on a
 //!   [`ProcessGroup`], each returning a [`Work`]; [`tensor`]: the owned
 //!   buffers they take and hand back.
+//! - [`selftest`]: every collective against a naive reference, run by every
+//!   rank (`chorus selftest`).
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
 //! - [`bench`]: `chorus bench` measurements.
@@ -22,6 +24,7 @@ pub mod collectives;
 pub mod group;
 pub mod launch;
 pub mod mesh;
+pub mod selftest;
 pub mod tensor;
 
 pub use chorus_runtime::{rendezvous, store};

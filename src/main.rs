@@ -33,8 +33,19 @@ enum Commands {
     /// Serve or inspect a TCPStore-compatible key/value store.
     #[command(subcommand)]
     Store(StoreCommand),
-    /// Measure chorus against the peers it must beat.
-    #[command(subcommand)]
+    /// As one rank (e.g. under `chorus launch`): check every collective and dtype against a reference.
+    Selftest {
+        /// How the ranks meet.
+        #[arg(long, default_value = "env://")]
+        init: String,
+        /// Seconds for rendezvous and for each collective.
+        #[arg(long, default_value_t = 120)]
+        timeout: u64,
+        /// Elements per rank to check, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [0usize, 1, 13, 1000])]
+        counts: Vec<usize>,
+    },
+    /// Measure chorus against the peers it must beat (`chorus bench --help`).
     Bench(BenchCommand),
     /// Start a node's workers as torchrun does (`chorus launch --help`).
     #[command(disable_help_flag = true)]
@@ -68,8 +79,19 @@ struct HelloArgs {
     worker: Option<String>,
 }
 
+/// `chorus bench [--op ...]`: the nccl-tests table for one collective (the
+/// default form), or `chorus bench transport`.
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct BenchCommand {
+    #[command(subcommand)]
+    command: Option<BenchSubcommand>,
+    #[command(flatten)]
+    collective: chorus::bench::collective::CollectiveArgs,
+}
+
 #[derive(Subcommand)]
-enum BenchCommand {
+enum BenchSubcommand {
     /// Throughput and 8-byte round trip between two processes, per transport, next to raw TCP.
     Transport {
         /// Bytes per transfer.
@@ -186,9 +208,16 @@ fn main() -> ExitCode {
             Some(url) => run_async(hello_worker(url.clone(), Duration::from_secs(args.timeout))),
             None => hello(&args),
         },
-        Commands::Store(command) => run_async(store_command(command)),
+        // One thread serves the store as libuv's loop does: with a second
+        // worker, waking it cost a context switch per request (measured).
+        Commands::Store(command) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the async runtime")
+            .and_then(|runtime| runtime.block_on(store_command(command))),
         // A rank drives its links from one thread, as its actor will: a
         // cross-thread wake-up per packet tripled the QUIC round trip.
+        Commands::Selftest { init, timeout, counts } => run_async(selftest(init, Duration::from_secs(timeout), counts)),
         Commands::Bench(command) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -273,6 +302,26 @@ async fn check_all_reduce(group: &chorus::ProcessGroup) -> Result<()> {
         took.as_secs_f64() * 1e3
     );
     Ok(())
+}
+
+/// One rank of `chorus selftest`.
+async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<ExitCode> {
+    let options = InitOptions::from_url(&url)?.timeout(timeout).collective_timeout(timeout);
+    let group = init_process_group(options).await?;
+    let mut checks = 0;
+    for dtype in chorus::selftest::ALL_DTYPES {
+        for &count in &counts {
+            checks += chorus::selftest::check_collectives(&group, dtype, count).await?;
+        }
+    }
+    println!(
+        "selftest: rank {} of {}: {checks} checks passed ({} dtypes, counts {counts:?})",
+        group.rank(),
+        group.world_size(),
+        chorus::selftest::ALL_DTYPES.len()
+    );
+    group.destroy().await?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Picks a free loopback port for rank 0's store.
@@ -443,14 +492,23 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
 
 async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     use chorus::bench::transport::{TransportBench, run_leader, run_peer};
-    let BenchCommand::Transport {
+    let Some(BenchSubcommand::Transport {
         size,
         iters,
         rtt_iters,
         rounds,
         json,
         peer_store,
-    } = command;
+    }) = command.command
+    else {
+        let args = command.collective;
+        if args.worker {
+            chorus::bench::collective::run_worker(&args).await?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        // The parent only waits on its ranks' pipes: off the async thread.
+        return tokio::task::spawn_blocking(move || chorus::bench::collective::run(&args)).await?;
+    };
     let bench = TransportBench {
         size,
         iters,

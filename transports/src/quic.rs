@@ -689,13 +689,20 @@ impl Link for QuicLink {
             }
         };
         let len = header.len as usize;
+        if len == 0 {
+            // Asking quinn for a chunk of at most 0 bytes would wait for data
+            // that belongs to the next frame.
+            return Ok(Frame {
+                tag: header.tag,
+                payload: Bytes::new(),
+            });
+        }
         let Incoming { stream, pool } = &mut *incoming;
         let first = stream
             .read_chunk(len, true)
             .await
             .map_err(|e| self.closed(e))?;
         let payload = match first {
-            None if len == 0 => Bytes::new(),
             None => {
                 return Err(TransportError::Protocol {
                     peer: self.peer,
@@ -816,6 +823,7 @@ mod tests {
                     link.send(9, 100 + a as u64, Bytes::from_static(b"small"))
                         .await
                         .unwrap();
+                    link.send(9, 200, Bytes::new()).await.unwrap();
                 }
             }
             for row in &links {
@@ -826,6 +834,8 @@ mod tests {
                         (small.tag, &small.payload[..]),
                         (100 + link.peer() as u64, &b"small"[..])
                     );
+                    let empty = link.recv(9).await.unwrap();
+                    assert_eq!((empty.tag, empty.payload.len()), (200, 0), "empty frames arrive too");
                     let frame = link.recv(7).await.unwrap();
                     assert_eq!(frame.tag, link.peer() as u64);
                     assert_eq!(frame.payload, big);

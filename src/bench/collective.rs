@@ -1,0 +1,1637 @@
+//! `chorus bench` (the default form): nccl-tests-style measurements of one
+//! collective over a sweep of sizes, optionally next to PyTorch's Gloo
+//! measured in the same invocation.
+//!
+//! # How a run goes
+//! The parent process measures nothing itself. For each transport asked for
+//! it starts a *side*: `--world` rank processes (`chorus bench --worker`,
+//! with `MASTER_ADDR`/`MASTER_PORT`/`RANK`/`WORLD_SIZE` and
+//! `CHORUS_TRANSPORT`), or with `--in-process` one thread running
+//! [`crate::spawn`]. With `--compare gloo` one more side runs
+//! `tests/python/bench_gloo.py` (embedded in the binary) once per rank. Every
+//! side forms its group once and then waits for commands: `run COUNT`
+//! measures one size (warm-up, then `--iters` timed calls out of place, the
+//! same in place, then the check) and answers one JSON line per rank. The
+//! parent walks the sizes and, for each size, runs every side in turn, so the
+//! sides alternate per size: noise on a shared machine (another tenant, a
+//! frequency change) lasting seconds hits chorus and Gloo alike instead of
+//! one whole sweep. Idle sides block on their stdin.
+//!
+//! # What is timed
+//! Each rank times each call from submission to completion; the time of an
+//! iteration is the mean over ranks (nccl-tests' default `-a 1`), the table
+//! shows the mean over iterations (as nccl-tests does) and `--json` also
+//! carries the median. chorus's collectives take their buffer by value and
+//! hand it back, so:
+//! - *in place*: the buffer is moved in and the returned one is the next
+//!   call's input (no copy);
+//! - *out of place*: the input must survive, so each call first copies it
+//!   (`Tensor::clone`), and the copy is timed — what a caller that keeps its
+//!   input pays. Gloo's out of place is the same for the collectives torch
+//!   only has in place (a `clone()` first) and its native separate-output
+//!   call for the others.
+//!
+//! # Pure parts (unit-tested)
+//! [`parse_size`], [`sizes`], [`BenchOp`] (byte counts and bus-bandwidth
+//! factors), [`Row`] and [`format_table`], the reference results of
+//! `--check`, and a minimal JSON reader ([`json`]) for the workers' lines.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use chorus_runtime::collective::{DType, ReduceOp};
+use half::{bf16, f16};
+
+use crate::group::ProcessGroup;
+use crate::tensor::Tensor;
+
+/// The Gloo side's script, embedded so that the binary works from anywhere.
+const GLOO_SCRIPT: &str = include_str!("../../tests/python/bench_gloo.py");
+
+/// The collective measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum BenchOp {
+    /// `all_reduce`.
+    AllReduce,
+    /// `broadcast` from `--root`.
+    Broadcast,
+    /// `reduce` to `--root`.
+    Reduce,
+    /// `all_gather`.
+    AllGather,
+    /// `reduce_scatter`.
+    ReduceScatter,
+    /// `all_to_all`.
+    AllToAll,
+    /// Every rank sends to the next and receives from the previous one.
+    SendRecv,
+}
+
+impl BenchOp {
+    /// The name used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchOp::AllReduce => "all_reduce",
+            BenchOp::Broadcast => "broadcast",
+            BenchOp::Reduce => "reduce",
+            BenchOp::AllGather => "all_gather",
+            BenchOp::ReduceScatter => "reduce_scatter",
+            BenchOp::AllToAll => "all_to_all",
+            BenchOp::SendRecv => "send_recv",
+        }
+    }
+
+    /// Whether the size counts every rank's block (S = count x typesize x
+    /// nranks), as nccl-tests does for all-gather, reduce-scatter and all-to-all.
+    pub fn size_counts_ranks(self) -> bool {
+        matches!(self, BenchOp::AllGather | BenchOp::ReduceScatter | BenchOp::AllToAll)
+    }
+
+    /// Bytes S of one call with `count` elements (nccl-tests' `count`).
+    pub fn bytes(self, count: usize, dtype: DType, world: usize) -> usize {
+        count * dtype.size() * if self.size_counts_ranks() { world } else { 1 }
+    }
+
+    /// nccl-tests' `count` for a requested size in bytes (rounded down).
+    pub fn count_for(self, bytes: usize, dtype: DType, world: usize) -> usize {
+        bytes / (dtype.size() * if self.size_counts_ranks() { world } else { 1 })
+    }
+
+    /// busbw / algbw (CONVENTIONS.md section 4).
+    pub fn bus_factor(self, world: usize) -> f64 {
+        let n = world as f64;
+        match self {
+            BenchOp::AllReduce => 2.0 * (n - 1.0) / n,
+            BenchOp::ReduceScatter | BenchOp::AllGather | BenchOp::AllToAll => (n - 1.0) / n,
+            BenchOp::Broadcast | BenchOp::Reduce | BenchOp::SendRecv => 1.0,
+        }
+    }
+
+    /// Whether the op takes a reduction operator.
+    pub fn reduces(self) -> bool {
+        matches!(self, BenchOp::AllReduce | BenchOp::Reduce | BenchOp::ReduceScatter)
+    }
+
+    /// Whether the op has a root.
+    pub fn rooted(self) -> bool {
+        matches!(self, BenchOp::Broadcast | BenchOp::Reduce)
+    }
+
+    /// Elements of a rank's input for nccl-tests' `count`.
+    fn input_len(self, count: usize, world: usize) -> usize {
+        match self {
+            BenchOp::ReduceScatter | BenchOp::AllToAll => count * world,
+            _ => count,
+        }
+    }
+}
+
+/// The peer `--compare` can measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Peer {
+    /// PyTorch's `torch.distributed` with the Gloo backend.
+    Gloo,
+}
+
+/// `chorus bench` flags (nccl-tests' short names where they exist).
+#[derive(Debug, Clone, clap::Args)]
+pub struct CollectiveArgs {
+    /// The collective.
+    #[arg(long, value_enum, default_value = "all_reduce")]
+    pub op: BenchOp,
+    /// Smallest size, bytes (K, M, G suffixes: powers of 1024).
+    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_size)]
+    pub min_bytes: usize,
+    /// Largest size, bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = parse_size)]
+    pub max_bytes: usize,
+    /// Multiply the size by this from one row to the next.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    pub step_factor: usize,
+    /// Element type (nccl-tests' or PyTorch's names: float, half, bfloat16, int32, ...).
+    #[arg(short = 'd', long = "dtype", default_value = "float")]
+    pub dtype: DType,
+    /// Reduction operator (sum, prod, min, max, avg; band, bor, bxor on integers).
+    #[arg(short = 'o', long = "redop", default_value = "sum")]
+    pub redop: ReduceOp,
+    /// Root of broadcast and reduce.
+    #[arg(short = 'r', long, default_value_t = 0)]
+    pub root: usize,
+    /// Number of ranks.
+    #[arg(long, default_value_t = 2)]
+    pub world: usize,
+    /// CHORUS_TRANSPORT for the rank processes; several, comma-separated, are each measured.
+    #[arg(long, default_value = "auto", value_delimiter = ',')]
+    pub transport: Vec<String>,
+    /// Timed iterations per size and half.
+    #[arg(short = 'n', long, default_value_t = 20)]
+    pub iters: usize,
+    /// Untimed iterations before them.
+    #[arg(short = 'w', long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Check every result element against a locally computed reference (#wrong).
+    #[arg(short = 'c', long)]
+    pub check: bool,
+    /// Run the ranks as actors in this process (chorus::spawn, in-process links).
+    #[arg(long)]
+    pub in_process: bool,
+    /// Measure the same sweep with this peer, alternating per size; adds the ratio chorus/peer.
+    #[arg(long, value_enum)]
+    pub compare: Option<Peer>,
+    /// Print one JSON object per row instead of the tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw busbw against size (out of place) for every side into this PNG.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<PathBuf>,
+    /// Seconds allowed for the ranks to form their group and for each size.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    /// Python interpreter for --compare gloo.
+    #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
+    pub python: String,
+    /// Internal: run as one rank process, reading commands on stdin.
+    #[arg(long, hide = true)]
+    pub worker: bool,
+}
+
+/// Parses a size in bytes: `8`, `64K`, `64M`, `1G` (binary multiples, as nccl-tests).
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let (digits, shift) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 10),
+        Some('M') => (&t[..t.len() - 1], 20),
+        Some('G') => (&t[..t.len() - 1], 30),
+        _ => (t, 0),
+    };
+    let n: usize = digits
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (a number with an optional K, M or G suffix)"))?;
+    n.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// The sizes of a sweep: `min`, `min*factor`, ... up to `max` (nccl-tests' `-b -e -f`).
+pub fn sizes(min: usize, max: usize, factor: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut s = min.max(1);
+    while s <= max {
+        out.push(s);
+        if factor <= 1 {
+            break;
+        }
+        s = match s.checked_mul(factor) {
+            Some(next) => next,
+            None => break,
+        };
+    }
+    out
+}
+
+// ---------------------------------------------------------------- results
+
+/// One half (out of place or in place) of a row, over ranks and iterations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Half {
+    /// Mean time per call, microseconds.
+    pub avg_us: f64,
+    /// Median time per call, microseconds.
+    pub median_us: f64,
+    /// Wrong elements over every rank (`None` without `--check`).
+    pub wrong: Option<u64>,
+}
+
+impl Half {
+    /// Combines per-rank samples: each iteration's time is the mean over ranks.
+    pub fn from_ranks(samples: &[Vec<f64>], wrong: Option<u64>) -> Self {
+        let iters = samples.iter().map(Vec::len).min().unwrap_or(0);
+        let mut per_iter: Vec<f64> = (0..iters)
+            .map(|i| samples.iter().map(|s| s[i]).sum::<f64>() / samples.len() as f64)
+            .collect();
+        let avg_us = if iters == 0 { f64::NAN } else { per_iter.iter().sum::<f64>() / iters as f64 };
+        Self {
+            avg_us,
+            median_us: median(&mut per_iter),
+            wrong,
+        }
+    }
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
+}
+
+/// One size of one side.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// The collective.
+    pub op: BenchOp,
+    /// nccl-tests' count.
+    pub count: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction operator (shown as `none` for the others).
+    pub redop: ReduceOp,
+    /// Root (shown as -1 for the others).
+    pub root: usize,
+    /// Ranks.
+    pub world: usize,
+    /// Out of place.
+    pub oop: Half,
+    /// In place.
+    pub ip: Half,
+}
+
+impl Row {
+    /// Bytes S of one call.
+    pub fn bytes(&self) -> usize {
+        self.op.bytes(self.count, self.dtype, self.world)
+    }
+
+    /// algbw, decimal GB/s, for a time in microseconds.
+    pub fn algbw(&self, us: f64) -> f64 {
+        self.bytes() as f64 / us / 1e3
+    }
+
+    /// busbw, decimal GB/s.
+    pub fn busbw(&self, us: f64) -> f64 {
+        self.algbw(us) * self.op.bus_factor(self.world)
+    }
+}
+
+/// nccl-tests' time column: fewer decimals as the time grows.
+fn format_time(us: f64) -> String {
+    if !us.is_finite() {
+        "N/A".into()
+    } else if us >= 10000.0 {
+        format!("{us:.0}")
+    } else if us >= 100.0 {
+        format!("{us:.1}")
+    } else {
+        format!("{us:.2}")
+    }
+}
+
+/// The table header (three lines; the ratio columns only with a peer).
+pub fn format_header(peer: Option<&str>) -> String {
+    let mut s = String::new();
+    s.push_str("#                                                              out-of-place                       in-place          ");
+    if let Some(peer) = peer {
+        let _ = write!(s, "  chorus/{peer} busbw");
+    }
+    s.push('\n');
+    s.push_str("#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong");
+    if peer.is_some() {
+        s.push_str("      oop      ip");
+    }
+    s.push('\n');
+    s.push_str("#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)  (GB/s)        ");
+    if peer.is_some() {
+        s.push_str("      (x)     (x)");
+    }
+    s.push('\n');
+    s
+}
+
+/// One table line, nccl-tests' columns; `ratios` (out of place, in place) appended when given.
+pub fn format_row(row: &Row, ratios: Option<(f64, f64)>) -> String {
+    let redop = if row.op.reduces() { row.redop.name() } else { "none" };
+    let root: i64 = if row.op.rooted() { row.root as i64 } else { -1 };
+    let mut s = format!(
+        "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}",
+        row.bytes(),
+        row.count,
+        row.dtype.nccl_name(),
+        redop,
+        root
+    );
+    for half in [&row.oop, &row.ip] {
+        let wrong = half.wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string());
+        let _ = write!(
+            s,
+            "  {:>7}  {:>6.2}  {:>6.2}  {:>6}",
+            format_time(half.avg_us),
+            row.algbw(half.avg_us),
+            row.busbw(half.avg_us),
+            wrong
+        );
+    }
+    if let Some((oop, ip)) = ratios {
+        let _ = write!(s, "  {:>6.2}x {:>6.2}x", oop, ip);
+    }
+    s
+}
+
+/// nccl-tests' footer value: the mean busbw over every row and both halves.
+pub fn avg_busbw(rows: &[Row]) -> f64 {
+    let values: Vec<f64> = rows
+        .iter()
+        .flat_map(|r| [r.busbw(r.oop.avg_us), r.busbw(r.ip.avg_us)])
+        .filter(|v| v.is_finite())
+        .collect();
+    if values.is_empty() { 0.0 } else { values.iter().sum::<f64>() / values.len() as f64 }
+}
+
+/// A whole table: header, rows, `# Avg bus bandwidth` footer and the memcpy line.
+pub fn format_table(rows: &[Row], peer: Option<(&str, &[Option<Row>])>, memcpy_gbps: Option<f64>) -> String {
+    let mut s = format_header(peer.map(|(name, _)| name));
+    for (i, row) in rows.iter().enumerate() {
+        let ratios = peer.map(|(_, theirs)| match theirs.get(i).and_then(Option::as_ref) {
+            Some(g) => (
+                row.busbw(row.oop.avg_us) / g.busbw(g.oop.avg_us),
+                row.busbw(row.ip.avg_us) / g.busbw(g.ip.avg_us),
+            ),
+            None => (f64::NAN, f64::NAN),
+        });
+        s.push_str(&format_row(row, ratios));
+        s.push('\n');
+    }
+    let wrong: u64 = rows.iter().flat_map(|r| [r.oop.wrong, r.ip.wrong]).flatten().sum();
+    if rows.iter().any(|r| r.oop.wrong.is_some()) {
+        let _ = writeln!(s, "# Out of bounds values : {wrong} {}", if wrong == 0 { "OK" } else { "FAILED" });
+    }
+    let _ = writeln!(s, "# Avg bus bandwidth : {:.4}", avg_busbw(rows));
+    if let Some(m) = memcpy_gbps {
+        let _ = writeln!(s, "# Single-thread memcpy bandwidth : {m:.2} GB/s (64 MiB, this run)");
+    }
+    s.push_str("#\n");
+    s
+}
+
+// ------------------------------------------------------------ check values
+
+/// Rank `rank`'s input element `i`: small integers, exact in every dtype.
+fn input_value(rank: usize, i: usize) -> f64 {
+    (1 + (i + 3 * rank) % 3) as f64
+}
+
+/// `x` as stored in `dtype` (integers wrap, floats round).
+fn quantize(dtype: DType, x: f64) -> f64 {
+    let i = x as i64;
+    match dtype {
+        DType::Int8 => i as i8 as f64,
+        DType::UInt8 => i as u8 as f64,
+        DType::Int32 => i as i32 as f64,
+        DType::UInt32 => i as u32 as f64,
+        DType::Int64 => i as f64,
+        DType::UInt64 => i as u64 as f64,
+        DType::Float16 => f16::from_f64(x).to_f64(),
+        DType::BFloat16 => bf16::from_f64(x).to_f64(),
+        DType::Float32 => x as f32 as f64,
+        DType::Float64 => x,
+    }
+}
+
+/// The reduction of `values` by `op` as the library computes it in `dtype`.
+fn reduce_values(dtype: DType, op: ReduceOp, values: impl Iterator<Item = f64>) -> f64 {
+    let values: Vec<f64> = values.collect();
+    let n = values.len() as f64;
+    let ints = || values.iter().map(|&v| v as i64);
+    let r = match op {
+        ReduceOp::Sum => values.iter().sum(),
+        ReduceOp::Avg => {
+            let sum = quantize(dtype, values.iter().sum());
+            if dtype.is_integer() { (sum / n).trunc() } else { sum / n }
+        }
+        ReduceOp::Prod => values.iter().product(),
+        ReduceOp::Min => values.iter().copied().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::BAnd => ints().fold(-1, |a, b| a & b) as f64,
+        ReduceOp::BOr => ints().fold(0, |a, b| a | b) as f64,
+        ReduceOp::BXor => ints().fold(0, |a, b| a ^ b) as f64,
+    };
+    quantize(dtype, r)
+}
+
+/// The measurement's fixed parameters, shared by every rank.
+#[derive(Debug, Clone)]
+struct Spec {
+    op: BenchOp,
+    dtype: DType,
+    redop: ReduceOp,
+    root: usize,
+    iters: usize,
+    warmup: usize,
+    check: bool,
+}
+
+impl Spec {
+    fn from_args(args: &CollectiveArgs) -> Self {
+        Self {
+            op: args.op,
+            dtype: args.dtype,
+            redop: args.redop,
+            root: args.root,
+            iters: args.iters.max(1),
+            warmup: args.warmup,
+            check: args.check,
+        }
+    }
+
+    /// The expected output element `i` on `rank`, or `None` where the output is unspecified.
+    fn expected(&self, rank: usize, world: usize, count: usize, i: usize) -> Option<f64> {
+        let all = |at: usize| reduce_values(self.dtype, self.redop, (0..world).map(move |r| input_value(r, at)));
+        match self.op {
+            BenchOp::AllReduce => Some(all(i)),
+            BenchOp::Reduce => (rank == self.root).then(|| all(i)),
+            BenchOp::Broadcast => Some(input_value(self.root, i)),
+            BenchOp::AllGather => Some(input_value(i / count, i % count)),
+            BenchOp::ReduceScatter => Some(all(rank * count + i)),
+            BenchOp::AllToAll => Some(input_value(i / count, rank * count + i % count)),
+            BenchOp::SendRecv => Some(input_value((rank + world - 1) % world, i)),
+        }
+    }
+}
+
+/// A tensor of `len` elements of `dtype` with values `value(i)`.
+fn make_tensor(dtype: DType, len: usize, value: impl Fn(usize) -> f64) -> Tensor {
+    macro_rules! build {
+        ($t:ty, $conv:expr) => {{
+            let v: Vec<$t> = (0..len).map(|i| $conv(value(i))).collect();
+            Tensor::from_slice(&v)
+        }};
+    }
+    match dtype {
+        DType::Int8 => build!(i8, |x: f64| x as i8),
+        DType::UInt8 => build!(u8, |x: f64| x as u8),
+        DType::Int32 => build!(i32, |x: f64| x as i32),
+        DType::UInt32 => build!(u32, |x: f64| x as u32),
+        DType::Int64 => build!(i64, |x: f64| x as i64),
+        DType::UInt64 => build!(u64, |x: f64| x as u64),
+        DType::Float16 => build!(f16, f16::from_f64),
+        DType::BFloat16 => build!(bf16, bf16::from_f64),
+        DType::Float32 => build!(f32, |x: f64| x as f32),
+        DType::Float64 => build!(f64, |x: f64| x),
+    }
+}
+
+/// Element `i` of `bytes` (native-endian `dtype`) as f64.
+fn element(dtype: DType, bytes: &[u8], i: usize) -> f64 {
+    let s = dtype.size();
+    let b = &bytes[i * s..(i + 1) * s];
+    match dtype {
+        DType::Int8 => b[0] as i8 as f64,
+        DType::UInt8 => b[0] as f64,
+        DType::Int32 => i32::from_ne_bytes(b.try_into().expect("4 bytes")) as f64,
+        DType::UInt32 => u32::from_ne_bytes(b.try_into().expect("4 bytes")) as f64,
+        DType::Int64 => i64::from_ne_bytes(b.try_into().expect("8 bytes")) as f64,
+        DType::UInt64 => u64::from_ne_bytes(b.try_into().expect("8 bytes")) as f64,
+        DType::Float16 => f16::from_ne_bytes(b.try_into().expect("2 bytes")).to_f64(),
+        DType::BFloat16 => bf16::from_ne_bytes(b.try_into().expect("2 bytes")).to_f64(),
+        DType::Float32 => f32::from_ne_bytes(b.try_into().expect("4 bytes")) as f64,
+        DType::Float64 => f64::from_ne_bytes(b.try_into().expect("8 bytes")),
+    }
+}
+
+/// Wrong elements of `out` on `rank` (a missing element counts as wrong).
+fn count_wrong(spec: &Spec, rank: usize, world: usize, count: usize, out: &Tensor) -> u64 {
+    let expected_len = match spec.op {
+        BenchOp::AllGather => count * world,
+        BenchOp::AllToAll => count * world,
+        _ => count,
+    };
+    let tolerance = match spec.dtype {
+        DType::Float16 | DType::BFloat16 => 1e-2,
+        DType::Float32 => 1e-6,
+        _ => 0.0,
+    };
+    let bytes = out.as_bytes();
+    let have = out.len().min(expected_len);
+    let mut wrong = (expected_len - have) as u64;
+    for i in 0..have {
+        if let Some(want) = spec.expected(rank, world, count, i) {
+            let got = element(spec.dtype, bytes, i);
+            if (got - want).abs() > tolerance * want.abs().max(1.0) || got.is_nan() {
+                wrong += 1;
+            }
+        }
+    }
+    wrong
+}
+
+// ------------------------------------------------------------- one rank
+
+/// One rank's answer to `run COUNT`.
+#[derive(Debug, Clone, Default)]
+struct Raw {
+    oop: Vec<f64>,
+    ip: Vec<f64>,
+    wrong_oop: Option<u64>,
+    wrong_ip: Option<u64>,
+}
+
+impl Raw {
+    fn to_json(&self, rank: usize, count: usize) -> String {
+        let list = |v: &[f64]| v.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>().join(",");
+        let opt = |w: Option<u64>| w.map_or_else(|| "null".to_string(), |w| w.to_string());
+        format!(
+            "{{\"rank\":{rank},\"count\":{count},\"oop\":[{}],\"ip\":[{}],\"wrong_oop\":{},\"wrong_ip\":{}}}",
+            list(&self.oop),
+            list(&self.ip),
+            opt(self.wrong_oop),
+            opt(self.wrong_ip)
+        )
+    }
+
+    fn from_json(v: &json::Value) -> Result<Self, String> {
+        if let Some(e) = v.get("error").and_then(json::Value::as_str) {
+            return Err(e.to_string());
+        }
+        let list = |k: &str| -> Result<Vec<f64>, String> {
+            v.get(k)
+                .and_then(json::Value::as_array)
+                .ok_or_else(|| format!("no {k} in a result line"))?
+                .iter()
+                .map(|x| x.as_f64().ok_or_else(|| format!("{k} holds a non-number")))
+                .collect()
+        };
+        Ok(Self {
+            oop: list("oop")?,
+            ip: list("ip")?,
+            wrong_oop: v.get("wrong_oop").and_then(json::Value::as_f64).map(|w| w as u64),
+            wrong_ip: v.get("wrong_ip").and_then(json::Value::as_f64).map(|w| w as u64),
+        })
+    }
+}
+
+/// One call of the collective on `tensor` (moved in); returns the output.
+async fn call(group: &ProcessGroup, spec: &Spec, count: usize, tensor: Tensor) -> Result<Tensor> {
+    let (rank, world) = (group.rank(), group.world_size());
+    Ok(match spec.op {
+        BenchOp::AllReduce => group.all_reduce(tensor, spec.redop).await?,
+        BenchOp::Broadcast => group.broadcast(tensor, spec.root).await?,
+        BenchOp::Reduce => group.reduce(tensor, spec.root, spec.redop).await?,
+        BenchOp::AllGather => group.all_gather(tensor).await?,
+        BenchOp::ReduceScatter => group.reduce_scatter(tensor, spec.redop).await?,
+        BenchOp::AllToAll => group.all_to_all(tensor).await?,
+        BenchOp::SendRecv => {
+            if world < 2 {
+                bail!("send_recv needs at least 2 ranks");
+            }
+            let (to, from) = ((rank + 1) % world, (rank + world - 1) % world);
+            // A rank's operations run one at a time (RA-1), so a ring where
+            // every rank sends first could wait on itself: even ranks send
+            // first, odd ranks receive first.
+            if rank % 2 == 0 {
+                group.send(tensor, to).await?;
+                group.recv(spec.dtype, count, from).await?
+            } else {
+                let got = group.recv(spec.dtype, count, from).await?;
+                group.send(tensor, to).await?;
+                got
+            }
+        }
+    })
+}
+
+/// Turns an output back into an input of the right length (outside the
+/// timed region): all_gather's output is cut to its first block,
+/// reduce_scatter's block grows back to `count * world`.
+fn reshape(out: Tensor, input_len: usize) -> Tensor {
+    let dtype = out.dtype();
+    let mut bytes = out.into_bytes();
+    bytes.resize(input_len * dtype.size(), 0);
+    Tensor::from_bytes(dtype, bytes)
+}
+
+/// Measures one size on this rank: warm-up, timed out-of-place calls, timed
+/// in-place calls, then (with `--check`) one checked call of each.
+async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let len = spec.op.input_len(count, world);
+    let input = make_tensor(spec.dtype, len, |i| input_value(rank, i));
+    let mut raw = Raw::default();
+    // Out of place: the input survives; each call copies it first.
+    for i in 0..spec.warmup + spec.iters {
+        let started = Instant::now();
+        let out = call(group, spec, count, input.clone()).await?;
+        let took = started.elapsed().as_secs_f64() * 1e6;
+        drop(out);
+        if i >= spec.warmup {
+            raw.oop.push(took);
+        }
+    }
+    // In place: the buffer handed back is the next input.
+    let mut buffer = input.clone();
+    for i in 0..spec.warmup + spec.iters {
+        let started = Instant::now();
+        let out = call(group, spec, count, buffer).await?;
+        let took = started.elapsed().as_secs_f64() * 1e6;
+        buffer = reshape(out, len);
+        if i >= spec.warmup {
+            raw.ip.push(took);
+        }
+    }
+    drop(buffer);
+    if spec.check {
+        let out = call(group, spec, count, input.clone()).await?;
+        raw.wrong_oop = Some(count_wrong(spec, rank, world, count, &out));
+        drop(out);
+        let out = call(group, spec, count, input).await?;
+        raw.wrong_ip = Some(count_wrong(spec, rank, world, count, &out));
+    }
+    Ok(raw)
+}
+
+/// A rank process (`chorus bench --worker`): joins over env://, answers
+/// `run COUNT` lines on stdin with one JSON line on stdout, until `quit`.
+pub async fn run_worker(args: &CollectiveArgs) -> Result<()> {
+    let spec = Spec::from_args(args);
+    let options = crate::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    let group = crate::init_process_group(options).await.context("forming the group")?;
+    let rank = group.rank();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "{{\"ready\":true,\"rank\":{rank}}}")?;
+    stdout.flush()?;
+    while let Some(line) = rx.recv().await {
+        let mut words = line.split_whitespace();
+        match (words.next(), words.next().and_then(|c| c.parse::<usize>().ok())) {
+            (Some("run"), Some(count)) => {
+                let answer = match measure(&group, &spec, count).await {
+                    Ok(raw) => raw.to_json(rank, count),
+                    Err(e) => format!("{{\"rank\":{rank},\"count\":{count},\"error\":{}}}", json::quote(&format!("{e:#}"))),
+                };
+                writeln!(stdout, "{answer}")?;
+                stdout.flush()?;
+            }
+            (Some("quit"), _) | (None, _) => break,
+            _ => bail!("unknown command {line:?}"),
+        }
+    }
+    group.destroy().await?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ sides
+
+/// Something that measures one size when asked: a set of rank processes or in-process ranks.
+trait Side {
+    /// `chorus (quic)`, `gloo`, ...
+    fn label(&self) -> String;
+    /// Measures `count`; one [`Raw`] per rank.
+    fn step(&mut self, count: usize, timeout: Duration) -> Result<Vec<Raw>>;
+    /// Stops the ranks.
+    fn finish(&mut self);
+}
+
+/// Rank processes talking JSON lines over their stdin/stdout.
+struct ProcessSide {
+    label: String,
+    children: Vec<Child>,
+    stdins: Vec<ChildStdin>,
+    lines: mpsc::Receiver<(usize, String)>,
+    stderr: Arc<Mutex<Vec<VecDeque<String>>>>,
+    /// What the ranks said when ready (torch's version for Gloo).
+    ready: Vec<json::Value>,
+}
+
+impl ProcessSide {
+    /// Starts `world` processes of `program args` with the env:// variables.
+    fn start(label: String, program: &str, args: &[String], world: usize, extra_env: &[(String, String)]) -> Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .context("finding a free port")?
+            .port();
+        let (tx, lines) = mpsc::channel();
+        let stderr = Arc::new(Mutex::new(vec![VecDeque::new(); world]));
+        let mut side = Self {
+            label,
+            children: Vec::new(),
+            stdins: Vec::new(),
+            lines,
+            stderr: stderr.clone(),
+            ready: Vec::new(),
+        };
+        for rank in 0..world {
+            let mut command = Command::new(program);
+            command
+                .args(args)
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra_env {
+                command.env(k, v);
+            }
+            let mut child = command
+                .spawn()
+                .with_context(|| format!("starting rank {rank} of {}: {program}", side.label))?;
+            side.stdins.push(child.stdin.take().expect("piped"));
+            let (out, err) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    if tx.send((rank, line)).is_err() {
+                        break;
+                    }
+                }
+            });
+            let stderr = stderr.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    let mut tails = stderr.lock().expect("stderr tails");
+                    let tail = &mut tails[rank];
+                    if tail.len() == 20 {
+                        tail.pop_front();
+                    }
+                    tail.push_back(line);
+                }
+            });
+            side.children.push(child);
+        }
+        Ok(side)
+    }
+
+    /// Why the ranks failed: exit statuses and the end of their stderr.
+    fn failure(&mut self, what: &str) -> anyhow::Error {
+        std::thread::sleep(Duration::from_millis(200));
+        let mut s = format!("{} {what}", self.label);
+        let tails = self.stderr.lock().expect("stderr tails").clone();
+        for (rank, child) in self.children.iter_mut().enumerate() {
+            let status = match child.try_wait() {
+                Ok(Some(status)) => format!("exited with {status}"),
+                _ => "still running".to_string(),
+            };
+            let _ = write!(s, "\n  rank {rank} {status}");
+            for line in &tails[rank] {
+                let _ = write!(s, "\n    {line}");
+            }
+        }
+        anyhow!(s)
+    }
+
+    /// Reads one JSON line from every rank.
+    fn collect(&mut self, timeout: Duration, what: &str) -> Result<Vec<json::Value>> {
+        let deadline = Instant::now() + timeout;
+        let mut got: Vec<Option<json::Value>> = vec![None; self.children.len()];
+        while got.iter().any(Option::is_none) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.min(Duration::from_millis(500))) {
+                Ok((rank, line)) => match json::parse(&line) {
+                    Ok(value) => got[rank] = Some(value),
+                    Err(_) => tracing::debug!(rank, line, "ignoring a non-JSON line"),
+                },
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let exited = self.children.iter_mut().any(|c| matches!(c.try_wait(), Ok(Some(_))));
+                    if exited {
+                        return Err(self.failure(&format!("stopped while {what}")));
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(self.failure(&format!("did not finish {what} within {timeout:?}")));
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Err(self.failure(&format!("stopped while {what}"))),
+            }
+        }
+        Ok(got.into_iter().map(|v| v.expect("all collected")).collect())
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        self.ready = self.collect(timeout, "forming the group")?;
+        if let Some(e) = self.ready.iter().find_map(|v| v.get("error").and_then(json::Value::as_str)) {
+            bail!("{}: {e}", self.label);
+        }
+        Ok(())
+    }
+}
+
+impl Side for ProcessSide {
+    fn label(&self) -> String {
+        self.label.clone()
+    }
+
+    fn step(&mut self, count: usize, timeout: Duration) -> Result<Vec<Raw>> {
+        for stdin in &mut self.stdins {
+            writeln!(stdin, "run {count}").and_then(|()| stdin.flush()).map_err(|e| anyhow!("{}: a rank's stdin: {e}", self.label))?;
+        }
+        let values = self.collect(timeout, &format!("measuring count {count}"))?;
+        values.iter().map(|v| Raw::from_json(v).map_err(|e| anyhow!(e))).collect()
+    }
+
+    fn finish(&mut self) {
+        for stdin in &mut self.stdins {
+            let _ = writeln!(stdin, "quit").and_then(|()| stdin.flush());
+        }
+        self.stdins.clear();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for child in &mut self.children {
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if matches!(child.try_wait(), Ok(None)) {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for ProcessSide {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            if matches!(child.try_wait(), Ok(None)) {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+type Command_ = tokio::sync::mpsc::UnboundedSender<Option<usize>>;
+
+/// Ranks as actors in this process ([`crate::spawn`]), on a runtime of their own.
+struct InProcessSide {
+    commands: Vec<Command_>,
+    results: mpsc::Receiver<(usize, Result<Raw, String>)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl InProcessSide {
+    fn start(spec: Spec, world: usize) -> Result<Self> {
+        let (mut commands, mut receivers) = (Vec::new(), Vec::new());
+        for _ in 0..world {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            commands.push(tx);
+            receivers.push(Some(rx));
+        }
+        let receivers = Arc::new(Mutex::new(receivers));
+        let (tx, results) = mpsc::channel();
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(world.max(1));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .enable_all()
+            .build()
+            .context("starting the in-process ranks' runtime")?;
+        let thread = std::thread::spawn(move || {
+            let failed = tx.clone();
+            let outcome = runtime.block_on(crate::spawn(world, move |group| {
+                let rank = group.rank();
+                let mut rx = receivers.lock().expect("receivers")[rank].take().expect("one body per rank");
+                let (spec, tx) = (spec.clone(), tx.clone());
+                async move {
+                    while let Some(Some(count)) = rx.recv().await {
+                        let result = measure(&group, &spec, count).await.map_err(|e| format!("{e:#}"));
+                        if tx.send((rank, result)).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }));
+            if let Err(e) = outcome {
+                let _ = failed.send((usize::MAX, Err(format!("in-process ranks: {e}"))));
+            }
+        });
+        Ok(Self {
+            commands,
+            results,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Side for InProcessSide {
+    fn label(&self) -> String {
+        "chorus (in-process)".into()
+    }
+
+    fn step(&mut self, count: usize, timeout: Duration) -> Result<Vec<Raw>> {
+        for c in &self.commands {
+            c.send(Some(count)).map_err(|_| anyhow!("the in-process ranks stopped"))?;
+        }
+        let mut got: Vec<Option<Raw>> = vec![None; self.commands.len()];
+        let deadline = Instant::now() + timeout;
+        while got.iter().any(Option::is_none) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.results.recv_timeout(left) {
+                Ok((rank, Ok(raw))) if rank < got.len() => got[rank] = Some(raw),
+                Ok((rank, Err(e))) => bail!("chorus (in-process) rank {rank}: {e}"),
+                Ok(_) => {}
+                Err(_) => bail!("chorus (in-process) did not finish count {count} within {timeout:?}"),
+            }
+        }
+        Ok(got.into_iter().map(|r| r.expect("all collected")).collect())
+    }
+
+    fn finish(&mut self) {
+        for c in &self.commands {
+            let _ = c.send(None);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+// ----------------------------------------------------------------- driver
+
+/// A random job secret for the rank processes, as `chorus launch` hands out.
+fn job_secret() -> String {
+    let mut bytes = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = std::io::Read::read_exact(&mut f, &mut bytes);
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The flags a worker (chorus or Gloo) needs to measure what the parent asks.
+fn worker_flags(args: &CollectiveArgs) -> Vec<String> {
+    vec![
+        "--op".into(),
+        args.op.name().into(),
+        "--dtype".into(),
+        args.dtype.nccl_name().into(),
+        "--redop".into(),
+        args.redop.name().into(),
+        "--root".into(),
+        args.root.to_string(),
+        "--iters".into(),
+        args.iters.max(1).to_string(),
+        "--warmup".into(),
+        args.warmup.to_string(),
+    ]
+}
+
+/// Whether `python` can import torch.distributed; its version or why not.
+fn torch_version(python: &str) -> Result<String, String> {
+    match Command::new(python)
+        .args(["-c", "import torch, torch.distributed as d; assert d.is_gloo_available(); print(torch.__version__)"])
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => Ok(String::from_utf8_lossy(&out.stdout).trim().to_string()),
+        Ok(out) => Err(String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("import failed")
+            .to_string()),
+        Err(e) => Err(format!("cannot run {python}: {e}")),
+    }
+}
+
+/// The parent: starts the sides, alternates them per size, prints the tables
+/// (or JSON rows) and draws the plot.
+pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
+    if args.world == 0 {
+        bail!("--world must be at least 1");
+    }
+    if args.op == BenchOp::SendRecv && args.world < 2 {
+        bail!("send_recv needs --world 2 or more");
+    }
+    if args.op.rooted() && args.root >= args.world {
+        bail!("--root {} is out of range for --world {}", args.root, args.world);
+    }
+    if args.op.reduces() && !args.redop.supports(args.dtype) {
+        bail!("--redop {} needs an integer --dtype, not {}", args.redop, args.dtype.nccl_name());
+    }
+    if args.min_bytes > args.max_bytes {
+        bail!("-b {} is larger than -e {}", args.min_bytes, args.max_bytes);
+    }
+    let spec = Spec::from_args(args);
+    let timeout = Duration::from_secs(args.timeout);
+    let counts: Vec<usize> = {
+        let mut c: Vec<usize> = sizes(args.min_bytes, args.max_bytes, args.step_factor)
+            .into_iter()
+            .map(|b| args.op.count_for(b, args.dtype, args.world))
+            .filter(|&c| c > 0)
+            .collect();
+        c.dedup();
+        c
+    };
+    if counts.is_empty() {
+        bail!("no size in -b {} -e {} holds one element per rank", args.min_bytes, args.max_bytes);
+    }
+
+    // The sides: chorus per transport, then the peer.
+    let mut sides: Vec<(Box<dyn Side>, String)> = Vec::new();
+    let exe = std::env::current_exe().context("locating the chorus binary")?;
+    let mut notes = Vec::new();
+    if args.in_process {
+        sides.push((Box::new(InProcessSide::start(spec.clone(), args.world)?), "local".into()));
+    } else {
+        let mut transports = args.transport.clone();
+        transports.dedup();
+        for transport in transports {
+            let mut flags = vec!["bench".to_string(), "--worker".into()];
+            flags.extend(worker_flags(args));
+            flags.extend(["--timeout".into(), args.timeout.to_string()]);
+            if args.check {
+                flags.push("--check".into());
+            }
+            let env = vec![
+                ("CHORUS_TRANSPORT".to_string(), transport.clone()),
+                ("CHORUS_JOB_SECRET".to_string(), job_secret()),
+            ];
+            let mut side = ProcessSide::start(format!("chorus ({transport})"), &exe.to_string_lossy(), &flags, args.world, &env)?;
+            side.wait_ready(timeout).with_context(|| format!("CHORUS_TRANSPORT={transport}"))?;
+            sides.push((Box::new(side), transport));
+        }
+    }
+    let mut peer_label = None;
+    let mut gloo: Option<ProcessSide> = None;
+    if args.compare == Some(Peer::Gloo) {
+        match torch_version(&args.python) {
+            Ok(version) => {
+                let script = std::env::temp_dir().join(format!("chorus-bench-gloo-{}.py", std::process::id()));
+                std::fs::write(&script, GLOO_SCRIPT).context("writing the Gloo script")?;
+                let mut flags = vec!["-u".to_string(), script.to_string_lossy().into_owned()];
+                flags.extend(worker_flags(args));
+                let env = vec![("OMP_NUM_THREADS".to_string(), "1".to_string())];
+                let mut side = ProcessSide::start(format!("gloo (torch {version})"), &args.python, &flags, args.world, &env)?;
+                let ready = side.wait_ready(timeout);
+                let _ = std::fs::remove_file(&script);
+                match ready {
+                    Ok(()) => {
+                        peer_label = Some(format!("torch {version} gloo"));
+                        gloo = Some(side);
+                    }
+                    Err(e) => notes.push(format!("--compare gloo: Gloo did not start ({e:#}); no comparison")),
+                }
+            }
+            Err(why) => notes.push(format!(
+                "--compare gloo: {} cannot import torch ({why}); no comparison (pip install torch to enable it)",
+                args.python
+            )),
+        }
+    }
+    for note in &notes {
+        eprintln!("chorus bench: {note}");
+    }
+
+    // The sweep, alternating the sides per size.
+    let total = (counts.len() * (sides.len() + usize::from(gloo.is_some()))) as u64;
+    let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut rows: Vec<Vec<Row>> = vec![Vec::new(); sides.len()];
+    let mut gloo_rows: Vec<Option<Row>> = Vec::new();
+    let make_row = |count: usize, raws: &[Raw]| Row {
+        op: args.op,
+        count,
+        dtype: args.dtype,
+        redop: args.redop,
+        root: args.root,
+        world: args.world,
+        oop: Half::from_ranks(
+            &raws.iter().map(|r| r.oop.clone()).collect::<Vec<_>>(),
+            raws.iter().map(|r| r.wrong_oop).sum(),
+        ),
+        ip: Half::from_ranks(
+            &raws.iter().map(|r| r.ip.clone()).collect::<Vec<_>>(),
+            raws.iter().map(|r| r.wrong_ip).sum(),
+        ),
+    };
+    let result: Result<()> = (|| {
+        for &count in &counts {
+            let bytes = args.op.bytes(count, args.dtype, args.world);
+            for (i, (side, _)) in sides.iter_mut().enumerate() {
+                bar.set_message(format!("{} {} B {}", args.op.name(), bytes, side.label()));
+                let raws = side.step(count, timeout)?;
+                rows[i].push(make_row(count, &raws));
+                bar.inc(1);
+            }
+            if let Some(side) = gloo.as_mut() {
+                bar.set_message(format!("{} {} B {}", args.op.name(), bytes, side.label()));
+                match side.step(count, timeout) {
+                    Ok(raws) => gloo_rows.push(Some(make_row(count, &raws))),
+                    Err(e) => {
+                        bar.suspend(|| eprintln!("chorus bench: {}: {e:#}", side.label()));
+                        gloo_rows.push(None);
+                    }
+                }
+                bar.inc(1);
+            }
+        }
+        Ok(())
+    })();
+    bar.finish_and_clear();
+    for (side, _) in &mut sides {
+        side.finish();
+    }
+    if let Some(side) = gloo.as_mut() {
+        side.finish();
+    }
+    result?;
+    let memcpy = super::transport::memcpy_gbps(64 << 20);
+
+    let peer = peer_label.as_ref().map(|_| ("gloo", gloo_rows.as_slice()));
+    let mode = if args.in_process { "in-process ranks (chorus::spawn)" } else { "separate processes" };
+    if args.json {
+        let mut out = String::new();
+        for ((_, transport), side_rows) in sides.iter().zip(&rows) {
+            for (i, row) in side_rows.iter().enumerate() {
+                let theirs = gloo_rows.get(i).and_then(Option::as_ref);
+                out.push_str(&json_row("chorus", transport, args.in_process, row, theirs, memcpy));
+                out.push('\n');
+            }
+        }
+        for row in gloo_rows.iter().flatten() {
+            out.push_str(&json_row("gloo", "gloo", false, row, None, memcpy));
+            out.push('\n');
+        }
+        print!("{out}");
+    } else {
+        println!(
+            "# chorus bench: {} {} {}, world {} ({mode}), {} iters after {} warm-up, {}",
+            args.op.name(),
+            args.dtype.nccl_name(),
+            if args.op.reduces() { args.redop.name() } else { "" },
+            args.world,
+            spec.iters,
+            spec.warmup,
+            match &peer_label {
+                Some(p) => format!("alternating per size with {p}"),
+                None => "no comparison".into(),
+            }
+        );
+        for note in &notes {
+            println!("# {note}");
+        }
+        for ((side, _), side_rows) in sides.iter().zip(&rows) {
+            println!("#\n# {}", side.label());
+            print!("{}", format_table(side_rows, peer, Some(memcpy)));
+        }
+        if let Some(label) = &peer_label {
+            let present: Vec<Row> = gloo_rows.iter().flatten().cloned().collect();
+            println!("#\n# {label} (python3 tests/python/bench_gloo.py, one process per rank)");
+            print!("{}", format_table(&present, None, None));
+        }
+    }
+    if let Some(path) = &args.plot {
+        let mut series: Vec<super::plot::Series> = sides
+            .iter()
+            .zip(&rows)
+            .map(|((side, _), r)| super::plot::Series {
+                label: side.label(),
+                points: r.iter().map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us))).collect(),
+            })
+            .collect();
+        if let Some(label) = &peer_label {
+            series.push(super::plot::Series {
+                label: label.clone(),
+                points: gloo_rows.iter().flatten().map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us))).collect(),
+            });
+        }
+        let title = format!("{} {}, world {} ({mode}): busbw, out of place", args.op.name(), args.dtype.nccl_name(), args.world);
+        super::plot::draw(path, &title, &series).map_err(|e| anyhow!("--plot {}: {e}", path.display()))?;
+        eprintln!("chorus bench: wrote {}", path.display());
+    }
+    let wrong: u64 = rows.iter().flatten().flat_map(|r| [r.oop.wrong, r.ip.wrong]).flatten().sum();
+    Ok(if wrong > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+fn json_half(row: &Row, half: &Half) -> String {
+    format!(
+        "{{\"time_us\":{},\"median_us\":{},\"algbw\":{},\"busbw\":{},\"median_busbw\":{},\"wrong\":{}}}",
+        json::num(half.avg_us),
+        json::num(half.median_us),
+        json::num(row.algbw(half.avg_us)),
+        json::num(row.busbw(half.avg_us)),
+        json::num(row.busbw(half.median_us)),
+        half.wrong.map_or_else(|| "null".into(), |w| w.to_string())
+    )
+}
+
+/// One `--json` row.
+fn json_row(library: &str, transport: &str, in_process: bool, row: &Row, gloo: Option<&Row>, memcpy: f64) -> String {
+    let ratio = |f: &dyn Fn(&Row) -> f64| gloo.map_or_else(|| "null".to_string(), |g| json::num(f(row) / f(g)));
+    format!(
+        "{{\"library\":{},\"transport\":{},\"in_process\":{in_process},\"op\":{},\"world\":{},\"size\":{},\"count\":{},\"type\":{},\"redop\":{},\"root\":{},\"oop\":{},\"ip\":{},\"gloo_busbw_ratio_oop\":{},\"gloo_busbw_ratio_ip\":{},\"gloo_median_time_ratio_oop\":{},\"memcpy_gbps\":{}}}",
+        json::quote(library),
+        json::quote(transport),
+        json::quote(row.op.name()),
+        row.world,
+        row.bytes(),
+        row.count,
+        json::quote(row.dtype.nccl_name()),
+        json::quote(if row.op.reduces() { row.redop.name() } else { "none" }),
+        if row.op.rooted() { row.root as i64 } else { -1 },
+        json_half(row, &row.oop),
+        json_half(row, &row.ip),
+        ratio(&|r| r.busbw(r.oop.avg_us)),
+        ratio(&|r| r.busbw(r.ip.avg_us)),
+        ratio(&|r| r.oop.median_us),
+        json::num(memcpy)
+    )
+}
+
+/// A minimal JSON reader and writer helpers (the workers' lines and `--json` rows).
+pub mod json {
+    /// A JSON value.
+    #[derive(Debug, Clone, PartialEq)]
+    pub enum Value {
+        /// `null`.
+        Null,
+        /// `true` / `false`.
+        Bool(bool),
+        /// A number.
+        Num(f64),
+        /// A string.
+        Str(String),
+        /// An array.
+        Arr(Vec<Value>),
+        /// An object, keys in order.
+        Obj(Vec<(String, Value)>),
+    }
+
+    impl Value {
+        /// The member `key` of an object.
+        pub fn get(&self, key: &str) -> Option<&Value> {
+            match self {
+                Value::Obj(members) => members.iter().find(|(k, _)| k == key).map(|(_, v)| v),
+                _ => None,
+            }
+        }
+        /// The number, if one.
+        pub fn as_f64(&self) -> Option<f64> {
+            match self {
+                Value::Num(n) => Some(*n),
+                _ => None,
+            }
+        }
+        /// The string, if one.
+        pub fn as_str(&self) -> Option<&str> {
+            match self {
+                Value::Str(s) => Some(s),
+                _ => None,
+            }
+        }
+        /// The elements, if an array.
+        pub fn as_array(&self) -> Option<&[Value]> {
+            match self {
+                Value::Arr(v) => Some(v),
+                _ => None,
+            }
+        }
+    }
+
+    /// A number, or `null` when not finite.
+    pub fn num(x: f64) -> String {
+        if x.is_finite() { format!("{x:.4}") } else { "null".into() }
+    }
+
+    /// A JSON string literal.
+    pub fn quote(s: &str) -> String {
+        let mut out = String::from("\"");
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+        out
+    }
+
+    /// Parses one JSON document.
+    pub fn parse(text: &str) -> Result<Value, String> {
+        let mut p = Parser { s: text.as_bytes(), i: 0 };
+        let v = p.value()?;
+        p.ws();
+        if p.i != p.s.len() {
+            return Err(format!("trailing characters at {}", p.i));
+        }
+        Ok(v)
+    }
+
+    struct Parser<'a> {
+        s: &'a [u8],
+        i: usize,
+    }
+
+    impl Parser<'_> {
+        fn ws(&mut self) {
+            while self.i < self.s.len() && self.s[self.i].is_ascii_whitespace() {
+                self.i += 1;
+            }
+        }
+        fn eat(&mut self, c: u8) -> Result<(), String> {
+            self.ws();
+            if self.s.get(self.i) == Some(&c) {
+                self.i += 1;
+                Ok(())
+            } else {
+                Err(format!("expected {:?} at {}", c as char, self.i))
+            }
+        }
+        fn value(&mut self) -> Result<Value, String> {
+            self.ws();
+            match self.s.get(self.i) {
+                Some(b'{') => {
+                    self.i += 1;
+                    let mut members = Vec::new();
+                    self.ws();
+                    if self.s.get(self.i) == Some(&b'}') {
+                        self.i += 1;
+                        return Ok(Value::Obj(members));
+                    }
+                    loop {
+                        self.ws();
+                        let key = self.string()?;
+                        self.eat(b':')?;
+                        members.push((key, self.value()?));
+                        self.ws();
+                        match self.s.get(self.i) {
+                            Some(b',') => self.i += 1,
+                            Some(b'}') => {
+                                self.i += 1;
+                                return Ok(Value::Obj(members));
+                            }
+                            _ => return Err(format!("expected , or }} at {}", self.i)),
+                        }
+                    }
+                }
+                Some(b'[') => {
+                    self.i += 1;
+                    let mut items = Vec::new();
+                    self.ws();
+                    if self.s.get(self.i) == Some(&b']') {
+                        self.i += 1;
+                        return Ok(Value::Arr(items));
+                    }
+                    loop {
+                        items.push(self.value()?);
+                        self.ws();
+                        match self.s.get(self.i) {
+                            Some(b',') => self.i += 1,
+                            Some(b']') => {
+                                self.i += 1;
+                                return Ok(Value::Arr(items));
+                            }
+                            _ => return Err(format!("expected , or ] at {}", self.i)),
+                        }
+                    }
+                }
+                Some(b'"') => Ok(Value::Str(self.string()?)),
+                Some(b't') if self.s[self.i..].starts_with(b"true") => {
+                    self.i += 4;
+                    Ok(Value::Bool(true))
+                }
+                Some(b'f') if self.s[self.i..].starts_with(b"false") => {
+                    self.i += 5;
+                    Ok(Value::Bool(false))
+                }
+                Some(b'n') if self.s[self.i..].starts_with(b"null") => {
+                    self.i += 4;
+                    Ok(Value::Null)
+                }
+                Some(_) => {
+                    let start = self.i;
+                    while self.i < self.s.len() && matches!(self.s[self.i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
+                        self.i += 1;
+                    }
+                    std::str::from_utf8(&self.s[start..self.i])
+                        .ok()
+                        .and_then(|t| t.parse().ok())
+                        .map(Value::Num)
+                        .ok_or_else(|| format!("bad value at {start}"))
+                }
+                None => Err("unexpected end".into()),
+            }
+        }
+        fn string(&mut self) -> Result<String, String> {
+            if self.s.get(self.i) != Some(&b'"') {
+                return Err(format!("expected a string at {}", self.i));
+            }
+            self.i += 1;
+            let mut out = Vec::new();
+            while let Some(&c) = self.s.get(self.i) {
+                self.i += 1;
+                match c {
+                    b'"' => return String::from_utf8(out).map_err(|e| e.to_string()),
+                    b'\\' => {
+                        let e = *self.s.get(self.i).ok_or("unexpected end")?;
+                        self.i += 1;
+                        match e {
+                            b'n' => out.push(b'\n'),
+                            b't' => out.push(b'\t'),
+                            b'r' => out.push(b'\r'),
+                            b'b' => out.push(8),
+                            b'f' => out.push(12),
+                            b'u' => {
+                                let hex = self.s.get(self.i..self.i + 4).ok_or("short \\u escape")?;
+                                self.i += 4;
+                                let code = u32::from_str_radix(std::str::from_utf8(hex).map_err(|e| e.to_string())?, 16)
+                                    .map_err(|e| e.to_string())?;
+                                let ch = char::from_u32(code).unwrap_or('\u{fffd}');
+                                out.extend(ch.to_string().as_bytes());
+                            }
+                            other => out.push(other),
+                        }
+                    }
+                    c => out.push(c),
+                }
+            }
+            Err("unterminated string".into())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_like_nccl_tests() {
+        assert_eq!(parse_size("8"), Ok(8));
+        assert_eq!(parse_size("64K"), Ok(64 << 10));
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("1g"), Ok(1 << 30));
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("12Q").is_err());
+        assert_eq!(sizes(8, 64, 2), vec![8, 16, 32, 64]);
+        assert_eq!(sizes(8, 100, 4), vec![8, 32]);
+        assert_eq!(sizes(8, 8, 2), vec![8]);
+        assert_eq!(sizes(8, 64, 1), vec![8]);
+    }
+
+    #[test]
+    fn bus_factors_and_sizes_follow_the_conventions() {
+        assert_eq!(BenchOp::AllReduce.bus_factor(4), 1.5);
+        assert_eq!(BenchOp::AllReduce.bus_factor(2), 1.0);
+        assert_eq!(BenchOp::AllGather.bus_factor(4), 0.75);
+        assert_eq!(BenchOp::ReduceScatter.bus_factor(2), 0.5);
+        assert_eq!(BenchOp::AllToAll.bus_factor(8), 0.875);
+        for op in [BenchOp::Broadcast, BenchOp::Reduce, BenchOp::SendRecv] {
+            assert_eq!(op.bus_factor(4), 1.0);
+        }
+        assert_eq!(BenchOp::AllReduce.count_for(64 << 20, DType::Float32, 4), 16 << 20);
+        assert_eq!(BenchOp::AllGather.count_for(64 << 20, DType::Float32, 4), 4 << 20);
+        assert_eq!(BenchOp::AllGather.bytes(4 << 20, DType::Float32, 4), 64 << 20);
+        // 1 GB in 1 s of all-reduce over 4 ranks: algbw 1, busbw 1.5.
+        let row = Row {
+            op: BenchOp::AllReduce,
+            count: 250_000_000,
+            dtype: DType::Float32,
+            redop: ReduceOp::Sum,
+            root: 0,
+            world: 4,
+            oop: Half { avg_us: 1e6, median_us: 1e6, wrong: None },
+            ip: Half { avg_us: 1e6, median_us: 1e6, wrong: None },
+        };
+        assert!((row.algbw(1e6) - 1.0).abs() < 1e-12);
+        assert!((row.busbw(1e6) - 1.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn table_lines_line_up_with_the_header() {
+        let header = format_header(None);
+        let lines: Vec<&str> = header.lines().collect();
+        assert_eq!(lines[1], "#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong");
+        assert!(lines[2].starts_with("#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)  (GB/s)"));
+        let row = Row {
+            op: BenchOp::AllGather,
+            count: 2,
+            dtype: DType::Float32,
+            redop: ReduceOp::Sum,
+            root: 0,
+            world: 2,
+            oop: Half { avg_us: 12.3456, median_us: 12.0, wrong: Some(0) },
+            ip: Half { avg_us: 12345.6, median_us: 12000.0, wrong: Some(3) },
+        };
+        let line = format_row(&row, None);
+        assert_eq!(line.len(), lines[1].len(), "{line}");
+        assert_eq!(
+            line,
+            "          16             2     float    none      -1    12.35    0.00    0.00       0    12346    0.00    0.00       3"
+        );
+        // Every column ends where its header does.
+        let ends = |s: &str| -> Vec<usize> {
+            s.char_indices()
+                .filter(|&(i, c)| c != ' ' && (s[i + 1..].starts_with(' ') || i + 1 == s.len()))
+                .map(|(i, _)| i)
+                .collect()
+        };
+        assert_eq!(ends(&line), ends(lines[1]));
+        let with_ratio = format_row(&row, Some((1.5, 2.0)));
+        assert!(with_ratio.ends_with("   1.50x   2.00x"), "{with_ratio}");
+        let table = format_table(&[row.clone()], None, Some(10.0));
+        assert!(table.contains("# Avg bus bandwidth : "), "{table}");
+        assert!(table.contains("# Out of bounds values : 3 FAILED"), "{table}");
+        assert!(table.contains("# Single-thread memcpy bandwidth : 10.00 GB/s"), "{table}");
+    }
+
+    #[test]
+    fn references_match_hand_computed_results() {
+        let spec = Spec {
+            op: BenchOp::AllReduce,
+            dtype: DType::Float32,
+            redop: ReduceOp::Sum,
+            root: 0,
+            iters: 1,
+            warmup: 0,
+            check: true,
+        };
+        // Ranks 0,1 element 0: 1 + (0+3)%3+1 = 1 + 1 = 2.
+        assert_eq!(spec.expected(0, 2, 4, 0), Some(2.0));
+        let gathered = Spec { op: BenchOp::AllGather, ..spec.clone() };
+        assert_eq!(gathered.expected(0, 2, 4, 5), Some(input_value(1, 1)));
+        let reduced = Spec { op: BenchOp::Reduce, ..spec.clone() };
+        assert_eq!(reduced.expected(1, 2, 4, 0), None);
+        assert_eq!(reduce_values(DType::Int8, ReduceOp::Prod, [16.0, 16.0].into_iter()), 0.0);
+        assert_eq!(reduce_values(DType::Int32, ReduceOp::Avg, [1.0, 2.0].into_iter()), 1.0);
+        let out = make_tensor(DType::BFloat16, 8, |i| input_value(0, i) + input_value(1, i));
+        assert_eq!(count_wrong(&spec_with(DType::BFloat16), 0, 2, 8, &out), 0);
+        assert_eq!(count_wrong(&spec_with(DType::BFloat16), 0, 2, 9, &out), 1);
+    }
+
+    fn spec_with(dtype: DType) -> Spec {
+        Spec {
+            op: BenchOp::AllReduce,
+            dtype,
+            redop: ReduceOp::Sum,
+            root: 0,
+            iters: 1,
+            warmup: 0,
+            check: true,
+        }
+    }
+
+    #[test]
+    fn medians_and_means_over_ranks() {
+        let half = Half::from_ranks(&[vec![1.0, 3.0, 100.0], vec![3.0, 5.0, 100.0]], Some(0));
+        assert_eq!(half.median_us, 4.0);
+        assert!((half.avg_us - (2.0 + 4.0 + 100.0) / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn json_round_trips() {
+        let v = json::parse(r#"{"a":[1,2.5e3,-3],"b":"x\"y\u0041","c":null,"d":{"e":true}}"#).unwrap();
+        assert_eq!(v.get("a").unwrap().as_array().unwrap()[1].as_f64(), Some(2500.0));
+        assert_eq!(v.get("b").unwrap().as_str(), Some("x\"yA"));
+        assert_eq!(v.get("c"), Some(&json::Value::Null));
+        assert!(json::parse("{").is_err());
+        assert_eq!(json::parse(&json::quote("a\nb")).unwrap().as_str(), Some("a\nb"));
+    }
+}
