@@ -194,11 +194,14 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
     // Sent before anything can fail here, so that even a rank that detects
     // a desync first has told every other rank what it was calling.
     let encoded = Bytes::copy_from_slice(&signature.encode());
+    let mut unverified: HashSet<usize> = check_from.iter().copied().collect();
     for &peer in &announce_to {
-        link(links, rank, peer)?
-            .send(channel, SIGNATURE_TAG, encoded.clone())
-            .await
-            .map_err(|e| CollectiveError::from(e.error))?;
+        let sent = link(links, rank, peer)?.send(channel, SIGNATURE_TAG, encoded.clone()).await;
+        if let Err(e) = sent {
+            // The readers keep running through the grace period; dropping
+            // the set aborts them afterwards.
+            return Err(explain_failure(e.error.into(), &signature, rank, &mut unverified, &mut inbox).await);
+        }
     }
 
     let steps = plan.steps();
@@ -206,7 +209,6 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
     let mut remaining = steps.len();
     let mut first_open = 0;
     let mut arrived: HashMap<(usize, u64), Bytes> = HashMap::new();
-    let mut unverified: HashSet<usize> = check_from.iter().copied().collect();
     let element = |r: &std::ops::Range<usize>| r.start * size..r.end * size;
     let result = async {
         loop {
@@ -291,7 +293,9 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
                 }
             };
             match event {
-                Event::Failed(e) => return Err(e),
+                Event::Failed(e) => {
+                    return Err(explain_failure(e, &signature, rank, &mut unverified, &mut inbox).await);
+                }
                 Event::Frame { from, tag: SIGNATURE_TAG, payload } => {
                     let theirs = Signature::decode(&payload).map_err(|e| CollectiveError::Protocol {
                         peer: from,
@@ -338,6 +342,40 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
         finalize_avg(signature.dtype, output, plan.world())?;
     }
     Ok(())
+}
+
+/// A link failure during a collective is often the echo of a desync: the
+/// rank that disagreed gave up and left. Signatures still in flight get a
+/// short grace period, so the error names the cause rather than the echo.
+async fn explain_failure(
+    failure: CollectiveError,
+    signature: &Signature,
+    rank: usize,
+    unverified: &mut HashSet<usize>,
+    inbox: &mut mpsc::UnboundedReceiver<Event>,
+) -> CollectiveError {
+    let grace = Instant::now() + Duration::from_millis(200);
+    while !unverified.is_empty() {
+        let Ok(Some(event)) = tokio::time::timeout_at(grace, inbox.recv()).await else {
+            break;
+        };
+        if let Event::Frame {
+            from,
+            tag: SIGNATURE_TAG,
+            payload,
+        } = event
+        {
+            unverified.remove(&from);
+            if let Some(detail) = Signature::decode(&payload).ok().and_then(|theirs| signature.mismatch(&theirs)) {
+                return CollectiveError::Desync {
+                    ours_rank: rank,
+                    theirs_rank: from,
+                    detail,
+                };
+            }
+        }
+    }
+    failure
 }
 
 fn check_len(signature: &Signature, which: &'static str, got: usize, want: usize) -> Result<(), CollectiveError> {

@@ -26,10 +26,10 @@
 //! - *in place*: the buffer is moved in and the returned one is the next
 //!   call's input (no copy);
 //! - *out of place*: the input must survive, so each call first copies it
-//!   (`Tensor::clone`), and the copy is timed — what a caller that keeps its
-//!   input pays. Gloo's out of place is the same for the collectives torch
-//!   only has in place (a `clone()` first) and its native separate-output
-//!   call for the others.
+//!   into the buffer the previous call handed back, and the copy is timed —
+//!   what a caller that keeps its input pays. Gloo's out of place is the same
+//!   for the collectives torch only has in place (`buf.copy_(x)` first) and
+//!   its native separate-output call for the others.
 //!
 //! # Pure parts (unit-tested)
 //! [`parse_size`], [`sizes`], [`BenchOp`] (byte counts and bus-bandwidth
@@ -189,6 +189,9 @@ pub struct CollectiveArgs {
     /// Print one JSON object per row instead of the tables.
     #[arg(long)]
     pub json: bool,
+    /// Also write the JSON rows to this file (the tables still print).
+    #[arg(long, value_name = "FILE")]
+    pub json_file: Option<PathBuf>,
     /// Draw busbw against size (out of place) for every side into this PNG.
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
@@ -654,18 +657,22 @@ async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw>
     let len = spec.op.input_len(count, world);
     let input = make_tensor(spec.dtype, len, |i| input_value(rank, i));
     let mut raw = Raw::default();
-    // Out of place: the input survives; each call copies it first.
+    // Out of place: the input survives; each call first copies it into the
+    // buffer the previous call handed back (no allocation), as a caller
+    // keeping its input would.
+    let mut buffer = input.clone();
     for i in 0..spec.warmup + spec.iters {
         let started = Instant::now();
-        let out = call(group, spec, count, input.clone()).await?;
+        let mut bytes = buffer.into_bytes();
+        bytes.copy_from_slice(input.as_bytes());
+        let out = call(group, spec, count, Tensor::from_bytes(spec.dtype, bytes)).await?;
         let took = started.elapsed().as_secs_f64() * 1e6;
-        drop(out);
+        buffer = reshape(out, len);
         if i >= spec.warmup {
             raw.oop.push(took);
         }
     }
     // In place: the buffer handed back is the next input.
-    let mut buffer = input.clone();
     for i in 0..spec.warmup + spec.iters {
         let started = Instant::now();
         let out = call(group, spec, count, buffer).await?;
@@ -1184,7 +1191,7 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
 
     let peer = peer_label.as_ref().map(|_| ("gloo", gloo_rows.as_slice()));
     let mode = if args.in_process { "in-process ranks (chorus::spawn)" } else { "separate processes" };
-    if args.json {
+    let json_rows = {
         let mut out = String::new();
         for ((_, transport), side_rows) in sides.iter().zip(&rows) {
             for (i, row) in side_rows.iter().enumerate() {
@@ -1197,7 +1204,13 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
             out.push_str(&json_row("gloo", "gloo", false, row, None, memcpy));
             out.push('\n');
         }
-        print!("{out}");
+        out
+    };
+    if let Some(path) = &args.json_file {
+        std::fs::write(path, &json_rows).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.json {
+        print!("{json_rows}");
     } else {
         println!(
             "# chorus bench: {} {} {}, world {} ({mode}), {} iters after {} warm-up, {}",
@@ -1573,10 +1586,10 @@ mod tests {
                 .map(|(i, _)| i)
                 .collect()
         };
-        assert_eq!(ends(&line), ends(lines[1]));
+        assert_eq!(ends(&line), ends(lines[1])[1..], "the '#' aside");
         let with_ratio = format_row(&row, Some((1.5, 2.0)));
         assert!(with_ratio.ends_with("   1.50x   2.00x"), "{with_ratio}");
-        let table = format_table(&[row.clone()], None, Some(10.0));
+        let table = format_table(std::slice::from_ref(&row), None, Some(10.0));
         assert!(table.contains("# Avg bus bandwidth : "), "{table}");
         assert!(table.contains("# Out of bounds values : 3 FAILED"), "{table}");
         assert!(table.contains("# Single-thread memcpy bandwidth : 10.00 GB/s"), "{table}");

@@ -23,7 +23,7 @@ pub struct Series {
 pub fn human_bytes(bytes: f64) -> String {
     let b = bytes.round() as u64;
     for (shift, unit) in [(30, "G"), (20, "M"), (10, "K")] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
+        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
             return format!("{}{unit}", b >> shift);
         }
     }

@@ -13,9 +13,9 @@ WORLD_SIZE), like torchrun does. After joining, it prints one JSON line
               "error"} when Gloo cannot run it;
   quit        leave the group and exit.
 
-Out-of-place means the input survives the call: a clone first for the
-collectives torch only has in place (all_reduce, broadcast, reduce), a
-separate output tensor for the others. In-place means torch's in-place form
+Out-of-place means the input survives the call: a copy into a reused buffer
+first (buf.copy_(x)) for the collectives torch only has in place (all_reduce,
+broadcast, reduce), a separate output tensor for the others. In-place means torch's in-place form
 (for all_gather and reduce_scatter the input is a view of the output, as in
 nccl-tests). The parent alternates these steps with chorus's, per size.
 """
@@ -80,7 +80,12 @@ def main():
                 else:
                     dist.reduce(t, dst=args.root, op=redop)
 
-            return lambda inplace: call(buf if inplace else x.clone())
+            def run(inplace):
+                if not inplace:
+                    buf.copy_(x)
+                call(buf)
+
+            return run
         if op == "all_gather":
             out = torch.empty(count * world, dtype=dtype)
             mine = out[rank * count:(rank + 1) * count]
