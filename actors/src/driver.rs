@@ -17,7 +17,7 @@
 //!    ranks whose frames never came.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -128,6 +128,58 @@ pub struct Job<'a> {
     pub output: &'a mut [u8],
     /// Deadline for the whole collective.
     pub timeout: Duration,
+    /// Where send frames' buffers come from.
+    pub pool: &'a FramePool,
+}
+
+/// Buffers for send frames, reused across collectives: a frame copied into
+/// fresh memory pays a page fault per 4 KiB (the allocator hands large
+/// blocks back to the kernel), which profiled as most of an in-process
+/// all-reduce. A buffer returns here when the last holder of its frame (the
+/// transport, or the receiving rank) drops it.
+#[derive(Debug, Clone, Default)]
+pub struct FramePool(Arc<Mutex<Vec<Vec<u8>>>>);
+
+/// Buffers kept for reuse at most; more are freed.
+const POOLED_BUFFERS: usize = 64;
+
+struct PooledFrame {
+    buffer: Vec<u8>,
+    pool: FramePool,
+}
+
+impl AsRef<[u8]> for PooledFrame {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer
+    }
+}
+
+impl Drop for PooledFrame {
+    fn drop(&mut self) {
+        let mut free = self.pool.0.lock().unwrap_or_else(|p| p.into_inner());
+        if free.len() < POOLED_BUFFERS {
+            free.push(std::mem::take(&mut self.buffer));
+        }
+    }
+}
+
+impl FramePool {
+    /// A frame holding a copy of `data`, in a reused buffer when one fits.
+    pub fn frame(&self, data: &[u8]) -> Bytes {
+        let reused = {
+            let mut free = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            free.iter()
+                .position(|b| b.capacity() >= data.len())
+                .map(|i| free.swap_remove(i))
+        };
+        let mut buffer = reused.unwrap_or_default();
+        buffer.clear();
+        buffer.extend_from_slice(data);
+        Bytes::from_owner(PooledFrame {
+            buffer,
+            pool: self.clone(),
+        })
+    }
 }
 
 enum Event {
@@ -155,6 +207,7 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
         input,
         output,
         timeout,
+        pool,
     } = job;
     let size = signature.dtype.size();
     check_len(&signature, "input", input.len(), plan.input_len() * size)?;
@@ -230,7 +283,7 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
                         Action::Send { to, tag, src } => {
                             let payload = match src {
                                 Region::Input(r) => input.slice(element(r)),
-                                Region::Output(r) => Bytes::copy_from_slice(&output[element(r)]),
+                                Region::Output(r) => pool.frame(&output[element(r)]),
                             };
                             let link = link(links, rank, *to)?;
                             let (events, tag) = (events.clone(), data_tag(*tag));

@@ -26,7 +26,7 @@ use chorus_runtime::collective::{
 };
 use chorus_transports::link::{ChannelId, Link};
 
-use crate::driver::{self, CollectiveError, Job};
+use crate::driver::{self, CollectiveError, FramePool, Job};
 
 /// Channels collectives rotate through (RA-2).
 pub const COLLECTIVE_CHANNELS: u32 = 64;
@@ -73,6 +73,7 @@ pub struct RankActor {
     sent: HashMap<usize, u64>,
     received: HashMap<usize, u64>,
     broken: Option<String>,
+    pool: FramePool,
 }
 
 impl RankActor {
@@ -88,6 +89,7 @@ impl RankActor {
             sent: HashMap::new(),
             received: HashMap::new(),
             broken: None,
+            pool: FramePool::default(),
         }
     }
 
@@ -156,6 +158,7 @@ impl Handler<Collective> for RankActor {
         let (rank, links, timeout) = (self.rank, self.links.clone(), msg.timeout.unwrap_or(self.timeout));
         let mut output = msg.output;
         let input = msg.input;
+        let pool = self.pool.clone();
         let run = async move {
             driver::run(Job {
                 rank,
@@ -168,6 +171,7 @@ impl Handler<Collective> for RankActor {
                 input,
                 output: &mut output,
                 timeout,
+                pool: &pool,
             })
             .await
             .map(|()| output)

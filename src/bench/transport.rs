@@ -18,6 +18,7 @@ use bytes::Bytes;
 use chorus_runtime::store::{Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
 use chorus_transports::link::Link;
 use chorus_transports::quic::{QuicEndpoint, QuicIdentity, QuicOptions, QuicPeer};
+use chorus_transports::shm::{ShmEndpoint, ShmOptions, ShmPeer};
 use thiserror::Error;
 
 /// Why a benchmark could not run.
@@ -57,7 +58,7 @@ pub struct TransportBench {
 /// One path's medians.
 #[derive(Debug, Clone)]
 pub struct PathResult {
-    /// `tcp` or `quic`.
+    /// `tcp`, `quic` or `shm`.
     pub path: &'static str,
     /// Median throughput, GB/s (decimal).
     pub gbps: f64,
@@ -65,7 +66,7 @@ pub struct PathResult {
     pub rtt_us: f64,
 }
 
-const PATHS: [&str; 2] = ["tcp", "quic"];
+const PATHS: [&str; 3] = ["tcp", "quic", "shm"];
 
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -158,6 +159,20 @@ async fn step(store: &TcpStore, bench: &TransportBench, round: usize, path: &'st
                 Ok((0.0, 0.0))
             }
         }
+        "shm" => {
+            let endpoint = ShmEndpoint::new(rank, ShmOptions::default()).map_err(setup)?;
+            store.set(&key(rank), &endpoint.nonce().to_le_bytes()).await.map_err(setup)?;
+            let theirs = store.get(&key(1 - rank)).await.map_err(setup)?;
+            let theirs = u64::from_le_bytes(theirs[..].try_into().map_err(setup)?);
+            let mut peers = vec![
+                ShmPeer { rank, nonce: endpoint.nonce() },
+                ShmPeer { rank: 1 - rank, nonce: theirs },
+            ];
+            peers.sort_by_key(|p| p.rank);
+            let links = endpoint.connect_mesh(&peers).await.map_err(setup)?;
+            let link = links[1 - rank].clone().ok_or_else(|| setup("no link to the peer"))?;
+            measure_link(store, bench, round, path, rank, &link).await
+        }
         _ => {
             let identity = QuicIdentity::generate().map_err(setup)?;
             let endpoint = QuicEndpoint::bind(rank, [127, 0, 0, 1].into(), &identity, QuicOptions::default()).map_err(setup)?;
@@ -180,17 +195,29 @@ async fn step(store: &TcpStore, bench: &TransportBench, round: usize, path: &'st
             peers.sort_by_key(|p| p.rank);
             let links = endpoint.connect_mesh(&peers).await.map_err(setup)?;
             let link = links[1 - rank].clone().ok_or_else(|| setup("no link to the peer"))?;
-            let result = if rank == 0 {
-                link_leader(&link, bench).await
-            } else {
-                link_peer(&link, bench).await.map(|()| (0.0, 0.0))
-            };
-            // Both sides must be done before either closes.
-            store.add(&format!("bench/{round}/{path}/done"), 1).await.map_err(setup)?;
-            wait_count(store, &format!("bench/{round}/{path}/done"), 2).await?;
-            result
+            measure_link(store, bench, round, path, rank, &link).await
         }
     }
+}
+
+/// Runs the measurement over a link, then waits until both sides are done
+/// before either drops it.
+async fn measure_link(
+    store: &TcpStore,
+    bench: &TransportBench,
+    round: usize,
+    path: &'static str,
+    rank: usize,
+    link: &Arc<dyn Link>,
+) -> Result<(f64, f64), BenchError> {
+    let result = if rank == 0 {
+        link_leader(link, bench).await
+    } else {
+        link_peer(link, bench).await.map(|()| (0.0, 0.0))
+    };
+    store.add(&format!("bench/{round}/{path}/done"), 1).await.map_err(setup)?;
+    wait_count(store, &format!("bench/{round}/{path}/done"), 2).await?;
+    result
 }
 
 async fn wait_count(store: &TcpStore, key: &str, want: i64) -> Result<(), BenchError> {
