@@ -165,7 +165,7 @@ impl ProcessGroup {
     /// `tensor` (`count * world` elements; returns `count`).
     pub fn reduce_scatter(&self, tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
         let (dtype, world, rank) = (tensor.dtype(), self.world_size(), self.rank());
-        if tensor.len() % world != 0 {
+        if !tensor.len().is_multiple_of(world) {
             return Work::failed(length_error(
                 "reduce_scatter",
                 format!("{} elements do not split into {world} equal blocks", tensor.len()),
@@ -184,7 +184,7 @@ impl ProcessGroup {
     /// result comes from rank `i`.
     pub fn all_to_all(&self, tensor: Tensor) -> Work<Tensor> {
         let (dtype, world) = (tensor.dtype(), self.world_size());
-        if tensor.len() % world != 0 {
+        if !tensor.len().is_multiple_of(world) {
             return Work::failed(length_error(
                 "all_to_all",
                 format!("{} elements do not split into {world} equal blocks", tensor.len()),

@@ -93,17 +93,21 @@ impl LocalLink {
 /// Links for `world` ranks of one process: `mesh[r][p]` is rank `r`'s link
 /// to rank `p` (`None` on the diagonal).
 pub fn local_mesh(world: usize) -> Vec<Vec<Option<Arc<dyn Link>>>> {
-    let mut mesh: Vec<Vec<Option<Arc<dyn Link>>>> = (0..world)
-        .map(|_| (0..world).map(|_| None).collect())
-        .collect();
+    let mut pairs: HashMap<(usize, usize), LocalLink> = HashMap::new();
     for a in 0..world {
         for b in a + 1..world {
             let (ab, ba) = LocalLink::pair(a, b);
-            mesh[a][b] = Some(Arc::new(ab));
-            mesh[b][a] = Some(Arc::new(ba));
+            pairs.insert((a, b), ab);
+            pairs.insert((b, a), ba);
         }
     }
-    mesh
+    (0..world)
+        .map(|me| {
+            (0..world)
+                .map(|peer| pairs.remove(&(me, peer)).map(|link| Arc::new(link) as Arc<dyn Link>))
+                .collect()
+        })
+        .collect()
 }
 
 #[async_trait]
