@@ -298,7 +298,7 @@ async fn check_all_reduce(group: &chorus::ProcessGroup) -> Result<()> {
     let busbw = bytes / took.as_secs_f64() / 1e9 * 2.0 * (world - 1) as f64 / world as f64;
     println!(
         "all_reduce of {} MiB float32: every element is {expected}, correct; {:.1} ms, busbw {busbw:.2} GB/s",
-        ELEMENTS * 4 >> 20,
+        (ELEMENTS * 4) >> 20,
         took.as_secs_f64() * 1e3
     );
     Ok(())
