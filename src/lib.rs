@@ -17,6 +17,8 @@
 //! - [`netif`]: re-exported from `chorus-transports` (which address a rank
 //!   publishes, which one a peer connects to).
 //! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
+//! - [`trace`]: `chorus trace DIR`, which compares the ranks' flight-recorder
+//!   dumps and names the rank(s) a stuck collective waits for.
 //! - `src/main.rs`: the `chorus` command line (`hello`, `launch`, `store ...`).
 
 pub mod bench;
@@ -26,6 +28,7 @@ pub mod launch;
 pub mod mesh;
 pub mod selftest;
 pub mod tensor;
+pub mod trace;
 
 pub use chorus_runtime::{rendezvous, store};
 pub use chorus_transports::{fault, link, netif};

@@ -8,6 +8,8 @@
 //! - `chorus store serve`: a standalone TCPStore-compatible server.
 //! - `chorus store get|set|add|wait|check|delete|keys`: look inside a job's
 //!   store while debugging a stuck rendezvous.
+//! - `chorus trace DIR [--json]`: name the rank(s) a stuck collective waits
+//!   for, from the flight-recorder dumps in DIR (`chorus::trace`).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -53,6 +55,14 @@ enum Commands {
         /// Flags, then the program and its arguments.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// Compare the ranks' flight-recorder dumps (CHORUS_TRACE_DIR) and name the rank(s) a stuck collective waits for.
+    Trace {
+        /// The directory the ranks dumped into.
+        dir: std::path::PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -224,6 +234,7 @@ fn main() -> ExitCode {
             .context("starting the async runtime")
             .and_then(|runtime| runtime.block_on(bench_command(command))),
         Commands::Launch { args } => return chorus::launch::main(&args),
+        Commands::Trace { dir, json } => return chorus::trace::main(&dir, json),
     };
     match result {
         Ok(code) => code,

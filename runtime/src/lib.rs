@@ -16,8 +16,12 @@
 //!   signatures ranks compare to detect desync.
 //! - [`codec`]: the one place that uses bincode (small control records only;
 //!   tensor payloads are never serialized).
+//! - [`flight`]: the flight recorder (each rank's last N operations in a
+//!   bounded ring, sans IO) and its versioned dump format, read by
+//!   `chorus trace`.
 
 pub mod codec;
 pub mod collective;
+pub mod flight;
 pub mod rendezvous;
 pub mod store;

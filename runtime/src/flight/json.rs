@@ -34,7 +34,12 @@ pub enum Value {
 impl Value {
     /// An object from `(key, value)` pairs, in order.
     pub fn object<'a>(members: impl IntoIterator<Item = (&'a str, Value)>) -> Value {
-        Value::Object(members.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+        Value::Object(
+            members
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+        )
     }
 
     /// The member `key` of an object (the first, if repeated).
@@ -402,7 +407,10 @@ impl Parser<'_> {
     }
 
     fn hex4(&mut self, at: usize) -> Result<u32, JsonError> {
-        let hex = self.s.get(self.i..self.i + 4).ok_or(JsonError::End(self.s.len()))?;
+        let hex = self
+            .s
+            .get(self.i..self.i + 4)
+            .ok_or(JsonError::End(self.s.len()))?;
         self.i += 4;
         std::str::from_utf8(hex)
             .ok()
@@ -422,8 +430,14 @@ mod tests {
             ("null", Value::Null),
             ("yes", true.into()),
             ("max", u64::MAX.into()),
-            ("text", "quote \" backslash \\ newline \n tab \t bell \u{7} é 🎵".into()),
-            ("list", Value::Array(vec![0u64.into(), Value::Array(vec![]), Value::object([])])),
+            (
+                "text",
+                "quote \" backslash \\ newline \n tab \t bell \u{7} é 🎵".into(),
+            ),
+            (
+                "list",
+                Value::Array(vec![0u64.into(), Value::Array(vec![]), Value::object([])]),
+            ),
         ]);
         let text = value.to_string();
         assert!(!text.contains('\n'), "one line: {text}");
@@ -445,25 +459,66 @@ mod tests {
             (b"", JsonError::End(0)),
             (b"{\"a\": [1, 2", JsonError::End(11)),
             (b"\"abc", JsonError::End(4)),
-            (b"{\"a\" 1}", JsonError::Unexpected { offset: 5, found: b'1', expected: "':'" }),
-            (b"{1: 2}", JsonError::Unexpected { offset: 1, found: b'1', expected: "a member name" }),
-            (b"[1 2]", JsonError::Unexpected { offset: 3, found: b'2', expected: "',' or ']'" }),
+            (
+                b"{\"a\" 1}",
+                JsonError::Unexpected {
+                    offset: 5,
+                    found: b'1',
+                    expected: "':'",
+                },
+            ),
+            (
+                b"{1: 2}",
+                JsonError::Unexpected {
+                    offset: 1,
+                    found: b'1',
+                    expected: "a member name",
+                },
+            ),
+            (
+                b"[1 2]",
+                JsonError::Unexpected {
+                    offset: 3,
+                    found: b'2',
+                    expected: "',' or ']'",
+                },
+            ),
             (b"nul", JsonError::End(3)),
-            (b"nope", JsonError::Unexpected { offset: 1, found: b'o', expected: "true, false or null" }),
+            (
+                b"nope",
+                JsonError::Unexpected {
+                    offset: 1,
+                    found: b'o',
+                    expected: "true, false or null",
+                },
+            ),
             (b"-1", JsonError::Number(0)),
             (b"1.5", JsonError::Number(0)),
             (b"012", JsonError::Number(0)),
             (b"18446744073709551616", JsonError::Number(0)),
             (b"\"\\x\"", JsonError::Escape(1)),
             (b"\"\\ud800\"", JsonError::Escape(1)),
-            (b"\"\\u12\"", JsonError::Escape(1)),
+            (b"\"\\u12zz\"", JsonError::Escape(1)),
+            (b"\"\\u12", JsonError::End(5)),
             (b"\"a\nb\"", JsonError::Escape(2)),
             (b"\"\xff\"", JsonError::Utf8(0)),
             (b"1 2", JsonError::Trailing(2)),
-            (b"\x00", JsonError::Unexpected { offset: 0, found: 0, expected: "a value" }),
+            (
+                b"\x00",
+                JsonError::Unexpected {
+                    offset: 0,
+                    found: 0,
+                    expected: "a value",
+                },
+            ),
         ];
         for (input, expected) in cases {
-            assert_eq!(parse(input).as_ref(), Err(expected), "{:?}", String::from_utf8_lossy(input));
+            assert_eq!(
+                parse(input).as_ref(),
+                Err(expected),
+                "{:?}",
+                String::from_utf8_lossy(input)
+            );
         }
     }
 
@@ -477,9 +532,16 @@ mod tests {
 
     #[test]
     fn every_prefix_of_a_document_fails_cleanly() {
-        let text = Value::object([("a", Value::Array(vec!["x\u{1}".into(), 7u64.into(), Value::Null]))]).to_string();
+        let text = Value::object([(
+            "a",
+            Value::Array(vec!["x\u{1}".into(), 7u64.into(), Value::Null]),
+        )])
+        .to_string();
         for end in 0..text.len() {
-            assert!(parse(&text.as_bytes()[..end]).is_err(), "prefix {end} parsed");
+            assert!(
+                parse(&text.as_bytes()[..end]).is_err(),
+                "prefix {end} parsed"
+            );
         }
     }
 }

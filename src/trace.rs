@@ -1,0 +1,1211 @@
+//! `chorus trace DIR`: compares the flight-recorder dumps ranks wrote on a
+//! timeout or abort (`CHORUS_TRACE_DIR`, format in
+//! [`chorus_runtime::flight`]) and names the rank(s) that never entered the
+//! operation the others are waiting in, with the last operation each rank
+//! completed.
+//!
+//! [`load_dir`] does the IO; [`analyze`] is pure, over parsed dumps; a
+//! [`Report`] prints as text (`Display`) or JSON ([`Report::to_json`]);
+//! [`main`] is the command.
+//!
+//! How the analysis reads the dumps:
+//! - Only the newest generation is compared: older dumps describe a group
+//!   that was already restarted.
+//! - A rank of the world without a dump is a suspect in its own right: a
+//!   SIGKILLed or SIGSTOPped process writes nothing.
+//! - Collectives are numbered per group, so a rank "never entered" `#n` when
+//!   the highest collective it entered is below `n`. Sends and receives are
+//!   numbered per peer and direction, so each is matched with the peer's
+//!   counterpart instead.
+//! - Ranks that ran different operations under one number are desynchronized;
+//!   that explains any hang that follows, so it comes first.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io::{self, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use chorus_runtime::flight::json::Value;
+use chorus_runtime::flight::{self, DumpError, EntryState, FlightEntry, FlightOp, RankDump};
+use thiserror::Error;
+
+/// Largest file read as a dump. A full ring of the default 1000 entries is
+/// about 300 KiB; this leaves room for large configured rings while refusing
+/// to slurp an unrelated huge file that happens to carry a dump's name.
+pub const MAX_DUMP_BYTES: u64 = 256 << 20;
+
+/// A file in the directory that looked like a dump but could not be used,
+/// or the directory itself could not be read.
+#[derive(Debug, Error)]
+pub enum TraceError {
+    /// Reading failed.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// Too large to be a dump.
+    #[error("{} is {len} bytes, more than a dump can be ({MAX_DUMP_BYTES} at most)", path.display())]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        len: u64,
+    },
+    /// Not a readable dump.
+    #[error("{}: {source}", path.display())]
+    Dump {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: DumpError,
+    },
+}
+
+impl TraceError {
+    /// The file or directory it is about.
+    pub fn path(&self) -> &Path {
+        match self {
+            TraceError::Io { path, .. }
+            | TraceError::TooLarge { path, .. }
+            | TraceError::Dump { path, .. } => path,
+        }
+    }
+}
+
+/// What [`load_dir`] found.
+#[derive(Debug)]
+pub struct Loaded {
+    /// Readable dumps with their paths, in file-name order.
+    pub dumps: Vec<(PathBuf, RankDump)>,
+    /// Files named like dumps that could not be used.
+    pub unreadable: Vec<TraceError>,
+}
+
+/// Reads every dump (`chorus-trace-g<G>-r<R>.json`) in `dir`, skipping
+/// other files; fails only when `dir` itself cannot be listed.
+pub fn load_dir(dir: &Path) -> Result<Loaded, TraceError> {
+    let io_error = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TraceError::Io { path, source }
+    };
+    let mut paths = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
+        let entry = entry.map_err(io_error(dir))?;
+        let name = entry.file_name();
+        if name
+            .to_str()
+            .and_then(flight::parse_dump_file_name)
+            .is_some()
+        {
+            paths.push(entry.path());
+        }
+    }
+    paths.sort();
+    let mut loaded = Loaded {
+        dumps: Vec::new(),
+        unreadable: Vec::new(),
+    };
+    for path in paths {
+        match read_dump(&path) {
+            Ok(dump) => loaded.dumps.push((path, dump)),
+            Err(error) => loaded.unreadable.push(error),
+        }
+    }
+    Ok(loaded)
+}
+
+fn read_dump(path: &Path) -> Result<RankDump, TraceError> {
+    let io_error = |source| TraceError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let len = std::fs::metadata(path).map_err(io_error)?.len();
+    if len > MAX_DUMP_BYTES {
+        return Err(TraceError::TooLarge {
+            path: path.to_path_buf(),
+            len,
+        });
+    }
+    let bytes = std::fs::read(path).map_err(io_error)?;
+    RankDump::parse(&bytes).map_err(|source| TraceError::Dump {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// What the dumps say, most telling finding first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// The generation compared (the newest present).
+    pub generation: u64,
+    /// Its world size.
+    pub world: usize,
+    /// Never empty; the first is the verdict.
+    pub findings: Vec<Finding>,
+    /// One row per rank of the world.
+    pub ranks: Vec<RankRow>,
+    /// What the analysis set aside (older generations, duplicate dumps, ...).
+    pub notes: Vec<String>,
+}
+
+/// One conclusion drawn from the dumps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finding {
+    /// Ranks ran different collectives under one sequence number (the
+    /// lowest such number).
+    Desync {
+        /// The sequence number.
+        seq: u64,
+        /// Each operation and the ranks that ran it, fewest ranks first.
+        variants: Vec<(FlightOp, Vec<usize>)>,
+    },
+    /// Ranks are inside a collective that has not completed.
+    Stuck(Stuck),
+    /// A rank is inside a send or receive that has not completed.
+    P2p {
+        /// The waiting rank.
+        waiter: usize,
+        /// The operation's number (per peer and direction).
+        seq: u64,
+        /// The operation.
+        op: FlightOp,
+        /// Whether the waiter's entry failed (it timed out or was aborted).
+        failed: bool,
+        /// What the peer's dump says about the counterpart.
+        peer: PeerView,
+    },
+    /// Ranks left no dump, and no rank that dumped is inside an operation.
+    NoDump {
+        /// The ranks without a dump.
+        ranks: Vec<usize>,
+    },
+    /// Every rank dumped and none is inside an operation.
+    NothingStuck,
+}
+
+/// Ranks waiting in one collective, and where every other rank is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stuck {
+    /// The collective's sequence number.
+    pub seq: u64,
+    /// The collective, as the first waiting rank recorded it.
+    pub op: FlightOp,
+    /// Ranks that entered it and did not complete it.
+    pub waiting: Vec<usize>,
+    /// Whether some waiting rank's entry failed (timed out or aborted)
+    /// rather than still running at the dump.
+    pub failed: bool,
+    /// Ranks that dumped and never entered it: the culprits.
+    pub never_entered: Vec<usize>,
+    /// Ranks that completed it.
+    pub completed: Vec<usize>,
+    /// Ranks of the world that left no dump.
+    pub no_dump: Vec<usize>,
+}
+
+/// What a peer's dump says about the counterpart of a waiting send or
+/// receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerView {
+    /// The peer never entered it.
+    NeverEntered,
+    /// The peer left no dump.
+    NoDump,
+    /// The peer is inside it too.
+    Inside,
+    /// The peer completed it.
+    Completed,
+}
+
+/// One rank's line in the report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankRow {
+    /// The rank.
+    pub rank: usize,
+    /// What its dump says; `None` when it left none.
+    pub dump: Option<RankState>,
+}
+
+/// Where a rank was when it dumped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankState {
+    /// Why it dumped.
+    pub reason: String,
+    /// The last operation it completed.
+    pub last_completed: Option<FlightEntry>,
+    /// The operation it was in (entered and not completed), or else the
+    /// oldest one queued and never started.
+    pub current: Option<FlightEntry>,
+    /// How long `current` had run (until the dump, or until it failed), or
+    /// waited in the queue.
+    pub current_for: Option<Duration>,
+}
+
+/// Compares the dumps of one group; `None` when there are none.
+pub fn analyze(dumps: &[RankDump]) -> Option<Report> {
+    let generation = dumps.iter().map(|d| d.generation).max()?;
+    let mut notes = Vec::new();
+    let mut older: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    for dump in dumps.iter().filter(|d| d.generation != generation) {
+        older.entry(dump.generation).or_default().push(dump.rank);
+    }
+    for (older_generation, mut ranks) in older {
+        ranks.sort_unstable();
+        notes.push(format!(
+            "ignored the dumps of {} of generation {older_generation}: only the newest, {generation}, is compared",
+            rank_list(&ranks)
+        ));
+    }
+    let current: Vec<&RankDump> = dumps
+        .iter()
+        .filter(|d| d.generation == generation)
+        .collect();
+    let mut worlds: Vec<usize> = current.iter().map(|d| d.world).collect();
+    worlds.sort_unstable();
+    worlds.dedup();
+    let world = *worlds.last()?;
+    if worlds.len() > 1 {
+        notes.push(format!(
+            "the dumps disagree on the world size ({worlds:?}); using {world}"
+        ));
+    }
+    // Two dumps of one rank and generation come from copied files or a
+    // rank that dumped twice under different names; the newer one is the
+    // rank's last word.
+    let mut by_rank: BTreeMap<usize, &RankDump> = BTreeMap::new();
+    let mut duplicated = Vec::new();
+    for &dump in &current {
+        let kept = by_rank.entry(dump.rank).or_insert(dump);
+        if !std::ptr::eq(*kept, dump) {
+            duplicated.push(dump.rank);
+            if dump.dumped_at > kept.dumped_at {
+                *kept = dump;
+            }
+        }
+    }
+    duplicated.sort_unstable();
+    duplicated.dedup();
+    if !duplicated.is_empty() {
+        notes.push(format!(
+            "{} dumped more than once; using each one's newest dump",
+            rank_list(&duplicated)
+        ));
+    }
+    let missing: Vec<usize> = (0..world).filter(|r| !by_rank.contains_key(r)).collect();
+
+    let mut findings = Vec::new();
+    findings.extend(desync(&by_rank, &mut notes));
+    let stuck = stuck_collectives(&by_rank, &missing);
+    let any_stuck = !stuck.is_empty();
+    findings.extend(stuck.into_iter().map(Finding::Stuck));
+    findings.extend(stuck_p2p(&by_rank, world));
+    if !any_stuck && !missing.is_empty() {
+        findings.push(Finding::NoDump { ranks: missing });
+    }
+    if findings.is_empty() {
+        findings.push(Finding::NothingStuck);
+    }
+    let ranks = (0..world)
+        .map(|rank| RankRow {
+            rank,
+            dump: by_rank.get(&rank).map(|dump| rank_state(dump)),
+        })
+        .collect();
+    Some(Report {
+        generation,
+        world,
+        findings,
+        ranks,
+        notes,
+    })
+}
+
+/// The lowest sequence number at which ranks recorded different
+/// collectives; later disagreements are consequences, so only counted.
+fn desync(by_rank: &BTreeMap<usize, &RankDump>, notes: &mut Vec<String>) -> Option<Finding> {
+    let mut by_seq: BTreeMap<u64, Vec<(usize, &FlightOp)>> = BTreeMap::new();
+    for (&rank, dump) in by_rank {
+        for entry in dump.entries.iter().filter(|e| !e.op.is_p2p()) {
+            by_seq.entry(entry.seq).or_default().push((rank, &entry.op));
+        }
+    }
+    let mut desyncs = by_seq.into_iter().filter_map(|(seq, ops)| {
+        let mut variants: Vec<(FlightOp, Vec<usize>)> = Vec::new();
+        for (rank, op) in ops {
+            match variants.iter_mut().find(|(known, _)| known == op) {
+                Some((_, ranks)) => ranks.push(rank),
+                None => variants.push((op.clone(), vec![rank])),
+            }
+        }
+        // The minority first: usually the rank that went astray.
+        variants.sort_by_key(|(_, ranks)| (ranks.len(), ranks[0]));
+        (variants.len() > 1).then_some(Finding::Desync { seq, variants })
+    });
+    let first = desyncs.next()?;
+    let later = desyncs.count();
+    if later > 0 {
+        notes.push(format!(
+            "{later} later sequence number(s) disagree too, after the desync"
+        ));
+    }
+    Some(first)
+}
+
+/// One finding per collective some rank is inside: culprits first, then
+/// the one most ranks wait in.
+fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) -> Vec<Stuck> {
+    let mut waiting: BTreeMap<u64, Vec<(usize, &FlightEntry)>> = BTreeMap::new();
+    let mut highest_entered: BTreeMap<usize, u64> = BTreeMap::new();
+    for (&rank, dump) in by_rank {
+        let entries: Vec<&FlightEntry> = dump.entries.iter().filter(|e| !e.op.is_p2p()).collect();
+        // Operations run one at a time, so the highest unfinished one is
+        // where the rank is (a failure breaks the group, and later ones
+        // fail without starting).
+        if let Some(entry) = entries
+            .iter()
+            .filter(|e| e.unfinished())
+            .max_by_key(|e| e.seq)
+        {
+            waiting.entry(entry.seq).or_default().push((rank, entry));
+        }
+        if let Some(seq) = entries.iter().filter(|e| e.entered()).map(|e| e.seq).max() {
+            highest_entered.insert(rank, seq);
+        }
+    }
+    let mut stuck: Vec<Stuck> = waiting
+        .into_iter()
+        .map(|(seq, waiters)| {
+            let waiting: Vec<usize> = waiters.iter().map(|(rank, _)| *rank).collect();
+            let (mut never_entered, mut completed) = (Vec::new(), Vec::new());
+            for &rank in by_rank.keys().filter(|r| !waiting.contains(r)) {
+                match highest_entered.get(&rank) {
+                    Some(&highest) if highest >= seq => completed.push(rank),
+                    _ => never_entered.push(rank),
+                }
+            }
+            Stuck {
+                seq,
+                op: waiters[0].1.op.clone(),
+                failed: waiters
+                    .iter()
+                    .any(|(_, e)| matches!(e.state, EntryState::Failed(_))),
+                waiting,
+                never_entered,
+                completed,
+                no_dump: missing.to_vec(),
+            }
+        })
+        .collect();
+    stuck.sort_by_key(|s| {
+        (
+            s.never_entered.is_empty() && s.no_dump.is_empty(),
+            std::cmp::Reverse(s.waiting.len()),
+            s.seq,
+        )
+    });
+    stuck
+}
+
+/// One finding per send or receive a rank is inside, matched with the
+/// peer's counterpart (same number, opposite direction).
+fn stuck_p2p(by_rank: &BTreeMap<usize, &RankDump>, world: usize) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    for (&rank, dump) in by_rank {
+        for entry in dump.entries.iter().filter(|e| e.unfinished()) {
+            let (Some(peer), Some(counterpart)) = (entry.op.peer, counterpart(&entry.op.kind))
+            else {
+                continue;
+            };
+            if peer >= world {
+                continue;
+            }
+            let view = match by_rank.get(&peer) {
+                None => PeerView::NoDump,
+                Some(peer_dump) => {
+                    let mut matching = peer_dump
+                        .entries
+                        .iter()
+                        .filter(|c| c.op.kind == counterpart && c.op.peer == Some(rank));
+                    match matching.clone().find(|c| c.seq == entry.seq) {
+                        Some(c) if c.state == EntryState::Completed => PeerView::Completed,
+                        Some(c) if c.entered() => PeerView::Inside,
+                        Some(_) => PeerView::NeverEntered,
+                        // Gone from the peer's ring while later ones are
+                        // there: it completed long ago.
+                        None if matching.any(|c| c.seq > entry.seq) => PeerView::Completed,
+                        None => PeerView::NeverEntered,
+                    }
+                }
+            };
+            // Both sides inside one pair: the lower rank reports it.
+            if view == PeerView::Inside && peer < rank {
+                continue;
+            }
+            findings.push(Finding::P2p {
+                waiter: rank,
+                seq: entry.seq,
+                op: entry.op.clone(),
+                failed: matches!(entry.state, EntryState::Failed(_)),
+                peer: view,
+            });
+        }
+    }
+    findings
+}
+
+fn counterpart(kind: &str) -> Option<&'static str> {
+    match kind {
+        "send" => Some("recv"),
+        "recv" => Some("send"),
+        _ => None,
+    }
+}
+
+fn rank_state(dump: &RankDump) -> RankState {
+    let last_completed = dump
+        .entries
+        .iter()
+        .filter(|e| e.state == EntryState::Completed)
+        .max_by_key(|e| e.id)
+        .cloned();
+    let inside = dump
+        .entries
+        .iter()
+        .filter(|e| e.unfinished())
+        .max_by_key(|e| e.id);
+    let queued = || {
+        dump.entries
+            .iter()
+            .filter(|e| e.state == EntryState::Scheduled)
+            .min_by_key(|e| e.id)
+    };
+    let current = inside.or_else(queued).cloned();
+    let since = |from: SystemTime, to: SystemTime| to.duration_since(from).ok();
+    let current_for = current
+        .as_ref()
+        .and_then(|e| match (e.started_at, e.completed_at) {
+            (Some(started), Some(ended)) => since(started, ended),
+            (Some(started), None) => since(started, dump.dumped_at),
+            (None, _) => since(e.enqueued_at, dump.dumped_at),
+        });
+    RankState {
+        reason: dump.reason.clone(),
+        last_completed,
+        current,
+        current_for,
+    }
+}
+
+/// `rank 2`, `ranks 0, 1, 3`, `ranks 0-7, 9` (runs of three or more
+/// collapse, so a thousand ranks stay one line).
+fn rank_list(ranks: &[usize]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        if j >= i + 2 {
+            parts.push(format!("{}-{}", ranks[i], ranks[j]));
+        } else {
+            parts.extend(ranks[i..=j].iter().map(usize::to_string));
+        }
+        i = j + 1;
+    }
+    let noun = if ranks.len() == 1 { "rank" } else { "ranks" };
+    format!("{noun} {}", parts.join(", "))
+}
+
+/// `is`/`are` (or `was`/`were` when the wait already failed) for `ranks`.
+fn waiting_in(ranks: &[usize], failed: bool) -> &'static str {
+    match (ranks.len() == 1, failed) {
+        (true, false) => "is waiting in",
+        (false, false) => "are waiting in",
+        (true, true) => "was waiting in",
+        (false, true) => "were waiting in",
+    }
+}
+
+const NO_DUMP: &str = "left no dump (killed or frozen?)";
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Finding::Desync { seq, variants } => {
+                write!(f, "desync at #{seq}: ")?;
+                for (i, (op, ranks)) in variants.iter().enumerate() {
+                    let separator = if i == 0 { "" } else { "; " };
+                    write!(f, "{separator}{} ran {op}", rank_list(ranks))?;
+                }
+                Ok(())
+            }
+            Finding::Stuck(s) => {
+                let what = format!("#{} {}", s.seq, s.op);
+                let waiting = rank_list(&s.waiting);
+                let verb = waiting_in(&s.waiting, s.failed);
+                if !s.never_entered.is_empty() {
+                    write!(
+                        f,
+                        "{} never entered {what} that {waiting} {verb}",
+                        rank_list(&s.never_entered)
+                    )?;
+                } else if !s.no_dump.is_empty() || !s.completed.is_empty() {
+                    write!(f, "{waiting} {verb} {what}")?;
+                } else {
+                    return write!(
+                        f,
+                        "all {} ranks entered {what} and none completed it (a broken link, or a rank stalled inside it?)",
+                        s.waiting.len()
+                    );
+                }
+                if !s.no_dump.is_empty() {
+                    write!(f, "; {} {NO_DUMP}", rank_list(&s.no_dump))?;
+                }
+                if !s.completed.is_empty() {
+                    write!(f, "; {} completed it", rank_list(&s.completed))?;
+                }
+                Ok(())
+            }
+            Finding::P2p {
+                waiter,
+                seq,
+                op,
+                failed,
+                peer,
+            } => {
+                let verb = waiting_in(&[*waiter], *failed);
+                let other = op.peer.map_or_else(String::new, |p| p.to_string());
+                let counterpart = counterpart(&op.kind).unwrap_or("counterpart");
+                match peer {
+                    PeerView::NeverEntered => write!(
+                        f,
+                        "rank {other} never entered the {counterpart} matching #{seq} {op} that rank {waiter} {verb}"
+                    ),
+                    PeerView::NoDump => write!(
+                        f,
+                        "rank {waiter} {verb} #{seq} {op}; rank {other} {NO_DUMP}"
+                    ),
+                    PeerView::Inside => write!(
+                        f,
+                        "ranks {waiter} and {other} are both inside #{seq} {op} and its {counterpart} (a broken link?)"
+                    ),
+                    PeerView::Completed => {
+                        write!(
+                            f,
+                            "rank {waiter} {verb} #{seq} {op}, which rank {other} completed"
+                        )
+                    }
+                }
+            }
+            Finding::NoDump { ranks } => write!(
+                f,
+                "{} {NO_DUMP}; no rank that dumped is inside an operation",
+                rank_list(ranks)
+            ),
+            Finding::NothingStuck => {
+                f.write_str("nothing is stuck: no rank is inside an operation")
+            }
+        }
+    }
+}
+
+/// A duration as people read it: `250 ms`, `30.0 s`.
+fn human(duration: Duration) -> String {
+    if duration < Duration::from_secs(1) {
+        format!("{} ms", duration.as_millis())
+    } else {
+        format!("{:.1} s", duration.as_secs_f64())
+    }
+}
+
+/// The "in flight" cell: `#41 all_reduce(...) failed after 30.0 s: timed out`.
+fn current_cell(state: &RankState) -> String {
+    let Some(entry) = &state.current else {
+        return "-".to_string();
+    };
+    let took = state
+        .current_for
+        .map(human)
+        .unwrap_or_else(|| "?".to_string());
+    let what = format!("#{} {}", entry.seq, entry.op);
+    match &entry.state {
+        EntryState::Failed(error) => format!("{what} failed after {took}: {error}"),
+        EntryState::Scheduled => format!("{what} queued for {took}, not started"),
+        _ => format!("{what} running for {took}"),
+    }
+}
+
+impl Report {
+    /// The verdict: the first finding, one line.
+    pub fn verdict(&self) -> String {
+        self.findings
+            .first()
+            .map(Finding::to_string)
+            .unwrap_or_default()
+    }
+
+    /// The report as JSON: `verdict`, `generation`, `world`, `findings`,
+    /// `ranks` and `notes`.
+    pub fn to_json(&self) -> Value {
+        let op_json = |seq: u64, op: &FlightOp| {
+            Value::object([
+                ("seq", seq.into()),
+                ("op", op.kind.as_str().into()),
+                ("dtype", op.dtype.as_str().into()),
+                ("count", op.count.into()),
+                ("root", op.root.into()),
+                ("peer", op.peer.into()),
+                ("reduce_op", op.reduce_op.as_deref().into()),
+                ("text", op.to_string().into()),
+            ])
+        };
+        let list = |ranks: &[usize]| Value::Array(ranks.iter().map(|&r| r.into()).collect());
+        let findings = self
+            .findings
+            .iter()
+            .map(|finding| {
+                let mut members = vec![("text", finding.to_string().into())];
+                match finding {
+                    Finding::Desync { seq, variants } => {
+                        members.push(("kind", "desync".into()));
+                        let variants = variants
+                            .iter()
+                            .map(|(op, ranks)| {
+                                Value::object([("op", op_json(*seq, op)), ("ranks", list(ranks))])
+                            })
+                            .collect();
+                        members.push(("variants", Value::Array(variants)));
+                    }
+                    Finding::Stuck(s) => members.extend([
+                        ("kind", "stuck".into()),
+                        ("op", op_json(s.seq, &s.op)),
+                        ("waiting", list(&s.waiting)),
+                        ("failed", s.failed.into()),
+                        ("never_entered", list(&s.never_entered)),
+                        ("completed", list(&s.completed)),
+                        ("no_dump", list(&s.no_dump)),
+                    ]),
+                    Finding::P2p {
+                        waiter,
+                        seq,
+                        op,
+                        failed,
+                        peer,
+                    } => {
+                        let peer = match peer {
+                            PeerView::NeverEntered => "never_entered",
+                            PeerView::NoDump => "no_dump",
+                            PeerView::Inside => "inside",
+                            PeerView::Completed => "completed",
+                        };
+                        members.extend([
+                            ("kind", "p2p".into()),
+                            ("waiter", (*waiter).into()),
+                            ("op", op_json(*seq, op)),
+                            ("failed", (*failed).into()),
+                            ("peer_state", peer.into()),
+                        ]);
+                    }
+                    Finding::NoDump { ranks } => {
+                        members.extend([("kind", "no_dump".into()), ("ranks", list(ranks))]);
+                    }
+                    Finding::NothingStuck => members.push(("kind", "nothing_stuck".into())),
+                }
+                Value::object(members)
+            })
+            .collect();
+        let ranks = self
+            .ranks
+            .iter()
+            .map(|row| {
+                let Some(state) = &row.dump else {
+                    return Value::object([("rank", row.rank.into()), ("dumped", false.into())]);
+                };
+                let current = state.current.as_ref().map_or(Value::Null, |e| {
+                    let mut current = vec![
+                        ("entry", op_json(e.seq, &e.op)),
+                        ("state", e.state.name().into()),
+                        (
+                            "for_ms",
+                            state
+                                .current_for
+                                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+                                .into(),
+                        ),
+                    ];
+                    if let EntryState::Failed(error) = &e.state {
+                        current.push(("error", error.as_str().into()));
+                    }
+                    Value::object(current)
+                });
+                Value::object([
+                    ("rank", row.rank.into()),
+                    ("dumped", true.into()),
+                    ("reason", state.reason.as_str().into()),
+                    (
+                        "last_completed",
+                        state
+                            .last_completed
+                            .as_ref()
+                            .map_or(Value::Null, |e| op_json(e.seq, &e.op)),
+                    ),
+                    ("current", current),
+                ])
+            })
+            .collect();
+        Value::object([
+            ("verdict", self.verdict().into()),
+            ("generation", self.generation.into()),
+            ("world", self.world.into()),
+            ("findings", Value::Array(findings)),
+            ("ranks", Value::Array(ranks)),
+            (
+                "notes",
+                Value::Array(self.notes.iter().map(|n| n.as_str().into()).collect()),
+            ),
+        ])
+    }
+}
+
+/// The verdict, other findings, then a table of ranks and the notes.
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{}", self.verdict())?;
+        for finding in self.findings.iter().skip(1) {
+            writeln!(f, "also: {finding}")?;
+        }
+        let dumped = self.ranks.iter().filter(|r| r.dump.is_some()).count();
+        writeln!(
+            f,
+            "\ngeneration {}, world size {}: {dumped} of {} ranks dumped",
+            self.generation, self.world, self.world
+        )?;
+        let rows: Vec<[String; 4]> = self
+            .ranks
+            .iter()
+            .map(|row| match &row.dump {
+                None => [
+                    row.rank.to_string(),
+                    "no dump (killed or frozen?)".into(),
+                    String::new(),
+                    String::new(),
+                ],
+                Some(state) => [
+                    row.rank.to_string(),
+                    state
+                        .last_completed
+                        .as_ref()
+                        .map_or_else(|| "-".to_string(), |e| format!("#{} {}", e.seq, e.op)),
+                    current_cell(state),
+                    state.reason.clone(),
+                ],
+            })
+            .collect();
+        let header = ["rank", "last completed", "in flight", "dumped because"].map(String::from);
+        let mut widths = [0; 4];
+        for row in std::iter::once(&header).chain(&rows) {
+            for (width, cell) in widths.iter_mut().zip(row) {
+                *width = (*width).max(cell.chars().count());
+            }
+        }
+        for row in std::iter::once(&header).chain(&rows) {
+            let line = format!(
+                "{:>w0$}  {:<w1$}  {:<w2$}  {}",
+                row[0],
+                row[1],
+                row[2],
+                row[3],
+                w0 = widths[0],
+                w1 = widths[1],
+                w2 = widths[2]
+            );
+            writeln!(f, "{}", line.trim_end())?;
+        }
+        for note in &self.notes {
+            writeln!(f, "note: {note}")?;
+        }
+        Ok(())
+    }
+}
+
+/// `chorus trace DIR [--json]`: prints the report; exit code 0 when the
+/// dumps gave a verdict (including "nothing is stuck"), 1 when there are no
+/// usable dumps. Unreadable files are listed with their path and reason.
+pub fn main(dir: &Path, json: bool) -> ExitCode {
+    let loaded = match load_dir(dir) {
+        Ok(loaded) => loaded,
+        Err(error) => {
+            eprintln!("chorus trace: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let dumps: Vec<RankDump> = loaded.dumps.into_iter().map(|(_, dump)| dump).collect();
+    let report = analyze(&dumps);
+    let mut out = String::new();
+    if json {
+        let unreadable = loaded
+            .unreadable
+            .iter()
+            .map(|e| {
+                Value::object([
+                    ("path", e.path().display().to_string().into()),
+                    ("error", e.to_string().into()),
+                ])
+            })
+            .collect();
+        let mut value = match &report {
+            Some(report) => report.to_json(),
+            None => Value::object([("error", no_dumps(dir).into())]),
+        };
+        if let Value::Object(members) = &mut value {
+            members.push(("unreadable".to_string(), Value::Array(unreadable)));
+        }
+        out = format!("{value}\n");
+    } else {
+        if let Some(report) = &report {
+            out = report.to_string();
+        }
+        for error in &loaded.unreadable {
+            out.push_str(&format!("unreadable: {error}\n"));
+        }
+    }
+    // Not `print!`, which panics when the reader went away (`| head`): a
+    // closed pipe is the reader's choice, not a failure of the analysis.
+    let _ = io::stdout().lock().write_all(out.as_bytes());
+    match report {
+        Some(_) => ExitCode::SUCCESS,
+        None => {
+            eprintln!("chorus trace: {}", no_dumps(dir));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn no_dumps(dir: &Path) -> String {
+    format!(
+        "no readable flight-recorder dumps (chorus-trace-g<generation>-r<rank>.json) in {}",
+        dir.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chorus_runtime::flight::FlightRecorder;
+    use std::time::UNIX_EPOCH;
+
+    fn at(ms: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(1_700_000_000) + Duration::from_millis(ms)
+    }
+
+    fn op(kind: &str, count: u64) -> FlightOp {
+        FlightOp {
+            kind: kind.into(),
+            dtype: "float32".into(),
+            count,
+            root: None,
+            peer: None,
+            reduce_op: (kind == "all_reduce").then(|| "sum".into()),
+        }
+    }
+
+    /// A rank that completed collectives `0..completed` (all-reduces of
+    /// 1 Mi elements), then what `then` records.
+    fn rank(
+        rank: usize,
+        world: usize,
+        completed: u64,
+        then: impl FnOnce(&mut FlightRecorder),
+    ) -> RankDump {
+        let mut recorder = FlightRecorder::new(16);
+        for seq in 0..completed {
+            let id = recorder.record_scheduled(seq, op("all_reduce", 1 << 20), at(seq * 10));
+            recorder.record_started(id, at(seq * 10 + 1));
+            recorder.record_completed(id, at(seq * 10 + 5));
+        }
+        then(&mut recorder);
+        recorder.dump(rank, world, 1, "timeout", at(40_000))
+    }
+
+    fn enters(seq: u64, op: FlightOp) -> impl FnOnce(&mut FlightRecorder) {
+        move |r| {
+            let id = r.record_scheduled(seq, op, at(9_000));
+            r.record_started(id, at(10_000));
+        }
+    }
+
+    fn idle(_: &mut FlightRecorder) {}
+
+    fn stuck(report: &Report) -> &Stuck {
+        match &report.findings[0] {
+            Finding::Stuck(s) => s,
+            other => panic!("expected a stuck collective first, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_frozen_rank_is_named_as_the_one_that_never_entered() {
+        let dumps = [
+            rank(0, 4, 41, enters(41, op("all_reduce", 1 << 20))),
+            rank(1, 4, 41, enters(41, op("all_reduce", 1 << 20))),
+            rank(2, 4, 41, idle),
+            rank(3, 4, 41, enters(41, op("all_reduce", 1 << 20))),
+        ];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "rank 2 never entered #41 all_reduce(1048576 x float32, sum) that ranks 0, 1, 3 are waiting in"
+        );
+        let s = stuck(&report);
+        assert_eq!(
+            (s.never_entered.as_slice(), s.completed.as_slice()),
+            (&[2][..], &[][..])
+        );
+        assert_eq!(report.findings.len(), 1);
+        let row = report.ranks[2].dump.as_ref().unwrap();
+        assert_eq!(row.last_completed.as_ref().map(|e| e.seq), Some(40));
+        assert_eq!(row.current, None);
+        let row = report.ranks[0].dump.as_ref().unwrap();
+        assert_eq!(row.current_for, Some(Duration::from_secs(30)));
+        let text = report.to_string();
+        assert!(
+            text.contains("#41 all_reduce(1048576 x float32, sum) running for 30.0 s"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_rank_without_a_dump_is_a_suspect() {
+        let dumps = [
+            rank(0, 4, 7, enters(7, op("all_reduce", 1 << 20))),
+            rank(1, 4, 7, enters(7, op("all_reduce", 1 << 20))),
+            rank(2, 4, 7, enters(7, op("all_reduce", 1 << 20))),
+        ];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "ranks 0-2 are waiting in #7 all_reduce(1048576 x float32, sum); rank 3 left no dump (killed or frozen?)"
+        );
+        assert_eq!(report.ranks[3].dump, None);
+        assert!(report.to_string().contains("no dump (killed or frozen?)"));
+
+        // A rank that never entered, and one that left nothing.
+        let dumps = [
+            rank(0, 4, 7, enters(7, op("all_reduce", 1 << 20))),
+            rank(1, 4, 6, enters(6, op("all_reduce", 1 << 20))),
+            rank(3, 4, 7, enters(7, op("all_reduce", 1 << 20))),
+        ];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "rank 1 never entered #7 all_reduce(1048576 x float32, sum) that ranks 0, 3 are waiting in; rank 2 left no dump (killed or frozen?)"
+        );
+        // Rank 1 is itself stuck in #6, which the others completed.
+        assert_eq!(
+            report.findings[1].to_string(),
+            "rank 1 is waiting in #6 all_reduce(1048576 x float32, sum); rank 2 left no dump (killed or frozen?); ranks 0, 3 completed it"
+        );
+
+        // Nobody inside anything, one rank missing.
+        let report = analyze(&[rank(0, 2, 3, idle)]).unwrap();
+        assert_eq!(report.findings, [Finding::NoDump { ranks: vec![1] }]);
+    }
+
+    #[test]
+    fn different_ops_at_one_sequence_number_are_a_desync_naming_both() {
+        let broadcast = FlightOp {
+            root: Some(0),
+            ..op("broadcast", 4)
+        };
+        let dumps = [
+            rank(0, 4, 3, enters(3, op("all_reduce", 4))),
+            rank(1, 4, 3, enters(3, op("all_reduce", 4))),
+            rank(2, 4, 3, enters(3, broadcast)),
+            rank(3, 4, 3, enters(3, op("all_reduce", 4))),
+        ];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "desync at #3: rank 2 ran broadcast(4 x float32, root 0); ranks 0, 1, 3 ran all_reduce(4 x float32, sum)"
+        );
+        assert!(matches!(report.findings[1], Finding::Stuck(_)));
+    }
+
+    #[test]
+    fn everyone_completed_means_nothing_is_stuck() {
+        let dumps: Vec<RankDump> = (0..3).map(|r| rank(r, 3, 12, idle)).collect();
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(report.findings, [Finding::NothingStuck]);
+        assert_eq!(
+            report.verdict(),
+            "nothing is stuck: no rank is inside an operation"
+        );
+        assert!(report.ranks.iter().all(|r| {
+            r.dump
+                .as_ref()
+                .unwrap()
+                .last_completed
+                .as_ref()
+                .unwrap()
+                .seq
+                == 11
+        }));
+    }
+
+    #[test]
+    fn only_the_newest_generation_is_compared() {
+        let mut old: Vec<RankDump> = (0..4)
+            .map(|r| rank(r, 4, 5, enters(5, op("all_reduce", 8))))
+            .collect();
+        for dump in &mut old {
+            dump.generation = 0;
+        }
+        // Generation 1 has three ranks: one was lost and the group shrank.
+        let mut dumps = vec![
+            rank(0, 3, 2, enters(2, op("all_reduce", 8))),
+            rank(1, 3, 2, idle),
+            rank(2, 3, 2, enters(2, op("all_reduce", 8))),
+        ];
+        dumps.extend(old);
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            (report.generation, report.world, report.ranks.len()),
+            (1, 3, 3)
+        );
+        assert_eq!(
+            report.verdict(),
+            "rank 1 never entered #2 all_reduce(8 x float32, sum) that ranks 0, 2 are waiting in"
+        );
+        assert_eq!(
+            report.notes,
+            ["ignored the dumps of ranks 0-3 of generation 0: only the newest, 1, is compared"]
+        );
+
+        // A second, newer dump of rank 1 (it entered #2 after all) wins.
+        let mut again = rank(1, 3, 2, enters(2, op("all_reduce", 8)));
+        again.dumped_at += Duration::from_secs(1);
+        dumps.push(again);
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "all 3 ranks entered #2 all_reduce(8 x float32, sum) and none completed it (a broken link, or a rank stalled inside it?)"
+        );
+        assert_eq!(
+            report.notes[1],
+            "rank 1 dumped more than once; using each one's newest dump"
+        );
+    }
+
+    #[test]
+    fn everyone_inside_and_failed_waits_read_as_such() {
+        let fails = |r: &mut FlightRecorder| {
+            let id = r.record_scheduled(9, op("all_gather", 2), at(1_000));
+            r.record_started(id, at(1_000));
+            r.record_failed(id, at(31_000), "timed out after 30s");
+        };
+        let dumps = [
+            rank(0, 2, 9, fails),
+            rank(1, 2, 9, enters(9, op("all_gather", 2))),
+        ];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "all 2 ranks entered #9 all_gather(2 x float32) and none completed it (a broken link, or a rank stalled inside it?)"
+        );
+        assert!(stuck(&report).failed);
+        let text = report.to_string();
+        assert!(
+            text.contains("#9 all_gather(2 x float32) failed after 30.0 s: timed out after 30s"),
+            "{text}"
+        );
+        // Completed by one side only.
+        let completes = |r: &mut FlightRecorder| {
+            let id = r.record_scheduled(9, op("all_gather", 2), at(1_000));
+            r.record_completed(id, at(1_001));
+        };
+        let dumps = [rank(0, 2, 9, fails), rank(1, 2, 9, completes)];
+        assert_eq!(
+            analyze(&dumps).unwrap().verdict(),
+            "rank 0 was waiting in #9 all_gather(2 x float32); rank 1 completed it"
+        );
+    }
+
+    #[test]
+    fn a_send_is_matched_with_the_peers_receive() {
+        let send = FlightOp {
+            peer: Some(1),
+            ..op("send", 16)
+        };
+        let recv = FlightOp {
+            peer: Some(0),
+            ..op("recv", 16)
+        };
+        let report =
+            analyze(&[rank(0, 2, 3, enters(0, send.clone())), rank(1, 2, 3, idle)]).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "rank 1 never entered the recv matching #0 send(16 x float32) to rank 1 that rank 0 is waiting in"
+        );
+        let report = analyze(&[
+            rank(0, 2, 3, enters(0, send.clone())),
+            rank(1, 2, 3, enters(0, recv)),
+        ])
+        .unwrap();
+        assert_eq!(report.findings.len(), 1, "{:?}", report.findings);
+        assert_eq!(
+            report.verdict(),
+            "ranks 0 and 1 are both inside #0 send(16 x float32) to rank 1 and its recv (a broken link?)"
+        );
+        let report = analyze(&[rank(0, 2, 3, enters(0, send))]).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "rank 0 is waiting in #0 send(16 x float32) to rank 1; rank 1 left no dump (killed or frozen?)"
+        );
+    }
+
+    #[test]
+    fn the_report_has_a_json_form() {
+        let dumps = [
+            rank(0, 2, 4, enters(4, op("all_reduce", 1))),
+            rank(1, 2, 4, idle),
+        ];
+        let json = analyze(&dumps).unwrap().to_json();
+        let parsed = chorus_runtime::flight::json::parse(json.to_string().as_bytes()).unwrap();
+        assert_eq!(parsed, json);
+        assert_eq!(
+            json.get("verdict").and_then(Value::as_str),
+            Some("rank 1 never entered #4 all_reduce(1 x float32, sum) that rank 0 is waiting in")
+        );
+        let finding = &json.get("findings").and_then(Value::as_array).unwrap()[0];
+        assert_eq!(
+            finding.get("never_entered"),
+            Some(&Value::Array(vec![1u64.into()]))
+        );
+        let rank0 = &json.get("ranks").and_then(Value::as_array).unwrap()[0];
+        assert_eq!(
+            rank0
+                .get("current")
+                .and_then(|c| c.get("for_ms"))
+                .and_then(Value::as_u64),
+            Some(30_000)
+        );
+    }
+
+    #[test]
+    fn rank_lists_collapse_runs() {
+        assert_eq!(rank_list(&[2]), "rank 2");
+        assert_eq!(rank_list(&[0, 1, 3]), "ranks 0, 1, 3");
+        assert_eq!(rank_list(&[0, 1, 2, 3, 5, 7, 8, 9]), "ranks 0-3, 5, 7-9");
+    }
+
+    #[test]
+    fn no_dumps_no_report() {
+        assert_eq!(analyze(&[]), None);
+    }
+}
