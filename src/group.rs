@@ -19,6 +19,7 @@ use actix::{Actor, Addr};
 use chorus_actors::rank::RankActor;
 use chorus_actors::system::{self, SystemError};
 use chorus_runtime::collective::Overrides;
+use chorus_runtime::flight::{self, FlightRecorder};
 use chorus_runtime::store::HashStore;
 use chorus_transports::link::Link;
 use chorus_transports::local::local_mesh;
@@ -242,8 +243,15 @@ async fn form(
     };
     let actor_links = links.clone();
     let (rank, collective_timeout) = (config.rank, options.collective_timeout);
+    let flight = FlightRecorder::new(
+        env(flight::BUFFER_SIZE_ENV)
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(flight::DEFAULT_CAPACITY),
+    );
+    let trace_dir = env(flight::TRACE_DIR_ENV).filter(|d| !d.trim().is_empty()).map(std::path::PathBuf::from);
+    let generation = membership.generation;
     let actor = RankActor::start_in_arbiter(&arbiter.handle(), move |_| {
-        RankActor::new(rank, actor_links, collective_timeout, overrides)
+        RankActor::new(rank, actor_links, collective_timeout, overrides).with_flight_recorder(flight, trace_dir, generation)
     });
     tracing::info!(
         rank = membership.rank,

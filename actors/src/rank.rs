@@ -14,16 +14,22 @@
 //!   desync, a broken link), the group is broken: later operations fail at
 //!   once until it is re-formed. Errors every rank detects alike (a bad root,
 //!   an operator the dtype lacks) leave it usable.
+//! - RA-5: every operation is recorded in the rank's flight recorder when it
+//!   starts and when it ends; when one breaks the group (RA-4) and a trace
+//!   directory is set (`CHORUS_TRACE_DIR`), the rank dumps the recorder there
+//!   for `chorus trace`.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, WrapFuture};
 use bytes::Bytes;
 use chorus_runtime::collective::{
     CollectiveKind, DType, Overrides, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
 };
+use chorus_runtime::flight::{FlightRecorder, write_dump};
 use chorus_transports::link::{ChannelId, Link};
 
 use crate::driver::{self, CollectiveError, FramePool, Job};
@@ -74,6 +80,9 @@ pub struct RankActor {
     received: HashMap<usize, u64>,
     broken: Option<String>,
     pool: FramePool,
+    flight: FlightRecorder,
+    trace_dir: Option<PathBuf>,
+    generation: u64,
 }
 
 impl RankActor {
@@ -90,6 +99,29 @@ impl RankActor {
             received: HashMap::new(),
             broken: None,
             pool: FramePool::default(),
+            flight: FlightRecorder::new(0),
+            trace_dir: None,
+            generation: 0,
+        }
+    }
+
+    /// Records operations in `flight` (RA-5) and, when `trace_dir` is set,
+    /// dumps it there once the group breaks.
+    pub fn with_flight_recorder(mut self, flight: FlightRecorder, trace_dir: Option<PathBuf>, generation: u64) -> Self {
+        self.flight = flight;
+        self.trace_dir = trace_dir;
+        self.generation = generation;
+        self
+    }
+
+    fn dump_flight_recorder(&self, reason: &str) {
+        let Some(dir) = &self.trace_dir else {
+            return;
+        };
+        let dump = self.flight.dump(self.rank, self.world, self.generation, reason, SystemTime::now());
+        match write_dump(dir, &dump) {
+            Ok(path) => tracing::error!(rank = self.rank, path = %path.display(), "flight recorder dumped; run `chorus trace {}`", dir.display()),
+            Err(e) => tracing::error!(rank = self.rank, dir = %dir.display(), error = %e, "could not dump the flight recorder"),
         }
     }
 
@@ -155,6 +187,8 @@ impl Handler<Collective> for RankActor {
             Ok(plan) => plan,
             Err(e) => return immediate(Err(e.into())),
         };
+        let entry = self.flight.record_scheduled(seq, (&signature).into(), SystemTime::now());
+        self.flight.record_started(entry, SystemTime::now());
         let (rank, links, timeout) = (self.rank, self.links.clone(), msg.timeout.unwrap_or(self.timeout));
         let mut output = msg.output;
         let input = msg.input;
@@ -176,12 +210,17 @@ impl Handler<Collective> for RankActor {
             .await
             .map(|()| output)
         };
-        AtomicResponse::new(Box::pin(run.into_actor(self).map(|result, actor, _| {
-            if let Err(e) = &result
-                && !matches!(e, CollectiveError::BufferSize { .. })
-            {
-                tracing::error!(rank = actor.rank, error = %e, "collective failed; the group is broken until re-formed");
-                actor.broken = Some(e.to_string());
+        AtomicResponse::new(Box::pin(run.into_actor(self).map(move |result, actor, _| {
+            match &result {
+                Ok(_) => actor.flight.record_completed(entry, SystemTime::now()),
+                Err(e) => {
+                    actor.flight.record_failed(entry, SystemTime::now(), e.to_string());
+                    if !matches!(e, CollectiveError::BufferSize { .. }) {
+                        tracing::error!(rank = actor.rank, error = %e, "collective failed; the group is broken until re-formed");
+                        actor.broken = Some(e.to_string());
+                        actor.dump_flight_recorder(&e.to_string());
+                    }
+                }
             }
             result
         })))
