@@ -635,6 +635,27 @@ mod tests {
         .await;
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn delays_hold_frames_and_partitions_cut_between_sides() {
+        within(async {
+            let mesh = wrapped(4, "delay(0->1, ms=200); partition(0,1|2,3, after=1s)");
+            let started = Instant::now();
+            mesh[0][1].as_ref().unwrap().send(0, 1, Bytes::new()).await.unwrap();
+            assert!(started.elapsed() >= Duration::from_millis(200), "the frame is held");
+            assert_eq!(mesh[1][0].as_ref().unwrap().recv(0).await.unwrap().tag, 1);
+            // Before the partition starts, frames cross it.
+            mesh[2][1].as_ref().unwrap().send(0, 2, Bytes::new()).await.unwrap();
+            assert_eq!(mesh[1][2].as_ref().unwrap().recv(0).await.unwrap().tag, 2);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            mesh[2][1].as_ref().unwrap().send(0, 3, Bytes::new()).await.unwrap();
+            mesh[3][2].as_ref().unwrap().send(0, 4, Bytes::new()).await.unwrap();
+            let crossing = tokio::time::timeout(Duration::from_secs(5), mesh[1][2].as_ref().unwrap().recv(0)).await;
+            assert!(crossing.is_err(), "frames across the partition are lost");
+            assert_eq!(mesh[2][3].as_ref().unwrap().recv(0).await.unwrap().tag, 4, "frames within a side pass");
+        })
+        .await;
+    }
+
     #[tokio::test]
     async fn close_kill_and_freeze_act_on_their_links() {
         within(async {
