@@ -13,6 +13,8 @@
 //!   certificates, tuned for throughput.
 //! - [`shm`]: links between processes of one host over shared-memory rings
 //!   in `/dev/shm` (one copy per byte; received payloads point into the ring).
+//! - [`scoped`]: a subgroup's view of a link (channels shifted past the
+//!   parent group's, peers renamed to subgroup ranks).
 //! - [`netif`]: choosing the addresses a rank publishes at rendezvous (most
 //!   preferred first, never only loopback when the host has a real
 //!   interface) and the one a peer connects to. The choice is a pure function
@@ -29,5 +31,6 @@ pub mod link;
 pub mod local;
 pub mod netif;
 pub mod quic;
+pub mod scoped;
 #[cfg(target_os = "linux")]
 pub mod shm;
