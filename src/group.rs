@@ -5,7 +5,9 @@
 //! store (rank 0 serves `tcp://`), choose the addresses to publish
 //! (`netif::local_addresses`: the route to the master first, loopback last),
 //! prepare this rank's endpoint (`mesh`), exchange records
-//! (`rendezvous::rendezvous`), then connect to every peer.
+//! (`rendezvous::rendezvous`), then connect to every peer. Then, on the
+//! rank's arbiter, the actor, the heartbeats and the watchdog start
+//! (`chorus_actors::supervision`, rules SV-1..SV-8).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -16,7 +18,12 @@ use chorus_runtime::rendezvous::{
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use actix::{Actor, Addr};
-use chorus_actors::rank::RankActor;
+use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor};
+use chorus_actors::rank::{Aborted, RankActor};
+use chorus_actors::supervision::{
+    self, ErrorHandling, GroupAborted, HEARTBEAT_TIMEOUT_ENV, Supervision, SupervisionConfigError, WATCHDOG_TIMEOUT_ENV,
+    WatchdogConfig,
+};
 use chorus_actors::system::{self, SystemError};
 use chorus_runtime::collective::Overrides;
 use chorus_runtime::flight::{self, FlightRecorder};
@@ -26,7 +33,7 @@ use chorus_transports::local::local_mesh;
 use chorus_transports::netif::{self, NetifError};
 use chorus_transports::quic::QuicEndpoint;
 use thiserror::Error;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use crate::mesh::{MeshError, MeshPlan};
 
@@ -51,6 +58,9 @@ pub enum InitError {
     /// `CHORUS_ALGO` does not parse.
     #[error("CHORUS_ALGO: {0}")]
     Algorithm(String),
+    /// The supervision settings (error-handling mode, timeouts) are wrong.
+    #[error(transparent)]
+    Supervision(#[from] SupervisionConfigError),
 }
 
 /// What [`init_process_group`] needs; PyTorch's arguments by other names.
@@ -66,6 +76,16 @@ pub struct InitOptions {
     pub timeout: Duration,
     /// Default limit on each collective (PyTorch's default for Gloo: 30 min).
     pub collective_timeout: Duration,
+    /// Silence after which a peer is taken for dead or frozen; `None`:
+    /// `CHORUS_HEARTBEAT_TIMEOUT` seconds, else 5 s.
+    pub heartbeat_timeout: Option<Duration>,
+    /// How long the watchdog may make no progress before the process exits;
+    /// `None`: `CHORUS_WATCHDOG_TIMEOUT` seconds, else 480 s.
+    pub watchdog_timeout: Option<Duration>,
+    /// What a failure does; `None`: from the environment
+    /// ([`ErrorHandling::from_env`]: `CHORUS_BLOCKING_WAIT`,
+    /// `CHORUS_ASYNC_ERROR_HANDLING` and the torch / NCCL names), else abort.
+    pub error_handling: Option<ErrorHandling>,
 }
 
 impl Default for InitOptions {
@@ -76,6 +96,9 @@ impl Default for InitOptions {
             world_size: None,
             timeout: DEFAULT_TIMEOUT,
             collective_timeout: Duration::from_secs(30 * 60),
+            heartbeat_timeout: None,
+            watchdog_timeout: None,
+            error_handling: None,
         }
     }
 }
@@ -112,6 +135,24 @@ impl InitOptions {
         self.collective_timeout = timeout;
         self
     }
+
+    /// Sets the heartbeat window (silence that fails a peer).
+    pub fn heartbeat_timeout(mut self, timeout: Duration) -> Self {
+        self.heartbeat_timeout = Some(timeout);
+        self
+    }
+
+    /// Sets how long the watchdog may stall before the process exits.
+    pub fn watchdog_timeout(mut self, timeout: Duration) -> Self {
+        self.watchdog_timeout = Some(timeout);
+        self
+    }
+
+    /// Sets the error-handling mode, over the environment's.
+    pub fn error_handling(mut self, mode: ErrorHandling) -> Self {
+        self.error_handling = Some(mode);
+        self
+    }
 }
 
 /// A formed group: this rank's place, every peer's record, and the store.
@@ -128,6 +169,9 @@ pub struct ProcessGroup {
     links: Vec<Option<Arc<dyn Link>>>,
     pub(crate) actor: Addr<RankActor>,
     arbiter: actix_rt::Arbiter,
+    supervision: Arc<Supervision>,
+    /// Turning it true stops the heartbeats, the watchdog and its monitor.
+    stop_supervision: watch::Sender<bool>,
     /// Kept alive for the links' connections (none for in-process groups).
     _endpoint: Option<QuicEndpoint>,
 }
@@ -145,6 +189,7 @@ impl std::fmt::Debug for ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
+        self.stop_supervision.send_replace(true);
         self.arbiter.stop();
     }
 }
@@ -250,9 +295,39 @@ async fn form(
     );
     let trace_dir = env(flight::TRACE_DIR_ENV).filter(|d| !d.trim().is_empty()).map(std::path::PathBuf::from);
     let generation = membership.generation;
+    let mode = match options.error_handling {
+        Some(mode) => mode,
+        None => ErrorHandling::from_env(&env)?,
+    };
+    let window = match options.heartbeat_timeout {
+        Some(window) => window,
+        None => supervision::seconds_from_env(&env, HEARTBEAT_TIMEOUT_ENV)?.unwrap_or(HeartbeatConfig::default().window),
+    };
+    let watchdog = WatchdogConfig {
+        stall_timeout: match options.watchdog_timeout {
+            Some(timeout) => timeout,
+            None => supervision::seconds_from_env(&env, WATCHDOG_TIMEOUT_ENV)?.unwrap_or(WatchdogConfig::default().stall_timeout),
+        },
+        overdue_grace: window,
+        ..WatchdogConfig::default()
+    };
+    let supervision = Arc::new(Supervision::new(rank, generation, mode, links.clone()));
+    let actor_supervision = supervision.clone();
     let actor = RankActor::start_in_arbiter(&arbiter.handle(), move |_| {
-        RankActor::new(rank, actor_links, collective_timeout, overrides).with_flight_recorder(flight, trace_dir, generation)
+        RankActor::new(rank, actor_links, collective_timeout, overrides, actor_supervision)
+            .with_flight_recorder(flight, trace_dir, generation)
     });
+    let (stop_supervision, stop) = watch::channel(false);
+    let peers = (0..links.len()).filter(|&r| r != rank);
+    let monitor = Arc::new(std::sync::Mutex::new(HeartbeatMonitor::new(peers, window, std::time::Instant::now())));
+    let (heartbeat_links, watched, watchdog_stop, notify) = (links.clone(), supervision.clone(), stop.clone(), actor.clone());
+    on_arbiter(&arbiter, async move {
+        heartbeat::spawn(&heartbeat_links, HeartbeatConfig::with_window(window), monitor.clone(), watchdog_stop.clone());
+        supervision::spawn_watchdog(watched, monitor, watchdog, move || notify.do_send(Aborted), watchdog_stop);
+    })
+    .await?;
+    supervision::spawn_stall_monitor(supervision.clone(), watchdog.stall_timeout, stop, supervision::exit_on_stall)
+        .map_err(|e| system_error(&format!("could not start the watchdog monitor: {e}")))?;
     tracing::info!(
         rank = membership.rank,
         world_size = membership.world_size(),
@@ -269,6 +344,8 @@ async fn form(
         links,
         actor,
         arbiter,
+        supervision,
+        stop_supervision,
         _endpoint: endpoint,
     })
 }
@@ -284,6 +361,17 @@ where
     F: Fn(ProcessGroup) -> Fut,
     Fut: std::future::Future<Output = T> + Send + 'static,
 {
+    spawn_with(world, InitOptions::default(), body).await
+}
+
+/// [`spawn`] with `options` for every rank (timeouts, heartbeat window,
+/// error handling); their init method, rank and world size are ignored.
+pub async fn spawn_with<T, F, Fut>(world: usize, options: InitOptions, body: F) -> Result<Vec<T>, InitError>
+where
+    T: Send + 'static,
+    F: Fn(ProcessGroup) -> Fut,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
     let store: Arc<dyn Store> = Arc::new(HashStore::default());
     let mut meshes = local_mesh(world).into_iter();
     let mut groups = Vec::with_capacity(world);
@@ -294,7 +382,7 @@ where
             init_method: InitMethod::Store(store.clone()),
             rank: Some(rank),
             world_size: Some(world),
-            ..InitOptions::default()
+            ..options.clone()
         };
         forming.push(tokio::spawn(async move {
             let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &|_| None)?;
@@ -377,9 +465,24 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// The group's failures (SV-5): `None` while it is healthy, then the
+    /// abort, once. A supervisor waits on it (`changed()`) to restart.
+    pub fn failures(&self) -> watch::Receiver<Option<GroupAborted>> {
+        self.supervision.subscribe()
+    }
+
+    /// The error-handling mode this group runs under.
+    pub fn error_handling(&self) -> ErrorHandling {
+        self.supervision.mode()
+    }
+
     /// Leaves the group once every rank is leaving, so rank 0 stops serving
-    /// the store only when nobody needs it.
+    /// the store only when nobody needs it. Heartbeats stop first (SV-8): a
+    /// peer that passed the barrier and exited is not a failure.
     pub async fn destroy(mut self) -> Result<(), InitError> {
+        let links = self.links.clone();
+        on_arbiter(&self.arbiter, async move { heartbeat::say_goodbye(&links).await }).await?;
+        self.stop_supervision.send_replace(true);
         self.store_barrier("destroy").await?;
         // Our own connection must not hold the server's shutdown open.
         self.store = Arc::new(HashStore::default());

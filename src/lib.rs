@@ -35,5 +35,6 @@ pub use chorus_transports::{fault, link, netif};
 pub use chorus_actors::driver::CollectiveError;
 pub use chorus_runtime::collective::{DType, ReduceOp};
 pub use collectives::Work;
-pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn};
+pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
+pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use tensor::{Element, Tensor};

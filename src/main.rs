@@ -10,6 +10,8 @@
 //!   store while debugging a stuck rendezvous.
 //! - `chorus trace DIR [--json]`: name the rank(s) a stuck collective waits
 //!   for, from the flight-recorder dumps in DIR (`chorus::trace`).
+//! - `chorus fault-probe` (hidden): one rank that all-reduces in a loop and
+//!   prints each event with a timestamp, for the supervision tests.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -55,6 +57,16 @@ enum Commands {
         /// Flags, then the program and its arguments.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// Internal: as one rank, all-reduce in a loop and print each event (ready, error, the next call) with a timestamp.
+    #[command(hide = true)]
+    FaultProbe {
+        /// How the ranks meet.
+        #[arg(long, default_value = "env://")]
+        init: String,
+        /// Seconds to loop before leaving cleanly.
+        #[arg(long, default_value_t = 30)]
+        seconds: u64,
     },
     /// Compare the ranks' flight-recorder dumps (CHORUS_TRACE_DIR) and name the rank(s) a stuck collective waits for.
     Trace {
@@ -235,6 +247,7 @@ fn main() -> ExitCode {
             .and_then(|runtime| runtime.block_on(bench_command(command))),
         Commands::Launch { args } => return chorus::launch::main(&args),
         Commands::Trace { dir, json } => return chorus::trace::main(&dir, json),
+        Commands::FaultProbe { init, seconds } => run_async(fault_probe(init, Duration::from_secs(seconds))),
     };
     match result {
         Ok(code) => code,
@@ -331,6 +344,49 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
         group.world_size(),
         chorus::selftest::ALL_DTYPES.len()
     );
+    group.destroy().await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One rank of `chorus fault-probe`: all-reduces until an operation fails,
+/// then prints `event=error` (with the Unix time in ms, the error's kind and
+/// the ranks it blames) and how long the next call took to fail, and exits 3.
+async fn fault_probe(url: String, seconds: Duration) -> Result<ExitCode> {
+    use chorus::CollectiveError;
+    let unix_ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let group = init_process_group(InitOptions::from_url(&url)?).await?;
+    let (rank, world) = (group.rank(), group.world_size());
+    println!("probe rank={rank} pid={} event=ready at_ms={}", std::process::id(), unix_ms());
+    let started = Instant::now();
+    let mut iteration = 0u64;
+    while started.elapsed() < seconds {
+        let sum = group.all_reduce(chorus::Tensor::from_slice(&[1.0f32; 1024]), chorus::ReduceOp::Sum).await;
+        match sum {
+            Ok(sum) if sum.to_vec::<f32>()?.iter().all(|&v| v == world as f32) => {}
+            Ok(_) => bail!("rank {rank}: all_reduce gave a wrong sum"),
+            Err(error) => {
+                let (kind, failed) = match &error {
+                    CollectiveError::GroupAborted(aborted) => ("aborted", aborted.failed_ranks.clone()),
+                    CollectiveError::Timeout { waiting_for, .. } => ("timeout", waiting_for.clone()),
+                    CollectiveError::Transport(_) => ("transport", Vec::new()),
+                    CollectiveError::Broken(_) => ("broken", Vec::new()),
+                    _ => ("other", Vec::new()),
+                };
+                println!(
+                    "probe rank={rank} event=error at_ms={} iteration={iteration} kind={kind} failed={failed:?} error={error}",
+                    unix_ms()
+                );
+                let next = Instant::now();
+                let again = group.all_reduce(chorus::Tensor::from_slice(&[1.0f32]), chorus::ReduceOp::Sum).await;
+                println!("probe rank={rank} event=next ok={} waited_ms={}", again.is_ok(), next.elapsed().as_millis());
+                return Ok(ExitCode::from(3));
+            }
+        }
+        iteration += 1;
+        if iteration == 20 {
+            println!("probe rank={rank} event=running at_ms={}", unix_ms());
+        }
+    }
     group.destroy().await?;
     Ok(ExitCode::SUCCESS)
 }

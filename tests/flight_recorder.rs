@@ -29,6 +29,9 @@ fn chorus_trace_names_the_frozen_rank() {
         Command::new(CHORUS)
             .args(["launch", "--nproc-per-node", "3", "--", CHORUS, "selftest", "--timeout", "4", "--counts", "13"])
             .env("CHORUS_FAULTS", "freeze(rank=2, after_frames=40)")
+            // A rank frozen by fault injection still runs its own watchdog (a
+            // SIGSTOPped one would not): keep its heartbeat window past the test.
+            .env("CHORUS_HEARTBEAT_TIMEOUT", "60")
             .env("CHORUS_TRACE_DIR", dir.path()),
         90,
     );

@@ -15,6 +15,8 @@
 //!    order the plan allows.
 //! 4. A deadline bounds the whole collective; on expiry the error names the
 //!    ranks whose frames never came.
+//! 5. An abort of the group (`supervision`, SV-1) ends the collective at
+//!    once, whatever it waits on, with the abort as its error.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -26,8 +28,10 @@ use chorus_runtime::collective::{
     Tag, finalize_avg, reduce_into,
 };
 use chorus_transports::link::{ChannelId, Link, TransportError};
+
+use crate::supervision::GroupAborted;
 use thiserror::Error;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -95,6 +99,10 @@ pub enum CollectiveError {
     /// The group failed earlier and must be restarted.
     #[error("the process group is broken by an earlier failure: {0}")]
     Broken(String),
+    /// The group was aborted (a peer failed, an operation timed out) while
+    /// this operation was pending, or before it was submitted.
+    #[error("{0}")]
+    GroupAborted(#[from] GroupAborted),
 }
 
 impl From<SignatureError> for CollectiveError {
@@ -130,6 +138,8 @@ pub struct Job<'a> {
     pub timeout: Duration,
     /// Where send frames' buffers come from.
     pub pool: &'a FramePool,
+    /// Turns `Some` when the group is aborted.
+    pub abort: watch::Receiver<Option<GroupAborted>>,
 }
 
 /// Buffers for send frames, reused across collectives: a frame copied into
@@ -194,8 +204,28 @@ fn link(links: &[Option<Arc<dyn Link>>], rank: usize, peer: usize) -> Result<Arc
     })
 }
 
-/// Runs `job` to completion on this rank.
+/// Runs `job` to completion on this rank, or until the group is aborted
+/// (rule 5: dropping the run aborts its reader and sender tasks).
 pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
+    let mut abort = job.abort.clone();
+    if let Some(aborted) = abort.borrow_and_update().clone() {
+        return Err(aborted.into());
+    }
+    let aborted = async move {
+        match abort.wait_for(Option::is_some).await {
+            Ok(aborted) => aborted.clone().expect("waited for Some"),
+            // The supervision state went with its group: nothing will abort.
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        aborted = aborted => Err(aborted.into()),
+        result = run_plan(job) => result,
+    }
+}
+
+async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let Job {
         rank,
         links,
@@ -208,6 +238,7 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
         output,
         timeout,
         pool,
+        abort: _,
     } = job;
     let size = signature.dtype.size();
     check_len(&signature, "input", input.len(), plan.input_len() * size)?;

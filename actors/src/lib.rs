@@ -5,11 +5,19 @@
 //!   current-thread runtime) per rank.
 //! - [`rank`]: [`RankActor`](rank::RankActor), which owns a rank's links and
 //!   runs its operations in submission order, numbered, under the rules
-//!   RA-1..RA-4 in its docs.
+//!   RA-1..RA-5 in its docs.
+//! - [`heartbeat`]: heartbeats between ranks on a channel of their own, and
+//!   the sans-IO [`HeartbeatMonitor`](heartbeat::HeartbeatMonitor) that
+//!   tells a dead or frozen peer from a slow one.
+//! - [`supervision`]: error-handling modes, the watchdog that aborts a group
+//!   when a peer fails or an operation overruns, the monitor that exits a
+//!   process whose watchdog is stuck; rules SV-1..SV-8 in its docs.
 //! - [`driver`]: the CPU backend: runs one rank's collective plan (from
 //!   `chorus_runtime::collective`) over its links, with signature exchange
 //!   for desync detection and a deadline.
 
 pub mod driver;
+pub mod heartbeat;
 pub mod rank;
+pub mod supervision;
 pub mod system;

@@ -18,6 +18,15 @@
 //!   starts and when it ends; when one breaks the group (RA-4) and a trace
 //!   directory is set (`CHORUS_TRACE_DIR`), the rank dumps the recorder there
 //!   for `chorus trace`.
+//! - RA-6: the actor runs under its rank's [`Supervision`]: an operation that
+//!   breaks the group aborts it (SV-2), an abort ends the running operation
+//!   and fails queued ones at once (SV-1, SV-4), and the recorder is dumped
+//!   once per group, whichever path broke it.
+//!
+//! Channels: collectives use `0..COLLECTIVE_CHANNELS` (RA-2), point-to-point
+//! [`P2P_CHANNEL`] (RA-3), heartbeats
+//! [`HEARTBEAT_CHANNEL`](crate::heartbeat::HEARTBEAT_CHANNEL)
+//! (`u32::MAX - 1`); the rest are free for users of raw links.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -33,6 +42,7 @@ use chorus_runtime::flight::{FlightRecorder, write_dump};
 use chorus_transports::link::{ChannelId, Link};
 
 use crate::driver::{self, CollectiveError, FramePool, Job};
+use crate::supervision::{AbortReason, ErrorHandling, Supervision};
 
 /// Channels collectives rotate through (RA-2).
 pub const COLLECTIVE_CHANNELS: u32 = 64;
@@ -83,11 +93,25 @@ pub struct RankActor {
     flight: FlightRecorder,
     trace_dir: Option<PathBuf>,
     generation: u64,
+    supervision: Arc<Supervision>,
+    dumped: bool,
 }
 
+/// Tells the actor its group was aborted from outside an operation (by the
+/// watchdog), so it dumps its recorder (RA-6).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Aborted;
+
 impl RankActor {
-    /// An actor for `rank` of `links.len()` ranks.
-    pub fn new(rank: usize, links: Vec<Option<Arc<dyn Link>>>, timeout: Duration, overrides: Overrides) -> Self {
+    /// An actor for `rank` of `links.len()` ranks, under `supervision`.
+    pub fn new(
+        rank: usize,
+        links: Vec<Option<Arc<dyn Link>>>,
+        timeout: Duration,
+        overrides: Overrides,
+        supervision: Arc<Supervision>,
+    ) -> Self {
         Self {
             rank,
             world: links.len(),
@@ -102,6 +126,8 @@ impl RankActor {
             flight: FlightRecorder::new(0),
             trace_dir: None,
             generation: 0,
+            supervision,
+            dumped: false,
         }
     }
 
@@ -112,6 +138,18 @@ impl RankActor {
         self.trace_dir = trace_dir;
         self.generation = generation;
         self
+    }
+
+    /// The group broke (RA-4, RA-6): dump the recorder once, and in
+    /// tear-down mode leave the process.
+    fn broke(&mut self, reason: &str) {
+        if !std::mem::replace(&mut self.dumped, true) {
+            self.dump_flight_recorder(reason);
+        }
+        if self.supervision.mode() == ErrorHandling::TearDown {
+            eprintln!("chorus: rank {}: {reason}; exiting (async error handling 3: tear down)", self.rank);
+            std::process::exit(1);
+        }
     }
 
     fn dump_flight_recorder(&self, reason: &str) {
@@ -161,6 +199,9 @@ impl Handler<Collective> for RankActor {
         if let Some(reason) = &self.broken {
             return immediate(Err(CollectiveError::Broken(reason.clone())));
         }
+        if let Some(aborted) = self.supervision.aborted() {
+            return immediate(Err(aborted.into()));
+        }
         if let (true, Some(op)) = (msg.kind.reduces(), msg.op)
             && !op.supports(msg.dtype)
         {
@@ -193,6 +234,8 @@ impl Handler<Collective> for RankActor {
         let mut output = msg.output;
         let input = msg.input;
         let pool = self.pool.clone();
+        let abort = self.supervision.subscribe();
+        self.supervision.started(format!("{signature}"), std::time::Instant::now() + timeout);
         let run = async move {
             driver::run(Job {
                 rank,
@@ -206,23 +249,58 @@ impl Handler<Collective> for RankActor {
                 output: &mut output,
                 timeout,
                 pool: &pool,
+                abort,
             })
             .await
             .map(|()| output)
         };
         AtomicResponse::new(Box::pin(run.into_actor(self).map(move |result, actor, _| {
+            actor.supervision.finished();
             match &result {
                 Ok(_) => actor.flight.record_completed(entry, SystemTime::now()),
                 Err(e) => {
                     actor.flight.record_failed(entry, SystemTime::now(), e.to_string());
-                    if !matches!(e, CollectiveError::BufferSize { .. }) {
-                        tracing::error!(rank = actor.rank, error = %e, "collective failed; the group is broken until re-formed");
-                        actor.broken = Some(e.to_string());
-                        actor.dump_flight_recorder(&e.to_string());
+                    match e {
+                        CollectiveError::BufferSize { .. } => {}
+                        // Later operations see the abort itself (SV-4).
+                        CollectiveError::GroupAborted(aborted) => actor.broke(&aborted.to_string()),
+                        _ => {
+                            tracing::error!(rank = actor.rank, error = %e, "collective failed; the group is broken until re-formed");
+                            actor.broken = Some(e.to_string());
+                            if actor.supervision.mode().aborts() {
+                                actor.supervision.abort(AbortReason::OperationFailed(e.to_string()), failed_ranks(e));
+                            }
+                            actor.broke(&e.to_string());
+                        }
                     }
                 }
             }
             result
         })))
+    }
+}
+
+impl Handler<Aborted> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Aborted, _ctx: &mut Context<Self>) {
+        if let Some(aborted) = self.supervision.aborted() {
+            self.broke(&aborted.to_string());
+        }
+    }
+}
+
+/// The ranks an operation's error blames, for the abort it causes.
+fn failed_ranks(error: &CollectiveError) -> Vec<usize> {
+    match error {
+        CollectiveError::Timeout { waiting_for, .. } => waiting_for.clone(),
+        CollectiveError::Transport(e) => match e {
+            chorus_transports::link::TransportError::Closed { peer, .. }
+            | chorus_transports::link::TransportError::FrameTooLarge { peer, .. }
+            | chorus_transports::link::TransportError::Protocol { peer, .. }
+            | chorus_transports::link::TransportError::Connect { peer, .. } => vec![*peer],
+        },
+        CollectiveError::Protocol { peer, .. } if *peer != usize::MAX => vec![*peer],
+        _ => Vec::new(),
     }
 }

@@ -36,7 +36,7 @@ use bytes::Bytes;
 use thiserror::Error;
 use tokio::time::Instant;
 
-use crate::link::{ChannelId, Frame, Link, SendError, TransportError, TransportKind};
+use crate::link::{ChannelId, Frame, HEARTBEAT_CHANNEL, Link, SendError, TransportError, TransportKind};
 
 /// A fault specification that could not be parsed.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -460,7 +460,11 @@ impl Link for FaultyLink {
                 payload,
             });
         }
-        let count = self.frames.fetch_add(1, Ordering::SeqCst);
+        let count = if channel == HEARTBEAT_CHANNEL {
+            self.frames.load(Ordering::SeqCst)
+        } else {
+            self.frames.fetch_add(1, Ordering::SeqCst)
+        };
         let random = self
             .random
             .lock()

@@ -21,6 +21,11 @@ use thiserror::Error;
 /// Names an independent, ordered stream of frames between two ranks.
 pub type ChannelId = u32;
 
+/// The channel rank heartbeats use (`chorus_actors::heartbeat`). Its frames
+/// are driven by time, not by the program, so fault injection does not count
+/// them toward `after_frames` triggers (which stay deterministic).
+pub const HEARTBEAT_CHANNEL: ChannelId = u32::MAX - 1;
+
 /// One received frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Frame {

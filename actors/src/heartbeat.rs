@@ -1,0 +1,278 @@
+//! Heartbeats between ranks: every rank sends a tiny frame to every peer
+//! each `interval` on [`HEARTBEAT_CHANNEL`], and a peer from which nothing
+//! arrived for `window` is taken for dead or frozen. This catches what a
+//! collective's own deadline (minutes) catches too late: a SIGKILLed peer
+//! (its link closes, or it falls silent when the transport cannot tell), a
+//! SIGSTOPped one and a partition (silence).
+//!
+//! The timing is sans IO: [`HeartbeatMonitor`] is fed arrivals and closed
+//! links with the time they happened and polled with `now`; [`spawn`] is
+//! the thin IO part (one sender and one reader task per peer).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use chorus_transports::link::Link;
+use tokio::sync::watch;
+
+/// The channel heartbeats travel on (`u32::MAX - 1`), apart from
+/// collectives (RA-2) and point-to-point operations (RA-3), so a heartbeat is
+/// never read by an operation and an operation never waits behind one.
+pub use chorus_transports::link::HEARTBEAT_CHANNEL;
+
+/// The tag of the frame a rank sends when it leaves cleanly (SV-8).
+const GOODBYE: u64 = u64::MAX;
+
+/// How often heartbeats go out and how long a silence is tolerated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeartbeatConfig {
+    /// Time between two heartbeats to a peer.
+    pub interval: Duration,
+    /// Silence after which a peer is taken for dead or frozen.
+    pub window: Duration,
+}
+
+impl Default for HeartbeatConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(1),
+            window: Duration::from_secs(5),
+        }
+    }
+}
+
+impl HeartbeatConfig {
+    /// A window of `window`, with heartbeats often enough that one late
+    /// frame alone never looks like a silence (at least three per window).
+    pub fn with_window(window: Duration) -> Self {
+        Self {
+            interval: Duration::from_secs(1).min(window / 3),
+            window,
+        }
+    }
+}
+
+/// Why a peer is taken for failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerFailureCause {
+    /// Nothing arrived from it for this long.
+    Silent(Duration),
+    /// Its link closed.
+    Closed(String),
+}
+
+/// A peer the monitor gave up on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerFailure {
+    /// The peer.
+    pub rank: usize,
+    /// Why.
+    pub cause: PeerFailureCause,
+}
+
+impl fmt::Display for PeerFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.cause {
+            PeerFailureCause::Silent(d) => write!(f, "rank {} sent no heartbeat for {:.1}s (dead, frozen or partitioned)", self.rank, d.as_secs_f64()),
+            PeerFailureCause::Closed(reason) => write!(f, "rank {} is gone: {reason}", self.rank),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct PeerState {
+    last: Instant,
+    closed: Option<String>,
+    reported: bool,
+}
+
+/// The heartbeat's timing, without IO: when each peer was last heard from.
+#[derive(Debug)]
+pub struct HeartbeatMonitor {
+    window: Duration,
+    peers: BTreeMap<usize, PeerState>,
+}
+
+impl HeartbeatMonitor {
+    /// Watches `peers`, each heard from at `now` (the group just formed).
+    pub fn new(peers: impl IntoIterator<Item = usize>, window: Duration, now: Instant) -> Self {
+        let peers = peers
+            .into_iter()
+            .map(|p| (p, PeerState { last: now, closed: None, reported: false }))
+            .collect();
+        Self { window, peers }
+    }
+
+    /// A heartbeat from `peer` arrived at `now`.
+    pub fn arrived(&mut self, peer: usize, now: Instant) {
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state.last = state.last.max(now);
+        }
+    }
+
+    /// The link to `peer` closed: it is failed at once, without waiting out
+    /// the window.
+    pub fn closed(&mut self, peer: usize, reason: impl Into<String>) {
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state.closed.get_or_insert_with(|| reason.into());
+        }
+    }
+
+    /// `peer` left cleanly: it is no longer watched (SV-8).
+    pub fn left(&mut self, peer: usize) {
+        self.peers.remove(&peer);
+    }
+
+    /// Peers failed by `now` and not reported before: each failure is
+    /// reported once.
+    pub fn poll(&mut self, now: Instant) -> Vec<PeerFailure> {
+        let mut failed = Vec::new();
+        for (&rank, state) in &mut self.peers {
+            if state.reported {
+                continue;
+            }
+            let silent = now.saturating_duration_since(state.last);
+            let cause = match &state.closed {
+                Some(reason) => PeerFailureCause::Closed(reason.clone()),
+                None if silent >= self.window => PeerFailureCause::Silent(silent),
+                None => continue,
+            };
+            state.reported = true;
+            failed.push(PeerFailure { rank, cause });
+        }
+        failed
+    }
+}
+
+/// Starts this rank's heartbeats on the current runtime (the rank's
+/// arbiter): per peer, one task sends a frame every `config.interval` and
+/// one reads the peer's frames into `monitor`. A task per direction and
+/// peer, so a send that waits on a frozen peer's full queue delays nobody
+/// else's heartbeat. Everything stops when `stop` turns true.
+pub fn spawn(
+    links: &[Option<Arc<dyn Link>>],
+    config: HeartbeatConfig,
+    monitor: Arc<Mutex<HeartbeatMonitor>>,
+    stop: watch::Receiver<bool>,
+) {
+    for link in links.iter().flatten() {
+        let (sender, mut stop_sending) = (link.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut beat = 0u64;
+            loop {
+                // A failed send is the reader's to report: it sees the closed link.
+                let sent = sender.send(HEARTBEAT_CHANNEL, beat, Bytes::copy_from_slice(&beat.to_le_bytes()));
+                tokio::select! {
+                    _ = stop_sending.wait_for(|s| *s) => return,
+                    _ = sent => {}
+                }
+                beat += 1;
+                tokio::select! {
+                    _ = stop_sending.wait_for(|s| *s) => return,
+                    () = tokio::time::sleep(config.interval) => {}
+                }
+            }
+        });
+        let (reader, monitor, mut stop_reading) = (link.clone(), monitor.clone(), stop.clone());
+        tokio::spawn(async move {
+            let peer = reader.peer();
+            loop {
+                tokio::select! {
+                    _ = stop_reading.wait_for(|s| *s) => return,
+                    frame = reader.recv(HEARTBEAT_CHANNEL) => {
+                        let mut monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
+                        match frame {
+                            Ok(frame) if frame.tag == GOODBYE => {
+                                monitor.left(peer);
+                                return;
+                            }
+                            Ok(_) => monitor.arrived(peer, Instant::now()),
+                            Err(e) => {
+                                monitor.closed(peer, e.to_string());
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Tells every peer this rank is leaving cleanly, so that its silence from
+/// now on is not a failure (SV-8). Best effort: a peer that cannot take the
+/// frame within a second is failing anyway.
+pub async fn say_goodbye(links: &[Option<Arc<dyn Link>>]) {
+    let sends = links.iter().flatten().map(|link| {
+        tokio::time::timeout(Duration::from_secs(1), link.send(HEARTBEAT_CHANNEL, GOODBYE, Bytes::new()))
+    });
+    for sent in sends {
+        let _ = sent.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WINDOW: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn a_peer_heard_from_within_the_window_is_alive() {
+        let t0 = Instant::now();
+        let mut monitor = HeartbeatMonitor::new([1, 2], WINDOW, t0);
+        for s in 1..20 {
+            monitor.arrived(1, t0 + Duration::from_secs(s));
+            monitor.arrived(2, t0 + Duration::from_secs(s));
+            assert!(monitor.poll(t0 + Duration::from_secs(s) + Duration::from_millis(900)).is_empty());
+        }
+    }
+
+    #[test]
+    fn a_silent_peer_fails_once_the_window_passes_and_is_reported_once() {
+        let t0 = Instant::now();
+        let mut monitor = HeartbeatMonitor::new([1, 2], WINDOW, t0);
+        monitor.arrived(1, t0 + Duration::from_secs(3));
+        assert!(monitor.poll(t0 + Duration::from_millis(4999)).is_empty());
+        let failed = monitor.poll(t0 + WINDOW);
+        assert_eq!(failed, vec![PeerFailure { rank: 2, cause: PeerFailureCause::Silent(WINDOW) }]);
+        assert!(monitor.poll(t0 + Duration::from_secs(7)).is_empty(), "rank 2 is reported once");
+        assert_eq!(monitor.poll(t0 + Duration::from_secs(8))[0].rank, 1);
+    }
+
+    #[test]
+    fn a_closed_link_fails_its_peer_at_once() {
+        let t0 = Instant::now();
+        let mut monitor = HeartbeatMonitor::new([0, 3], WINDOW, t0);
+        monitor.closed(3, "link to rank 3 is closed: peer exited");
+        let failed = monitor.poll(t0);
+        assert_eq!(failed.len(), 1);
+        assert_eq!(failed[0].rank, 3);
+        assert!(failed[0].to_string().contains("peer exited"));
+    }
+
+    #[test]
+    fn a_peer_that_left_is_no_longer_watched() {
+        let t0 = Instant::now();
+        let mut monitor = HeartbeatMonitor::new([1], WINDOW, t0);
+        monitor.left(1);
+        assert!(monitor.poll(t0 + WINDOW * 10).is_empty());
+    }
+
+    #[test]
+    fn late_arrivals_never_move_the_clock_back() {
+        let t0 = Instant::now();
+        let mut monitor = HeartbeatMonitor::new([1], WINDOW, t0 + Duration::from_secs(2));
+        monitor.arrived(1, t0);
+        assert!(monitor.poll(t0 + Duration::from_secs(6)).is_empty());
+    }
+
+    #[test]
+    fn small_windows_get_frequent_heartbeats() {
+        assert_eq!(HeartbeatConfig::with_window(Duration::from_secs(5)).interval, Duration::from_secs(1));
+        assert_eq!(HeartbeatConfig::with_window(Duration::from_millis(600)).interval, Duration::from_millis(200));
+    }
+}

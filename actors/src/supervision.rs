@@ -1,0 +1,620 @@
+//! Failure detection and group abort: the per-rank [`Supervision`] state, the
+//! watchdog that polls it, and the monitor that watches the watchdog.
+//!
+//! Rules (each has a test named after it, in this module or in
+//! `tests/supervision.rs`):
+//! - SV-1: a dead or frozen peer (its link closed, or no heartbeat for the
+//!   window, see [`heartbeat`](crate::heartbeat)) aborts the group: every
+//!   pending and queued operation on this rank completes at once with
+//!   [`GroupAborted`] naming the failed ranks.
+//! - SV-2: an operation that fails in a way that breaks the group (RA-4: a
+//!   timeout, a desync, a broken link) aborts it too; the watchdog also
+//!   aborts when an operation outlives its deadline by a heartbeat window
+//!   (a driver stuck outside its own deadline).
+//! - SV-3: in the default mode an abort closes this generation's links, so
+//!   every peer fails within moments, not a heartbeat window later.
+//! - SV-4: after an abort, operations fail at once; nothing waits.
+//! - SV-5: an abort happens once per group and is published on
+//!   [`Supervision::subscribe`] (`ProcessGroup::failures`), the hook a
+//!   group supervisor restarts from; the flight recorder is dumped (RA-5).
+//! - SV-6: the watchdog is watched: when it makes no progress for the
+//!   watchdog timeout (default 480 s), the process says so and exits.
+//! - SV-7: one error-handling mode per process ([`ErrorHandling::from_env`]);
+//!   blocking wait and async error handling set together is an error that
+//!   names both variables.
+//! - SV-8: a group that leaves cleanly (`ProcessGroup::destroy`) says
+//!   goodbye on the heartbeat channel and stops its heartbeats before its
+//!   last barrier, so a rank that leaves first is never taken for failed.
+//!
+//! Restarting a group (a new generation) is a supervisor's job on top of
+//! SV-5: everything here belongs to one generation and ends with it.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chorus_transports::link::Link;
+use thiserror::Error;
+use tokio::sync::watch;
+
+use crate::heartbeat::{HeartbeatMonitor, PeerFailure};
+
+/// The environment variables of blocking-wait mode, most specific first.
+pub const BLOCKING_WAIT_ENV: [&str; 3] = ["CHORUS_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"];
+/// The environment variables of async error handling, most specific first.
+pub const ASYNC_ERROR_HANDLING_ENV: [&str; 3] =
+    ["CHORUS_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"];
+/// Seconds without a heartbeat before a peer is taken for failed.
+pub const HEARTBEAT_TIMEOUT_ENV: &str = "CHORUS_HEARTBEAT_TIMEOUT";
+/// Seconds without watchdog progress before the process exits.
+pub const WATCHDOG_TIMEOUT_ENV: &str = "CHORUS_WATCHDOG_TIMEOUT";
+
+/// What a rank does when a peer fails or an operation times out
+/// (PyTorch's `TORCH_NCCL_BLOCKING_WAIT` / `TORCH_NCCL_ASYNC_ERROR_HANDLING`,
+/// made recoverable: chorus never has to tear the process down).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorHandling {
+    /// Async error handling 0 without blocking wait: the watchdog only logs;
+    /// failures reach each operation through its own deadline and links.
+    Off,
+    /// Blocking wait: the operations waiting get a typed error (the timeout or
+    /// the failed peer) and the group is broken, later operations fail at
+    /// once; the links stay open and the process runs on.
+    BlockingWait,
+    /// Async error handling 1, the default: abort the group (SV-1..SV-5):
+    /// pending operations fail, this generation's links close, the failure is
+    /// published for a supervisor.
+    Abort,
+    /// Async error handling 2 ("clean up only"): as [`Abort`](Self::Abort)
+    /// but the links stay open; peers learn from their own heartbeats.
+    CleanUpOnly,
+    /// Async error handling 3 ("tear down"): abort, dump the flight recorder,
+    /// then exit the process (code 1) so a launcher can restart it.
+    TearDown,
+}
+
+impl ErrorHandling {
+    /// Whether a failure found by the watchdog aborts the group.
+    pub fn aborts(self) -> bool {
+        self != ErrorHandling::Off
+    }
+
+    /// Whether an abort closes this generation's links (SV-3).
+    pub fn closes_links(self) -> bool {
+        matches!(self, ErrorHandling::Abort | ErrorHandling::TearDown)
+    }
+
+    /// The mode the environment asks for. Each mode is read from its most
+    /// specific variable that is set (`CHORUS_*`, then `TORCH_NCCL_*`, then
+    /// `NCCL_*`). When both are on, the one set by a more specific name wins
+    /// (so `CHORUS_BLOCKING_WAIT=1` works under a launcher that sets
+    /// `TORCH_NCCL_ASYNC_ERROR_HANDLING=1`); at the same level it is an error.
+    pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, SupervisionConfigError> {
+        let read = |names: &[&'static str; 3], max: u8| -> Result<Option<(usize, &'static str, u8)>, SupervisionConfigError> {
+            for (level, name) in names.iter().enumerate() {
+                let Some(value) = env(name).filter(|v| !v.trim().is_empty()) else {
+                    continue;
+                };
+                return match value.trim().parse::<u8>() {
+                    Ok(n) if n <= max => Ok(Some((level, name, n))),
+                    _ => Err(SupervisionConfigError::BadValue {
+                        name,
+                        value,
+                        expected: if max == 1 { "0 or 1" } else { "0, 1, 2 or 3" },
+                    }),
+                };
+            }
+            Ok(None)
+        };
+        let blocking = read(&BLOCKING_WAIT_ENV, 1)?.filter(|&(_, _, v)| v == 1);
+        let asynchronous = read(&ASYNC_ERROR_HANDLING_ENV, 3)?;
+        let async_mode = |value| match value {
+            0 => ErrorHandling::Off,
+            2 => ErrorHandling::CleanUpOnly,
+            3 => ErrorHandling::TearDown,
+            _ => ErrorHandling::Abort,
+        };
+        Ok(match (blocking, asynchronous) {
+            (None, None) => ErrorHandling::Abort,
+            (None, Some((_, _, value))) => async_mode(value),
+            (Some(_), None) | (Some(_), Some((_, _, 0))) => ErrorHandling::BlockingWait,
+            (Some((b, _, _)), Some((a, _, _))) if b < a => ErrorHandling::BlockingWait,
+            (Some((b, _, _)), Some((a, _, value))) if a < b => async_mode(value),
+            (Some((_, blocking, _)), Some((_, asynchronous, value))) => {
+                return Err(SupervisionConfigError::BothModes {
+                    blocking,
+                    asynchronous,
+                    value,
+                });
+            }
+        })
+    }
+}
+
+/// The supervision settings in the environment are wrong.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum SupervisionConfigError {
+    /// Blocking wait and async error handling are both on.
+    #[error(
+        "{blocking}=1 and {asynchronous}={value} are both set: choose blocking wait or async error handling, not both \
+         (unset one, set {asynchronous}=0, or set CHORUS_BLOCKING_WAIT=1 / CHORUS_ASYNC_ERROR_HANDLING to override)"
+    )]
+    BothModes {
+        /// The blocking-wait variable.
+        blocking: &'static str,
+        /// The async-error-handling variable.
+        asynchronous: &'static str,
+        /// Its value.
+        value: u8,
+    },
+    /// A variable holds something else than it takes.
+    #[error("{name}={value:?}: expected {expected}")]
+    BadValue {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What it takes.
+        expected: &'static str,
+    },
+}
+
+/// Reads a duration in seconds (`5`, `0.5`) from `name`: `None` when unset.
+pub fn seconds_from_env(
+    env: &dyn Fn(&str) -> Option<String>,
+    name: &'static str,
+) -> Result<Option<Duration>, SupervisionConfigError> {
+    let Some(value) = env(name).filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    match value.trim().parse::<f64>() {
+        Ok(s) if s > 0.0 && s.is_finite() => Ok(Some(Duration::from_secs_f64(s))),
+        _ => Err(SupervisionConfigError::BadValue {
+            name,
+            value,
+            expected: "a positive number of seconds",
+        }),
+    }
+}
+
+/// Why a group was aborted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AbortReason {
+    /// Peers failed (SV-1).
+    PeersFailed(Vec<PeerFailure>),
+    /// An operation broke the group (SV-2).
+    OperationFailed(String),
+    /// An operation outlived its deadline and its driver did not end it.
+    Overdue {
+        /// What was running.
+        operation: String,
+        /// How long it ran.
+        ran: Duration,
+    },
+}
+
+impl fmt::Display for AbortReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AbortReason::PeersFailed(failures) => {
+                let text: Vec<String> = failures.iter().map(ToString::to_string).collect();
+                f.write_str(&text.join("; "))
+            }
+            AbortReason::OperationFailed(e) => f.write_str(e),
+            AbortReason::Overdue { operation, ran } => write!(f, "{operation} still running after {ran:?}, past its deadline"),
+        }
+    }
+}
+
+/// The group was aborted: what every pending and later operation of this
+/// rank gets, and what [`Supervision::subscribe`] publishes.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("process group (generation {generation}) aborted on rank {rank}: {reason}")]
+pub struct GroupAborted {
+    /// The rank that aborted.
+    pub rank: usize,
+    /// The group's generation.
+    pub generation: u64,
+    /// Why.
+    pub reason: AbortReason,
+    /// The ranks taken for failed (empty when none is known, e.g. a desync).
+    pub failed_ranks: Vec<usize>,
+}
+
+/// The operation a rank is running, as the watchdog sees it.
+#[derive(Debug, Clone)]
+struct InFlight {
+    what: String,
+    started: Instant,
+    deadline: Instant,
+}
+
+/// One rank's supervision state for one generation, shared by its actor, its
+/// watchdog and its process group handle.
+#[derive(Debug)]
+pub struct Supervision {
+    rank: usize,
+    generation: u64,
+    mode: ErrorHandling,
+    links: Vec<Option<Arc<dyn Link>>>,
+    aborted: watch::Sender<Option<GroupAborted>>,
+    in_flight: Mutex<Option<InFlight>>,
+    progress: AtomicU64,
+}
+
+impl Supervision {
+    /// The state of `rank` in `generation`, over `links`.
+    pub fn new(rank: usize, generation: u64, mode: ErrorHandling, links: Vec<Option<Arc<dyn Link>>>) -> Self {
+        Self {
+            rank,
+            generation,
+            mode,
+            links,
+            aborted: watch::Sender::new(None),
+            in_flight: Mutex::new(None),
+            progress: AtomicU64::new(0),
+        }
+    }
+
+    /// The error-handling mode.
+    pub fn mode(&self) -> ErrorHandling {
+        self.mode
+    }
+
+    /// Aborts the group unless it already was (SV-5): publishes the abort
+    /// (which ends the running operation and fails the queued ones) and, in
+    /// modes that do, closes the links (SV-3). Returns whether this call
+    /// aborted.
+    pub fn abort(&self, reason: AbortReason, failed_ranks: Vec<usize>) -> bool {
+        let abort = GroupAborted {
+            rank: self.rank,
+            generation: self.generation,
+            reason,
+            failed_ranks,
+        };
+        let first = self.aborted.send_if_modified(|current| {
+            if current.is_some() {
+                return false;
+            }
+            *current = Some(abort.clone());
+            true
+        });
+        if first {
+            tracing::error!(rank = self.rank, generation = self.generation, mode = ?self.mode, "{abort}");
+            if self.mode.closes_links() {
+                for link in self.links.iter().flatten() {
+                    link.close(&abort.to_string());
+                }
+            }
+        }
+        first
+    }
+
+    /// The abort, once there was one.
+    pub fn aborted(&self) -> Option<GroupAborted> {
+        self.aborted.borrow().clone()
+    }
+
+    /// A receiver that sees the abort when it happens (SV-5).
+    pub fn subscribe(&self) -> watch::Receiver<Option<GroupAborted>> {
+        self.aborted.subscribe()
+    }
+
+    /// The actor started `what`, due by `deadline`.
+    pub fn started(&self, what: String, deadline: Instant) {
+        *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = Some(InFlight {
+            what,
+            started: Instant::now(),
+            deadline,
+        });
+    }
+
+    /// The actor's operation ended.
+    pub fn finished(&self) {
+        *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// How many times the watchdog has polled (what SV-6 watches).
+    pub fn progress(&self) -> u64 {
+        self.progress.load(Ordering::Relaxed)
+    }
+}
+
+/// The watchdog's timing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatchdogConfig {
+    /// How often it polls (PyTorch's: 100 ms).
+    pub poll: Duration,
+    /// How long it may make no progress before the process exits (SV-6;
+    /// PyTorch's heartbeat monitor: 480 s).
+    pub stall_timeout: Duration,
+    /// How far past its deadline an operation may run before the watchdog
+    /// aborts (the driver's own deadline normally ends it first).
+    pub overdue_grace: Duration,
+}
+
+impl Default for WatchdogConfig {
+    fn default() -> Self {
+        Self {
+            poll: Duration::from_millis(100),
+            stall_timeout: Duration::from_secs(480),
+            overdue_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What one poll of the watchdog decides, as a pure function of the failed
+/// peers and the operation in flight: the reason to abort and the ranks to
+/// name, or nothing.
+fn verdict(
+    failures: Vec<PeerFailure>,
+    in_flight: Option<&InFlight>,
+    grace: Duration,
+    now: Instant,
+) -> Option<(AbortReason, Vec<usize>)> {
+    if !failures.is_empty() {
+        let ranks = failures.iter().map(|f| f.rank).collect();
+        return Some((AbortReason::PeersFailed(failures), ranks));
+    }
+    let op = in_flight?;
+    (now >= op.deadline + grace).then(|| {
+        (
+            AbortReason::Overdue {
+                operation: op.what.clone(),
+                ran: now.saturating_duration_since(op.started),
+            },
+            Vec::new(),
+        )
+    })
+}
+
+/// Runs the watchdog on the current runtime (the rank's arbiter) until
+/// `stop` turns true: every `config.poll` it counts a step of progress,
+/// polls the heartbeat monitor and the operation in flight, and aborts the
+/// group on a verdict (in modes that abort; [`ErrorHandling::Off`] logs).
+/// `on_abort` runs once after the abort (the actor dumps its recorder).
+pub fn spawn_watchdog(
+    supervision: Arc<Supervision>,
+    monitor: Arc<Mutex<HeartbeatMonitor>>,
+    config: WatchdogConfig,
+    on_abort: impl FnOnce() + Send + 'static,
+    mut stop: watch::Receiver<bool>,
+) {
+    tokio::spawn(async move {
+        let mut on_abort = Some(on_abort);
+        loop {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                () = tokio::time::sleep(config.poll) => {}
+            }
+            supervision.progress.fetch_add(1, Ordering::Relaxed);
+            if supervision.aborted().is_some() {
+                continue;
+            }
+            let now = Instant::now();
+            let failures = monitor.lock().unwrap_or_else(|p| p.into_inner()).poll(now);
+            let in_flight = supervision.in_flight.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let Some((reason, ranks)) = verdict(failures, in_flight.as_ref(), config.overdue_grace, now) else {
+                continue;
+            };
+            if !supervision.mode.aborts() {
+                tracing::error!(rank = supervision.rank, "{reason} (async error handling is off: not aborting)");
+                continue;
+            }
+            if supervision.abort(reason, ranks)
+                && let Some(notify) = on_abort.take()
+            {
+                notify();
+            }
+        }
+    });
+}
+
+/// SV-6's check, without IO: the last progress count seen and when it
+/// last changed.
+#[derive(Debug, Clone, Copy)]
+pub struct StallCheck {
+    timeout: Duration,
+    seen: u64,
+    since: Instant,
+}
+
+impl StallCheck {
+    /// A check that allows `timeout` without progress, starting at `now`.
+    pub fn new(timeout: Duration, now: Instant) -> Self {
+        Self { timeout, seen: 0, since: now }
+    }
+
+    /// Feeds the progress count at `now`; returns how long it has not
+    /// moved once that reaches the timeout.
+    pub fn observe(&mut self, progress: u64, now: Instant) -> Option<Duration> {
+        if progress != self.seen {
+            self.seen = progress;
+            self.since = now;
+            return None;
+        }
+        let stalled = now.saturating_duration_since(self.since);
+        (stalled >= self.timeout).then_some(stalled)
+    }
+}
+
+/// Watches the watchdog from a thread of its own (the arbiter it runs on
+/// may be the thing that is stuck): once it makes no progress for `timeout`,
+/// calls `on_stall` with a message and stops. Ends when `stop` turns true.
+pub fn spawn_stall_monitor(
+    supervision: Arc<Supervision>,
+    timeout: Duration,
+    stop: watch::Receiver<bool>,
+    on_stall: impl FnOnce(String) + Send + 'static,
+) -> std::io::Result<()> {
+    let step = (timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    std::thread::Builder::new()
+        .name(format!("chorus-watchdog-monitor-{}", supervision.rank))
+        .spawn(move || {
+            let mut check = StallCheck::new(timeout, Instant::now());
+            while !*stop.borrow() {
+                std::thread::sleep(step);
+                if let Some(stalled) = check.observe(supervision.progress(), Instant::now()) {
+                    on_stall(format!(
+                        "chorus: the watchdog of rank {} (generation {}) made no progress for {:.1}s \
+                         (CHORUS_WATCHDOG_TIMEOUT={}): the rank's thread is stuck; exiting",
+                        supervision.rank,
+                        supervision.generation,
+                        stalled.as_secs_f64(),
+                        timeout.as_secs_f64()
+                    ));
+                    return;
+                }
+            }
+        })
+        .map(drop)
+}
+
+/// What a stalled watchdog does in a real process (SV-6): say so and exit.
+pub fn exit_on_stall(message: String) {
+    eprintln!("{message}");
+    std::process::exit(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heartbeat::PeerFailureCause;
+    use std::collections::HashMap;
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |name| vars.get(name).cloned()
+    }
+
+    #[test]
+    fn sv7_one_error_handling_mode_per_process() {
+        let mode = |vars: &[(&str, &str)]| ErrorHandling::from_env(&env(vars));
+        assert_eq!(mode(&[]), Ok(ErrorHandling::Abort));
+        assert_eq!(mode(&[("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")]), Ok(ErrorHandling::Abort));
+        assert_eq!(mode(&[("NCCL_ASYNC_ERROR_HANDLING", "2")]), Ok(ErrorHandling::CleanUpOnly));
+        assert_eq!(mode(&[("CHORUS_ASYNC_ERROR_HANDLING", "3")]), Ok(ErrorHandling::TearDown));
+        assert_eq!(mode(&[("CHORUS_ASYNC_ERROR_HANDLING", "0")]), Ok(ErrorHandling::Off));
+        assert_eq!(mode(&[("NCCL_BLOCKING_WAIT", "1")]), Ok(ErrorHandling::BlockingWait));
+        assert_eq!(mode(&[("TORCH_NCCL_BLOCKING_WAIT", "0")]), Ok(ErrorHandling::Abort));
+        // The more specific name wins: a launcher's TORCH_NCCL_ASYNC_ERROR_HANDLING=1 does not block CHORUS_BLOCKING_WAIT.
+        assert_eq!(
+            mode(&[("CHORUS_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")]),
+            Ok(ErrorHandling::BlockingWait)
+        );
+        assert_eq!(
+            mode(&[("NCCL_BLOCKING_WAIT", "1"), ("CHORUS_ASYNC_ERROR_HANDLING", "2")]),
+            Ok(ErrorHandling::CleanUpOnly)
+        );
+        assert_eq!(
+            mode(&[("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")]),
+            Ok(ErrorHandling::BlockingWait)
+        );
+        let both = mode(&[("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")]).unwrap_err();
+        assert!(matches!(both, SupervisionConfigError::BothModes { .. }));
+        let text = both.to_string();
+        assert!(text.contains("TORCH_NCCL_BLOCKING_WAIT=1") && text.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING=1"), "{text}");
+        assert!(mode(&[("CHORUS_ASYNC_ERROR_HANDLING", "4")]).unwrap_err().to_string().contains("0, 1, 2 or 3"));
+        assert!(mode(&[("CHORUS_BLOCKING_WAIT", "yes")]).unwrap_err().to_string().contains("0 or 1"));
+    }
+
+    #[test]
+    fn modes_say_what_an_abort_does() {
+        assert!(!ErrorHandling::Off.aborts());
+        assert!(ErrorHandling::BlockingWait.aborts() && !ErrorHandling::BlockingWait.closes_links());
+        assert!(ErrorHandling::Abort.closes_links());
+        assert!(!ErrorHandling::CleanUpOnly.closes_links());
+    }
+
+    #[test]
+    fn durations_come_in_seconds() {
+        let read = |v: &str| seconds_from_env(&env(&[(HEARTBEAT_TIMEOUT_ENV, v)]), HEARTBEAT_TIMEOUT_ENV);
+        assert_eq!(read("2.5"), Ok(Some(Duration::from_millis(2500))));
+        assert_eq!(seconds_from_env(&env(&[]), "X"), Ok(None));
+        assert!(read("-1").is_err());
+        assert!(read("soon").unwrap_err().to_string().contains("CHORUS_HEARTBEAT_TIMEOUT"));
+    }
+
+    #[test]
+    fn sv1_a_failed_peer_is_a_verdict_naming_it() {
+        let now = Instant::now();
+        let failure = PeerFailure {
+            rank: 3,
+            cause: PeerFailureCause::Silent(Duration::from_secs(5)),
+        };
+        let (reason, ranks) = verdict(vec![failure.clone()], None, Duration::ZERO, now).unwrap();
+        assert_eq!(ranks, vec![3]);
+        assert_eq!(reason, AbortReason::PeersFailed(vec![failure]));
+        assert!(verdict(Vec::new(), None, Duration::ZERO, now).is_none());
+    }
+
+    #[test]
+    fn sv2_an_operation_past_its_deadline_and_grace_is_a_verdict() {
+        let t0 = Instant::now();
+        let op = InFlight {
+            what: "all_reduce #4".into(),
+            started: t0,
+            deadline: t0 + Duration::from_secs(10),
+        };
+        let grace = Duration::from_secs(5);
+        assert!(verdict(Vec::new(), Some(&op), grace, t0 + Duration::from_secs(14)).is_none());
+        let (reason, ranks) = verdict(Vec::new(), Some(&op), grace, t0 + Duration::from_secs(15)).unwrap();
+        assert!(ranks.is_empty());
+        assert!(reason.to_string().contains("all_reduce #4 still running"), "{reason}");
+    }
+
+    #[test]
+    fn sv5_an_abort_happens_once_and_is_published() {
+        let supervision = Supervision::new(1, 0, ErrorHandling::Abort, Vec::new());
+        let events = supervision.subscribe();
+        assert!(supervision.abort(AbortReason::OperationFailed("first".into()), vec![2]));
+        assert!(!supervision.abort(AbortReason::OperationFailed("second".into()), vec![3]));
+        let seen = events.borrow().clone().unwrap();
+        assert_eq!(seen.failed_ranks, vec![2]);
+        assert_eq!(seen.reason, AbortReason::OperationFailed("first".into()));
+    }
+
+    #[test]
+    fn sv6_a_stalled_watchdog_is_noticed_with_injected_time() {
+        let t0 = Instant::now();
+        let mut check = StallCheck::new(Duration::from_secs(480), t0);
+        for step in 1..100u64 {
+            assert!(check.observe(step, t0 + Duration::from_secs(step * 4)).is_none());
+        }
+        let last = t0 + Duration::from_secs(99 * 4);
+        assert!(check.observe(99, last + Duration::from_secs(479)).is_none());
+        assert_eq!(check.observe(99, last + Duration::from_secs(480)), Some(Duration::from_secs(480)));
+    }
+
+    #[test]
+    fn sv6_the_stall_monitor_thread_fires_when_the_watchdog_stops() {
+        // No watchdog runs here, so progress never moves.
+        let supervision = Arc::new(Supervision::new(0, 0, ErrorHandling::Abort, Vec::new()));
+        let (_stop, stop_rx) = watch::channel(false);
+        let (tx, rx) = std::sync::mpsc::channel();
+        spawn_stall_monitor(supervision, Duration::from_millis(200), stop_rx, move |message| {
+            let _ = tx.send(message);
+        })
+        .unwrap();
+        let message = rx.recv_timeout(Duration::from_secs(5)).expect("the monitor must fire");
+        assert!(message.contains("made no progress") && message.contains("CHORUS_WATCHDOG_TIMEOUT"), "{message}");
+    }
+
+    #[test]
+    fn sv6_a_moving_watchdog_keeps_the_monitor_quiet() {
+        let supervision = Arc::new(Supervision::new(0, 0, ErrorHandling::Abort, Vec::new()));
+        let (stop, stop_rx) = watch::channel(false);
+        let (tx, rx) = std::sync::mpsc::channel();
+        spawn_stall_monitor(supervision.clone(), Duration::from_millis(300), stop_rx, move |message| {
+            let _ = tx.send(message);
+        })
+        .unwrap();
+        for _ in 0..20 {
+            supervision.progress.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        stop.send_replace(true);
+        assert!(rx.recv_timeout(Duration::from_millis(500)).is_err(), "no stall while progress moves");
+    }
+}

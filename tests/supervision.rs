@@ -1,0 +1,350 @@
+//! Failure detection and group abort (rules SV-1..SV-8 in
+//! `chorus_actors::supervision`), in process and with real processes.
+//!
+//! The process tests start 4 `chorus fault-probe` ranks (all-reduce in a
+//! loop, printing each event with a timestamp) with a 2 s heartbeat window,
+//! then SIGKILL, SIGSTOP or partition one of them. Issue 7 asks for 20 SIGKILL
+//! trials; CI runs 5 (`SIGKILL_TRIALS`); run the 20 with
+//! `CHORUS_SUPERVISION_TRIALS=20 cargo test --release --test supervision sigkill`.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use chorus::{CollectiveError, ErrorHandling, InitOptions, ReduceOp, Tensor, spawn_with};
+
+const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+const WINDOW_MS: u128 = 2000;
+const SIGKILL_TRIALS: usize = 5;
+
+/// Fails a test that hangs, with a message, instead of hanging CI.
+async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
+}
+
+fn options(window: Duration) -> InitOptions {
+    InitOptions::default().heartbeat_timeout(window).error_handling(ErrorHandling::Abort)
+}
+
+fn tensor() -> Tensor {
+    Tensor::from_slice(&[1.0f32; 256])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv1_a_dead_peer_aborts_every_pending_operation() {
+    let results = within(20, "the group", spawn_with(3, options(Duration::from_secs(1)), |pg| async move {
+        if pg.rank() == 2 {
+            // Rank 2 dies while the others wait in a collective: its links close.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            drop(pg);
+            return None;
+        }
+        let failures = pg.failures();
+        let pending: Vec<_> = (0..3).map(|_| pg.all_reduce(tensor(), ReduceOp::Sum)).collect();
+        let started = Instant::now();
+        for work in pending {
+            assert!(work.await.is_err(), "rank {}: a pending operation succeeded without rank 2", pg.rank());
+        }
+        let failed_within = started.elapsed();
+        let aborted = failures.borrow().clone().expect("the abort is published");
+        Some((pg.rank(), failed_within, aborted))
+    }))
+    .await
+    .unwrap();
+    for (rank, took, aborted) in results.into_iter().flatten() {
+        assert!(took < Duration::from_secs(2), "rank {rank}: pending operations took {took:?} to fail");
+        assert!(!aborted.failed_ranks.is_empty(), "rank {rank}: the abort names no rank: {aborted}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv2_sv3_a_timed_out_collective_aborts_the_group_and_peers_fail_fast() {
+    let options = options(Duration::from_secs(10)).collective_timeout(Duration::from_millis(300));
+    let results = within(20, "the group", spawn_with(2, options, |pg| async move {
+        let mut failures = pg.failures();
+        let started = Instant::now();
+        if pg.rank() == 0 {
+            // Rank 1 never joins: rank 0 times out and aborts.
+            let error = pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap_err();
+            assert!(matches!(error, CollectiveError::Timeout { .. }), "{error}");
+        }
+        // Rank 1 learns from its closed links (SV-3), long before its 10 s window.
+        failures.wait_for(Option::is_some).await.unwrap();
+        (pg.rank(), started.elapsed(), failures.borrow().clone().unwrap())
+    }))
+    .await
+    .unwrap();
+    for (rank, took, aborted) in results {
+        assert!(took < Duration::from_secs(3), "rank {rank} learned of the abort after {took:?}: {aborted}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv4_operations_after_an_abort_fail_at_once() {
+    let results = within(20, "the group", spawn_with(2, options(Duration::from_secs(1)), |pg| async move {
+        if pg.rank() == 1 {
+            drop(pg);
+            return None;
+        }
+        pg.failures().wait_for(Option::is_some).await.unwrap();
+        let started = Instant::now();
+        let error = pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap_err();
+        Some((started.elapsed(), error))
+    }))
+    .await
+    .unwrap();
+    let (took, error) = results.into_iter().flatten().next().unwrap();
+    assert!(matches!(error, CollectiveError::GroupAborted(_)), "{error}");
+    assert!(took < Duration::from_millis(200), "failing took {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv8_a_clean_destroy_is_not_a_failure() {
+    let results = within(20, "the group", spawn_with(3, options(Duration::from_millis(600)), |pg| async move {
+        pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap();
+        let failures = pg.failures();
+        // Ranks leave at different times; the first is gone well before the last.
+        tokio::time::sleep(Duration::from_millis(400 * pg.rank() as u64)).await;
+        pg.destroy().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        failures.borrow().clone()
+    }))
+    .await
+    .unwrap();
+    assert!(results.iter().all(Option::is_none), "{results:?}");
+}
+
+/// One event a probe printed: its fields.
+type Event = HashMap<String, String>;
+
+fn parse(line: &str) -> Option<Event> {
+    let rest = line.strip_prefix("probe ")?;
+    let (fields, error) = rest.split_once(" error=").map_or((rest, None), |(f, e)| (f, Some(e)));
+    let mut event: Event = fields
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    if let Some(error) = error {
+        event.insert("error".into(), error.to_string());
+    }
+    Some(event)
+}
+
+/// Four probe processes and their output.
+struct Probes {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    log: Vec<String>,
+    events: Vec<(usize, Event)>,
+}
+
+impl Probes {
+    fn start(world: usize, env: &[(&str, &str)]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let (tx, lines) = mpsc::channel();
+        let mut children = Vec::new();
+        for rank in 0..world {
+            let mut command = Command::new(CHORUS);
+            command
+                .args(["fault-probe", "--seconds", "60", "--init", &format!("tcp://127.0.0.1:{port}")])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("CHORUS_HEARTBEAT_TIMEOUT", (WINDOW_MS as f64 / 1000.0).to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                command.env(k, v);
+            }
+            let mut child = command.spawn().expect("start chorus fault-probe");
+            let streams: [Box<dyn std::io::Read + Send>; 2] =
+                [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
+            for stream in streams {
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                        let _ = tx.send((rank, line));
+                    }
+                });
+            }
+            children.push(child);
+        }
+        Self {
+            children,
+            lines,
+            log: Vec::new(),
+            events: Vec::new(),
+        }
+    }
+
+    /// Reads output until `done` holds for the events so far, or panics at `deadline`.
+    fn until(&mut self, what: &str, deadline: Instant, done: impl Fn(&[(usize, Event)]) -> bool) {
+        while !done(&self.events) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
+                Ok((rank, line)) => {
+                    if let Some(event) = parse(&line) {
+                        self.events.push((rank, event));
+                    }
+                    self.log.push(format!("[{rank}] {line}"));
+                }
+                Err(_) => panic!("timed out waiting for {what}; output:\n{}", self.log.join("\n")),
+            }
+        }
+    }
+
+    fn count(events: &[(usize, Event)], name: &str, ranks: &[usize]) -> usize {
+        ranks.iter().filter(|&&r| events.iter().any(|(rank, e)| *rank == r && e.get("event").is_some_and(|v| v == name))).count()
+    }
+
+    fn event(&self, rank: usize, name: &str) -> &Event {
+        self.events
+            .iter()
+            .find(|(r, e)| *r == rank && e.get("event").is_some_and(|v| v == name))
+            .map(|(_, e)| e)
+            .unwrap_or_else(|| panic!("rank {rank} printed no {name} event"))
+    }
+
+    fn pid(&self, rank: usize) -> i32 {
+        self.children[rank].id() as i32
+    }
+
+    /// Waits until every rank is past its first iterations.
+    fn until_running(&mut self) {
+        let all: Vec<usize> = (0..self.children.len()).collect();
+        self.until("every rank running", Instant::now() + Duration::from_secs(20), |events| {
+            Self::count(events, "running", &all) == all.len()
+        });
+    }
+
+    /// Waits for `ranks` to report an error and the next call; returns each error event.
+    fn errors(&mut self, ranks: &[usize], deadline: Instant) -> Vec<Event> {
+        self.until("every survivor's error", deadline, |events| Self::count(events, "next", ranks) == ranks.len());
+        for &rank in ranks {
+            let next = self.event(rank, "next");
+            assert_eq!(next["ok"], "false", "rank {rank}: a call after the error succeeded:\n{}", self.log.join("\n"));
+            let waited: u64 = next["waited_ms"].parse().unwrap();
+            assert!(waited < 500, "rank {rank}: the call after the error took {waited} ms to fail (SV-4)");
+        }
+        ranks.iter().map(|&r| self.event(r, "error").clone()).collect()
+    }
+}
+
+impl Drop for Probes {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            // SAFETY: signals a child this test started; SIGCONT first lets a stopped one die.
+            unsafe {
+                libc::kill(child.id() as i32, libc::SIGCONT);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn unix_ms() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()
+}
+
+fn at_ms(event: &Event) -> u128 {
+    event["at_ms"].parse().unwrap()
+}
+
+#[test]
+fn sv1_sigkill_of_a_random_rank_fails_every_survivor_within_the_window() {
+    let trials = std::env::var("CHORUS_SUPERVISION_TRIALS").ok().and_then(|v| v.parse().ok()).unwrap_or(SIGKILL_TRIALS);
+    let seed = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos() as usize;
+    for trial in 0..trials {
+        let victim = (seed + trial * 7) % 4;
+        // Shared memory notices a dead peer by its pid; QUIC cannot tell, so there the heartbeat must.
+        let transport = if trial % 2 == 0 { "shm" } else { "quic" };
+        let mut probes = Probes::start(4, &[("CHORUS_TRANSPORT", transport)]);
+        probes.until_running();
+        // SAFETY: SIGKILL to a child this test started.
+        assert_eq!(unsafe { libc::kill(probes.pid(victim), libc::SIGKILL) }, 0);
+        let killed = unix_ms();
+        let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
+        let errors = probes.errors(&survivors, Instant::now() + Duration::from_secs(10));
+        for (rank, error) in survivors.iter().zip(&errors) {
+            let after = at_ms(error).saturating_sub(killed);
+            assert!(
+                after <= WINDOW_MS + 1000,
+                "trial {trial} (seed {seed}, {transport}, rank {victim} killed): rank {rank} got its error {after} ms later:\n{}",
+                probes.log.join("\n")
+            );
+        }
+    }
+}
+
+#[test]
+fn sv1_a_sigstopped_rank_is_detected() {
+    let mut probes = Probes::start(4, &[("CHORUS_TRANSPORT", "shm")]);
+    probes.until_running();
+    // SAFETY: SIGSTOP to a child this test started (Drop continues and kills it).
+    assert_eq!(unsafe { libc::kill(probes.pid(2), libc::SIGSTOP) }, 0);
+    let stopped = unix_ms();
+    let errors = probes.errors(&[0, 1, 3], Instant::now() + Duration::from_secs(10));
+    for error in &errors {
+        assert!(at_ms(error).saturating_sub(stopped) <= WINDOW_MS + 1000, "{error:?}\n{}", probes.log.join("\n"));
+    }
+    assert!(
+        errors.iter().any(|e| e["kind"] == "aborted" && e["failed"] == "[2]"),
+        "some survivor must name the stopped rank 2:\n{}",
+        probes.log.join("\n")
+    );
+}
+
+#[test]
+fn sv1_a_partition_is_detected() {
+    let mut probes = Probes::start(4, &[("CHORUS_FAULTS", "partition(0,1|2,3, after=1500ms)")]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let errors = probes.errors(&[0, 1, 2, 3], deadline);
+    for (rank, error) in errors.iter().enumerate() {
+        let ready = at_ms(probes.event(rank, "ready"));
+        let after = at_ms(error).saturating_sub(ready);
+        assert!(after <= 1500 + WINDOW_MS + 1000, "rank {rank} noticed the partition {after} ms after it formed:\n{}", probes.log.join("\n"));
+    }
+}
+
+#[test]
+fn sv7_blocking_wait_returns_errors_to_the_caller() {
+    // Under a launcher that sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1, CHORUS_BLOCKING_WAIT wins.
+    let mut probes = Probes::start(3, &[("CHORUS_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), ("CHORUS_TRANSPORT", "quic")]);
+    probes.until_running();
+    // SAFETY: SIGSTOP to a child this test started (Drop continues and kills it).
+    assert_eq!(unsafe { libc::kill(probes.pid(1), libc::SIGSTOP) }, 0);
+    let stopped = unix_ms();
+    let errors = probes.errors(&[0, 2], Instant::now() + Duration::from_secs(10));
+    for error in &errors {
+        // Links stay open in this mode: each survivor names the stopped rank itself.
+        assert_eq!((error["kind"].as_str(), error["failed"].as_str()), ("aborted", "[1]"), "{error:?}\n{}", probes.log.join("\n"));
+        assert!(at_ms(error).saturating_sub(stopped) <= WINDOW_MS + 1000, "{error:?}");
+    }
+}
+
+#[test]
+fn sv7_setting_both_modes_is_an_error_at_init() {
+    let mut probes = Probes::start(1, &[("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")]);
+    let status = {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = probes.children[0].try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "the probe did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert!(!status.success());
+    std::thread::sleep(Duration::from_millis(100));
+    while let Ok((_, line)) = probes.lines.try_recv() {
+        probes.log.push(line);
+    }
+    let log = probes.log.join("\n");
+    assert!(log.contains("TORCH_NCCL_BLOCKING_WAIT=1") && log.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING=1"), "{log}");
+}
