@@ -11,10 +11,11 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use chorus_runtime::rendezvous::{
-    self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError,
+    self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError, StoreSpec,
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use actix::{Actor, Addr};
@@ -27,8 +28,9 @@ use chorus_actors::supervision::{
 use chorus_actors::system::{self, SystemError};
 use chorus_runtime::collective::Overrides;
 use chorus_runtime::flight::{self, FlightRecorder};
-use chorus_runtime::store::HashStore;
+use chorus_runtime::store::{HashStore, PrefixStore};
 use chorus_transports::link::Link;
+use chorus_transports::scoped::ScopedLink;
 use chorus_transports::local::local_mesh;
 use chorus_transports::netif::{self, NetifError};
 use chorus_transports::quic::QuicEndpoint;
@@ -58,6 +60,9 @@ pub enum InitError {
     /// `CHORUS_ALGO` does not parse.
     #[error("CHORUS_ALGO: {0}")]
     Algorithm(String),
+    /// `new_group` was called with bad or disagreeing ranks.
+    #[error("{0}")]
+    Subgroup(String),
     /// The supervision settings (error-handling mode, timeouts) are wrong.
     #[error(transparent)]
     Supervision(#[from] SupervisionConfigError),
@@ -172,6 +177,10 @@ pub struct ProcessGroup {
     supervision: Arc<Supervision>,
     /// Turning it true stops the heartbeats, the watchdog and its monitor.
     stop_supervision: watch::Sender<bool>,
+    /// What the group was formed with, for its subgroups.
+    options: InitOptions,
+    /// Subgroups made so far ([`ProcessGroup::new_group`]).
+    subgroups: AtomicU32,
     /// Kept alive for the links' connections (none for in-process groups).
     _endpoint: Option<QuicEndpoint>,
 }
@@ -261,7 +270,6 @@ async fn form(
             .map(|a| a.ip()),
         None => None,
     };
-    let overrides = overrides()?;
     let arbiter = system::new_arbiter()?;
     let mut record = PeerRecord {
         rank: config.rank as u32,
@@ -286,6 +294,22 @@ async fn form(
             (membership, None, links)
         }
     };
+    start_rank(config, membership, opened, links, endpoint, options, arbiter).await
+}
+
+/// Starts a formed rank: its actor, heartbeats and watchdog on `arbiter`.
+/// Shared by whole groups and subgroups.
+async fn start_rank(
+    config: RendezvousConfig,
+    membership: Membership,
+    opened: rendezvous::OpenedStore,
+    links: Vec<Option<Arc<dyn Link>>>,
+    endpoint: Option<QuicEndpoint>,
+    options: &InitOptions,
+    arbiter: actix_rt::Arbiter,
+) -> Result<ProcessGroup, InitError> {
+    let env = |name: &str| std::env::var(name).ok();
+    let overrides = overrides()?;
     let actor_links = links.clone();
     let (rank, collective_timeout) = (config.rank, options.collective_timeout);
     let flight = FlightRecorder::new(
@@ -346,6 +370,8 @@ async fn form(
         arbiter,
         supervision,
         stop_supervision,
+        options: options.clone(),
+        subgroups: AtomicU32::new(0),
         _endpoint: endpoint,
     })
 }
@@ -440,6 +466,75 @@ impl ProcessGroup {
     pub fn peer_address(&self, rank: usize) -> Option<IpAddr> {
         let peer = self.membership.peers.get(rank)?;
         netif::peer_address(&peer.addrs, peer.host == self.membership.me().host)
+    }
+
+    /// PyTorch's `new_group(ranks)`: a group of some of this group's ranks,
+    /// with its own actor and numbering, over the same connections (on
+    /// channels of its own, so the two groups' collectives never mix).
+    ///
+    /// Every rank of this group must call it, in the same order, with the
+    /// same ranks (a mismatch is an error naming both lists); members get
+    /// the subgroup, where they have rank = their position in the sorted
+    /// `ranks`, others `None`.
+    pub async fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>, InitError> {
+        let index = self.subgroups.fetch_add(1, Ordering::SeqCst);
+        let mut members = ranks.to_vec();
+        members.sort_unstable();
+        members.dedup();
+        let world = self.world_size();
+        if members.is_empty() || members.len() != ranks.len() || members.iter().any(|&r| r >= world) || index >= 0xfffe {
+            return Err(InitError::Subgroup(format!(
+                "new_group({ranks:?}): ranks must be distinct, in 0..{world}, and not empty"
+            )));
+        }
+        let scope = format!("chorus/{}/g{}/subgroup/{index}", self.config.run_id, self.generation());
+        let listed = members.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+        let agreed = self.store.compare_set(&scope, b"", listed.as_bytes()).await?;
+        if agreed != listed.as_bytes() {
+            return Err(InitError::Subgroup(format!(
+                "subgroup #{index}: this rank asked for ranks [{listed}], another asked for [{}]; every rank must call new_group in the same order with the same ranks",
+                String::from_utf8_lossy(&agreed)
+            )));
+        }
+        let Some(sub_rank) = members.iter().position(|&r| r == self.rank()) else {
+            return Ok(None);
+        };
+        let base = (index + 1) << 16;
+        let links = members
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| {
+                self.links[r]
+                    .as_ref()
+                    .map(|link| Arc::new(ScopedLink::new(link.clone(), base, i)) as Arc<dyn Link>)
+            })
+            .collect();
+        let peers = members
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| PeerRecord {
+                rank: i as u32,
+                ..self.membership.peers[r].clone()
+            })
+            .collect();
+        let membership = Membership {
+            generation: self.generation(),
+            rank: sub_rank,
+            peers,
+        };
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(scope, self.store.clone()));
+        let config = RendezvousConfig {
+            store: StoreSpec::Given(store.clone()),
+            rank: sub_rank,
+            world_size: members.len(),
+            local_rank: None,
+            local_world_size: None,
+            run_id: format!("{}/sub{index}", self.config.run_id),
+            ..self.config.clone()
+        };
+        let opened = rendezvous::OpenedStore { store, server: None };
+        let arbiter = system::new_arbiter()?;
+        Ok(Some(start_rank(config, membership, opened, links, None, &self.options, arbiter).await?))
     }
 
     /// This rank's link to `rank` (`None` for itself or out of range).

@@ -338,6 +338,7 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
             checks += chorus::selftest::check_collectives(&group, dtype, count).await?;
         }
     }
+    checks += chorus::selftest::check_subgroups(&group).await?;
     println!(
         "selftest: rank {} of {}: {checks} checks passed ({} dtypes, counts {counts:?})",
         group.rank(),

@@ -163,3 +163,45 @@ pub async fn check_collectives(pg: &ProcessGroup, dtype: DType, count: usize) ->
     }
     Ok(c.checks)
 }
+
+/// Splits the group into even and odd ranks with `new_group` (every rank
+/// calls it twice, as PyTorch requires), all-reduces inside each subgroup and,
+/// at the same time, in the whole group; checks all three results.
+pub async fn check_subgroups(pg: &ProcessGroup) -> Result<usize, SelfTestError> {
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let fail = |what: &str, detail: String| SelfTestError {
+        what: what.to_string(),
+        dtype: DType::Int64,
+        count: 1,
+        world,
+        rank,
+        detail,
+    };
+    let evens: Vec<usize> = (0..world).step_by(2).collect();
+    let odds: Vec<usize> = (1..world).step_by(2).collect();
+    let even_group = pg.new_group(&evens).await.map_err(|e| fail("new_group(evens)", e.to_string()))?;
+    let odd_group = if odds.is_empty() {
+        None
+    } else {
+        pg.new_group(&odds).await.map_err(|e| fail("new_group(odds)", e.to_string()))?
+    };
+    let (mine, members) = match (&even_group, &odd_group) {
+        (Some(group), _) => (group, &evens),
+        (None, Some(group)) => (group, &odds),
+        (None, None) => return Err(fail("new_group", "this rank is in neither subgroup".into())),
+    };
+    if mine.world_size() != members.len() || members[mine.rank()] != rank {
+        return Err(fail("new_group", format!("subgroup rank {} of {} for members {members:?}", mine.rank(), mine.world_size())));
+    }
+    let value = Tensor::from_slice(&[rank as i64 + 1]);
+    let sub = mine.all_reduce(value.clone(), ReduceOp::Sum);
+    let whole = pg.all_reduce(value, ReduceOp::Sum);
+    let sub = sub.await.map_err(|e| fail("subgroup all_reduce", e.to_string()))?;
+    let whole = whole.await.map_err(|e| fail("all_reduce beside a subgroup's", e.to_string()))?;
+    let want_sub: i64 = members.iter().map(|&r| r as i64 + 1).sum();
+    let want_whole = (world * (world + 1) / 2) as i64;
+    if decode(&sub) != [want_sub] || decode(&whole) != [want_whole] {
+        return Err(fail("subgroups", format!("got {:?} and {:?}, expected {want_sub} and {want_whole}", decode(&sub), decode(&whole))));
+    }
+    Ok(2)
+}

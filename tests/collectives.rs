@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use chorus::selftest::{ALL_DTYPES, check_collectives};
+use chorus::selftest::{ALL_DTYPES, check_collectives, check_subgroups};
 use chorus::{CollectiveError, DType, ReduceOp, Tensor, spawn};
 
 /// Fails the test with a message instead of hanging.
@@ -23,7 +23,7 @@ async fn check_world(world: usize, dtypes: &'static [DType], counts: &'static [u
                 checks += check_collectives(&pg, dtype, count).await.unwrap_or_else(|e| panic!("{e}"));
             }
         }
-        checks
+        checks + check_subgroups(&pg).await.unwrap_or_else(|e| panic!("{e}"))
     })
     .await
     .unwrap();
@@ -112,4 +112,29 @@ fn every_collective_in_separate_processes_over_quic() {
     for world in [2, 4] {
         selftest_processes(world, "quic");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_that_disagree_on_a_subgroup_are_told_so() {
+    within("subgroup mismatch", async {
+        let outcomes = spawn(3, |pg| async move {
+            let ranks: &[usize] = if pg.rank() == 2 { &[0, 2] } else { &[0, 1] };
+            pg.new_group(ranks).await.map(|g| g.is_some()).map_err(|e| e.to_string())
+        })
+        .await
+        .unwrap();
+        let refused: Vec<&String> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
+        assert!(!refused.is_empty(), "a disagreement must be refused: {outcomes:?}");
+        assert!(refused.iter().all(|e| e.contains("[0,1]") && e.contains("[0,2]")), "{refused:?}");
+    })
+    .await;
+}
+
+#[test]
+fn handles_cross_threads_and_runtimes() {
+    fn shareable<T: Send + Sync + 'static>() {}
+    fn sendable<T: Send + 'static>() {}
+    // Share a group between tasks with Arc<ProcessGroup>; Work moves to any runtime.
+    shareable::<chorus::ProcessGroup>();
+    sendable::<chorus::Work<Tensor>>();
 }
