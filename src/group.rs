@@ -91,6 +91,20 @@ pub struct InitOptions {
     /// ([`ErrorHandling::from_env`]: `CHORUS_BLOCKING_WAIT`,
     /// `CHORUS_ASYNC_ERROR_HANDLING` and the torch / NCCL names), else abort.
     pub error_handling: Option<ErrorHandling>,
+    /// Fewest ranks an [`ElasticGroup`](crate::ElasticGroup) restarts with;
+    /// `None`: the initial world size (no shrinking).
+    pub min_world: Option<usize>,
+    /// Most ranks an elastic group admits; `None`: the initial world size.
+    pub max_world: Option<usize>,
+    /// How long an elastic rendezvous waits for more ranks once `min_world`
+    /// came (torchelastic's last call).
+    pub last_call: Duration,
+    /// Restarts an elastic group may make per `restart_window`; `None`:
+    /// `CHORUS_MAX_RESTARTS`, else 3.
+    pub max_restarts: Option<u32>,
+    /// The window of the restart budget; `None`: `CHORUS_RESTART_WINDOW`
+    /// seconds, else 600 s.
+    pub restart_window: Option<Duration>,
 }
 
 impl Default for InitOptions {
@@ -104,6 +118,11 @@ impl Default for InitOptions {
             heartbeat_timeout: None,
             watchdog_timeout: None,
             error_handling: None,
+            min_world: None,
+            max_world: None,
+            last_call: Duration::from_secs(1),
+            max_restarts: None,
+            restart_window: None,
         }
     }
 }
@@ -156,6 +175,26 @@ impl InitOptions {
     /// Sets the error-handling mode, over the environment's.
     pub fn error_handling(mut self, mode: ErrorHandling) -> Self {
         self.error_handling = Some(mode);
+        self
+    }
+
+    /// Sets the bounds on an elastic group's world size.
+    pub fn elastic_world(mut self, min_world: usize, max_world: usize) -> Self {
+        self.min_world = Some(min_world);
+        self.max_world = Some(max_world);
+        self
+    }
+
+    /// Sets how long an elastic rendezvous waits for more once `min_world` came.
+    pub fn last_call(mut self, window: Duration) -> Self {
+        self.last_call = window;
+        self
+    }
+
+    /// Sets the restart budget: at most `max_restarts` per `window`.
+    pub fn restart_budget(mut self, max_restarts: u32, window: Duration) -> Self {
+        self.max_restarts = Some(max_restarts);
+        self.restart_window = Some(window);
         self
     }
 }
@@ -228,7 +267,7 @@ fn overrides() -> Result<Overrides, InitError> {
 }
 
 /// Where a group's links come from.
-enum LinkSource {
+pub(crate) enum LinkSource {
     /// The QUIC mesh, set up on the rank's arbiter.
     Mesh { single_host: bool },
     /// In-process links made by [`spawn`].
@@ -241,21 +280,27 @@ pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, In
     let env = |name: &str| std::env::var(name).ok();
     let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
     let opened = rendezvous::open_store(&config, options.timeout).await?;
-    let master = match config.master_host() {
-        Some(host) => tokio::net::lookup_host((host, 0))
+    let single_host = single_host(&config).await;
+    form(config, opened, LinkSource::Mesh { single_host }, &options).await
+}
+
+/// Whether the whole job is on this host: its store is on loopback, or is
+/// an in-process store.
+pub(crate) async fn single_host(config: &RendezvousConfig) -> bool {
+    match (&config.store, config.master_host()) {
+        (StoreSpec::Given(_), _) => true,
+        (_, Some(host)) => tokio::net::lookup_host((host, 0))
             .await
             .ok()
             .and_then(|mut addrs| addrs.next())
-            .map(|a| a.ip()),
-        None => None,
-    };
-    let single_host = master.is_some_and(|ip| ip.is_loopback());
-    form(config, opened, LinkSource::Mesh { single_host }, &options).await
+            .is_some_and(|a| a.ip().is_loopback()),
+        _ => false,
+    }
 }
 
 /// Rendezvous, links and actor: the part of forming a group shared by
 /// separate processes and [`spawn`].
-async fn form(
+pub(crate) async fn form(
     config: RendezvousConfig,
     opened: rendezvous::OpenedStore,
     source: LinkSource,
@@ -428,6 +473,31 @@ where
 }
 
 impl ProcessGroup {
+    /// The goodbye and last barrier of [`ProcessGroup::destroy`], for a
+    /// handle shared by an elastic group (which keeps the store server).
+    pub(crate) async fn leave(&self) -> Result<(), InitError> {
+        let links = self.links.clone();
+        on_arbiter(&self.arbiter, async move { heartbeat::say_goodbye(&links).await }).await?;
+        self.stop_supervision.send_replace(true);
+        self.store_barrier("destroy").await
+    }
+
+    /// Ends this generation after an abort: its heartbeats and watchdog stop
+    /// and its links close (in every error-handling mode, so no frame of it
+    /// reaches the next generation's peers).
+    pub(crate) fn tear_down(&self, why: &str) {
+        self.stop_supervision.send_replace(true);
+        for link in self.links.iter().flatten() {
+            link.close(why);
+        }
+    }
+
+    /// Aborts the group from outside (a membership change), as a failure
+    /// would (SV-5): pending operations fail and `failures()` publishes it.
+    pub(crate) fn abort(&self, why: String) -> bool {
+        self.supervision.abort(supervision::AbortReason::OperationFailed(why), Vec::new())
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.membership.rank
@@ -575,10 +645,7 @@ impl ProcessGroup {
     /// the store only when nobody needs it. Heartbeats stop first (SV-8): a
     /// peer that passed the barrier and exited is not a failure.
     pub async fn destroy(mut self) -> Result<(), InitError> {
-        let links = self.links.clone();
-        on_arbiter(&self.arbiter, async move { heartbeat::say_goodbye(&links).await }).await?;
-        self.stop_supervision.send_replace(true);
-        self.store_barrier("destroy").await?;
+        self.leave().await?;
         // Our own connection must not hold the server's shutdown open.
         self.store = Arc::new(HashStore::default());
         if let Some(server) = self.server.take() {

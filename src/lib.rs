@@ -8,6 +8,8 @@
 //! - [`collectives`]: every `torch.distributed` collective on a
 //!   [`ProcessGroup`], each returning a [`Work`]; [`tensor`]: the owned
 //!   buffers they take and hand back.
+//! - [`elastic`]: [`ElasticGroup`], a group that restarts itself into a
+//!   new generation after a failure (rules SV-9..SV-13).
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).
 //! - [`mesh`]: building those links: transport choice, published endpoints,
@@ -23,6 +25,7 @@
 
 pub mod bench;
 pub mod collectives;
+pub mod elastic;
 pub mod group;
 pub mod launch;
 pub mod mesh;
@@ -35,6 +38,7 @@ pub use chorus_transports::{fault, link, netif};
 pub use chorus_actors::driver::CollectiveError;
 pub use chorus_runtime::collective::{DType, ReduceOp};
 pub use collectives::Work;
+pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
 pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use tensor::{Element, Tensor};

@@ -12,6 +12,8 @@
 //!   for, from the flight-recorder dumps in DIR (`chorus::trace`).
 //! - `chorus fault-probe` (hidden): one rank that all-reduces in a loop and
 //!   prints each event with a timestamp, for the supervision tests.
+//! - `chorus elastic-probe` (hidden): one rank of an elastic group that
+//!   all-reduces through restarts, for the restart tests.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -67,6 +69,25 @@ enum Commands {
         /// Seconds to loop before leaving cleanly.
         #[arg(long, default_value_t = 30)]
         seconds: u64,
+    },
+    /// Internal: as one rank of an elastic group, all-reduce in a loop through restarts and print each event.
+    #[command(hide = true)]
+    ElasticProbe {
+        /// How the ranks meet.
+        #[arg(long, default_value = "env://")]
+        init: String,
+        /// Successful all-reduces to run before leaving.
+        #[arg(long, default_value_t = 400)]
+        iterations: u64,
+        /// Fewest ranks a restart may form.
+        #[arg(long)]
+        min_world: Option<usize>,
+        /// Most ranks a generation admits.
+        #[arg(long)]
+        max_world: Option<usize>,
+        /// Milliseconds a rendezvous waits for more once min_world came.
+        #[arg(long, default_value_t = 300)]
+        last_call_ms: u64,
     },
     /// Compare the ranks' flight-recorder dumps (CHORUS_TRACE_DIR) and name the rank(s) a stuck collective waits for.
     Trace {
@@ -248,6 +269,13 @@ fn main() -> ExitCode {
         Commands::Launch { args } => return chorus::launch::main(&args),
         Commands::Trace { dir, json } => return chorus::trace::main(&dir, json),
         Commands::FaultProbe { init, seconds } => run_async(fault_probe(init, Duration::from_secs(seconds))),
+        Commands::ElasticProbe {
+            init,
+            iterations,
+            min_world,
+            max_world,
+            last_call_ms,
+        } => run_async(elastic_probe(init, iterations, min_world, max_world, Duration::from_millis(last_call_ms))),
     };
     match result {
         Ok(code) => code,
@@ -388,6 +416,48 @@ async fn fault_probe(url: String, seconds: Duration) -> Result<ExitCode> {
             println!("probe rank={rank} event=running at_ms={}", unix_ms());
         }
     }
+    group.destroy().await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One rank of an elastic group for the restart tests: all-reduces ones in
+/// a loop, checks each sum against the generation's world size, and after a
+/// restart agrees with the others on the step to resume from.
+async fn elastic_probe(url: String, iterations: u64, min_world: Option<usize>, max_world: Option<usize>, last_call: Duration) -> Result<ExitCode> {
+    use chorus::{ReduceOp, Tensor};
+    let mut options = InitOptions::from_url(&url)?.timeout(Duration::from_secs(30)).last_call(last_call);
+    options.min_world = min_world;
+    options.max_world = max_world;
+    let group = chorus::ElasticGroup::init(options).await?;
+    let pg = group.current();
+    println!("probe rank={} gen={} world={} pid={} event=ready", pg.rank(), pg.generation(), pg.world_size(), std::process::id());
+    let mut done = 0u64;
+    while done < iterations {
+        let pg = group.current();
+        match pg.all_reduce(Tensor::from_slice(&[1.0f32; 1024]), ReduceOp::Sum).await {
+            Ok(sum) => {
+                if !sum.to_vec::<f32>()?.iter().all(|&v| v == pg.world_size() as f32) {
+                    bail!("rank {} generation {}: all_reduce gave a wrong sum", pg.rank(), pg.generation());
+                }
+                done += 1;
+                if done == 20 {
+                    println!("probe rank={} gen={} event=running", pg.rank(), pg.generation());
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(error) => {
+                println!("probe rank={} gen={} event=error error={error}", pg.rank(), pg.generation());
+                let next = group.next_generation(pg.generation()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                // A collective may have completed on some survivors only: resume from the least step.
+                let step = next.all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min).await?;
+                done = step.to_vec::<f64>()?[0] as u64;
+                println!("probe rank={} gen={} world={} event=restarted resume={done}", next.rank(), next.generation(), next.world_size());
+            }
+        }
+    }
+    let pg = group.current();
+    println!("probe rank={} gen={} world={} event=done iterations={done}", pg.rank(), pg.generation(), pg.world_size());
+    drop(pg);
     group.destroy().await?;
     Ok(ExitCode::SUCCESS)
 }

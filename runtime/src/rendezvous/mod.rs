@@ -29,6 +29,7 @@ use crate::store::{
     TcpStoreServer, TcpStoreServerOptions,
 };
 
+pub mod elastic;
 pub mod env;
 mod record;
 

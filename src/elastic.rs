@@ -1,0 +1,543 @@
+//! [`ElasticGroup`]: a process group that restarts itself after a failure,
+//! one-for-all, into a new generation with the survivors and any joiners,
+//! behind the same handle.
+//!
+//! A [`GroupSupervisor`] task waits on the current group's `failures()`
+//! (the abort of SV-5), tears the generation down, runs the elastic
+//! rendezvous (`rendezvous::elastic`) for the next one, forms it through the
+//! same path as [`init_process_group`](crate::init_process_group) (new
+//! records, links, actor, heartbeats, watchdog), swaps it in and emits a
+//! [`MembershipChange`] on [`ElasticGroup::events`].
+//!
+//! The application's side: an operation that fails with
+//! `CollectiveError::GroupAborted` ran on a generation that is gone. Wait
+//! for the next one ([`ElasticGroup::next_generation`]), agree on where to
+//! resume (e.g. an all-reduce of the step counters with `Min`: a collective
+//! may have completed on some survivors and not on others) and re-run the
+//! step, as torchelastic's users re-run theirs.
+//!
+//! The store must outlive any rank: a launcher's store
+//! (`TORCHELASTIC_USE_AGENT_STORE`), `chorus store serve`, a file store, or
+//! an in-process store. Where this process serves the store itself (rank 0
+//! of `tcp://`), the group keeps serving it across generations, but a
+//! failure of this process ends the job.
+//!
+//! Rules (each with a test named after it, here, in
+//! `chorus_runtime::rendezvous::elastic` or in `tests/elastic.rs`):
+//! - SV-9: a failure of generation g (any abort, SV-1/SV-2) restarts the
+//!   group one-for-all: its links close, the survivors and joiners form
+//!   generation g+1 and the same handle runs on it; operations submitted
+//!   between the failure and the swap fail with the abort error.
+//! - SV-10: ranks of a new generation are dense and stable: survivors keep
+//!   their relative order by old rank, joiners follow in arrival order.
+//! - SV-11: a generation closes when `max_world` joined, or when at least
+//!   `min_world` joined and the last-call window passed; fewer than
+//!   `min_world` within the timeout is an error naming who came; an
+//!   arrival after the close waits for the next generation.
+//! - SV-12: at most `max_restarts` restarts per window; the failure past the
+//!   budget (or a restart that cannot form) ends the process with a message
+//!   naming every failure seen (generation, rank, reason, failed ranks).
+//! - SV-13: a process waiting to join generation g+1 restarts a healthy
+//!   group that has fewer than `max_world` ranks, so it is admitted.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chorus_actors::supervision::{self, GroupAborted};
+use chorus_runtime::rendezvous::elastic::{self as elastic_rdzv, ElasticConfig, Joiner};
+use chorus_runtime::rendezvous::{self, OpenedStore, RendezvousConfig};
+use chorus_runtime::store::{Store, StoreError, TcpStoreServer};
+use thiserror::Error;
+use tokio::sync::{broadcast, watch};
+
+use crate::collectives::Work;
+use crate::group::{InitError, InitOptions, LinkSource, ProcessGroup, form, single_host};
+use crate::tensor::Tensor;
+use chorus_runtime::collective::ReduceOp;
+
+/// Restarts allowed per window, when neither the options nor the environment say.
+pub const DEFAULT_MAX_RESTARTS: u32 = 3;
+/// The budget's window, when neither the options nor the environment say.
+pub const DEFAULT_RESTART_WINDOW: Duration = Duration::from_secs(600);
+/// Restarts allowed per window.
+pub const MAX_RESTARTS_ENV: &str = "CHORUS_MAX_RESTARTS";
+/// The budget's window, in seconds.
+pub const RESTART_WINDOW_ENV: &str = "CHORUS_RESTART_WINDOW";
+/// How often a healthy group looks for processes waiting to join (SV-13).
+const JOINER_POLL: Duration = Duration::from_millis(500);
+/// How often an elastic rendezvous reads the store while waiting.
+const RENDEZVOUS_POLL: Duration = Duration::from_millis(20);
+
+/// Why an elastic group could not form, or stopped restarting.
+#[derive(Debug, Error)]
+pub enum RestartError {
+    /// Forming a generation (peer exchange, links, actor) failed.
+    #[error(transparent)]
+    Init(#[from] InitError),
+    /// The elastic rendezvous failed.
+    #[error(transparent)]
+    Rendezvous(#[from] elastic_rdzv::ElasticError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A setting does not parse.
+    #[error("{name}={value:?}: {expected}")]
+    BadSetting {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What it should be.
+        expected: &'static str,
+    },
+    /// The restart budget is spent (SV-12).
+    #[error("restart budget spent: {} failure(s) in {window:?} with at most {max_restarts} restart(s) allowed; failures: {}", failures.len(), describe(failures))]
+    BudgetSpent {
+        /// Restarts allowed per window.
+        max_restarts: u32,
+        /// The window.
+        window: Duration,
+        /// Every failure seen, oldest first.
+        failures: Vec<GroupAborted>,
+    },
+    /// A restart could not form its generation.
+    #[error("restart after generation {generation} failed: {source}; failures so far: {}", describe(failures))]
+    RestartFailed {
+        /// The generation that failed.
+        generation: u64,
+        /// Why the next could not form.
+        #[source]
+        source: Box<RestartError>,
+        /// Every failure seen, oldest first.
+        failures: Vec<GroupAborted>,
+    },
+}
+
+fn describe(failures: &[GroupAborted]) -> String {
+    let each: Vec<String> = failures.iter().map(|f| format!("[{f}; failed ranks {:?}]", f.failed_ranks)).collect();
+    each.join(" ")
+}
+
+/// One membership change, emitted after a restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MembershipChange {
+    /// The new generation.
+    pub generation: u64,
+    /// This process's rank in the previous generation (`None` if it had none).
+    pub old_rank: Option<usize>,
+    /// Its rank now.
+    pub new_rank: usize,
+    /// The new world size.
+    pub world_size: usize,
+}
+
+/// The restart budget (SV-12), sans IO: failures go in with their time.
+#[derive(Debug)]
+pub(crate) struct RestartBudget {
+    max_restarts: u32,
+    window: Duration,
+    restarts: VecDeque<Instant>,
+    failures: Vec<GroupAborted>,
+}
+
+impl RestartBudget {
+    pub(crate) fn new(max_restarts: u32, window: Duration) -> Self {
+        Self {
+            max_restarts,
+            window,
+            restarts: VecDeque::new(),
+            failures: Vec::new(),
+        }
+    }
+
+    /// Records `failure` at `now`; `Ok` when a restart is within budget.
+    pub(crate) fn admit(&mut self, failure: GroupAborted, now: Instant) -> Result<(), RestartError> {
+        self.failures.push(failure);
+        while self.restarts.front().is_some_and(|&t| now.duration_since(t) >= self.window) {
+            self.restarts.pop_front();
+        }
+        if self.restarts.len() >= self.max_restarts as usize {
+            return Err(RestartError::BudgetSpent {
+                max_restarts: self.max_restarts,
+                window: self.window,
+                failures: self.failures.clone(),
+            });
+        }
+        self.restarts.push_back(now);
+        Ok(())
+    }
+
+    pub(crate) fn failures(&self) -> &[GroupAborted] {
+        &self.failures
+    }
+}
+
+/// What forming any generation of this process needs.
+#[derive(Clone)]
+struct Base {
+    config: RendezvousConfig,
+    store: Arc<dyn Store>,
+    single_host: bool,
+    options: InitOptions,
+    min_world: usize,
+    max_world: usize,
+    me: Joiner,
+}
+
+impl Base {
+    /// Joins generation `generation` (or a later one, when late), then forms it.
+    async fn form(&self, mut generation: u64, old_rank: Option<usize>) -> Result<ProcessGroup, RestartError> {
+        let me = Joiner {
+            old_rank: old_rank.map(|r| r as u32),
+            ..self.me.clone()
+        };
+        loop {
+            let elastic = ElasticConfig {
+                run_id: self.config.run_id.clone(),
+                generation,
+                min_world: self.min_world,
+                max_world: self.max_world,
+                last_call: self.options.last_call,
+                timeout: self.options.timeout,
+                poll: RENDEZVOUS_POLL,
+            };
+            let admission = match elastic_rdzv::join(self.store.clone(), &elastic, me.clone()).await {
+                Ok(admission) => admission,
+                Err(elastic_rdzv::ElasticError::Late { .. }) => {
+                    generation += 1;
+                    continue;
+                }
+                Err(other) => return Err(other.into()),
+            };
+            let initial = generation == self.config.generation && Some(admission.rank) == old_rank;
+            let config = RendezvousConfig {
+                rank: admission.rank,
+                world_size: admission.world_size(),
+                generation,
+                serve_store: false,
+                // The launcher's local numbering holds only for the launch layout.
+                local_rank: self.config.local_rank.filter(|_| initial && admission.world_size() == self.config.world_size),
+                local_world_size: self.config.local_world_size.filter(|_| initial && admission.world_size() == self.config.world_size),
+                ..self.config.clone()
+            };
+            let opened = OpenedStore {
+                store: self.store.clone(),
+                server: None,
+            };
+            let group = form(config, opened, LinkSource::Mesh { single_host: self.single_host }, &self.options).await?;
+            elastic_rdzv::publish_latest(&self.store, &self.config.run_id, generation).await?;
+            return Ok(group);
+        }
+    }
+}
+
+/// What the handle and its supervisor share.
+struct Shared {
+    current: watch::Sender<Arc<ProcessGroup>>,
+    events: broadcast::Sender<MembershipChange>,
+    gave_up: watch::Sender<Option<Arc<RestartError>>>,
+}
+
+/// A process group that survives failures of its members: see the module docs.
+pub struct ElasticGroup {
+    shared: Arc<Shared>,
+    supervisor: GroupSupervisor,
+    /// The store server, when this process hosts it (kept across generations).
+    server: Option<TcpStoreServer>,
+}
+
+impl std::fmt::Debug for ElasticGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElasticGroup").field("current", &*self.shared.current.borrow()).finish()
+    }
+}
+
+/// The task that restarts an [`ElasticGroup`] (SV-9, SV-12, SV-13); it
+/// stops when the group is dropped or destroyed.
+#[derive(Debug)]
+pub struct GroupSupervisor {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for GroupSupervisor {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What the supervisor does when it gives up: print and exit, so a
+/// launcher sees the failure.
+pub fn exit_on_give_up(error: &RestartError) {
+    eprintln!("chorus: elastic group gives up: {error}");
+    std::process::exit(1);
+}
+
+fn budget_from(options: &InitOptions) -> Result<RestartBudget, RestartError> {
+    let env = |name: &str| std::env::var(name).ok();
+    let max_restarts = match options.max_restarts {
+        Some(n) => n,
+        None => match env(MAX_RESTARTS_ENV).filter(|v| !v.trim().is_empty()) {
+            Some(value) => value.trim().parse().map_err(|_| RestartError::BadSetting {
+                name: MAX_RESTARTS_ENV,
+                value,
+                expected: "a number of restarts, 0 or more",
+            })?,
+            None => DEFAULT_MAX_RESTARTS,
+        },
+    };
+    let window = match options.restart_window {
+        Some(window) => window,
+        None => supervision::seconds_from_env(&env, RESTART_WINDOW_ENV)
+            .map_err(InitError::Supervision)?
+            .unwrap_or(DEFAULT_RESTART_WINDOW),
+    };
+    Ok(RestartBudget::new(max_restarts, window))
+}
+
+impl ElasticGroup {
+    /// Forms the group (as [`init_process_group`](crate::init_process_group)
+    /// does, through an elastic rendezvous) and starts its supervisor, which
+    /// exits the process when it gives up (SV-12).
+    ///
+    /// A process that finds the job already running (a relaunched worker, a
+    /// new node) joins its next generation as a new member.
+    pub async fn init(options: InitOptions) -> Result<Self, RestartError> {
+        Self::init_with(options, exit_on_give_up).await
+    }
+
+    /// [`ElasticGroup::init`] with another give-up action (it runs on the
+    /// supervisor's task; [`ElasticGroup::gave_up`] reports the error too).
+    pub async fn init_with(
+        options: InitOptions,
+        on_give_up: impl Fn(&RestartError) + Send + Sync + 'static,
+    ) -> Result<Self, RestartError> {
+        let env = |name: &str| std::env::var(name).ok();
+        let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)
+            .map_err(InitError::from)?;
+        let budget = budget_from(&options)?;
+        let opened = rendezvous::open_store(&config, options.timeout).await.map_err(InitError::from)?;
+        let min_world = options.min_world.unwrap_or(config.world_size);
+        let max_world = options.max_world.unwrap_or(config.world_size.max(min_world));
+        let base = Base {
+            single_host: single_host(&config).await,
+            store: opened.store.clone(),
+            me: Joiner {
+                old_rank: None,
+                hostname: rendezvous::HostId::local().hostname,
+                pid: std::process::id(),
+                nonce: next_nonce(),
+            },
+            config,
+            options,
+            min_world,
+            max_world,
+        };
+        let group = match elastic_rdzv::latest(&base.store, &base.config.run_id).await? {
+            // The job runs: join its next generation as a new member.
+            Some(latest) => base.form(latest + 1, None).await?,
+            None => base.form(base.config.generation, Some(base.config.rank)).await?,
+        };
+        let shared = Arc::new(Shared {
+            current: watch::Sender::new(Arc::new(group)),
+            events: broadcast::channel(64).0,
+            gave_up: watch::Sender::new(None),
+        });
+        let task = tokio::spawn(supervise(shared.clone(), base, budget, Box::new(on_give_up)));
+        Ok(Self {
+            shared,
+            supervisor: GroupSupervisor { task },
+            server: opened.server,
+        })
+    }
+
+    /// The current generation's group: every `ProcessGroup` method works on
+    /// it. After a failure it stays the aborted one (its operations fail at
+    /// once) until the next generation is swapped in.
+    pub fn current(&self) -> Arc<ProcessGroup> {
+        self.shared.current.borrow().clone()
+    }
+
+    /// This rank in the current generation.
+    pub fn rank(&self) -> usize {
+        self.current().rank()
+    }
+
+    /// The current world size.
+    pub fn world_size(&self) -> usize {
+        self.current().world_size()
+    }
+
+    /// The current generation.
+    pub fn generation(&self) -> u64 {
+        self.current().generation()
+    }
+
+    /// Membership changes from now on, one per restart.
+    pub fn events(&self) -> broadcast::Receiver<MembershipChange> {
+        self.shared.events.subscribe()
+    }
+
+    /// Why the supervisor gave up, once it did (SV-12).
+    pub fn gave_up(&self) -> Option<Arc<RestartError>> {
+        self.shared.gave_up.borrow().clone()
+    }
+
+    /// Waits until a generation after `generation` runs and returns it, or
+    /// returns why the supervisor gave up.
+    pub async fn next_generation(&self, generation: u64) -> Result<Arc<ProcessGroup>, Arc<RestartError>> {
+        let mut current = self.shared.current.subscribe();
+        let mut gave_up = self.shared.gave_up.subscribe();
+        tokio::select! {
+            Ok(group) = current.wait_for(|g| g.generation() > generation) => Ok(group.clone()),
+            Ok(error) = gave_up.wait_for(Option::is_some) => Err(error.clone().expect("waited for Some")),
+        }
+    }
+
+    /// All-reduce on the current generation.
+    pub fn all_reduce(&self, tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
+        self.current().all_reduce(tensor, op)
+    }
+
+    /// Broadcast from `root` on the current generation.
+    pub fn broadcast(&self, tensor: Tensor, root: usize) -> Work<Tensor> {
+        self.current().broadcast(tensor, root)
+    }
+
+    /// All-gather on the current generation.
+    pub fn all_gather(&self, tensor: Tensor) -> Work<Tensor> {
+        self.current().all_gather(tensor)
+    }
+
+    /// Barrier on the current generation.
+    pub fn barrier(&self) -> Work<()> {
+        self.current().barrier()
+    }
+
+    /// Leaves once every rank of the current generation leaves: stops the
+    /// supervisor first, so ranks leaving are not restarted.
+    pub async fn destroy(self) -> Result<(), InitError> {
+        let Self { shared, supervisor, server } = self;
+        drop(supervisor);
+        let group = shared.current.borrow().clone();
+        group.leave().await?;
+        drop(group);
+        drop(shared);
+        if let Some(server) = server {
+            server.shutdown().await;
+        }
+        Ok(())
+    }
+}
+
+/// Tells apart the participants of this process (ranks in one process
+/// share its pid).
+fn next_nonce() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Aborts `group` once a process waits to join the next generation and
+/// there is room (SV-13); never returns otherwise.
+async fn watch_joiners(group: &ProcessGroup, base: &Base) {
+    let next = ElasticConfig {
+        run_id: base.config.run_id.clone(),
+        generation: group.generation() + 1,
+        min_world: base.min_world,
+        max_world: base.max_world,
+        last_call: base.options.last_call,
+        timeout: base.options.timeout,
+        poll: RENDEZVOUS_POLL,
+    };
+    loop {
+        tokio::time::sleep(JOINER_POLL).await;
+        if group.world_size() >= base.max_world {
+            continue;
+        }
+        if let Ok(waiting @ 1..) = elastic_rdzv::waiting(base.store.clone(), &next).await {
+            group.abort(format!("{waiting} process(es) wait to join generation {}", next.generation));
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The supervisor's loop: wait for an abort, then restart (SV-9, SV-12, SV-13).
+async fn supervise(shared: Arc<Shared>, base: Base, mut budget: RestartBudget, on_give_up: Box<dyn Fn(&RestartError) + Send + Sync>) {
+    let give_up = |error: RestartError| {
+        on_give_up(&error);
+        shared.gave_up.send_replace(Some(Arc::new(error)));
+    };
+    loop {
+        let group = shared.current.borrow().clone();
+        let mut failures = group.failures();
+        let aborted = tokio::select! {
+            seen = failures.wait_for(Option::is_some) => match seen {
+                Ok(aborted) => aborted.clone().expect("waited for Some"),
+                // The group's supervision is gone: nothing left to restart.
+                Err(_) => return,
+            },
+            () = watch_joiners(&group, &base) => unreachable!("watch_joiners never returns"),
+        };
+        let (old_generation, old_rank) = (group.generation(), group.rank());
+        group.tear_down(&aborted.to_string());
+        drop(group);
+        if let Err(error) = budget.admit(aborted, Instant::now()) {
+            return give_up(error);
+        }
+        tracing::warn!(generation = old_generation, rank = old_rank, "restarting the group into the next generation");
+        match base.form(old_generation + 1, Some(old_rank)).await {
+            Ok(next) => {
+                let change = MembershipChange {
+                    generation: next.generation(),
+                    old_rank: Some(old_rank),
+                    new_rank: next.rank(),
+                    world_size: next.world_size(),
+                };
+                tracing::info!(?change, "group restarted");
+                shared.current.send_replace(Arc::new(next));
+                let _ = shared.events.send(change);
+            }
+            Err(source) => {
+                return give_up(RestartError::RestartFailed {
+                    generation: old_generation,
+                    source: Box::new(source),
+                    failures: budget.failures().to_vec(),
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chorus_actors::supervision::AbortReason;
+
+    fn failure(generation: u64) -> GroupAborted {
+        GroupAborted {
+            rank: 1,
+            generation,
+            reason: AbortReason::OperationFailed("peer 2 closed".into()),
+            failed_ranks: vec![2],
+        }
+    }
+
+    #[test]
+    fn sv12_the_restart_budget_counts_restarts_per_window() {
+        let start = Instant::now();
+        let mut budget = RestartBudget::new(2, Duration::from_secs(10));
+        budget.admit(failure(0), start).unwrap();
+        budget.admit(failure(1), start + Duration::from_secs(1)).unwrap();
+        let spent = budget.admit(failure(2), start + Duration::from_secs(2)).unwrap_err();
+        let text = spent.to_string();
+        for generation in 0..3 {
+            assert!(text.contains(&format!("generation {generation}")), "{text}");
+        }
+        assert!(text.contains("failed ranks [2]") && text.contains("peer 2 closed"), "{text}");
+        // Past the window, the oldest restart no longer counts.
+        let mut budget = RestartBudget::new(1, Duration::from_secs(10));
+        budget.admit(failure(0), start).unwrap();
+        budget.admit(failure(1), start + Duration::from_secs(11)).unwrap();
+        assert!(RestartBudget::new(0, Duration::from_secs(1)).admit(failure(0), start).is_err());
+    }
+}

@@ -1,0 +1,269 @@
+//! Elastic restarts (rules SV-9..SV-13 in `chorus::elastic`), in process
+//! and with real processes (`chorus elastic-probe` ranks meeting on a
+//! `chorus store serve` store that outlives every rank).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use chorus::store::{HashStore, Store};
+use chorus::rendezvous::InitMethod;
+use chorus::{ElasticGroup, ErrorHandling, InitOptions, ReduceOp, Tensor};
+
+const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+
+async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
+}
+
+fn options(store: &Arc<dyn Store>, rank: usize, world: usize) -> InitOptions {
+    InitOptions {
+        init_method: InitMethod::Store(store.clone()),
+        ..InitOptions::default()
+    }
+    .rank(rank)
+    .world_size(world)
+    .timeout(Duration::from_secs(10))
+    .heartbeat_timeout(Duration::from_secs(1))
+    .error_handling(ErrorHandling::Abort)
+    .last_call(Duration::from_millis(200))
+}
+
+async fn init(options: InitOptions) -> ElasticGroup {
+    ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}")).await.unwrap()
+}
+
+/// All-reduces ones `iterations` times through restarts, checking each sum
+/// against the world size of the generation it ran on.
+async fn train(group: &ElasticGroup, iterations: u64) {
+    let mut done = 0;
+    while done < iterations {
+        let pg = group.current();
+        match pg.all_reduce(Tensor::from_slice(&[1.0f32; 64]), ReduceOp::Sum).await {
+            Ok(sum) => {
+                assert!(sum.to_vec::<f32>().unwrap().iter().all(|&v| v == pg.world_size() as f32), "wrong sum");
+                done += 1;
+            }
+            Err(_) => {
+                let next = group.next_generation(pg.generation()).await.unwrap();
+                let step = next.all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min).await.unwrap();
+                done = step.to_vec::<f64>().unwrap()[0] as u64;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv9_sv10_survivors_restart_in_process_and_keep_their_order() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let mut ranks = Vec::new();
+    for rank in 0..4 {
+        let options = options(&store, rank, 4).elastic_world(3, 4);
+        ranks.push(tokio::spawn(async move {
+            let group = init(options).await;
+            let mut events = group.events();
+            if rank == 2 {
+                train(&group, 5).await;
+                // Rank 2 dies: its supervisor stops, its links close.
+                let links: Vec<_> = (0..4).filter_map(|r| group.current().link(r).cloned()).collect();
+                drop(group);
+                for link in links {
+                    link.close("rank 2 died");
+                }
+                return None;
+            }
+            train(&group, 40).await;
+            let change = events.try_recv().expect("a membership event");
+            let result = (change, group.rank(), group.world_size(), group.generation());
+            group.destroy().await.unwrap();
+            Some(result)
+        }));
+    }
+    let mut seen = Vec::new();
+    for task in ranks {
+        if let Some(result) = within(30, "the elastic group", task).await.unwrap() {
+            seen.push(result);
+        }
+    }
+    let new_ranks: Vec<(Option<usize>, usize)> = seen.iter().map(|(c, ..)| (c.old_rank, c.new_rank)).collect();
+    assert_eq!(new_ranks, vec![(Some(0), 0), (Some(1), 1), (Some(3), 2)]);
+    for (change, rank, world, generation) in &seen {
+        assert_eq!((change.generation, change.world_size), (1, 3));
+        assert_eq!((*rank, *world, *generation), (change.new_rank, 3, 1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv13_a_process_waiting_to_join_is_admitted_into_the_next_generation() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let forming: Vec<_> = (0..3)
+        .map(|rank| tokio::spawn(init(options(&store, rank, 3).elastic_world(3, 4))))
+        .collect();
+    let mut groups = Vec::new();
+    for task in forming {
+        groups.push(within(20, "generation 0", task).await.unwrap());
+    }
+    assert!(groups.iter().all(|g| (g.generation(), g.world_size()) == (0, 3)));
+    // A new process finds the job running and joins generation 1 as rank 3.
+    let joiner = within(20, "the joiner", init(options(&store, 0, 3).elastic_world(3, 4))).await;
+    assert_eq!((joiner.generation(), joiner.rank(), joiner.world_size()), (1, 3, 4));
+    groups.push(joiner);
+    let running: Vec<_> = groups
+        .into_iter()
+        .map(|group| {
+            tokio::spawn(async move {
+                let next = group.next_generation(0).await.unwrap();
+                let sum = next.all_reduce(Tensor::from_slice(&[1.0f32; 8]), ReduceOp::Sum).await.unwrap();
+                let result = (group.rank(), group.generation(), sum.to_vec::<f32>().unwrap()[0]);
+                drop(next);
+                group.destroy().await.unwrap();
+                result
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for task in running {
+        results.push(within(20, "generation 1", task).await.unwrap());
+    }
+    assert_eq!(results, vec![(0, 1, 4.0), (1, 1, 4.0), (2, 1, 4.0), (3, 1, 4.0)]);
+}
+
+/// A store server and elastic-probe ranks, with their output.
+struct Job {
+    store: Child,
+    url: String,
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    tx: mpsc::Sender<(usize, String)>,
+    log: Vec<String>,
+}
+
+impl Job {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut store = Command::new(CHORUS)
+            .args(["store", "serve", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start chorus store serve");
+        let mut first = String::new();
+        BufReader::new(store.stdout.take().unwrap()).read_line(&mut first).unwrap();
+        assert!(first.contains("serving"), "{first}");
+        let (tx, lines) = mpsc::channel();
+        Self {
+            store,
+            url: format!("tcp://127.0.0.1:{port}"),
+            children: Vec::new(),
+            lines,
+            tx,
+            log: Vec::new(),
+        }
+    }
+
+    fn rank(&mut self, rank: usize, world: usize, args: &[&str], env: &[(&str, &str)]) {
+        let mut command = Command::new(CHORUS);
+        command
+            .args(["elastic-probe", "--init", &self.url])
+            .args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("CHORUS_HEARTBEAT_TIMEOUT", "2")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().expect("start chorus elastic-probe");
+        let streams: [Box<dyn std::io::Read + Send>; 2] = [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
+        for stream in streams {
+            let tx = self.tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send((rank, line));
+                }
+            });
+        }
+        self.children.push(child);
+    }
+
+    /// Reads output until `count` lines from `ranks` contain `needle` each.
+    fn until(&mut self, ranks: &[usize], needle: &str, deadline: Instant) {
+        let has = |log: &[String], r: usize| log.iter().any(|l| l.starts_with(&format!("[{r}] ")) && l.contains(needle));
+        while !ranks.iter().all(|&r| has(&self.log, r)) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
+                Ok((rank, line)) => self.log.push(format!("[{rank}] {line}")),
+                Err(_) => panic!("timed out waiting for {needle:?} from ranks {ranks:?}; output:\n{}", self.log.join("\n")),
+            }
+        }
+    }
+
+    fn kill(&mut self, rank: usize) {
+        self.children[rank].kill().unwrap();
+        self.children[rank].wait().unwrap();
+    }
+
+    fn wait(&mut self, rank: usize, deadline: Instant) -> std::process::ExitStatus {
+        loop {
+            if let Some(status) = self.children[rank].try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "rank {rank} did not exit; output:\n{}", self.log.join("\n"));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for child in self.children.iter_mut().chain(std::iter::once(&mut self.store)) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[test]
+fn sv9_sigkill_mid_loop_survivors_form_generation_1_of_3_and_finish() {
+    let mut job = Job::start();
+    for rank in 0..4 {
+        job.rank(rank, 4, &["--iterations", "300", "--min-world", "3", "--max-world", "4"], &[]);
+    }
+    let deadline = Instant::now() + Duration::from_secs(40);
+    job.until(&[0, 1, 2, 3], "event=running", deadline);
+    job.kill(2);
+    job.until(&[0, 1, 3], "event=done", deadline);
+    for rank in [0, 1, 3] {
+        assert!(job.wait(rank, deadline).success(), "rank {rank} failed:\n{}", job.log.join("\n"));
+    }
+    let log = job.log.join("\n");
+    for (old, new) in [(0, 0), (1, 1), (3, 2)] {
+        assert!(log.contains(&format!("[{old}] probe rank={new} gen=1 world=3 event=restarted")), "{log}");
+        assert!(log.contains(&format!("[{old}] probe rank={new} gen=1 world=3 event=done iterations=300")), "{log}");
+    }
+}
+
+#[test]
+fn sv12_the_restart_budget_is_enforced_in_processes() {
+    let mut job = Job::start();
+    for rank in 0..4 {
+        job.rank(rank, 4, &["--iterations", "1000000", "--min-world", "2", "--max-world", "4"], &[("CHORUS_MAX_RESTARTS", "1")]);
+    }
+    let deadline = Instant::now() + Duration::from_secs(40);
+    job.until(&[0, 1, 2, 3], "event=running", deadline);
+    job.kill(3);
+    job.until(&[0, 1, 2], "event=restarted", deadline);
+    job.kill(2);
+    for rank in [0, 1] {
+        assert!(!job.wait(rank, deadline).success(), "rank {rank} went on past the budget:\n{}", job.log.join("\n"));
+    }
+    job.until(&[0, 1], "restart budget spent", deadline);
+    let log = job.log.join("\n");
+    let message = log.lines().find(|l| l.starts_with("[0] ") && l.contains("restart budget spent")).unwrap();
+    assert!(message.contains("generation 0") && message.contains("generation 1"), "{message}");
+}
