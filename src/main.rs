@@ -88,6 +88,12 @@ enum Commands {
         /// Milliseconds a rendezvous waits for more once min_world came.
         #[arg(long, default_value_t = 300)]
         last_call_ms: u64,
+        /// In the first attempt (TORCHELASTIC_RESTART_COUNT unset or 0), the process with this RANK kills itself (SIGKILL) after --kill-after all-reduces.
+        #[arg(long)]
+        kill_rank: Option<usize>,
+        /// All-reduces before --kill-rank kills itself.
+        #[arg(long, default_value_t = 30)]
+        kill_after: u64,
     },
     /// Compare the ranks' flight-recorder dumps (CHORUS_TRACE_DIR) and name the rank(s) a stuck collective waits for.
     Trace {
@@ -275,7 +281,14 @@ fn main() -> ExitCode {
             min_world,
             max_world,
             last_call_ms,
-        } => run_async(elastic_probe(init, iterations, min_world, max_world, Duration::from_millis(last_call_ms))),
+            kill_rank,
+            kill_after,
+        } => {
+            let first_attempt = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |n| n.trim() == "0");
+            let env_rank = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok());
+            let kill_after = (first_attempt && kill_rank.is_some() && kill_rank == env_rank).then_some(kill_after);
+            run_async(elastic_probe(init, iterations, min_world, max_world, Duration::from_millis(last_call_ms), kill_after))
+        }
     };
     match result {
         Ok(code) => code,
@@ -423,7 +436,8 @@ async fn fault_probe(url: String, seconds: Duration) -> Result<ExitCode> {
 /// One rank of an elastic group for the restart tests: all-reduces ones in
 /// a loop, checks each sum against the generation's world size, and after a
 /// restart agrees with the others on the step to resume from.
-async fn elastic_probe(url: String, iterations: u64, min_world: Option<usize>, max_world: Option<usize>, last_call: Duration) -> Result<ExitCode> {
+/// With `kill_after`, the process SIGKILLs itself after that many all-reduces.
+async fn elastic_probe(url: String, iterations: u64, min_world: Option<usize>, max_world: Option<usize>, last_call: Duration, kill_after: Option<u64>) -> Result<ExitCode> {
     use chorus::{ReduceOp, Tensor};
     let mut options = InitOptions::from_url(&url)?.timeout(Duration::from_secs(30)).last_call(last_call);
     options.min_world = min_world;
@@ -432,6 +446,14 @@ async fn elastic_probe(url: String, iterations: u64, min_world: Option<usize>, m
     let pg = group.current();
     println!("probe rank={} gen={} world={} pid={} event=ready", pg.rank(), pg.generation(), pg.world_size(), std::process::id());
     let mut done = 0u64;
+    if pg.generation() > 0 {
+        // Joined a running job (a relaunched worker): the survivors agree on
+        // the step to resume from, and a joiner has none to offer.
+        let step = pg.all_reduce(Tensor::from_slice(&[f64::INFINITY]), ReduceOp::Min).await?;
+        let step = step.to_vec::<f64>()?[0];
+        done = if step.is_finite() { step as u64 } else { 0 };
+        println!("probe rank={} gen={} world={} event=joined resume={done}", pg.rank(), pg.generation(), pg.world_size());
+    }
     while done < iterations {
         let pg = group.current();
         match pg.all_reduce(Tensor::from_slice(&[1.0f32; 1024]), ReduceOp::Sum).await {
@@ -440,6 +462,11 @@ async fn elastic_probe(url: String, iterations: u64, min_world: Option<usize>, m
                     bail!("rank {} generation {}: all_reduce gave a wrong sum", pg.rank(), pg.generation());
                 }
                 done += 1;
+                if Some(done) == kill_after {
+                    println!("probe rank={} gen={} pid={} event=killing-self", pg.rank(), pg.generation(), std::process::id());
+                    // SAFETY: kill only sends a signal, to this process.
+                    unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
+                }
                 if done == 20 {
                     println!("probe rank={} gen={} event=running", pg.rank(), pg.generation());
                 }
@@ -456,7 +483,7 @@ async fn elastic_probe(url: String, iterations: u64, min_world: Option<usize>, m
         }
     }
     let pg = group.current();
-    println!("probe rank={} gen={} world={} event=done iterations={done}", pg.rank(), pg.generation(), pg.world_size());
+    println!("probe rank={} gen={} world={} event=done iterations={done} pid={}", pg.rank(), pg.generation(), pg.world_size(), std::process::id());
     drop(pg);
     group.destroy().await?;
     Ok(ExitCode::SUCCESS)

@@ -92,6 +92,19 @@ pub enum Backend {
     C10d,
 }
 
+/// What `--restart-policy` restarts after a worker fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RestartPolicy {
+    /// torchrun's behaviour (the default): stop every worker and restart
+    /// the whole group.
+    #[default]
+    All,
+    /// Relaunch only the failed worker, in its local rank slot, while the
+    /// others keep running; an elastic program (`ElasticGroup`) takes it
+    /// into its next generation. Single node only.
+    Worker,
+}
+
 /// Who serves the job's store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreRole {
@@ -153,8 +166,11 @@ pub struct LaunchConfig {
     /// How long, once `min_nodes` are in, to wait for more
     /// (`--rdzv-conf last_call_timeout=S`, default 30 s).
     pub last_call_timeout: Duration,
-    /// Group restarts allowed after a failure.
+    /// Restarts allowed after failures, for the whole job: group restarts,
+    /// or worker relaunches with [`RestartPolicy::Worker`].
     pub max_restarts: u64,
+    /// `--restart-policy`: what a restart restarts.
+    pub restart_policy: RestartPolicy,
     /// How often a multi-node launcher looks at the store for other nodes' news.
     pub monitor_interval: Duration,
     /// Grace period between SIGTERM and SIGKILL when stopping workers.
@@ -207,7 +223,10 @@ is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
   --rdzv-endpoint HOST[:PORT]      store address (port default 29400)
   --rdzv-id ID                     run id (TORCHELASTIC_RUN_ID)
   --rdzv-conf join_timeout=S,last_call_timeout=S
-  --max-restarts N                 group restarts after a failure (default 0)
+  --max-restarts N                 restarts after failures, per job (default 0)
+  --restart-policy all|worker      restart the whole group (default, as torchrun)
+                                   or relaunch only the failed worker, which
+                                   joins an elastic program's next generation
   --monitor-interval S             store polling period, multi-node (default 0.1)
   --shutdown-timeout S             SIGTERM to SIGKILL grace (default 30)
   --log-dir DIR                    write DIR/RUN_ID/attempt_N/RANK/{stdout,stderr}.log
@@ -238,6 +257,7 @@ const FLAGS: &[(&str, Kind)] = &[
     ("rdzv-id", Kind::Value),
     ("rdzv-conf", Kind::Value),
     ("max-restarts", Kind::Value),
+    ("restart-policy", Kind::Value),
     ("monitor-interval", Kind::Value),
     ("shutdown-timeout", Kind::Value),
     ("log-dir", Kind::Value),
@@ -464,6 +484,28 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         }
     }
 
+    let restart_policy = match given.get("restart-policy") {
+        None => RestartPolicy::All,
+        Some((spelled, value)) => match value.trim() {
+            "all" => RestartPolicy::All,
+            "worker" if max_nodes > 1 => {
+                return Err(invalid(
+                    &spelled,
+                    &value,
+                    "worker restarts are single-node for now; use --restart-policy all with --nnodes above 1",
+                ));
+            }
+            "worker" => RestartPolicy::Worker,
+            _ => {
+                return Err(invalid(
+                    &spelled,
+                    &value,
+                    "give all (restart the whole group, as torchrun) or worker (relaunch only the failed worker)",
+                ));
+            }
+        },
+    };
+
     let local_ranks_filter = given
         .get("local-ranks-filter")
         .map(|(spelled, value)| {
@@ -531,6 +573,7 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         max_restarts: given
             .number("max-restarts", "give a number of restarts, 0 or more")?
             .unwrap_or(0),
+        restart_policy,
         monitor_interval: given.seconds("monitor-interval", 0.1)?,
         shutdown_timeout: given.seconds("shutdown-timeout", 30.0)?,
         // With a log directory and no --tee, both streams go to the files too.
@@ -716,6 +759,28 @@ mod tests {
         assert_eq!(config("--master-port 7000 p", &[]).run_id(|| "x".into()), "none");
         assert_eq!(config("p", &[]).run_id(|| "fresh".into()), "fresh");
         assert_eq!(config("--rdzv-id job p", &[]).run_id(|| "x".into()), "job");
+    }
+
+    #[test]
+    fn restart_policy_defaults_to_all_and_worker_is_single_node() {
+        assert_eq!(config("p", &[]).restart_policy, RestartPolicy::All);
+        assert_eq!(
+            config("--restart-policy worker p", &[]).restart_policy,
+            RestartPolicy::Worker
+        );
+        assert_eq!(
+            config("--restart_policy=all p", &[("PET_RESTART_POLICY", "worker")]).restart_policy,
+            RestartPolicy::All
+        );
+        assert_eq!(
+            config("p", &[("PET_RESTART_POLICY", "worker")]).restart_policy,
+            RestartPolicy::Worker
+        );
+        assert!(parse_with("--restart-policy some p", &[]).is_err());
+        let error = parse_with("--nnodes 1:2 --restart-policy worker p", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("single-node"), "{error}");
     }
 
     #[test]

@@ -46,6 +46,16 @@ impl JobEnv {
         self.nnodes * self.nproc_per_node
     }
 
+    /// The same job in attempt `attempt` (`TORCHELASTIC_RESTART_COUNT`),
+    /// with its files under `run_dir`'s `attempt_<attempt>`.
+    pub fn for_attempt(&self, attempt: u64, run_dir: &Path) -> JobEnv {
+        JobEnv {
+            restart_count: attempt,
+            attempt_dir: attempt_dir(run_dir, attempt),
+            ..self.clone()
+        }
+    }
+
     /// Where `rank` writes its error report (`TORCHELASTIC_ERROR_FILE`).
     pub fn error_file(&self, rank: usize) -> PathBuf {
         rank_dir(&self.attempt_dir, rank).join("error.json")
@@ -90,6 +100,11 @@ impl JobEnv {
         }
         vars.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }
+}
+
+/// `<run_dir>/attempt_<attempt>`: one attempt's files.
+pub fn attempt_dir(run_dir: &Path, attempt: u64) -> PathBuf {
+    run_dir.join(format!("attempt_{attempt}"))
 }
 
 /// `<attempt_dir>/<rank>`: a rank's log and error files.
@@ -147,6 +162,22 @@ mod tests {
         ] {
             assert_eq!(get(&vars, key), Some(value), "{key}");
         }
+    }
+
+    #[test]
+    fn a_relaunch_advances_only_the_restart_count_and_directory() {
+        let next = job().for_attempt(3, Path::new("/l/job"));
+        let vars = next.for_worker(1, &|_| None);
+        assert_eq!(get(&vars, "TORCHELASTIC_RESTART_COUNT"), Some("3"));
+        assert_eq!(get(&vars, "TORCHELASTIC_ERROR_FILE"), Some("/l/job/attempt_3/4/error.json"));
+        let before = job().for_worker(1, &|_| None);
+        let differ: Vec<&str> = before
+            .iter()
+            .zip(&vars)
+            .filter(|(a, b)| a != b)
+            .map(|(a, _)| a.0.as_str())
+            .collect();
+        assert_eq!(differ, ["TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"]);
     }
 
     #[test]

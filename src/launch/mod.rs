@@ -17,6 +17,15 @@
 //! - `nodes`: serving or reaching the store; the launchers' rendezvous,
 //!   attempt counter and shared secret on it.
 //! - `workers`: the worker processes of one attempt and their output.
+//!
+//! # Restart policies
+//! `--restart-policy all` (the default) is torchrun's: a failed worker stops
+//! every worker and the group restarts as attempt n+1. `worker` (single node)
+//! reports the failure the same way but relaunches only that worker, in its
+//! local rank slot with `TORCHELASTIC_RESTART_COUNT` = n+1 (its files under
+//! `attempt_<n+1>/`), while the others keep running; an `ElasticGroup`
+//! program takes it into its next generation, where its rank may differ from
+//! `RANK`. `--max-restarts` counts restarts per job under both policies.
 //! - this file: the driver tying them together ([`main`]).
 
 use std::path::{Path, PathBuf};
@@ -32,7 +41,7 @@ pub mod nodes;
 pub mod plan;
 pub mod workers;
 
-pub use config::{ConfigError, LaunchConfig, Parsed};
+pub use config::{ConfigError, LaunchConfig, Parsed, RestartPolicy};
 
 use chorus_runtime::store::StoreError;
 use config::{HostFacts, Streams};
@@ -439,10 +448,57 @@ async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
             max_restarts: config.max_restarts,
             run_id: job.run_id.clone(),
             secret: job.secret.clone(),
-            attempt_dir: job.run_dir.join(format!("attempt_{attempt}")),
+            attempt_dir: env::attempt_dir(&job.run_dir, attempt),
         };
         let mut workers = Workers::spawn(specs(config, &job_env)?, config.shutdown_timeout).await?;
-        let outcome = supervise(&mut workers, job, formed, attempt, signals).await;
+        // With --restart-policy worker, failed workers are relaunched here
+        // one by one; `attempt` counts the job's restarts either way.
+        let mut slot_attempts = vec![attempt; config.nproc_per_node];
+        let outcome = loop {
+            let outcome = supervise(&mut workers, job, formed, attempt, signals).await;
+            let Outcome::Failed(ended) = outcome else { break outcome };
+            if config.restart_policy != RestartPolicy::Worker {
+                break Outcome::Failed(ended);
+            }
+            let slot_env = job_env.for_attempt(slot_attempts[ended.local_rank], &job.run_dir);
+            let tail = workers.tail(ended.rank).await;
+            let what = format!(
+                "rank {} (local rank {} on node {}, pid {}) {} in attempt {}",
+                ended.rank,
+                ended.local_rank,
+                formed.node_rank,
+                ended.pid,
+                ended.exit,
+                slot_env.restart_count
+            );
+            report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
+            match plan::after_failure(attempt, config.max_restarts) {
+                AfterFailure::Restart { next } => {
+                    let new_env = job_env.for_attempt(next, &job.run_dir);
+                    let spec = spec(config, &new_env, ended.local_rank)?;
+                    match workers.relaunch(spec) {
+                        Ok(pid) => say(format!(
+                            "relaunching rank {} alone as pid {pid} (restart {next} of {}); the other workers keep running",
+                            ended.rank, config.max_restarts
+                        )),
+                        Err(error) => {
+                            workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                            return Err(error);
+                        }
+                    }
+                    attempt = next;
+                    slot_attempts[ended.local_rank] = next;
+                }
+                AfterFailure::GiveUp => {
+                    workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                    say(format!(
+                        "rank {} failed and --max-restarts {} is used up; stopped the other workers; exiting",
+                        ended.rank, config.max_restarts
+                    ));
+                    return Ok(ended.exit.launcher_code());
+                }
+            }
+        };
         match outcome {
             Outcome::Succeeded => match wait_for_nodes(job, formed, attempt, signals).await? {
                 AllDone::Yes => return Ok(0),
@@ -513,42 +569,45 @@ async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
 
 /// The worker specs of one attempt on this node.
 fn specs(config: &LaunchConfig, job_env: &env::JobEnv) -> Result<Vec<WorkerSpec>, LaunchError> {
-    let parent = |name: &str| std::env::var(name).ok();
     (0..config.nproc_per_node)
-        .map(|local_rank| {
-            let rank = job_env.rank(local_rank);
-            let dir = env::rank_dir(&job_env.attempt_dir, rank);
-            // The error file's directory must exist for the worker to write it.
-            std::fs::create_dir_all(&dir).map_err(|source| LaunchError::Io {
-                what: format!("creating {}", dir.display()),
-                source,
-            })?;
-            let mut argv = config.command.clone();
-            if config.pass_local_rank_arg {
-                argv.push(format!("--local-rank={local_rank}"));
-            }
-            argv.extend(config.args.iter().cloned());
-            let logged = Streams {
-                stdout: config.tee.stdout || config.redirects.stdout,
-                stderr: config.tee.stderr || config.redirects.stderr,
-            };
-            Ok(WorkerSpec {
-                rank,
-                local_rank,
-                argv,
-                env: job_env.for_worker(local_rank, &parent),
-                console: config
-                    .local_ranks_filter
-                    .as_ref()
-                    .is_none_or(|f| f.contains(&local_rank)),
-                shown: Streams {
-                    stdout: !config.redirects.stdout,
-                    stderr: !config.redirects.stderr,
-                },
-                log: config.log_dir.as_ref().map(|_| (dir, logged)),
-            })
-        })
+        .map(|local_rank| spec(config, job_env, local_rank))
         .collect()
+}
+
+/// The spec of the worker in `local_rank`'s slot in `job_env`'s attempt.
+fn spec(config: &LaunchConfig, job_env: &env::JobEnv, local_rank: usize) -> Result<WorkerSpec, LaunchError> {
+    let parent = |name: &str| std::env::var(name).ok();
+    let rank = job_env.rank(local_rank);
+    let dir = env::rank_dir(&job_env.attempt_dir, rank);
+    // The error file's directory must exist for the worker to write it.
+    std::fs::create_dir_all(&dir).map_err(|source| LaunchError::Io {
+        what: format!("creating {}", dir.display()),
+        source,
+    })?;
+    let mut argv = config.command.clone();
+    if config.pass_local_rank_arg {
+        argv.push(format!("--local-rank={local_rank}"));
+    }
+    argv.extend(config.args.iter().cloned());
+    let logged = Streams {
+        stdout: config.tee.stdout || config.redirects.stdout,
+        stderr: config.tee.stderr || config.redirects.stderr,
+    };
+    Ok(WorkerSpec {
+        rank,
+        local_rank,
+        argv,
+        env: job_env.for_worker(local_rank, &parent),
+        console: config
+            .local_ranks_filter
+            .as_ref()
+            .is_none_or(|f| f.contains(&local_rank)),
+        shown: Streams {
+            stdout: !config.redirects.stdout,
+            stderr: !config.redirects.stderr,
+        },
+        log: config.log_dir.as_ref().map(|_| (dir, logged)),
+    })
 }
 
 /// Watches one attempt until a worker fails, all succeed, another node

@@ -2,7 +2,8 @@
 //! own process group (so stopping one takes its children too, and a
 //! terminal's Ctrl-C reaches only the launcher, which forwards it), their
 //! output prefixed with the rank, teed to log files and kept in a short
-//! ring buffer for failure reports.
+//! ring buffer for failure reports. One worker can be relaunched in its
+//! slot while the others run (`--restart-policy worker`).
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -54,6 +55,8 @@ struct Worker {
 pub struct Workers {
     workers: Vec<Worker>,
     exits: mpsc::UnboundedReceiver<(usize, WorkerExit)>,
+    /// Cloned into each worker's waiter, relaunched ones too.
+    exits_tx: mpsc::UnboundedSender<(usize, WorkerExit)>,
 }
 
 /// A worker that ended, as reported by [`Workers::next_exit`].
@@ -76,9 +79,10 @@ impl Workers {
         let mut group = Workers {
             workers: Vec::new(),
             exits,
+            exits_tx: tx,
         };
         for spec in specs {
-            match spawn_one(group.workers.len(), spec, tx.clone()) {
+            match spawn_one(group.workers.len(), spec, group.exits_tx.clone()) {
                 Ok(worker) => group.workers.push(worker),
                 Err(error) => {
                     group.stop(libc::SIGTERM, grace).await;
@@ -113,6 +117,26 @@ impl Workers {
         };
         drain(&mut worker.readers).await;
         lock(&worker.tail).iter().cloned().collect()
+    }
+
+    /// Starts `spec` again in the slot of its local rank, whose worker has
+    /// ended (its output is read, see [`Workers::tail`]); what is left of
+    /// the old worker's process group is killed first. Returns the new pid.
+    pub fn relaunch(&mut self, spec: WorkerSpec) -> Result<i32, LaunchError> {
+        let Some(index) = self.workers.iter().position(|w| w.local_rank == spec.local_rank) else {
+            return Err(LaunchError::Io {
+                what: format!("relaunching local rank {}", spec.local_rank),
+                source: std::io::Error::other("no such worker slot"),
+            });
+        };
+        let old = &mut self.workers[index];
+        debug_assert!(!old.running, "relaunching a running worker");
+        // Children the old worker started in its group must not linger.
+        signal_group(old.pid, libc::SIGKILL);
+        let worker = spawn_one(index, spec, self.exits_tx.clone())?;
+        let pid = worker.pid;
+        self.workers[index] = worker;
+        Ok(pid)
     }
 
     /// Sends `signal` to every running worker's process group, waits up to
