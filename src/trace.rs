@@ -27,8 +27,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
-use chorus_runtime::flight::json::Value;
 use chorus_runtime::flight::{self, DumpError, EntryState, FlightEntry, FlightOp, RankDump};
+use serde::Serialize;
 use thiserror::Error;
 
 /// Largest file read as a dump. A full ring of the default 1000 entries is
@@ -651,126 +651,266 @@ impl Report {
     }
 
     /// The report as JSON: `verdict`, `generation`, `world`, `findings`,
-    /// `ranks` and `notes`.
-    pub fn to_json(&self) -> Value {
-        let op_json = |seq: u64, op: &FlightOp| {
-            Value::object([
-                ("seq", seq.into()),
-                ("op", op.kind.as_str().into()),
-                ("dtype", op.dtype.as_str().into()),
-                ("count", op.count.into()),
-                ("root", op.root.into()),
-                ("peer", op.peer.into()),
-                ("reduce_op", op.reduce_op.as_deref().into()),
-                ("text", op.to_string().into()),
-            ])
-        };
-        let list = |ranks: &[usize]| Value::Array(ranks.iter().map(|&r| r.into()).collect());
+    /// `ranks` and `notes` (serialize it with `serde_json`).
+    pub fn to_json(&self) -> ReportJson {
         let findings = self
             .findings
             .iter()
-            .map(|finding| {
-                let mut members = vec![("text", finding.to_string().into())];
-                match finding {
-                    Finding::Desync { seq, variants } => {
-                        members.push(("kind", "desync".into()));
-                        let variants = variants
+            .map(|finding| FindingJson {
+                text: finding.to_string(),
+                detail: match finding {
+                    Finding::Desync { seq, variants } => FindingDetail::Desync {
+                        variants: variants
                             .iter()
-                            .map(|(op, ranks)| {
-                                Value::object([("op", op_json(*seq, op)), ("ranks", list(ranks))])
+                            .map(|(op, ranks)| VariantJson {
+                                op: OpJson::new(*seq, op),
+                                ranks: ranks.clone(),
                             })
-                            .collect();
-                        members.push(("variants", Value::Array(variants)));
-                    }
-                    Finding::Stuck(s) => members.extend([
-                        ("kind", "stuck".into()),
-                        ("op", op_json(s.seq, &s.op)),
-                        ("waiting", list(&s.waiting)),
-                        ("failed", s.failed.into()),
-                        ("never_entered", list(&s.never_entered)),
-                        ("completed", list(&s.completed)),
-                        ("no_dump", list(&s.no_dump)),
-                    ]),
+                            .collect(),
+                    },
+                    Finding::Stuck(s) => FindingDetail::Stuck {
+                        op: OpJson::new(s.seq, &s.op),
+                        waiting: s.waiting.clone(),
+                        failed: s.failed,
+                        never_entered: s.never_entered.clone(),
+                        completed: s.completed.clone(),
+                        no_dump: s.no_dump.clone(),
+                    },
                     Finding::P2p {
                         waiter,
                         seq,
                         op,
                         failed,
                         peer,
-                    } => {
-                        let peer = match peer {
+                    } => FindingDetail::P2p {
+                        waiter: *waiter,
+                        op: OpJson::new(*seq, op),
+                        failed: *failed,
+                        peer_state: match peer {
                             PeerView::NeverEntered => "never_entered",
                             PeerView::NoDump => "no_dump",
                             PeerView::Inside => "inside",
                             PeerView::Completed => "completed",
-                        };
-                        members.extend([
-                            ("kind", "p2p".into()),
-                            ("waiter", (*waiter).into()),
-                            ("op", op_json(*seq, op)),
-                            ("failed", (*failed).into()),
-                            ("peer_state", peer.into()),
-                        ]);
-                    }
-                    Finding::NoDump { ranks } => {
-                        members.extend([("kind", "no_dump".into()), ("ranks", list(ranks))]);
-                    }
-                    Finding::NothingStuck => members.push(("kind", "nothing_stuck".into())),
-                }
-                Value::object(members)
+                        },
+                    },
+                    Finding::NoDump { ranks } => FindingDetail::NoDump {
+                        ranks: ranks.clone(),
+                    },
+                    Finding::NothingStuck => FindingDetail::NothingStuck,
+                },
             })
             .collect();
         let ranks = self
             .ranks
             .iter()
-            .map(|row| {
-                let Some(state) = &row.dump else {
-                    return Value::object([("rank", row.rank.into()), ("dumped", false.into())]);
-                };
-                let current = state.current.as_ref().map_or(Value::Null, |e| {
-                    let mut current = vec![
-                        ("entry", op_json(e.seq, &e.op)),
-                        ("state", e.state.name().into()),
-                        (
-                            "for_ms",
-                            state
-                                .current_for
-                                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-                                .into(),
-                        ),
-                    ];
-                    if let EntryState::Failed(error) = &e.state {
-                        current.push(("error", error.as_str().into()));
-                    }
-                    Value::object(current)
-                });
-                Value::object([
-                    ("rank", row.rank.into()),
-                    ("dumped", true.into()),
-                    ("reason", state.reason.as_str().into()),
-                    (
-                        "last_completed",
-                        state
-                            .last_completed
-                            .as_ref()
-                            .map_or(Value::Null, |e| op_json(e.seq, &e.op)),
-                    ),
-                    ("current", current),
-                ])
+            .map(|row| RankJson {
+                rank: row.rank,
+                dumped: row.dump.is_some(),
+                state: row.dump.as_ref().map(|state| RankStateJson {
+                    reason: state.reason.clone(),
+                    last_completed: state
+                        .last_completed
+                        .as_ref()
+                        .map(|e| OpJson::new(e.seq, &e.op)),
+                    current: state.current.as_ref().map(|e| CurrentJson {
+                        entry: OpJson::new(e.seq, &e.op),
+                        state: e.state.name(),
+                        for_ms: state
+                            .current_for
+                            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                        error: match &e.state {
+                            EntryState::Failed(error) => Some(error.clone()),
+                            _ => None,
+                        },
+                    }),
+                }),
             })
             .collect();
-        Value::object([
-            ("verdict", self.verdict().into()),
-            ("generation", self.generation.into()),
-            ("world", self.world.into()),
-            ("findings", Value::Array(findings)),
-            ("ranks", Value::Array(ranks)),
-            (
-                "notes",
-                Value::Array(self.notes.iter().map(|n| n.as_str().into()).collect()),
-            ),
-        ])
+        ReportJson {
+            verdict: self.verdict(),
+            generation: self.generation,
+            world: self.world,
+            findings,
+            ranks,
+            notes: self.notes.clone(),
+        }
     }
+}
+
+/// [`Report::to_json`]: the report's JSON form, members in the order
+/// written.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReportJson {
+    /// The first finding, one line.
+    pub verdict: String,
+    /// The generation compared.
+    pub generation: u64,
+    /// Its world size.
+    pub world: usize,
+    /// Every finding, most important first.
+    pub findings: Vec<FindingJson>,
+    /// One row per rank of the world.
+    pub ranks: Vec<RankJson>,
+    /// Remarks on the dumps (ignored generations, ...).
+    pub notes: Vec<String>,
+}
+
+/// An operation in the JSON form.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OpJson {
+    /// Its sequence number.
+    pub seq: u64,
+    /// The operation's kind.
+    pub op: String,
+    /// The element type.
+    pub dtype: String,
+    /// Elements per rank.
+    pub count: u64,
+    /// The root of a rooted collective.
+    pub root: Option<usize>,
+    /// The other rank of a `send` or `recv`.
+    pub peer: Option<usize>,
+    /// The reduction operator.
+    pub reduce_op: Option<String>,
+    /// As the text report writes it.
+    pub text: String,
+}
+
+impl OpJson {
+    fn new(seq: u64, op: &FlightOp) -> Self {
+        OpJson {
+            seq,
+            op: op.kind.clone(),
+            dtype: op.dtype.clone(),
+            count: op.count,
+            root: op.root,
+            peer: op.peer,
+            reduce_op: op.reduce_op.clone(),
+            text: op.to_string(),
+        }
+    }
+}
+
+/// A finding in the JSON form: its `text`, its `kind` and the kind's members.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FindingJson {
+    /// As the text report writes it.
+    pub text: String,
+    /// `kind` and the members that go with it.
+    #[serde(flatten)]
+    pub detail: FindingDetail,
+}
+
+/// The members of each kind of [`FindingJson`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FindingDetail {
+    /// See [`Finding::Desync`].
+    Desync {
+        /// Each operation run under the number, with the ranks that ran it.
+        variants: Vec<VariantJson>,
+    },
+    /// See [`Finding::Stuck`].
+    Stuck {
+        /// The collective.
+        op: OpJson,
+        /// Ranks inside it.
+        waiting: Vec<usize>,
+        /// Whether the waiting ranks' entries failed.
+        failed: bool,
+        /// Ranks that never entered it.
+        never_entered: Vec<usize>,
+        /// Ranks that completed it.
+        completed: Vec<usize>,
+        /// Ranks without a dump.
+        no_dump: Vec<usize>,
+    },
+    /// See [`Finding::P2p`].
+    P2p {
+        /// The rank waiting.
+        waiter: usize,
+        /// The operation it waits in.
+        op: OpJson,
+        /// Whether its entry failed.
+        failed: bool,
+        /// `never_entered`, `no_dump`, `inside` or `completed`.
+        peer_state: &'static str,
+    },
+    /// See [`Finding::NoDump`].
+    NoDump {
+        /// Ranks without a dump.
+        ranks: Vec<usize>,
+    },
+    /// See [`Finding::NothingStuck`].
+    NothingStuck,
+}
+
+/// One operation of a desync and the ranks that ran it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct VariantJson {
+    /// The operation.
+    pub op: OpJson,
+    /// The ranks.
+    pub ranks: Vec<usize>,
+}
+
+/// A rank's row in the JSON form.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RankJson {
+    /// The rank.
+    pub rank: usize,
+    /// Whether it left a dump.
+    pub dumped: bool,
+    /// What its dump says; no members when it left none.
+    #[serde(flatten)]
+    pub state: Option<RankStateJson>,
+}
+
+/// The members of a [`RankJson`] that left a dump.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RankStateJson {
+    /// Why it dumped.
+    pub reason: String,
+    /// The last operation it completed.
+    pub last_completed: Option<OpJson>,
+    /// The operation it was in when it dumped.
+    pub current: Option<CurrentJson>,
+}
+
+/// The operation a rank was in when it dumped.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CurrentJson {
+    /// The operation.
+    pub entry: OpJson,
+    /// Its state's name.
+    pub state: &'static str,
+    /// How long it had been there, in milliseconds.
+    pub for_ms: Option<u64>,
+    /// The error of a failed entry (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// `chorus trace --json`: the report or the reason there is none, and the
+/// files that could not be read.
+#[derive(Serialize)]
+struct TraceJson {
+    #[serde(flatten)]
+    body: TraceBody,
+    unreadable: Vec<UnreadableJson>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum TraceBody {
+    Report(ReportJson),
+    Error { error: String },
+}
+
+#[derive(Serialize)]
+struct UnreadableJson {
+    path: String,
+    error: String,
 }
 
 /// The verdict, other findings, then a table of ranks and the notes.
@@ -849,24 +989,24 @@ pub fn main(dir: &Path, json: bool) -> ExitCode {
     let report = analyze(&dumps);
     let mut out = String::new();
     if json {
-        let unreadable = loaded
-            .unreadable
-            .iter()
-            .map(|e| {
-                Value::object([
-                    ("path", e.path().display().to_string().into()),
-                    ("error", e.to_string().into()),
-                ])
-            })
-            .collect();
-        let mut value = match &report {
-            Some(report) => report.to_json(),
-            None => Value::object([("error", no_dumps(dir).into())]),
+        let value = TraceJson {
+            body: match &report {
+                Some(report) => TraceBody::Report(report.to_json()),
+                None => TraceBody::Error {
+                    error: no_dumps(dir),
+                },
+            },
+            unreadable: loaded
+                .unreadable
+                .iter()
+                .map(|e| UnreadableJson {
+                    path: e.path().display().to_string(),
+                    error: e.to_string(),
+                })
+                .collect(),
         };
-        if let Value::Object(members) = &mut value {
-            members.push(("unreadable".to_string(), Value::Array(unreadable)));
-        }
-        out = format!("{value}\n");
+        out = serde_json::to_string(&value).expect("the report has string keys and no floats");
+        out.push('\n');
     } else {
         if let Some(report) = &report {
             out = report.to_string();
@@ -898,6 +1038,7 @@ fn no_dumps(dir: &Path) -> String {
 mod tests {
     use super::*;
     use chorus_runtime::flight::FlightRecorder;
+    use serde_json::Value;
     use std::time::UNIX_EPOCH;
 
     fn at(ms: u64) -> SystemTime {
@@ -1175,18 +1316,18 @@ mod tests {
             rank(0, 2, 4, enters(4, op("all_reduce", 1))),
             rank(1, 2, 4, idle),
         ];
-        let json = analyze(&dumps).unwrap().to_json();
-        let parsed = chorus_runtime::flight::json::parse(json.to_string().as_bytes()).unwrap();
-        assert_eq!(parsed, json);
+        let text = serde_json::to_string(&analyze(&dumps).unwrap().to_json()).unwrap();
+        assert!(
+            text.starts_with(r#"{"verdict":"rank 1 never entered"#),
+            "members in order: {text}"
+        );
+        let json: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(
             json.get("verdict").and_then(Value::as_str),
             Some("rank 1 never entered #4 all_reduce(1 x float32, sum) that rank 0 is waiting in")
         );
         let finding = &json.get("findings").and_then(Value::as_array).unwrap()[0];
-        assert_eq!(
-            finding.get("never_entered"),
-            Some(&Value::Array(vec![1u64.into()]))
-        );
+        assert_eq!(finding.get("never_entered"), Some(&serde_json::json!([1])));
         let rank0 = &json.get("ranks").and_then(Value::as_array).unwrap()[0];
         assert_eq!(
             rank0

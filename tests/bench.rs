@@ -6,7 +6,7 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use chorus::bench::collective::json;
+use serde_json::Value;
 
 const HEADER: &str = "#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong";
 const UNITS: &str = "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)  (GB/s)";
@@ -123,19 +123,19 @@ fn json_rows_parse_and_the_plot_is_a_png() {
         60,
     );
     assert!(out.ok, "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
-    let rows: Vec<json::Value> = out.stdout.lines().map(|l| json::parse(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    let rows: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
     assert_eq!(rows.len(), 3, "{}", out.stdout);
     for (row, size) in rows.iter().zip([64.0, 512.0, 4096.0]) {
-        assert_eq!(row.get("library").and_then(json::Value::as_str), Some("chorus"));
-        assert_eq!(row.get("op").and_then(json::Value::as_str), Some("all_gather"));
-        assert_eq!(row.get("size").and_then(json::Value::as_f64), Some(size));
+        assert_eq!(row.get("library").and_then(Value::as_str), Some("chorus"));
+        assert_eq!(row.get("op").and_then(Value::as_str), Some("all_gather"));
+        assert_eq!(row.get("size").and_then(Value::as_f64), Some(size));
         // all_gather: size = count x 4 B x 2 ranks.
-        assert_eq!(row.get("count").and_then(json::Value::as_f64), Some(size / 8.0));
+        assert_eq!(row.get("count").and_then(Value::as_f64), Some(size / 8.0));
         for half in ["oop", "ip"] {
             let h = row.get(half).unwrap();
-            assert!(h.get("median_us").and_then(json::Value::as_f64).unwrap() > 0.0);
-            assert!(h.get("busbw").and_then(json::Value::as_f64).unwrap() >= 0.0);
-            assert_eq!(h.get("wrong").and_then(json::Value::as_f64), Some(0.0));
+            assert!(h.get("median_us").and_then(Value::as_f64).unwrap() > 0.0);
+            assert!(h.get("busbw").and_then(Value::as_f64).unwrap() >= 0.0);
+            assert_eq!(h.get("wrong").and_then(Value::as_f64), Some(0.0));
         }
     }
     let bytes = std::fs::read(&png).expect("the plot was written");

@@ -5,7 +5,8 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use chorus_runtime::flight::{self, FlightOp, FlightRecorder, json};
+use chorus_runtime::flight::{self, FlightOp, FlightRecorder};
+use serde_json::Value;
 
 fn at(ms: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_secs(1_700_000_000) + Duration::from_millis(ms)
@@ -119,17 +120,15 @@ fn trace_names_the_frozen_rank_and_the_last_completed_operations() {
 
     let output = trace(dir.path(), true);
     assert!(output.status.success());
-    let report = json::parse(&output.stdout).expect("--json prints one JSON document");
+    let report =
+        serde_json::from_slice::<Value>(&output.stdout).expect("--json prints one JSON document");
     assert_eq!(
-        report.get("verdict").and_then(json::Value::as_str),
+        report.get("verdict").and_then(Value::as_str),
         Some(
             "rank 2 never entered #41 all_reduce(1048576 x float32, sum) that ranks 0, 1, 3 are waiting in"
         )
     );
-    let unreadable = report
-        .get("unreadable")
-        .and_then(json::Value::as_array)
-        .unwrap();
+    let unreadable = report.get("unreadable").and_then(Value::as_array).unwrap();
     assert_eq!(unreadable.len(), 1);
 }
 
@@ -177,13 +176,13 @@ fn unusable_dumps_exit_1_and_say_why() {
     .unwrap();
     let output = trace(dir.path(), true);
     assert_eq!(output.status.code(), Some(1));
-    let report = json::parse(&output.stdout).unwrap();
+    let report = serde_json::from_slice::<Value>(&output.stdout).unwrap();
     assert!(report.get("error").is_some());
     assert_eq!(
         report
             .get("unreadable")
-            .and_then(json::Value::as_array)
-            .map(<[_]>::len),
+            .and_then(Value::as_array)
+            .map(Vec::len),
         Some(1)
     );
 

@@ -28,18 +28,17 @@
 //! - Readers ignore members they do not know, so version 1 can grow fields;
 //!   a change that old readers would misread bumps `version`.
 
-pub mod json;
-
 use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, Write as _};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use serde::Serialize;
+use serde_json::Value;
 use thiserror::Error;
 
 use crate::collective::{CollectiveKind, Signature};
-use json::{JsonError, Value};
 
 /// Entries a recorder keeps unless configured otherwise.
 pub const DEFAULT_CAPACITY: usize = 1000;
@@ -341,9 +340,11 @@ pub struct RankDump {
 /// Why bytes are not a readable dump.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum DumpError {
-    /// Not JSON (garbage, or a file cut short).
+    /// Not JSON (garbage, a file cut short, or nesting deeper than
+    /// `serde_json`'s recursion limit): the parser's message, with the line
+    /// and column.
     #[error("not valid JSON: {0}")]
-    Json(#[from] JsonError),
+    Json(String),
     /// JSON, but not a flight-recorder dump.
     #[error("not a chorus flight-recorder dump (no \"format\": \"{FORMAT}\")")]
     NotADump,
@@ -372,6 +373,73 @@ pub enum DumpError {
     },
 }
 
+impl From<serde_json::Error> for DumpError {
+    fn from(error: serde_json::Error) -> Self {
+        DumpError::Json(error.to_string())
+    }
+}
+
+/// The header line of a version-1 dump, members in the order written.
+#[derive(Serialize)]
+struct HeaderLine<'a> {
+    format: &'a str,
+    version: u64,
+    rank: usize,
+    world: usize,
+    generation: u64,
+    reason: &'a str,
+    dumped_at_ns: u64,
+    capacity: u64,
+    dropped: u64,
+}
+
+/// One entry line of a version-1 dump, members in the order written.
+#[derive(Serialize)]
+struct EntryLine<'a> {
+    id: u64,
+    seq: u64,
+    op: &'a str,
+    dtype: &'a str,
+    count: u64,
+    root: Option<usize>,
+    peer: Option<usize>,
+    reduce_op: Option<&'a str>,
+    state: &'a str,
+    error: Option<&'a str>,
+    enqueued_ns: u64,
+    started_ns: Option<u64>,
+    completed_ns: Option<u64>,
+}
+
+impl<'a> From<&'a FlightEntry> for EntryLine<'a> {
+    fn from(entry: &'a FlightEntry) -> Self {
+        let error = match &entry.state {
+            EntryState::Failed(reason) => Some(reason.as_str()),
+            _ => None,
+        };
+        EntryLine {
+            id: entry.id.0,
+            seq: entry.seq,
+            op: &entry.op.kind,
+            dtype: &entry.op.dtype,
+            count: entry.op.count,
+            root: entry.op.root,
+            peer: entry.op.peer,
+            reduce_op: entry.op.reduce_op.as_deref(),
+            state: entry.state.name(),
+            error,
+            enqueued_ns: unix_nanos(entry.enqueued_at),
+            started_ns: entry.started_at.map(unix_nanos),
+            completed_ns: entry.completed_at.map(unix_nanos),
+        }
+    }
+}
+
+/// Compact one-line JSON of a line struct, which always serializes.
+fn to_line(line: &impl Serialize) -> String {
+    serde_json::to_string(line).expect("dump lines have string keys and no floats")
+}
+
 impl RankDump {
     /// The file name of this dump, `chorus-trace-g<generation>-r<rank>.json`.
     pub fn file_name(&self) -> String {
@@ -380,20 +448,19 @@ impl RankDump {
 
     /// The dump in the version-1 format (see the module docs).
     pub fn encode(&self) -> Vec<u8> {
-        let header = Value::object([
-            ("format", FORMAT.into()),
-            ("version", VERSION.into()),
-            ("rank", self.rank.into()),
-            ("world", self.world.into()),
-            ("generation", self.generation.into()),
-            ("reason", self.reason.as_str().into()),
-            ("dumped_at_ns", unix_nanos(self.dumped_at).into()),
-            ("capacity", self.capacity.into()),
-            ("dropped", self.dropped.into()),
-        ]);
+        let header = to_line(&HeaderLine {
+            format: FORMAT,
+            version: VERSION,
+            rank: self.rank,
+            world: self.world,
+            generation: self.generation,
+            reason: &self.reason,
+            dumped_at_ns: unix_nanos(self.dumped_at),
+            capacity: self.capacity,
+            dropped: self.dropped,
+        });
         // The header object without its closing brace, then the entries one
         // per line: still one JSON document.
-        let header = header.to_string();
         let mut out = format!("{},\"entries\":[\n", &header[..header.len() - 1]);
         for (i, entry) in self.entries.iter().enumerate() {
             let separator = if i + 1 < self.entries.len() {
@@ -401,7 +468,7 @@ impl RankDump {
             } else {
                 "\n"
             };
-            out.push_str(&encode_entry(entry).to_string());
+            out.push_str(&to_line(&EntryLine::from(entry)));
             out.push_str(separator);
         }
         out.push_str("]}\n");
@@ -410,8 +477,12 @@ impl RankDump {
 
     /// Reads a dump, checking every member it relies on; members it does
     /// not know are ignored.
+    ///
+    /// It reads a [`Value`] and then the members one by one, rather than
+    /// deserializing the line structs, so that each problem names its entry
+    /// and member ([`DumpError::Member`], [`DumpError::Invalid`]).
     pub fn parse(bytes: &[u8]) -> Result<Self, DumpError> {
-        let doc = json::parse(bytes)?;
+        let doc: Value = serde_json::from_slice(bytes)?;
         if doc.get("format").and_then(Value::as_str) != Some(FORMAT) {
             return Err(DumpError::NotADump);
         }
@@ -489,28 +560,6 @@ pub fn write_dump(dir: &Path, dump: &RankDump) -> io::Result<PathBuf> {
             Err(error)
         }
     }
-}
-
-fn encode_entry(entry: &FlightEntry) -> Value {
-    let error = match &entry.state {
-        EntryState::Failed(reason) => Some(reason.as_str()),
-        _ => None,
-    };
-    Value::object([
-        ("id", entry.id.0.into()),
-        ("seq", entry.seq.into()),
-        ("op", entry.op.kind.as_str().into()),
-        ("dtype", entry.op.dtype.as_str().into()),
-        ("count", entry.op.count.into()),
-        ("root", entry.op.root.into()),
-        ("peer", entry.op.peer.into()),
-        ("reduce_op", entry.op.reduce_op.as_deref().into()),
-        ("state", entry.state.name().into()),
-        ("error", error.into()),
-        ("enqueued_ns", unix_nanos(entry.enqueued_at).into()),
-        ("started_ns", entry.started_at.map(unix_nanos).into()),
-        ("completed_ns", entry.completed_at.map(unix_nanos).into()),
-    ])
 }
 
 fn parse_entry(value: &Value, at: &str) -> Result<FlightEntry, DumpError> {
@@ -821,9 +870,20 @@ mod tests {
         );
         assert_eq!(RankDump::parse(&bytes), Ok(dump.clone()));
         // Any JSON reader reads it too: the whole file is one document.
-        assert!(json::parse(&bytes).is_ok());
+        assert!(serde_json::from_slice::<Value>(&bytes).is_ok());
         let empty = FlightRecorder::new(4).dump(0, 1, 0, "abort", at(0));
         assert_eq!(RankDump::parse(&empty.encode()), Ok(empty));
+        // Nanosecond times keep all 64 bits (a double would round them).
+        let late = RankDump {
+            dumped_at: time(u64::MAX - 1),
+            ..sample_dump()
+        };
+        let text = String::from_utf8(late.encode()).unwrap();
+        assert!(
+            text.contains("\"dumped_at_ns\":18446744073709551614,"),
+            "{text}"
+        );
+        assert_eq!(RankDump::parse(text.as_bytes()), Ok(late));
     }
 
     #[test]
@@ -846,6 +906,18 @@ mod tests {
             RankDump::parse(b"\x00\xffgarbage"),
             Err(DumpError::Json(_))
         ));
+        // Nesting past the parser's recursion limit is an error, not a
+        // stack overflow.
+        let deep = [vec![b'['; 100_000], vec![b']'; 100_000]].concat();
+        assert!(matches!(RankDump::parse(&deep), Err(DumpError::Json(_))));
+        let mut nested = text_with_deep_member(&bytes, 100_000);
+        assert!(matches!(
+            RankDump::parse(nested.as_bytes()),
+            Err(DumpError::Json(_))
+        ));
+        // Shallow unknown nesting, as a newer writer might add, still reads.
+        nested = text_with_deep_member(&bytes, 8);
+        assert!(RankDump::parse(nested.as_bytes()).is_ok());
         assert_eq!(
             RankDump::parse(b"{\"entries\":[]}"),
             Err(DumpError::NotADump)
@@ -888,6 +960,13 @@ mod tests {
             RankDump::parse(failed.as_bytes()),
             Err(member("entry 2", "error", "a string (the state is failed)"))
         );
+    }
+
+    /// The dump with an unknown header member nested `depth` arrays deep.
+    fn text_with_deep_member(bytes: &[u8], depth: usize) -> String {
+        let text = std::str::from_utf8(bytes).unwrap();
+        let member = format!("\"deep\":{}{},", "[".repeat(depth), "]".repeat(depth));
+        text.replacen("\"version\":1,", &format!("\"version\":1,{member}"), 1)
     }
 
     #[test]

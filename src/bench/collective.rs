@@ -34,7 +34,8 @@
 //! # Pure parts (unit-tested)
 //! [`parse_size`], [`sizes`], [`BenchOp`] (byte counts and bus-bandwidth
 //! factors), [`Row`] and [`format_table`], the reference results of
-//! `--check`, and a minimal JSON reader ([`json`]) for the workers' lines.
+//! `--check`, and the JSON of the workers' lines and `--json` rows
+//! (`serde_json`).
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -48,6 +49,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use chorus_runtime::collective::{DType, ReduceOp};
 use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::group::ProcessGroup;
 use crate::tensor::Tensor;
@@ -567,8 +570,9 @@ fn count_wrong(spec: &Spec, rank: usize, world: usize, count: usize, out: &Tenso
 
 // ------------------------------------------------------------- one rank
 
-/// One rank's answer to `run COUNT`.
-#[derive(Debug, Clone, Default)]
+/// One rank's answer to `run COUNT` (the members of its JSON line besides
+/// `rank` and `count`; the `wrong_*` members may be absent, as Gloo's are).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct Raw {
     oop: Vec<f64>,
     ip: Vec<f64>,
@@ -576,38 +580,50 @@ struct Raw {
     wrong_ip: Option<u64>,
 }
 
+/// A worker's line: who answered which count, then the answer.
+#[derive(Serialize)]
+struct WorkerLine<T> {
+    rank: usize,
+    count: usize,
+    #[serde(flatten)]
+    answer: T,
+}
+
+/// A worker's answer when it could not measure.
+#[derive(Serialize)]
+struct WorkerError {
+    error: String,
+}
+
 impl Raw {
     fn to_json(&self, rank: usize, count: usize) -> String {
-        let list = |v: &[f64]| v.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>().join(",");
-        let opt = |w: Option<u64>| w.map_or_else(|| "null".to_string(), |w| w.to_string());
-        format!(
-            "{{\"rank\":{rank},\"count\":{count},\"oop\":[{}],\"ip\":[{}],\"wrong_oop\":{},\"wrong_ip\":{}}}",
-            list(&self.oop),
-            list(&self.ip),
-            opt(self.wrong_oop),
-            opt(self.wrong_ip)
-        )
+        // Times to the nanosecond, as the workers always wrote them.
+        let ns = |v: &[f64]| v.iter().map(|&t| round(t, 1e3)).collect();
+        let answer = Raw {
+            oop: ns(&self.oop),
+            ip: ns(&self.ip),
+            ..*self
+        };
+        to_line(&WorkerLine { rank, count, answer })
     }
 
-    fn from_json(v: &json::Value) -> Result<Self, String> {
-        if let Some(e) = v.get("error").and_then(json::Value::as_str) {
+    fn from_json(v: Value) -> Result<Self, String> {
+        if let Some(e) = v.get("error").and_then(Value::as_str) {
             return Err(e.to_string());
         }
-        let list = |k: &str| -> Result<Vec<f64>, String> {
-            v.get(k)
-                .and_then(json::Value::as_array)
-                .ok_or_else(|| format!("no {k} in a result line"))?
-                .iter()
-                .map(|x| x.as_f64().ok_or_else(|| format!("{k} holds a non-number")))
-                .collect()
-        };
-        Ok(Self {
-            oop: list("oop")?,
-            ip: list("ip")?,
-            wrong_oop: v.get("wrong_oop").and_then(json::Value::as_f64).map(|w| w as u64),
-            wrong_ip: v.get("wrong_ip").and_then(json::Value::as_f64).map(|w| w as u64),
-        })
+        serde_json::from_value(v).map_err(|e| format!("a result line: {e}"))
     }
+}
+
+/// `x` rounded to `1 / scale` (`scale` a power of ten).
+fn round(x: f64, scale: f64) -> f64 {
+    (x * scale).round() / scale
+}
+
+/// Compact one-line JSON of a line or row, which always serializes
+/// (string keys; a non-finite float becomes `null`).
+fn to_line(value: &impl Serialize) -> String {
+    serde_json::to_string(value).expect("bench lines have string keys")
 }
 
 /// One call of the collective on `tensor` (moved in); returns the output.
@@ -709,7 +725,12 @@ pub async fn run_worker(args: &CollectiveArgs) -> Result<()> {
         }
     });
     let mut stdout = std::io::stdout();
-    writeln!(stdout, "{{\"ready\":true,\"rank\":{rank}}}")?;
+    #[derive(Serialize)]
+    struct Ready {
+        ready: bool,
+        rank: usize,
+    }
+    writeln!(stdout, "{}", to_line(&Ready { ready: true, rank }))?;
     stdout.flush()?;
     while let Some(line) = rx.recv().await {
         let mut words = line.split_whitespace();
@@ -717,7 +738,7 @@ pub async fn run_worker(args: &CollectiveArgs) -> Result<()> {
             (Some("run"), Some(count)) => {
                 let answer = match measure(&group, &spec, count).await {
                     Ok(raw) => raw.to_json(rank, count),
-                    Err(e) => format!("{{\"rank\":{rank},\"count\":{count},\"error\":{}}}", json::quote(&format!("{e:#}"))),
+                    Err(e) => to_line(&WorkerLine { rank, count, answer: WorkerError { error: format!("{e:#}") } }),
                 };
                 writeln!(stdout, "{answer}")?;
                 stdout.flush()?;
@@ -750,7 +771,7 @@ struct ProcessSide {
     lines: mpsc::Receiver<(usize, String)>,
     stderr: Arc<Mutex<Vec<VecDeque<String>>>>,
     /// What the ranks said when ready (torch's version for Gloo).
-    ready: Vec<json::Value>,
+    ready: Vec<Value>,
 }
 
 impl ProcessSide {
@@ -834,13 +855,13 @@ impl ProcessSide {
     }
 
     /// Reads one JSON line from every rank.
-    fn collect(&mut self, timeout: Duration, what: &str) -> Result<Vec<json::Value>> {
+    fn collect(&mut self, timeout: Duration, what: &str) -> Result<Vec<Value>> {
         let deadline = Instant::now() + timeout;
-        let mut got: Vec<Option<json::Value>> = vec![None; self.children.len()];
+        let mut got: Vec<Option<Value>> = vec![None; self.children.len()];
         while got.iter().any(Option::is_none) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left.min(Duration::from_millis(500))) {
-                Ok((rank, line)) => match json::parse(&line) {
+                Ok((rank, line)) => match serde_json::from_str(&line) {
                     Ok(value) => got[rank] = Some(value),
                     Err(_) => tracing::debug!(rank, line, "ignoring a non-JSON line"),
                 },
@@ -861,7 +882,7 @@ impl ProcessSide {
 
     fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
         self.ready = self.collect(timeout, "forming the group")?;
-        if let Some(e) = self.ready.iter().find_map(|v| v.get("error").and_then(json::Value::as_str)) {
+        if let Some(e) = self.ready.iter().find_map(|v| v.get("error").and_then(Value::as_str)) {
             bail!("{}: {e}", self.label);
         }
         Ok(())
@@ -878,7 +899,7 @@ impl Side for ProcessSide {
             writeln!(stdin, "run {count}").and_then(|()| stdin.flush()).map_err(|e| anyhow!("{}: a rank's stdin: {e}", self.label))?;
         }
         let values = self.collect(timeout, &format!("measuring count {count}"))?;
-        values.iter().map(|v| Raw::from_json(v).map_err(|e| anyhow!(e))).collect()
+        values.into_iter().map(|v| Raw::from_json(v).map_err(|e| anyhow!(e))).collect()
     }
 
     fn finish(&mut self) {
@@ -1261,254 +1282,79 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     Ok(if wrong > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
-fn json_half(row: &Row, half: &Half) -> String {
-    format!(
-        "{{\"time_us\":{},\"median_us\":{},\"algbw\":{},\"busbw\":{},\"median_busbw\":{},\"wrong\":{}}}",
-        json::num(half.avg_us),
-        json::num(half.median_us),
-        json::num(row.algbw(half.avg_us)),
-        json::num(row.busbw(half.avg_us)),
-        json::num(row.busbw(half.median_us)),
-        half.wrong.map_or_else(|| "null".into(), |w| w.to_string())
-    )
+/// A number of a `--json` row: to 4 decimals, or `null` when not finite.
+fn num(x: f64) -> Option<f64> {
+    x.is_finite().then(|| round(x, 1e4))
+}
+
+/// One half (out of place or in place) of a `--json` row.
+#[derive(Serialize)]
+struct HalfJson {
+    time_us: Option<f64>,
+    median_us: Option<f64>,
+    algbw: Option<f64>,
+    busbw: Option<f64>,
+    median_busbw: Option<f64>,
+    wrong: Option<u64>,
+}
+
+impl HalfJson {
+    fn new(row: &Row, half: &Half) -> Self {
+        HalfJson {
+            time_us: num(half.avg_us),
+            median_us: num(half.median_us),
+            algbw: num(row.algbw(half.avg_us)),
+            busbw: num(row.busbw(half.avg_us)),
+            median_busbw: num(row.busbw(half.median_us)),
+            wrong: half.wrong,
+        }
+    }
 }
 
 /// One `--json` row.
-fn json_row(library: &str, transport: &str, in_process: bool, row: &Row, gloo: Option<&Row>, memcpy: f64) -> String {
-    let ratio = |f: &dyn Fn(&Row) -> f64| gloo.map_or_else(|| "null".to_string(), |g| json::num(f(row) / f(g)));
-    format!(
-        "{{\"library\":{},\"transport\":{},\"in_process\":{in_process},\"op\":{},\"world\":{},\"size\":{},\"count\":{},\"type\":{},\"redop\":{},\"root\":{},\"oop\":{},\"ip\":{},\"gloo_busbw_ratio_oop\":{},\"gloo_busbw_ratio_ip\":{},\"gloo_median_time_ratio_oop\":{},\"memcpy_gbps\":{}}}",
-        json::quote(library),
-        json::quote(transport),
-        json::quote(row.op.name()),
-        row.world,
-        row.bytes(),
-        row.count,
-        json::quote(row.dtype.nccl_name()),
-        json::quote(if row.op.reduces() { row.redop.name() } else { "none" }),
-        if row.op.rooted() { row.root as i64 } else { -1 },
-        json_half(row, &row.oop),
-        json_half(row, &row.ip),
-        ratio(&|r| r.busbw(r.oop.avg_us)),
-        ratio(&|r| r.busbw(r.ip.avg_us)),
-        ratio(&|r| r.oop.median_us),
-        json::num(memcpy)
-    )
+#[derive(Serialize)]
+struct JsonRow<'a> {
+    library: &'a str,
+    transport: &'a str,
+    in_process: bool,
+    op: &'static str,
+    world: usize,
+    size: usize,
+    count: usize,
+    #[serde(rename = "type")]
+    dtype: &'static str,
+    redop: &'static str,
+    /// -1 for the collectives without a root.
+    root: i64,
+    oop: HalfJson,
+    ip: HalfJson,
+    gloo_busbw_ratio_oop: Option<f64>,
+    gloo_busbw_ratio_ip: Option<f64>,
+    gloo_median_time_ratio_oop: Option<f64>,
+    memcpy_gbps: Option<f64>,
 }
 
-/// A minimal JSON reader and writer helpers (the workers' lines and `--json` rows).
-pub mod json {
-    /// A JSON value.
-    #[derive(Debug, Clone, PartialEq)]
-    pub enum Value {
-        /// `null`.
-        Null,
-        /// `true` / `false`.
-        Bool(bool),
-        /// A number.
-        Num(f64),
-        /// A string.
-        Str(String),
-        /// An array.
-        Arr(Vec<Value>),
-        /// An object, keys in order.
-        Obj(Vec<(String, Value)>),
-    }
-
-    impl Value {
-        /// The member `key` of an object.
-        pub fn get(&self, key: &str) -> Option<&Value> {
-            match self {
-                Value::Obj(members) => members.iter().find(|(k, _)| k == key).map(|(_, v)| v),
-                _ => None,
-            }
-        }
-        /// The number, if one.
-        pub fn as_f64(&self) -> Option<f64> {
-            match self {
-                Value::Num(n) => Some(*n),
-                _ => None,
-            }
-        }
-        /// The string, if one.
-        pub fn as_str(&self) -> Option<&str> {
-            match self {
-                Value::Str(s) => Some(s),
-                _ => None,
-            }
-        }
-        /// The elements, if an array.
-        pub fn as_array(&self) -> Option<&[Value]> {
-            match self {
-                Value::Arr(v) => Some(v),
-                _ => None,
-            }
-        }
-    }
-
-    /// A number, or `null` when not finite.
-    pub fn num(x: f64) -> String {
-        if x.is_finite() { format!("{x:.4}") } else { "null".into() }
-    }
-
-    /// A JSON string literal.
-    pub fn quote(s: &str) -> String {
-        let mut out = String::from("\"");
-        for c in s.chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-                c => out.push(c),
-            }
-        }
-        out.push('"');
-        out
-    }
-
-    /// Parses one JSON document.
-    pub fn parse(text: &str) -> Result<Value, String> {
-        let mut p = Parser { s: text.as_bytes(), i: 0 };
-        let v = p.value()?;
-        p.ws();
-        if p.i != p.s.len() {
-            return Err(format!("trailing characters at {}", p.i));
-        }
-        Ok(v)
-    }
-
-    struct Parser<'a> {
-        s: &'a [u8],
-        i: usize,
-    }
-
-    impl Parser<'_> {
-        fn ws(&mut self) {
-            while self.i < self.s.len() && self.s[self.i].is_ascii_whitespace() {
-                self.i += 1;
-            }
-        }
-        fn eat(&mut self, c: u8) -> Result<(), String> {
-            self.ws();
-            if self.s.get(self.i) == Some(&c) {
-                self.i += 1;
-                Ok(())
-            } else {
-                Err(format!("expected {:?} at {}", c as char, self.i))
-            }
-        }
-        fn value(&mut self) -> Result<Value, String> {
-            self.ws();
-            match self.s.get(self.i) {
-                Some(b'{') => {
-                    self.i += 1;
-                    let mut members = Vec::new();
-                    self.ws();
-                    if self.s.get(self.i) == Some(&b'}') {
-                        self.i += 1;
-                        return Ok(Value::Obj(members));
-                    }
-                    loop {
-                        self.ws();
-                        let key = self.string()?;
-                        self.eat(b':')?;
-                        members.push((key, self.value()?));
-                        self.ws();
-                        match self.s.get(self.i) {
-                            Some(b',') => self.i += 1,
-                            Some(b'}') => {
-                                self.i += 1;
-                                return Ok(Value::Obj(members));
-                            }
-                            _ => return Err(format!("expected , or }} at {}", self.i)),
-                        }
-                    }
-                }
-                Some(b'[') => {
-                    self.i += 1;
-                    let mut items = Vec::new();
-                    self.ws();
-                    if self.s.get(self.i) == Some(&b']') {
-                        self.i += 1;
-                        return Ok(Value::Arr(items));
-                    }
-                    loop {
-                        items.push(self.value()?);
-                        self.ws();
-                        match self.s.get(self.i) {
-                            Some(b',') => self.i += 1,
-                            Some(b']') => {
-                                self.i += 1;
-                                return Ok(Value::Arr(items));
-                            }
-                            _ => return Err(format!("expected , or ] at {}", self.i)),
-                        }
-                    }
-                }
-                Some(b'"') => Ok(Value::Str(self.string()?)),
-                Some(b't') if self.s[self.i..].starts_with(b"true") => {
-                    self.i += 4;
-                    Ok(Value::Bool(true))
-                }
-                Some(b'f') if self.s[self.i..].starts_with(b"false") => {
-                    self.i += 5;
-                    Ok(Value::Bool(false))
-                }
-                Some(b'n') if self.s[self.i..].starts_with(b"null") => {
-                    self.i += 4;
-                    Ok(Value::Null)
-                }
-                Some(_) => {
-                    let start = self.i;
-                    while self.i < self.s.len() && matches!(self.s[self.i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
-                        self.i += 1;
-                    }
-                    std::str::from_utf8(&self.s[start..self.i])
-                        .ok()
-                        .and_then(|t| t.parse().ok())
-                        .map(Value::Num)
-                        .ok_or_else(|| format!("bad value at {start}"))
-                }
-                None => Err("unexpected end".into()),
-            }
-        }
-        fn string(&mut self) -> Result<String, String> {
-            if self.s.get(self.i) != Some(&b'"') {
-                return Err(format!("expected a string at {}", self.i));
-            }
-            self.i += 1;
-            let mut out = Vec::new();
-            while let Some(&c) = self.s.get(self.i) {
-                self.i += 1;
-                match c {
-                    b'"' => return String::from_utf8(out).map_err(|e| e.to_string()),
-                    b'\\' => {
-                        let e = *self.s.get(self.i).ok_or("unexpected end")?;
-                        self.i += 1;
-                        match e {
-                            b'n' => out.push(b'\n'),
-                            b't' => out.push(b'\t'),
-                            b'r' => out.push(b'\r'),
-                            b'b' => out.push(8),
-                            b'f' => out.push(12),
-                            b'u' => {
-                                let hex = self.s.get(self.i..self.i + 4).ok_or("short \\u escape")?;
-                                self.i += 4;
-                                let code = u32::from_str_radix(std::str::from_utf8(hex).map_err(|e| e.to_string())?, 16)
-                                    .map_err(|e| e.to_string())?;
-                                let ch = char::from_u32(code).unwrap_or('\u{fffd}');
-                                out.extend(ch.to_string().as_bytes());
-                            }
-                            other => out.push(other),
-                        }
-                    }
-                    c => out.push(c),
-                }
-            }
-            Err("unterminated string".into())
-        }
-    }
+/// One `--json` row, as a line.
+fn json_row(library: &str, transport: &str, in_process: bool, row: &Row, gloo: Option<&Row>, memcpy: f64) -> String {
+    let ratio = |f: &dyn Fn(&Row) -> f64| gloo.and_then(|g| num(f(row) / f(g)));
+    to_line(&JsonRow {
+        library,
+        transport,
+        in_process,
+        op: row.op.name(),
+        world: row.world,
+        size: row.bytes(),
+        count: row.count,
+        dtype: row.dtype.nccl_name(),
+        redop: if row.op.reduces() { row.redop.name() } else { "none" },
+        root: if row.op.rooted() { row.root as i64 } else { -1 },
+        oop: HalfJson::new(row, &row.oop),
+        ip: HalfJson::new(row, &row.ip),
+        gloo_busbw_ratio_oop: ratio(&|r| r.busbw(r.oop.avg_us)),
+        gloo_busbw_ratio_ip: ratio(&|r| r.busbw(r.ip.avg_us)),
+        gloo_median_time_ratio_oop: ratio(&|r| r.oop.median_us),
+        memcpy_gbps: num(memcpy),
+    })
 }
 
 #[cfg(test)]
@@ -1639,12 +1485,20 @@ mod tests {
     }
 
     #[test]
-    fn json_round_trips() {
-        let v = json::parse(r#"{"a":[1,2.5e3,-3],"b":"x\"y\u0041","c":null,"d":{"e":true}}"#).unwrap();
-        assert_eq!(v.get("a").unwrap().as_array().unwrap()[1].as_f64(), Some(2500.0));
-        assert_eq!(v.get("b").unwrap().as_str(), Some("x\"yA"));
-        assert_eq!(v.get("c"), Some(&json::Value::Null));
-        assert!(json::parse("{").is_err());
-        assert_eq!(json::parse(&json::quote("a\nb")).unwrap().as_str(), Some("a\nb"));
+    fn worker_lines_round_trip_and_gloo_lines_read() {
+        let raw = Raw { oop: vec![1.23456, 2.0], ip: vec![3.5], wrong_oop: Some(0), wrong_ip: None };
+        let line = raw.to_json(1, 64);
+        assert_eq!(line, r#"{"rank":1,"count":64,"oop":[1.235,2.0],"ip":[3.5],"wrong_oop":0,"wrong_ip":null}"#);
+        let back = Raw::from_json(serde_json::from_str(&line).unwrap()).unwrap();
+        assert_eq!((back.oop, back.ip, back.wrong_oop, back.wrong_ip), (vec![1.235, 2.0], vec![3.5], Some(0), None));
+        // bench_gloo.py's lines: json.dumps spacing, no wrong_* members.
+        let gloo = Raw::from_json(serde_json::from_str(r#"{"rank": 0, "count": 8, "oop": [12.5, 3], "ip": [1e1]}"#).unwrap()).unwrap();
+        assert_eq!((gloo.oop, gloo.ip, gloo.wrong_oop), (vec![12.5, 3.0], vec![10.0], None));
+        let error = to_line(&WorkerLine { rank: 2, count: 8, answer: WorkerError { error: "a \"b\"\nc".into() } });
+        assert_eq!(Raw::from_json(serde_json::from_str(&error).unwrap()).unwrap_err(), "a \"b\"\nc");
+        let bad = Raw::from_json(serde_json::json!({"oop": [1, "x"], "ip": []})).unwrap_err();
+        assert!(bad.starts_with("a result line: "), "{bad}");
+        assert_eq!(num(f64::INFINITY), None);
+        assert_eq!(num(2.0 / 3.0), Some(0.6667));
     }
 }
