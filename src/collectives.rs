@@ -104,21 +104,45 @@ impl ProcessGroup {
     /// Every rank ends with the reduction of every rank's `tensor`.
     pub fn all_reduce(&self, tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
         let (dtype, count) = (tensor.dtype(), tensor.len());
-        let work = self.collective(CollectiveKind::AllReduce, dtype, count, None, Some(op), Bytes::new(), tensor.into_bytes());
+        let work = self.collective(
+            CollectiveKind::AllReduce,
+            dtype,
+            count,
+            None,
+            Some(op),
+            Bytes::new(),
+            tensor.into_bytes(),
+        );
         Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
     }
 
     /// Every rank ends with `root`'s `tensor`.
     pub fn broadcast(&self, tensor: Tensor, root: usize) -> Work<Tensor> {
         let (dtype, count) = (tensor.dtype(), tensor.len());
-        let work = self.collective(CollectiveKind::Broadcast, dtype, count, Some(root), None, Bytes::new(), tensor.into_bytes());
+        let work = self.collective(
+            CollectiveKind::Broadcast,
+            dtype,
+            count,
+            Some(root),
+            None,
+            Bytes::new(),
+            tensor.into_bytes(),
+        );
         Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
     }
 
     /// `root` ends with the reduction; other ranks' tensors come back unspecified.
     pub fn reduce(&self, tensor: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
         let (dtype, count) = (tensor.dtype(), tensor.len());
-        let work = self.collective(CollectiveKind::Reduce, dtype, count, Some(root), Some(op), Bytes::new(), tensor.into_bytes());
+        let work = self.collective(
+            CollectiveKind::Reduce,
+            dtype,
+            count,
+            Some(root),
+            Some(op),
+            Bytes::new(),
+            tensor.into_bytes(),
+        );
         Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
     }
 
@@ -126,7 +150,15 @@ impl ProcessGroup {
     pub fn all_gather(&self, tensor: Tensor) -> Work<Tensor> {
         let (dtype, count) = (tensor.dtype(), tensor.len());
         let output = vec![0; tensor.as_bytes().len() * self.world_size()];
-        let work = self.collective(CollectiveKind::AllGather, dtype, count, None, None, Bytes::from(tensor.into_bytes()), output);
+        let work = self.collective(
+            CollectiveKind::AllGather,
+            dtype,
+            count,
+            None,
+            None,
+            Bytes::from(tensor.into_bytes()),
+            output,
+        );
         Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
     }
 
@@ -139,7 +171,15 @@ impl ProcessGroup {
         } else {
             Vec::new()
         };
-        let work = self.collective(CollectiveKind::Gather, dtype, count, Some(root), None, Bytes::from(tensor.into_bytes()), output);
+        let work = self.collective(
+            CollectiveKind::Gather,
+            dtype,
+            count,
+            Some(root),
+            None,
+            Bytes::from(tensor.into_bytes()),
+            output,
+        );
         Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
     }
 
@@ -147,17 +187,32 @@ impl ProcessGroup {
     /// elements; other ranks pass `None`).
     pub fn scatter(&self, chunks: Option<Tensor>, dtype: DType, count: usize, root: usize) -> Work<Tensor> {
         let input = match (chunks, self.rank() == root) {
-            (Some(t), true) if t.dtype() == dtype && t.len() == count * self.world_size() => Bytes::from(t.into_bytes()),
+            (Some(t), true) if t.dtype() == dtype && t.len() == count * self.world_size() => {
+                Bytes::from(t.into_bytes())
+            }
             (Some(t), true) => {
                 return Work::failed(length_error(
                     "scatter",
-                    format!("the root's tensor must be {} x {dtype}, not {} x {}", count * self.world_size(), t.len(), t.dtype()),
+                    format!(
+                        "the root's tensor must be {} x {dtype}, not {} x {}",
+                        count * self.world_size(),
+                        t.len(),
+                        t.dtype()
+                    ),
                 ));
             }
             (None, true) => return Work::failed(length_error("scatter", "the root must pass the chunks".into())),
             (_, false) => Bytes::new(),
         };
-        let work = self.collective(CollectiveKind::Scatter, dtype, count, Some(root), None, input, vec![0; count * dtype.size()]);
+        let work = self.collective(
+            CollectiveKind::Scatter,
+            dtype,
+            count,
+            Some(root),
+            None,
+            input,
+            vec![0; count * dtype.size()],
+        );
         Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
     }
 
@@ -172,11 +227,22 @@ impl ProcessGroup {
             ));
         }
         let count = tensor.len() / world;
-        let work = self.collective(CollectiveKind::ReduceScatter, dtype, count, None, Some(op), Bytes::new(), tensor.into_bytes());
+        let work = self.collective(
+            CollectiveKind::ReduceScatter,
+            dtype,
+            count,
+            None,
+            Some(op),
+            Bytes::new(),
+            tensor.into_bytes(),
+        );
         Work::new(async move {
             let bytes = work.await?;
             let block = count * dtype.size();
-            Ok(Tensor::from_bytes(dtype, bytes[rank * block..(rank + 1) * block].to_vec()))
+            Ok(Tensor::from_bytes(
+                dtype,
+                bytes[rank * block..(rank + 1) * block].to_vec(),
+            ))
         })
     }
 
@@ -192,26 +258,58 @@ impl ProcessGroup {
         }
         let count = tensor.len() / world;
         let output = vec![0; tensor.as_bytes().len()];
-        let work = self.collective(CollectiveKind::AllToAll, dtype, count, None, None, Bytes::from(tensor.into_bytes()), output);
+        let work = self.collective(
+            CollectiveKind::AllToAll,
+            dtype,
+            count,
+            None,
+            None,
+            Bytes::from(tensor.into_bytes()),
+            output,
+        );
         Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
     }
 
     /// Returns once every rank has entered.
     pub fn barrier(&self) -> Work<()> {
-        let work = self.collective(CollectiveKind::Barrier, DType::UInt8, 0, None, None, Bytes::new(), Vec::new());
+        let work = self.collective(
+            CollectiveKind::Barrier,
+            DType::UInt8,
+            0,
+            None,
+            None,
+            Bytes::new(),
+            Vec::new(),
+        );
         Work::new(async move { work.await.map(drop) })
     }
 
     /// Sends `tensor` to rank `to` (matched by its `recv` from this rank).
     pub fn send(&self, tensor: Tensor, to: usize) -> Work<()> {
         let (dtype, count) = (tensor.dtype(), tensor.len());
-        let work = self.collective(CollectiveKind::Send, dtype, count, Some(to), None, Bytes::from(tensor.into_bytes()), Vec::new());
+        let work = self.collective(
+            CollectiveKind::Send,
+            dtype,
+            count,
+            Some(to),
+            None,
+            Bytes::from(tensor.into_bytes()),
+            Vec::new(),
+        );
         Work::new(async move { work.await.map(drop) })
     }
 
     /// Receives `count` elements of `dtype` from rank `from`.
     pub fn recv(&self, dtype: DType, count: usize, from: usize) -> Work<Tensor> {
-        let work = self.collective(CollectiveKind::Recv, dtype, count, Some(from), None, Bytes::new(), vec![0; count * dtype.size()]);
+        let work = self.collective(
+            CollectiveKind::Recv,
+            dtype,
+            count,
+            Some(from),
+            None,
+            Bytes::new(),
+            vec![0; count * dtype.size()],
+        );
         Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
     }
 }

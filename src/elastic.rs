@@ -102,7 +102,10 @@ pub enum RestartError {
         failures: Vec<GroupAborted>,
     },
     /// A restart could not form its generation.
-    #[error("restart after generation {generation} failed: {source}; failures so far: {}", describe(failures))]
+    #[error(
+        "restart after generation {generation} failed: {source}; failures so far: {}",
+        describe(failures)
+    )]
     RestartFailed {
         /// The generation that failed.
         generation: u64,
@@ -115,7 +118,10 @@ pub enum RestartError {
 }
 
 fn describe(failures: &[GroupAborted]) -> String {
-    let each: Vec<String> = failures.iter().map(|f| format!("[{f}; failed ranks {:?}]", f.failed_ranks)).collect();
+    let each: Vec<String> = failures
+        .iter()
+        .map(|f| format!("[{f}; failed ranks {:?}]", f.failed_ranks))
+        .collect();
     each.join(" ")
 }
 
@@ -154,7 +160,11 @@ impl RestartBudget {
     /// Records `failure` at `now`; `Ok` when a restart is within budget.
     pub(crate) fn admit(&mut self, failure: GroupAborted, now: Instant) -> Result<(), RestartError> {
         self.failures.push(failure);
-        while self.restarts.front().is_some_and(|&t| now.duration_since(t) >= self.window) {
+        while self
+            .restarts
+            .front()
+            .is_some_and(|&t| now.duration_since(t) >= self.window)
+        {
             self.restarts.pop_front();
         }
         if self.restarts.len() >= self.max_restarts as usize {
@@ -217,15 +227,29 @@ impl Base {
                 generation,
                 serve_store: false,
                 // The launcher's local numbering holds only for the launch layout.
-                local_rank: self.config.local_rank.filter(|_| initial && admission.world_size() == self.config.world_size),
-                local_world_size: self.config.local_world_size.filter(|_| initial && admission.world_size() == self.config.world_size),
+                local_rank: self
+                    .config
+                    .local_rank
+                    .filter(|_| initial && admission.world_size() == self.config.world_size),
+                local_world_size: self
+                    .config
+                    .local_world_size
+                    .filter(|_| initial && admission.world_size() == self.config.world_size),
                 ..self.config.clone()
             };
             let opened = OpenedStore {
                 store: self.store.clone(),
                 server: None,
             };
-            let group = form(config, opened, LinkSource::Mesh { single_host: self.single_host }, &self.options).await?;
+            let group = form(
+                config,
+                opened,
+                LinkSource::Mesh {
+                    single_host: self.single_host,
+                },
+                &self.options,
+            )
+            .await?;
             elastic_rdzv::publish_latest(&self.store, &self.config.run_id, generation).await?;
             return Ok(group);
         }
@@ -249,7 +273,9 @@ pub struct ElasticGroup {
 
 impl std::fmt::Debug for ElasticGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ElasticGroup").field("current", &*self.shared.current.borrow()).finish()
+        f.debug_struct("ElasticGroup")
+            .field("current", &*self.shared.current.borrow())
+            .finish()
     }
 }
 
@@ -316,7 +342,9 @@ impl ElasticGroup {
         let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)
             .map_err(InitError::from)?;
         let budget = budget_from(&options)?;
-        let opened = rendezvous::open_store(&config, options.timeout).await.map_err(InitError::from)?;
+        let opened = rendezvous::open_store(&config, options.timeout)
+            .await
+            .map_err(InitError::from)?;
         let min_world = options.min_world.unwrap_or(config.world_size);
         let max_world = options.max_world.unwrap_or(config.world_size.max(min_world));
         let base = Base {
@@ -417,7 +445,11 @@ impl ElasticGroup {
     /// Leaves once every rank of the current generation leaves: stops the
     /// supervisor first, so ranks leaving are not restarted.
     pub async fn destroy(self) -> Result<(), InitError> {
-        let Self { shared, supervisor, server } = self;
+        let Self {
+            shared,
+            supervisor,
+            server,
+        } = self;
         drop(supervisor);
         let group = shared.current.borrow().clone();
         group.leave().await?;
@@ -455,14 +487,22 @@ async fn watch_joiners(group: &ProcessGroup, base: &Base) {
             continue;
         }
         if let Ok(waiting @ 1..) = elastic_rdzv::waiting(base.store.clone(), &next).await {
-            group.abort(format!("{waiting} process(es) wait to join generation {}", next.generation));
+            group.abort(format!(
+                "{waiting} process(es) wait to join generation {}",
+                next.generation
+            ));
             std::future::pending::<()>().await;
         }
     }
 }
 
 /// The supervisor's loop: wait for an abort, then restart (SV-9, SV-12, SV-13).
-async fn supervise(shared: Arc<Shared>, base: Base, mut budget: RestartBudget, on_give_up: Box<dyn Fn(&RestartError) + Send + Sync>) {
+async fn supervise(
+    shared: Arc<Shared>,
+    base: Base,
+    mut budget: RestartBudget,
+    on_give_up: Box<dyn Fn(&RestartError) + Send + Sync>,
+) {
     let give_up = |error: RestartError| {
         on_give_up(&error);
         shared.gave_up.send_replace(Some(Arc::new(error)));
@@ -484,7 +524,11 @@ async fn supervise(shared: Arc<Shared>, base: Base, mut budget: RestartBudget, o
         if let Err(error) = budget.admit(aborted, Instant::now()) {
             return give_up(error);
         }
-        tracing::warn!(generation = old_generation, rank = old_rank, "restarting the group into the next generation");
+        tracing::warn!(
+            generation = old_generation,
+            rank = old_rank,
+            "restarting the group into the next generation"
+        );
         match base.form(old_generation + 1, Some(old_rank)).await {
             Ok(next) => {
                 let change = MembershipChange {
@@ -533,11 +577,18 @@ mod tests {
         for generation in 0..3 {
             assert!(text.contains(&format!("generation {generation}")), "{text}");
         }
-        assert!(text.contains("failed ranks [2]") && text.contains("peer 2 closed"), "{text}");
+        assert!(
+            text.contains("failed ranks [2]") && text.contains("peer 2 closed"),
+            "{text}"
+        );
         // Past the window, the oldest restart no longer counts.
         let mut budget = RestartBudget::new(1, Duration::from_secs(10));
         budget.admit(failure(0), start).unwrap();
         budget.admit(failure(1), start + Duration::from_secs(11)).unwrap();
-        assert!(RestartBudget::new(0, Duration::from_secs(1)).admit(failure(0), start).is_err());
+        assert!(
+            RestartBudget::new(0, Duration::from_secs(1))
+                .admit(failure(0), start)
+                .is_err()
+        );
     }
 }

@@ -14,26 +14,26 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use chorus_runtime::rendezvous::{
-    self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError, StoreSpec,
-};
-use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use actix::{Actor, Addr};
 use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor};
 use chorus_actors::rank::{Aborted, RankActor};
 use chorus_actors::supervision::{
-    self, ErrorHandling, GroupAborted, HEARTBEAT_TIMEOUT_ENV, Supervision, SupervisionConfigError, WATCHDOG_TIMEOUT_ENV,
-    WatchdogConfig,
+    self, ErrorHandling, GroupAborted, HEARTBEAT_TIMEOUT_ENV, Supervision, SupervisionConfigError,
+    WATCHDOG_TIMEOUT_ENV, WatchdogConfig,
 };
 use chorus_actors::system::{self, SystemError};
 use chorus_runtime::collective::Overrides;
 use chorus_runtime::flight::{self, FlightRecorder};
+use chorus_runtime::rendezvous::{
+    self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError, StoreSpec,
+};
+use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use chorus_runtime::store::{HashStore, PrefixStore};
 use chorus_transports::link::Link;
-use chorus_transports::scoped::ScopedLink;
 use chorus_transports::local::local_mesh;
 use chorus_transports::netif::{self, NetifError};
 use chorus_transports::quic::QuicEndpoint;
+use chorus_transports::scoped::ScopedLink;
 use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 
@@ -261,7 +261,9 @@ fn system_error(what: &str) -> SystemError {
 
 fn overrides() -> Result<Overrides, InitError> {
     match std::env::var("CHORUS_ALGO") {
-        Ok(value) if !value.trim().is_empty() => Overrides::parse(&value).map_err(|e| InitError::Algorithm(e.to_string())),
+        Ok(value) if !value.trim().is_empty() => {
+            Overrides::parse(&value).map_err(|e| InitError::Algorithm(e.to_string()))
+        }
         _ => Ok(Overrides::default()),
     }
 }
@@ -362,7 +364,9 @@ async fn start_rank(
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(flight::DEFAULT_CAPACITY),
     );
-    let trace_dir = env(flight::TRACE_DIR_ENV).filter(|d| !d.trim().is_empty()).map(std::path::PathBuf::from);
+    let trace_dir = env(flight::TRACE_DIR_ENV)
+        .filter(|d| !d.trim().is_empty())
+        .map(std::path::PathBuf::from);
     let generation = membership.generation;
     let mode = match options.error_handling {
         Some(mode) => mode,
@@ -370,12 +374,15 @@ async fn start_rank(
     };
     let window = match options.heartbeat_timeout {
         Some(window) => window,
-        None => supervision::seconds_from_env(&env, HEARTBEAT_TIMEOUT_ENV)?.unwrap_or(HeartbeatConfig::default().window),
+        None => {
+            supervision::seconds_from_env(&env, HEARTBEAT_TIMEOUT_ENV)?.unwrap_or(HeartbeatConfig::default().window)
+        }
     };
     let watchdog = WatchdogConfig {
         stall_timeout: match options.watchdog_timeout {
             Some(timeout) => timeout,
-            None => supervision::seconds_from_env(&env, WATCHDOG_TIMEOUT_ENV)?.unwrap_or(WatchdogConfig::default().stall_timeout),
+            None => supervision::seconds_from_env(&env, WATCHDOG_TIMEOUT_ENV)?
+                .unwrap_or(WatchdogConfig::default().stall_timeout),
         },
         overdue_grace: window,
         ..WatchdogConfig::default()
@@ -388,15 +395,36 @@ async fn start_rank(
     });
     let (stop_supervision, stop) = watch::channel(false);
     let peers = (0..links.len()).filter(|&r| r != rank);
-    let monitor = Arc::new(std::sync::Mutex::new(HeartbeatMonitor::new(peers, window, std::time::Instant::now())));
-    let (heartbeat_links, watched, watchdog_stop, notify) = (links.clone(), supervision.clone(), stop.clone(), actor.clone());
+    let monitor = Arc::new(std::sync::Mutex::new(HeartbeatMonitor::new(
+        peers,
+        window,
+        std::time::Instant::now(),
+    )));
+    let (heartbeat_links, watched, watchdog_stop, notify) =
+        (links.clone(), supervision.clone(), stop.clone(), actor.clone());
     on_arbiter(&arbiter, async move {
-        heartbeat::spawn(&heartbeat_links, HeartbeatConfig::with_window(window), monitor.clone(), watchdog_stop.clone());
-        supervision::spawn_watchdog(watched, monitor, watchdog, move || notify.do_send(Aborted), watchdog_stop);
+        heartbeat::spawn(
+            &heartbeat_links,
+            HeartbeatConfig::with_window(window),
+            monitor.clone(),
+            watchdog_stop.clone(),
+        );
+        supervision::spawn_watchdog(
+            watched,
+            monitor,
+            watchdog,
+            move || notify.do_send(Aborted),
+            watchdog_stop,
+        );
     })
     .await?;
-    supervision::spawn_stall_monitor(supervision.clone(), watchdog.stall_timeout, stop, supervision::exit_on_stall)
-        .map_err(|e| system_error(&format!("could not start the watchdog monitor: {e}")))?;
+    supervision::spawn_stall_monitor(
+        supervision.clone(),
+        watchdog.stall_timeout,
+        stop,
+        supervision::exit_on_stall,
+    )
+    .map_err(|e| system_error(&format!("could not start the watchdog monitor: {e}")))?;
     tracing::info!(
         rank = membership.rank,
         world_size = membership.world_size(),
@@ -462,7 +490,10 @@ where
         }));
     }
     for task in forming {
-        groups.push(task.await.map_err(|e| system_error(&format!("a rank failed to start: {e}")))??);
+        groups.push(
+            task.await
+                .map_err(|e| system_error(&format!("a rank failed to start: {e}")))??,
+        );
     }
     let running: Vec<_> = groups.into_iter().map(|group| tokio::spawn(body(group))).collect();
     let mut results = Vec::with_capacity(world);
@@ -495,7 +526,8 @@ impl ProcessGroup {
     /// Aborts the group from outside (a membership change), as a failure
     /// would (SV-5): pending operations fail and `failures()` publishes it.
     pub(crate) fn abort(&self, why: String) -> bool {
-        self.supervision.abort(supervision::AbortReason::OperationFailed(why), Vec::new())
+        self.supervision
+            .abort(supervision::AbortReason::OperationFailed(why), Vec::new())
     }
 
     /// This rank.
@@ -552,7 +584,8 @@ impl ProcessGroup {
         members.sort_unstable();
         members.dedup();
         let world = self.world_size();
-        if members.is_empty() || members.len() != ranks.len() || members.iter().any(|&r| r >= world) || index >= 0xfffe {
+        if members.is_empty() || members.len() != ranks.len() || members.iter().any(|&r| r >= world) || index >= 0xfffe
+        {
             return Err(InitError::Subgroup(format!(
                 "new_group({ranks:?}): ranks must be distinct, in 0..{world}, and not empty"
             )));
@@ -604,7 +637,9 @@ impl ProcessGroup {
         };
         let opened = rendezvous::OpenedStore { store, server: None };
         let arbiter = system::new_arbiter()?;
-        Ok(Some(start_rank(config, membership, opened, links, None, &self.options, arbiter).await?))
+        Ok(Some(
+            start_rank(config, membership, opened, links, None, &self.options, arbiter).await?,
+        ))
     }
 
     /// This rank's link to `rank` (`None` for itself or out of range).

@@ -33,12 +33,12 @@ pub mod selftest;
 pub mod tensor;
 pub mod trace;
 
+pub use chorus_actors::driver::CollectiveError;
+pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
+pub use chorus_runtime::collective::{DType, ReduceOp};
 pub use chorus_runtime::{rendezvous, store};
 pub use chorus_transports::{fault, link, netif};
-pub use chorus_actors::driver::CollectiveError;
-pub use chorus_runtime::collective::{DType, ReduceOp};
 pub use collectives::Work;
 pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
-pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
 pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use tensor::{Element, Tensor};

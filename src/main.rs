@@ -26,7 +26,11 @@ use chorus::{InitOptions, init_process_group};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
-#[command(name = "chorus", version, about = "Keeps the parameters of a distributed training job in sync.")]
+#[command(
+    name = "chorus",
+    version,
+    about = "Keeps the parameters of a distributed training job in sync."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Commands,
@@ -246,9 +250,7 @@ struct ClientArgs {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -287,7 +289,14 @@ fn main() -> ExitCode {
             let first_attempt = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |n| n.trim() == "0");
             let env_rank = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok());
             let kill_after = (first_attempt && kill_rank.is_some() && kill_rank == env_rank).then_some(kill_after);
-            run_async(elastic_probe(init, iterations, min_world, max_world, Duration::from_millis(last_call_ms), kill_after))
+            run_async(elastic_probe(
+                init,
+                iterations,
+                min_world,
+                max_world,
+                Duration::from_millis(last_call_ms),
+                kill_after,
+            ))
         }
     };
     match result {
@@ -328,9 +337,10 @@ async fn hello_worker(url: String, timeout: Duration) -> Result<ExitCode> {
     }
     for peer in group.peers() {
         let rank = peer.rank as usize;
-        let reach = group
-            .peer_address(rank)
-            .map_or_else(|| "unreachable (published only loopback)".to_string(), |ip| ip.to_string());
+        let reach = group.peer_address(rank).map_or_else(
+            || "unreachable (published only loopback)".to_string(),
+            |ip| ip.to_string(),
+        );
         let heard = match group.link(rank) {
             Some(link) => {
                 let frame = link.recv(0).await?;
@@ -338,7 +348,10 @@ async fn hello_worker(url: String, timeout: Duration) -> Result<ExitCode> {
             }
             None => "(this rank)".to_string(),
         };
-        println!("  rank {} pid {} on {} via {}: {}", peer.rank, peer.pid, peer.host, reach, heard);
+        println!(
+            "  rank {} pid {} on {} via {}: {}",
+            peer.rank, peer.pid, peer.host, reach, heard
+        );
     }
     check_all_reduce(&group).await?;
     group.destroy().await?;
@@ -371,7 +384,9 @@ async fn check_all_reduce(group: &chorus::ProcessGroup) -> Result<()> {
 
 /// One rank of `chorus selftest`.
 async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<ExitCode> {
-    let options = InitOptions::from_url(&url)?.timeout(timeout).collective_timeout(timeout);
+    let options = InitOptions::from_url(&url)?
+        .timeout(timeout)
+        .collective_timeout(timeout);
     let group = init_process_group(options).await?;
     let mut checks = 0;
     for dtype in chorus::selftest::ALL_DTYPES {
@@ -395,14 +410,24 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
 /// the ranks it blames) and how long the next call took to fail, and exits 3.
 async fn fault_probe(url: String, seconds: Duration) -> Result<ExitCode> {
     use chorus::CollectiveError;
-    let unix_ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let unix_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    };
     let group = init_process_group(InitOptions::from_url(&url)?).await?;
     let (rank, world) = (group.rank(), group.world_size());
-    println!("probe rank={rank} pid={} event=ready at_ms={}", std::process::id(), unix_ms());
+    println!(
+        "probe rank={rank} pid={} event=ready at_ms={}",
+        std::process::id(),
+        unix_ms()
+    );
     let started = Instant::now();
     let mut iteration = 0u64;
     while started.elapsed() < seconds {
-        let sum = group.all_reduce(chorus::Tensor::from_slice(&[1.0f32; 1024]), chorus::ReduceOp::Sum).await;
+        let sum = group
+            .all_reduce(chorus::Tensor::from_slice(&[1.0f32; 1024]), chorus::ReduceOp::Sum)
+            .await;
         match sum {
             Ok(sum) if sum.to_vec::<f32>()?.iter().all(|&v| v == world as f32) => {}
             Ok(_) => bail!("rank {rank}: all_reduce gave a wrong sum"),
@@ -419,8 +444,14 @@ async fn fault_probe(url: String, seconds: Duration) -> Result<ExitCode> {
                     unix_ms()
                 );
                 let next = Instant::now();
-                let again = group.all_reduce(chorus::Tensor::from_slice(&[1.0f32]), chorus::ReduceOp::Sum).await;
-                println!("probe rank={rank} event=next ok={} waited_ms={}", again.is_ok(), next.elapsed().as_millis());
+                let again = group
+                    .all_reduce(chorus::Tensor::from_slice(&[1.0f32]), chorus::ReduceOp::Sum)
+                    .await;
+                println!(
+                    "probe rank={rank} event=next ok={} waited_ms={}",
+                    again.is_ok(),
+                    next.elapsed().as_millis()
+                );
                 return Ok(ExitCode::from(3));
             }
         }
@@ -437,33 +468,64 @@ async fn fault_probe(url: String, seconds: Duration) -> Result<ExitCode> {
 /// a loop, checks each sum against the generation's world size, and after a
 /// restart agrees with the others on the step to resume from.
 /// With `kill_after`, the process SIGKILLs itself after that many all-reduces.
-async fn elastic_probe(url: String, iterations: u64, min_world: Option<usize>, max_world: Option<usize>, last_call: Duration, kill_after: Option<u64>) -> Result<ExitCode> {
+async fn elastic_probe(
+    url: String,
+    iterations: u64,
+    min_world: Option<usize>,
+    max_world: Option<usize>,
+    last_call: Duration,
+    kill_after: Option<u64>,
+) -> Result<ExitCode> {
     use chorus::{ReduceOp, Tensor};
-    let mut options = InitOptions::from_url(&url)?.timeout(Duration::from_secs(30)).last_call(last_call);
+    let mut options = InitOptions::from_url(&url)?
+        .timeout(Duration::from_secs(30))
+        .last_call(last_call);
     options.min_world = min_world;
     options.max_world = max_world;
     let group = chorus::ElasticGroup::init(options).await?;
     let pg = group.current();
-    println!("probe rank={} gen={} world={} pid={} event=ready", pg.rank(), pg.generation(), pg.world_size(), std::process::id());
+    println!(
+        "probe rank={} gen={} world={} pid={} event=ready",
+        pg.rank(),
+        pg.generation(),
+        pg.world_size(),
+        std::process::id()
+    );
     let mut done = 0u64;
     if pg.generation() > 0 {
         // Joined a running job (a relaunched worker): the survivors agree on
         // the step to resume from, and a joiner has none to offer.
-        let step = pg.all_reduce(Tensor::from_slice(&[f64::INFINITY]), ReduceOp::Min).await?;
+        let step = pg
+            .all_reduce(Tensor::from_slice(&[f64::INFINITY]), ReduceOp::Min)
+            .await?;
         let step = step.to_vec::<f64>()?[0];
         done = if step.is_finite() { step as u64 } else { 0 };
-        println!("probe rank={} gen={} world={} event=joined resume={done}", pg.rank(), pg.generation(), pg.world_size());
+        println!(
+            "probe rank={} gen={} world={} event=joined resume={done}",
+            pg.rank(),
+            pg.generation(),
+            pg.world_size()
+        );
     }
     while done < iterations {
         let pg = group.current();
         match pg.all_reduce(Tensor::from_slice(&[1.0f32; 1024]), ReduceOp::Sum).await {
             Ok(sum) => {
                 if !sum.to_vec::<f32>()?.iter().all(|&v| v == pg.world_size() as f32) {
-                    bail!("rank {} generation {}: all_reduce gave a wrong sum", pg.rank(), pg.generation());
+                    bail!(
+                        "rank {} generation {}: all_reduce gave a wrong sum",
+                        pg.rank(),
+                        pg.generation()
+                    );
                 }
                 done += 1;
                 if Some(done) == kill_after {
-                    println!("probe rank={} gen={} pid={} event=killing-self", pg.rank(), pg.generation(), std::process::id());
+                    println!(
+                        "probe rank={} gen={} pid={} event=killing-self",
+                        pg.rank(),
+                        pg.generation(),
+                        std::process::id()
+                    );
                     // SAFETY: kill only sends a signal, to this process.
                     unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
                 }
@@ -473,17 +535,37 @@ async fn elastic_probe(url: String, iterations: u64, min_world: Option<usize>, m
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             Err(error) => {
-                println!("probe rank={} gen={} event=error error={error}", pg.rank(), pg.generation());
-                let next = group.next_generation(pg.generation()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                println!(
+                    "probe rank={} gen={} event=error error={error}",
+                    pg.rank(),
+                    pg.generation()
+                );
+                let next = group
+                    .next_generation(pg.generation())
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
                 // A collective may have completed on some survivors only: resume from the least step.
-                let step = next.all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min).await?;
+                let step = next
+                    .all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min)
+                    .await?;
                 done = step.to_vec::<f64>()?[0] as u64;
-                println!("probe rank={} gen={} world={} event=restarted resume={done}", next.rank(), next.generation(), next.world_size());
+                println!(
+                    "probe rank={} gen={} world={} event=restarted resume={done}",
+                    next.rank(),
+                    next.generation(),
+                    next.world_size()
+                );
             }
         }
     }
     let pg = group.current();
-    println!("probe rank={} gen={} world={} event=done iterations={done} pid={}", pg.rank(), pg.generation(), pg.world_size(), std::process::id());
+    println!(
+        "probe rank={} gen={} world={} event=done iterations={done} pid={}",
+        pg.rank(),
+        pg.generation(),
+        pg.world_size(),
+        std::process::id()
+    );
     drop(pg);
     group.destroy().await?;
     Ok(ExitCode::SUCCESS)
@@ -526,8 +608,14 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
             .stderr(Stdio::piped());
         let mut child = command.spawn().with_context(|| format!("starting rank {rank}"))?;
         for stream in [
-            child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-            child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
         ]
         .into_iter()
         .flatten()
@@ -562,7 +650,10 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
         if Instant::now() > deadline {
             for &rank in &running {
                 let _ = children[rank].kill();
-                failed.push(format!("rank {rank} was still running after {}s and was killed", args.timeout));
+                failed.push(format!(
+                    "rank {rank} was still running after {}s and was killed",
+                    args.timeout
+                ));
             }
             break;
         }
@@ -696,7 +787,9 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    println!("# chorus bench transport: {size} B x {iters} per sample, {rtt_iters} round trips, median of {rounds} rounds");
+    println!(
+        "# chorus bench transport: {size} B x {iters} per sample, {rtt_iters} round trips, median of {rounds} rounds"
+    );
     println!("#  path   throughput(GB/s)  vs tcp   rtt 8B(us)  vs tcp");
     for r in &results {
         let (tcp_gbps, tcp_rtt) = tcp.unwrap_or((r.gbps, r.rtt_us));

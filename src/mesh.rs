@@ -30,7 +30,9 @@ const MAC_EXTRA: &str = "mac";
 #[derive(Debug, Error)]
 pub enum MeshError {
     /// `CHORUS_TRANSPORT` names no transport.
-    #[error("CHORUS_TRANSPORT={0:?} is not a transport; use auto, quic or shm (local is for ranks in one process, chorus::spawn)")]
+    #[error(
+        "CHORUS_TRANSPORT={0:?} is not a transport; use auto, quic or shm (local is for ranks in one process, chorus::spawn)"
+    )]
     UnknownTransport(String),
     /// `CHORUS_TRANSPORT=shm` with a peer on another host.
     #[error("CHORUS_TRANSPORT=shm, but rank {rank} runs on {host}, not on this host; use auto or quic")]
@@ -44,7 +46,9 @@ pub enum MeshError {
     #[error("CHORUS_FAULTS: {0}")]
     Faults(#[from] FaultSpecError),
     /// A peer's record is not signed with this job's secret.
-    #[error("rank {rank} (pid {pid} on {host}) published a record not signed with this job's secret; every rank must get the same CHORUS_JOB_SECRET (chorus launch hands it out)")]
+    #[error(
+        "rank {rank} (pid {pid} on {host}) published a record not signed with this job's secret; every rank must get the same CHORUS_JOB_SECRET (chorus launch hands it out)"
+    )]
     Unauthenticated {
         /// The peer.
         rank: usize,
@@ -102,7 +106,9 @@ impl TransportChoice {
 /// few local peers, less per peer for many, so a rank maps at most ~256 MiB.
 fn shm_capacity(local_peers: usize) -> usize {
     let full = ShmOptions::default().capacity;
-    (256usize << 20).checked_div(local_peers).map_or(full, |share| share.clamp(4 << 20, full))
+    (256usize << 20)
+        .checked_div(local_peers)
+        .map_or(full, |share| share.clamp(4 << 20, full))
 }
 
 /// This rank's side of the mesh, made before rendezvous.
@@ -171,7 +177,9 @@ impl MeshPlan {
         let mut quic = self.endpoint.local_addr().port().to_le_bytes().to_vec();
         quic.extend_from_slice(&self.fingerprint);
         record.extras.push((QUIC_EXTRA.to_string(), quic));
-        record.extras.push((SHM_EXTRA.to_string(), self.shm_nonce.to_le_bytes().to_vec()));
+        record
+            .extras
+            .push((SHM_EXTRA.to_string(), self.shm_nonce.to_le_bytes().to_vec()));
         if let Some(secret) = &self.secret {
             let tag = secret.sign(&signed_message(run_id, generation, record));
             record.extras.push((MAC_EXTRA.to_string(), tag.to_vec()));
@@ -218,7 +226,10 @@ impl MeshPlan {
                     .extra(SHM_EXTRA)
                     .and_then(|b| b.try_into().ok())
                     .map(u64::from_le_bytes)
-                    .ok_or(MeshError::MissingEndpoint { rank, what: "shared-memory nonce" })?;
+                    .ok_or(MeshError::MissingEndpoint {
+                        rank,
+                        what: "shared-memory nonce",
+                    })?;
                 shm_peers.push(ShmPeer { rank, nonce });
                 continue;
             }
@@ -262,10 +273,12 @@ impl MeshPlan {
             }
             Ok::<_, TransportError>(())
         };
-        tokio::time::timeout(timeout, formed).await.map_err(|_| TransportError::Connect {
-            peer: membership.rank,
-            reason: format!("the mesh did not form within {timeout:?}"),
-        })??;
+        tokio::time::timeout(timeout, formed)
+            .await
+            .map_err(|_| TransportError::Connect {
+                peer: membership.rank,
+                reason: format!("the mesh did not form within {timeout:?}"),
+            })??;
         let links = match self.faults {
             Some(plan) => wrap_links(membership.rank, links, plan),
             None => links,

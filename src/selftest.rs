@@ -45,8 +45,14 @@ fn encode(dtype: DType, values: &[i64]) -> Tensor {
         DType::UInt32 => values.iter().flat_map(|&v| (v as u32).to_ne_bytes()).collect(),
         DType::Int64 => values.iter().flat_map(|&v| v.to_ne_bytes()).collect(),
         DType::UInt64 => values.iter().flat_map(|&v| (v as u64).to_ne_bytes()).collect(),
-        DType::Float16 => values.iter().flat_map(|&v| f16::from_f32(v as f32).to_ne_bytes()).collect(),
-        DType::BFloat16 => values.iter().flat_map(|&v| bf16::from_f32(v as f32).to_ne_bytes()).collect(),
+        DType::Float16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v as f32).to_ne_bytes())
+            .collect(),
+        DType::BFloat16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v as f32).to_ne_bytes())
+            .collect(),
         DType::Float32 => values.iter().flat_map(|&v| (v as f32).to_ne_bytes()).collect(),
         DType::Float64 => values.iter().flat_map(|&v| (v as f64).to_ne_bytes()).collect(),
     };
@@ -59,14 +65,30 @@ fn decode(t: &Tensor) -> Vec<i64> {
     match t.dtype() {
         DType::Int8 => b.iter().map(|&v| i64::from(v as i8)).collect(),
         DType::UInt8 => b.iter().map(|&v| i64::from(v)).collect(),
-        DType::Int32 => chunks(4).map(|c| i64::from(i32::from_ne_bytes(c.try_into().expect("4")))).collect(),
-        DType::UInt32 => chunks(4).map(|c| i64::from(u32::from_ne_bytes(c.try_into().expect("4")))).collect(),
-        DType::Int64 => chunks(8).map(|c| i64::from_ne_bytes(c.try_into().expect("8"))).collect(),
-        DType::UInt64 => chunks(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8")) as i64).collect(),
-        DType::Float16 => chunks(2).map(|c| f16::from_ne_bytes(c.try_into().expect("2")).to_f32() as i64).collect(),
-        DType::BFloat16 => chunks(2).map(|c| bf16::from_ne_bytes(c.try_into().expect("2")).to_f32() as i64).collect(),
-        DType::Float32 => chunks(4).map(|c| f32::from_ne_bytes(c.try_into().expect("4")) as i64).collect(),
-        DType::Float64 => chunks(8).map(|c| f64::from_ne_bytes(c.try_into().expect("8")) as i64).collect(),
+        DType::Int32 => chunks(4)
+            .map(|c| i64::from(i32::from_ne_bytes(c.try_into().expect("4"))))
+            .collect(),
+        DType::UInt32 => chunks(4)
+            .map(|c| i64::from(u32::from_ne_bytes(c.try_into().expect("4"))))
+            .collect(),
+        DType::Int64 => chunks(8)
+            .map(|c| i64::from_ne_bytes(c.try_into().expect("8")))
+            .collect(),
+        DType::UInt64 => chunks(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().expect("8")) as i64)
+            .collect(),
+        DType::Float16 => chunks(2)
+            .map(|c| f16::from_ne_bytes(c.try_into().expect("2")).to_f32() as i64)
+            .collect(),
+        DType::BFloat16 => chunks(2)
+            .map(|c| bf16::from_ne_bytes(c.try_into().expect("2")).to_f32() as i64)
+            .collect(),
+        DType::Float32 => chunks(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().expect("4")) as i64)
+            .collect(),
+        DType::Float64 => chunks(8)
+            .map(|c| f64::from_ne_bytes(c.try_into().expect("8")) as i64)
+            .collect(),
     }
 }
 
@@ -105,12 +127,24 @@ impl Checker<'_> {
         }
     }
 
-    fn expect(&mut self, what: &str, got: Result<Tensor, crate::CollectiveError>, want: &[i64]) -> Result<(), SelfTestError> {
+    fn expect(
+        &mut self,
+        what: &str,
+        got: Result<Tensor, crate::CollectiveError>,
+        want: &[i64],
+    ) -> Result<(), SelfTestError> {
         let got = got.map_err(|e| self.fail(what, e.to_string()))?;
         let got = decode(&got);
         if got != want {
             let wrong = got.iter().zip(want).filter(|(a, b)| a != b).count() + got.len().abs_diff(want.len());
-            return Err(self.fail(what, format!("{wrong} wrong elements (first values {:?}, expected {:?})", &got[..got.len().min(6)], &want[..want.len().min(6)])));
+            return Err(self.fail(
+                what,
+                format!(
+                    "{wrong} wrong elements (first values {:?}, expected {:?})",
+                    &got[..got.len().min(6)],
+                    &want[..want.len().min(6)]
+                ),
+            ));
         }
         self.checks += 1;
         Ok(())
@@ -121,10 +155,18 @@ impl Checker<'_> {
 /// rank, checking each result; returns how many checks passed.
 pub async fn check_collectives(pg: &ProcessGroup, dtype: DType, count: usize) -> Result<usize, SelfTestError> {
     let (rank, world) = (pg.rank(), pg.world_size());
-    let mut c = Checker { pg, dtype, count, checks: 0 };
+    let mut c = Checker {
+        pg,
+        dtype,
+        count,
+        checks: 0,
+    };
     let everyone: Vec<Vec<i64>> = (0..world).map(|r| input(r, count)).collect();
     let mine = &everyone[rank];
-    let integer = !matches!(dtype, DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64);
+    let integer = !matches!(
+        dtype,
+        DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64
+    );
     let ops: &[ReduceOp] = if integer {
         &[ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::BXor]
     } else {
@@ -141,8 +183,16 @@ pub async fn check_collectives(pg: &ProcessGroup, dtype: DType, count: usize) ->
     } else {
         got.map_err(|e| c.fail("reduce", e.to_string()))?;
     }
-    c.expect("broadcast", pg.broadcast(encode(dtype, mine), root).await, &everyone[root])?;
-    c.expect("all_gather", pg.all_gather(encode(dtype, mine)).await, &everyone.concat())?;
+    c.expect(
+        "broadcast",
+        pg.broadcast(encode(dtype, mine), root).await,
+        &everyone[root],
+    )?;
+    c.expect(
+        "all_gather",
+        pg.all_gather(encode(dtype, mine)).await,
+        &everyone.concat(),
+    )?;
     let gathered = if rank == 0 { everyone.concat() } else { Vec::new() };
     c.expect("gather", pg.gather(encode(dtype, mine), 0).await, &gathered)?;
     let chunks = (rank == 0).then(|| encode(dtype, &everyone.concat()));
@@ -151,8 +201,14 @@ pub async fn check_collectives(pg: &ProcessGroup, dtype: DType, count: usize) ->
     let summed = reduce(ReduceOp::Sum, &blocks);
     let got = pg.reduce_scatter(encode(dtype, &blocks[rank]), ReduceOp::Sum).await;
     c.expect("reduce_scatter", got, &summed[rank * count..(rank + 1) * count])?;
-    let exchanged: Vec<i64> = (0..world).flat_map(|r| blocks[r][rank * count..(rank + 1) * count].to_vec()).collect();
-    c.expect("all_to_all", pg.all_to_all(encode(dtype, &blocks[rank])).await, &exchanged)?;
+    let exchanged: Vec<i64> = (0..world)
+        .flat_map(|r| blocks[r][rank * count..(rank + 1) * count].to_vec())
+        .collect();
+    c.expect(
+        "all_to_all",
+        pg.all_to_all(encode(dtype, &blocks[rank])).await,
+        &exchanged,
+    )?;
     pg.barrier().await.map_err(|e| c.fail("barrier", e.to_string()))?;
     if world > 1 {
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
@@ -179,11 +235,16 @@ pub async fn check_subgroups(pg: &ProcessGroup) -> Result<usize, SelfTestError> 
     };
     let evens: Vec<usize> = (0..world).step_by(2).collect();
     let odds: Vec<usize> = (1..world).step_by(2).collect();
-    let even_group = pg.new_group(&evens).await.map_err(|e| fail("new_group(evens)", e.to_string()))?;
+    let even_group = pg
+        .new_group(&evens)
+        .await
+        .map_err(|e| fail("new_group(evens)", e.to_string()))?;
     let odd_group = if odds.is_empty() {
         None
     } else {
-        pg.new_group(&odds).await.map_err(|e| fail("new_group(odds)", e.to_string()))?
+        pg.new_group(&odds)
+            .await
+            .map_err(|e| fail("new_group(odds)", e.to_string()))?
     };
     let (mine, members) = match (&even_group, &odd_group) {
         (Some(group), _) => (group, &evens),
@@ -191,17 +252,33 @@ pub async fn check_subgroups(pg: &ProcessGroup) -> Result<usize, SelfTestError> 
         (None, None) => return Err(fail("new_group", "this rank is in neither subgroup".into())),
     };
     if mine.world_size() != members.len() || members[mine.rank()] != rank {
-        return Err(fail("new_group", format!("subgroup rank {} of {} for members {members:?}", mine.rank(), mine.world_size())));
+        return Err(fail(
+            "new_group",
+            format!(
+                "subgroup rank {} of {} for members {members:?}",
+                mine.rank(),
+                mine.world_size()
+            ),
+        ));
     }
     let value = Tensor::from_slice(&[rank as i64 + 1]);
     let sub = mine.all_reduce(value.clone(), ReduceOp::Sum);
     let whole = pg.all_reduce(value, ReduceOp::Sum);
     let sub = sub.await.map_err(|e| fail("subgroup all_reduce", e.to_string()))?;
-    let whole = whole.await.map_err(|e| fail("all_reduce beside a subgroup's", e.to_string()))?;
+    let whole = whole
+        .await
+        .map_err(|e| fail("all_reduce beside a subgroup's", e.to_string()))?;
     let want_sub: i64 = members.iter().map(|&r| r as i64 + 1).sum();
     let want_whole = (world * (world + 1) / 2) as i64;
     if decode(&sub) != [want_sub] || decode(&whole) != [want_whole] {
-        return Err(fail("subgroups", format!("got {:?} and {:?}, expected {want_sub} and {want_whole}", decode(&sub), decode(&whole))));
+        return Err(fail(
+            "subgroups",
+            format!(
+                "got {:?} and {:?}, expected {want_sub} and {want_whole}",
+                decode(&sub),
+                decode(&whole)
+            ),
+        ));
     }
     Ok(2)
 }

@@ -70,9 +70,7 @@ impl TraceError {
     /// The file or directory it is about.
     pub fn path(&self) -> &Path {
         match self {
-            TraceError::Io { path, .. }
-            | TraceError::TooLarge { path, .. }
-            | TraceError::Dump { path, .. } => path,
+            TraceError::Io { path, .. } | TraceError::TooLarge { path, .. } | TraceError::Dump { path, .. } => path,
         }
     }
 }
@@ -97,11 +95,7 @@ pub fn load_dir(dir: &Path) -> Result<Loaded, TraceError> {
     for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
         let entry = entry.map_err(io_error(dir))?;
         let name = entry.file_name();
-        if name
-            .to_str()
-            .and_then(flight::parse_dump_file_name)
-            .is_some()
-        {
+        if name.to_str().and_then(flight::parse_dump_file_name).is_some() {
             paths.push(entry.path());
         }
     }
@@ -261,10 +255,7 @@ pub fn analyze(dumps: &[RankDump]) -> Option<Report> {
             rank_list(&ranks)
         ));
     }
-    let current: Vec<&RankDump> = dumps
-        .iter()
-        .filter(|d| d.generation == generation)
-        .collect();
+    let current: Vec<&RankDump> = dumps.iter().filter(|d| d.generation == generation).collect();
     let mut worlds: Vec<usize> = current.iter().map(|d| d.world).collect();
     worlds.sort_unstable();
     worlds.dedup();
@@ -366,11 +357,7 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
         // Operations run one at a time, so the highest unfinished one is
         // where the rank is (a failure breaks the group, and later ones
         // fail without starting).
-        if let Some(entry) = entries
-            .iter()
-            .filter(|e| e.unfinished())
-            .max_by_key(|e| e.seq)
-        {
+        if let Some(entry) = entries.iter().filter(|e| e.unfinished()).max_by_key(|e| e.seq) {
             waiting.entry(entry.seq).or_default().push((rank, entry));
         }
         if let Some(seq) = entries.iter().filter(|e| e.entered()).map(|e| e.seq).max() {
@@ -391,9 +378,7 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
             Stuck {
                 seq,
                 op: waiters[0].1.op.clone(),
-                failed: waiters
-                    .iter()
-                    .any(|(_, e)| matches!(e.state, EntryState::Failed(_))),
+                failed: waiters.iter().any(|(_, e)| matches!(e.state, EntryState::Failed(_))),
                 waiting,
                 never_entered,
                 completed,
@@ -417,8 +402,7 @@ fn stuck_p2p(by_rank: &BTreeMap<usize, &RankDump>, world: usize) -> Vec<Finding>
     let mut findings = Vec::new();
     for (&rank, dump) in by_rank {
         for entry in dump.entries.iter().filter(|e| e.unfinished()) {
-            let (Some(peer), Some(counterpart)) = (entry.op.peer, counterpart(&entry.op.kind))
-            else {
+            let (Some(peer), Some(counterpart)) = (entry.op.peer, counterpart(&entry.op.kind)) else {
                 continue;
             };
             if peer >= world {
@@ -473,11 +457,7 @@ fn rank_state(dump: &RankDump) -> RankState {
         .filter(|e| e.state == EntryState::Completed)
         .max_by_key(|e| e.id)
         .cloned();
-    let inside = dump
-        .entries
-        .iter()
-        .filter(|e| e.unfinished())
-        .max_by_key(|e| e.id);
+    let inside = dump.entries.iter().filter(|e| e.unfinished()).max_by_key(|e| e.id);
     let queued = || {
         dump.entries
             .iter()
@@ -486,13 +466,11 @@ fn rank_state(dump: &RankDump) -> RankState {
     };
     let current = inside.or_else(queued).cloned();
     let since = |from: SystemTime, to: SystemTime| to.duration_since(from).ok();
-    let current_for = current
-        .as_ref()
-        .and_then(|e| match (e.started_at, e.completed_at) {
-            (Some(started), Some(ended)) => since(started, ended),
-            (Some(started), None) => since(started, dump.dumped_at),
-            (None, _) => since(e.enqueued_at, dump.dumped_at),
-        });
+    let current_for = current.as_ref().and_then(|e| match (e.started_at, e.completed_at) {
+        (Some(started), Some(ended)) => since(started, ended),
+        (Some(started), None) => since(started, dump.dumped_at),
+        (None, _) => since(e.enqueued_at, dump.dumped_at),
+    });
     RankState {
         reason: dump.reason.clone(),
         last_completed,
@@ -587,19 +565,13 @@ impl fmt::Display for Finding {
                         f,
                         "rank {other} never entered the {counterpart} matching #{seq} {op} that rank {waiter} {verb}"
                     ),
-                    PeerView::NoDump => write!(
-                        f,
-                        "rank {waiter} {verb} #{seq} {op}; rank {other} {NO_DUMP}"
-                    ),
+                    PeerView::NoDump => write!(f, "rank {waiter} {verb} #{seq} {op}; rank {other} {NO_DUMP}"),
                     PeerView::Inside => write!(
                         f,
                         "ranks {waiter} and {other} are both inside #{seq} {op} and its {counterpart} (a broken link?)"
                     ),
                     PeerView::Completed => {
-                        write!(
-                            f,
-                            "rank {waiter} {verb} #{seq} {op}, which rank {other} completed"
-                        )
+                        write!(f, "rank {waiter} {verb} #{seq} {op}, which rank {other} completed")
                     }
                 }
             }
@@ -608,9 +580,7 @@ impl fmt::Display for Finding {
                 "{} {NO_DUMP}; no rank that dumped is inside an operation",
                 rank_list(ranks)
             ),
-            Finding::NothingStuck => {
-                f.write_str("nothing is stuck: no rank is inside an operation")
-            }
+            Finding::NothingStuck => f.write_str("nothing is stuck: no rank is inside an operation"),
         }
     }
 }
@@ -629,10 +599,7 @@ fn current_cell(state: &RankState) -> String {
     let Some(entry) = &state.current else {
         return "-".to_string();
     };
-    let took = state
-        .current_for
-        .map(human)
-        .unwrap_or_else(|| "?".to_string());
+    let took = state.current_for.map(human).unwrap_or_else(|| "?".to_string());
     let what = format!("#{} {}", entry.seq, entry.op);
     match &entry.state {
         EntryState::Failed(error) => format!("{what} failed after {took}: {error}"),
@@ -644,10 +611,7 @@ fn current_cell(state: &RankState) -> String {
 impl Report {
     /// The verdict: the first finding, one line.
     pub fn verdict(&self) -> String {
-        self.findings
-            .first()
-            .map(Finding::to_string)
-            .unwrap_or_default()
+        self.findings.first().map(Finding::to_string).unwrap_or_default()
     }
 
     /// The report as JSON: `verdict`, `generation`, `world`, `findings`,
@@ -693,9 +657,7 @@ impl Report {
                             PeerView::Completed => "completed",
                         },
                     },
-                    Finding::NoDump { ranks } => FindingDetail::NoDump {
-                        ranks: ranks.clone(),
-                    },
+                    Finding::NoDump { ranks } => FindingDetail::NoDump { ranks: ranks.clone() },
                     Finding::NothingStuck => FindingDetail::NothingStuck,
                 },
             })
@@ -708,10 +670,7 @@ impl Report {
                 dumped: row.dump.is_some(),
                 state: row.dump.as_ref().map(|state| RankStateJson {
                     reason: state.reason.clone(),
-                    last_completed: state
-                        .last_completed
-                        .as_ref()
-                        .map(|e| OpJson::new(e.seq, &e.op)),
+                    last_completed: state.last_completed.as_ref().map(|e| OpJson::new(e.seq, &e.op)),
                     current: state.current.as_ref().map(|e| CurrentJson {
                         entry: OpJson::new(e.seq, &e.op),
                         state: e.state.name(),
@@ -992,9 +951,7 @@ pub fn main(dir: &Path, json: bool) -> ExitCode {
         let value = TraceJson {
             body: match &report {
                 Some(report) => TraceBody::Report(report.to_json()),
-                None => TraceBody::Error {
-                    error: no_dumps(dir),
-                },
+                None => TraceBody::Error { error: no_dumps(dir) },
             },
             unreadable: loaded
                 .unreadable
@@ -1058,12 +1015,7 @@ mod tests {
 
     /// A rank that completed collectives `0..completed` (all-reduces of
     /// 1 Mi elements), then what `then` records.
-    fn rank(
-        rank: usize,
-        world: usize,
-        completed: u64,
-        then: impl FnOnce(&mut FlightRecorder),
-    ) -> RankDump {
+    fn rank(rank: usize, world: usize, completed: u64, then: impl FnOnce(&mut FlightRecorder)) -> RankDump {
         let mut recorder = FlightRecorder::new(16);
         for seq in 0..completed {
             let id = recorder.record_scheduled(seq, op("all_reduce", 1 << 20), at(seq * 10));
@@ -1183,27 +1135,18 @@ mod tests {
         let dumps: Vec<RankDump> = (0..3).map(|r| rank(r, 3, 12, idle)).collect();
         let report = analyze(&dumps).unwrap();
         assert_eq!(report.findings, [Finding::NothingStuck]);
-        assert_eq!(
-            report.verdict(),
-            "nothing is stuck: no rank is inside an operation"
+        assert_eq!(report.verdict(), "nothing is stuck: no rank is inside an operation");
+        assert!(
+            report
+                .ranks
+                .iter()
+                .all(|r| { r.dump.as_ref().unwrap().last_completed.as_ref().unwrap().seq == 11 })
         );
-        assert!(report.ranks.iter().all(|r| {
-            r.dump
-                .as_ref()
-                .unwrap()
-                .last_completed
-                .as_ref()
-                .unwrap()
-                .seq
-                == 11
-        }));
     }
 
     #[test]
     fn only_the_newest_generation_is_compared() {
-        let mut old: Vec<RankDump> = (0..4)
-            .map(|r| rank(r, 4, 5, enters(5, op("all_reduce", 8))))
-            .collect();
+        let mut old: Vec<RankDump> = (0..4).map(|r| rank(r, 4, 5, enters(5, op("all_reduce", 8)))).collect();
         for dump in &mut old {
             dump.generation = 0;
         }
@@ -1215,10 +1158,7 @@ mod tests {
         ];
         dumps.extend(old);
         let report = analyze(&dumps).unwrap();
-        assert_eq!(
-            (report.generation, report.world, report.ranks.len()),
-            (1, 3, 3)
-        );
+        assert_eq!((report.generation, report.world, report.ranks.len()), (1, 3, 3));
         assert_eq!(
             report.verdict(),
             "rank 1 never entered #2 all_reduce(8 x float32, sum) that ranks 0, 2 are waiting in"
@@ -1250,10 +1190,7 @@ mod tests {
             r.record_started(id, at(1_000));
             r.record_failed(id, at(31_000), "timed out after 30s");
         };
-        let dumps = [
-            rank(0, 2, 9, fails),
-            rank(1, 2, 9, enters(9, op("all_gather", 2))),
-        ];
+        let dumps = [rank(0, 2, 9, fails), rank(1, 2, 9, enters(9, op("all_gather", 2)))];
         let report = analyze(&dumps).unwrap();
         assert_eq!(
             report.verdict(),
@@ -1287,17 +1224,12 @@ mod tests {
             peer: Some(0),
             ..op("recv", 16)
         };
-        let report =
-            analyze(&[rank(0, 2, 3, enters(0, send.clone())), rank(1, 2, 3, idle)]).unwrap();
+        let report = analyze(&[rank(0, 2, 3, enters(0, send.clone())), rank(1, 2, 3, idle)]).unwrap();
         assert_eq!(
             report.verdict(),
             "rank 1 never entered the recv matching #0 send(16 x float32) to rank 1 that rank 0 is waiting in"
         );
-        let report = analyze(&[
-            rank(0, 2, 3, enters(0, send.clone())),
-            rank(1, 2, 3, enters(0, recv)),
-        ])
-        .unwrap();
+        let report = analyze(&[rank(0, 2, 3, enters(0, send.clone())), rank(1, 2, 3, enters(0, recv))]).unwrap();
         assert_eq!(report.findings.len(), 1, "{:?}", report.findings);
         assert_eq!(
             report.verdict(),
@@ -1312,10 +1244,7 @@ mod tests {
 
     #[test]
     fn the_report_has_a_json_form() {
-        let dumps = [
-            rank(0, 2, 4, enters(4, op("all_reduce", 1))),
-            rank(1, 2, 4, idle),
-        ];
+        let dumps = [rank(0, 2, 4, enters(4, op("all_reduce", 1))), rank(1, 2, 4, idle)];
         let text = serde_json::to_string(&analyze(&dumps).unwrap().to_json()).unwrap();
         assert!(
             text.starts_with(r#"{"verdict":"rank 1 never entered"#),

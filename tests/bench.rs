@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 const HEADER: &str = "#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong";
-const UNITS: &str = "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)  (GB/s)";
+const UNITS: &str =
+    "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)  (GB/s)";
 
 struct Output {
     ok: bool,
@@ -78,7 +79,9 @@ fn torch_available() -> bool {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED: torch is not importable by python3; `pip install torch==2.15.0` enables the Gloo comparison test");
+        eprintln!(
+            "SKIPPED: torch is not importable by python3; `pip install torch==2.15.0` enables the Gloo comparison test"
+        );
     }
     ok
 }
@@ -86,7 +89,25 @@ fn torch_available() -> bool {
 #[test]
 fn all_reduce_table_matches_nccl_tests_and_checks_every_element() {
     let out = bench(
-        &["--op", "all_reduce", "-b", "8", "-e", "32K", "-f", "8", "--world", "2", "-n", "3", "-w", "1", "--check", "--transport", "quic"],
+        &[
+            "--op",
+            "all_reduce",
+            "-b",
+            "8",
+            "-e",
+            "32K",
+            "-f",
+            "8",
+            "--world",
+            "2",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--check",
+            "--transport",
+            "quic",
+        ],
         60,
     );
     assert!(out.ok, "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
@@ -107,9 +128,23 @@ fn all_reduce_table_matches_nccl_tests_and_checks_every_element() {
         // all-reduce of 2 ranks: busbw = algbw x 2(n-1)/n = algbw.
         assert_eq!(row[6], row[7]);
     }
-    assert!(lines.iter().any(|l| l.starts_with("# Avg bus bandwidth : ")), "{}", out.stdout);
-    assert!(lines.iter().any(|l| l.starts_with("# Out of bounds values : 0 OK")), "{}", out.stdout);
-    assert!(lines.iter().any(|l| l.starts_with("# Single-thread memcpy bandwidth : ")), "{}", out.stdout);
+    assert!(
+        lines.iter().any(|l| l.starts_with("# Avg bus bandwidth : ")),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        lines.iter().any(|l| l.starts_with("# Out of bounds values : 0 OK")),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("# Single-thread memcpy bandwidth : ")),
+        "{}",
+        out.stdout
+    );
     // Progress goes to stderr (and is hidden off a terminal), never into the table.
     assert!(!out.stdout.contains('['), "{}", out.stdout);
 }
@@ -119,11 +154,34 @@ fn json_rows_parse_and_the_plot_is_a_png() {
     let dir = tempfile::tempdir().unwrap();
     let png = dir.path().join("busbw.png");
     let out = bench(
-        &["--op", "all_gather", "-b", "64", "-e", "4K", "-f", "8", "--world", "2", "-n", "2", "-w", "1", "--check", "--json", "--plot", png.to_str().unwrap()],
+        &[
+            "--op",
+            "all_gather",
+            "-b",
+            "64",
+            "-e",
+            "4K",
+            "-f",
+            "8",
+            "--world",
+            "2",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--check",
+            "--json",
+            "--plot",
+            png.to_str().unwrap(),
+        ],
         60,
     );
     assert!(out.ok, "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
-    let rows: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    let rows: Vec<Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
     assert_eq!(rows.len(), 3, "{}", out.stdout);
     for (row, size) in rows.iter().zip([64.0, 512.0, 4096.0]) {
         assert_eq!(row.get("library").and_then(Value::as_str), Some("chorus"));
@@ -145,9 +203,35 @@ fn json_rows_parse_and_the_plot_is_a_png() {
 
 #[test]
 fn every_op_checks_in_process() {
-    for op in ["broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"] {
+    for op in [
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "send_recv",
+    ] {
         let out = bench(
-            &["--op", op, "--in-process", "-b", "96", "-e", "96K", "-f", "1024", "--world", "3", "-n", "2", "-w", "1", "--check", "--root", "1"],
+            &[
+                "--op",
+                op,
+                "--in-process",
+                "-b",
+                "96",
+                "-e",
+                "96K",
+                "-f",
+                "1024",
+                "--world",
+                "3",
+                "-n",
+                "2",
+                "-w",
+                "1",
+                "--check",
+                "--root",
+                "1",
+            ],
             30,
         );
         assert!(out.ok, "{op}: stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
@@ -157,14 +241,35 @@ fn every_op_checks_in_process() {
             assert_eq!((row[8], row[12]), ("0", "0"), "{op}: #wrong: {row:?}");
             let rooted = matches!(op, "broadcast" | "reduce");
             assert_eq!(row[4], if rooted { "1" } else { "-1" }, "{op}: root column");
-            assert_eq!(row[3], if matches!(op, "reduce" | "reduce_scatter") { "sum" } else { "none" });
+            assert_eq!(
+                row[3],
+                if matches!(op, "reduce" | "reduce_scatter") {
+                    "sum"
+                } else {
+                    "none"
+                }
+            );
         }
     }
 }
 
 #[test]
 fn a_transport_the_mesh_rejects_is_reported() {
-    let out = bench(&["--transport", "carrier-pigeon", "-b", "8", "-e", "8", "-n", "1", "-w", "0"], 30);
+    let out = bench(
+        &[
+            "--transport",
+            "carrier-pigeon",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "-n",
+            "1",
+            "-w",
+            "0",
+        ],
+        30,
+    );
     assert!(!out.ok);
     assert!(out.stderr.contains("CHORUS_TRANSPORT"), "{}", out.stderr);
     assert!(out.stderr.contains("carrier-pigeon"), "{}", out.stderr);
@@ -176,12 +281,33 @@ fn compare_gloo_adds_the_ratio_columns() {
         return;
     }
     let out = bench(
-        &["--op", "all_reduce", "-b", "8", "-e", "8K", "-f", "32", "--world", "2", "-n", "2", "-w", "1", "--compare", "gloo"],
+        &[
+            "--op",
+            "all_reduce",
+            "-b",
+            "8",
+            "-e",
+            "8K",
+            "-f",
+            "32",
+            "--world",
+            "2",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--compare",
+            "gloo",
+        ],
         90,
     );
     assert!(out.ok, "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("chorus/gloo busbw"), "{}", out.stdout);
-    assert!(out.stdout.contains("gloo (python3 tests/python/bench_gloo.py"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("gloo (python3 tests/python/bench_gloo.py"),
+        "{}",
+        out.stdout
+    );
     let rows = data_rows(&out.stdout);
     // Three chorus rows with two ratios each, then three Gloo rows.
     assert_eq!(rows.len(), 6, "{}", out.stdout);
@@ -199,7 +325,22 @@ fn compare_gloo_adds_the_ratio_columns() {
 #[test]
 fn compare_gloo_without_torch_says_so_and_still_measures_chorus() {
     let out = bench(
-        &["-b", "8", "-e", "8", "--world", "2", "-n", "1", "-w", "0", "--compare", "gloo", "--python", "/nonexistent/python3"],
+        &[
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "--world",
+            "2",
+            "-n",
+            "1",
+            "-w",
+            "0",
+            "--compare",
+            "gloo",
+            "--python",
+            "/nonexistent/python3",
+        ],
         30,
     );
     assert!(out.ok, "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);

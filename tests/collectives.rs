@@ -20,7 +20,9 @@ async fn check_world(world: usize, dtypes: &'static [DType], counts: &'static [u
         let mut checks = 0;
         for &dtype in dtypes {
             for &count in counts {
-                checks += check_collectives(&pg, dtype, count).await.unwrap_or_else(|e| panic!("{e}"));
+                checks += check_collectives(&pg, dtype, count)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
             }
         }
         checks + check_subgroups(&pg).await.unwrap_or_else(|e| panic!("{e}"))
@@ -56,7 +58,11 @@ async fn ranks_that_call_different_collectives_all_get_a_desync_error() {
     within("desync", async {
         let errors = spawn(3, |pg| async move {
             let t = Tensor::from_slice(&[1.0f32; 4]);
-            let result = if pg.rank() == 1 { pg.broadcast(t, 0).await } else { pg.all_reduce(t, ReduceOp::Sum).await };
+            let result = if pg.rank() == 1 {
+                pg.broadcast(t, 0).await
+            } else {
+                pg.all_reduce(t, ReduceOp::Sum).await
+            };
             let err = result.expect_err("a desync must fail");
             // The group is broken afterwards: later operations fail at once.
             let later = pg.barrier().await.expect_err("broken group");
@@ -67,7 +73,10 @@ async fn ranks_that_call_different_collectives_all_get_a_desync_error() {
         for (rank, (err, later)) in errors.iter().enumerate() {
             let text = err.to_string();
             assert!(matches!(err, CollectiveError::Desync { .. }), "rank {rank}: {text}");
-            assert!(text.contains("all_reduce") && text.contains("broadcast"), "rank {rank}: {text}");
+            assert!(
+                text.contains("all_reduce") && text.contains("broadcast"),
+                "rank {rank}: {text}"
+            );
             assert!(matches!(later, CollectiveError::Broken(_)), "rank {rank}: {later}");
         }
     })
@@ -80,7 +89,18 @@ fn selftest_processes(world: usize, transport: &str) {
     use std::time::Instant;
     let chorus = env!("CARGO_BIN_EXE_chorus");
     let mut child = Command::new(chorus)
-        .args(["launch", "--nproc-per-node", &world.to_string(), "--", chorus, "selftest", "--timeout", "60", "--counts", "0,1,13,2000"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            &world.to_string(),
+            "--",
+            chorus,
+            "selftest",
+            "--timeout",
+            "60",
+            "--counts",
+            "0,1,13,2000",
+        ])
         .env("CHORUS_TRANSPORT", transport)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -95,9 +115,20 @@ fn selftest_processes(world: usize, transport: &str) {
         std::thread::sleep(Duration::from_millis(50));
     }
     let output = child.wait_with_output().unwrap();
-    let all = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-    assert!(output.status.success(), "selftest of {world} processes over {transport} failed:\n{all}");
-    assert_eq!(all.matches("checks passed").count(), world, "every rank reports:\n{all}");
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        output.status.success(),
+        "selftest of {world} processes over {transport} failed:\n{all}"
+    );
+    assert_eq!(
+        all.matches("checks passed").count(),
+        world,
+        "every rank reports:\n{all}"
+    );
 }
 
 #[test]
@@ -119,13 +150,19 @@ async fn ranks_that_disagree_on_a_subgroup_are_told_so() {
     within("subgroup mismatch", async {
         let outcomes = spawn(3, |pg| async move {
             let ranks: &[usize] = if pg.rank() == 2 { &[0, 2] } else { &[0, 1] };
-            pg.new_group(ranks).await.map(|g| g.is_some()).map_err(|e| e.to_string())
+            pg.new_group(ranks)
+                .await
+                .map(|g| g.is_some())
+                .map_err(|e| e.to_string())
         })
         .await
         .unwrap();
         let refused: Vec<&String> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
         assert!(!refused.is_empty(), "a disagreement must be refused: {outcomes:?}");
-        assert!(refused.iter().all(|e| e.contains("[0,1]") && e.contains("[0,2]")), "{refused:?}");
+        assert!(
+            refused.iter().all(|e| e.contains("[0,1]") && e.contains("[0,2]")),
+            "{refused:?}"
+        );
     })
     .await;
 }

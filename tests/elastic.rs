@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use chorus::store::{HashStore, Store};
 use chorus::rendezvous::InitMethod;
+use chorus::store::{HashStore, Store};
 use chorus::{ElasticGroup, ErrorHandling, InitOptions, ReduceOp, Tensor};
 
 const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
@@ -34,7 +34,9 @@ fn options(store: &Arc<dyn Store>, rank: usize, world: usize) -> InitOptions {
 }
 
 async fn init(options: InitOptions) -> ElasticGroup {
-    ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}")).await.unwrap()
+    ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}"))
+        .await
+        .unwrap()
 }
 
 /// All-reduces ones `iterations` times through restarts, checking each sum
@@ -45,12 +47,21 @@ async fn train(group: &ElasticGroup, iterations: u64) {
         let pg = group.current();
         match pg.all_reduce(Tensor::from_slice(&[1.0f32; 64]), ReduceOp::Sum).await {
             Ok(sum) => {
-                assert!(sum.to_vec::<f32>().unwrap().iter().all(|&v| v == pg.world_size() as f32), "wrong sum");
+                assert!(
+                    sum.to_vec::<f32>()
+                        .unwrap()
+                        .iter()
+                        .all(|&v| v == pg.world_size() as f32),
+                    "wrong sum"
+                );
                 done += 1;
             }
             Err(_) => {
                 let next = group.next_generation(pg.generation()).await.unwrap();
-                let step = next.all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min).await.unwrap();
+                let step = next
+                    .all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min)
+                    .await
+                    .unwrap();
                 done = step.to_vec::<f64>().unwrap()[0] as u64;
             }
         }
@@ -117,7 +128,10 @@ async fn sv13_a_process_waiting_to_join_is_admitted_into_the_next_generation() {
         .map(|group| {
             tokio::spawn(async move {
                 let next = group.next_generation(0).await.unwrap();
-                let sum = next.all_reduce(Tensor::from_slice(&[1.0f32; 8]), ReduceOp::Sum).await.unwrap();
+                let sum = next
+                    .all_reduce(Tensor::from_slice(&[1.0f32; 8]), ReduceOp::Sum)
+                    .await
+                    .unwrap();
                 let result = (group.rank(), group.generation(), sum.to_vec::<f32>().unwrap()[0]);
                 drop(next);
                 group.destroy().await.unwrap();
@@ -144,14 +158,20 @@ struct Job {
 
 impl Job {
     fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let mut store = Command::new(CHORUS)
             .args(["store", "serve", "--host", "127.0.0.1", "--port", &port.to_string()])
             .stdout(Stdio::piped())
             .spawn()
             .expect("start chorus store serve");
         let mut first = String::new();
-        BufReader::new(store.stdout.take().unwrap()).read_line(&mut first).unwrap();
+        BufReader::new(store.stdout.take().unwrap())
+            .read_line(&mut first)
+            .unwrap();
         assert!(first.contains("serving"), "{first}");
         let (tx, lines) = mpsc::channel();
         Self {
@@ -179,7 +199,10 @@ impl Job {
             command.env(k, v);
         }
         let mut child = command.spawn().expect("start chorus elastic-probe");
-        let streams: [Box<dyn std::io::Read + Send>; 2] = [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
+        let streams: [Box<dyn std::io::Read + Send>; 2] = [
+            Box::new(child.stdout.take().unwrap()),
+            Box::new(child.stderr.take().unwrap()),
+        ];
         for stream in streams {
             let tx = self.tx.clone();
             std::thread::spawn(move || {
@@ -193,12 +216,18 @@ impl Job {
 
     /// Reads output until `count` lines from `ranks` contain `needle` each.
     fn until(&mut self, ranks: &[usize], needle: &str, deadline: Instant) {
-        let has = |log: &[String], r: usize| log.iter().any(|l| l.starts_with(&format!("[{r}] ")) && l.contains(needle));
+        let has = |log: &[String], r: usize| {
+            log.iter()
+                .any(|l| l.starts_with(&format!("[{r}] ")) && l.contains(needle))
+        };
         while !ranks.iter().all(|&r| has(&self.log, r)) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
                 Ok((rank, line)) => self.log.push(format!("[{rank}] {line}")),
-                Err(_) => panic!("timed out waiting for {needle:?} from ranks {ranks:?}; output:\n{}", self.log.join("\n")),
+                Err(_) => panic!(
+                    "timed out waiting for {needle:?} from ranks {ranks:?}; output:\n{}",
+                    self.log.join("\n")
+                ),
             }
         }
     }
@@ -213,7 +242,11 @@ impl Job {
             if let Some(status) = self.children[rank].try_wait().unwrap() {
                 return status;
             }
-            assert!(Instant::now() < deadline, "rank {rank} did not exit; output:\n{}", self.log.join("\n"));
+            assert!(
+                Instant::now() < deadline,
+                "rank {rank} did not exit; output:\n{}",
+                self.log.join("\n")
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -232,19 +265,36 @@ impl Drop for Job {
 fn sv9_sigkill_mid_loop_survivors_form_generation_1_of_3_and_finish() {
     let mut job = Job::start();
     for rank in 0..4 {
-        job.rank(rank, 4, &["--iterations", "300", "--min-world", "3", "--max-world", "4"], &[]);
+        job.rank(
+            rank,
+            4,
+            &["--iterations", "300", "--min-world", "3", "--max-world", "4"],
+            &[],
+        );
     }
     let deadline = Instant::now() + Duration::from_secs(40);
     job.until(&[0, 1, 2, 3], "event=running", deadline);
     job.kill(2);
     job.until(&[0, 1, 3], "event=done", deadline);
     for rank in [0, 1, 3] {
-        assert!(job.wait(rank, deadline).success(), "rank {rank} failed:\n{}", job.log.join("\n"));
+        assert!(
+            job.wait(rank, deadline).success(),
+            "rank {rank} failed:\n{}",
+            job.log.join("\n")
+        );
     }
     let log = job.log.join("\n");
     for (old, new) in [(0, 0), (1, 1), (3, 2)] {
-        assert!(log.contains(&format!("[{old}] probe rank={new} gen=1 world=3 event=restarted")), "{log}");
-        assert!(log.contains(&format!("[{old}] probe rank={new} gen=1 world=3 event=done iterations=300")), "{log}");
+        assert!(
+            log.contains(&format!("[{old}] probe rank={new} gen=1 world=3 event=restarted")),
+            "{log}"
+        );
+        assert!(
+            log.contains(&format!(
+                "[{old}] probe rank={new} gen=1 world=3 event=done iterations=300"
+            )),
+            "{log}"
+        );
     }
 }
 
@@ -252,7 +302,12 @@ fn sv9_sigkill_mid_loop_survivors_form_generation_1_of_3_and_finish() {
 fn sv12_the_restart_budget_is_enforced_in_processes() {
     let mut job = Job::start();
     for rank in 0..4 {
-        job.rank(rank, 4, &["--iterations", "1000000", "--min-world", "2", "--max-world", "4"], &[("CHORUS_MAX_RESTARTS", "1")]);
+        job.rank(
+            rank,
+            4,
+            &["--iterations", "1000000", "--min-world", "2", "--max-world", "4"],
+            &[("CHORUS_MAX_RESTARTS", "1")],
+        );
     }
     let deadline = Instant::now() + Duration::from_secs(40);
     job.until(&[0, 1, 2, 3], "event=running", deadline);
@@ -260,10 +315,20 @@ fn sv12_the_restart_budget_is_enforced_in_processes() {
     job.until(&[0, 1, 2], "event=restarted", deadline);
     job.kill(2);
     for rank in [0, 1] {
-        assert!(!job.wait(rank, deadline).success(), "rank {rank} went on past the budget:\n{}", job.log.join("\n"));
+        assert!(
+            !job.wait(rank, deadline).success(),
+            "rank {rank} went on past the budget:\n{}",
+            job.log.join("\n")
+        );
     }
     job.until(&[0, 1], "restart budget spent", deadline);
     let log = job.log.join("\n");
-    let message = log.lines().find(|l| l.starts_with("[0] ") && l.contains("restart budget spent")).unwrap();
-    assert!(message.contains("generation 0") && message.contains("generation 1"), "{message}");
+    let message = log
+        .lines()
+        .find(|l| l.starts_with("[0] ") && l.contains("restart budget spent"))
+        .unwrap();
+    assert!(
+        message.contains("generation 0") && message.contains("generation 1"),
+        "{message}"
+    );
 }

@@ -54,7 +54,8 @@ fn launch_probe(args: &[&str], probe: &[&str], secs: u64) -> Output {
 
 /// The value of `key=` in a probe line.
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace().find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
 }
 
 /// The probe lines the launcher relayed for the worker slot of `rank`.
@@ -66,7 +67,14 @@ fn lines_of(stdout: &str, rank: usize) -> Vec<&str> {
 #[test]
 fn a_failed_worker_is_relaunched_alone_and_joins_the_next_generation() {
     let output = launch_probe(
-        &["--nproc-per-node", "3", "--max-restarts", "1", "--restart-policy", "worker"],
+        &[
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            "--restart-policy",
+            "worker",
+        ],
         &["--iterations", "200", "--kill-rank", "2", "--kill-after", "30"],
         30,
     );
@@ -74,7 +82,10 @@ fn a_failed_worker_is_relaunched_alone_and_joins_the_next_generation() {
     assert_eq!(output.status.code(), Some(0), "{all}");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("was killed by signal SIGKILL (9) in attempt 0"), "{all}");
+    assert!(
+        stderr.contains("was killed by signal SIGKILL (9) in attempt 0"),
+        "{all}"
+    );
     assert!(stderr.contains("relaunching rank 2 alone"), "{all}");
     assert!(!stderr.contains("chorus launch: restarting the group"), "{all}");
 
@@ -84,10 +95,23 @@ fn a_failed_worker_is_relaunched_alone_and_joins_the_next_generation() {
         let ready: Vec<&&str> = lines.iter().filter(|l| l.contains("event=ready")).collect();
         assert_eq!(ready.len(), 1, "rank {rank} started more than once\n{all}");
         assert!(ready[0].contains("gen=0 world=3"), "{all}");
-        let done = lines.iter().find(|l| l.contains("event=done")).unwrap_or_else(|| panic!("rank {rank} did not finish\n{all}"));
-        assert!(done.contains(&format!("probe rank={rank} gen=1 world=3 event=done iterations=200")), "{all}");
-        assert_eq!(field(ready[0], "pid"), field(done, "pid"), "rank {rank}'s pid changed\n{all}");
-        assert!(lines.iter().any(|l| l.contains("gen=1 world=3 event=restarted")), "{all}");
+        let done = lines
+            .iter()
+            .find(|l| l.contains("event=done"))
+            .unwrap_or_else(|| panic!("rank {rank} did not finish\n{all}"));
+        assert!(
+            done.contains(&format!("probe rank={rank} gen=1 world=3 event=done iterations=200")),
+            "{all}"
+        );
+        assert_eq!(
+            field(ready[0], "pid"),
+            field(done, "pid"),
+            "rank {rank}'s pid changed\n{all}"
+        );
+        assert!(
+            lines.iter().any(|l| l.contains("gen=1 world=3 event=restarted")),
+            "{all}"
+        );
     }
 
     // The killed worker: started twice, the second time in generation 1.
@@ -98,8 +122,14 @@ fn a_failed_worker_is_relaunched_alone_and_joins_the_next_generation() {
     assert!(lines.iter().any(|l| l.contains("event=killing-self")), "{all}");
     assert!(ready[1].contains("rank=2 gen=1 world=3"), "{all}");
     assert_ne!(field(ready[0], "pid"), field(ready[1], "pid"), "{all}");
-    let done = lines.iter().find(|l| l.contains("event=done")).unwrap_or_else(|| panic!("rank 2 did not finish\n{all}"));
-    assert!(done.contains("probe rank=2 gen=1 world=3 event=done iterations=200"), "{all}");
+    let done = lines
+        .iter()
+        .find(|l| l.contains("event=done"))
+        .unwrap_or_else(|| panic!("rank 2 did not finish\n{all}"));
+    assert!(
+        done.contains("probe rank=2 gen=1 world=3 event=done iterations=200"),
+        "{all}"
+    );
     assert_eq!(field(ready[1], "pid"), field(done, "pid"), "{all}");
 }
 
@@ -108,14 +138,26 @@ fn a_worker_failing_past_max_restarts_stops_the_others() {
     // --max-restarts 0: the first failure ends the job as with torchrun.
     let started = Instant::now();
     let output = launch_probe(
-        &["--nproc-per-node", "3", "--max-restarts", "0", "--restart-policy", "worker", "--shutdown-timeout", "5"],
+        &[
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "0",
+            "--restart-policy",
+            "worker",
+            "--shutdown-timeout",
+            "5",
+        ],
         &["--iterations", "1000000", "--kill-rank", "1", "--kill-after", "20"],
         30,
     );
     let all = text(&output);
     assert_eq!(output.status.code(), Some(1), "{all}");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("rank 1 failed and --max-restarts 0 is used up"), "{all}");
+    assert!(
+        stderr.contains("rank 1 failed and --max-restarts 0 is used up"),
+        "{all}"
+    );
     assert!(!stderr.contains("relaunching"), "{all}");
     assert!(started.elapsed() < Duration::from_secs(25), "{all}");
 }
@@ -123,14 +165,26 @@ fn a_worker_failing_past_max_restarts_stops_the_others() {
 #[test]
 fn with_restart_policy_all_every_worker_restarts_as_with_torchrun() {
     let output = launch_probe(
-        &["--nproc-per-node", "3", "--max-restarts", "1", "--restart-policy", "all", "--shutdown-timeout", "5"],
+        &[
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            "--restart-policy",
+            "all",
+            "--shutdown-timeout",
+            "5",
+        ],
         &["--iterations", "100", "--kill-rank", "2", "--kill-after", "30"],
         30,
     );
     let all = text(&output);
     assert_eq!(output.status.code(), Some(0), "{all}");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("chorus launch: restarting the group (restart 1 of 1)"), "{all}");
+    assert!(
+        stderr.contains("chorus launch: restarting the group (restart 1 of 1)"),
+        "{all}"
+    );
     assert!(!stderr.contains("relaunching"), "{all}");
     let stdout = String::from_utf8_lossy(&output.stdout);
     for rank in 0..3 {
@@ -138,6 +192,9 @@ fn with_restart_policy_all_every_worker_restarts_as_with_torchrun() {
         let ready: Vec<&&str> = lines.iter().filter(|l| l.contains("event=ready")).collect();
         assert_eq!(ready.len(), 2, "rank {rank} should have started twice\n{all}");
         assert_ne!(field(ready[0], "pid"), field(ready[1], "pid"), "{all}");
-        assert!(lines.iter().any(|l| l.contains("world=3 event=done iterations=100")), "{all}");
+        assert!(
+            lines.iter().any(|l| l.contains("world=3 event=done iterations=100")),
+            "{all}"
+        );
     }
 }

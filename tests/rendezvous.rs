@@ -39,12 +39,26 @@ fn text(output: &Output) -> String {
 
 fn hello(world: usize, init: &str) {
     let mut command = Command::new(CHORUS);
-    command.args(["hello", "--world", &world.to_string(), "--init", init, "--timeout", "60"]);
+    command.args([
+        "hello",
+        "--world",
+        &world.to_string(),
+        "--init",
+        init,
+        "--timeout",
+        "60",
+    ]);
     let output = run(command, 90);
     let all = text(&output);
-    assert!(output.status.success(), "hello --world {world} --init {init} failed:\n{all}");
+    assert!(
+        output.status.success(),
+        "hello --world {world} --init {init} failed:\n{all}"
+    );
     for rank in 0..world {
-        let found: Vec<&str> = all.lines().filter(|l| l.starts_with(&format!("[{rank}]:   rank "))).collect();
+        let found: Vec<&str> = all
+            .lines()
+            .filter(|l| l.starts_with(&format!("[{rank}]:   rank ")))
+            .collect();
         assert_eq!(found.len(), world, "rank {rank} should list {world} peers:\n{all}");
         assert!(
             found.iter().all(|l| l.contains("via 127.0.0.1")),
@@ -52,7 +66,10 @@ fn hello(world: usize, init: &str) {
         );
         for peer in (0..world).filter(|&p| p != rank) {
             let greeting = format!("said \"hello from rank {peer}\"");
-            assert!(found.iter().any(|l| l.contains(&greeting)), "rank {rank} never heard rank {peer}:\n{all}");
+            assert!(
+                found.iter().any(|l| l.contains(&greeting)),
+                "rank {rank} never heard rank {peer}:\n{all}"
+            );
         }
     }
     assert!(all.contains(&format!("all {world} ranks found each other")), "{all}");
@@ -80,7 +97,11 @@ fn processes_meet_over_env() {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// One rank process, with a clean environment plus `env`.
@@ -101,7 +122,11 @@ fn a_rank_outside_the_world_is_refused() {
     let url = format!("tcp://127.0.0.1:{}?rank=3&world_size=2", free_port());
     let output = run(worker(&url, 5, &[]), 30);
     assert!(!output.status.success());
-    assert!(text(&output).contains("rank 3 is out of range for world size 2"), "{}", text(&output));
+    assert!(
+        text(&output).contains("rank 3 is out of range for world size 2"),
+        "{}",
+        text(&output)
+    );
 }
 
 #[test]
@@ -109,7 +134,11 @@ fn env_init_names_the_missing_variable() {
     let output = run(worker("env://", 5, &[]), 30);
     assert!(!output.status.success());
     assert!(text(&output).contains("MASTER_ADDR"), "{}", text(&output));
-    let env = [("MASTER_ADDR", "127.0.0.1".to_string()), ("MASTER_PORT", free_port().to_string()), ("WORLD_SIZE", "2".to_string())];
+    let env = [
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", free_port().to_string()),
+        ("WORLD_SIZE", "2".to_string()),
+    ];
     let output = run(worker("env://", 5, &env), 30);
     assert!(!output.status.success());
     assert!(text(&output).contains("RANK"), "{}", text(&output));
@@ -123,8 +152,15 @@ fn an_unreachable_store_is_reported_with_address_and_time() {
     let output = run(worker(&url, 2, &[]), 30);
     assert!(!output.status.success());
     let all = text(&output);
-    assert!(all.contains(&format!("could not connect to store at 127.0.0.1:{port}")), "{all}");
-    assert!(started.elapsed() < Duration::from_secs(15), "gave up late: {:?}", started.elapsed());
+    assert!(
+        all.contains(&format!("could not connect to store at 127.0.0.1:{port}")),
+        "{all}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "gave up late: {:?}",
+        started.elapsed()
+    );
 }
 
 #[test]
@@ -146,7 +182,10 @@ fn a_duplicate_rank_names_both_processes_and_the_rest_time_out_naming_the_missin
     let all = text(&second);
     assert!(!second.status.success());
     assert!(all.contains("rank 1 is claimed twice"), "{all}");
-    assert!(all.contains(&format!("pid {}", first.id())), "the first claimant's pid must be named: {all}");
+    assert!(
+        all.contains(&format!("pid {}", first.id())),
+        "the first claimant's pid must be named: {all}"
+    );
     let output = wait_with_deadline(rank0, 30);
     let all = text(&output);
     assert!(!output.status.success(), "rank 0 should fail: rank 2 never came");
@@ -155,7 +194,10 @@ fn a_duplicate_rank_names_both_processes_and_the_rest_time_out_naming_the_missin
     let output = wait_with_deadline(first, 30);
     let all = text(&output);
     assert!(!output.status.success(), "rank 1 should fail: rank 2 never came");
-    assert!(all.contains("missing ranks [2]") || all.contains("closed the connection"), "rank 1: {all}");
+    assert!(
+        all.contains("missing ranks [2]") || all.contains("closed the connection"),
+        "rank 1: {all}"
+    );
 }
 
 fn wait_with_deadline(mut child: std::process::Child, secs: u64) -> Output {
@@ -179,7 +221,10 @@ fn ranks_that_disagree_on_the_world_size_are_told_so() {
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let output = run(worker(&format!("tcp://127.0.0.1:{port}?rank=1&world_size=3"), 4, &[]), 30);
+    let output = run(
+        worker(&format!("tcp://127.0.0.1:{port}?rank=1&world_size=3"), 4, &[]),
+        30,
+    );
     let all = text(&output);
     assert!(!output.status.success());
     assert!(all.contains("world size mismatch"), "{all}");
@@ -196,7 +241,10 @@ fn two_rank_zeros_cannot_both_serve() {
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let output = run(worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]), 30);
+    let output = run(
+        worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]),
+        30,
+    );
     let all = text(&output);
     assert!(!output.status.success());
     assert!(all.contains("port is in use") || all.contains("claimed twice"), "{all}");
@@ -216,7 +264,10 @@ fn a_rank_without_the_job_secret_is_refused() {
     let rank0 = wait_with_deadline(rank0, 30);
     assert!(!rank0.status.success() && !intruder.status.success());
     let all = text(&rank0);
-    assert!(all.contains("rank 1 (pid") && all.contains("not signed with this job's secret"), "{all}");
+    assert!(
+        all.contains("rank 1 (pid") && all.contains("not signed with this job's secret"),
+        "{all}"
+    );
 }
 
 #[test]
@@ -228,23 +279,42 @@ fn faults_from_the_environment_kill_the_named_rank() {
     let output = run(command, 60);
     let all = text(&output);
     assert!(!output.status.success(), "{all}");
-    assert!(all.contains("rank 1 exited with signal: 9"), "rank 1 must die by SIGKILL:\n{all}");
+    assert!(
+        all.contains("rank 1 exited with signal: 9"),
+        "rank 1 must die by SIGKILL:\n{all}"
+    );
 }
 
 #[test]
 fn the_transport_follows_chorus_transport() {
     for (choice, expected) in [("auto", "shm said"), ("quic", "quic said"), ("shm", "shm said")] {
         let mut command = Command::new(CHORUS);
-        command.args(["hello", "--world", "3", "--timeout", "30"]).env("CHORUS_TRANSPORT", choice);
+        command
+            .args(["hello", "--world", "3", "--timeout", "30"])
+            .env("CHORUS_TRANSPORT", choice);
         let output = run(command, 60);
         let all = text(&output);
         assert!(output.status.success(), "CHORUS_TRANSPORT={choice}:\n{all}");
-        assert_eq!(all.matches(expected).count(), 6, "CHORUS_TRANSPORT={choice} must give 6 {expected:?} lines:\n{all}");
-        assert_eq!(all.matches("correct;").count(), 3, "every rank checks its all_reduce:\n{all}");
+        assert_eq!(
+            all.matches(expected).count(),
+            6,
+            "CHORUS_TRANSPORT={choice} must give 6 {expected:?} lines:\n{all}"
+        );
+        assert_eq!(
+            all.matches("correct;").count(),
+            3,
+            "every rank checks its all_reduce:\n{all}"
+        );
     }
     let mut command = Command::new(CHORUS);
-    command.args(["hello", "--world", "2", "--timeout", "10"]).env("CHORUS_TRANSPORT", "carrier-pigeon");
+    command
+        .args(["hello", "--world", "2", "--timeout", "10"])
+        .env("CHORUS_TRANSPORT", "carrier-pigeon");
     let output = run(command, 60);
     assert!(!output.status.success());
-    assert!(text(&output).contains("CHORUS_TRANSPORT=\"carrier-pigeon\" is not a transport"), "{}", text(&output));
+    assert!(
+        text(&output).contains("CHORUS_TRANSPORT=\"carrier-pigeon\" is not a transport"),
+        "{}",
+        text(&output)
+    );
 }

@@ -18,7 +18,9 @@ async fn within<T>(what: &str, secs: u64, fut: impl std::future::Future<Output =
 }
 
 async fn server_with(options: TcpStoreServerOptions) -> TcpStoreServer {
-    TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), options).await.expect("bind")
+    TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), options)
+        .await
+        .expect("bind")
 }
 
 async fn client(addr: SocketAddr, timeout: Duration) -> TcpStore {
@@ -39,10 +41,19 @@ async fn every_operation_over_tcp() {
         assert_eq!(store.get("a").await.unwrap(), Bytes::from_static(b"1"));
         assert_eq!(store.add("n", 5).await.unwrap(), 5);
         assert_eq!(store.add("n", -2).await.unwrap(), 3);
-        assert_eq!(store.compare_set("cs", b"x", b"y").await.unwrap(), Bytes::from_static(b"x"));
+        assert_eq!(
+            store.compare_set("cs", b"x", b"y").await.unwrap(),
+            Bytes::from_static(b"x")
+        );
         assert!(!store.check(&["cs"]).await.unwrap());
-        assert_eq!(store.compare_set("cs", b"", b"y").await.unwrap(), Bytes::from_static(b"y"));
-        assert_eq!(store.compare_set("cs", b"y", b"z").await.unwrap(), Bytes::from_static(b"z"));
+        assert_eq!(
+            store.compare_set("cs", b"", b"y").await.unwrap(),
+            Bytes::from_static(b"y")
+        );
+        assert_eq!(
+            store.compare_set("cs", b"y", b"z").await.unwrap(),
+            Bytes::from_static(b"z")
+        );
         assert!(store.check(&["a", "n", "cs"]).await.unwrap());
         store.append("ap", b"ab").await.unwrap();
         store.append("ap", b"cd").await.unwrap();
@@ -58,12 +69,21 @@ async fn every_operation_over_tcp() {
         store.queue_push("q", b"first").await.unwrap();
         store.queue_push("q", b"second").await.unwrap();
         assert_eq!(store.queue_len("q").await.unwrap(), 2);
-        assert_eq!(store.queue_pop("q", false).await.unwrap(), Some(Bytes::from_static(b"first")));
-        assert_eq!(store.queue_pop("q", true).await.unwrap(), Some(Bytes::from_static(b"second")));
+        assert_eq!(
+            store.queue_pop("q", false).await.unwrap(),
+            Some(Bytes::from_static(b"first"))
+        );
+        assert_eq!(
+            store.queue_pop("q", true).await.unwrap(),
+            Some(Bytes::from_static(b"second"))
+        );
         assert_eq!(store.queue_pop("q", false).await.unwrap(), None);
         let mut keys = store.list_keys().await.unwrap();
         keys.sort();
-        assert_eq!(keys, ["/ap", "/cs", "/m1", "/m2", "/n"].map(|k| Bytes::from_static(k.as_bytes())));
+        assert_eq!(
+            keys,
+            ["/ap", "/cs", "/m1", "/m2", "/n"].map(|k| Bytes::from_static(k.as_bytes()))
+        );
         let big = vec![7u8; 8 << 20];
         store.set("big", &big).await.unwrap();
         assert_eq!(store.get("big").await.unwrap().len(), big.len());
@@ -94,7 +114,10 @@ async fn a_wait_timeout_names_key_and_address_and_the_connection_survives() {
         store.set("present", b"1").await.unwrap();
         let err = store.wait(&["present", "never"]).await.unwrap_err();
         let message = err.to_string();
-        assert!(matches!(err, StoreError::Timeout { ref keys, .. } if keys == &["never".to_string()]), "{message}");
+        assert!(
+            matches!(err, StoreError::Timeout { ref keys, .. } if keys == &["never".to_string()]),
+            "{message}"
+        );
         assert!(message.contains(&server.local_addr().to_string()), "{message}");
         let err = store.get("never").await.unwrap_err();
         assert!(err.is_timeout(), "{err}");
@@ -137,9 +160,16 @@ async fn an_unreachable_store_says_where_and_how_long() {
             connect_timeout: Duration::from_millis(500),
             ..TcpStoreOptions::default()
         };
-        let err = TcpStore::connect(format!("127.0.0.1:{port}"), options).await.unwrap_err();
+        let err = TcpStore::connect(format!("127.0.0.1:{port}"), options)
+            .await
+            .unwrap_err();
         match &err {
-            StoreError::Unreachable { addr, attempts, elapsed, .. } => {
+            StoreError::Unreachable {
+                addr,
+                attempts,
+                elapsed,
+                ..
+            } => {
                 assert_eq!(addr, &format!("127.0.0.1:{port}"));
                 assert!(*attempts > 1, "it should retry");
                 assert!(*elapsed <= Duration::from_secs(2));
@@ -159,7 +189,10 @@ async fn a_server_that_goes_away_is_an_error_not_a_hang() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         drop(server);
         let err = waiter.await.unwrap().unwrap_err();
-        assert!(!err.is_timeout(), "the server's exit must be reported at once, got {err}");
+        assert!(
+            !err.is_timeout(),
+            "the server's exit must be reported at once, got {err}"
+        );
     })
     .await;
 }
@@ -168,7 +201,10 @@ async fn a_server_that_goes_away_is_an_error_not_a_hang() {
 async fn raw(addr: SocketAddr) -> TcpStream {
     let mut stream = TcpStream::connect(addr).await.unwrap();
     let mut hello = BytesMut::new();
-    Request::Validate { magic: protocol::VALIDATION_MAGIC }.encode(&mut hello);
+    Request::Validate {
+        magic: protocol::VALIDATION_MAGIC,
+    }
+    .encode(&mut hello);
     stream.write_all(&hello).await.unwrap();
     stream
 }
@@ -208,7 +244,11 @@ async fn bad_input_closes_only_the_offending_connection() {
         forged_count.put_u8(QueryType::MultiGet as u8);
         forged_count.put_u64_le(u64::MAX);
         let mut add_on_text = BytesMut::new();
-        Request::Add { key: Bytes::from_static(b"/k"), delta: 1 }.encode(&mut add_on_text);
+        Request::Add {
+            key: Bytes::from_static(b"/k"),
+            delta: 1,
+        }
+        .encode(&mut add_on_text);
         let cases: Vec<(&str, Vec<u8>)> = vec![
             ("unknown query type", vec![200, 1, 2, 3]),
             ("forged key length", forged_key.to_vec()),
@@ -219,7 +259,10 @@ async fn bad_input_closes_only_the_offending_connection() {
         for (what, bytes) in cases {
             let mut stream = raw(addr).await;
             stream.write_all(&bytes).await.unwrap();
-            assert!(closed_by_server(&mut stream).await, "{what}: the server kept the connection");
+            assert!(
+                closed_by_server(&mut stream).await,
+                "{what}: the server kept the connection"
+            );
             assert_eq!(good.get("k").await.unwrap(), Bytes::from_static(b"v"), "after {what}");
         }
 
@@ -239,7 +282,10 @@ async fn bad_input_closes_only_the_offending_connection() {
         // A client that vanishes mid-wait leaves no wait behind to fire into a dead socket.
         let mut waiting = raw(addr).await;
         let mut wait = BytesMut::new();
-        Request::Wait { keys: vec![Bytes::from_static(b"/later")] }.encode(&mut wait);
+        Request::Wait {
+            keys: vec![Bytes::from_static(b"/later")],
+        }
+        .encode(&mut wait);
         waiting.write_all(&wait).await.unwrap();
         drop(waiting);
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -261,10 +307,15 @@ async fn ten_thousand_idle_connections_do_not_starve_a_working_client() {
             .expect("start chorus store serve");
         let mut stdout = tokio::io::BufReader::new(server.stdout.take().unwrap());
         let mut line = String::new();
-        tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut line).await.unwrap();
+        tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut line)
+            .await
+            .unwrap();
         let addr: SocketAddr = line.trim().rsplit(' ').next().unwrap().parse().expect("server address");
 
-        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
         // SAFETY: plain getrlimit/setrlimit on a local struct.
         unsafe {
             libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
@@ -272,7 +323,11 @@ async fn ten_thousand_idle_connections_do_not_starve_a_working_client() {
             libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
         let wanted = 10_000usize.min(limit.rlim_cur.saturating_sub(200) as usize);
-        assert!(wanted >= 10_000, "this machine allows only {} open files; the test needs 10 200", limit.rlim_cur);
+        assert!(
+            wanted >= 10_000,
+            "this machine allows only {} open files; the test needs 10 200",
+            limit.rlim_cur
+        );
         let mut idle = Vec::with_capacity(wanted);
         for _ in 0..wanted {
             idle.push(raw(addr).await);
@@ -283,7 +338,10 @@ async fn ten_thousand_idle_connections_do_not_starve_a_working_client() {
             store.set(&format!("k{i}"), b"v").await.unwrap();
         }
         assert_eq!(store.num_keys().await.unwrap(), 100);
-        println!("100 sets with {wanted} idle connections open took {:?}", started.elapsed());
+        println!(
+            "100 sets with {wanted} idle connections open took {:?}",
+            started.elapsed()
+        );
         drop(idle);
         server.kill().await.unwrap();
     })

@@ -27,7 +27,9 @@ async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Outpu
 }
 
 fn options(window: Duration) -> InitOptions {
-    InitOptions::default().heartbeat_timeout(window).error_handling(ErrorHandling::Abort)
+    InitOptions::default()
+        .heartbeat_timeout(window)
+        .error_handling(ErrorHandling::Abort)
 }
 
 fn tensor() -> Tensor {
@@ -36,65 +38,90 @@ fn tensor() -> Tensor {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sv1_a_dead_peer_aborts_every_pending_operation() {
-    let results = within(20, "the group", spawn_with(3, options(Duration::from_secs(1)), |pg| async move {
-        if pg.rank() == 2 {
-            // Rank 2 dies while the others wait in a collective: its links close.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            drop(pg);
-            return None;
-        }
-        let failures = pg.failures();
-        let pending: Vec<_> = (0..3).map(|_| pg.all_reduce(tensor(), ReduceOp::Sum)).collect();
-        let started = Instant::now();
-        for work in pending {
-            assert!(work.await.is_err(), "rank {}: a pending operation succeeded without rank 2", pg.rank());
-        }
-        let failed_within = started.elapsed();
-        let aborted = failures.borrow().clone().expect("the abort is published");
-        Some((pg.rank(), failed_within, aborted))
-    }))
+    let results = within(
+        20,
+        "the group",
+        spawn_with(3, options(Duration::from_secs(1)), |pg| async move {
+            if pg.rank() == 2 {
+                // Rank 2 dies while the others wait in a collective: its links close.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                drop(pg);
+                return None;
+            }
+            let failures = pg.failures();
+            let pending: Vec<_> = (0..3).map(|_| pg.all_reduce(tensor(), ReduceOp::Sum)).collect();
+            let started = Instant::now();
+            for work in pending {
+                assert!(
+                    work.await.is_err(),
+                    "rank {}: a pending operation succeeded without rank 2",
+                    pg.rank()
+                );
+            }
+            let failed_within = started.elapsed();
+            let aborted = failures.borrow().clone().expect("the abort is published");
+            Some((pg.rank(), failed_within, aborted))
+        }),
+    )
     .await
     .unwrap();
     for (rank, took, aborted) in results.into_iter().flatten() {
-        assert!(took < Duration::from_secs(2), "rank {rank}: pending operations took {took:?} to fail");
-        assert!(!aborted.failed_ranks.is_empty(), "rank {rank}: the abort names no rank: {aborted}");
+        assert!(
+            took < Duration::from_secs(2),
+            "rank {rank}: pending operations took {took:?} to fail"
+        );
+        assert!(
+            !aborted.failed_ranks.is_empty(),
+            "rank {rank}: the abort names no rank: {aborted}"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sv2_sv3_a_timed_out_collective_aborts_the_group_and_peers_fail_fast() {
     let options = options(Duration::from_secs(10)).collective_timeout(Duration::from_millis(300));
-    let results = within(20, "the group", spawn_with(2, options, |pg| async move {
-        let mut failures = pg.failures();
-        let started = Instant::now();
-        if pg.rank() == 0 {
-            // Rank 1 never joins: rank 0 times out and aborts.
-            let error = pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap_err();
-            assert!(matches!(error, CollectiveError::Timeout { .. }), "{error}");
-        }
-        // Rank 1 learns from its closed links (SV-3), long before its 10 s window.
-        failures.wait_for(Option::is_some).await.unwrap();
-        (pg.rank(), started.elapsed(), failures.borrow().clone().unwrap())
-    }))
+    let results = within(
+        20,
+        "the group",
+        spawn_with(2, options, |pg| async move {
+            let mut failures = pg.failures();
+            let started = Instant::now();
+            if pg.rank() == 0 {
+                // Rank 1 never joins: rank 0 times out and aborts.
+                let error = pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap_err();
+                assert!(matches!(error, CollectiveError::Timeout { .. }), "{error}");
+            }
+            // Rank 1 learns from its closed links (SV-3), long before its 10 s window.
+            failures.wait_for(Option::is_some).await.unwrap();
+            (pg.rank(), started.elapsed(), failures.borrow().clone().unwrap())
+        }),
+    )
     .await
     .unwrap();
     for (rank, took, aborted) in results {
-        assert!(took < Duration::from_secs(3), "rank {rank} learned of the abort after {took:?}: {aborted}");
+        assert!(
+            took < Duration::from_secs(3),
+            "rank {rank} learned of the abort after {took:?}: {aborted}"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sv4_operations_after_an_abort_fail_at_once() {
-    let results = within(20, "the group", spawn_with(2, options(Duration::from_secs(1)), |pg| async move {
-        if pg.rank() == 1 {
-            drop(pg);
-            return None;
-        }
-        pg.failures().wait_for(Option::is_some).await.unwrap();
-        let started = Instant::now();
-        let error = pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap_err();
-        Some((started.elapsed(), error))
-    }))
+    let results = within(
+        20,
+        "the group",
+        spawn_with(2, options(Duration::from_secs(1)), |pg| async move {
+            if pg.rank() == 1 {
+                drop(pg);
+                return None;
+            }
+            pg.failures().wait_for(Option::is_some).await.unwrap();
+            let started = Instant::now();
+            let error = pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap_err();
+            Some((started.elapsed(), error))
+        }),
+    )
     .await
     .unwrap();
     let (took, error) = results.into_iter().flatten().next().unwrap();
@@ -104,15 +131,19 @@ async fn sv4_operations_after_an_abort_fail_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sv8_a_clean_destroy_is_not_a_failure() {
-    let results = within(20, "the group", spawn_with(3, options(Duration::from_millis(600)), |pg| async move {
-        pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap();
-        let failures = pg.failures();
-        // Ranks leave at different times; the first is gone well before the last.
-        tokio::time::sleep(Duration::from_millis(400 * pg.rank() as u64)).await;
-        pg.destroy().await.unwrap();
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        failures.borrow().clone()
-    }))
+    let results = within(
+        20,
+        "the group",
+        spawn_with(3, options(Duration::from_millis(600)), |pg| async move {
+            pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap();
+            let failures = pg.failures();
+            // Ranks leave at different times; the first is gone well before the last.
+            tokio::time::sleep(Duration::from_millis(400 * pg.rank() as u64)).await;
+            pg.destroy().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            failures.borrow().clone()
+        }),
+    )
     .await
     .unwrap();
     assert!(results.iter().all(Option::is_none), "{results:?}");
@@ -145,13 +176,23 @@ struct Probes {
 
 impl Probes {
     fn start(world: usize, env: &[(&str, &str)]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let (tx, lines) = mpsc::channel();
         let mut children = Vec::new();
         for rank in 0..world {
             let mut command = Command::new(CHORUS);
             command
-                .args(["fault-probe", "--seconds", "60", "--init", &format!("tcp://127.0.0.1:{port}")])
+                .args([
+                    "fault-probe",
+                    "--seconds",
+                    "60",
+                    "--init",
+                    &format!("tcp://127.0.0.1:{port}"),
+                ])
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("CHORUS_HEARTBEAT_TIMEOUT", (WINDOW_MS as f64 / 1000.0).to_string())
@@ -161,8 +202,10 @@ impl Probes {
                 command.env(k, v);
             }
             let mut child = command.spawn().expect("start chorus fault-probe");
-            let streams: [Box<dyn std::io::Read + Send>; 2] =
-                [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
+            let streams: [Box<dyn std::io::Read + Send>; 2] = [
+                Box::new(child.stdout.take().unwrap()),
+                Box::new(child.stderr.take().unwrap()),
+            ];
             for stream in streams {
                 let tx = tx.clone();
                 std::thread::spawn(move || {
@@ -198,7 +241,14 @@ impl Probes {
     }
 
     fn count(events: &[(usize, Event)], name: &str, ranks: &[usize]) -> usize {
-        ranks.iter().filter(|&&r| events.iter().any(|(rank, e)| *rank == r && e.get("event").is_some_and(|v| v == name))).count()
+        ranks
+            .iter()
+            .filter(|&&r| {
+                events
+                    .iter()
+                    .any(|(rank, e)| *rank == r && e.get("event").is_some_and(|v| v == name))
+            })
+            .count()
     }
 
     fn event(&self, rank: usize, name: &str) -> &Event {
@@ -216,19 +266,31 @@ impl Probes {
     /// Waits until every rank is past its first iterations.
     fn until_running(&mut self) {
         let all: Vec<usize> = (0..self.children.len()).collect();
-        self.until("every rank running", Instant::now() + Duration::from_secs(20), |events| {
-            Self::count(events, "running", &all) == all.len()
-        });
+        self.until(
+            "every rank running",
+            Instant::now() + Duration::from_secs(20),
+            |events| Self::count(events, "running", &all) == all.len(),
+        );
     }
 
     /// Waits for `ranks` to report an error and the next call; returns each error event.
     fn errors(&mut self, ranks: &[usize], deadline: Instant) -> Vec<Event> {
-        self.until("every survivor's error", deadline, |events| Self::count(events, "next", ranks) == ranks.len());
+        self.until("every survivor's error", deadline, |events| {
+            Self::count(events, "next", ranks) == ranks.len()
+        });
         for &rank in ranks {
             let next = self.event(rank, "next");
-            assert_eq!(next["ok"], "false", "rank {rank}: a call after the error succeeded:\n{}", self.log.join("\n"));
+            assert_eq!(
+                next["ok"],
+                "false",
+                "rank {rank}: a call after the error succeeded:\n{}",
+                self.log.join("\n")
+            );
             let waited: u64 = next["waited_ms"].parse().unwrap();
-            assert!(waited < 500, "rank {rank}: the call after the error took {waited} ms to fail (SV-4)");
+            assert!(
+                waited < 500,
+                "rank {rank}: the call after the error took {waited} ms to fail (SV-4)"
+            );
         }
         ranks.iter().map(|&r| self.event(r, "error").clone()).collect()
     }
@@ -257,7 +319,10 @@ fn at_ms(event: &Event) -> u128 {
 
 #[test]
 fn sv1_sigkill_of_a_random_rank_fails_every_survivor_within_the_window() {
-    let trials = std::env::var("CHORUS_SUPERVISION_TRIALS").ok().and_then(|v| v.parse().ok()).unwrap_or(SIGKILL_TRIALS);
+    let trials = std::env::var("CHORUS_SUPERVISION_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SIGKILL_TRIALS);
     let seed = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos() as usize;
     for trial in 0..trials {
         let victim = (seed + trial * 7) % 4;
@@ -290,7 +355,11 @@ fn sv1_a_sigstopped_rank_is_detected() {
     let stopped = unix_ms();
     let errors = probes.errors(&[0, 1, 3], Instant::now() + Duration::from_secs(10));
     for error in &errors {
-        assert!(at_ms(error).saturating_sub(stopped) <= WINDOW_MS + 1000, "{error:?}\n{}", probes.log.join("\n"));
+        assert!(
+            at_ms(error).saturating_sub(stopped) <= WINDOW_MS + 1000,
+            "{error:?}\n{}",
+            probes.log.join("\n")
+        );
     }
     assert!(
         errors.iter().any(|e| e["kind"] == "aborted" && e["failed"] == "[2]"),
@@ -307,14 +376,25 @@ fn sv1_a_partition_is_detected() {
     for (rank, error) in errors.iter().enumerate() {
         let ready = at_ms(probes.event(rank, "ready"));
         let after = at_ms(error).saturating_sub(ready);
-        assert!(after <= 1500 + WINDOW_MS + 1000, "rank {rank} noticed the partition {after} ms after it formed:\n{}", probes.log.join("\n"));
+        assert!(
+            after <= 1500 + WINDOW_MS + 1000,
+            "rank {rank} noticed the partition {after} ms after it formed:\n{}",
+            probes.log.join("\n")
+        );
     }
 }
 
 #[test]
 fn sv7_blocking_wait_returns_errors_to_the_caller() {
     // Under a launcher that sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1, CHORUS_BLOCKING_WAIT wins.
-    let mut probes = Probes::start(3, &[("CHORUS_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), ("CHORUS_TRANSPORT", "quic")]);
+    let mut probes = Probes::start(
+        3,
+        &[
+            ("CHORUS_BLOCKING_WAIT", "1"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            ("CHORUS_TRANSPORT", "quic"),
+        ],
+    );
     probes.until_running();
     // SAFETY: SIGSTOP to a child this test started (Drop continues and kills it).
     assert_eq!(unsafe { libc::kill(probes.pid(1), libc::SIGSTOP) }, 0);
@@ -322,14 +402,25 @@ fn sv7_blocking_wait_returns_errors_to_the_caller() {
     let errors = probes.errors(&[0, 2], Instant::now() + Duration::from_secs(10));
     for error in &errors {
         // Links stay open in this mode: each survivor names the stopped rank itself.
-        assert_eq!((error["kind"].as_str(), error["failed"].as_str()), ("aborted", "[1]"), "{error:?}\n{}", probes.log.join("\n"));
+        assert_eq!(
+            (error["kind"].as_str(), error["failed"].as_str()),
+            ("aborted", "[1]"),
+            "{error:?}\n{}",
+            probes.log.join("\n")
+        );
         assert!(at_ms(error).saturating_sub(stopped) <= WINDOW_MS + 1000, "{error:?}");
     }
 }
 
 #[test]
 fn sv7_setting_both_modes_is_an_error_at_init() {
-    let mut probes = Probes::start(1, &[("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")]);
+    let mut probes = Probes::start(
+        1,
+        &[
+            ("TORCH_NCCL_BLOCKING_WAIT", "1"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        ],
+    );
     let status = {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -346,5 +437,8 @@ fn sv7_setting_both_modes_is_an_error_at_init() {
         probes.log.push(line);
     }
     let log = probes.log.join("\n");
-    assert!(log.contains("TORCH_NCCL_BLOCKING_WAIT=1") && log.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING=1"), "{log}");
+    assert!(
+        log.contains("TORCH_NCCL_BLOCKING_WAIT=1") && log.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING=1"),
+        "{log}"
+    );
 }

@@ -44,8 +44,14 @@ async fn pytorch_server() -> (Child, u16) {
         .spawn()
         .expect("start python3");
     let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).await.unwrap();
-    let port = line.trim().parse().unwrap_or_else(|_| panic!("PyTorch's server printed {line:?}, not a port"));
+    BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .await
+        .unwrap();
+    let port = line
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("PyTorch's server printed {line:?}, not a port"));
     (child, port)
 }
 
@@ -150,7 +156,10 @@ async fn chorus_transcript(port: u16) -> Vec<String> {
     steps.push(format!("list_keys: {}", outcome(listed)));
     let big = vec![3u8; 4 << 20];
     step!("set 4 MiB", store.set("big", &big));
-    steps.push(format!("get 4 MiB: {}", outcome(store.get("big").await.map(|v| v.len()))));
+    steps.push(format!(
+        "get 4 MiB: {}",
+        outcome(store.get("big").await.map(|v| v.len()))
+    ));
     step!("add on text", store.add("ap", 1));
     step!("reconnects after the server closed it", store.get("m1"));
     steps

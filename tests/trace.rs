@@ -25,14 +25,7 @@ fn all_reduce() -> FlightOp {
 
 /// Writes rank `rank`'s dump: collectives `0..completed` done, and when
 /// `waiting`, collective `completed` entered 30 s before the dump.
-fn write_rank(
-    dir: &Path,
-    rank: usize,
-    world: usize,
-    generation: u64,
-    completed: u64,
-    waiting: bool,
-) {
+fn write_rank(dir: &Path, rank: usize, world: usize, generation: u64, completed: u64, waiting: bool) {
     let mut recorder = FlightRecorder::new(flight::DEFAULT_CAPACITY);
     for seq in 0..completed {
         let id = recorder.record_scheduled(seq, all_reduce(), at(seq * 10));
@@ -86,9 +79,7 @@ fn trace_names_the_frozen_rank_and_the_last_completed_operations() {
     let mut lines = text.lines();
     assert_eq!(
         lines.next(),
-        Some(
-            "rank 2 never entered #41 all_reduce(1048576 x float32, sum) that ranks 0, 1, 3 are waiting in"
-        )
+        Some("rank 2 never entered #41 all_reduce(1048576 x float32, sum) that ranks 0, 1, 3 are waiting in")
     );
     assert!(
         text.contains("generation 2, world size 4: 4 of 4 ranks dumped"),
@@ -100,18 +91,12 @@ fn trace_names_the_frozen_rank_and_the_last_completed_operations() {
             .unwrap_or_default()
             .to_string()
     };
-    assert!(
-        row("2 ").contains("#40 all_reduce(1048576 x float32, sum)"),
-        "{text}"
-    );
+    assert!(row("2 ").contains("#40 all_reduce(1048576 x float32, sum)"), "{text}");
     assert!(
         row("0 ").contains("#41 all_reduce(1048576 x float32, sum) running for 30.0 s"),
         "{text}"
     );
-    assert!(
-        text.contains("ignored the dumps of rank 0 of generation 1"),
-        "{text}"
-    );
+    assert!(text.contains("ignored the dumps of rank 0 of generation 1"), "{text}");
     assert!(
         text.contains("unreadable: ") && text.contains("chorus-trace-g2-r9.json: not valid JSON"),
         "{text}"
@@ -120,13 +105,10 @@ fn trace_names_the_frozen_rank_and_the_last_completed_operations() {
 
     let output = trace(dir.path(), true);
     assert!(output.status.success());
-    let report =
-        serde_json::from_slice::<Value>(&output.stdout).expect("--json prints one JSON document");
+    let report = serde_json::from_slice::<Value>(&output.stdout).expect("--json prints one JSON document");
     assert_eq!(
         report.get("verdict").and_then(Value::as_str),
-        Some(
-            "rank 2 never entered #41 all_reduce(1048576 x float32, sum) that ranks 0, 1, 3 are waiting in"
-        )
+        Some("rank 2 never entered #41 all_reduce(1048576 x float32, sum) that ranks 0, 1, 3 are waiting in")
     );
     let unreadable = report.get("unreadable").and_then(Value::as_array).unwrap();
     assert_eq!(unreadable.len(), 1);
@@ -169,20 +151,13 @@ fn unusable_dumps_exit_1_and_say_why() {
     assert_eq!(output.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&output.stderr).contains("no readable flight-recorder dumps"));
 
-    std::fs::write(
-        dir.path().join("chorus-trace-g0-r0.json"),
-        b"\x00\x01garbage",
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("chorus-trace-g0-r0.json"), b"\x00\x01garbage").unwrap();
     let output = trace(dir.path(), true);
     assert_eq!(output.status.code(), Some(1));
     let report = serde_json::from_slice::<Value>(&output.stdout).unwrap();
     assert!(report.get("error").is_some());
     assert_eq!(
-        report
-            .get("unreadable")
-            .and_then(Value::as_array)
-            .map(Vec::len),
+        report.get("unreadable").and_then(Value::as_array).map(Vec::len),
         Some(1)
     );
 

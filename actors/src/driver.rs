@@ -24,8 +24,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chorus_runtime::collective::{
-    Action, Combine, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId,
-    Tag, finalize_avg, reduce_into,
+    Action, Combine, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId, Tag,
+    finalize_avg, reduce_into,
 };
 use chorus_transports::link::{ChannelId, Link, TransportError};
 
@@ -198,10 +198,13 @@ enum Event {
 }
 
 fn link(links: &[Option<Arc<dyn Link>>], rank: usize, peer: usize) -> Result<Arc<dyn Link>, CollectiveError> {
-    links.get(peer).and_then(Clone::clone).ok_or_else(|| CollectiveError::Protocol {
-        peer,
-        reason: format!("rank {rank} has no link to it"),
-    })
+    links
+        .get(peer)
+        .and_then(Clone::clone)
+        .ok_or_else(|| CollectiveError::Protocol {
+            peer,
+            reason: format!("rank {rank} has no link to it"),
+        })
 }
 
 /// Runs `job` to completion on this rank, or until the group is aborted
@@ -280,7 +283,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let encoded = Bytes::copy_from_slice(&signature.encode());
     let mut unverified: HashSet<usize> = check_from.iter().copied().collect();
     for &peer in &announce_to {
-        let sent = link(links, rank, peer)?.send(channel, SIGNATURE_TAG, encoded.clone()).await;
+        let sent = link(links, rank, peer)?
+            .send(channel, SIGNATURE_TAG, encoded.clone())
+            .await;
         if let Err(e) = sent {
             // The readers keep running through the grace period; dropping
             // the set aborts them afterwards.
@@ -331,7 +336,11 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                 if payload.len() != target.len() {
                                     return Err(CollectiveError::Protocol {
                                         peer: *from,
-                                        reason: format!("sent {} bytes for a {}-byte segment", payload.len(), target.len()),
+                                        reason: format!(
+                                            "sent {} bytes for a {}-byte segment",
+                                            payload.len(),
+                                            target.len()
+                                        ),
                                     });
                                 }
                                 match then {
@@ -380,7 +389,11 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                 Event::Failed(e) => {
                     return Err(explain_failure(e, &signature, rank, &mut unverified, &mut inbox).await);
                 }
-                Event::Frame { from, tag: SIGNATURE_TAG, payload } => {
+                Event::Frame {
+                    from,
+                    tag: SIGNATURE_TAG,
+                    payload,
+                } => {
                     let theirs = Signature::decode(&payload).map_err(|e| CollectiveError::Protocol {
                         peer: from,
                         reason: e.to_string(),
@@ -450,7 +463,10 @@ async fn explain_failure(
         } = event
         {
             unverified.remove(&from);
-            if let Some(detail) = Signature::decode(&payload).ok().and_then(|theirs| signature.mismatch(&theirs)) {
+            if let Some(detail) = Signature::decode(&payload)
+                .ok()
+                .and_then(|theirs| signature.mismatch(&theirs))
+            {
                 return CollectiveError::Desync {
                     ours_rank: rank,
                     theirs_rank: from,

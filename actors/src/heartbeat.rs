@@ -76,7 +76,12 @@ pub struct PeerFailure {
 impl fmt::Display for PeerFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.cause {
-            PeerFailureCause::Silent(d) => write!(f, "rank {} sent no heartbeat for {:.1}s (dead, frozen or partitioned)", self.rank, d.as_secs_f64()),
+            PeerFailureCause::Silent(d) => write!(
+                f,
+                "rank {} sent no heartbeat for {:.1}s (dead, frozen or partitioned)",
+                self.rank,
+                d.as_secs_f64()
+            ),
             PeerFailureCause::Closed(reason) => write!(f, "rank {} is gone: {reason}", self.rank),
         }
     }
@@ -101,7 +106,16 @@ impl HeartbeatMonitor {
     pub fn new(peers: impl IntoIterator<Item = usize>, window: Duration, now: Instant) -> Self {
         let peers = peers
             .into_iter()
-            .map(|p| (p, PeerState { last: now, closed: None, reported: false }))
+            .map(|p| {
+                (
+                    p,
+                    PeerState {
+                        last: now,
+                        closed: None,
+                        reported: false,
+                    },
+                )
+            })
             .collect();
         Self { window, peers }
     }
@@ -207,7 +221,10 @@ pub fn spawn(
 /// frame within a second is failing anyway.
 pub async fn say_goodbye(links: &[Option<Arc<dyn Link>>]) {
     let sends = links.iter().flatten().map(|link| {
-        tokio::time::timeout(Duration::from_secs(1), link.send(HEARTBEAT_CHANNEL, GOODBYE, Bytes::new()))
+        tokio::time::timeout(
+            Duration::from_secs(1),
+            link.send(HEARTBEAT_CHANNEL, GOODBYE, Bytes::new()),
+        )
     });
     for sent in sends {
         let _ = sent.await;
@@ -227,7 +244,11 @@ mod tests {
         for s in 1..20 {
             monitor.arrived(1, t0 + Duration::from_secs(s));
             monitor.arrived(2, t0 + Duration::from_secs(s));
-            assert!(monitor.poll(t0 + Duration::from_secs(s) + Duration::from_millis(900)).is_empty());
+            assert!(
+                monitor
+                    .poll(t0 + Duration::from_secs(s) + Duration::from_millis(900))
+                    .is_empty()
+            );
         }
     }
 
@@ -238,8 +259,17 @@ mod tests {
         monitor.arrived(1, t0 + Duration::from_secs(3));
         assert!(monitor.poll(t0 + Duration::from_millis(4999)).is_empty());
         let failed = monitor.poll(t0 + WINDOW);
-        assert_eq!(failed, vec![PeerFailure { rank: 2, cause: PeerFailureCause::Silent(WINDOW) }]);
-        assert!(monitor.poll(t0 + Duration::from_secs(7)).is_empty(), "rank 2 is reported once");
+        assert_eq!(
+            failed,
+            vec![PeerFailure {
+                rank: 2,
+                cause: PeerFailureCause::Silent(WINDOW)
+            }]
+        );
+        assert!(
+            monitor.poll(t0 + Duration::from_secs(7)).is_empty(),
+            "rank 2 is reported once"
+        );
         assert_eq!(monitor.poll(t0 + Duration::from_secs(8))[0].rank, 1);
     }
 
@@ -272,7 +302,13 @@ mod tests {
 
     #[test]
     fn small_windows_get_frequent_heartbeats() {
-        assert_eq!(HeartbeatConfig::with_window(Duration::from_secs(5)).interval, Duration::from_secs(1));
-        assert_eq!(HeartbeatConfig::with_window(Duration::from_millis(600)).interval, Duration::from_millis(200));
+        assert_eq!(
+            HeartbeatConfig::with_window(Duration::from_secs(5)).interval,
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            HeartbeatConfig::with_window(Duration::from_millis(600)).interval,
+            Duration::from_millis(200)
+        );
     }
 }

@@ -147,7 +147,10 @@ impl RankActor {
             self.dump_flight_recorder(reason);
         }
         if self.supervision.mode() == ErrorHandling::TearDown {
-            eprintln!("chorus: rank {}: {reason}; exiting (async error handling 3: tear down)", self.rank);
+            eprintln!(
+                "chorus: rank {}: {reason}; exiting (async error handling 3: tear down)",
+                self.rank
+            );
             std::process::exit(1);
         }
     }
@@ -156,10 +159,16 @@ impl RankActor {
         let Some(dir) = &self.trace_dir else {
             return;
         };
-        let dump = self.flight.dump(self.rank, self.world, self.generation, reason, SystemTime::now());
+        let dump = self
+            .flight
+            .dump(self.rank, self.world, self.generation, reason, SystemTime::now());
         match write_dump(dir, &dump) {
-            Ok(path) => tracing::error!(rank = self.rank, path = %path.display(), "flight recorder dumped; run `chorus trace {}`", dir.display()),
-            Err(e) => tracing::error!(rank = self.rank, dir = %dir.display(), error = %e, "could not dump the flight recorder"),
+            Ok(path) => {
+                tracing::error!(rank = self.rank, path = %path.display(), "flight recorder dumped; run `chorus trace {}`", dir.display())
+            }
+            Err(e) => {
+                tracing::error!(rank = self.rank, dir = %dir.display(), error = %e, "could not dump the flight recorder")
+            }
         }
     }
 
@@ -181,7 +190,12 @@ impl RankActor {
                 self.seq += 1;
                 let seq = self.seq - 1;
                 let others: Vec<usize> = (0..self.world).filter(|&r| r != self.rank).collect();
-                (seq, (seq % u64::from(COLLECTIVE_CHANNELS)) as ChannelId, others.clone(), others)
+                (
+                    seq,
+                    (seq % u64::from(COLLECTIVE_CHANNELS)) as ChannelId,
+                    others.clone(),
+                    others,
+                )
             }
         }
     }
@@ -214,7 +228,11 @@ impl Handler<Collective> for RankActor {
             dtype: msg.dtype,
             count: msg.count,
             root: msg.root,
-            reduce_op: if msg.kind.reduces() { msg.op.or(Some(ReduceOp::Sum)) } else { None },
+            reduce_op: if msg.kind.reduces() {
+                msg.op.or(Some(ReduceOp::Sum))
+            } else {
+                None
+            },
         };
         let spec = Spec {
             kind: msg.kind,
@@ -228,14 +246,17 @@ impl Handler<Collective> for RankActor {
             Ok(plan) => plan,
             Err(e) => return immediate(Err(e.into())),
         };
-        let entry = self.flight.record_scheduled(seq, (&signature).into(), SystemTime::now());
+        let entry = self
+            .flight
+            .record_scheduled(seq, (&signature).into(), SystemTime::now());
         self.flight.record_started(entry, SystemTime::now());
         let (rank, links, timeout) = (self.rank, self.links.clone(), msg.timeout.unwrap_or(self.timeout));
         let mut output = msg.output;
         let input = msg.input;
         let pool = self.pool.clone();
         let abort = self.supervision.subscribe();
-        self.supervision.started(format!("{signature}"), std::time::Instant::now() + timeout);
+        self.supervision
+            .started(format!("{signature}"), std::time::Instant::now() + timeout);
         let run = async move {
             driver::run(Job {
                 rank,

@@ -43,8 +43,11 @@ use crate::heartbeat::{HeartbeatMonitor, PeerFailure};
 /// The environment variables of blocking-wait mode, most specific first.
 pub const BLOCKING_WAIT_ENV: [&str; 3] = ["CHORUS_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"];
 /// The environment variables of async error handling, most specific first.
-pub const ASYNC_ERROR_HANDLING_ENV: [&str; 3] =
-    ["CHORUS_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"];
+pub const ASYNC_ERROR_HANDLING_ENV: [&str; 3] = [
+    "CHORUS_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_ASYNC_ERROR_HANDLING",
+];
 /// Seconds without a heartbeat before a peer is taken for failed.
 pub const HEARTBEAT_TIMEOUT_ENV: &str = "CHORUS_HEARTBEAT_TIMEOUT";
 /// Seconds without watchdog progress before the process exits.
@@ -91,22 +94,23 @@ impl ErrorHandling {
     /// (so `CHORUS_BLOCKING_WAIT=1` works under a launcher that sets
     /// `TORCH_NCCL_ASYNC_ERROR_HANDLING=1`); at the same level it is an error.
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Self, SupervisionConfigError> {
-        let read = |names: &[&'static str; 3], max: u8| -> Result<Option<(usize, &'static str, u8)>, SupervisionConfigError> {
-            for (level, name) in names.iter().enumerate() {
-                let Some(value) = env(name).filter(|v| !v.trim().is_empty()) else {
-                    continue;
-                };
-                return match value.trim().parse::<u8>() {
-                    Ok(n) if n <= max => Ok(Some((level, name, n))),
-                    _ => Err(SupervisionConfigError::BadValue {
-                        name,
-                        value,
-                        expected: if max == 1 { "0 or 1" } else { "0, 1, 2 or 3" },
-                    }),
-                };
-            }
-            Ok(None)
-        };
+        let read =
+            |names: &[&'static str; 3], max: u8| -> Result<Option<(usize, &'static str, u8)>, SupervisionConfigError> {
+                for (level, name) in names.iter().enumerate() {
+                    let Some(value) = env(name).filter(|v| !v.trim().is_empty()) else {
+                        continue;
+                    };
+                    return match value.trim().parse::<u8>() {
+                        Ok(n) if n <= max => Ok(Some((level, name, n))),
+                        _ => Err(SupervisionConfigError::BadValue {
+                            name,
+                            value,
+                            expected: if max == 1 { "0 or 1" } else { "0, 1, 2 or 3" },
+                        }),
+                    };
+                }
+                Ok(None)
+            };
         let blocking = read(&BLOCKING_WAIT_ENV, 1)?.filter(|&(_, _, v)| v == 1);
         let asynchronous = read(&ASYNC_ERROR_HANDLING_ENV, 3)?;
         let async_mode = |value| match value {
@@ -202,7 +206,9 @@ impl fmt::Display for AbortReason {
                 f.write_str(&text.join("; "))
             }
             AbortReason::OperationFailed(e) => f.write_str(e),
-            AbortReason::Overdue { operation, ran } => write!(f, "{operation} still running after {ran:?}, past its deadline"),
+            AbortReason::Overdue { operation, ran } => {
+                write!(f, "{operation} still running after {ran:?}, past its deadline")
+            }
         }
     }
 }
@@ -399,7 +405,10 @@ pub fn spawn_watchdog(
                 continue;
             };
             if !supervision.mode.aborts() {
-                tracing::error!(rank = supervision.rank, "{reason} (async error handling is off: not aborting)");
+                tracing::error!(
+                    rank = supervision.rank,
+                    "{reason} (async error handling is off: not aborting)"
+                );
                 continue;
             }
             if supervision.abort(reason, ranks)
@@ -423,7 +432,11 @@ pub struct StallCheck {
 impl StallCheck {
     /// A check that allows `timeout` without progress, starting at `now`.
     pub fn new(timeout: Duration, now: Instant) -> Self {
-        Self { timeout, seen: 0, since: now }
+        Self {
+            timeout,
+            seen: 0,
+            since: now,
+        }
     }
 
     /// Feeds the progress count at `now`; returns how long it has not
@@ -492,9 +505,18 @@ mod tests {
     fn sv7_one_error_handling_mode_per_process() {
         let mode = |vars: &[(&str, &str)]| ErrorHandling::from_env(&env(vars));
         assert_eq!(mode(&[]), Ok(ErrorHandling::Abort));
-        assert_eq!(mode(&[("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")]), Ok(ErrorHandling::Abort));
-        assert_eq!(mode(&[("NCCL_ASYNC_ERROR_HANDLING", "2")]), Ok(ErrorHandling::CleanUpOnly));
-        assert_eq!(mode(&[("CHORUS_ASYNC_ERROR_HANDLING", "3")]), Ok(ErrorHandling::TearDown));
+        assert_eq!(
+            mode(&[("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")]),
+            Ok(ErrorHandling::Abort)
+        );
+        assert_eq!(
+            mode(&[("NCCL_ASYNC_ERROR_HANDLING", "2")]),
+            Ok(ErrorHandling::CleanUpOnly)
+        );
+        assert_eq!(
+            mode(&[("CHORUS_ASYNC_ERROR_HANDLING", "3")]),
+            Ok(ErrorHandling::TearDown)
+        );
         assert_eq!(mode(&[("CHORUS_ASYNC_ERROR_HANDLING", "0")]), Ok(ErrorHandling::Off));
         assert_eq!(mode(&[("NCCL_BLOCKING_WAIT", "1")]), Ok(ErrorHandling::BlockingWait));
         assert_eq!(mode(&[("TORCH_NCCL_BLOCKING_WAIT", "0")]), Ok(ErrorHandling::Abort));
@@ -508,15 +530,35 @@ mod tests {
             Ok(ErrorHandling::CleanUpOnly)
         );
         assert_eq!(
-            mode(&[("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")]),
+            mode(&[
+                ("TORCH_NCCL_BLOCKING_WAIT", "1"),
+                ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+            ]),
             Ok(ErrorHandling::BlockingWait)
         );
-        let both = mode(&[("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")]).unwrap_err();
+        let both = mode(&[
+            ("TORCH_NCCL_BLOCKING_WAIT", "1"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        ])
+        .unwrap_err();
         assert!(matches!(both, SupervisionConfigError::BothModes { .. }));
         let text = both.to_string();
-        assert!(text.contains("TORCH_NCCL_BLOCKING_WAIT=1") && text.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING=1"), "{text}");
-        assert!(mode(&[("CHORUS_ASYNC_ERROR_HANDLING", "4")]).unwrap_err().to_string().contains("0, 1, 2 or 3"));
-        assert!(mode(&[("CHORUS_BLOCKING_WAIT", "yes")]).unwrap_err().to_string().contains("0 or 1"));
+        assert!(
+            text.contains("TORCH_NCCL_BLOCKING_WAIT=1") && text.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING=1"),
+            "{text}"
+        );
+        assert!(
+            mode(&[("CHORUS_ASYNC_ERROR_HANDLING", "4")])
+                .unwrap_err()
+                .to_string()
+                .contains("0, 1, 2 or 3")
+        );
+        assert!(
+            mode(&[("CHORUS_BLOCKING_WAIT", "yes")])
+                .unwrap_err()
+                .to_string()
+                .contains("0 or 1")
+        );
     }
 
     #[test]
@@ -533,7 +575,12 @@ mod tests {
         assert_eq!(read("2.5"), Ok(Some(Duration::from_millis(2500))));
         assert_eq!(seconds_from_env(&env(&[]), "X"), Ok(None));
         assert!(read("-1").is_err());
-        assert!(read("soon").unwrap_err().to_string().contains("CHORUS_HEARTBEAT_TIMEOUT"));
+        assert!(
+            read("soon")
+                .unwrap_err()
+                .to_string()
+                .contains("CHORUS_HEARTBEAT_TIMEOUT")
+        );
     }
 
     #[test]
@@ -584,7 +631,10 @@ mod tests {
         }
         let last = t0 + Duration::from_secs(99 * 4);
         assert!(check.observe(99, last + Duration::from_secs(479)).is_none());
-        assert_eq!(check.observe(99, last + Duration::from_secs(480)), Some(Duration::from_secs(480)));
+        assert_eq!(
+            check.observe(99, last + Duration::from_secs(480)),
+            Some(Duration::from_secs(480))
+        );
     }
 
     #[test]
@@ -598,7 +648,10 @@ mod tests {
         })
         .unwrap();
         let message = rx.recv_timeout(Duration::from_secs(5)).expect("the monitor must fire");
-        assert!(message.contains("made no progress") && message.contains("CHORUS_WATCHDOG_TIMEOUT"), "{message}");
+        assert!(
+            message.contains("made no progress") && message.contains("CHORUS_WATCHDOG_TIMEOUT"),
+            "{message}"
+        );
     }
 
     #[test]
@@ -606,15 +659,23 @@ mod tests {
         let supervision = Arc::new(Supervision::new(0, 0, ErrorHandling::Abort, Vec::new()));
         let (stop, stop_rx) = watch::channel(false);
         let (tx, rx) = std::sync::mpsc::channel();
-        spawn_stall_monitor(supervision.clone(), Duration::from_millis(300), stop_rx, move |message| {
-            let _ = tx.send(message);
-        })
+        spawn_stall_monitor(
+            supervision.clone(),
+            Duration::from_millis(300),
+            stop_rx,
+            move |message| {
+                let _ = tx.send(message);
+            },
+        )
         .unwrap();
         for _ in 0..20 {
             supervision.progress.fetch_add(1, Ordering::Relaxed);
             std::thread::sleep(Duration::from_millis(30));
         }
         stop.send_replace(true);
-        assert!(rx.recv_timeout(Duration::from_millis(500)).is_err(), "no stall while progress moves");
+        assert!(
+            rx.recv_timeout(Duration::from_millis(500)).is_err(),
+            "no stall while progress moves"
+        );
     }
 }

@@ -42,7 +42,10 @@ mod tests {
 
     #[test]
     fn roundtrip_and_rejects_garbage() {
-        let sample = Sample { rank: 3, name: "node-a".into() };
+        let sample = Sample {
+            rank: 3,
+            name: "node-a".into(),
+        };
         let bytes = encode(&sample);
         assert_eq!(decode::<Sample>(&bytes).unwrap(), sample);
         assert!(decode::<Sample>(&bytes[..bytes.len() - 1]).is_err());

@@ -281,14 +281,7 @@ impl FlightRecorder {
     }
 
     /// This rank's dump: the ring with who dumped it, when and why.
-    pub fn dump(
-        &self,
-        rank: usize,
-        world: usize,
-        generation: u64,
-        reason: &str,
-        now: SystemTime,
-    ) -> RankDump {
+    pub fn dump(&self, rank: usize, world: usize, generation: u64, reason: &str, now: SystemTime) -> RankDump {
         RankDump {
             rank,
             world,
@@ -349,9 +342,7 @@ pub enum DumpError {
     #[error("not a chorus flight-recorder dump (no \"format\": \"{FORMAT}\")")]
     NotADump,
     /// A dump of a format version this build does not read.
-    #[error(
-        "dump format version {0}; this build reads version {VERSION} (was it written by another chorus?)"
-    )]
+    #[error("dump format version {0}; this build reads version {VERSION} (was it written by another chorus?)")]
     Version(u64),
     /// A member is missing or has the wrong type.
     #[error("{at}: member \"{member}\" is missing or not {expected}")]
@@ -463,11 +454,7 @@ impl RankDump {
         // per line: still one JSON document.
         let mut out = format!("{},\"entries\":[\n", &header[..header.len() - 1]);
         for (i, entry) in self.entries.iter().enumerate() {
-            let separator = if i + 1 < self.entries.len() {
-                ",\n"
-            } else {
-                "\n"
-            };
+            let separator = if i + 1 < self.entries.len() { ",\n" } else { "\n" };
             out.push_str(&to_line(&EntryLine::from(entry)));
             out.push_str(separator);
         }
@@ -563,16 +550,8 @@ pub fn write_dump(dir: &Path, dump: &RankDump) -> io::Result<PathBuf> {
 }
 
 fn parse_entry(value: &Value, at: &str) -> Result<FlightEntry, DumpError> {
-    let started_at =
-        optional(value, at, "started_ns", Value::as_u64, "an integer or null")?.map(time);
-    let completed_at = optional(
-        value,
-        at,
-        "completed_ns",
-        Value::as_u64,
-        "an integer or null",
-    )?
-    .map(time);
+    let started_at = optional(value, at, "started_ns", Value::as_u64, "an integer or null")?.map(time);
+    let completed_at = optional(value, at, "completed_ns", Value::as_u64, "an integer or null")?.map(time);
     let error = optional(value, at, "error", Value::as_str, "a string or null")?;
     let state = match string(value, at, "state")?.as_str() {
         "scheduled" => EntryState::Scheduled,
@@ -589,17 +568,11 @@ fn parse_entry(value: &Value, at: &str) -> Result<FlightEntry, DumpError> {
     // ended one an end time.
     let needs_start = matches!(state, EntryState::Started | EntryState::Completed);
     if needs_start && started_at.is_none() {
-        return Err(invalid(
-            at,
-            format!("state {} without started_ns", state.name()),
-        ));
+        return Err(invalid(at, format!("state {} without started_ns", state.name())));
     }
     let ended = matches!(state, EntryState::Completed | EntryState::Failed(_));
     if ended && completed_at.is_none() {
-        return Err(invalid(
-            at,
-            format!("state {} without completed_ns", state.name()),
-        ));
+        return Err(invalid(at, format!("state {} without completed_ns", state.name())));
     }
     let index_or_null = |name| -> Result<Option<usize>, DumpError> {
         optional(value, at, name, Value::as_u64, "a rank or null")?
@@ -615,8 +588,7 @@ fn parse_entry(value: &Value, at: &str) -> Result<FlightEntry, DumpError> {
             count: uint(value, at, "count")?,
             root: index_or_null("root")?,
             peer: index_or_null("peer")?,
-            reduce_op: optional(value, at, "reduce_op", Value::as_str, "a string or null")?
-                .map(str::to_string),
+            reduce_op: optional(value, at, "reduce_op", Value::as_str, "a string or null")?.map(str::to_string),
         },
         state,
         enqueued_at: time(uint(value, at, "enqueued_ns")?),
@@ -716,19 +688,11 @@ mod tests {
         // An update of an entry that left the ring is a no-op, not a panic
         // or an update of another entry.
         recorder.record_completed(ids[0], at(10));
-        assert!(
-            recorder
-                .snapshot()
-                .iter()
-                .all(|e| e.state == EntryState::Scheduled)
-        );
+        assert!(recorder.snapshot().iter().all(|e| e.state == EntryState::Scheduled));
         recorder.record_completed(ids[3], at(10));
         assert_eq!(recorder.snapshot()[1].state, EntryState::Completed);
         recorder.record_started(EntryId(99), at(10));
-        assert_eq!(
-            recorder.snapshot().iter().filter(|e| e.entered()).count(),
-            1
-        );
+        assert_eq!(recorder.snapshot().iter().filter(|e| e.entered()).count(), 1);
     }
 
     #[test]
@@ -765,10 +729,7 @@ mod tests {
         recorder.record_failed(b, at(9), "timed out after 2ms");
         recorder.record_completed(b, at(10));
         let entry = &recorder.snapshot()[1];
-        assert_eq!(
-            entry.state,
-            EntryState::Failed("timed out after 2ms".into())
-        );
+        assert_eq!(entry.state, EntryState::Failed("timed out after 2ms".into()));
         assert_eq!(entry.completed_at, Some(at(9)));
         assert!(entry.unfinished(), "failed inside it");
 
@@ -837,11 +798,7 @@ mod tests {
         }
         let stuck = recorder.record_scheduled(5, all_reduce(1024), at(60));
         recorder.record_started(stuck, at(61));
-        recorder.record_failed(
-            stuck,
-            at(30_061),
-            "timed out after 30s; \"rank 2\"\n\tdid not answer",
-        );
+        recorder.record_failed(stuck, at(30_061), "timed out after 30s; \"rank 2\"\n\tdid not answer");
         let send = FlightOp {
             kind: "send".into(),
             dtype: "bfloat16".into(),
@@ -860,9 +817,7 @@ mod tests {
         assert_eq!(dump.dropped, 3);
         let bytes = dump.encode();
         let text = String::from_utf8(bytes.clone()).unwrap();
-        assert!(
-            text.starts_with("{\"format\":\"chorus-flight-recorder\",\"version\":1,\"rank\":1,")
-        );
+        assert!(text.starts_with("{\"format\":\"chorus-flight-recorder\",\"version\":1,\"rank\":1,"));
         assert_eq!(
             text.lines().count(),
             2 + dump.entries.len(),
@@ -879,10 +834,7 @@ mod tests {
             ..sample_dump()
         };
         let text = String::from_utf8(late.encode()).unwrap();
-        assert!(
-            text.contains("\"dumped_at_ns\":18446744073709551614,"),
-            "{text}"
-        );
+        assert!(text.contains("\"dumped_at_ns\":18446744073709551614,"), "{text}");
         assert_eq!(RankDump::parse(text.as_bytes()), Ok(late));
     }
 
@@ -902,35 +854,21 @@ mod tests {
             let error = RankDump::parse(&bytes[..end]).expect_err("a truncated dump parsed");
             assert!(matches!(error, DumpError::Json(_)), "{end}: {error}");
         }
-        assert!(matches!(
-            RankDump::parse(b"\x00\xffgarbage"),
-            Err(DumpError::Json(_))
-        ));
+        assert!(matches!(RankDump::parse(b"\x00\xffgarbage"), Err(DumpError::Json(_))));
         // Nesting past the parser's recursion limit is an error, not a
         // stack overflow.
         let deep = [vec![b'['; 100_000], vec![b']'; 100_000]].concat();
         assert!(matches!(RankDump::parse(&deep), Err(DumpError::Json(_))));
         let mut nested = text_with_deep_member(&bytes, 100_000);
-        assert!(matches!(
-            RankDump::parse(nested.as_bytes()),
-            Err(DumpError::Json(_))
-        ));
+        assert!(matches!(RankDump::parse(nested.as_bytes()), Err(DumpError::Json(_))));
         // Shallow unknown nesting, as a newer writer might add, still reads.
         nested = text_with_deep_member(&bytes, 8);
         assert!(RankDump::parse(nested.as_bytes()).is_ok());
-        assert_eq!(
-            RankDump::parse(b"{\"entries\":[]}"),
-            Err(DumpError::NotADump)
-        );
+        assert_eq!(RankDump::parse(b"{\"entries\":[]}"), Err(DumpError::NotADump));
         assert_eq!(RankDump::parse(b"[1,2]"), Err(DumpError::NotADump));
         let text = String::from_utf8(bytes).unwrap();
-        let edit = |from: &str, to: &str| {
-            RankDump::parse(text.replacen(from, to, 1).as_bytes()).unwrap_err()
-        };
-        assert_eq!(
-            edit("\"version\":1", "\"version\":2"),
-            DumpError::Version(2)
-        );
+        let edit = |from: &str, to: &str| RankDump::parse(text.replacen(from, to, 1).as_bytes()).unwrap_err();
+        assert_eq!(edit("\"version\":1", "\"version\":2"), DumpError::Version(2));
         assert_eq!(
             edit("\"rank\":1", "\"rank\":4"),
             invalid("header", "rank 4 is out of range for world size 4".into())
@@ -972,10 +910,7 @@ mod tests {
     #[test]
     fn file_names_carry_generation_and_rank() {
         assert_eq!(dump_file_name(3, 12), "chorus-trace-g3-r12.json");
-        assert_eq!(
-            parse_dump_file_name("chorus-trace-g3-r12.json"),
-            Some((3, 12))
-        );
+        assert_eq!(parse_dump_file_name("chorus-trace-g3-r12.json"), Some((3, 12)));
         for other in [
             "chorus-trace-g3-r12.json.tmp",
             ".chorus-trace-g3-r12.json.1.tmp",
@@ -996,10 +931,7 @@ mod tests {
         let dump = sample_dump();
         let path = write_dump(&target, &dump).unwrap();
         assert_eq!(path, target.join("chorus-trace-g2-r1.json"));
-        assert_eq!(
-            RankDump::parse(&std::fs::read(&path).unwrap()),
-            Ok(dump.clone())
-        );
+        assert_eq!(RankDump::parse(&std::fs::read(&path).unwrap()), Ok(dump.clone()));
         // Rewriting replaces it and leaves no temporary file behind.
         write_dump(&target, &dump).unwrap();
         let names: Vec<_> = std::fs::read_dir(&target)

@@ -222,7 +222,8 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         .trim()
         .parse()
         .map_err(|_| format!("{text:?} is not a size (a number with an optional K, M or G suffix)"))?;
-    n.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} is too large"))
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
 }
 
 /// The sizes of a sweep: `min`, `min*factor`, ... up to `max` (nccl-tests' `-b -e -f`).
@@ -262,7 +263,11 @@ impl Half {
         let mut per_iter: Vec<f64> = (0..iters)
             .map(|i| samples.iter().map(|s| s[i]).sum::<f64>() / samples.len() as f64)
             .collect();
-        let avg_us = if iters == 0 { f64::NAN } else { per_iter.iter().sum::<f64>() / iters as f64 };
+        let avg_us = if iters == 0 {
+            f64::NAN
+        } else {
+            per_iter.iter().sum::<f64>() / iters as f64
+        };
         Self {
             avg_us,
             median_us: median(&mut per_iter),
@@ -277,7 +282,11 @@ fn median(values: &mut [f64]) -> f64 {
     }
     values.sort_by(f64::total_cmp);
     let n = values.len();
-    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
 }
 
 /// One size of one side.
@@ -388,7 +397,11 @@ pub fn avg_busbw(rows: &[Row]) -> f64 {
         .flat_map(|r| [r.busbw(r.oop.avg_us), r.busbw(r.ip.avg_us)])
         .filter(|v| v.is_finite())
         .collect();
-    if values.is_empty() { 0.0 } else { values.iter().sum::<f64>() / values.len() as f64 }
+    if values.is_empty() {
+        0.0
+    } else {
+        values.iter().sum::<f64>() / values.len() as f64
+    }
 }
 
 /// A whole table: header, rows, `# Avg bus bandwidth` footer and the memcpy line.
@@ -407,7 +420,11 @@ pub fn format_table(rows: &[Row], peer: Option<(&str, &[Option<Row>])>, memcpy_g
     }
     let wrong: u64 = rows.iter().flat_map(|r| [r.oop.wrong, r.ip.wrong]).flatten().sum();
     if rows.iter().any(|r| r.oop.wrong.is_some()) {
-        let _ = writeln!(s, "# Out of bounds values : {wrong} {}", if wrong == 0 { "OK" } else { "FAILED" });
+        let _ = writeln!(
+            s,
+            "# Out of bounds values : {wrong} {}",
+            if wrong == 0 { "OK" } else { "FAILED" }
+        );
     }
     let _ = writeln!(s, "# Avg bus bandwidth : {:.4}", avg_busbw(rows));
     if let Some(m) = memcpy_gbps {
@@ -738,7 +755,13 @@ pub async fn run_worker(args: &CollectiveArgs) -> Result<()> {
             (Some("run"), Some(count)) => {
                 let answer = match measure(&group, &spec, count).await {
                     Ok(raw) => raw.to_json(rank, count),
-                    Err(e) => to_line(&WorkerLine { rank, count, answer: WorkerError { error: format!("{e:#}") } }),
+                    Err(e) => to_line(&WorkerLine {
+                        rank,
+                        count,
+                        answer: WorkerError {
+                            error: format!("{e:#}"),
+                        },
+                    }),
                 };
                 writeln!(stdout, "{answer}")?;
                 stdout.flush()?;
@@ -776,7 +799,13 @@ struct ProcessSide {
 
 impl ProcessSide {
     /// Starts `world` processes of `program args` with the env:// variables.
-    fn start(label: String, program: &str, args: &[String], world: usize, extra_env: &[(String, String)]) -> Result<Self> {
+    fn start(
+        label: String,
+        program: &str,
+        args: &[String],
+        world: usize,
+        extra_env: &[(String, String)],
+    ) -> Result<Self> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .context("finding a free port")?
@@ -896,10 +925,15 @@ impl Side for ProcessSide {
 
     fn step(&mut self, count: usize, timeout: Duration) -> Result<Vec<Raw>> {
         for stdin in &mut self.stdins {
-            writeln!(stdin, "run {count}").and_then(|()| stdin.flush()).map_err(|e| anyhow!("{}: a rank's stdin: {e}", self.label))?;
+            writeln!(stdin, "run {count}")
+                .and_then(|()| stdin.flush())
+                .map_err(|e| anyhow!("{}: a rank's stdin: {e}", self.label))?;
         }
         let values = self.collect(timeout, &format!("measuring count {count}"))?;
-        values.into_iter().map(|v| Raw::from_json(v).map_err(|e| anyhow!(e))).collect()
+        values
+            .into_iter()
+            .map(|v| Raw::from_json(v).map_err(|e| anyhow!(e)))
+            .collect()
     }
 
     fn finish(&mut self) {
@@ -950,7 +984,9 @@ impl InProcessSide {
         }
         let receivers = Arc::new(Mutex::new(receivers));
         let (tx, results) = mpsc::channel();
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(world.max(1));
+        let threads = std::thread::available_parallelism()
+            .map_or(2, |n| n.get())
+            .min(world.max(1));
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .enable_all()
@@ -960,7 +996,9 @@ impl InProcessSide {
             let failed = tx.clone();
             let outcome = runtime.block_on(crate::spawn(world, move |group| {
                 let rank = group.rank();
-                let mut rx = receivers.lock().expect("receivers")[rank].take().expect("one body per rank");
+                let mut rx = receivers.lock().expect("receivers")[rank]
+                    .take()
+                    .expect("one body per rank");
                 let (spec, tx) = (spec.clone(), tx.clone());
                 async move {
                     while let Some(Some(count)) = rx.recv().await {
@@ -990,7 +1028,8 @@ impl Side for InProcessSide {
 
     fn step(&mut self, count: usize, timeout: Duration) -> Result<Vec<Raw>> {
         for c in &self.commands {
-            c.send(Some(count)).map_err(|_| anyhow!("the in-process ranks stopped"))?;
+            c.send(Some(count))
+                .map_err(|_| anyhow!("the in-process ranks stopped"))?;
         }
         let mut got: Vec<Option<Raw>> = vec![None; self.commands.len()];
         let deadline = Instant::now() + timeout;
@@ -1048,7 +1087,10 @@ fn worker_flags(args: &CollectiveArgs) -> Vec<String> {
 /// Whether `python` can import torch.distributed; its version or why not.
 fn torch_version(python: &str) -> Result<String, String> {
     match Command::new(python)
-        .args(["-c", "import torch, torch.distributed as d; assert d.is_gloo_available(); print(torch.__version__)"])
+        .args([
+            "-c",
+            "import torch, torch.distributed as d; assert d.is_gloo_available(); print(torch.__version__)",
+        ])
         .stdin(Stdio::null())
         .output()
     {
@@ -1076,7 +1118,11 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
         bail!("--root {} is out of range for --world {}", args.root, args.world);
     }
     if args.op.reduces() && !args.redop.supports(args.dtype) {
-        bail!("--redop {} needs an integer --dtype, not {}", args.redop, args.dtype.nccl_name());
+        bail!(
+            "--redop {} needs an integer --dtype, not {}",
+            args.redop,
+            args.dtype.nccl_name()
+        );
     }
     if args.min_bytes > args.max_bytes {
         bail!("-b {} is larger than -e {}", args.min_bytes, args.max_bytes);
@@ -1093,7 +1139,11 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
         c
     };
     if counts.is_empty() {
-        bail!("no size in -b {} -e {} holds one element per rank", args.min_bytes, args.max_bytes);
+        bail!(
+            "no size in -b {} -e {} holds one element per rank",
+            args.min_bytes,
+            args.max_bytes
+        );
     }
 
     // The sides: chorus per transport, then the peer.
@@ -1101,7 +1151,10 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     let exe = std::env::current_exe().context("locating the chorus binary")?;
     let mut notes = Vec::new();
     if args.in_process {
-        sides.push((Box::new(InProcessSide::start(spec.clone(), args.world)?), "local".into()));
+        sides.push((
+            Box::new(InProcessSide::start(spec.clone(), args.world)?),
+            "local".into(),
+        ));
     } else {
         let mut transports = args.transport.clone();
         transports.dedup();
@@ -1116,8 +1169,15 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                 ("CHORUS_TRANSPORT".to_string(), transport.clone()),
                 ("CHORUS_JOB_SECRET".to_string(), job_secret()),
             ];
-            let mut side = ProcessSide::start(format!("chorus ({transport})"), &exe.to_string_lossy(), &flags, args.world, &env)?;
-            side.wait_ready(timeout).with_context(|| format!("CHORUS_TRANSPORT={transport}"))?;
+            let mut side = ProcessSide::start(
+                format!("chorus ({transport})"),
+                &exe.to_string_lossy(),
+                &flags,
+                args.world,
+                &env,
+            )?;
+            side.wait_ready(timeout)
+                .with_context(|| format!("CHORUS_TRANSPORT={transport}"))?;
             sides.push((Box::new(side), transport));
         }
     }
@@ -1131,7 +1191,13 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                 let mut flags = vec!["-u".to_string(), script.to_string_lossy().into_owned()];
                 flags.extend(worker_flags(args));
                 let env = vec![("OMP_NUM_THREADS".to_string(), "1".to_string())];
-                let mut side = ProcessSide::start(format!("gloo (torch {version})"), &args.python, &flags, args.world, &env)?;
+                let mut side = ProcessSide::start(
+                    format!("gloo (torch {version})"),
+                    &args.python,
+                    &flags,
+                    args.world,
+                    &env,
+                )?;
                 let ready = side.wait_ready(timeout);
                 let _ = std::fs::remove_file(&script);
                 match ready {
@@ -1211,7 +1277,11 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     let memcpy = super::transport::memcpy_gbps(64 << 20);
 
     let peer = peer_label.as_ref().map(|_| ("gloo", gloo_rows.as_slice()));
-    let mode = if args.in_process { "in-process ranks (chorus::spawn)" } else { "separate processes" };
+    let mode = if args.in_process {
+        "in-process ranks (chorus::spawn)"
+    } else {
+        "separate processes"
+    };
     let json_rows = {
         let mut out = String::new();
         for ((_, transport), side_rows) in sides.iter().zip(&rows) {
@@ -1265,21 +1335,42 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
             .zip(&rows)
             .map(|((side, _), r)| super::plot::Series {
                 label: side.label(),
-                points: r.iter().map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us))).collect(),
+                points: r
+                    .iter()
+                    .map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us)))
+                    .collect(),
             })
             .collect();
         if let Some(label) = &peer_label {
             series.push(super::plot::Series {
                 label: label.clone(),
-                points: gloo_rows.iter().flatten().map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us))).collect(),
+                points: gloo_rows
+                    .iter()
+                    .flatten()
+                    .map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us)))
+                    .collect(),
             });
         }
-        let title = format!("{} {}, world {} ({mode}): busbw, out of place", args.op.name(), args.dtype.nccl_name(), args.world);
+        let title = format!(
+            "{} {}, world {} ({mode}): busbw, out of place",
+            args.op.name(),
+            args.dtype.nccl_name(),
+            args.world
+        );
         super::plot::draw(path, &title, &series).map_err(|e| anyhow!("--plot {}: {e}", path.display()))?;
         eprintln!("chorus bench: wrote {}", path.display());
     }
-    let wrong: u64 = rows.iter().flatten().flat_map(|r| [r.oop.wrong, r.ip.wrong]).flatten().sum();
-    Ok(if wrong > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+    let wrong: u64 = rows
+        .iter()
+        .flatten()
+        .flat_map(|r| [r.oop.wrong, r.ip.wrong])
+        .flatten()
+        .sum();
+    Ok(if wrong > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// A number of a `--json` row: to 4 decimals, or `null` when not finite.
@@ -1396,8 +1487,16 @@ mod tests {
             redop: ReduceOp::Sum,
             root: 0,
             world: 4,
-            oop: Half { avg_us: 1e6, median_us: 1e6, wrong: None },
-            ip: Half { avg_us: 1e6, median_us: 1e6, wrong: None },
+            oop: Half {
+                avg_us: 1e6,
+                median_us: 1e6,
+                wrong: None,
+            },
+            ip: Half {
+                avg_us: 1e6,
+                median_us: 1e6,
+                wrong: None,
+            },
         };
         assert!((row.algbw(1e6) - 1.0).abs() < 1e-12);
         assert!((row.busbw(1e6) - 1.5).abs() < 1e-12);
@@ -1407,7 +1506,10 @@ mod tests {
     fn table_lines_line_up_with_the_header() {
         let header = format_header(None);
         let lines: Vec<&str> = header.lines().collect();
-        assert_eq!(lines[1], "#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong");
+        assert_eq!(
+            lines[1],
+            "#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong"
+        );
         assert!(lines[2].starts_with("#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)  (GB/s)"));
         let row = Row {
             op: BenchOp::AllGather,
@@ -1416,8 +1518,16 @@ mod tests {
             redop: ReduceOp::Sum,
             root: 0,
             world: 2,
-            oop: Half { avg_us: 12.3456, median_us: 12.0, wrong: Some(0) },
-            ip: Half { avg_us: 12345.6, median_us: 12000.0, wrong: Some(3) },
+            oop: Half {
+                avg_us: 12.3456,
+                median_us: 12.0,
+                wrong: Some(0),
+            },
+            ip: Half {
+                avg_us: 12345.6,
+                median_us: 12000.0,
+                wrong: Some(3),
+            },
         };
         let line = format_row(&row, None);
         assert_eq!(line.len(), lines[1].len(), "{line}");
@@ -1438,7 +1548,10 @@ mod tests {
         let table = format_table(std::slice::from_ref(&row), None, Some(10.0));
         assert!(table.contains("# Avg bus bandwidth : "), "{table}");
         assert!(table.contains("# Out of bounds values : 3 FAILED"), "{table}");
-        assert!(table.contains("# Single-thread memcpy bandwidth : 10.00 GB/s"), "{table}");
+        assert!(
+            table.contains("# Single-thread memcpy bandwidth : 10.00 GB/s"),
+            "{table}"
+        );
     }
 
     #[test]
@@ -1454,11 +1567,20 @@ mod tests {
         };
         // Ranks 0,1 element 0: 1 + (0+3)%3+1 = 1 + 1 = 2.
         assert_eq!(spec.expected(0, 2, 4, 0), Some(2.0));
-        let gathered = Spec { op: BenchOp::AllGather, ..spec.clone() };
+        let gathered = Spec {
+            op: BenchOp::AllGather,
+            ..spec.clone()
+        };
         assert_eq!(gathered.expected(0, 2, 4, 5), Some(input_value(1, 1)));
-        let reduced = Spec { op: BenchOp::Reduce, ..spec.clone() };
+        let reduced = Spec {
+            op: BenchOp::Reduce,
+            ..spec.clone()
+        };
         assert_eq!(reduced.expected(1, 2, 4, 0), None);
-        assert_eq!(reduce_values(DType::Int8, ReduceOp::Prod, [16.0, 16.0].into_iter()), 0.0);
+        assert_eq!(
+            reduce_values(DType::Int8, ReduceOp::Prod, [16.0, 16.0].into_iter()),
+            0.0
+        );
         assert_eq!(reduce_values(DType::Int32, ReduceOp::Avg, [1.0, 2.0].into_iter()), 1.0);
         let out = make_tensor(DType::BFloat16, 8, |i| input_value(0, i) + input_value(1, i));
         assert_eq!(count_wrong(&spec_with(DType::BFloat16), 0, 2, 8, &out), 0);
@@ -1486,16 +1608,38 @@ mod tests {
 
     #[test]
     fn worker_lines_round_trip_and_gloo_lines_read() {
-        let raw = Raw { oop: vec![1.23456, 2.0], ip: vec![3.5], wrong_oop: Some(0), wrong_ip: None };
+        let raw = Raw {
+            oop: vec![1.23456, 2.0],
+            ip: vec![3.5],
+            wrong_oop: Some(0),
+            wrong_ip: None,
+        };
         let line = raw.to_json(1, 64);
-        assert_eq!(line, r#"{"rank":1,"count":64,"oop":[1.235,2.0],"ip":[3.5],"wrong_oop":0,"wrong_ip":null}"#);
+        assert_eq!(
+            line,
+            r#"{"rank":1,"count":64,"oop":[1.235,2.0],"ip":[3.5],"wrong_oop":0,"wrong_ip":null}"#
+        );
         let back = Raw::from_json(serde_json::from_str(&line).unwrap()).unwrap();
-        assert_eq!((back.oop, back.ip, back.wrong_oop, back.wrong_ip), (vec![1.235, 2.0], vec![3.5], Some(0), None));
+        assert_eq!(
+            (back.oop, back.ip, back.wrong_oop, back.wrong_ip),
+            (vec![1.235, 2.0], vec![3.5], Some(0), None)
+        );
         // bench_gloo.py's lines: json.dumps spacing, no wrong_* members.
-        let gloo = Raw::from_json(serde_json::from_str(r#"{"rank": 0, "count": 8, "oop": [12.5, 3], "ip": [1e1]}"#).unwrap()).unwrap();
+        let gloo =
+            Raw::from_json(serde_json::from_str(r#"{"rank": 0, "count": 8, "oop": [12.5, 3], "ip": [1e1]}"#).unwrap())
+                .unwrap();
         assert_eq!((gloo.oop, gloo.ip, gloo.wrong_oop), (vec![12.5, 3.0], vec![10.0], None));
-        let error = to_line(&WorkerLine { rank: 2, count: 8, answer: WorkerError { error: "a \"b\"\nc".into() } });
-        assert_eq!(Raw::from_json(serde_json::from_str(&error).unwrap()).unwrap_err(), "a \"b\"\nc");
+        let error = to_line(&WorkerLine {
+            rank: 2,
+            count: 8,
+            answer: WorkerError {
+                error: "a \"b\"\nc".into(),
+            },
+        });
+        assert_eq!(
+            Raw::from_json(serde_json::from_str(&error).unwrap()).unwrap_err(),
+            "a \"b\"\nc"
+        );
         let bad = Raw::from_json(serde_json::json!({"oop": [1, "x"], "ip": []})).unwrap_err();
         assert!(bad.starts_with("a result line: "), "{bad}");
         assert_eq!(num(f64::INFINITY), None);

@@ -36,7 +36,12 @@ pub fn draw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
     FONT_ONCE.call_once(|| {
         let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
     });
-    let points = || series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| x.is_finite() && y.is_finite());
+    let points = || {
+        series
+            .iter()
+            .flat_map(|s| s.points.iter())
+            .filter(|(x, y)| x.is_finite() && y.is_finite())
+    };
     let (xmin, xmax) = points().fold((f64::INFINITY, 0f64), |(lo, hi), &(x, _)| (lo.min(x), hi.max(x)));
     let ymax = points().fold(0f64, |hi, &(_, y)| hi.max(y));
     if !xmin.is_finite() {
@@ -61,10 +66,20 @@ pub fn draw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
         .axis_desc_style(("sans-serif", 15))
         .draw()
         .map_err(|e| e.to_string())?;
-    let colors = [RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(148, 103, 189), RGBColor(214, 39, 40)];
+    let colors = [
+        RGBColor(31, 119, 180),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+        RGBColor(214, 39, 40),
+    ];
     for (i, s) in series.iter().enumerate() {
         let color = colors[i % colors.len()];
-        let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite()).collect();
+        let pts: Vec<(f64, f64)> = s
+            .points
+            .iter()
+            .copied()
+            .filter(|(x, y)| x.is_finite() && y.is_finite())
+            .collect();
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| e.to_string())?

@@ -75,10 +75,16 @@ fn median(values: &mut [f64]) -> f64 {
 
 /// Rank 0: hosts the store, starts rank 1 (`chorus_exe bench transport --peer-store ...`),
 /// and returns every path's medians and the single-thread memcpy bandwidth.
-pub async fn run_leader(bench: &TransportBench, chorus_exe: &std::path::Path) -> Result<(Vec<PathResult>, f64), BenchError> {
-    let server = TcpStoreServer::bind("127.0.0.1:0".parse().expect("literal address"), TcpStoreServerOptions::default())
-        .await
-        .map_err(setup)?;
+pub async fn run_leader(
+    bench: &TransportBench,
+    chorus_exe: &std::path::Path,
+) -> Result<(Vec<PathResult>, f64), BenchError> {
+    let server = TcpStoreServer::bind(
+        "127.0.0.1:0".parse().expect("literal address"),
+        TcpStoreServerOptions::default(),
+    )
+    .await
+    .map_err(setup)?;
     let store_addr = server.local_addr();
     let mut child = tokio::process::Command::new(chorus_exe)
         .args([
@@ -144,29 +150,53 @@ async fn connect(addr: SocketAddr) -> Result<TcpStore, BenchError> {
 }
 
 /// One path in one round; rank 0 returns (GB/s, round-trip µs).
-async fn step(store: &TcpStore, bench: &TransportBench, round: usize, path: &'static str, rank: usize) -> Result<(f64, f64), BenchError> {
+async fn step(
+    store: &TcpStore,
+    bench: &TransportBench,
+    round: usize,
+    path: &'static str,
+    rank: usize,
+) -> Result<(f64, f64), BenchError> {
     let key = |r: usize| format!("bench/{round}/{path}/{r}");
     match path {
         "tcp" => {
             let bench = bench.clone();
             if rank == 0 {
                 let listener = TcpListener::bind("127.0.0.1:0").map_err(setup)?;
-                store.set(&key(0), listener.local_addr().map_err(setup)?.to_string().as_bytes()).await.map_err(setup)?;
-                tokio::task::spawn_blocking(move || tcp_leader(listener, &bench)).await.map_err(setup)?
+                store
+                    .set(&key(0), listener.local_addr().map_err(setup)?.to_string().as_bytes())
+                    .await
+                    .map_err(setup)?;
+                tokio::task::spawn_blocking(move || tcp_leader(listener, &bench))
+                    .await
+                    .map_err(setup)?
             } else {
-                let addr: SocketAddr = String::from_utf8_lossy(&store.get(&key(0)).await.map_err(setup)?).parse().map_err(setup)?;
-                tokio::task::spawn_blocking(move || tcp_peer(addr, &bench)).await.map_err(setup)??;
+                let addr: SocketAddr = String::from_utf8_lossy(&store.get(&key(0)).await.map_err(setup)?)
+                    .parse()
+                    .map_err(setup)?;
+                tokio::task::spawn_blocking(move || tcp_peer(addr, &bench))
+                    .await
+                    .map_err(setup)??;
                 Ok((0.0, 0.0))
             }
         }
         "shm" => {
             let endpoint = ShmEndpoint::new(rank, ShmOptions::default()).map_err(setup)?;
-            store.set(&key(rank), &endpoint.nonce().to_le_bytes()).await.map_err(setup)?;
+            store
+                .set(&key(rank), &endpoint.nonce().to_le_bytes())
+                .await
+                .map_err(setup)?;
             let theirs = store.get(&key(1 - rank)).await.map_err(setup)?;
             let theirs = u64::from_le_bytes(theirs[..].try_into().map_err(setup)?);
             let mut peers = vec![
-                ShmPeer { rank, nonce: endpoint.nonce() },
-                ShmPeer { rank: 1 - rank, nonce: theirs },
+                ShmPeer {
+                    rank,
+                    nonce: endpoint.nonce(),
+                },
+                ShmPeer {
+                    rank: 1 - rank,
+                    nonce: theirs,
+                },
             ];
             peers.sort_by_key(|p| p.rank);
             let links = endpoint.connect_mesh(&peers).await.map_err(setup)?;
@@ -175,7 +205,8 @@ async fn step(store: &TcpStore, bench: &TransportBench, round: usize, path: &'st
         }
         _ => {
             let identity = QuicIdentity::generate().map_err(setup)?;
-            let endpoint = QuicEndpoint::bind(rank, [127, 0, 0, 1].into(), &identity, QuicOptions::default()).map_err(setup)?;
+            let endpoint =
+                QuicEndpoint::bind(rank, [127, 0, 0, 1].into(), &identity, QuicOptions::default()).map_err(setup)?;
             let mut mine = endpoint.local_addr().port().to_le_bytes().to_vec();
             mine.extend_from_slice(&identity.fingerprint());
             store.set(&key(rank), &mine).await.map_err(setup)?;
@@ -215,7 +246,10 @@ async fn measure_link(
     } else {
         link_peer(link, bench).await.map(|()| (0.0, 0.0))
     };
-    store.add(&format!("bench/{round}/{path}/done"), 1).await.map_err(setup)?;
+    store
+        .add(&format!("bench/{round}/{path}/done"), 1)
+        .await
+        .map_err(setup)?;
     wait_count(store, &format!("bench/{round}/{path}/done"), 2).await?;
     result
 }
@@ -301,7 +335,11 @@ async fn link_peer(link: &Arc<dyn Link>, bench: &TransportBench) -> Result<(), B
     for _ in 0..bench.iters {
         let frame = link.recv(0).await.map_err(link_error)?;
         if frame.payload.len() != bench.size {
-            return Err(setup(format!("received {} bytes, expected {}", frame.payload.len(), bench.size)));
+            return Err(setup(format!(
+                "received {} bytes, expected {}",
+                frame.payload.len(),
+                bench.size
+            )));
         }
     }
     link.send(1, 0, Bytes::from_static(b"k")).await.map_err(link_error)?;

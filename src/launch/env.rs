@@ -169,7 +169,10 @@ mod tests {
         let next = job().for_attempt(3, Path::new("/l/job"));
         let vars = next.for_worker(1, &|_| None);
         assert_eq!(get(&vars, "TORCHELASTIC_RESTART_COUNT"), Some("3"));
-        assert_eq!(get(&vars, "TORCHELASTIC_ERROR_FILE"), Some("/l/job/attempt_3/4/error.json"));
+        assert_eq!(
+            get(&vars, "TORCHELASTIC_ERROR_FILE"),
+            Some("/l/job/attempt_3/4/error.json")
+        );
         let before = job().for_worker(1, &|_| None);
         let differ: Vec<&str> = before
             .iter()

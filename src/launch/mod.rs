@@ -464,12 +464,7 @@ async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
             let tail = workers.tail(ended.rank).await;
             let what = format!(
                 "rank {} (local rank {} on node {}, pid {}) {} in attempt {}",
-                ended.rank,
-                ended.local_rank,
-                formed.node_rank,
-                ended.pid,
-                ended.exit,
-                slot_env.restart_count
+                ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit, slot_env.restart_count
             );
             report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
             match plan::after_failure(attempt, config.max_restarts) {

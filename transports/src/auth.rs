@@ -36,7 +36,10 @@ impl JobSecret {
 
     /// The signature of `message`.
     pub fn sign(&self, message: &[u8]) -> [u8; TAG_LEN] {
-        hmac::sign(&self.0, message).as_ref().try_into().expect("HMAC-SHA256 is 32 bytes")
+        hmac::sign(&self.0, message)
+            .as_ref()
+            .try_into()
+            .expect("HMAC-SHA256 is 32 bytes")
     }
 
     /// Whether `tag` signs `message` (compared in constant time).

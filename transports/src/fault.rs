@@ -67,8 +67,7 @@ impl LinkMatch {
             LinkMatch::Directed(a, b) => a.is_none_or(|a| a == from) && b.is_none_or(|b| b == to),
             LinkMatch::Both(a, b) => (from, to) == (*a, *b) || (from, to) == (*b, *a),
             LinkMatch::Partition(left, right) => {
-                (left.contains(&from) && right.contains(&to))
-                    || (right.contains(&from) && left.contains(&to))
+                (left.contains(&from) && right.contains(&to)) || (right.contains(&from) && left.contains(&to))
             }
             LinkMatch::Rank(rank) => *rank == from,
         }
@@ -149,11 +148,7 @@ fn parse_duration(text: &str, rule: &str) -> Result<Duration, FaultSpecError> {
     };
     let text = text.trim();
     if let Some(ms) = text.strip_suffix("ms") {
-        return ms
-            .trim()
-            .parse::<u64>()
-            .map(Duration::from_millis)
-            .map_err(|_| bad());
+        return ms.trim().parse::<u64>().map(Duration::from_millis).map_err(|_| bad());
     }
     if let Some(s) = text.strip_suffix('s') {
         return s
@@ -197,9 +192,7 @@ impl FaultPlan {
             rule: rule.to_string(),
             reason: reason.to_string(),
         };
-        let (name, rest) = rule
-            .split_once('(')
-            .ok_or_else(|| bad("expected kind(arguments)"))?;
+        let (name, rest) = rule.split_once('(').ok_or_else(|| bad("expected kind(arguments)"))?;
         let args = rest
             .strip_suffix(')')
             .ok_or_else(|| bad("missing closing parenthesis"))?;
@@ -226,16 +219,14 @@ impl FaultPlan {
             "delay" => {
                 let ms = named.remove("ms").ok_or_else(|| bad("delay needs ms=D"))?;
                 let ms = ms.parse().map_err(|_| bad("ms must be an integer"))?;
-                let jitter = named.remove("jitter_ms").map_or(Ok(0), |j| {
-                    j.parse().map_err(|_| bad("jitter_ms must be an integer"))
-                })?;
+                let jitter = named
+                    .remove("jitter_ms")
+                    .map_or(Ok(0), |j| j.parse().map_err(|_| bad("jitter_ms must be an integer")))?;
                 FaultKind::Delay(Duration::from_millis(ms), Duration::from_millis(jitter))
             }
             "partition" => {
                 let joined = positional.join(",");
-                let (left, right) = joined
-                    .split_once('|')
-                    .ok_or_else(|| bad("write partition(0,1|2,3)"))?;
+                let (left, right) = joined.split_once('|').ok_or_else(|| bad("write partition(0,1|2,3)"))?;
                 let side = |s: &str| -> Result<Vec<usize>, FaultSpecError> {
                     s.split(',')
                         .map(str::trim)
@@ -286,10 +277,9 @@ impl FaultPlan {
         let after = named
             .remove("after")
             .map_or(Ok(Duration::ZERO), |t| parse_duration(t, rule))?;
-        let after_frames = named.remove("after_frames").map_or(Ok(0), |n| {
-            n.parse()
-                .map_err(|_| bad("after_frames must be an integer"))
-        })?;
+        let after_frames = named
+            .remove("after_frames")
+            .map_or(Ok(0), |n| n.parse().map_err(|_| bad("after_frames must be an integer")))?;
         if let Some(unknown) = named.keys().next() {
             return Err(bad(&format!("unknown argument {unknown:?}")));
         }
@@ -304,19 +294,9 @@ impl FaultPlan {
     /// What happens to the `frames_sent`-th frame (0-based) `from` sends to
     /// `to`, `elapsed` after the wrapper was made; `random` is the link's next
     /// uniform draw in `[0, 1)`.
-    pub fn decide(
-        &self,
-        from: usize,
-        to: usize,
-        frames_sent: u64,
-        elapsed: Duration,
-        random: f64,
-    ) -> Action {
+    pub fn decide(&self, from: usize, to: usize, frames_sent: u64, elapsed: Duration, random: f64) -> Action {
         for rule in &self.rules {
-            if !rule.link.matches(from, to)
-                || elapsed < rule.after
-                || frames_sent < rule.after_frames
-            {
+            if !rule.link.matches(from, to) || elapsed < rule.after || frames_sent < rule.after_frames {
                 continue;
             }
             return match rule.kind {
@@ -391,13 +371,7 @@ impl FaultyLink {
                 libc::kill(libc::getpid(), libc::SIGKILL);
             }
         }
-        for link in self
-            .rank
-            .links
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-        {
+        for link in self.rank.links.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             link.close("rank killed by fault injection");
         }
     }
@@ -411,11 +385,7 @@ impl FaultyLink {
 }
 
 /// Wraps one rank's links (indexed by peer rank) with `plan`.
-pub fn wrap_links(
-    me: usize,
-    links: Vec<Option<Arc<dyn Link>>>,
-    plan: FaultPlan,
-) -> Vec<Option<Arc<dyn Link>>> {
+pub fn wrap_links(me: usize, links: Vec<Option<Arc<dyn Link>>>, plan: FaultPlan) -> Vec<Option<Arc<dyn Link>>> {
     let rank = Arc::new(RankState {
         started: Instant::now(),
         killed: AtomicBool::new(false),
@@ -465,18 +435,11 @@ impl Link for FaultyLink {
         } else {
             self.frames.fetch_add(1, Ordering::SeqCst)
         };
-        let random = self
-            .random
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .next_f64();
-        let action = self.rank.plan.decide(
-            self.me,
-            self.peer(),
-            count,
-            self.rank.started.elapsed(),
-            random,
-        );
+        let random = self.random.lock().unwrap_or_else(|p| p.into_inner()).next_f64();
+        let action = self
+            .rank
+            .plan
+            .decide(self.me, self.peer(), count, self.rank.started.elapsed(), random);
         match action {
             Action::Deliver => self.inner.send(channel, tag, payload).await,
             Action::Drop => Ok(()),
@@ -535,10 +498,7 @@ mod tests {
         assert_eq!(plan.rules.len(), 6);
         assert_eq!(plan.rules[0].kind, FaultKind::Drop(0.25));
         assert_eq!(plan.rules[1].link, LinkMatch::Directed(None, Some(2)));
-        assert_eq!(
-            plan.rules[2].link,
-            LinkMatch::Partition(vec![0, 1], vec![2, 3])
-        );
+        assert_eq!(plan.rules[2].link, LinkMatch::Partition(vec![0, 1], vec![2, 3]));
         assert_eq!(plan.rules[2].after, Duration::from_millis(500));
         assert_eq!(plan.rules[3].after_frames, 100);
         assert_eq!(plan.rules[4].kind, FaultKind::Kill);
@@ -565,16 +525,9 @@ mod tests {
 
     #[test]
     fn decisions_follow_triggers_and_are_deterministic() {
-        let plan =
-            FaultPlan::parse("partition(0|1, after=1s); close(0->2, after_frames=3)").unwrap();
-        assert_eq!(
-            plan.decide(0, 1, 0, Duration::from_millis(999), 0.5),
-            Action::Deliver
-        );
-        assert_eq!(
-            plan.decide(1, 0, 0, Duration::from_secs(1), 0.5),
-            Action::Drop
-        );
+        let plan = FaultPlan::parse("partition(0|1, after=1s); close(0->2, after_frames=3)").unwrap();
+        assert_eq!(plan.decide(0, 1, 0, Duration::from_millis(999), 0.5), Action::Deliver);
+        assert_eq!(plan.decide(1, 0, 0, Duration::from_secs(1), 0.5), Action::Drop);
         assert_eq!(plan.decide(0, 2, 2, Duration::ZERO, 0.5), Action::Deliver);
         assert_eq!(plan.decide(0, 2, 3, Duration::ZERO, 0.5), Action::Close);
         let draws = |seed| {
@@ -607,34 +560,19 @@ mod tests {
             let count = |seed: u64| async move {
                 let mesh = wrapped(2, &format!("seed={seed}; drop(0->1, p=0.5)"));
                 for i in 0..10u64 {
-                    mesh[0][1]
-                        .as_ref()
-                        .unwrap()
-                        .send(0, i, Bytes::new())
-                        .await
-                        .unwrap();
+                    mesh[0][1].as_ref().unwrap().send(0, i, Bytes::new()).await.unwrap();
                 }
                 let mut got = Vec::new();
-                while let Ok(Ok(frame)) = tokio::time::timeout(
-                    Duration::from_millis(20),
-                    mesh[1][0].as_ref().unwrap().recv(0),
-                )
-                .await
+                while let Ok(Ok(frame)) =
+                    tokio::time::timeout(Duration::from_millis(20), mesh[1][0].as_ref().unwrap().recv(0)).await
                 {
                     got.push(frame.tag);
                 }
                 got
             };
             let first = count(11).await;
-            assert_eq!(
-                first,
-                count(11).await,
-                "the same seed drops the same frames"
-            );
-            assert!(
-                !first.is_empty() && first.len() < 10,
-                "p=0.5 keeps some: {first:?}"
-            );
+            assert_eq!(first, count(11).await, "the same seed drops the same frames");
+            assert!(!first.is_empty() && first.len() < 10, "p=0.5 keeps some: {first:?}");
         })
         .await;
     }
@@ -655,7 +593,11 @@ mod tests {
             mesh[3][2].as_ref().unwrap().send(0, 4, Bytes::new()).await.unwrap();
             let crossing = tokio::time::timeout(Duration::from_secs(5), mesh[1][2].as_ref().unwrap().recv(0)).await;
             assert!(crossing.is_err(), "frames across the partition are lost");
-            assert_eq!(mesh[2][3].as_ref().unwrap().recv(0).await.unwrap().tag, 4, "frames within a side pass");
+            assert_eq!(
+                mesh[2][3].as_ref().unwrap().recv(0).await.unwrap().tag,
+                4,
+                "frames within a side pass"
+            );
         })
         .await;
     }
@@ -664,43 +606,19 @@ mod tests {
     async fn close_kill_and_freeze_act_on_their_links() {
         within(async {
             let mesh = wrapped(3, "close(0->1, after_frames=1); kill(rank=2)");
-            mesh[0][1]
-                .as_ref()
-                .unwrap()
-                .send(0, 0, Bytes::new())
-                .await
-                .unwrap();
-            assert!(
-                mesh[0][1]
-                    .as_ref()
-                    .unwrap()
-                    .send(0, 1, Bytes::new())
-                    .await
-                    .is_err()
-            );
+            mesh[0][1].as_ref().unwrap().send(0, 0, Bytes::new()).await.unwrap();
+            assert!(mesh[0][1].as_ref().unwrap().send(0, 1, Bytes::new()).await.is_err());
             assert_eq!(mesh[1][0].as_ref().unwrap().recv(0).await.unwrap().tag, 0);
             assert!(
                 mesh[1][0].as_ref().unwrap().recv(0).await.is_err(),
                 "closed after the first frame"
             );
             // Rank 2 dies on its first send: its peers see closed links.
-            assert!(
-                mesh[2][0]
-                    .as_ref()
-                    .unwrap()
-                    .send(0, 0, Bytes::new())
-                    .await
-                    .is_err()
-            );
+            assert!(mesh[2][0].as_ref().unwrap().send(0, 0, Bytes::new()).await.is_err());
             assert!(mesh[1][2].as_ref().unwrap().recv(0).await.is_err());
 
             let mesh = wrapped(2, "freeze(rank=0, after_frames=1)");
-            mesh[0][1]
-                .as_ref()
-                .unwrap()
-                .send(0, 0, Bytes::new())
-                .await
-                .unwrap();
+            mesh[0][1].as_ref().unwrap().send(0, 0, Bytes::new()).await.unwrap();
             let frozen = tokio::time::timeout(
                 Duration::from_millis(100),
                 mesh[0][1].as_ref().unwrap().send(0, 1, Bytes::new()),

@@ -149,11 +149,7 @@ impl FrameHeader {
 
     /// Parses a header, refusing lengths over `max_frame` before anything is
     /// allocated for them.
-    pub fn decode(
-        bytes: &[u8; Self::SIZE],
-        peer: usize,
-        max_frame: usize,
-    ) -> Result<Self, TransportError> {
+    pub fn decode(bytes: &[u8; Self::SIZE], peer: usize, max_frame: usize) -> Result<Self, TransportError> {
         let mut cursor = &bytes[..];
         let header = Self {
             tag: cursor.get_u64_le(),

@@ -74,11 +74,7 @@ impl LocalLink {
                 peer: b,
                 pair: pair.clone(),
             },
-            LocalLink {
-                me: b,
-                peer: a,
-                pair,
-            },
+            LocalLink { me: b, peer: a, pair },
         )
     }
 
@@ -197,21 +193,12 @@ mod tests {
             let (a, b) = LocalLink::pair(0, 1);
             let payload = Bytes::from(vec![7u8; 1 << 20]);
             let address = payload.as_ptr();
-            a.send(2, 11, Bytes::from_static(b"other channel"))
-                .await
-                .unwrap();
+            a.send(2, 11, Bytes::from_static(b"other channel")).await.unwrap();
             a.send(1, 10, payload).await.unwrap();
             let frame = b.recv(1).await.unwrap();
             assert_eq!(frame.tag, 10);
-            assert_eq!(
-                frame.payload.as_ptr(),
-                address,
-                "the payload must not be copied"
-            );
-            assert_eq!(
-                b.recv(2).await.unwrap().payload,
-                Bytes::from_static(b"other channel")
-            );
+            assert_eq!(frame.payload.as_ptr(), address, "the payload must not be copied");
+            assert_eq!(b.recv(2).await.unwrap().payload, Bytes::from_static(b"other channel"));
         })
         .await;
     }
@@ -222,8 +209,7 @@ mod tests {
             let (a, b) = LocalLink::pair_with_depth(0, 1, 2);
             a.send(0, 0, Bytes::new()).await.unwrap();
             a.send(0, 1, Bytes::new()).await.unwrap();
-            let third =
-                tokio::time::timeout(Duration::from_millis(50), a.send(0, 2, Bytes::new())).await;
+            let third = tokio::time::timeout(Duration::from_millis(50), a.send(0, 2, Bytes::new())).await;
             assert!(third.is_err(), "the third send must wait for room");
             assert_eq!(b.recv(0).await.unwrap().tag, 0);
             a.send(0, 2, Bytes::new()).await.unwrap();
@@ -258,9 +244,7 @@ mod tests {
             for (a, row) in mesh.iter().enumerate() {
                 for (b, link) in row.iter().enumerate() {
                     if let Some(link) = link {
-                        link.send(0, (a * 10 + b) as u64, Bytes::new())
-                            .await
-                            .unwrap();
+                        link.send(0, (a * 10 + b) as u64, Bytes::new()).await.unwrap();
                     }
                 }
             }

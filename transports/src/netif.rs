@@ -117,9 +117,7 @@ fn split_names(var: &str, text: &str, list: &str) -> Result<Vec<String>, NetifEr
         .map(str::to_string)
         .collect();
     if names.is_empty() {
-        return Err(bad(
-            "it names no interface; give a comma list such as eth0,ib0",
-        ));
+        return Err(bad("it names no interface; give a comma list such as eth0,ib0"));
     }
     // `eth0,^docker` reads as "eth0 but not docker" yet would match an
     // interface literally named `^docker`: say so instead of matching nothing.
@@ -129,9 +127,7 @@ fn split_names(var: &str, text: &str, list: &str) -> Result<Vec<String>, NetifEr
         ));
     }
     if names.iter().any(|n| n.contains(char::is_whitespace)) {
-        return Err(bad(
-            "interface names contain no spaces; separate names with commas",
-        ));
+        return Err(bad("interface names contain no spaces; separate names with commas"));
     }
     Ok(names)
 }
@@ -141,10 +137,7 @@ fn split_names(var: &str, text: &str, list: &str) -> Result<Vec<String>, NetifEr
 pub enum NetifError {
     /// The spec allows none of this host's interfaces (or only addresses that
     /// cannot be used, such as IPv6 link-local ones).
-    #[error(
-        "{var}={spec} matches no interface; available: {}",
-        list_or_none(available)
-    )]
+    #[error("{var}={spec} matches no interface; available: {}", list_or_none(available))]
     NoMatchingInterface {
         /// The variable the spec came from.
         var: String,
@@ -185,21 +178,13 @@ fn list_or_none(items: &[String]) -> String {
 /// (`NCCL_SOCKET_IFNAME`'s grammar) first, then `GLOO_SOCKET_IFNAME` (exact
 /// names). Returns the variable's name with the spec, or `None` when neither
 /// is set (an empty value counts as unset).
-pub fn spec_from_env(
-    lookup: &dyn Fn(&str) -> Option<String>,
-) -> Result<Option<(String, IfaceSpec)>, NetifError> {
+pub fn spec_from_env(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<(String, IfaceSpec)>, NetifError> {
     let read = |var: &str| lookup(var).filter(|v| !v.trim().is_empty());
     if let Some(v) = read(CHORUS_SOCKET_IFNAME) {
-        return Ok(Some((
-            CHORUS_SOCKET_IFNAME.to_string(),
-            IfaceSpec::parse(&v)?,
-        )));
+        return Ok(Some((CHORUS_SOCKET_IFNAME.to_string(), IfaceSpec::parse(&v)?)));
     }
     if let Some(v) = read(GLOO_SOCKET_IFNAME) {
-        return Ok(Some((
-            GLOO_SOCKET_IFNAME.to_string(),
-            IfaceSpec::exact_list(&v)?,
-        )));
+        return Ok(Some((GLOO_SOCKET_IFNAME.to_string(), IfaceSpec::exact_list(&v)?)));
     }
     Ok(None)
 }
@@ -259,8 +244,7 @@ pub fn publish_order(
     let mut ordered: Vec<IpAddr> = Vec::new();
     match spec {
         Some(spec) => {
-            let mut chosen: Vec<&Interface> =
-                usable_ifaces.filter(|i| spec.matches(&i.name)).collect();
+            let mut chosen: Vec<&Interface> = usable_ifaces.filter(|i| spec.matches(&i.name)).collect();
             // Stable, so interface order holds within each family.
             chosen.sort_by_key(|i| i.addr.is_ipv6());
             ordered.extend(chosen.iter().map(|i| i.addr));
@@ -358,9 +342,7 @@ pub fn route_to(target: IpAddr) -> Result<IpAddr, NetifError> {
         IpAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
     };
     let socket = UdpSocket::bind(SocketAddr::new(any, 0)).map_err(io_err)?;
-    socket
-        .connect(SocketAddr::new(target, DISCARD_PORT))
-        .map_err(io_err)?;
+    socket.connect(SocketAddr::new(target, DISCARD_PORT)).map_err(io_err)?;
     Ok(socket.local_addr().map_err(io_err)?.ip())
 }
 
@@ -465,29 +447,13 @@ mod tests {
 
     #[test]
     fn bad_specs() {
-        for bad in [
-            "",
-            " ",
-            ",",
-            "^",
-            "^=",
-            "=, ,",
-            "eth0,^docker",
-            "eth0,=ib0",
-            "eth 0",
-        ] {
+        for bad in ["", " ", ",", "^", "^=", "=, ,", "eth0,^docker", "eth0,=ib0", "eth 0"] {
             let err = IfaceSpec::parse(bad).unwrap_err();
             assert!(matches!(err, NetifError::BadSpec { .. }), "{bad:?}: {err}");
-            assert!(
-                err.to_string().starts_with("CHORUS_SOCKET_IFNAME="),
-                "{err}"
-            );
+            assert!(err.to_string().starts_with("CHORUS_SOCKET_IFNAME="), "{err}");
         }
         let err = IfaceSpec::exact_list("^eth0").unwrap_err();
-        assert!(
-            err.to_string().starts_with("GLOO_SOCKET_IFNAME=\"^eth0\""),
-            "{err}"
-        );
+        assert!(err.to_string().starts_with("GLOO_SOCKET_IFNAME=\"^eth0\""), "{err}");
         assert!(IfaceSpec::exact_list(" , ").is_err());
     }
 
@@ -501,10 +467,7 @@ mod tests {
     #[test]
     fn spec_from_env_prefers_chorus_then_gloo() {
         let env = |pairs: &[(&str, &str)]| -> HashMap<String, String> {
-            pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
         };
         let run = |m: HashMap<String, String>| spec_from_env(&move |k| m.get(k).cloned());
 
@@ -515,10 +478,7 @@ mod tests {
         assert_eq!(var, "GLOO_SOCKET_IFNAME");
         assert!(!spec.matches("eth0"), "gloo names are exact");
 
-        let both = env(&[
-            ("CHORUS_SOCKET_IFNAME", "eth"),
-            ("GLOO_SOCKET_IFNAME", "ib0"),
-        ]);
+        let both = env(&[("CHORUS_SOCKET_IFNAME", "eth"), ("GLOO_SOCKET_IFNAME", "ib0")]);
         let (var, spec) = run(both).unwrap().unwrap();
         assert_eq!(var, "CHORUS_SOCKET_IFNAME");
         assert!(spec.matches("eth0"));
@@ -606,10 +566,7 @@ mod tests {
     fn loopback_or_unspecified_route_is_ignored() {
         let plain = publish_order(None, &host(), None).unwrap();
         for route in ["127.0.0.1", "::1", "0.0.0.0", "::", "fe80::9"] {
-            assert_eq!(
-                publish_order(None, &host(), Some(ip(route))).unwrap(),
-                plain
-            );
+            assert_eq!(publish_order(None, &host(), Some(ip(route))).unwrap(), plain);
         }
     }
 
@@ -662,10 +619,7 @@ mod tests {
     #[test]
     fn duplicate_interface_entries_are_dropped() {
         let interfaces = [iface("eth0", "10.0.0.2"), iface("eth0", "10.0.0.2")];
-        assert_eq!(
-            publish_order(None, &interfaces, None).unwrap(),
-            ips(&["10.0.0.2"])
-        );
+        assert_eq!(publish_order(None, &interfaces, None).unwrap(), ips(&["10.0.0.2"]));
         let spec = IfaceSpec::parse("eth").unwrap();
         assert_eq!(
             publish_order(Some(&spec), &interfaces, None).unwrap(),
@@ -694,10 +648,7 @@ mod tests {
     #[test]
     fn local_machine_has_loopback_and_routes_to_it() {
         let interfaces = list_interfaces().unwrap();
-        assert!(
-            interfaces.iter().any(|i| i.addr.is_loopback()),
-            "{interfaces:?}"
-        );
+        assert!(interfaces.iter().any(|i| i.addr.is_loopback()), "{interfaces:?}");
         // Loopback only: no traffic may leave this machine.
         assert!(route_to(ip("127.0.0.1")).unwrap().is_loopback());
     }
@@ -733,13 +684,7 @@ mod tests {
     }
 
     fn arb_interfaces() -> impl Strategy<Value = Vec<Interface>> {
-        let name = prop_oneof![
-            Just("lo"),
-            Just("eth0"),
-            Just("ib0"),
-            Just("docker0"),
-            Just("enp1s0")
-        ];
+        let name = prop_oneof![Just("lo"), Just("eth0"), Just("ib0"), Just("docker0"), Just("enp1s0")];
         prop::collection::vec((name, arb_addr()), 0..12).prop_map(|v| {
             v.into_iter()
                 .map(|(name, addr)| Interface {

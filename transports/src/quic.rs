@@ -112,11 +112,9 @@ impl QuicIdentity {
     /// A fresh key pair and certificate.
     pub fn generate() -> Result<Self, TransportError> {
         let certified =
-            rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| {
-                TransportError::Connect {
-                    peer: usize::MAX,
-                    reason: format!("could not make a certificate: {e}"),
-                }
+            rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| TransportError::Connect {
+                peer: usize::MAX,
+                reason: format!("could not make a certificate: {e}"),
             })?;
         let cert = certified.cert.der().clone();
         Ok(Self {
@@ -174,9 +172,7 @@ impl ServerCertVerifier for PinnedVerifier {
         _ocsp_response: &[u8],
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        self.pinned
-            .check(end_entity)
-            .map(|()| ServerCertVerified::assertion())
+        self.pinned.check(end_entity).map(|()| ServerCertVerified::assertion())
     }
 
     fn verify_tls12_signature(
@@ -213,9 +209,7 @@ impl ClientCertVerifier for PinnedVerifier {
         _intermediates: &[CertificateDer<'_>],
         _now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        self.pinned
-            .check(end_entity)
-            .map(|()| ClientCertVerified::assertion())
+        self.pinned.check(end_entity).map(|()| ClientCertVerified::assertion())
     }
 
     fn verify_tls12_signature(
@@ -310,11 +304,9 @@ fn tune_allocator() {
     {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
-            let user_tuned = std::env::var_os("GLIBC_TUNABLES")
-                .is_some_and(|v| v.to_string_lossy().contains("malloc"))
+            let user_tuned = std::env::var_os("GLIBC_TUNABLES").is_some_and(|v| v.to_string_lossy().contains("malloc"))
                 || std::env::vars_os().any(|(k, _)| {
-                    k.to_string_lossy().starts_with("MALLOC_")
-                        && k.to_string_lossy().ends_with("_THRESHOLD_")
+                    k.to_string_lossy().starts_with("MALLOC_") && k.to_string_lossy().ends_with("_THRESHOLD_")
                 });
             if user_tuned {
                 return;
@@ -345,9 +337,7 @@ fn transport_config(loopback: bool, options: &QuicOptions) -> quinn::TransportCo
         // Handshake packets must stay under 16 KiB (their length field is a
         // 2-byte varint), so start there and let discovery climb to the top.
         let mut discovery = quinn::MtuDiscoveryConfig::default();
-        discovery
-            .upper_bound(LOOPBACK_MTU)
-            .interval(Duration::from_secs(60));
+        discovery.upper_bound(LOOPBACK_MTU).interval(Duration::from_secs(60));
         config
             .initial_mtu(HANDSHAKE_MTU)
             .mtu_discovery_config(Some(discovery))
@@ -358,11 +348,7 @@ fn transport_config(loopback: bool, options: &QuicOptions) -> quinn::TransportCo
 }
 
 fn udp_socket(addr: SocketAddr, buffer: usize) -> std::io::Result<std::net::UdpSocket> {
-    let socket = socket2::Socket::new(
-        socket2::Domain::for_address(addr),
-        socket2::Type::DGRAM,
-        None,
-    )?;
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::DGRAM, None)?;
     // Root may pass the sysctl caps (SO_*BUFFORCE); others get what the caps allow.
     let _ = socket.set_recv_buffer_size(buffer);
     if socket.recv_buffer_size().unwrap_or(0) < buffer {
@@ -428,12 +414,10 @@ impl QuicEndpoint {
 
         let loopback = ip.is_loopback();
         let transport = Arc::new(transport_config(loopback, &options));
-        let server_crypto =
-            QuicServerConfig::try_from(server_tls).map_err(|e| connect_error(rank, e))?;
+        let server_crypto = QuicServerConfig::try_from(server_tls).map_err(|e| connect_error(rank, e))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
         server.transport_config(transport.clone());
-        let client_crypto =
-            QuicClientConfig::try_from(client_tls).map_err(|e| connect_error(rank, e))?;
+        let client_crypto = QuicClientConfig::try_from(client_tls).map_err(|e| connect_error(rank, e))?;
         let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
         client.transport_config(transport);
 
@@ -445,8 +429,7 @@ impl QuicEndpoint {
         }
         let socket = udp_socket(SocketAddr::new(ip, 0), options.socket_buffer)
             .map_err(|e| connect_error(rank, format!("binding a UDP socket on {ip}: {e}")))?;
-        let runtime =
-            quinn::default_runtime().ok_or_else(|| connect_error(rank, "no async runtime"))?;
+        let runtime = quinn::default_runtime().ok_or_else(|| connect_error(rank, "no async runtime"))?;
         let endpoint = Endpoint::new(endpoint_config, Some(server), socket, runtime)
             .map_err(|e| connect_error(rank, format!("starting the endpoint: {e}")))?;
         Ok(Self {
@@ -467,10 +450,7 @@ impl QuicEndpoint {
 
     /// Connects to every peer (dialling higher ranks, accepting lower ones)
     /// and returns the links, indexed by rank (`None` for this rank).
-    pub async fn connect_mesh(
-        &self,
-        peers: &[QuicPeer],
-    ) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
+    pub async fn connect_mesh(&self, peers: &[QuicPeer]) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
         {
             let mut pinned = self.pinned.0.write().unwrap_or_else(|p| p.into_inner());
             pinned.clear();
@@ -478,12 +458,7 @@ impl QuicEndpoint {
                 pinned.insert(peer.fingerprint, peer.rank);
             }
         }
-        let world = peers
-            .iter()
-            .map(|p| p.rank + 1)
-            .max()
-            .unwrap_or(0)
-            .max(self.rank + 1);
+        let world = peers.iter().map(|p| p.rank + 1).max().unwrap_or(0).max(self.rank + 1);
         let mut links: Vec<Option<Arc<dyn Link>>> = (0..world).map(|_| None).collect();
         let dial_higher = async {
             let mut dialled = Vec::new();
@@ -502,10 +477,7 @@ impl QuicEndpoint {
             .map_err(|_| {
                 connect_error(
                     self.rank,
-                    format!(
-                        "the mesh did not form within {:?}",
-                        self.options.connect_timeout
-                    ),
+                    format!("the mesh did not form within {:?}", self.options.connect_timeout),
                 )
             })??;
         for (rank, conn) in dialled.into_iter().chain(accepted) {
@@ -525,10 +497,7 @@ impl QuicEndpoint {
             Some(cert) if fingerprint(&cert) == peer.fingerprint => Ok((peer.rank, conn)),
             _ => {
                 conn.close(VarInt::from_u32(1), b"unexpected certificate");
-                Err(connect_error(
-                    peer.rank,
-                    "it presented another member's certificate",
-                ))
+                Err(connect_error(peer.rank, "it presented another member's certificate"))
             }
         }
     }
@@ -539,10 +508,7 @@ impl QuicEndpoint {
         let mut accepted: Vec<(usize, Connection)> = Vec::new();
         while accepted.len() < count {
             let Some(incoming) = self.endpoint.accept().await else {
-                return Err(connect_error(
-                    self.rank,
-                    "the endpoint closed while forming the mesh",
-                ));
+                return Err(connect_error(self.rank, "the endpoint closed while forming the mesh"));
             };
             let remote = incoming.remote_address();
             let conn = match incoming.await {
@@ -600,12 +566,7 @@ pub struct QuicLink {
 
 impl std::fmt::Debug for QuicLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "QuicLink(peer {} at {})",
-            self.peer,
-            self.conn.remote_address()
-        )
+        write!(f, "QuicLink(peer {} at {})", self.peer, self.conn.remote_address())
     }
 }
 
@@ -632,10 +593,7 @@ impl QuicLink {
         }
     }
 
-    async fn incoming(
-        &self,
-        channel: ChannelId,
-    ) -> Result<Arc<tokio::sync::Mutex<Incoming>>, TransportError> {
+    async fn incoming(&self, channel: ChannelId) -> Result<Arc<tokio::sync::Mutex<Incoming>>, TransportError> {
         let mut failure = self.failure.clone();
         loop {
             let arrived = self.demux.arrived.notified();
@@ -662,11 +620,7 @@ impl QuicLink {
 }
 
 /// Takes the peer's new streams, reads each one's channel id and files it.
-async fn accept_streams(
-    conn: Connection,
-    demux: Arc<Demux>,
-    failed: watch::Sender<Option<String>>,
-) {
+async fn accept_streams(conn: Connection, demux: Arc<Demux>, failed: watch::Sender<Option<String>>) {
     loop {
         let mut stream = match conn.accept_uni().await {
             Ok(stream) => stream,
@@ -688,10 +642,7 @@ async fn accept_streams(
                     .streams
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .insert(
-                        u32::from_le_bytes(id),
-                        Arc::new(tokio::sync::Mutex::new(incoming)),
-                    );
+                    .insert(u32::from_le_bytes(id), Arc::new(tokio::sync::Mutex::new(incoming)));
                 demux.arrived.notify_waiters();
             }
         });
@@ -770,10 +721,7 @@ impl Link for QuicLink {
             });
         }
         let Incoming { stream, pool } = &mut *incoming;
-        let first = stream
-            .read_chunk(len, true)
-            .await
-            .map_err(|e| self.closed(e))?;
+        let first = stream.read_chunk(len, true).await.map_err(|e| self.closed(e))?;
         let payload = match first {
             None => {
                 return Err(TransportError::Protocol {
@@ -819,7 +767,14 @@ impl Link for QuicLink {
 impl Drop for QuicLink {
     fn drop(&mut self) {
         let stats = self.conn.stats();
-        tracing::debug!(peer = self.peer, mtu = stats.path.current_mtu, cwnd = stats.path.cwnd, lost = stats.path.lost_packets, sent = stats.path.sent_packets, "QUIC link closed");
+        tracing::debug!(
+            peer = self.peer,
+            mtu = stats.path.current_mtu,
+            cwnd = stats.path.cwnd,
+            lost = stats.path.lost_packets,
+            sent = stats.path.sent_packets,
+            "QUIC link closed"
+        );
         self.acceptor.abort();
     }
 }
@@ -947,16 +902,12 @@ mod tests {
         within(async {
             let (endpoints, peers) = endpoints(2);
             let stranger_identity = QuicIdentity::generate().unwrap();
-            let stranger =
-                QuicEndpoint::bind(0, loopback(), &stranger_identity, options()).unwrap();
+            let stranger = QuicEndpoint::bind(0, loopback(), &stranger_identity, options()).unwrap();
             // The stranger pins rank 1 (it read the store) but rank 1 does not pin it.
             let mut stranger_view = peers.clone();
             stranger_view[0].fingerprint = stranger_identity.fingerprint();
             stranger_view[0].addr = stranger.local_addr();
-            let stranger_attempt = tokio::time::timeout(
-                Duration::from_secs(5),
-                stranger.connect_mesh(&stranger_view),
-            );
+            let stranger_attempt = tokio::time::timeout(Duration::from_secs(5), stranger.connect_mesh(&stranger_view));
             let rank1 = endpoints[1].connect_mesh(&peers);
             let rank0 = endpoints[0].connect_mesh(&peers);
             let (stranger_result, rank0, rank1) = tokio::join!(stranger_attempt, rank0, rank1);
@@ -966,10 +917,7 @@ mod tests {
             if let Ok(Ok(links)) = stranger_result {
                 let link = links[1].as_ref().unwrap();
                 let outcome = tokio::time::timeout(Duration::from_secs(5), link.recv(0)).await;
-                assert!(
-                    matches!(outcome, Ok(Err(TransportError::Closed { .. }))),
-                    "{outcome:?}"
-                );
+                assert!(matches!(outcome, Ok(Err(TransportError::Closed { .. }))), "{outcome:?}");
             }
             let (rank0, rank1) = (rank0.unwrap(), rank1.unwrap());
             rank0[1]
@@ -990,15 +938,9 @@ mod tests {
     async fn raw_pair() -> (Vec<QuicEndpoint>, Connection, QuicLink) {
         let (endpoints, peers) = endpoints(2);
         for (endpoint, other) in endpoints.iter().zip(peers.iter().rev()) {
-            endpoint
-                .pinned
-                .0
-                .write()
-                .unwrap()
-                .insert(other.fingerprint, other.rank);
+            endpoint.pinned.0.write().unwrap().insert(other.fingerprint, other.rank);
         }
-        let (dialled, accepted) =
-            tokio::join!(endpoints[0].dial(peers[1].clone()), endpoints[1].accept(1));
+        let (dialled, accepted) = tokio::join!(endpoints[0].dial(peers[1].clone()), endpoints[1].accept(1));
         let (_, raw) = dialled.unwrap();
         let (rank, conn) = accepted.unwrap().pop().unwrap();
         assert_eq!(rank, 0);
@@ -1012,13 +954,7 @@ mod tests {
             let mut stream = raw.open_uni().await.unwrap();
             stream.write_all(&3u32.to_le_bytes()).await.unwrap();
             stream
-                .write_all(
-                    &FrameHeader {
-                        tag: 1,
-                        len: 1 << 60,
-                    }
-                    .encode(),
-                )
+                .write_all(&FrameHeader { tag: 1, len: 1 << 60 }.encode())
                 .await
                 .unwrap();
             let err = link.recv(3).await.unwrap_err();
@@ -1047,8 +983,7 @@ mod tests {
             assert!(
                 matches!(
                     err,
-                    TransportError::Closed { peer: 0, .. }
-                        | TransportError::Protocol { peer: 0, .. }
+                    TransportError::Closed { peer: 0, .. } | TransportError::Protocol { peer: 0, .. }
                 ),
                 "{err}"
             );
@@ -1062,10 +997,7 @@ mod tests {
             let (_endpoints, links) = mesh(3).await;
             links[2][0].as_ref().unwrap().close("vanishing");
             let err = links[0][2].as_ref().unwrap().recv(0).await.unwrap_err();
-            assert!(
-                matches!(err, TransportError::Closed { peer: 2, .. }),
-                "{err}"
-            );
+            assert!(matches!(err, TransportError::Closed { peer: 2, .. }), "{err}");
             let err = links[0][2]
                 .as_ref()
                 .unwrap()

@@ -31,14 +31,23 @@ impl ScopedLink {
 
     fn renamed(&self, error: TransportError) -> TransportError {
         match error {
-            TransportError::Closed { reason, .. } => TransportError::Closed { peer: self.peer, reason },
+            TransportError::Closed { reason, .. } => TransportError::Closed {
+                peer: self.peer,
+                reason,
+            },
             TransportError::FrameTooLarge { len, limit, .. } => TransportError::FrameTooLarge {
                 peer: self.peer,
                 len,
                 limit,
             },
-            TransportError::Protocol { reason, .. } => TransportError::Protocol { peer: self.peer, reason },
-            TransportError::Connect { reason, .. } => TransportError::Connect { peer: self.peer, reason },
+            TransportError::Protocol { reason, .. } => TransportError::Protocol {
+                peer: self.peer,
+                reason,
+            },
+            TransportError::Connect { reason, .. } => TransportError::Connect {
+                peer: self.peer,
+                reason,
+            },
         }
     }
 }
@@ -64,7 +73,10 @@ impl Link for ScopedLink {
     }
 
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
-        self.inner.recv(self.channel(channel)).await.map_err(|e| self.renamed(e))
+        self.inner
+            .recv(self.channel(channel))
+            .await
+            .map_err(|e| self.renamed(e))
     }
 
     /// Closing a subgroup's view closes the shared connection: a failure in
@@ -83,14 +95,23 @@ mod tests {
     async fn scoped_channels_do_not_meet_the_parents() {
         let (a, b) = LocalLink::pair(3, 7);
         let (a, b): (Arc<dyn Link>, Arc<dyn Link>) = (Arc::new(a), Arc::new(b));
-        let (sub_a, sub_b) = (ScopedLink::new(a.clone(), 1 << 16, 1), ScopedLink::new(b.clone(), 1 << 16, 0));
+        let (sub_a, sub_b) = (
+            ScopedLink::new(a.clone(), 1 << 16, 1),
+            ScopedLink::new(b.clone(), 1 << 16, 0),
+        );
         sub_a.send(0, 1, Bytes::from_static(b"sub")).await.unwrap();
         a.send(0, 2, Bytes::from_static(b"parent")).await.unwrap();
-        let parent = tokio::time::timeout(std::time::Duration::from_secs(5), b.recv(0)).await.unwrap().unwrap();
+        let parent = tokio::time::timeout(std::time::Duration::from_secs(5), b.recv(0))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(parent.tag, 2, "the parent's channel 0 holds only the parent's frame");
         assert_eq!(sub_b.recv(0).await.unwrap().tag, 1);
         assert_eq!(sub_b.peer(), 0);
         a.close("test");
-        assert!(matches!(sub_b.recv(0).await, Err(TransportError::Closed { peer: 0, .. })));
+        assert!(matches!(
+            sub_b.recv(0).await,
+            Err(TransportError::Closed { peer: 0, .. })
+        ));
     }
 }

@@ -264,16 +264,8 @@ impl ShmEndpoint {
 
     /// Connects to every peer but this rank; the peers do the same
     /// concurrently. Returns the links indexed by rank (`None` for this rank).
-    pub async fn connect_mesh(
-        &self,
-        peers: &[ShmPeer],
-    ) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
-        let world = peers
-            .iter()
-            .map(|p| p.rank + 1)
-            .max()
-            .unwrap_or(0)
-            .max(self.rank + 1);
+    pub async fn connect_mesh(&self, peers: &[ShmPeer]) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
+        let world = peers.iter().map(|p| p.rank + 1).max().unwrap_or(0).max(self.rank + 1);
         let mut links: Vec<Option<Arc<dyn Link>>> = (0..world).map(|_| None).collect();
         for link in self.connect_all(peers).await? {
             let peer = link.peer;
@@ -291,21 +283,15 @@ impl ShmEndpoint {
     }
 
     async fn connect_all(&self, peers: &[ShmPeer]) -> Result<Vec<ShmLink>, TransportError> {
-        let peers: Vec<ShmPeer> = peers
-            .iter()
-            .copied()
-            .filter(|p| p.rank != self.rank)
-            .collect();
+        let peers: Vec<ShmPeer> = peers.iter().copied().filter(|p| p.rank != self.rank).collect();
         let deadline = Instant::now() + self.options.connect_timeout;
         // Files this rank made and no peer has unlinked yet (rule 3).
         let mut created = Created(Vec::new());
         let mut outbound = Vec::new();
         for peer in &peers {
             let path = ring_path(&self.options.dir, self.nonce, peer.rank);
-            let ring =
-                Ring::create(&path, self.options.capacity, self.rank, peer.rank).map_err(|e| {
-                    connect_error(peer.rank, format!("creating {}: {e}", path.display()))
-                })?;
+            let ring = Ring::create(&path, self.options.capacity, self.rank, peer.rank)
+                .map_err(|e| connect_error(peer.rank, format!("creating {}: {e}", path.display())))?;
             created.0.push(path);
             outbound.push(Arc::new(ring));
         }
@@ -319,10 +305,7 @@ impl ShmEndpoint {
                 if Instant::now() >= deadline {
                     return Err(connect_error(
                         peer.rank,
-                        format!(
-                            "it did not attach within {:?}",
-                            self.options.connect_timeout
-                        ),
+                        format!("it did not attach within {:?}", self.options.connect_timeout),
                     ));
                 }
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -332,20 +315,13 @@ impl ShmEndpoint {
         Ok(peers
             .iter()
             .zip(outbound.into_iter().zip(inbound))
-            .map(|(peer, (outbound, inbound))| {
-                ShmLink::new(self.rank, peer.rank, outbound, inbound, &self.options)
-            })
+            .map(|(peer, (outbound, inbound))| ShmLink::new(self.rank, peer.rank, outbound, inbound, &self.options))
             .collect())
     }
 
     /// Waits until the peer's ring to this rank exists and is initialized,
     /// then maps it and unlinks it.
-    async fn attach(
-        &self,
-        path: &Path,
-        peer: ShmPeer,
-        deadline: Instant,
-    ) -> Result<Ring, TransportError> {
+    async fn attach(&self, path: &Path, peer: ShmPeer, deadline: Instant) -> Result<Ring, TransportError> {
         loop {
             if let Some(ring) = Ring::open(path, peer.rank, self.rank)? {
                 // Mapped: the name is no longer needed (rule 3).
@@ -424,10 +400,7 @@ impl Mapping {
         if base == libc::MAP_FAILED {
             return Err(mmap_error("reserving address space"));
         }
-        let mapping = Self {
-            base: base.cast(),
-            len,
-        };
+        let mapping = Self { base: base.cast(), len };
         let views = [
             (0, 0, data_offset + capacity),
             (data_offset + capacity, data_offset, capacity),
@@ -501,12 +474,7 @@ struct Ring {
 
 impl Ring {
     /// Creates, sizes and initializes the ring `writer_rank` sends on.
-    fn create(
-        path: &Path,
-        capacity: usize,
-        writer_rank: usize,
-        reader_rank: usize,
-    ) -> io::Result<Ring> {
+    fn create(path: &Path, capacity: usize, writer_rank: usize, reader_rank: usize) -> io::Result<Ring> {
         let data_offset = page_size();
         let file = OpenOptions::new()
             .read(true)
@@ -529,19 +497,11 @@ impl Ring {
             let map = Mapping::ring(&file, data_offset, capacity)?;
             let header = map.header_ref();
             header.version.store(VERSION, Ordering::Relaxed);
-            header
-                .writer_pid
-                .store(std::process::id(), Ordering::Relaxed);
+            header.writer_pid.store(std::process::id(), Ordering::Relaxed);
             header.capacity.store(capacity as u64, Ordering::Relaxed);
-            header
-                .data_offset
-                .store(data_offset as u64, Ordering::Relaxed);
-            header
-                .writer_rank
-                .store(writer_rank as u64, Ordering::Relaxed);
-            header
-                .reader_rank
-                .store(reader_rank as u64, Ordering::Relaxed);
+            header.data_offset.store(data_offset as u64, Ordering::Relaxed);
+            header.writer_rank.store(writer_rank as u64, Ordering::Relaxed);
+            header.reader_rank.store(reader_rank as u64, Ordering::Relaxed);
             header.magic.store(MAGIC, Ordering::Release);
             Ok(Ring {
                 map,
@@ -558,11 +518,7 @@ impl Ring {
 
     /// Opens and maps the ring `writer_rank` made for `reader_rank`:
     /// `None` while it does not exist or is not initialized yet.
-    fn open(
-        path: &Path,
-        writer_rank: usize,
-        reader_rank: usize,
-    ) -> Result<Option<Ring>, TransportError> {
+    fn open(path: &Path, writer_rank: usize, reader_rank: usize) -> Result<Option<Ring>, TransportError> {
         let peer = writer_rank;
         let file = match OpenOptions::new()
             .read(true)
@@ -573,10 +529,7 @@ impl Ring {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => {
-                return Err(connect_error(
-                    peer,
-                    format!("opening {}: {e}", path.display()),
-                ));
+                return Err(connect_error(peer, format!("opening {}: {e}", path.display())));
             }
         };
         let meta = file
@@ -594,12 +547,7 @@ impl Ring {
         if meta.len() < data_offset as u64 {
             return Ok(None);
         }
-        let bad = |reason: String| {
-            Err(protocol_error(
-                peer,
-                format!("{}: {reason}", path.display()),
-            ))
-        };
+        let bad = |reason: String| Err(protocol_error(peer, format!("{}: {reason}", path.display())));
         let capacity = {
             let map = Mapping::header(&file, data_offset).map_err(|e| connect_error(peer, e))?;
             let header = map.header_ref();
@@ -635,18 +583,12 @@ impl Ring {
             }
             capacity as usize
         };
-        let map =
-            Mapping::ring(&file, data_offset, capacity).map_err(|e| connect_error(peer, e))?;
+        let map = Mapping::ring(&file, data_offset, capacity).map_err(|e| connect_error(peer, e))?;
         // The geometry was read from another mapping; the one used must agree.
         if map.header_ref().capacity.load(Ordering::Acquire) != capacity as u64 {
-            return Err(protocol_error(
-                peer,
-                "the ring's capacity changed while attaching",
-            ));
+            return Err(protocol_error(peer, "the ring's capacity changed while attaching"));
         }
-        map.header_ref()
-            .reader_pid
-            .store(std::process::id(), Ordering::Release);
+        map.header_ref().reader_pid.store(std::process::id(), Ordering::Release);
         Ok(Some(Ring {
             map,
             data_offset,
@@ -664,11 +606,7 @@ impl Ring {
     fn at(&self, pos: u64) -> *mut u8 {
         // SAFETY: `data_offset + pos % capacity < data_offset + capacity`,
         // inside the reservation.
-        unsafe {
-            self.map
-                .base
-                .add(self.data_offset + (pos % self.capacity) as usize)
-        }
+        unsafe { self.map.base.add(self.data_offset + (pos % self.capacity) as usize) }
     }
 
     /// Bumps both futex words and wakes everyone sleeping on them.
@@ -755,8 +693,7 @@ fn alive(pid: u32) -> bool {
     }
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => !matches!(
-            stat.rfind(')')
-                .and_then(|i| stat[i + 1..].trim_start().chars().next()),
+            stat.rfind(')').and_then(|i| stat[i + 1..].trim_start().chars().next()),
             Some('Z' | 'X')
         ),
         Err(_) => true,
@@ -839,16 +776,8 @@ impl Shared {
     /// Fails the link (the first error wins) and tells the peer (rule 7).
     fn fail(&self, error: TransportError) {
         // Flags first: whoever sees the error here also sees them there.
-        self.outbound
-            .header()
-            .writer
-            .closed
-            .store(1, Ordering::SeqCst);
-        self.inbound
-            .header()
-            .reader
-            .closed
-            .store(1, Ordering::SeqCst);
+        self.outbound.header().writer.closed.store(1, Ordering::SeqCst);
+        self.inbound.header().reader.closed.store(1, Ordering::SeqCst);
         self.closed.send_if_modified(|current| {
             if current.is_none() {
                 *current = Some(error);
@@ -944,12 +873,7 @@ impl Shared {
 
     /// Writes a frame now if it is one record and fits; `false` if it must
     /// wait.
-    fn try_write(
-        &self,
-        channel: ChannelId,
-        tag: u64,
-        payload: &[u8],
-    ) -> Result<bool, TransportError> {
+    fn try_write(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
         let size = record_size(payload.len());
         if size > self.outbound.capacity {
             return Ok(false);
@@ -1083,8 +1007,7 @@ impl Shared {
                 unsafe {
                     std::ptr::copy_nonoverlapping(ring.at(pos), record.as_mut_ptr(), record.len());
                 }
-                let field =
-                    |at: usize| u64::from_le_bytes(record[at..at + 8].try_into().expect("8 bytes"));
+                let field = |at: usize| u64::from_le_bytes(record[at..at + 8].try_into().expect("8 bytes"));
                 let channel = u32::from_le_bytes(record[0..4].try_into().expect("4 bytes"));
                 let (tag, len, total) = (field(8), field(16), field(24));
                 if total > self.max_frame as u64 {
@@ -1098,9 +1021,7 @@ impl Shared {
                 if len > total || len > available || record_size(len as usize) > available {
                     return Err(protocol_error(
                         self.peer,
-                        format!(
-                            "a record of {len} bytes (frame of {total}) with {available} bytes published"
-                        ),
+                        format!("a record of {len} bytes (frame of {total}) with {available} bytes published"),
                     ));
                 }
                 let (start, end) = (pos, pos + record_size(len as usize));
@@ -1146,9 +1067,7 @@ impl Shared {
                 }
                 // SAFETY: as for the record header: `start + 64 .. + len` is
                 // published, contiguous and not written by the peer.
-                let piece = unsafe {
-                    std::slice::from_raw_parts(ring.at(start).add(RECORD_HEADER), len as usize)
-                };
+                let piece = unsafe { std::slice::from_raw_parts(ring.at(start).add(RECORD_HEADER), len as usize) };
                 pool.extend_from_slice(piece);
                 ring.release(start, end);
                 if pool.len() as u64 == total {
@@ -1199,13 +1118,7 @@ impl std::fmt::Debug for ShmLink {
 }
 
 impl ShmLink {
-    fn new(
-        me: usize,
-        peer: usize,
-        outbound: Arc<Ring>,
-        inbound: Arc<Ring>,
-        options: &ShmOptions,
-    ) -> Self {
+    fn new(me: usize, peer: usize, outbound: Arc<Ring>, inbound: Arc<Ring>, options: &ShmOptions) -> Self {
         let shared = Arc::new(Shared {
             me,
             peer,
@@ -1348,21 +1261,13 @@ mod tests {
         let (ab, ba) = (ab.unwrap(), ba.unwrap());
         for (endpoint, peer) in [(&a, 1), (&b, 0)] {
             let path = ring_path(&endpoint.options.dir, endpoint.nonce, peer);
-            assert!(
-                !path.exists(),
-                "{} must be unlinked once mapped",
-                path.display()
-            );
+            assert!(!path.exists(), "{} must be unlinked once mapped", path.display());
         }
         (ab, ba)
     }
 
     fn pattern(len: usize, seed: u8) -> Bytes {
-        Bytes::from(
-            (0..len)
-                .map(|i| (i % 251) as u8 ^ seed)
-                .collect::<Vec<u8>>(),
-        )
+        Bytes::from((0..len).map(|i| (i % 251) as u8 ^ seed).collect::<Vec<u8>>())
     }
 
     #[tokio::test]
@@ -1372,9 +1277,7 @@ mod tests {
             // Within the queue depth (16): a channel left unread beyond it
             // stalls the others (see the module doc).
             for tag in 0..16u64 {
-                a.send(1, tag, pattern(100 + tag as usize, 1))
-                    .await
-                    .unwrap();
+                a.send(1, tag, pattern(100 + tag as usize, 1)).await.unwrap();
                 a.send(2, 1000 + tag, Bytes::new()).await.unwrap();
             }
             // Channel 2 is read first although frames were interleaved.
@@ -1389,10 +1292,7 @@ mod tests {
                 assert_eq!(frame.payload.as_ptr() as usize % RECORD_HEADER, 0);
             }
             b.send(9, 5, Bytes::from_static(b"back")).await.unwrap();
-            assert_eq!(
-                a.recv(9).await.unwrap().payload,
-                Bytes::from_static(b"back")
-            );
+            assert_eq!(a.recv(9).await.unwrap().payload, Bytes::from_static(b"back"));
             assert_eq!(a.kind(), TransportKind::Shm);
         })
         .await;
@@ -1407,8 +1307,7 @@ mod tests {
             let frame = b.recv(0).await.unwrap();
             let ring = b.shared.inbound.at(0) as usize;
             assert!(
-                (ring..ring + 2 * b.shared.inbound.capacity as usize)
-                    .contains(&(frame.payload.as_ptr() as usize)),
+                (ring..ring + 2 * b.shared.inbound.capacity as usize).contains(&(frame.payload.as_ptr() as usize)),
                 "a frame that fits the ring is received without a copy"
             );
             assert!(frame.payload == big);
@@ -1417,9 +1316,7 @@ mod tests {
             let (a, b) = pair(1 << 20).await;
             let sender = tokio::spawn(async move {
                 for seed in 0..3 {
-                    a.send(4, seed as u64, pattern(5 << 20, seed))
-                        .await
-                        .unwrap();
+                    a.send(4, seed as u64, pattern(5 << 20, seed)).await.unwrap();
                 }
                 a
             });
@@ -1440,9 +1337,7 @@ mod tests {
             // 4 records of 16 KiB fill the ring; the receiver keeps them all.
             let mut held = Vec::new();
             for tag in 0..4 {
-                a.send(0, tag, pattern((16 << 10) - RECORD_HEADER, 0))
-                    .await
-                    .unwrap();
+                a.send(0, tag, pattern((16 << 10) - RECORD_HEADER, 0)).await.unwrap();
             }
             for _ in 0..4 {
                 held.push(b.recv(0).await.unwrap());
@@ -1457,10 +1352,7 @@ mod tests {
             // Released out of order: nothing frees until the first goes.
             held.swap_remove(3);
             tokio::time::sleep(Duration::from_millis(100)).await;
-            assert!(
-                !blocked.is_finished(),
-                "tail must wait for the first record"
-            );
+            assert!(!blocked.is_finished(), "tail must wait for the first record");
             held.remove(0);
             blocked.await.unwrap().unwrap();
             assert_eq!(b.recv(0).await.unwrap().tag, 4);
@@ -1472,24 +1364,16 @@ mod tests {
     async fn close_fails_both_sides_after_delivering_what_was_sent() {
         within(async {
             let (a, b) = pair(1 << 20).await;
-            a.send(0, 1, Bytes::from_static(b"last words"))
-                .await
-                .unwrap();
+            a.send(0, 1, Bytes::from_static(b"last words")).await.unwrap();
             a.close("test");
             let frame = b.recv(0).await.unwrap();
             assert_eq!(frame.payload, Bytes::from_static(b"last words"));
             let err = b.recv(0).await.unwrap_err();
-            assert!(
-                matches!(err, TransportError::Closed { peer: 0, .. }),
-                "{err}"
-            );
+            assert!(matches!(err, TransportError::Closed { peer: 0, .. }), "{err}");
             let err = b.send(0, 0, Bytes::from_static(b"kept")).await.unwrap_err();
             assert_eq!(err.payload, Bytes::from_static(b"kept"));
             let err = a.recv(0).await.unwrap_err();
-            assert!(
-                matches!(err, TransportError::Closed { peer: 1, .. }),
-                "{err}"
-            );
+            assert!(matches!(err, TransportError::Closed { peer: 1, .. }), "{err}");
         })
         .await;
     }
@@ -1504,13 +1388,7 @@ mod tests {
             let mut perms = std::fs::metadata(&garbage).unwrap().permissions();
             std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o600);
             std::fs::set_permissions(&garbage, perms).unwrap();
-            let err = b
-                .connect(ShmPeer {
-                    rank: 0,
-                    nonce: fake,
-                })
-                .await
-                .unwrap_err();
+            let err = b.connect(ShmPeer { rank: 0, nonce: fake }).await.unwrap_err();
             std::fs::remove_file(&garbage).unwrap();
             assert!(
                 matches!(&err, TransportError::Protocol { peer: 0, reason } if reason.contains("magic")),
@@ -1543,16 +1421,10 @@ mod tests {
             let ring = &a.shared.outbound;
             // SAFETY: the ring is empty and only this test writes to it.
             unsafe { std::ptr::copy_nonoverlapping(record.as_ptr(), ring.at(0), RECORD_HEADER) };
-            ring.header()
-                .writer
-                .head
-                .store(RECORD_HEADER as u64, Ordering::SeqCst);
+            ring.header().writer.head.store(RECORD_HEADER as u64, Ordering::SeqCst);
             ring.poke();
             let err = b.recv(0).await.unwrap_err();
-            assert!(
-                matches!(err, TransportError::Protocol { peer: 0, .. }),
-                "{err}"
-            );
+            assert!(matches!(err, TransportError::Protocol { peer: 0, .. }), "{err}");
             // The writer learns that the reader gave up.
             let err = a.send(0, 0, Bytes::new()).await.unwrap_err();
             assert!(
@@ -1576,10 +1448,7 @@ mod tests {
             )
             .unwrap();
             let err = a.connect(ShmPeer { rank: 1, nonce: 1 }).await.unwrap_err();
-            assert!(
-                matches!(err, TransportError::Connect { peer: 1, .. }),
-                "{err}"
-            );
+            assert!(matches!(err, TransportError::Connect { peer: 1, .. }), "{err}");
             assert!(!ring_path(&a.options.dir, a.nonce, 1).exists());
         })
         .await;
@@ -1667,13 +1536,7 @@ mod tests {
             let endpoint = ShmEndpoint::new(1, ShmOptions::default()).unwrap();
             println!("{NONCE_LINE}{:016x}", endpoint.nonce());
             std::io::stdout().flush().unwrap();
-            let link = endpoint
-                .connect(ShmPeer {
-                    rank: 0,
-                    nonce: parent,
-                })
-                .await
-                .unwrap();
+            let link = endpoint.connect(ShmPeer { rank: 0, nonce: parent }).await.unwrap();
             match role.as_str() {
                 // Echoes channel 4's frame, then channel 3's five frames.
                 "echo" => {
@@ -1691,10 +1554,7 @@ mod tests {
                 }
                 // Receives and drops frames until the count, then acks.
                 "sink" => {
-                    let count: usize = std::env::var("CHORUS_SHM_TEST_COUNT")
-                        .unwrap()
-                        .parse()
-                        .unwrap();
+                    let count: usize = std::env::var("CHORUS_SHM_TEST_COUNT").unwrap().parse().unwrap();
                     for _ in 0..count {
                         let frame = link.recv(0).await.unwrap();
                         assert_eq!(frame.payload.len(), BIG);
@@ -1710,14 +1570,8 @@ mod tests {
     /// Reads `count` 64 MiB transfers from the parent's TCP port into one
     /// reused buffer, then acks with one byte.
     fn tcp_sink() {
-        let port: u16 = std::env::var("CHORUS_SHM_TEST_PORT")
-            .unwrap()
-            .parse()
-            .unwrap();
-        let count: usize = std::env::var("CHORUS_SHM_TEST_COUNT")
-            .unwrap()
-            .parse()
-            .unwrap();
+        let port: u16 = std::env::var("CHORUS_SHM_TEST_PORT").unwrap().parse().unwrap();
+        let count: usize = std::env::var("CHORUS_SHM_TEST_COUNT").unwrap().parse().unwrap();
         println!("{NONCE_LINE}0");
         std::io::stdout().flush().unwrap();
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -1734,9 +1588,7 @@ mod tests {
             let (link, _child) = with_child("echo", &[]).await;
             let big = pattern(BIG, 3);
             for tag in 0..5u64 {
-                link.send(3, tag, pattern(1000 + tag as usize, 9))
-                    .await
-                    .unwrap();
+                link.send(3, tag, pattern(1000 + tag as usize, 9)).await.unwrap();
             }
             link.send(4, 99, big.clone()).await.unwrap();
             let frame = link.recv(4).await.unwrap();
@@ -1787,15 +1639,8 @@ mod tests {
             );
             assert_eq!(err.payload.len(), 16 << 20);
             let err = receiver.await.unwrap().unwrap_err();
-            assert!(
-                matches!(err, TransportError::Closed { peer: 1, .. }),
-                "{err}"
-            );
-            assert!(
-                killed.elapsed() < Duration::from_secs(2),
-                "took {:?}",
-                killed.elapsed()
-            );
+            assert!(matches!(err, TransportError::Closed { peer: 1, .. }), "{err}");
+            assert!(killed.elapsed() < Duration::from_secs(2), "took {:?}", killed.elapsed());
         })
         .await;
     }
@@ -1825,11 +1670,7 @@ mod tests {
 
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port().to_string();
-        let _child = ChildProcess::spawn(
-            "tcp-sink",
-            0,
-            &[count[0].clone(), ("CHORUS_SHM_TEST_PORT", port)],
-        );
+        let _child = ChildProcess::spawn("tcp-sink", 0, &[count[0].clone(), ("CHORUS_SHM_TEST_PORT", port)]);
         let (mut stream, _) = listener.accept().unwrap();
         for _ in 0..2 {
             stream.write_all(&payload).unwrap();

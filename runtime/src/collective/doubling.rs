@@ -17,10 +17,7 @@ enum Role {
     Extra,
     /// In the group, with this rank in the group; `absorbs` is the folded
     /// rank it reduces first and answers last.
-    Member {
-        group_rank: usize,
-        absorbs: Option<usize>,
-    },
+    Member { group_rank: usize, absorbs: Option<usize> },
 }
 
 /// The power-of-two group of a world.
@@ -62,11 +59,7 @@ impl Group {
 
     /// The world rank of group rank `g`.
     fn world_rank(&self, g: usize) -> usize {
-        if g < self.rem {
-            2 * g + 1
-        } else {
-            g + self.rem
-        }
+        if g < self.rem { 2 * g + 1 } else { g + self.rem }
     }
 }
 
@@ -89,10 +82,7 @@ fn folded(
             b.send(rank + 1, Tag::new(0, 0), Region::Output(all.clone()));
             b.recv(rank + 1, last, all, Combine::Copy);
         }
-        Role::Member {
-            group_rank,
-            absorbs,
-        } => {
+        Role::Member { group_rank, absorbs } => {
             if let Some(extra) = absorbs {
                 b.recv(extra, Tag::new(0, 0), all.clone(), Combine::Reduce);
             }
@@ -126,9 +116,8 @@ pub(crate) fn halving_doubling(b: &mut Builder, rank: usize, world: usize, count
     let log = Group::new(world).log;
     folded(b, rank, world, count, 2 * log, |b, group, g| {
         // Elements of blocks `lo..hi` when `count` is cut into `size` blocks.
-        let blocks = |lo: usize, hi: usize| -> Range<usize> {
-            bound(count, group.size, lo)..bound(count, group.size, hi)
-        };
+        let blocks =
+            |lo: usize, hi: usize| -> Range<usize> { bound(count, group.size, lo)..bound(count, group.size, hi) };
         let (mut lo, mut hi) = (0, group.size);
         for k in 0..group.log {
             let mask = group.size >> (k + 1);

@@ -86,10 +86,7 @@ impl DType {
 
     /// Whether this is a floating-point type.
     pub const fn is_float(self) -> bool {
-        matches!(
-            self,
-            DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64
-        )
+        matches!(self, DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64)
     }
 
     /// PyTorch's name (`float32`, `bfloat16`, `int64`, ...); also [`Display`](fmt::Display).
@@ -240,13 +237,10 @@ impl FromStr for ReduceOp {
     type Err = ParseError;
 
     fn from_str(s: &str) -> Result<Self, ParseError> {
-        Self::ALL
-            .into_iter()
-            .find(|op| op.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Self::ALL.iter().map(|op| op.name()).collect();
-                ParseError::new("reduce op", s, &names)
-            })
+        Self::ALL.into_iter().find(|op| op.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|op| op.name()).collect();
+            ParseError::new("reduce op", s, &names)
+        })
     }
 }
 

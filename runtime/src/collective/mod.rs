@@ -48,7 +48,6 @@ pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
 pub use reduce::{ReduceError, finalize_avg, reduce_into};
 pub use schedule::{
     Algorithm, CollectiveKind, HALVING_DOUBLING_MAX_BYTES, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_WORLD,
-    MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, Spec,
-    choose_algorithm,
+    MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, Spec, choose_algorithm,
 };
 pub use signature::{ENCODED_LEN, Signature, SignatureError};

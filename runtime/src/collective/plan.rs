@@ -127,8 +127,7 @@ impl Action {
     pub fn reads(&self) -> Option<&Range<usize>> {
         match self {
             Action::Send {
-                src: Region::Output(r),
-                ..
+                src: Region::Output(r), ..
             } => Some(r),
             _ => None,
         }
@@ -230,24 +229,8 @@ impl Builder {
     }
 
     /// Receives into `dst` from `from`; skipped (`None`) when empty.
-    pub(crate) fn recv(
-        &mut self,
-        from: usize,
-        tag: Tag,
-        dst: Range<usize>,
-        then: Combine,
-    ) -> Option<StepId> {
-        (!dst.is_empty()).then(|| {
-            self.push(
-                Action::Recv {
-                    from,
-                    tag,
-                    dst,
-                    then,
-                },
-                &[],
-            )
-        })
+    pub(crate) fn recv(&mut self, from: usize, tag: Tag, dst: Range<usize>, then: Combine) -> Option<StepId> {
+        (!dst.is_empty()).then(|| self.push(Action::Recv { from, tag, dst, then }, &[]))
     }
 
     /// Copies `input[src]` to `output[dst]`; skipped (`None`) when empty.

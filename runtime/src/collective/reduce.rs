@@ -48,9 +48,7 @@ pub enum ReduceError {
         src: usize,
     },
     /// A buffer's length is not a whole number of elements.
-    #[error(
-        "a buffer of {len} bytes is not a whole number of {dtype} elements ({size} bytes each)"
-    )]
+    #[error("a buffer of {len} bytes is not a whole number of {dtype} elements ({size} bytes each)")]
     Ragged {
         /// Length of the buffer, in bytes.
         len: usize,
@@ -87,20 +85,8 @@ macro_rules! float_op {
             ReduceOp::Sum | ReduceOp::Avg => $run($dst, $src, |a: $acc, b: $acc| a + b),
             ReduceOp::Prod => $run($dst, $src, |a: $acc, b: $acc| a * b),
             // NaN-propagating (torch.minimum); written as selects so it vectorizes.
-            ReduceOp::Min => $run(
-                $dst,
-                $src,
-                |a: $acc, b: $acc| {
-                    if b.is_nan() || b < a { b } else { a }
-                },
-            ),
-            ReduceOp::Max => $run(
-                $dst,
-                $src,
-                |a: $acc, b: $acc| {
-                    if b.is_nan() || b > a { b } else { a }
-                },
-            ),
+            ReduceOp::Min => $run($dst, $src, |a: $acc, b: $acc| if b.is_nan() || b < a { b } else { a }),
+            ReduceOp::Max => $run($dst, $src, |a: $acc, b: $acc| if b.is_nan() || b > a { b } else { a }),
             ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => {}
         }
     }};
@@ -110,12 +96,7 @@ macro_rules! float_op {
 /// Both are raw bytes of `dtype` elements in native byte order, of equal
 /// length, with any alignment. [`ReduceOp::Avg`] combines as a sum; divide
 /// the final result with [`finalize_avg`].
-pub fn reduce_into(
-    op: ReduceOp,
-    dtype: DType,
-    dst: &mut [u8],
-    src: &[u8],
-) -> Result<(), ReduceError> {
+pub fn reduce_into(op: ReduceOp, dtype: DType, dst: &mut [u8], src: &[u8]) -> Result<(), ReduceError> {
     if !op.supports(dtype) {
         return Err(ReduceError::Unsupported { op, dtype });
     }
@@ -330,11 +311,7 @@ mod tests {
         let b: Vec<i64> = (0..n as i64).map(|i| nonzero((i * 5) % 9 - 4)).collect();
         for dtype in DType::ALL {
             let signed = |v: i64| {
-                if dtype.name().starts_with('u') {
-                    v + 5
-                } else {
-                    v
-                }
+                if dtype.name().starts_with('u') { v + 5 } else { v }
             };
             let (a, b): (Vec<i64>, Vec<i64>) = (
                 a.iter().map(|&v| signed(v)).collect(),
@@ -343,10 +320,7 @@ mod tests {
             for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(dtype)) {
                 let want = buffer(
                     dtype,
-                    &a.iter()
-                        .zip(&b)
-                        .map(|(&x, &y)| scalar(op, x, y))
-                        .collect::<Vec<_>>(),
+                    &a.iter().zip(&b).map(|(&x, &y)| scalar(op, x, y)).collect::<Vec<_>>(),
                 );
                 for offset in [0, 1, 3] {
                     // Misalign dst and src differently.
@@ -365,23 +339,14 @@ mod tests {
     #[test]
     fn integers_wrap_and_floats_propagate_nan() {
         let mut d = buffer(DType::Int8, &[127, -128]);
-        reduce_into(
-            ReduceOp::Sum,
-            DType::Int8,
-            &mut d,
-            &buffer(DType::Int8, &[1, -1]),
-        )
-        .unwrap();
+        reduce_into(ReduceOp::Sum, DType::Int8, &mut d, &buffer(DType::Int8, &[1, -1])).unwrap();
         assert_eq!(d, buffer(DType::Int8, &[-128, 127]));
 
         for op in [ReduceOp::Min, ReduceOp::Max] {
             for (x, y) in [(f32::NAN, 1.0), (1.0, f32::NAN)] {
                 let mut d = x.to_ne_bytes().to_vec();
                 reduce_into(op, DType::Float32, &mut d, &y.to_ne_bytes()).unwrap();
-                assert!(
-                    f32::from_ne_bytes(d.try_into().unwrap()).is_nan(),
-                    "{op} {x} {y}"
-                );
+                assert!(f32::from_ne_bytes(d.try_into().unwrap()).is_nan(), "{op} {x} {y}");
             }
         }
     }
@@ -390,13 +355,7 @@ mod tests {
     fn half_precision_rounds_once_per_combine() {
         // 2048 + 1 is not representable in float16: rounds to even (2048).
         let mut d = f16::from_f32(2048.0).to_ne_bytes().to_vec();
-        reduce_into(
-            ReduceOp::Sum,
-            DType::Float16,
-            &mut d,
-            &f16::from_f32(1.0).to_ne_bytes(),
-        )
-        .unwrap();
+        reduce_into(ReduceOp::Sum, DType::Float16, &mut d, &f16::from_f32(1.0).to_ne_bytes()).unwrap();
         assert_eq!(f16::from_ne_bytes([d[0], d[1]]).to_f32(), 2048.0);
         // 1.5 * 1.5 = 2.25 is exact in bfloat16.
         let mut d = bf16::from_f32(1.5).to_ne_bytes().to_vec();
@@ -450,10 +409,7 @@ mod tests {
             reduce_into(ReduceOp::Sum, DType::Float64, &mut d[..6], &[0; 6]),
             Err(ReduceError::Ragged { len: 6, .. })
         ));
-        assert_eq!(
-            finalize_avg(DType::Int32, &mut d, 0),
-            Err(ReduceError::EmptyWorld)
-        );
+        assert_eq!(finalize_avg(DType::Int32, &mut d, 0), Err(ReduceError::EmptyWorld));
     }
 
     #[test]
@@ -467,10 +423,7 @@ mod tests {
         let mut d = vec![0u8];
         d.extend(buffer(DType::Float64, &[7, -3]));
         finalize_avg(DType::Float64, &mut d[1..], 2).unwrap();
-        assert_eq!(
-            d[1..],
-            [3.5f64.to_ne_bytes(), (-1.5f64).to_ne_bytes()].concat()
-        );
+        assert_eq!(d[1..], [3.5f64.to_ne_bytes(), (-1.5f64).to_ne_bytes()].concat());
         let mut d = buffer(DType::BFloat16, &[3]);
         finalize_avg(DType::BFloat16, &mut d, 4).unwrap();
         assert_eq!(d, bf16::from_f32(0.75).to_ne_bytes());

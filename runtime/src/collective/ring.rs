@@ -82,11 +82,7 @@ impl Ring<'_> {
         for t in 0..self.world - 1 {
             for s in 0..self.segments {
                 let tag = Tag::new(round0 + t, s);
-                b.send(
-                    self.right(),
-                    tag,
-                    Region::Output(part(self.chunk(t), self.segments, s)),
-                );
+                b.send(self.right(), tag, Region::Output(part(self.chunk(t), self.segments, s)));
                 b.recv(
                     self.left(),
                     tag,
@@ -99,13 +95,7 @@ impl Ring<'_> {
 }
 
 /// Ring all-reduce of `output[0..count]` in place.
-pub(crate) fn all_reduce(
-    b: &mut Builder,
-    rank: usize,
-    world: usize,
-    count: usize,
-    elem_size: usize,
-) {
+pub(crate) fn all_reduce(b: &mut Builder, rank: usize, world: usize, count: usize, elem_size: usize) {
     let whole = 0..count;
     let chunks: Vec<Range<usize>> = (0..world).map(|c| part(&whole, world, c)).collect();
     let ring = Ring {
@@ -125,13 +115,7 @@ fn blocks(world: usize, count: usize) -> Vec<Range<usize>> {
 
 /// Ring reduce-scatter of `output[0..count * world]` in place; block `rank`
 /// holds the result.
-pub(crate) fn reduce_scatter(
-    b: &mut Builder,
-    rank: usize,
-    world: usize,
-    count: usize,
-    elem_size: usize,
-) {
+pub(crate) fn reduce_scatter(b: &mut Builder, rank: usize, world: usize, count: usize, elem_size: usize) {
     let chunks = blocks(world, count);
     let segments = segments(count, elem_size, MIN_SEGMENTS_PER_CHUNK);
     Ring {
@@ -145,13 +129,7 @@ pub(crate) fn reduce_scatter(
 
 /// Ring all-gather of every rank's `input[0..count]` into block `i` of
 /// `output[0..count * world]`.
-pub(crate) fn all_gather(
-    b: &mut Builder,
-    rank: usize,
-    world: usize,
-    count: usize,
-    elem_size: usize,
-) {
+pub(crate) fn all_gather(b: &mut Builder, rank: usize, world: usize, count: usize, elem_size: usize) {
     let chunks = blocks(world, count);
     b.copy(0..count, chunks[rank].clone());
     let segments = segments(count, elem_size, MIN_SEGMENTS_PER_CHUNK);

@@ -138,10 +138,9 @@ impl CollectiveKind {
             ],
             CollectiveKind::Broadcast | CollectiveKind::Reduce => &[Algorithm::BinomialTree],
             CollectiveKind::AllGather | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
-            CollectiveKind::Gather
-            | CollectiveKind::Scatter
-            | CollectiveKind::Send
-            | CollectiveKind::Recv => &[Algorithm::Direct],
+            CollectiveKind::Gather | CollectiveKind::Scatter | CollectiveKind::Send | CollectiveKind::Recv => {
+                &[Algorithm::Direct]
+            }
             CollectiveKind::AllToAll => &[Algorithm::Pairwise],
             CollectiveKind::Barrier => &[Algorithm::Dissemination],
         }
@@ -168,13 +167,10 @@ impl FromStr for CollectiveKind {
     type Err = ParseError;
 
     fn from_str(s: &str) -> Result<Self, ParseError> {
-        Self::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
-                ParseError::new("collective", s, &names)
-            })
+        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
+            ParseError::new("collective", s, &names)
+        })
     }
 }
 
@@ -235,13 +231,10 @@ impl FromStr for Algorithm {
     type Err = ParseError;
 
     fn from_str(s: &str) -> Result<Self, ParseError> {
-        Self::ALL
-            .into_iter()
-            .find(|a| a.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Self::ALL.iter().map(|a| a.name()).collect();
-                ParseError::new("algorithm", s, &names)
-            })
+        Self::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|a| a.name()).collect();
+            ParseError::new("algorithm", s, &names)
+        })
     }
 }
 
@@ -268,11 +261,7 @@ impl Overrides {
                     let algo: Algorithm = algo.trim().parse()?;
                     if !kind.algorithms().contains(&algo) {
                         let names: Vec<&str> = kind.algorithms().iter().map(|a| a.name()).collect();
-                        return Err(ParseError::new(
-                            "algorithm for this collective",
-                            entry,
-                            &names,
-                        ));
+                        return Err(ParseError::new("algorithm for this collective", entry, &names));
                     }
                     forced.push((kind, algo));
                 }
@@ -292,22 +281,13 @@ impl Overrides {
 
     /// The algorithm forced for `kind`, if any.
     pub fn get(&self, kind: CollectiveKind) -> Option<Algorithm> {
-        self.forced
-            .iter()
-            .rev()
-            .find(|(k, _)| *k == kind)
-            .map(|&(_, a)| a)
+        self.forced.iter().rev().find(|(k, _)| *k == kind).map(|&(_, a)| a)
     }
 }
 
 /// Picks the algorithm for a collective of `bytes` per rank (the buffer an
 /// all-reduce reduces) over `world` ranks, unless `overrides` forces one.
-pub fn choose_algorithm(
-    kind: CollectiveKind,
-    bytes: usize,
-    world: usize,
-    overrides: &Overrides,
-) -> Algorithm {
+pub fn choose_algorithm(kind: CollectiveKind, bytes: usize, world: usize, overrides: &Overrides) -> Algorithm {
     if let Some(forced) = overrides.get(kind) {
         return forced;
     }
@@ -315,14 +295,11 @@ pub fn choose_algorithm(
         // Two ranks: halving-doubling moves the same bytes as recursive
         // doubling, in two messages instead of one.
         CollectiveKind::AllReduce
-            if bytes <= RECURSIVE_DOUBLING_MAX_BYTES
-                || (world <= 2 && bytes <= HALVING_DOUBLING_MAX_BYTES) =>
+            if bytes <= RECURSIVE_DOUBLING_MAX_BYTES || (world <= 2 && bytes <= HALVING_DOUBLING_MAX_BYTES) =>
         {
             Algorithm::RecursiveDoubling
         }
-        CollectiveKind::AllReduce if bytes <= HALVING_DOUBLING_MAX_BYTES => {
-            Algorithm::HalvingDoubling
-        }
+        CollectiveKind::AllReduce if bytes <= HALVING_DOUBLING_MAX_BYTES => Algorithm::HalvingDoubling,
         CollectiveKind::AllReduce => Algorithm::Ring,
         _ => kind.algorithms()[0],
     }
@@ -344,9 +321,7 @@ pub enum PlanError {
     },
     /// A rooted collective without a root, a root (or peer) not below the
     /// world size, or a point-to-point operation with this rank itself.
-    #[error(
-        "{kind} needs a root (for send and recv: a peer other than this rank) in 0..{world}; got {root:?}"
-    )]
+    #[error("{kind} needs a root (for send and recv: a peer other than this rank) in 0..{world}; got {root:?}")]
     Root {
         /// The collective.
         kind: CollectiveKind,
@@ -364,9 +339,7 @@ pub enum PlanError {
         algorithm: Algorithm,
     },
     /// The buffers are larger than [`MAX_BYTES`].
-    #[error(
-        "{count} elements of {dtype} per rank over {world} ranks exceed the limit of {MAX_BYTES} bytes"
-    )]
+    #[error("{count} elements of {dtype} per rank over {world} ranks exceed the limit of {MAX_BYTES} bytes")]
     TooLarge {
         /// Elements per rank.
         count: usize,
@@ -427,15 +400,8 @@ impl Spec {
         let size = dtype.size();
         let all = n
             .checked_mul(world)
-            .filter(|all| {
-                all.checked_mul(size)
-                    .is_some_and(|bytes| bytes <= MAX_BYTES)
-            })
-            .ok_or(PlanError::TooLarge {
-                count: n,
-                dtype,
-                world,
-            })?;
+            .filter(|all| all.checked_mul(size).is_some_and(|bytes| bytes <= MAX_BYTES))
+            .ok_or(PlanError::TooLarge { count: n, dtype, world })?;
         let p2p = matches!(kind, CollectiveKind::Send | CollectiveKind::Recv);
         let root = match root {
             _ if !kind.rooted() => 0,
@@ -444,9 +410,7 @@ impl Spec {
         };
         let is_root = rank == root;
         let (input_len, output_len) = match kind {
-            CollectiveKind::AllReduce | CollectiveKind::Broadcast | CollectiveKind::Reduce => {
-                (0, n)
-            }
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast | CollectiveKind::Reduce => (0, n),
             CollectiveKind::AllGather => (n, all),
             CollectiveKind::Gather => (n, if is_root { all } else { 0 }),
             CollectiveKind::Scatter => (if is_root { all } else { 0 }, n),
@@ -458,9 +422,7 @@ impl Spec {
         };
         let mut b = Builder::new(rank, world, input_len, output_len);
         match (kind, algorithm) {
-            (CollectiveKind::AllReduce, Algorithm::Ring) => {
-                ring::all_reduce(&mut b, rank, world, n, size)
-            }
+            (CollectiveKind::AllReduce, Algorithm::Ring) => ring::all_reduce(&mut b, rank, world, n, size),
             (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling) => {
                 doubling::recursive_doubling(&mut b, rank, world, n)
             }
@@ -468,9 +430,7 @@ impl Spec {
             (CollectiveKind::Broadcast, _) => tree::broadcast(&mut b, rank, world, root, n, size),
             (CollectiveKind::Reduce, _) => tree::reduce(&mut b, rank, world, root, n, size),
             (CollectiveKind::AllGather, _) => ring::all_gather(&mut b, rank, world, n, size),
-            (CollectiveKind::ReduceScatter, _) => {
-                ring::reduce_scatter(&mut b, rank, world, n, size)
-            }
+            (CollectiveKind::ReduceScatter, _) => ring::reduce_scatter(&mut b, rank, world, n, size),
             (CollectiveKind::Gather, _) => direct::gather(&mut b, rank, world, root, n),
             (CollectiveKind::Scatter, _) => direct::scatter(&mut b, rank, world, root, n),
             (CollectiveKind::AllToAll, _) => direct::all_to_all(&mut b, rank, world, n),

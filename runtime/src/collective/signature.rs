@@ -31,9 +31,7 @@ pub enum SignatureError {
     Length(usize),
     /// An encoding version this build does not know; peers run different
     /// chorus versions.
-    #[error(
-        "signature version {0}; this build knows version {VERSION} (do all ranks run the same chorus?)"
-    )]
+    #[error("signature version {0}; this build knows version {VERSION} (do all ranks run the same chorus?)")]
     Version(u8),
     /// A field holds a value no signature encodes.
     #[error("signature field {field} holds invalid value {value}")]
@@ -81,9 +79,7 @@ impl Signature {
 
     /// Decodes [`encode`](Self::encode)'s output, checking every field.
     pub fn decode(bytes: &[u8]) -> Result<Self, SignatureError> {
-        let bytes: &[u8; ENCODED_LEN] = bytes
-            .try_into()
-            .map_err(|_| SignatureError::Length(bytes.len()))?;
+        let bytes: &[u8; ENCODED_LEN] = bytes.try_into().map_err(|_| SignatureError::Length(bytes.len()))?;
         if bytes[0] != VERSION {
             return Err(SignatureError::Version(bytes[0]));
         }
@@ -131,9 +127,7 @@ impl Signature {
             diffs.push(format!("sequence number {} vs {}", self.seq, other.seq));
         }
         let p2p = matches!((self.kind, other.kind), (Send, Recv) | (Recv, Send));
-        if self.kind != other.kind && !p2p
-            || self.kind == other.kind && matches!(self.kind, Send | Recv)
-        {
+        if self.kind != other.kind && !p2p || self.kind == other.kind && matches!(self.kind, Send | Recv) {
             diffs.push(format!("operation {} vs {}", self.kind, other.kind));
         }
         if self.dtype != other.dtype {
@@ -146,11 +140,7 @@ impl Signature {
             diffs.push(format!("root {} vs {}", Root(self.root), Root(other.root)));
         }
         if self.reduce_op != other.reduce_op {
-            diffs.push(format!(
-                "reduce op {} vs {}",
-                Op(self.reduce_op),
-                Op(other.reduce_op)
-            ));
+            diffs.push(format!("reduce op {} vs {}", Op(self.reduce_op), Op(other.reduce_op)));
         }
         (!diffs.is_empty()).then(|| format!("{}: {self} vs {other}", diffs.join(", ")))
     }
@@ -183,11 +173,7 @@ impl fmt::Display for Op {
 impl fmt::Display for Signature {
     /// `#7 all_reduce(1024 x float32, sum)`, `#8 broadcast(16 x int64, root 0)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "#{} {}({} x {}",
-            self.seq, self.kind, self.count, self.dtype
-        )?;
+        write!(f, "#{} {}({} x {}", self.seq, self.kind, self.count, self.dtype)?;
         if let Some(root) = self.root {
             let what = if matches!(self.kind, CollectiveKind::Send | CollectiveKind::Recv) {
                 "peer"
@@ -234,10 +220,7 @@ mod tests {
             assert_eq!(Signature::decode(&bytes), Ok(sig));
         }
         let good = all_reduce().encode();
-        assert_eq!(
-            Signature::decode(&good[..31]),
-            Err(SignatureError::Length(31))
-        );
+        assert_eq!(Signature::decode(&good[..31]), Err(SignatureError::Length(31)));
         let mut bad = good;
         bad[0] = 9;
         assert_eq!(Signature::decode(&bad), Err(SignatureError::Version(9)));
@@ -294,13 +277,7 @@ mod tests {
             ..send
         };
         assert_eq!(send.mismatch(&recv), None);
-        assert!(
-            send.mismatch(&Signature {
-                root: Some(0),
-                ..send
-            })
-            .is_some()
-        );
+        assert!(send.mismatch(&Signature { root: Some(0), ..send }).is_some());
         assert!(send.mismatch(&Signature { count: 1, ..recv }).is_some());
     }
 }

@@ -66,15 +66,9 @@ pub(crate) fn run(
     let size = dtype.size();
     for (r, (plan, buf)) in plans.iter().zip(bufs.iter()).enumerate() {
         if plan.rank() != r || plan.world() != world {
-            return Err(format!(
-                "plan {r} is for rank {} of {}",
-                plan.rank(),
-                plan.world()
-            ));
+            return Err(format!("plan {r} is for rank {} of {}", plan.rank(), plan.world()));
         }
-        if buf.input.len() != plan.input_len() * size
-            || buf.output.len() != plan.output_len() * size
-        {
+        if buf.input.len() != plan.input_len() * size || buf.output.len() != plan.output_len() * size {
             return Err(format!("rank {r}: buffers do not match the plan's lengths"));
         }
         check_hazards(plan)?;
@@ -118,9 +112,7 @@ pub(crate) fn run(
                 .iter()
                 .map(|&(r, i)| format!("rank {r} step {i}: {:?}", plans[r].steps()[i].action))
                 .collect();
-            return Err(format!(
-                "deadlock with {left} steps left; waiting: {waiting:?}"
-            ));
+            return Err(format!("deadlock with {left} steps left; waiting: {waiting:?}"));
         }
         let (r, i) = ready.swap_remove(runnable[rng.below(runnable.len())]);
         let plan = &plans[r];
@@ -132,9 +124,7 @@ pub(crate) fn run(
         match &plan.steps()[i].action {
             Action::Send { to, tag, src } => {
                 if *to >= world || *to == r || !sent.insert((r, *to, *tag)) {
-                    return Err(format!(
-                        "rank {r} step {i}: bad or repeated send to {to} {tag:?}"
-                    ));
+                    return Err(format!("rank {r} step {i}: bad or repeated send to {to} {tag:?}"));
                 }
                 let bytes = match src {
                     Region::Input(range) => slice(&buf.input, range, size, r)?,
@@ -142,12 +132,7 @@ pub(crate) fn run(
                 };
                 flight.insert((r, *to, *tag), (bytes.to_vec(), know));
             }
-            Action::Recv {
-                from,
-                tag,
-                dst,
-                then,
-            } => {
+            Action::Recv { from, tag, dst, then } => {
                 let (payload, theirs) = flight.remove(&(*from, r, *tag)).ok_or("checked above")?;
                 know |= theirs;
                 let dst_bytes = slice_mut(&mut buf.output, dst, size, r)?;
@@ -160,9 +145,7 @@ pub(crate) fn run(
                 }
                 match then {
                     Combine::Copy => dst_bytes.copy_from_slice(&payload),
-                    Combine::Reduce => {
-                        reduce_into(op, dtype, dst_bytes, &payload).map_err(|e| e.to_string())?
-                    }
+                    Combine::Reduce => reduce_into(op, dtype, dst_bytes, &payload).map_err(|e| e.to_string())?,
                 }
             }
             Action::Copy { src, dst } => {
@@ -185,9 +168,7 @@ pub(crate) fn run(
     }
     if !flight.is_empty() {
         let keys: Vec<_> = flight.keys().collect();
-        return Err(format!(
-            "messages sent but never received (from, to, tag): {keys:?}"
-        ));
+        return Err(format!("messages sent but never received (from, to, tag): {keys:?}"));
     }
     Ok(knows
         .iter()
@@ -200,22 +181,12 @@ fn bytes_of(range: &Range<usize>, size: usize) -> Range<usize> {
     range.start * size..range.end * size
 }
 
-fn slice<'a>(
-    buf: &'a [u8],
-    range: &Range<usize>,
-    size: usize,
-    r: usize,
-) -> Result<&'a [u8], String> {
+fn slice<'a>(buf: &'a [u8], range: &Range<usize>, size: usize, r: usize) -> Result<&'a [u8], String> {
     buf.get(bytes_of(range, size))
         .ok_or_else(|| format!("rank {r}: range {range:?} out of bounds"))
 }
 
-fn slice_mut<'a>(
-    buf: &'a mut [u8],
-    range: &Range<usize>,
-    size: usize,
-    r: usize,
-) -> Result<&'a mut [u8], String> {
+fn slice_mut<'a>(buf: &'a mut [u8], range: &Range<usize>, size: usize, r: usize) -> Result<&'a mut [u8], String> {
     buf.get_mut(bytes_of(range, size))
         .ok_or_else(|| format!("rank {r}: range {range:?} out of bounds"))
 }
@@ -232,10 +203,7 @@ pub(crate) fn check_hazards(plan: &Plan) -> Result<(), String> {
         for d in plan.deps(StepId(i as u32)) {
             let d = d.index();
             if d >= i {
-                return Err(format!(
-                    "rank {}: step {i} depends on later step {d}",
-                    plan.rank()
-                ));
+                return Err(format!("rank {}: step {i} depends on later step {d}", plan.rank()));
             }
             for (w, x) in set.iter_mut().zip(&before[d]) {
                 *w |= x;

@@ -83,9 +83,7 @@ fn check(case: Case) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     // Each rank's own data, `count` or `count * world` elements as the kind needs.
     let per_rank = match kind {
-        CollectiveKind::Scatter | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
-            count * world
-        }
+        CollectiveKind::Scatter | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => count * world,
         _ => count,
     };
     let own: Vec<Vec<u8>> = (0..world).map(|r| data(dtype, op, r, per_rank)).collect();
@@ -95,9 +93,9 @@ fn check(case: Case) -> Result<(), String> {
         .map(|(r, plan)| {
             let garbage = vec![GARBAGE; plan.output_len() * size];
             let (input, output) = match kind {
-                CollectiveKind::AllReduce
-                | CollectiveKind::Reduce
-                | CollectiveKind::ReduceScatter => (Vec::new(), own[r].clone()),
+                CollectiveKind::AllReduce | CollectiveKind::Reduce | CollectiveKind::ReduceScatter => {
+                    (Vec::new(), own[r].clone())
+                }
                 CollectiveKind::Broadcast if r == root => (Vec::new(), own[r].clone()),
                 _ => (own[r][..plan.input_len() * size].to_vec(), garbage),
             };
@@ -111,19 +109,13 @@ fn check(case: Case) -> Result<(), String> {
             let result = match kind {
                 CollectiveKind::AllReduce => &mut buf.output[..],
                 CollectiveKind::Reduce if r == root => &mut buf.output[..],
-                CollectiveKind::ReduceScatter => {
-                    &mut buf.output[r * count * size..(r + 1) * count * size]
-                }
+                CollectiveKind::ReduceScatter => &mut buf.output[r * count * size..(r + 1) * count * size],
                 _ => continue,
             };
             finalize_avg(dtype, result, world).map_err(|e| e.to_string())?;
         }
     }
-    let everyone = if world == 64 {
-        u64::MAX
-    } else {
-        (1 << world) - 1
-    };
+    let everyone = if world == 64 { u64::MAX } else { (1 << world) - 1 };
     let block = |r: usize| r * count * size..(r + 1) * count * size;
     let all: Vec<&[u8]> = own.iter().map(Vec::as_slice).collect();
     for (r, buf) in bufs.iter().enumerate() {
@@ -140,29 +132,18 @@ fn check(case: Case) -> Result<(), String> {
                 let blocks: Vec<&[u8]> = own.iter().map(|o| &o[block(r)]).collect();
                 (&buf.output[block(r)], reduced(dtype, op, &blocks))
             }
-            CollectiveKind::AllToAll => (
-                &buf.output,
-                own.iter().flat_map(|o| o[block(r)].to_vec()).collect(),
-            ),
-            CollectiveKind::Barrier | CollectiveKind::Send | CollectiveKind::Recv => {
-                (&[], Vec::new())
-            }
+            CollectiveKind::AllToAll => (&buf.output, own.iter().flat_map(|o| o[block(r)].to_vec()).collect()),
+            CollectiveKind::Barrier | CollectiveKind::Send | CollectiveKind::Recv => (&[], Vec::new()),
         };
         if got != want {
             return Err(format!("rank {r}: wrong result"));
         }
         let spreads = matches!(
             kind,
-            CollectiveKind::AllReduce
-                | CollectiveKind::AllGather
-                | CollectiveKind::AllToAll
-                | CollectiveKind::Barrier
+            CollectiveKind::AllReduce | CollectiveKind::AllGather | CollectiveKind::AllToAll | CollectiveKind::Barrier
         );
         if spreads && count > 0 && heard[r] != everyone {
-            return Err(format!(
-                "rank {r} finished having heard only from {:b}",
-                heard[r]
-            ));
+            return Err(format!("rank {r} finished having heard only from {:b}", heard[r]));
         }
     }
     Ok(())
@@ -207,11 +188,7 @@ fn combos(kind: CollectiveKind) -> Vec<(DType, ReduceOp)> {
     };
     DType::ALL
         .into_iter()
-        .flat_map(|d| {
-            ops.iter()
-                .filter(move |op| op.supports(d))
-                .map(move |&op| (d, op))
-        })
+        .flat_map(|d| ops.iter().filter(move |op| op.supports(d)).map(move |&op| (d, op)))
         .collect()
 }
 
@@ -286,12 +263,10 @@ fn data_movement_collectives_every_dtype() {
 fn thousands_of_elements_every_collective() {
     // About four (dtype, op) pairs per world for reducing kinds, two dtypes
     // per world otherwise: every pair occurs across the worlds and roots.
-    for kind in CollectiveKind::ALL.into_iter().filter(|k| {
-        !matches!(
-            k,
-            CollectiveKind::Barrier | CollectiveKind::Send | CollectiveKind::Recv
-        )
-    }) {
+    for kind in CollectiveKind::ALL
+        .into_iter()
+        .filter(|k| !matches!(k, CollectiveKind::Barrier | CollectiveKind::Send | CollectiveKind::Recv))
+    {
         let stride = if kind.reduces() { 17 } else { 5 };
         check_all(matrix(kind, &[3001], stride));
     }
@@ -470,11 +445,7 @@ fn ring_segments_pipeline_independently() {
             for d in plan.deps(StepId(i as u32)) {
                 match &plan.steps()[d.index()].action {
                     Action::Recv { tag: t, .. } => {
-                        assert_eq!(
-                            (t.round + 1, t.segment),
-                            (tag.round, tag.segment),
-                            "step {i}"
-                        )
+                        assert_eq!((t.round + 1, t.segment), (tag.round, tag.segment), "step {i}")
                     }
                     other => panic!("send {i} waits for {other:?}"),
                 }
@@ -489,10 +460,7 @@ fn ring_segments_pipeline_independently() {
 fn choice_follows_the_thresholds_unless_overridden() {
     let none = Overrides::default();
     let ar = CollectiveKind::AllReduce;
-    assert_eq!(
-        choose_algorithm(ar, 1024, 8, &none),
-        Algorithm::RecursiveDoubling
-    );
+    assert_eq!(choose_algorithm(ar, 1024, 8, &none), Algorithm::RecursiveDoubling);
     assert_eq!(
         choose_algorithm(ar, RECURSIVE_DOUBLING_MAX_BYTES, 8, &none),
         Algorithm::RecursiveDoubling
@@ -520,19 +488,13 @@ fn choice_follows_the_thresholds_unless_overridden() {
     );
     for kind in CollectiveKind::ALL {
         for bytes in [0, 1 << 16, 1 << 30] {
-            assert!(
-                kind.algorithms()
-                    .contains(&choose_algorithm(kind, bytes, 5, &none))
-            );
+            assert!(kind.algorithms().contains(&choose_algorithm(kind, bytes, 5, &none)));
         }
     }
 
     let ring = Overrides::parse("ring").unwrap();
     assert_eq!(choose_algorithm(ar, 8, 8, &ring), Algorithm::Ring);
-    assert_eq!(
-        ring.get(CollectiveKind::ReduceScatter),
-        Some(Algorithm::Ring)
-    );
+    assert_eq!(ring.get(CollectiveKind::ReduceScatter), Some(Algorithm::Ring));
     assert_eq!(ring.get(CollectiveKind::Broadcast), None);
     let later_wins = Overrides::parse(" ring , all_reduce=halving_doubling,").unwrap();
     assert_eq!(
@@ -549,10 +511,7 @@ fn bad_overrides_and_specs_are_typed_errors() {
         err.to_string(),
         "unknown algorithm for this collective \"all_gather=pairwise\"; expected one of: ring"
     );
-    assert_eq!(
-        Overrides::parse("allreduce=ring").unwrap_err().what,
-        "collective"
-    );
+    assert_eq!(Overrides::parse("allreduce=ring").unwrap_err().what, "collective");
     assert_eq!(Overrides::parse("fast").unwrap_err().what, "algorithm");
 
     let spec = Spec {
@@ -563,28 +522,14 @@ fn bad_overrides_and_specs_are_typed_errors() {
         world: 3,
     };
     let tree = Algorithm::BinomialTree;
-    assert!(matches!(
-        spec.plan(0, tree),
-        Err(PlanError::Root { root: Some(3), .. })
-    ));
+    assert!(matches!(spec.plan(0, tree), Err(PlanError::Root { root: Some(3), .. })));
     assert!(matches!(
         Spec { root: None, ..spec }.plan(0, tree),
         Err(PlanError::Root { .. })
     ));
-    assert_eq!(
-        spec.plan(3, tree),
-        Err(PlanError::Rank { rank: 3, world: 3 })
-    );
-    assert_eq!(
-        Spec { world: 0, ..spec }.plan(0, tree),
-        Err(PlanError::World(0))
-    );
-    let err = Spec {
-        root: Some(0),
-        ..spec
-    }
-    .plan(0, Algorithm::Ring)
-    .unwrap_err();
+    assert_eq!(spec.plan(3, tree), Err(PlanError::Rank { rank: 3, world: 3 }));
+    assert_eq!(Spec { world: 0, ..spec }.plan(0, tree), Err(PlanError::World(0)));
+    let err = Spec { root: Some(0), ..spec }.plan(0, Algorithm::Ring).unwrap_err();
     assert_eq!(
         err.to_string(),
         "broadcast has no ring algorithm; it has: binomial_tree"
@@ -594,10 +539,7 @@ fn bad_overrides_and_specs_are_typed_errors() {
         root: Some(0),
         ..spec
     };
-    assert!(matches!(
-        huge.plan(0, tree),
-        Err(PlanError::TooLarge { .. })
-    ));
+    assert!(matches!(huge.plan(0, tree), Err(PlanError::TooLarge { .. })));
     let to_self = Spec {
         kind: CollectiveKind::Send,
         root: Some(1),
@@ -617,18 +559,8 @@ fn any_case() -> impl Strategy<Value = Case> {
             .filter(|k| !matches!(k, CollectiveKind::Send | CollectiveKind::Recv))
             .collect::<Vec<_>>(),
     );
-    let dtypes = prop::sample::select(vec![
-        DType::UInt8,
-        DType::Int64,
-        DType::Float16,
-        DType::Float32,
-    ]);
-    let ops = prop::sample::select(vec![
-        ReduceOp::Sum,
-        ReduceOp::Max,
-        ReduceOp::Avg,
-        ReduceOp::Prod,
-    ]);
+    let dtypes = prop::sample::select(vec![DType::UInt8, DType::Int64, DType::Float16, DType::Float32]);
+    let ops = prop::sample::select(vec![ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg, ReduceOp::Prod]);
     (
         kinds,
         dtypes,
@@ -640,11 +572,7 @@ fn any_case() -> impl Strategy<Value = Case> {
         any::<u64>(),
     )
         .prop_map(|(kind, dtype, op, world, count, root, algo, seed)| {
-            let count = if kind == CollectiveKind::Barrier {
-                0
-            } else {
-                count
-            };
+            let count = if kind == CollectiveKind::Barrier { 0 } else { count };
             Case {
                 spec: Spec {
                     kind,

@@ -61,14 +61,7 @@ fn pieces(count: usize, elem_size: usize) -> impl Iterator<Item = (usize, Range<
 }
 
 /// Binomial-tree broadcast of the root's `output[0..count]`.
-pub(crate) fn broadcast(
-    b: &mut Builder,
-    rank: usize,
-    world: usize,
-    root: usize,
-    count: usize,
-    elem_size: usize,
-) {
+pub(crate) fn broadcast(b: &mut Builder, rank: usize, world: usize, root: usize, count: usize, elem_size: usize) {
     let tree = Tree::new(rank, world, root);
     for (s, seg) in pieces(count, elem_size) {
         if let Some((parent, k)) = tree.parent() {
@@ -83,14 +76,7 @@ pub(crate) fn broadcast(
 
 /// Binomial-tree reduce of every rank's `output[0..count]` into the root's;
 /// other ranks' outputs end up holding partial results.
-pub(crate) fn reduce(
-    b: &mut Builder,
-    rank: usize,
-    world: usize,
-    root: usize,
-    count: usize,
-    elem_size: usize,
-) {
+pub(crate) fn reduce(b: &mut Builder, rank: usize, world: usize, root: usize, count: usize, elem_size: usize) {
     let tree = Tree::new(rank, world, root);
     for (s, seg) in pieces(count, elem_size) {
         for (child, k) in tree.children() {

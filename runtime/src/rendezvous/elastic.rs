@@ -99,7 +99,9 @@ pub enum ElasticError {
         waited: Duration,
     },
     /// The generation closed before this participant arrived.
-    #[error("generation {generation} closed with {admitted} members before this process (arrival {arrival}) joined; it waits for the next one")]
+    #[error(
+        "generation {generation} closed with {admitted} members before this process (arrival {arrival}) joined; it waits for the next one"
+    )]
     Late {
         /// The generation.
         generation: u64,
@@ -186,7 +188,10 @@ impl Admission {
 }
 
 fn scoped(store: Arc<dyn Store>, config: &ElasticConfig) -> PrefixStore {
-    PrefixStore::new(format!("chorus/{}/g{}/elastic", config.run_id, config.generation), store)
+    PrefixStore::new(
+        format!("chorus/{}/g{}/elastic", config.run_id, config.generation),
+        store,
+    )
 }
 
 /// How many have announced themselves for `config.generation` (a running
@@ -212,7 +217,12 @@ pub async fn latest(store: &Arc<dyn Store>, run_id: &str) -> Result<Option<u64>,
 /// Records `generation` as the newest formed one (every member calls it
 /// after forming; they all write the same value).
 pub async fn publish_latest(store: &Arc<dyn Store>, run_id: &str, generation: u64) -> Result<(), StoreError> {
-    store.set(&format!("chorus/{run_id}/{LATEST_KEY}"), generation.to_string().as_bytes()).await
+    store
+        .set(
+            &format!("chorus/{run_id}/{LATEST_KEY}"),
+            generation.to_string().as_bytes(),
+        )
+        .await
 }
 
 async fn read_members(scoped: &PrefixStore, config: &ElasticConfig, count: usize) -> Result<Vec<Joiner>, ElasticError> {
@@ -245,7 +255,9 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
     }
     let scoped = scoped(store, config);
     let arrival = (scoped.add("count", 1).await? - 1) as usize;
-    scoped.set(&format!("joiner/{arrival}"), &crate::codec::encode(&me)).await?;
+    scoped
+        .set(&format!("joiner/{arrival}"), &crate::codec::encode(&me))
+        .await?;
     let started = tokio::time::Instant::now();
     let mut min_seen: Option<tokio::time::Instant> = None;
     let admitted = loop {
@@ -292,11 +304,14 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
 }
 
 fn parse_count(value: &[u8], config: &ElasticConfig) -> Result<usize, ElasticError> {
-    String::from_utf8_lossy(value).trim().parse().map_err(|_| ElasticError::BadRecord {
-        generation: config.generation,
-        key: "closed".into(),
-        reason: format!("{:?} is not a count", String::from_utf8_lossy(value)),
-    })
+    String::from_utf8_lossy(value)
+        .trim()
+        .parse()
+        .map_err(|_| ElasticError::BadRecord {
+            generation: config.generation,
+            key: "closed".into(),
+            reason: format!("{:?} is not a count", String::from_utf8_lossy(value)),
+        })
 }
 
 #[cfg(test)]
@@ -330,8 +345,16 @@ mod tests {
         let c = config(2, 4);
         let ms = Duration::from_millis;
         assert_eq!(decide(&c, 4, None, ms(0)), Step::Close(4));
-        assert_eq!(decide(&c, 5, Some(ms(0)), ms(0)), Step::Close(4), "arrivals past max_world are late");
-        assert_eq!(decide(&c, 3, Some(ms(100)), ms(100)), Step::Wait, "last call still open");
+        assert_eq!(
+            decide(&c, 5, Some(ms(0)), ms(0)),
+            Step::Close(4),
+            "arrivals past max_world are late"
+        );
+        assert_eq!(
+            decide(&c, 3, Some(ms(100)), ms(100)),
+            Step::Wait,
+            "last call still open"
+        );
         assert_eq!(decide(&c, 3, Some(ms(200)), ms(300)), Step::Close(3));
         assert_eq!(decide(&c, 1, None, ms(1999)), Step::Wait);
         assert_eq!(decide(&c, 1, None, ms(2000)), Step::TooFew);
@@ -340,7 +363,13 @@ mod tests {
     #[test]
     fn sv10_ranks_are_dense_and_stable() {
         // Arrival order: new A, old 3, old 0, new B, old 2.
-        let members = [joiner(None, 10), joiner(Some(3), 3), joiner(Some(0), 0), joiner(None, 11), joiner(Some(2), 2)];
+        let members = [
+            joiner(None, 10),
+            joiner(Some(3), 3),
+            joiner(Some(0), 0),
+            joiner(None, 11),
+            joiner(Some(2), 2),
+        ];
         assert_eq!(assign_ranks(&members), vec![3, 2, 0, 4, 1]);
     }
 
@@ -365,7 +394,12 @@ mod tests {
         let mut c = config(2, 3);
         c.last_call = Duration::from_secs(60);
         let started = std::time::Instant::now();
-        let out = run(&store, &c, vec![joiner(Some(2), 2), joiner(Some(0), 0), joiner(None, 7)]).await;
+        let out = run(
+            &store,
+            &c,
+            vec![joiner(Some(2), 2), joiner(Some(0), 0), joiner(None, 7)],
+        )
+        .await;
         assert!(started.elapsed() < Duration::from_secs(1));
         let admissions: Vec<Admission> = out.into_iter().map(Result::unwrap).collect();
         let mut ranks: Vec<usize> = admissions.iter().map(|a| a.rank).collect();
@@ -381,9 +415,22 @@ mod tests {
         let store = HashStore::default();
         let c = config(2, 4);
         let out = run(&store, &c, vec![joiner(Some(1), 1), joiner(Some(3), 3)]).await;
-        assert!(out.iter().all(|a| a.as_ref().is_ok_and(|a| a.world_size() == 2)), "{out:?}");
+        assert!(
+            out.iter().all(|a| a.as_ref().is_ok_and(|a| a.world_size() == 2)),
+            "{out:?}"
+        );
         let late = join(Arc::new(store.clone()), &c, joiner(None, 9)).await.unwrap_err();
-        assert!(matches!(late, ElasticError::Late { admitted: 2, arrival: 2, .. }), "{late}");
+        assert!(
+            matches!(
+                late,
+                ElasticError::Late {
+                    admitted: 2,
+                    arrival: 2,
+                    ..
+                }
+            ),
+            "{late}"
+        );
     }
 
     #[tokio::test]
@@ -391,10 +438,15 @@ mod tests {
         let store = HashStore::default();
         let mut c = config(3, 3);
         c.timeout = Duration::from_millis(300);
-        let err = join(Arc::new(store.clone()), &c, joiner(Some(1), 41)).await.unwrap_err();
+        let err = join(Arc::new(store.clone()), &c, joiner(Some(1), 41))
+            .await
+            .unwrap_err();
         let text = err.to_string();
         assert!(matches!(err, ElasticError::TooFew { .. }), "{text}");
-        assert!(text.contains("1 of min_world 3") && text.contains("old rank 1 (pid 41"), "{text}");
+        assert!(
+            text.contains("1 of min_world 3") && text.contains("old rank 1 (pid 41"),
+            "{text}"
+        );
         let bad = join(Arc::new(store), &config(3, 2), joiner(None, 1)).await.unwrap_err();
         assert!(matches!(bad, ElasticError::BadBounds { .. }), "{bad}");
     }

@@ -160,9 +160,7 @@ fn invalid(var: &str, value: &str, reason: impl Into<String>) -> EnvError {
 
 /// The variable's trimmed value; empty counts as unset.
 fn get(lookup: Lookup<'_>, var: &str) -> Option<String> {
-    lookup(var)
-        .map(|v| v.trim().to_string())
-        .filter(|v| !v.is_empty())
+    lookup(var).map(|v| v.trim().to_string()).filter(|v| !v.is_empty())
 }
 
 fn is_set(lookup: Lookup<'_>, var: &str) -> bool {
@@ -179,11 +177,7 @@ fn opt_int<T: FromStr>(lookup: Lookup<'_>, var: &str) -> Result<Option<T>, EnvEr
     get(lookup, var).map(|v| parse_int(var, &v)).transpose()
 }
 
-fn req_int<T: FromStr>(
-    lookup: Lookup<'_>,
-    var: &'static str,
-    launcher: Launcher,
-) -> Result<T, EnvError> {
+fn req_int<T: FromStr>(lookup: Lookup<'_>, var: &'static str, launcher: Launcher) -> Result<T, EnvError> {
     opt_int(lookup, var)?.ok_or(EnvError::Missing { var, launcher })
 }
 
@@ -193,11 +187,7 @@ fn opt_port(lookup: Lookup<'_>, var: &str) -> Result<Option<u16>, EnvError> {
     };
     match value.parse::<u16>() {
         Ok(port) if port != 0 => Ok(Some(port)),
-        _ => Err(invalid(
-            var,
-            &value,
-            "is not a TCP port: use a number from 1 to 65535",
-        )),
+        _ => Err(invalid(var, &value, "is not a TCP port: use a number from 1 to 65535")),
     }
 }
 
@@ -247,20 +237,13 @@ fn validate(env: LaunchEnv, names: &Names) -> Result<LaunchEnv, EnvError> {
         local_world,
     } = *names;
     if env.world_size == 0 {
-        return Err(invalid(
-            world,
-            "0",
-            "is not allowed: a job has at least one rank",
-        ));
+        return Err(invalid(world, "0", "is not allowed: a job has at least one rank"));
     }
     if env.rank >= env.world_size {
         return Err(invalid(
             rank,
             &env.rank.to_string(),
-            format!(
-                "but {world}={}: ranks go from 0 to {world}-1",
-                env.world_size
-            ),
+            format!("but {world}={}: ranks go from 0 to {world}-1", env.world_size),
         ));
     }
     if env.local_world_size == 0 {
@@ -313,17 +296,10 @@ pub fn detect(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<LaunchEn
     let all_set = |vars: &[&str]| vars.iter().all(|v| is_set(lookup, v));
     let env = if all_set(&["RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]) {
         torchelastic(lookup)?
-    } else if all_set(&[
-        "KUBERNETES_PORT",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "WORLD_SIZE",
-        "RANK",
-    ]) {
+    } else if all_set(&["KUBERNETES_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"]) {
         kubeflow(lookup)?
     } else if is_set(lookup, "RANK")
-        || ((is_set(lookup, "WORLD_SIZE") || is_set(lookup, "MASTER_ADDR"))
-            && scheduler(lookup).is_none())
+        || ((is_set(lookup, "WORLD_SIZE") || is_set(lookup, "MASTER_ADDR")) && scheduler(lookup).is_none())
     {
         plain_env(lookup)?
     } else {
@@ -377,8 +353,7 @@ fn torchelastic(lookup: Lookup<'_>) -> Result<LaunchEnv, EnvError> {
 fn kubeflow(lookup: Lookup<'_>) -> Result<LaunchEnv, EnvError> {
     let launcher = Launcher::Kubeflow;
     let rank = req_int(lookup, "RANK", launcher)?;
-    let (local_rank, local_world_size) =
-        local_pair(lookup, "LOCAL_RANK", "LOCAL_WORLD_SIZE", launcher)?;
+    let (local_rank, local_world_size) = local_pair(lookup, "LOCAL_RANK", "LOCAL_WORLD_SIZE", launcher)?;
     let env = LaunchEnv {
         launcher,
         rank,
@@ -398,8 +373,7 @@ fn plain_env(lookup: Lookup<'_>) -> Result<LaunchEnv, EnvError> {
     let launcher = Launcher::Env;
     let rank = req_int(lookup, "RANK", launcher)?;
     let world_size = req_int(lookup, "WORLD_SIZE", launcher)?;
-    let (local_rank, local_world_size) =
-        local_pair(lookup, "LOCAL_RANK", "LOCAL_WORLD_SIZE", launcher)?;
+    let (local_rank, local_world_size) = local_pair(lookup, "LOCAL_RANK", "LOCAL_WORLD_SIZE", launcher)?;
     let env = LaunchEnv {
         launcher,
         rank,
@@ -509,8 +483,7 @@ fn mpich(lookup: Lookup<'_>) -> Result<LaunchEnv, EnvError> {
 /// [`LaunchEnv::node_rank`].
 fn mpi(lookup: Lookup<'_>, launcher: Launcher, names: &Names) -> Result<LaunchEnv, EnvError> {
     let rank = req_int(lookup, names.rank, launcher)?;
-    let (local_rank, local_world_size) =
-        local_pair(lookup, names.local_rank, names.local_world, launcher)?;
+    let (local_rank, local_world_size) = local_pair(lookup, names.local_rank, names.local_world, launcher)?;
     let env = LaunchEnv {
         launcher,
         rank,
@@ -587,9 +560,9 @@ fn expand_nodelist(list: &str) -> Result<Vec<String>, String> {
                 Part::Numbers(ranges) => names
                     .iter()
                     .flat_map(|prefix| {
-                        ranges.iter().flat_map(move |&(lo, hi, width)| {
-                            (lo..=hi).map(move |i| format!("{prefix}{i:0width$}"))
-                        })
+                        ranges
+                            .iter()
+                            .flat_map(move |&(lo, hi, width)| (lo..=hi).map(move |i| format!("{prefix}{i:0width$}")))
                     })
                     .collect(),
             };
@@ -694,9 +667,7 @@ fn parse_range(item: &str) -> Result<(u64, u64, usize), String> {
     let (lo_text, hi_text) = item.split_once('-').unwrap_or((item, item));
     let (lo, hi) = (number(lo_text)?, number(hi_text)?);
     if lo > hi {
-        return Err(format!(
-            "range {item} goes down (write {hi_text}-{lo_text})"
-        ));
+        return Err(format!("range {item} goes down (write {hi_text}-{lo_text})"));
     }
     Ok((lo, hi, lo_text.len()))
 }
@@ -709,9 +680,7 @@ fn tasks_per_node(spec: &str) -> Result<Vec<usize>, String> {
         return Ok(Vec::new());
     }
     let bad = |item: &str| {
-        format!(
-            "is not a valid tasks-per-node spec: {item:?} is not N or N(xM); expected a list such as 2(x3),1"
-        )
+        format!("is not a valid tasks-per-node spec: {item:?} is not N or N(xM); expected a list such as 2(x3),1")
     };
     let mut runs = Vec::new();
     let mut total: usize = 0;
@@ -747,10 +716,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn run(pairs: &[(&str, &str)]) -> Result<Option<LaunchEnv>, EnvError> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         detect(&move |k| map.get(k).cloned())
     }
 
@@ -788,10 +754,7 @@ mod tests {
         v
     }
 
-    fn without(
-        base: &[(&'static str, &'static str)],
-        var: &str,
-    ) -> Vec<(&'static str, &'static str)> {
+    fn without(base: &[(&'static str, &'static str)], var: &str) -> Vec<(&'static str, &'static str)> {
         base.iter().filter(|(k, _)| *k != var).copied().collect()
     }
 
@@ -848,10 +811,7 @@ mod tests {
         assert_eq!((env.local_rank, env.local_world_size), (0, 1));
         assert_eq!(env.master_addr.as_deref(), Some("job-master-0"));
         assert_eq!(env.master_port, Some(23456));
-        let env = ok(&with(
-            &pairs,
-            &[("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")],
-        ));
+        let env = ok(&with(&pairs, &[("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")]));
         assert_eq!(env.launcher, Launcher::Kubeflow);
     }
 
@@ -885,12 +845,7 @@ mod tests {
             ("LOCAL_WORLD_SIZE", "2"),
         ]);
         assert_eq!(
-            (
-                env.rank,
-                env.local_rank,
-                env.local_world_size,
-                env.node_rank
-            ),
+            (env.rank, env.local_rank, env.local_world_size, env.node_rank),
             (3, 1, 2, 0)
         );
         let env = ok(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("GROUP_RANK", "1")]);
@@ -941,15 +896,9 @@ mod tests {
             Launcher::Env
         );
         // A batch script exporting MASTER_ADDR/MASTER_PORT for srun'd ranks.
-        let env = ok(&with(
-            &slurm,
-            &[("MASTER_ADDR", "n1"), ("MASTER_PORT", "1234")],
-        ));
+        let env = ok(&with(&slurm, &[("MASTER_ADDR", "n1"), ("MASTER_PORT", "1234")]));
         assert_eq!(env.launcher, Launcher::Slurm);
-        assert_eq!(
-            (env.master_addr.as_deref(), env.master_port),
-            (Some("n1"), Some(1234))
-        );
+        assert_eq!((env.master_addr.as_deref(), env.master_port), (Some("n1"), Some(1234)));
         let mpi = [
             ("OMPI_COMM_WORLD_RANK", "0"),
             ("OMPI_COMM_WORLD_SIZE", "2"),
@@ -994,11 +943,7 @@ mod tests {
         assert_eq!(ok(&no_list).master_addr, None);
         let last_node = with(
             SLURM,
-            &[
-                ("SLURM_NODEID", "3"),
-                ("SLURM_LOCALID", "0"),
-                ("SLURM_PROCID", "6"),
-            ],
+            &[("SLURM_NODEID", "3"), ("SLURM_LOCALID", "0"), ("SLURM_PROCID", "6")],
         );
         assert_eq!(ok(&last_node).local_world_size, 1);
     }
@@ -1018,10 +963,7 @@ mod tests {
 
     #[test]
     fn slurm_errors() {
-        assert!(
-            err(&without(SLURM, "SLURM_LOCALID"))
-                .starts_with("SLURM_LOCALID is not set: srun sets it")
-        );
+        assert!(err(&without(SLURM, "SLURM_LOCALID")).starts_with("SLURM_LOCALID is not set: srun sets it"));
         assert!(err(&without(SLURM, "SLURM_NODEID")).starts_with("SLURM_NODEID is not set"));
         assert_eq!(
             err(&with(SLURM, &[("SLURM_PROCID", "7")])),
@@ -1040,9 +982,8 @@ mod tests {
                 .starts_with("SLURM_STEP_TASKS_PER_NODE=2(x is not a valid tasks-per-node spec")
         );
         assert!(
-            err(&with(SLURM, &[("SLURM_STEP_NODELIST", "a[1-")])).starts_with(
-                "SLURM_STEP_NODELIST=a[1- is not a valid node list: '[' at byte 1 is never closed"
-            )
+            err(&with(SLURM, &[("SLURM_STEP_NODELIST", "a[1-")]))
+                .starts_with("SLURM_STEP_NODELIST=a[1- is not a valid node list: '[' at byte 1 is never closed")
         );
     }
 
@@ -1060,22 +1001,11 @@ mod tests {
         let env = ok(&pairs);
         assert_eq!(env.launcher, Launcher::OpenMpi);
         assert_eq!(
-            (
-                env.rank,
-                env.world_size,
-                env.local_rank,
-                env.local_world_size
-            ),
+            (env.rank, env.world_size, env.local_rank, env.local_world_size),
             (6, 8, 2, 4)
         );
-        assert_eq!(
-            env.node_rank, 1,
-            "rank / local size, not OMPI_COMM_WORLD_NODE_RANK"
-        );
-        assert_eq!(
-            (env.master_addr.as_deref(), env.master_port),
-            (Some("n0"), Some(29500))
-        );
+        assert_eq!(env.node_rank, 1, "rank / local size, not OMPI_COMM_WORLD_NODE_RANK");
+        assert_eq!((env.master_addr.as_deref(), env.master_port), (Some("n0"), Some(29500)));
         assert_eq!(
             err(&with(&pairs, &[("OMPI_COMM_WORLD_LOCAL_SIZE", "0")])),
             "OMPI_COMM_WORLD_LOCAL_SIZE=0 is not allowed: a node runs at least one rank"
@@ -1106,17 +1036,10 @@ mod tests {
             ("MPI_LOCALRANKID", "1"),
             ("MPI_LOCALNRANKS", "2"),
         ]);
-        assert_eq!(
-            (env.local_rank, env.local_world_size, env.node_rank),
-            (1, 2, 1)
-        );
+        assert_eq!((env.local_rank, env.local_world_size, env.node_rank), (1, 2, 1));
         assert!(
-            err(&[
-                ("PMI_RANK", "3"),
-                ("PMI_SIZE", "4"),
-                ("MPI_LOCALRANKID", "1")
-            ])
-            .starts_with("MPI_LOCALNRANKS is not set: mpiexec (Hydra) sets it")
+            err(&[("PMI_RANK", "3"), ("PMI_SIZE", "4"), ("MPI_LOCALRANKID", "1")])
+                .starts_with("MPI_LOCALNRANKS is not set: mpiexec (Hydra) sets it")
         );
         assert_eq!(
             err(&[("PMI_RANK", "4"), ("PMI_SIZE", "4")]),
@@ -1152,10 +1075,7 @@ mod tests {
             }
         );
         assert_eq!(
-            err(&with(
-                &base,
-                &[("LOCAL_RANK", "2"), ("LOCAL_WORLD_SIZE", "2")]
-            )),
+            err(&with(&base, &[("LOCAL_RANK", "2"), ("LOCAL_WORLD_SIZE", "2")])),
             "LOCAL_RANK=2 but LOCAL_WORLD_SIZE=2: local ranks go from 0 to LOCAL_WORLD_SIZE-1"
         );
         assert_eq!(
@@ -1168,14 +1088,8 @@ mod tests {
                 format!("MASTER_PORT={port} is not a TCP port: use a number from 1 to 65535")
             );
         }
-        assert_eq!(
-            ok(&with(&base, &[("MASTER_PORT", "65535")])).master_port,
-            Some(65535)
-        );
-        assert_eq!(
-            ok(&with(&base, &[("MASTER_PORT", "1")])).master_port,
-            Some(1)
-        );
+        assert_eq!(ok(&with(&base, &[("MASTER_PORT", "65535")])).master_port, Some(65535));
+        assert_eq!(ok(&with(&base, &[("MASTER_PORT", "1")])).master_port, Some(1));
         let restart = with(TORCHRUN, &[("TORCHELASTIC_RESTART_COUNT", "again")]);
         assert_eq!(
             err(&restart),
@@ -1231,9 +1145,7 @@ mod tests {
     fn nodelist_expansion() {
         assert_eq!(
             hosts("gnode[10,20-22],other[01-02],solo"),
-            [
-                "gnode10", "gnode20", "gnode21", "gnode22", "other01", "other02", "solo"
-            ]
+            ["gnode10", "gnode20", "gnode21", "gnode22", "other01", "other02", "solo"]
         );
         assert_eq!(hosts("n[008-010]"), ["n008", "n009", "n010"]);
         assert_eq!(hosts("n[8-10]"), ["n8", "n9", "n10"]);
@@ -1274,14 +1186,8 @@ mod tests {
             let e = parse_slurm_nodelist(bad).unwrap_err();
             let msg = e.to_string();
             assert!(matches!(e, EnvError::Invalid { .. }), "{bad:?}");
-            assert!(
-                msg.starts_with(&format!("SLURM_JOB_NODELIST={bad} ")),
-                "{msg}"
-            );
-            assert!(
-                msg.contains("gnode[10,20-22]"),
-                "says what is expected: {msg}"
-            );
+            assert!(msg.starts_with(&format!("SLURM_JOB_NODELIST={bad} ")), "{msg}");
+            assert!(msg.contains("gnode[10,20-22]"), "says what is expected: {msg}");
         }
         assert!(
             parse_slurm_nodelist("a[3-1]")
@@ -1314,9 +1220,7 @@ mod tests {
         assert_eq!(parse("8(x1)"), [8]);
         assert!(parse("").is_empty());
         assert_eq!(parse(&format!("1(x{MAX_EXPANSION})")).len(), MAX_EXPANSION);
-        for bad in [
-            "2(x3", "2x3", "(x3)", "2(x0)", "a", "2,,1", "2(x-1)", "2(y3)", "-2",
-        ] {
+        for bad in ["2(x3", "2x3", "(x3)", "2(x0)", "a", "2,,1", "2(x-1)", "2(y3)", "-2"] {
             let msg = parse_slurm_tasks_per_node(bad).unwrap_err().to_string();
             assert!(
                 msg.starts_with(&format!("SLURM_STEP_TASKS_PER_NODE={bad} is not a valid")),

@@ -69,7 +69,9 @@ pub enum RendezvousError {
         world_size: usize,
     },
     /// This rank was started with another world size than the first arrival.
-    #[error("world size mismatch: this process ({ours_by}) has world size {ours}, but {theirs_by} registered world size {theirs}; start every rank with the same world size")]
+    #[error(
+        "world size mismatch: this process ({ours_by}) has world size {ours}, but {theirs_by} registered world size {theirs}; start every rank with the same world size"
+    )]
     WorldSizeMismatch {
         /// Our world size.
         ours: usize,
@@ -91,7 +93,9 @@ pub enum RendezvousError {
         second: Claimant,
     },
     /// Not every rank arrived in time.
-    #[error("rendezvous of generation {generation} timed out after {waited:?} on store {location}: {arrived} of {world_size} ranks arrived; missing ranks {missing:?}")]
+    #[error(
+        "rendezvous of generation {generation} timed out after {waited:?} on store {location}: {arrived} of {world_size} ranks arrived; missing ranks {missing:?}"
+    )]
     Incomplete {
         /// The generation being formed.
         generation: u64,
@@ -174,18 +178,26 @@ impl InitMethod {
             url: text.to_string(),
             reason: reason.to_string(),
         };
-        let url = url::Url::parse(text).map_err(|e| bad(&format!("{e}; expected tcp://host:port, file:///path or env://")))?;
+        let url = url::Url::parse(text)
+            .map_err(|e| bad(&format!("{e}; expected tcp://host:port, file:///path or env://")))?;
         let (mut rank, mut world_size) = (None, None);
         for (name, value) in url.query_pairs() {
             match name.as_ref() {
                 "rank" => rank = Some(parse_count(text, "rank", &value)?),
                 "world_size" => world_size = Some(parse_count(text, "world_size", &value)?),
-                other => return Err(bad(&format!("unknown query parameter {other:?}; only rank and world_size are understood"))),
+                other => {
+                    return Err(bad(&format!(
+                        "unknown query parameter {other:?}; only rank and world_size are understood"
+                    )));
+                }
             }
         }
         match url.scheme() {
             "tcp" => {
-                let host = url.host_str().filter(|h| !h.is_empty()).ok_or_else(|| bad("no host; write tcp://host:port"))?;
+                let host = url
+                    .host_str()
+                    .filter(|h| !h.is_empty())
+                    .ok_or_else(|| bad("no host; write tcp://host:port"))?;
                 let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
                 let port = url.port().ok_or_else(|| bad("no port; write tcp://host:port"))?;
                 Ok(InitMethod::Tcp {
@@ -196,12 +208,16 @@ impl InitMethod {
                 })
             }
             "file" => {
-                let path = url.to_file_path().map_err(|()| bad("not an absolute local path; write file:///absolute/path"))?;
+                let path = url
+                    .to_file_path()
+                    .map_err(|()| bad("not an absolute local path; write file:///absolute/path"))?;
                 Ok(InitMethod::File { path, rank, world_size })
             }
             "env" => {
                 if rank.is_some() || world_size.is_some() {
-                    return Err(bad("env:// takes rank and world size from RANK and WORLD_SIZE, not the URL"));
+                    return Err(bad(
+                        "env:// takes rank and world size from RANK and WORLD_SIZE, not the URL",
+                    ));
                 }
                 Ok(InitMethod::Env)
             }
@@ -389,18 +405,24 @@ pub async fn open_store(config: &RendezvousConfig, timeout: Duration) -> Result<
 }
 
 fn bracket(host: &str) -> String {
-    if host.contains(':') { format!("[{host}]") } else { host.to_string() }
+    if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
 }
 
 /// Rank 0's server: on loopback when the master address is loopback (the
 /// job is local, so nothing else needs to reach it), on every interface
 /// otherwise, as PyTorch does.
 async fn serve(host: &str, port: u16) -> Result<TcpStoreServer, RendezvousError> {
-    let resolved = tokio::net::lookup_host((host, port)).await.map_err(|source| RendezvousError::Serve {
-        addr: format!("{host}:{port}"),
-        source,
-        hint: "the master address does not resolve; check MASTER_ADDR or the tcp:// host",
-    })?;
+    let resolved = tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|source| RendezvousError::Serve {
+            addr: format!("{host}:{port}"),
+            source,
+            hint: "the master address does not resolve; check MASTER_ADDR or the tcp:// host",
+        })?;
     let local = resolved.into_iter().next().map(|a| a.ip());
     let bind_ip = match local {
         Some(ip) if ip.is_loopback() => ip,
@@ -579,23 +601,44 @@ mod tests {
                 port,
                 rank,
                 world_size,
-            } => assert_eq!((host.as_str(), port, rank, world_size), ("10.1.2.3", 23456, Some(1), Some(4))),
+            } => assert_eq!(
+                (host.as_str(), port, rank, world_size),
+                ("10.1.2.3", 23456, Some(1), Some(4))
+            ),
             other => panic!("{other:?}"),
         }
         match InitMethod::parse("tcp://[::1]:29500").unwrap() {
             InitMethod::Tcp { host, .. } => assert_eq!(host, "::1"),
             other => panic!("{other:?}"),
         }
-        assert!(matches!(InitMethod::parse("file:///tmp/store").unwrap(), InitMethod::File { .. }));
+        assert!(matches!(
+            InitMethod::parse("file:///tmp/store").unwrap(),
+            InitMethod::File { .. }
+        ));
         assert!(matches!(InitMethod::parse("env://").unwrap(), InitMethod::Env));
-        for bad in ["tcp://host", "udp://h:1", "tcp://h:1?rank=x", "tcp://h:1?color=red", "nonsense", "env://?rank=1"] {
-            assert!(matches!(InitMethod::parse(bad), Err(RendezvousError::BadUrl { .. })), "{bad}");
+        for bad in [
+            "tcp://host",
+            "udp://h:1",
+            "tcp://h:1?rank=x",
+            "tcp://h:1?color=red",
+            "nonsense",
+            "env://?rank=1",
+        ] {
+            assert!(
+                matches!(InitMethod::parse(bad), Err(RendezvousError::BadUrl { .. })),
+                "{bad}"
+            );
         }
     }
 
     #[test]
     fn explicit_arguments_beat_url_beat_environment() {
-        let env = lookup(&[("RANK", "2"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]);
+        let env = lookup(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "8"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ]);
         let url = InitMethod::parse("tcp://h:1?rank=1&world_size=4").unwrap();
         let c = resolve(url.clone(), Some(0), None, &env).unwrap();
         assert_eq!((c.rank, c.world_size), (0, 4));
@@ -607,22 +650,50 @@ mod tests {
 
     #[test]
     fn rank_zero_serves_unless_the_launcher_does() {
-        let mut vars = vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
-        assert!(resolve(InitMethod::Env, None, None, &lookup(&vars)).unwrap().serve_store);
+        let mut vars = vec![
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ];
+        assert!(
+            resolve(InitMethod::Env, None, None, &lookup(&vars))
+                .unwrap()
+                .serve_store
+        );
         vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
-        assert!(!resolve(InitMethod::Env, None, None, &lookup(&vars)).unwrap().serve_store);
+        assert!(
+            !resolve(InitMethod::Env, None, None, &lookup(&vars))
+                .unwrap()
+                .serve_store
+        );
     }
 
     #[test]
     fn env_init_names_what_is_missing() {
         let err = resolve(InitMethod::Env, None, None, &lookup(&[])).unwrap_err();
         assert!(err.to_string().contains("MASTER_ADDR"), "{err}");
-        let err = resolve(InitMethod::Env, None, None, &lookup(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")])).unwrap_err();
+        let err = resolve(
+            InitMethod::Env,
+            None,
+            None,
+            &lookup(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("MASTER_PORT"), "{err}");
         let err = resolve(InitMethod::parse("tcp://h:1").unwrap(), None, None, &lookup(&[])).unwrap_err();
         assert!(matches!(err, RendezvousError::MissingRank));
-        let err = resolve(InitMethod::parse("tcp://h:1?rank=4&world_size=4").unwrap(), None, None, &lookup(&[])).unwrap_err();
-        assert!(matches!(err, RendezvousError::RankOutOfRange { rank: 4, world_size: 4 }));
+        let err = resolve(
+            InitMethod::parse("tcp://h:1?rank=4&world_size=4").unwrap(),
+            None,
+            None,
+            &lookup(&[]),
+        )
+        .unwrap_err();
+        assert!(matches!(
+            err,
+            RendezvousError::RankOutOfRange { rank: 4, world_size: 4 }
+        ));
     }
 
     fn config(store: &HashStore, rank: usize, world_size: usize) -> RendezvousConfig {
@@ -656,12 +727,21 @@ mod tests {
         for rank in 0..5 {
             let cfg = config(&store, rank, 5);
             let store: Arc<dyn Store> = Arc::new(store.clone());
-            tasks.push(tokio::spawn(async move { rendezvous(store, &cfg, record(100 + rank as u32), Duration::from_secs(10)).await }));
+            tasks.push(tokio::spawn(async move {
+                rendezvous(store, &cfg, record(100 + rank as u32), Duration::from_secs(10)).await
+            }));
         }
         for (rank, task) in tasks.into_iter().enumerate() {
-            let m = tokio::time::timeout(Duration::from_secs(20), task).await.expect("rendezvous hung").unwrap().unwrap();
+            let m = tokio::time::timeout(Duration::from_secs(20), task)
+                .await
+                .expect("rendezvous hung")
+                .unwrap()
+                .unwrap();
             assert_eq!(m.rank, rank);
-            assert_eq!(m.peers.iter().map(|p| p.pid).collect::<Vec<_>>(), vec![100, 101, 102, 103, 104]);
+            assert_eq!(
+                m.peers.iter().map(|p| p.pid).collect::<Vec<_>>(),
+                vec![100, 101, 102, 103, 104]
+            );
             assert_eq!(m.local_ranks(), vec![0, 1, 2, 3, 4]);
         }
     }
@@ -676,21 +756,37 @@ mod tests {
             async move { rendezvous(shared, &cfg, record(1), Duration::from_secs(10)).await }
         });
         store.wait(&["chorus/t/g0/rank/0"]).await.unwrap();
-        let err = rendezvous(shared.clone(), &config(&store, 0, 2), record(2), Duration::from_secs(1)).await.unwrap_err();
+        let err = rendezvous(shared.clone(), &config(&store, 0, 2), record(2), Duration::from_secs(1))
+            .await
+            .unwrap_err();
         match &err {
             RendezvousError::DuplicateRank { rank: 0, first, second } => assert_eq!((first.pid, second.pid), (1, 2)),
             other => panic!("expected a duplicate rank error, got {other}"),
         }
-        let err = rendezvous(shared.clone(), &config(&store, 1, 3), record(3), Duration::from_secs(1)).await.unwrap_err();
-        assert!(matches!(err, RendezvousError::WorldSizeMismatch { ours: 3, theirs: 2, .. }), "{err}");
-        rendezvous(shared, &config(&store, 1, 2), record(4), Duration::from_secs(10)).await.unwrap();
+        let err = rendezvous(shared.clone(), &config(&store, 1, 3), record(3), Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, RendezvousError::WorldSizeMismatch { ours: 3, theirs: 2, .. }),
+            "{err}"
+        );
+        rendezvous(shared, &config(&store, 1, 2), record(4), Duration::from_secs(10))
+            .await
+            .unwrap();
         first.await.unwrap().unwrap();
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_missing_rank_is_named_on_timeout() {
         let store = HashStore::default();
-        let err = rendezvous(Arc::new(store.clone()), &config(&store, 1, 3), record(1), Duration::from_secs(5)).await.unwrap_err();
+        let err = rendezvous(
+            Arc::new(store.clone()),
+            &config(&store, 1, 3),
+            record(1),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_err();
         match err {
             RendezvousError::Incomplete { missing, arrived, .. } => {
                 assert_eq!(missing, vec![0, 2]);
@@ -704,10 +800,14 @@ mod tests {
     async fn generations_do_not_see_each_other() {
         let store = HashStore::default();
         let mut cfg = config(&store, 0, 1);
-        rendezvous(Arc::new(store.clone()), &cfg, record(1), Duration::from_secs(1)).await.unwrap();
+        rendezvous(Arc::new(store.clone()), &cfg, record(1), Duration::from_secs(1))
+            .await
+            .unwrap();
         cfg.generation = 1;
         // The same rank claimed again in a new generation is no duplicate.
-        let m = rendezvous(Arc::new(store.clone()), &cfg, record(2), Duration::from_secs(1)).await.unwrap();
+        let m = rendezvous(Arc::new(store.clone()), &cfg, record(2), Duration::from_secs(1))
+            .await
+            .unwrap();
         assert_eq!((m.generation, m.peers[0].pid), (1, 2));
     }
 }

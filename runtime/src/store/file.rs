@@ -276,9 +276,7 @@ impl Inner {
             return Err(self.corrupt("it shrank while this member used it"));
         }
         let mut pos = self.offset;
-        (&self.data)
-            .seek(SeekFrom::Start(pos))
-            .map_err(|e| self.io(e))?;
+        (&self.data).seek(SeekFrom::Start(pos)).map_err(|e| self.io(e))?;
         let mut reader = BufReader::new(&self.data);
         while pos < len {
             // Each length is checked against the limits, then against the
@@ -286,17 +284,12 @@ impl Inner {
             // gets its kind checked, so garbage is not mistaken for a torn record.
             let mut head = [0; 5];
             let available = (len - pos).min(5) as usize;
-            reader
-                .read_exact(&mut head[..available])
-                .map_err(|e| self.io(e))?;
-            let kind = Kind::from_byte(head[0]).ok_or_else(|| {
-                self.corrupt(format!("unknown record kind {} at byte {pos}", head[0]))
-            })?;
+            reader.read_exact(&mut head[..available]).map_err(|e| self.io(e))?;
+            let kind = Kind::from_byte(head[0])
+                .ok_or_else(|| self.corrupt(format!("unknown record kind {} at byte {pos}", head[0])))?;
             let key_len = u64::from(u32::from_le_bytes([head[1], head[2], head[3], head[4]]));
             if key_len > self.limits.max_key as u64 {
-                return Err(self.corrupt(format!(
-                    "a key of {key_len} bytes at byte {pos}, over the limit"
-                )));
+                return Err(self.corrupt(format!("a key of {key_len} bytes at byte {pos}, over the limit")));
             }
             if len - pos < RECORD_OVERHEAD + key_len {
                 break;
@@ -545,13 +538,10 @@ fn join(inner: &mut Inner) -> Result<(), StoreError> {
             if len > 0 {
                 tracing::info!(path = %inner.path.display(), "reset a stale file store left by an earlier run");
             }
-            let nonce = getrandom::u64()
-                .map_err(|e| inner.io(io::Error::other(format!("no random run nonce: {e}"))))?;
+            let nonce =
+                getrandom::u64().map_err(|e| inner.io(io::Error::other(format!("no random run nonce: {e}"))))?;
             inner.data.set_len(0).map_err(|e| inner.io(e))?;
-            inner
-                .data
-                .write_all_at(&header(nonce), 0)
-                .map_err(|e| inner.io(e))?;
+            inner.data.write_all_at(&header(nonce), 0).map_err(|e| inner.io(e))?;
             members.unlock().map_err(|e| inner.io(e))?;
         }
         Err(TryLockError::WouldBlock) => {}
@@ -588,9 +578,7 @@ impl std::fmt::Debug for FileStore {
 fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
     // A panic under the lock leaves at worst a stale cache, which the next
     // sync tolerates; keep going rather than poison every later call.
-    inner
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 async fn blocking<T: Send + 'static>(
@@ -625,10 +613,7 @@ type Poll<T> = Result<T, Vec<Bytes>>;
 
 impl FileStore {
     /// Opens (creating, or resetting when stale) the store at `path` and joins it.
-    pub async fn open(
-        path: impl AsRef<Path>,
-        options: FileStoreOptions,
-    ) -> Result<FileStore, StoreError> {
+    pub async fn open(path: impl AsRef<Path>, options: FileStoreOptions) -> Result<FileStore, StoreError> {
         let path = path.as_ref();
         let location = format!("file://{}", path.display());
         // Absolute, so the last member out removes the right files even if
@@ -752,12 +737,7 @@ impl Store for FileStore {
         added.map_err(|e| self.rejected(e))
     }
 
-    async fn compare_set(
-        &self,
-        key: &str,
-        expected: &[u8],
-        desired: &[u8],
-    ) -> Result<Bytes, StoreError> {
+    async fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Bytes, StoreError> {
         check_sizes(key, desired, &self.limits)?;
         let (key, expected, desired) = (
             bytes(key),
@@ -786,16 +766,8 @@ impl Store for FileStore {
     async fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
         let keys: Vec<Bytes> = keys.iter().map(|k| bytes(k)).collect();
         self.poll(timeout, move |state, _| {
-            let missing: Vec<Bytes> = keys
-                .iter()
-                .filter(|k| !state.check(&[k]))
-                .cloned()
-                .collect();
-            if missing.is_empty() {
-                Ok(())
-            } else {
-                Err(missing)
-            }
+            let missing: Vec<Bytes> = keys.iter().filter(|k| !state.check(&[k])).cloned().collect();
+            if missing.is_empty() { Ok(()) } else { Err(missing) }
         })
         .await
     }
@@ -819,12 +791,9 @@ impl Store for FileStore {
     async fn multi_get(&self, keys: &[&str]) -> Result<Vec<Bytes>, StoreError> {
         let keys: Vec<Bytes> = keys.iter().map(|k| bytes(k)).collect();
         self.poll(self.timeout, move |state, _| {
-            state.multi_get(&keys).map_err(|_| {
-                keys.iter()
-                    .filter(|k| state.get(k).is_none())
-                    .cloned()
-                    .collect()
-            })
+            state
+                .multi_get(&keys)
+                .map_err(|_| keys.iter().filter(|k| state.get(k).is_none()).cloned().collect())
         })
         .await
     }
@@ -881,9 +850,7 @@ impl Store for FileStore {
             return self.run(move |state, log| Ok(pop(state, log, &key))).await;
         }
         self.poll(self.timeout, move |state, log| {
-            pop(state, log, &key)
-                .map(Some)
-                .ok_or_else(|| vec![key.clone()])
+            pop(state, log, &key).map(Some).ok_or_else(|| vec![key.clone()])
         })
         .await
     }
@@ -952,20 +919,14 @@ mod tests {
 
             assert_eq!(s.add("n", 5).await.unwrap(), 5);
             assert_eq!(s.add("n", -7).await.unwrap(), -2);
-            assert!(matches!(
-                s.add("k", 1).await,
-                Err(StoreError::Rejected { .. })
-            ));
+            assert!(matches!(s.add("k", 1).await, Err(StoreError::Rejected { .. })));
 
             s.append("a", b"ab").await.unwrap();
             s.append("a", b"cd").await.unwrap();
             assert_eq!(s.get("a").await.unwrap(), b("abcd"));
 
             s.multi_set(&[("m1", b"1"), ("m2", b"2")]).await.unwrap();
-            assert_eq!(
-                s.multi_get(&["m1", "m2"]).await.unwrap(),
-                vec![b("1"), b("2")]
-            );
+            assert_eq!(s.multi_get(&["m1", "m2"]).await.unwrap(), vec![b("1"), b("2")]);
             assert!(s.check(&["m1", "m2"]).await.unwrap());
 
             s.set("gone", b"x").await.unwrap();
@@ -1026,33 +987,16 @@ mod tests {
             .await
             .unwrap();
             s.set("here", b"1").await.unwrap();
-            match s
-                .wait_timeout(&["here", "late"], Duration::from_millis(50))
-                .await
-            {
-                Err(StoreError::Timeout {
-                    keys,
-                    location,
-                    waited,
-                }) => {
+            match s.wait_timeout(&["here", "late"], Duration::from_millis(50)).await {
+                Err(StoreError::Timeout { keys, location, waited }) => {
                     assert_eq!(keys, vec!["late".to_string()]);
                     assert_eq!(location, format!("file://{}", path.display()));
                     assert!(waited >= Duration::from_millis(50));
                 }
                 other => panic!("expected a timeout, got {other:?}"),
             }
-            assert!(
-                s.get_timeout("late", Duration::ZERO)
-                    .await
-                    .unwrap_err()
-                    .is_timeout()
-            );
-            assert!(
-                s.multi_get(&["here", "late"])
-                    .await
-                    .unwrap_err()
-                    .is_timeout()
-            );
+            assert!(s.get_timeout("late", Duration::ZERO).await.unwrap_err().is_timeout());
+            assert!(s.multi_get(&["here", "late"]).await.unwrap_err().is_timeout());
             assert!(s.queue_pop("q", true).await.unwrap_err().is_timeout());
         })
         .await
@@ -1069,10 +1013,7 @@ mod tests {
             assert_eq!(b_store.get("x").await.unwrap(), b("1"));
 
             let reader = Arc::clone(&b_store);
-            let waiting =
-                tokio::spawn(
-                    async move { reader.get_timeout("later", Duration::from_secs(10)).await },
-                );
+            let waiting = tokio::spawn(async move { reader.get_timeout("later", Duration::from_secs(10)).await });
             let popper = Arc::clone(&b_store);
             let popping = tokio::spawn(async move { popper.queue_pop("jobs", true).await });
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1098,11 +1039,7 @@ mod tests {
             drop(a);
             assert!(path.exists() && members.exists(), "b is still a member");
             let c = FileStore::open(&path, options()).await.unwrap();
-            assert_eq!(
-                c.get("k").await.unwrap(),
-                b("v"),
-                "a live member protects the store"
-            );
+            assert_eq!(c.get("k").await.unwrap(), b("v"), "a live member protects the store");
             b_store.close().await.unwrap();
             assert!(path.exists());
             drop(c);
@@ -1149,11 +1086,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("store");
             let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "store::file::tests::crashed_member_child",
-                    "--nocapture",
-                ])
+                .args(["--exact", "store::file::tests::crashed_member_child", "--nocapture"])
                 .env(CHILD_ENV, &path)
                 .stdout(std::process::Stdio::piped())
                 .kill_on_drop(true)
@@ -1179,10 +1112,7 @@ mod tests {
             assert!(sibling(&path, ".members").exists());
 
             let s = FileStore::open(&path, options()).await.unwrap();
-            assert!(
-                !s.check(&["left"]).await.unwrap(),
-                "the stale key must be gone"
-            );
+            assert!(!s.check(&["left"]).await.unwrap(), "the stale key must be gone");
             assert_eq!(s.num_keys().await.unwrap(), 0);
             s.close().await.unwrap();
             assert!(!path.exists());
@@ -1290,7 +1220,11 @@ mod tests {
             noise[0] = b'#';
             fs::write(&path, &noise).unwrap();
             assert_corrupt(FileStore::open(&path, options()).await);
-            assert_eq!(fs::read(&path).unwrap(), noise, "a file chorus did not write must stay as it was");
+            assert_eq!(
+                fs::read(&path).unwrap(),
+                noise,
+                "a file chorus did not write must stay as it was"
+            );
         })
         .await
     }
@@ -1314,8 +1248,7 @@ mod tests {
     async fn huge_lengths_are_corrupt_not_allocated() {
         within(async {
             let dir = tempfile::tempdir().unwrap();
-            for (key_len, value_len) in [(u32::MAX, 0u64), (1, u64::MAX), (1, 64 * 1024 * 1024 + 1)]
-            {
+            for (key_len, value_len) in [(u32::MAX, 0u64), (1, u64::MAX), (1, 64 * 1024 * 1024 + 1)] {
                 let path = dir.path().join(format!("store-{key_len}-{value_len}"));
                 let a = FileStore::open(&path, options()).await.unwrap();
                 let mut raw = vec![Kind::Set as u8];
@@ -1348,10 +1281,7 @@ mod tests {
             a.set("x", b"1").await.unwrap();
             let mut expected = Vec::new();
             encode(&mut expected, Kind::Set, b"x", b"1");
-            assert_eq!(
-                fs::metadata(&path).unwrap().len(),
-                intact + expected.len() as u64
-            );
+            assert_eq!(fs::metadata(&path).unwrap().len(), intact + expected.len() as u64);
             let r = FileStore::open(&path, options()).await.unwrap();
             assert_eq!(r.get("x").await.unwrap(), b("1"));
             assert!(!r.check(&["torn"]).await.unwrap());

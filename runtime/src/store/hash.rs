@@ -150,9 +150,11 @@ impl Store for HashStore {
 
     async fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Bytes, StoreError> {
         check_sizes(key, desired, &self.limits)?;
-        let (current, woken) =
-            self.lock()
-                .compare_set(bytes(key), Bytes::copy_from_slice(expected), Bytes::copy_from_slice(desired));
+        let (current, woken) = self.lock().compare_set(
+            bytes(key),
+            Bytes::copy_from_slice(expected),
+            Bytes::copy_from_slice(desired),
+        );
         wake(woken);
         Ok(current)
     }
@@ -253,7 +255,10 @@ mod tests {
     async fn wait_timeout_names_the_missing_key() {
         let store = HashStore::new(Duration::from_secs(5));
         store.set("here", b"1").await.unwrap();
-        let err = store.wait_timeout(&["here", "late"], Duration::from_secs(2)).await.unwrap_err();
+        let err = store
+            .wait_timeout(&["here", "late"], Duration::from_secs(2))
+            .await
+            .unwrap_err();
         match err {
             StoreError::Timeout { keys, waited, .. } => {
                 assert_eq!(keys, vec!["late".to_string()]);
@@ -273,7 +278,10 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(100)).await;
             pusher.queue_push("q", b"job").await.unwrap();
         });
-        assert_eq!(store.queue_pop("q", true).await.unwrap(), Some(Bytes::from_static(b"job")));
+        assert_eq!(
+            store.queue_pop("q", true).await.unwrap(),
+            Some(Bytes::from_static(b"job"))
+        );
         assert!(store.queue_pop("q", true).await.unwrap_err().is_timeout());
     }
 }

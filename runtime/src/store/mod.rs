@@ -40,7 +40,9 @@ pub const DEFAULT_PORT: u16 = 29500;
 #[derive(Debug, Error)]
 pub enum StoreError {
     /// A blocking operation ran out of time before its keys appeared.
-    #[error("timed out after {waited:?} waiting for key(s) {keys:?} in store {location}; check that every rank runs and uses the same store and generation")]
+    #[error(
+        "timed out after {waited:?} waiting for key(s) {keys:?} in store {location}; check that every rank runs and uses the same store and generation"
+    )]
     Timeout {
         /// The keys still missing (or all awaited keys, when unknown).
         keys: Vec<String>,
@@ -50,7 +52,9 @@ pub enum StoreError {
         waited: Duration,
     },
     /// The store could not be reached at all.
-    #[error("could not connect to store at {addr} after {attempts} attempt(s) over {elapsed:?}: {source}; check the address and that the store server (rank 0) is up")]
+    #[error(
+        "could not connect to store at {addr} after {attempts} attempt(s) over {elapsed:?}: {source}; check the address and that the store server (rank 0) is up"
+    )]
     Unreachable {
         /// Address tried.
         addr: String,

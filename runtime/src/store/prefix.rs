@@ -80,7 +80,11 @@ impl Store for PrefixStore {
     }
     async fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), StoreError> {
         let keys: Vec<String> = pairs.iter().map(|(k, _)| self.key(k)).collect();
-        let pairs: Vec<(&str, &[u8])> = keys.iter().map(String::as_str).zip(pairs.iter().map(|(_, v)| *v)).collect();
+        let pairs: Vec<(&str, &[u8])> = keys
+            .iter()
+            .map(String::as_str)
+            .zip(pairs.iter().map(|(_, v)| *v))
+            .collect();
         self.inner.multi_set(&pairs).await
     }
     async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {

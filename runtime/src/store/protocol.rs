@@ -151,26 +151,65 @@ impl QueryType {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[allow(missing_docs)] // fields are the protocol's own arguments
 pub enum Request {
-    Validate { magic: u32 },
-    Set { key: Bytes, value: Bytes },
-    CompareSet { key: Bytes, expected: Bytes, desired: Bytes },
-    Get { key: Bytes },
-    Add { key: Bytes, delta: i64 },
-    Check { keys: Vec<Bytes> },
-    Wait { keys: Vec<Bytes> },
+    Validate {
+        magic: u32,
+    },
+    Set {
+        key: Bytes,
+        value: Bytes,
+    },
+    CompareSet {
+        key: Bytes,
+        expected: Bytes,
+        desired: Bytes,
+    },
+    Get {
+        key: Bytes,
+    },
+    Add {
+        key: Bytes,
+        delta: i64,
+    },
+    Check {
+        keys: Vec<Bytes>,
+    },
+    Wait {
+        keys: Vec<Bytes>,
+    },
     GetNumKeys,
-    DeleteKey { key: Bytes },
-    Append { key: Bytes, value: Bytes },
-    MultiGet { keys: Vec<Bytes> },
-    MultiSet { pairs: Vec<(Bytes, Bytes)> },
+    DeleteKey {
+        key: Bytes,
+    },
+    Append {
+        key: Bytes,
+        value: Bytes,
+    },
+    MultiGet {
+        keys: Vec<Bytes>,
+    },
+    MultiSet {
+        pairs: Vec<(Bytes, Bytes)>,
+    },
     CancelWait,
-    Ping { nonce: u32 },
-    QueuePush { key: Bytes, value: Bytes },
-    QueuePop { key: Bytes },
-    QueueLen { key: Bytes },
+    Ping {
+        nonce: u32,
+    },
+    QueuePush {
+        key: Bytes,
+        value: Bytes,
+    },
+    QueuePop {
+        key: Bytes,
+    },
+    QueueLen {
+        key: Bytes,
+    },
     ListKeys,
     /// Adds 1 to the counter at `key`; replied to once it reaches `world_size`.
-    Barrier { key: Bytes, world_size: i64 },
+    Barrier {
+        key: Bytes,
+        world_size: i64,
+    },
 }
 
 impl Request {
@@ -204,17 +243,11 @@ impl Request {
         out.put_u8(self.query_type() as u8);
         match self {
             Request::Validate { magic } => out.put_u32_le(*magic),
-            Request::Set { key, value }
-            | Request::Append { key, value }
-            | Request::QueuePush { key, value } => {
+            Request::Set { key, value } | Request::Append { key, value } | Request::QueuePush { key, value } => {
                 put_bytes(out, key);
                 put_bytes(out, value);
             }
-            Request::CompareSet {
-                key,
-                expected,
-                desired,
-            } => {
+            Request::CompareSet { key, expected, desired } => {
                 put_bytes(out, key);
                 put_bytes(out, expected);
                 put_bytes(out, desired);
@@ -261,11 +294,7 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn new(buf: &'a [u8], limits: Limits) -> Self {
-        Self {
-            buf,
-            pos: 0,
-            limits,
-        }
+        Self { buf, pos: 0, limits }
     }
 
     fn take(&mut self, n: usize) -> Option<&'a [u8]> {
@@ -513,10 +542,9 @@ impl ReplyShape {
                 ReplyShape::U8
             }
             Request::Ping { .. } => ReplyShape::U32,
-            Request::Add { .. }
-            | Request::GetNumKeys
-            | Request::DeleteKey { .. }
-            | Request::QueueLen { .. } => ReplyShape::I64,
+            Request::Add { .. } | Request::GetNumKeys | Request::DeleteKey { .. } | Request::QueueLen { .. } => {
+                ReplyShape::I64
+            }
             Request::Get { .. } | Request::CompareSet { .. } => ReplyShape::Value,
             Request::MultiGet { keys } => ReplyShape::Values(keys.len()),
             Request::QueuePop { .. } => ReplyShape::QueuePop,
@@ -538,16 +566,15 @@ pub enum Reply {
     /// The value popped; `None` when the queue was empty.
     Popped(Option<Bytes>),
     /// The popped value and the queue length before the pop (server side).
-    PoppedFrom { len_before: i64, value: Bytes },
+    PoppedFrom {
+        len_before: i64,
+        value: Bytes,
+    },
     Keys(Vec<Bytes>),
 }
 
 /// Decodes one reply of `shape` from the front of `buf`, removing its bytes.
-pub fn decode_reply(
-    buf: &mut BytesMut,
-    shape: ReplyShape,
-    limits: &Limits,
-) -> Result<Option<Reply>, ProtocolError> {
+pub fn decode_reply(buf: &mut BytesMut, shape: ReplyShape, limits: &Limits) -> Result<Option<Reply>, ProtocolError> {
     let limits = Limits {
         max_request: usize::MAX,
         ..*limits
@@ -571,10 +598,7 @@ pub fn decode_reply(
             }
             let frame = buf.split_to(cur.pos).freeze();
             return Ok(Some(Reply::Values(
-                ranges
-                    .into_iter()
-                    .map(|(s, l)| frame.slice(s..s + l))
-                    .collect(),
+                ranges.into_iter().map(|(s, l)| frame.slice(s..s + l)).collect(),
             )));
         }
         ReplyShape::QueuePop => {
@@ -646,7 +670,11 @@ mod tests {
         // Every strict prefix is "need more", and consumes nothing.
         for cut in 0..full.len() {
             let mut partial = BytesMut::from(&full[..cut]);
-            assert_eq!(decode_request(&mut partial, &Limits::default()), Ok(None), "cut at {cut}");
+            assert_eq!(
+                decode_request(&mut partial, &Limits::default()),
+                Ok(None),
+                "cut at {cut}"
+            );
             assert_eq!(partial.len(), cut);
         }
         let decoded = decode_request(&mut buf, &Limits::default()).unwrap().unwrap();
@@ -661,25 +689,49 @@ mod tests {
     #[test]
     fn every_request_roundtrips() {
         for request in [
-            Request::Validate { magic: VALIDATION_MAGIC },
-            Request::Set { key: b("/k"), value: b("v") },
-            Request::CompareSet { key: b("k"), expected: b(""), desired: b("d") },
+            Request::Validate {
+                magic: VALIDATION_MAGIC,
+            },
+            Request::Set {
+                key: b("/k"),
+                value: b("v"),
+            },
+            Request::CompareSet {
+                key: b("k"),
+                expected: b(""),
+                desired: b("d"),
+            },
             Request::Get { key: b("k") },
             Request::Add { key: b("k"), delta: -7 },
-            Request::Check { keys: vec![b("a"), b("b")] },
+            Request::Check {
+                keys: vec![b("a"), b("b")],
+            },
             Request::Wait { keys: vec![b("a")] },
             Request::GetNumKeys,
             Request::DeleteKey { key: b("k") },
-            Request::Append { key: b("k"), value: b("xyz") },
-            Request::MultiGet { keys: vec![b("a"), b(""), b("c")] },
-            Request::MultiSet { pairs: vec![(b("a"), b("1")), (b("b"), b(""))] },
+            Request::Append {
+                key: b("k"),
+                value: b("xyz"),
+            },
+            Request::MultiGet {
+                keys: vec![b("a"), b(""), b("c")],
+            },
+            Request::MultiSet {
+                pairs: vec![(b("a"), b("1")), (b("b"), b(""))],
+            },
             Request::CancelWait,
             Request::Ping { nonce: 0xdead_beef },
-            Request::QueuePush { key: b("q"), value: b("item") },
+            Request::QueuePush {
+                key: b("q"),
+                value: b("item"),
+            },
             Request::QueuePop { key: b("q") },
             Request::QueueLen { key: b("q") },
             Request::ListKeys,
-            Request::Barrier { key: b("/b"), world_size: 4 },
+            Request::Barrier {
+                key: b("/b"),
+                world_size: 4,
+            },
         ] {
             roundtrip(request);
         }
@@ -713,9 +765,15 @@ mod tests {
 
     #[test]
     fn request_size_is_bounded_across_keys() {
-        let limits = Limits { max_request: 100, ..Limits::default() };
+        let limits = Limits {
+            max_request: 100,
+            ..Limits::default()
+        };
         let mut buf = BytesMut::new();
-        Request::MultiSet { pairs: vec![(b("a"), Bytes::from(vec![0u8; 60])); 2] }.encode(&mut buf);
+        Request::MultiSet {
+            pairs: vec![(b("a"), Bytes::from(vec![0u8; 60])); 2],
+        }
+        .encode(&mut buf);
         assert!(matches!(
             decode_request(&mut buf, &limits),
             Err(ProtocolError::RequestTooLarge { .. })
@@ -725,7 +783,10 @@ mod tests {
     #[test]
     fn unknown_query_is_rejected() {
         let mut buf = BytesMut::from(&[19u8, 0, 0][..]);
-        assert_eq!(decode_request(&mut buf, &Limits::default()), Err(ProtocolError::UnknownQuery(19)));
+        assert_eq!(
+            decode_request(&mut buf, &Limits::default()),
+            Err(ProtocolError::UnknownQuery(19))
+        );
     }
 
     #[test]

@@ -192,9 +192,10 @@ impl<W> KvState<W> {
             None => 0,
             Some(value) => parse_integer(value).ok_or_else(|| StateError::NotANumber { key: lossy(&key) })?,
         };
-        let next = current
-            .checked_add(delta)
-            .ok_or_else(|| StateError::Overflow { key: lossy(&key), delta })?;
+        let next = current.checked_add(delta).ok_or_else(|| StateError::Overflow {
+            key: lossy(&key),
+            delta,
+        })?;
         let woken = self.set(key, Bytes::from(next.to_string()));
         Ok((next, woken))
     }
@@ -270,7 +271,12 @@ impl<W> KvState<W> {
     /// already has; every other barrier waiter the increment satisfied is
     /// among the woken tokens returned.
     #[allow(clippy::type_complexity)]
-    pub fn barrier(&mut self, key: Bytes, world_size: i64, token: W) -> Result<(Result<WaitId, W>, Vec<W>), StateError> {
+    pub fn barrier(
+        &mut self,
+        key: Bytes,
+        world_size: i64,
+        token: W,
+    ) -> Result<(Result<WaitId, W>, Vec<W>), StateError> {
         let (count, woken) = self.add(key.clone(), 1)?;
         if count >= world_size {
             return Ok((Err(token), woken));

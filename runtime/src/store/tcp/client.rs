@@ -117,8 +117,14 @@ impl TcpStore {
             in_flight: false,
         };
         let nonce = std::process::id();
-        self.exchange(&mut conn, &Request::Validate { magic: protocol::VALIDATION_MAGIC }, "validate")
-            .await?;
+        self.exchange(
+            &mut conn,
+            &Request::Validate {
+                magic: protocol::VALIDATION_MAGIC,
+            },
+            "validate",
+        )
+        .await?;
         match self.exchange(&mut conn, &Request::Ping { nonce }, "ping").await? {
             Reply::U32(echo) if echo == nonce => Ok(conn),
             other => Err(self.malformed(format!("ping answered {other:?}, not the nonce {nonce}"))),
@@ -132,7 +138,10 @@ impl TcpStore {
     /// Every key holding a value, exactly as stored: keys of PyTorch-style
     /// clients (this one included) start with the `/` they prefix.
     pub async fn list_keys(&self) -> Result<Vec<Bytes>, StoreError> {
-        match self.call(Request::ListKeys, "list_keys", &[], self.options.timeout).await? {
+        match self
+            .call(Request::ListKeys, "list_keys", &[], self.options.timeout)
+            .await?
+        {
             Reply::Keys(keys) => Ok(keys),
             other => Err(self.malformed(format!("list_keys answered {other:?}"))),
         }
@@ -163,7 +172,12 @@ impl TcpStore {
         Ok(reply)
     }
 
-    async fn read_reply(&self, conn: &mut Connection, shape: ReplyShape, op: &'static str) -> Result<Reply, StoreError> {
+    async fn read_reply(
+        &self,
+        conn: &mut Connection,
+        shape: ReplyShape,
+        op: &'static str,
+    ) -> Result<Reply, StoreError> {
         loop {
             let decoded = protocol::decode_reply(&mut conn.buf, shape, &self.options.limits).map_err(|source| {
                 StoreError::Protocol {
@@ -189,7 +203,13 @@ impl TcpStore {
 
     /// Runs `request` on a healthy connection, reconnecting when the last
     /// operation was abandoned or failed; the reply must come within `timeout`.
-    async fn call(&self, request: Request, op: &'static str, keys: &[&str], timeout: Duration) -> Result<Reply, StoreError> {
+    async fn call(
+        &self,
+        request: Request,
+        op: &'static str,
+        keys: &[&str],
+        timeout: Duration,
+    ) -> Result<Reply, StoreError> {
         let mut guard = self.conn.lock().await;
         if guard.as_ref().is_none_or(|c| c.in_flight) {
             *guard = None;
@@ -223,7 +243,11 @@ impl TcpStore {
     }
 
     fn check_key(&self, key: &str) -> Result<(), StoreError> {
-        check_sizes(&format!("{}{}", self.options.key_prefix, key), b"", &self.options.limits)
+        check_sizes(
+            &format!("{}{}", self.options.key_prefix, key),
+            b"",
+            &self.options.limits,
+        )
     }
 
     /// `WAIT` with a client-side deadline; on expiry, `CANCEL_WAIT` and drain
@@ -324,7 +348,10 @@ impl Store for TcpStore {
 
     async fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Bytes, StoreError> {
         self.wait_keys(&[key], timeout).await?;
-        match self.call(Request::Get { key: self.key(key) }, "get", &[key], self.options.timeout).await? {
+        match self
+            .call(Request::Get { key: self.key(key) }, "get", &[key], self.options.timeout)
+            .await?
+        {
             Reply::Value(v) => Ok(v),
             other => Err(self.malformed(format!("get answered {other:?}"))),
         }
@@ -333,7 +360,15 @@ impl Store for TcpStore {
     async fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         self.check_key(key)?;
         let reply = self
-            .call(Request::Add { key: self.key(key), delta }, "add", &[key], self.options.timeout)
+            .call(
+                Request::Add {
+                    key: self.key(key),
+                    delta,
+                },
+                "add",
+                &[key],
+                self.options.timeout,
+            )
             .await?;
         expect_i64(self, reply, "add")
     }
@@ -373,13 +408,20 @@ impl Store for TcpStore {
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         self.check_key(key)?;
         let reply = self
-            .call(Request::DeleteKey { key: self.key(key) }, "delete", &[key], self.options.timeout)
+            .call(
+                Request::DeleteKey { key: self.key(key) },
+                "delete",
+                &[key],
+                self.options.timeout,
+            )
             .await?;
         Ok(expect_i64(self, reply, "delete")? > 0)
     }
 
     async fn num_keys(&self) -> Result<i64, StoreError> {
-        let reply = self.call(Request::GetNumKeys, "num_keys", &[], self.options.timeout).await?;
+        let reply = self
+            .call(Request::GetNumKeys, "num_keys", &[], self.options.timeout)
+            .await?;
         expect_i64(self, reply, "num_keys")
     }
 
@@ -405,7 +447,9 @@ impl Store for TcpStore {
                 .collect(),
         };
         let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
-        self.call(request, "multi_set", &keys, self.options.timeout).await.map(drop)
+        self.call(request, "multi_set", &keys, self.options.timeout)
+            .await
+            .map(drop)
     }
 
     async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -414,7 +458,9 @@ impl Store for TcpStore {
             key: self.key(key),
             value: Bytes::copy_from_slice(value),
         };
-        self.call(request, "append", &[key], self.options.timeout).await.map(drop)
+        self.call(request, "append", &[key], self.options.timeout)
+            .await
+            .map(drop)
     }
 
     async fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -423,7 +469,9 @@ impl Store for TcpStore {
             key: self.key(key),
             value: Bytes::copy_from_slice(value),
         };
-        self.call(request, "queue_push", &[key], self.options.timeout).await.map(drop)
+        self.call(request, "queue_push", &[key], self.options.timeout)
+            .await
+            .map(drop)
     }
 
     async fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Bytes>, StoreError> {
@@ -435,7 +483,12 @@ impl Store for TcpStore {
                 self.wait_keys(&[key], left).await?;
             }
             let reply = self
-                .call(Request::QueuePop { key: self.key(key) }, "queue_pop", &[key], self.options.timeout)
+                .call(
+                    Request::QueuePop { key: self.key(key) },
+                    "queue_pop",
+                    &[key],
+                    self.options.timeout,
+                )
                 .await?;
             match reply {
                 Reply::Popped(Some(value)) => return Ok(Some(value)),
@@ -450,7 +503,12 @@ impl Store for TcpStore {
     async fn queue_len(&self, key: &str) -> Result<i64, StoreError> {
         self.check_key(key)?;
         let reply = self
-            .call(Request::QueueLen { key: self.key(key) }, "queue_len", &[key], self.options.timeout)
+            .call(
+                Request::QueueLen { key: self.key(key) },
+                "queue_len",
+                &[key],
+                self.options.timeout,
+            )
             .await?;
         expect_i64(self, reply, "queue_len")
     }

@@ -92,7 +92,9 @@ impl TcpStoreServer {
     /// Serves on an already bound listener.
     pub fn serve(listener: TcpListener, options: TcpStoreServerOptions) -> Self {
         raise_fd_limit();
-        let local_addr = listener.local_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let local_addr = listener
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
         let shared = Arc::new(Shared {
             state: Mutex::new(KvState::new(options.limits.max_value)),
             options,
@@ -400,7 +402,10 @@ impl Connection<'_> {
             Request::Barrier { key, world_size } => {
                 let number = self.next_wait;
                 self.next_wait += 1;
-                let result = self.shared.lock().barrier(key, world_size, (self.wake_tx.clone(), number));
+                let result = self
+                    .shared
+                    .lock()
+                    .barrier(key, world_size, (self.wake_tx.clone(), number));
                 let (registered, woken) = result.map_err(|source| CloseReason::Refused { op: "BARRIER", source })?;
                 wake(woken);
                 match registered {
