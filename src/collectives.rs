@@ -68,6 +68,21 @@ fn length_error(what: &str, detail: String) -> CollectiveError {
     }
 }
 
+/// An operation of `kind` over `count` elements of `dtype` per rank, with
+/// no root, operator or buffers yet (in-place operations fill `output`).
+fn operation(kind: CollectiveKind, dtype: DType, count: usize) -> Collective {
+    Collective {
+        kind,
+        dtype,
+        count,
+        root: None,
+        op: None,
+        input: Bytes::new(),
+        output: Vec::new(),
+        timeout: None,
+    }
+}
+
 impl ProcessGroup {
     fn submit(&self, op: Collective) -> Work<Vec<u8>> {
         let request = self.actor.send(op);
@@ -78,170 +93,141 @@ impl ProcessGroup {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn collective(
-        &self,
-        kind: CollectiveKind,
-        dtype: DType,
-        count: usize,
-        root: Option<usize>,
-        op: Option<ReduceOp>,
-        input: Bytes,
-        output: Vec<u8>,
-    ) -> Work<Vec<u8>> {
-        self.submit(Collective {
-            kind,
-            dtype,
-            count,
-            root,
-            op,
-            input,
-            output,
-            timeout: None,
-        })
+    /// Submits `op` and hands its output back as a tensor of its dtype.
+    fn submit_tensor(&self, op: Collective) -> Work<Tensor> {
+        let dtype = op.dtype;
+        let work = self.submit(op);
+        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+    }
+
+    /// Submits `op`, whose output is of no interest.
+    fn submit_unit(&self, op: Collective) -> Work<()> {
+        let work = self.submit(op);
+        Work::new(async move { work.await.map(drop) })
+    }
+
+    /// `tensor`'s elements as `world` equal blocks, or an error naming `what`.
+    fn blocks(&self, what: &str, tensor: &Tensor) -> Result<usize, CollectiveError> {
+        let world = self.world_size();
+        if tensor.len().is_multiple_of(world) {
+            Ok(tensor.len() / world)
+        } else {
+            Err(length_error(
+                what,
+                format!("{} elements do not split into {world} equal blocks", tensor.len()),
+            ))
+        }
     }
 
     /// Every rank ends with the reduction of every rank's `tensor`.
     pub fn all_reduce(&self, tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
-        let (dtype, count) = (tensor.dtype(), tensor.len());
-        let work = self.collective(
-            CollectiveKind::AllReduce,
-            dtype,
-            count,
-            None,
-            Some(op),
-            Bytes::new(),
-            tensor.into_bytes(),
-        );
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        self.submit_tensor(
+            Collective {
+                op: Some(op),
+                ..operation(CollectiveKind::AllReduce, tensor.dtype(), tensor.len())
+            }
+            .with_output(tensor),
+        )
     }
 
     /// Every rank ends with `root`'s `tensor`.
     pub fn broadcast(&self, tensor: Tensor, root: usize) -> Work<Tensor> {
-        let (dtype, count) = (tensor.dtype(), tensor.len());
-        let work = self.collective(
-            CollectiveKind::Broadcast,
-            dtype,
-            count,
-            Some(root),
-            None,
-            Bytes::new(),
-            tensor.into_bytes(),
-        );
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        self.submit_tensor(
+            Collective {
+                root: Some(root),
+                ..operation(CollectiveKind::Broadcast, tensor.dtype(), tensor.len())
+            }
+            .with_output(tensor),
+        )
     }
 
     /// `root` ends with the reduction; other ranks' tensors come back unspecified.
     pub fn reduce(&self, tensor: Tensor, root: usize, op: ReduceOp) -> Work<Tensor> {
-        let (dtype, count) = (tensor.dtype(), tensor.len());
-        let work = self.collective(
-            CollectiveKind::Reduce,
-            dtype,
-            count,
-            Some(root),
-            Some(op),
-            Bytes::new(),
-            tensor.into_bytes(),
-        );
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        self.submit_tensor(
+            Collective {
+                root: Some(root),
+                op: Some(op),
+                ..operation(CollectiveKind::Reduce, tensor.dtype(), tensor.len())
+            }
+            .with_output(tensor),
+        )
     }
 
     /// Every rank ends with every rank's `tensor`, concatenated in rank order.
     pub fn all_gather(&self, tensor: Tensor) -> Work<Tensor> {
-        let (dtype, count) = (tensor.dtype(), tensor.len());
-        let output = vec![0; tensor.as_bytes().len() * self.world_size()];
-        let work = self.collective(
-            CollectiveKind::AllGather,
-            dtype,
-            count,
-            None,
-            None,
-            Bytes::from(tensor.into_bytes()),
-            output,
-        );
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        self.submit_tensor(
+            Collective {
+                output: vec![0; tensor.as_bytes().len() * self.world_size()],
+                ..operation(CollectiveKind::AllGather, tensor.dtype(), tensor.len())
+            }
+            .with_input(tensor),
+        )
     }
 
     /// `root` ends with every rank's `tensor` concatenated in rank order; the
     /// other ranks get an empty tensor.
     pub fn gather(&self, tensor: Tensor, root: usize) -> Work<Tensor> {
-        let (dtype, count) = (tensor.dtype(), tensor.len());
-        let output = if self.rank() == root {
-            vec![0; tensor.as_bytes().len() * self.world_size()]
+        let gathered = if self.rank() == root {
+            tensor.as_bytes().len() * self.world_size()
         } else {
-            Vec::new()
+            0
         };
-        let work = self.collective(
-            CollectiveKind::Gather,
-            dtype,
-            count,
-            Some(root),
-            None,
-            Bytes::from(tensor.into_bytes()),
-            output,
-        );
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        self.submit_tensor(
+            Collective {
+                root: Some(root),
+                output: vec![0; gathered],
+                ..operation(CollectiveKind::Gather, tensor.dtype(), tensor.len())
+            }
+            .with_input(tensor),
+        )
     }
 
     /// Rank `i` ends with block `i` of `root`'s `chunks` (`count * world`
     /// elements; other ranks pass `None`).
     pub fn scatter(&self, chunks: Option<Tensor>, dtype: DType, count: usize, root: usize) -> Work<Tensor> {
-        let input = match (chunks, self.rank() == root) {
-            (Some(t), true) if t.dtype() == dtype && t.len() == count * self.world_size() => {
-                Bytes::from(t.into_bytes())
-            }
-            (Some(t), true) => {
-                return Work::failed(length_error(
-                    "scatter",
-                    format!(
-                        "the root's tensor must be {} x {dtype}, not {} x {}",
-                        count * self.world_size(),
-                        t.len(),
-                        t.dtype()
-                    ),
-                ));
-            }
-            (None, true) => return Work::failed(length_error("scatter", "the root must pass the chunks".into())),
-            (_, false) => Bytes::new(),
+        let scatter = Collective {
+            root: Some(root),
+            output: vec![0; count * dtype.size()],
+            ..operation(CollectiveKind::Scatter, dtype, count)
         };
-        let work = self.collective(
-            CollectiveKind::Scatter,
-            dtype,
-            count,
-            Some(root),
-            None,
-            input,
-            vec![0; count * dtype.size()],
-        );
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        match (chunks, self.rank() == root) {
+            (Some(t), true) if t.dtype() == dtype && t.len() == count * self.world_size() => {
+                self.submit_tensor(scatter.with_input(t))
+            }
+            (Some(t), true) => Work::failed(length_error(
+                "scatter",
+                format!(
+                    "the root's tensor must be {} x {dtype}, not {} x {}",
+                    count * self.world_size(),
+                    t.len(),
+                    t.dtype()
+                ),
+            )),
+            (None, true) => Work::failed(length_error("scatter", "the root must pass the chunks".into())),
+            (_, false) => self.submit_tensor(scatter),
+        }
     }
 
     /// Rank `i` ends with the reduction of every rank's block `i` of
     /// `tensor` (`count * world` elements; returns `count`).
     pub fn reduce_scatter(&self, tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
-        let (dtype, world, rank) = (tensor.dtype(), self.world_size(), self.rank());
-        if !tensor.len().is_multiple_of(world) {
-            return Work::failed(length_error(
-                "reduce_scatter",
-                format!("{} elements do not split into {world} equal blocks", tensor.len()),
-            ));
-        }
-        let count = tensor.len() / world;
-        let work = self.collective(
-            CollectiveKind::ReduceScatter,
-            dtype,
-            count,
-            None,
-            Some(op),
-            Bytes::new(),
-            tensor.into_bytes(),
+        let count = match self.blocks("reduce_scatter", &tensor) {
+            Ok(count) => count,
+            Err(e) => return Work::failed(e),
+        };
+        let (dtype, rank) = (tensor.dtype(), self.rank());
+        let work = self.submit(
+            Collective {
+                op: Some(op),
+                ..operation(CollectiveKind::ReduceScatter, dtype, count)
+            }
+            .with_output(tensor),
         );
         Work::new(async move {
-            let bytes = work.await?;
             let block = count * dtype.size();
             Ok(Tensor::from_bytes(
                 dtype,
-                bytes[rank * block..(rank + 1) * block].to_vec(),
+                work.await?[rank * block..(rank + 1) * block].to_vec(),
             ))
         })
     }
@@ -249,67 +235,65 @@ impl ProcessGroup {
     /// Block `j` of this rank's `tensor` goes to rank `j`; block `i` of the
     /// result comes from rank `i`.
     pub fn all_to_all(&self, tensor: Tensor) -> Work<Tensor> {
-        let (dtype, world) = (tensor.dtype(), self.world_size());
-        if !tensor.len().is_multiple_of(world) {
-            return Work::failed(length_error(
-                "all_to_all",
-                format!("{} elements do not split into {world} equal blocks", tensor.len()),
-            ));
-        }
-        let count = tensor.len() / world;
-        let output = vec![0; tensor.as_bytes().len()];
-        let work = self.collective(
-            CollectiveKind::AllToAll,
-            dtype,
-            count,
-            None,
-            None,
-            Bytes::from(tensor.into_bytes()),
-            output,
-        );
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        let count = match self.blocks("all_to_all", &tensor) {
+            Ok(count) => count,
+            Err(e) => return Work::failed(e),
+        };
+        self.submit_tensor(
+            Collective {
+                output: vec![0; tensor.as_bytes().len()],
+                ..operation(CollectiveKind::AllToAll, tensor.dtype(), count)
+            }
+            .with_input(tensor),
+        )
     }
 
     /// Returns once every rank has entered.
     pub fn barrier(&self) -> Work<()> {
-        let work = self.collective(
-            CollectiveKind::Barrier,
-            DType::UInt8,
-            0,
-            None,
-            None,
-            Bytes::new(),
-            Vec::new(),
-        );
-        Work::new(async move { work.await.map(drop) })
+        self.submit_unit(operation(CollectiveKind::Barrier, DType::UInt8, 0))
     }
 
     /// Sends `tensor` to rank `to` (matched by its `recv` from this rank).
     pub fn send(&self, tensor: Tensor, to: usize) -> Work<()> {
-        let (dtype, count) = (tensor.dtype(), tensor.len());
-        let work = self.collective(
-            CollectiveKind::Send,
-            dtype,
-            count,
-            Some(to),
-            None,
-            Bytes::from(tensor.into_bytes()),
-            Vec::new(),
-        );
-        Work::new(async move { work.await.map(drop) })
+        self.submit_unit(
+            Collective {
+                root: Some(to),
+                ..operation(CollectiveKind::Send, tensor.dtype(), tensor.len())
+            }
+            .with_input(tensor),
+        )
     }
 
     /// Receives `count` elements of `dtype` from rank `from`.
     pub fn recv(&self, dtype: DType, count: usize, from: usize) -> Work<Tensor> {
-        let work = self.collective(
-            CollectiveKind::Recv,
-            dtype,
-            count,
-            Some(from),
-            None,
-            Bytes::new(),
-            vec![0; count * dtype.size()],
-        );
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        self.submit_tensor(Collective {
+            root: Some(from),
+            output: vec![0; count * dtype.size()],
+            ..operation(CollectiveKind::Recv, dtype, count)
+        })
+    }
+}
+
+/// Moving a tensor's buffer into an operation, without a copy.
+trait Buffers {
+    /// `tensor` as the read-only input.
+    fn with_input(self, tensor: Tensor) -> Self;
+    /// `tensor` as the in-place output.
+    fn with_output(self, tensor: Tensor) -> Self;
+}
+
+impl Buffers for Collective {
+    fn with_input(self, tensor: Tensor) -> Self {
+        Collective {
+            input: Bytes::from(tensor.into_bytes()),
+            ..self
+        }
+    }
+
+    fn with_output(self, tensor: Tensor) -> Self {
+        Collective {
+            output: tensor.into_bytes(),
+            ..self
+        }
     }
 }
