@@ -377,6 +377,46 @@ wait"#,
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
 
+#[test]
+fn a_sigkilled_launcher_takes_its_workers_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = script(
+        dir.path(),
+        "worker.sh",
+        r#"echo "$$" > "$OUT/$RANK.pid"
+exec sleep 1000"#,
+    );
+    let mut command = launch(&["--nproc-per-node", "2"]);
+    command.arg(&worker).env("OUT", dir.path());
+    let mut child = command.spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let pid_files: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("{r}.pid"))).collect();
+    while !pid_files
+        .iter()
+        .all(|f| std::fs::read_to_string(f).is_ok_and(|s| s.ends_with('\n')))
+    {
+        assert!(Instant::now() < deadline, "workers did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pids: Vec<i32> = pid_files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap().trim().parse().unwrap())
+        .collect();
+    assert!(pids.iter().all(|&p| alive(p)));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    for &pid in &left {
+        // SAFETY: kill only sends a signal; clean up before failing.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert!(left.is_empty(), "workers outlived a SIGKILLed launcher: {left:?}");
+}
+
 /// Two launchers with --nnodes 2 and no --node-rank on this machine: one
 /// serves the store, node ranks are handed out there, and the workers form
 /// one job of 2 x 2 ranks.

@@ -189,6 +189,24 @@ fn spawn_one(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    // A launcher that is SIGKILLed cannot stop its workers: have the kernel
+    // kill each worker when the launcher dies (the worker's own children
+    // are the worker's to handle, as PyTorch's data loaders do).
+    let launcher = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the child between fork and exec and calls
+    // only async-signal-safe functions (prctl, getppid, _exit).
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher may have died before prctl took effect.
+            if libc::getppid() != launcher {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
     let mut child = command.spawn().map_err(|source| LaunchError::Spawn {
         program: spec.argv[0].clone(),
         rank: spec.rank,
