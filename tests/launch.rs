@@ -326,23 +326,11 @@ fn alive(pid: i32) -> bool {
         .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
 }
 
-/// SIGTERM to the launcher reaches every worker and the children they
-/// started; the launcher exits 128+15 only when they are gone.
-#[test]
-fn sigterm_leaves_no_process_behind() {
-    let dir = tempfile::tempdir().unwrap();
-    let worker = script(
-        dir.path(),
-        "worker.sh",
-        r#"sleep 1000 &
-echo "$! $$" > "$OUT/$RANK.pids"
-wait"#,
-    );
-    let mut command = launch(&["--nproc-per-node", "2"]);
-    command.arg(&worker).env("OUT", dir.path());
-    let child = command.spawn().unwrap();
+/// Waits until each of `ranks` workers wrote its pids (whitespace-separated,
+/// newline-terminated) to `DIR/<rank>.pids`, and returns them all.
+fn worker_pids(dir: &Path, ranks: usize) -> Vec<i32> {
     let deadline = Instant::now() + Duration::from_secs(10);
-    let pid_files: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("{r}.pids"))).collect();
+    let pid_files: Vec<PathBuf> = (0..ranks).map(|r| dir.join(format!("{r}.pids"))).collect();
     while !pid_files
         .iter()
         .all(|f| std::fs::read_to_string(f).is_ok_and(|s| s.ends_with('\n')))
@@ -361,11 +349,12 @@ wait"#,
         })
         .collect();
     assert!(pids.iter().all(|&p| alive(p)));
-    // SAFETY: kill only sends a signal.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let output = finish(child, 15, "the launcher after SIGTERM");
-    assert_eq!(output.status.code(), Some(128 + 15), "{}", text(&output));
-    let deadline = Instant::now() + Duration::from_secs(2);
+    pids
+}
+
+/// Fails, after killing them, if any of `pids` is still alive `within` from now.
+fn assert_all_gone(pids: &[i32], within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
     while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -374,7 +363,30 @@ wait"#,
         // SAFETY: kill only sends a signal; clean up before failing.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    assert!(left.is_empty(), "processes left behind: {left:?}");
+    assert!(left.is_empty(), "{what}: {left:?}");
+}
+
+/// SIGTERM to the launcher reaches every worker and the children they
+/// started; the launcher exits 128+15 only when they are gone.
+#[test]
+fn sigterm_leaves_no_process_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = script(
+        dir.path(),
+        "worker.sh",
+        r#"sleep 1000 &
+echo "$! $$" > "$OUT/$RANK.pids"
+wait"#,
+    );
+    let mut command = launch(&["--nproc-per-node", "2"]);
+    command.arg(&worker).env("OUT", dir.path());
+    let child = command.spawn().unwrap();
+    let pids = worker_pids(dir.path(), 2);
+    // SAFETY: kill only sends a signal.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let output = finish(child, 15, "the launcher after SIGTERM");
+    assert_eq!(output.status.code(), Some(128 + 15), "{}", text(&output));
+    assert_all_gone(&pids, Duration::from_secs(2), "processes left behind");
 }
 
 #[test]
@@ -383,38 +395,16 @@ fn a_sigkilled_launcher_takes_its_workers_with_it() {
     let worker = script(
         dir.path(),
         "worker.sh",
-        r#"echo "$$" > "$OUT/$RANK.pid"
+        r#"echo "$$" > "$OUT/$RANK.pids"
 exec sleep 1000"#,
     );
     let mut command = launch(&["--nproc-per-node", "2"]);
     command.arg(&worker).env("OUT", dir.path());
     let mut child = command.spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let pid_files: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("{r}.pid"))).collect();
-    while !pid_files
-        .iter()
-        .all(|f| std::fs::read_to_string(f).is_ok_and(|s| s.ends_with('\n')))
-    {
-        assert!(Instant::now() < deadline, "workers did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let pids: Vec<i32> = pid_files
-        .iter()
-        .map(|f| std::fs::read_to_string(f).unwrap().trim().parse().unwrap())
-        .collect();
-    assert!(pids.iter().all(|&p| alive(p)));
+    let pids = worker_pids(dir.path(), 2);
     child.kill().unwrap();
     child.wait().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let left: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
-    for &pid in &left {
-        // SAFETY: kill only sends a signal; clean up before failing.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-    }
-    assert!(left.is_empty(), "workers outlived a SIGKILLed launcher: {left:?}");
+    assert_all_gone(&pids, Duration::from_secs(3), "workers outlived a SIGKILLed launcher");
 }
 
 /// Two launchers with --nnodes 2 and no --node-rank on this machine: one
