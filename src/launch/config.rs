@@ -214,8 +214,10 @@ WORLD_SIZE, MASTER_ADDR, ...). A PROGRAM ending in .py runs under python3 -u
 is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
 
   --nproc-per-node N|auto|cpu|gpu  workers on this node (default 1)
-  --nnodes N|MIN:MAX               nodes in the job (default 1)
-  --node-rank R                    this node's rank (default: assigned in the store)
+  --nnodes N|MIN:MAX               nodes in the job (default 1); with MIN:MAX
+                                   nodes may leave and join while it runs
+  --node-rank R                    this node's rank, --nnodes N only (default:
+                                   assigned in the store, dense in each round)
   --master-addr HOST               store address (default 127.0.0.1)
   --master-port PORT               store port (default 29500; a free one on one node)
   --standalone                     one node, free port on localhost
@@ -434,14 +436,22 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
     };
 
     let node_rank: Option<usize> = given.number("node-rank", "give a node rank, 0..nnodes")?;
-    if let Some(rank) = node_rank
-        && rank >= max_nodes
-    {
-        return Err(invalid(
-            "--node-rank",
-            &rank.to_string(),
-            &format!("it must be below --nnodes ({max_nodes})"),
-        ));
+    if let Some(rank) = node_rank {
+        if rank >= max_nodes {
+            return Err(invalid(
+                "--node-rank",
+                &rank.to_string(),
+                &format!("it must be below --nnodes ({max_nodes})"),
+            ));
+        }
+        // An elastic job hands out dense node ranks anew in every round.
+        if min_nodes != max_nodes {
+            return Err(invalid(
+                "--node-rank",
+                &rank.to_string(),
+                "with --nnodes MIN:MAX node ranks are handed out at each restart; drop --node-rank, or give --nnodes N",
+            ));
+        }
     }
 
     let backend = match given.get("rdzv-backend") {
@@ -710,6 +720,8 @@ mod tests {
         assert!(matches!(parse_with("--nnodes 2", &[]), Err(ConfigError::NoProgram)));
         assert!(parse_with("--tee 4 p", &[]).is_err());
         assert!(parse_with("--node-rank 2 --nnodes 2 p", &[]).is_err());
+        let error = parse_with("--node-rank 0 --nnodes 1:2 p", &[]).unwrap_err().to_string();
+        assert!(error.contains("drop --node-rank, or give --nnodes N"), "{error}");
         assert!(parse_with("--rdzv-backend etcd p", &[]).is_err());
         let error = parse_with("p", &[("PET_NNODES", "x")]).unwrap_err().to_string();
         assert!(error.starts_with("PET_NNODES x"), "{error}");

@@ -43,9 +43,9 @@ pub mod workers;
 
 pub use config::{ConfigError, LaunchConfig, Parsed, RestartPolicy};
 
-use chorus_runtime::store::StoreError;
+use chorus_runtime::store::{Store, StoreError};
 use config::{HostFacts, Streams};
-use nodes::{JobStore, Joining, Keys};
+use nodes::{JobStore, Joining, Keys, RoundEnd};
 use plan::AfterFailure;
 use workers::{WorkerSpec, Workers};
 
@@ -105,13 +105,42 @@ pub enum LaunchError {
         /// How long it waited.
         waited: Duration,
     },
-    /// More launchers than `--nnodes` allows.
+    /// The job runs at its most nodes and this launcher waited in vain.
     #[error(
-        "the job already has its {max} nodes; this launcher is one too many (check --nnodes, --node-rank and --rdzv-id)"
+        "the job runs with its maximum of {max} nodes (--nnodes); this launcher waited {waited:?} for a place and gives up; start it once a node has left, raise the upper bound of --nnodes, or raise --rdzv-conf join_timeout"
     )]
-    TooManyNodes {
-        /// The node count.
+    JobFull {
+        /// The upper bound of `--nnodes`.
         max: usize,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// The running group did not restart to take this launcher in.
+    #[error(
+        "the running job ({running} nodes) did not restart to admit this launcher within {waited:?} (a node of it may have finished already); start it with the same --rdzv-id, or raise --rdzv-conf join_timeout"
+    )]
+    NotAdmitted {
+        /// Nodes in the running group.
+        running: usize,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// The job ended while this launcher waited to join it.
+    #[error("the job ended before this launcher could join it: {why}")]
+    JobEnded {
+        /// How it ended.
+        why: String,
+    },
+    /// The launcher serving the store is gone.
+    #[error(
+        "lost the job's store at {addr} ({source}): the launcher serving it has left, and the job cannot go on without it (as with torchrun's c10d store host); start the job again"
+    )]
+    StoreLost {
+        /// Where the store was.
+        addr: String,
+        /// What failed.
+        #[source]
+        source: StoreError,
     },
     /// Two launchers claim one node rank.
     #[error("node rank {node_rank} is already taken by launcher {other}; give each node its own --node-rank, or none")]
@@ -301,16 +330,20 @@ async fn futures_select_all<F: std::future::Future<Output = i32> + Unpin>(future
     .await
 }
 
-/// How one attempt on this node ended.
+/// How one round on this node ended.
 enum Outcome {
     /// Every local worker succeeded.
     Succeeded,
     /// A local worker failed.
     Failed(workers::Ended),
-    /// Another node moved the job to this attempt.
-    Moved(u64),
+    /// Another node ended the round.
+    Moved,
+    /// This launcher waits to join, and the group has room for it.
+    Waiting(String),
     /// The launcher got this signal.
     Signaled(i32),
+    /// The store is out of reach.
+    StoreLost(StoreError),
 }
 
 /// Everything fixed for the whole run.
@@ -367,7 +400,7 @@ async fn launch(config: LaunchConfig) -> Result<i32, LaunchError> {
         run_dir,
         temporary,
     };
-    let result = run(&mut job, &mut signals).await;
+    let result = run(&job, &mut signals).await;
     if job.temporary {
         let _ = std::fs::remove_dir_all(&job.run_dir);
     }
@@ -414,15 +447,25 @@ async fn job_secret(config: &LaunchConfig, store: &JobStore, keys: &Keys) -> Res
     nodes::shared_secret(store.store.as_ref(), keys, hosting, || fresh, config.join_timeout).await
 }
 
-/// Runs attempts until the job succeeds, fails for good or is signalled.
-async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
+/// Runs rounds until the job succeeds, fails for good or is signalled.
+async fn run(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
+    // After the store was reached, a store error means its host is gone.
+    run_rounds(job, signals).await.map_err(|error| match error {
+        LaunchError::Store(source) => LaunchError::StoreLost {
+            addr: format!("{}:{}", job.store.host, job.store.port),
+            source,
+        },
+        error => error,
+    })
+}
+
+async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
     let config = &job.config;
     let store = job.store.store.clone();
-    let mut attempt = nodes::current_attempt(store.as_ref(), &job.keys).await?;
-    let mut node_rank = config.node_rank;
+    let mut round = nodes::current_attempt(store.as_ref(), &job.keys).await?;
     loop {
         let joining = Joining {
-            node_rank,
+            node_rank: config.node_rank,
             nproc_per_node: config.nproc_per_node,
             min_nodes: config.min_nodes,
             max_nodes: config.max_nodes,
@@ -431,12 +474,24 @@ async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
             poll: config.monitor_interval.max(Duration::from_millis(10)),
             launcher_id: &job.launcher_id,
         };
-        let formed = tokio::select! {
-            formed = nodes::join(store.as_ref(), &job.keys, attempt, &joining) => formed?,
-            signo = signals.recv() => return Ok(128 + signo),
+        let joined = tokio::select! {
+            formed = nodes::join(store.as_ref(), &job.keys, &mut round, &joining) => Ok(formed),
+            signo = signals.recv() => Err(signo),
         };
-        // Keep the node rank across restarts, so a node's ranks stay put.
-        node_rank = Some(formed.node_rank);
+        let formed = match joined {
+            Ok(formed) => formed?,
+            Err(signo) => {
+                // Best effort: the launcher is leaving either way.
+                let _ = nodes::withdraw(store.as_ref(), &job.keys, round, &job.launcher_id).await;
+                return Ok(128 + signo);
+            }
+        };
+        if config.max_nodes > 1 {
+            say(format!(
+                "round {round}: this launcher ({}) is node {} of {}",
+                job.launcher_id, formed.node_rank, formed.nnodes
+            ));
+        }
         let job_env = env::JobEnv {
             role: config.role.clone(),
             nproc_per_node: config.nproc_per_node,
@@ -444,30 +499,32 @@ async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
             nnodes: formed.nnodes,
             master_addr: job.store.host.clone(),
             master_port: job.store.port,
-            restart_count: attempt,
+            restart_count: formed.restarts,
             max_restarts: config.max_restarts,
             run_id: job.run_id.clone(),
             secret: job.secret.clone(),
-            attempt_dir: env::attempt_dir(&job.run_dir, attempt),
+            attempt_dir: env::attempt_dir(&job.run_dir, round),
         };
         let mut workers = Workers::spawn(specs(config, &job_env)?, config.shutdown_timeout).await?;
-        // With --restart-policy worker, failed workers are relaunched here
-        // one by one; `attempt` counts the job's restarts either way.
-        let mut slot_attempts = vec![attempt; config.nproc_per_node];
+        // With --restart-policy worker (single node, so the round stays put),
+        // failed workers are relaunched here one by one; `restarts` counts
+        // the job's restarts either way.
+        let mut restarts = formed.restarts;
+        let mut slot_restarts = vec![restarts; config.nproc_per_node];
         let outcome = loop {
-            let outcome = supervise(&mut workers, job, formed, attempt, signals).await;
+            let outcome = supervise(&mut workers, job, &formed, signals).await;
             let Outcome::Failed(ended) = outcome else { break outcome };
             if config.restart_policy != RestartPolicy::Worker {
                 break Outcome::Failed(ended);
             }
-            let slot_env = job_env.for_attempt(slot_attempts[ended.local_rank], &job.run_dir);
+            let slot_env = job_env.for_attempt(slot_restarts[ended.local_rank], &job.run_dir);
             let tail = workers.tail(ended.rank).await;
             let what = format!(
                 "rank {} (local rank {} on node {}, pid {}) {} in attempt {}",
                 ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit, slot_env.restart_count
             );
             report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
-            match plan::after_failure(attempt, config.max_restarts) {
+            match plan::after_failure(restarts, config.max_restarts) {
                 AfterFailure::Restart { next } => {
                     let new_env = job_env.for_attempt(next, &job.run_dir);
                     let spec = spec(config, &new_env, ended.local_rank)?;
@@ -481,8 +538,8 @@ async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
                             return Err(error);
                         }
                     }
-                    attempt = next;
-                    slot_attempts[ended.local_rank] = next;
+                    restarts = next;
+                    slot_restarts[ended.local_rank] = next;
                 }
                 AfterFailure::GiveUp => {
                     workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
@@ -494,72 +551,99 @@ async fn run(job: &mut Job, signals: &mut Signals) -> Result<i32, LaunchError> {
                 }
             }
         };
-        match outcome {
-            Outcome::Succeeded => match wait_for_nodes(job, formed, attempt, signals).await? {
-                AllDone::Yes => return Ok(0),
-                AllDone::Signaled(signo) => return Ok(128 + signo),
-                AllDone::Moved(next) => {
-                    say(format!(
-                        "{}; restarting this node's workers too",
-                        nodes::failure(store.as_ref(), &job.keys, attempt).await
-                    ));
-                    if next > config.max_restarts {
-                        return Ok(1);
-                    }
-                    attempt = next;
+        let store = store.as_ref();
+        let end = match outcome {
+            Outcome::Succeeded => match wait_for_nodes(job, &formed, signals).await? {
+                AllDone::Yes => {
+                    nodes::end_job(store, &job.keys, round, "the job finished").await?;
+                    return Ok(0);
                 }
+                AllDone::Signaled(signo) => return Ok(128 + signo),
+                AllDone::Moved => ended_elsewhere(store, &job.keys, round).await?,
             },
             Outcome::Failed(ended) => {
                 let tail = workers.tail(ended.rank).await;
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 let what = format!(
-                    "rank {} (local rank {} on node {}, pid {}) {} in attempt {attempt}",
+                    "rank {} (local rank {} on node {}, pid {}) {} in attempt {round}",
                     ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit
                 );
                 report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
-                if config.max_nodes > 1 {
-                    nodes::advance_attempt(store.as_ref(), &job.keys, attempt, &what).await?;
-                }
-                match plan::after_failure(attempt, config.max_restarts) {
-                    AfterFailure::Restart { next } => {
-                        say(format!(
-                            "restarting the group (restart {next} of {})",
-                            config.max_restarts
-                        ));
-                        attempt = next;
-                    }
-                    AfterFailure::GiveUp => {
-                        say(format!(
-                            "rank {} failed and --max-restarts {} is used up; exiting",
-                            ended.rank, config.max_restarts
-                        ));
-                        return Ok(ended.exit.launcher_code());
+                let ours = RoundEnd::Failure(what);
+                let won = nodes::end_round(store, &job.keys, round, &ours).await?;
+                if won != ours {
+                    won
+                } else {
+                    match plan::after_failure(formed.restarts, config.max_restarts) {
+                        AfterFailure::Restart { next } => {
+                            say(format!(
+                                "restarting the group (restart {next} of {})",
+                                config.max_restarts
+                            ));
+                            round += 1;
+                            continue;
+                        }
+                        AfterFailure::GiveUp => {
+                            say(format!(
+                                "rank {} failed and --max-restarts {} is used up; exiting",
+                                ended.rank, config.max_restarts
+                            ));
+                            nodes::end_job(store, &job.keys, round, ours.what()).await?;
+                            return Ok(ended.exit.launcher_code());
+                        }
                     }
                 }
             }
-            Outcome::Moved(next) => {
+            Outcome::Moved => {
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                let why = nodes::failure(store.as_ref(), &job.keys, attempt).await;
-                if next > config.max_restarts {
-                    say(format!(
-                        "{why}; --max-restarts {} is used up; exiting",
-                        config.max_restarts
-                    ));
-                    return Ok(1);
-                }
-                say(format!(
-                    "{why}; restarting this node's workers (restart {next} of {})",
-                    config.max_restarts
-                ));
-                attempt = next;
+                ended_elsewhere(store, &job.keys, round).await?
+            }
+            Outcome::Waiting(id) => {
+                // Tell the other nodes first, so every group stops at once.
+                let why = RoundEnd::Membership(format!("node {id} waits to join"));
+                let won = nodes::end_round(store, &job.keys, round, &why).await?;
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                won
             }
             Outcome::Signaled(signo) => {
                 say(format!("got {}; stopping the workers", plan::signal_name(signo)));
                 workers.stop(signo, config.shutdown_timeout).await;
                 return Ok(128 + signo);
             }
+            Outcome::StoreLost(source) => {
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                return Err(LaunchError::Store(source));
+            }
+        };
+        match &end {
+            RoundEnd::Membership(why) => say(format!(
+                "{why}; restarting the workers to admit it (a membership change: --max-restarts is not used)"
+            )),
+            RoundEnd::Failure(what) => match plan::after_failure(formed.restarts, config.max_restarts) {
+                AfterFailure::Restart { next } => say(format!(
+                    "{what}; restarting this node's workers (restart {next} of {})",
+                    config.max_restarts
+                )),
+                AfterFailure::GiveUp => {
+                    say(format!(
+                        "{what}; --max-restarts {} is used up; exiting",
+                        config.max_restarts
+                    ));
+                    nodes::end_job(store, &job.keys, round, what).await?;
+                    return Ok(1);
+                }
+            },
         }
+        round += 1;
     }
+}
+
+/// Why another node ended `round`.
+async fn ended_elsewhere(store: &dyn Store, keys: &Keys, round: u64) -> Result<RoundEnd, LaunchError> {
+    // The reason is written before the round advances; its absence is a bug elsewhere.
+    Ok(nodes::round_end(store, keys, round)
+        .await?
+        .unwrap_or_else(|| RoundEnd::Failure("another node ended the round".to_string())))
 }
 
 /// The worker specs of one attempt on this node.
@@ -605,17 +689,11 @@ fn spec(config: &LaunchConfig, job_env: &env::JobEnv, local_rank: usize) -> Resu
     })
 }
 
-/// Watches one attempt until a worker fails, all succeed, another node
-/// moves the job on, or a signal arrives.
-async fn supervise(
-    workers: &mut Workers,
-    job: &Job,
-    formed: nodes::Formed,
-    attempt: u64,
-    signals: &mut Signals,
-) -> Outcome {
-    // Only other nodes change the attempt counter; one node has nothing to watch.
-    let watch = formed.nnodes > 1 || job.config.max_nodes > 1;
+/// Watches one round until a worker fails, all succeed, another node
+/// ends the round, a launcher waits to join, or a signal arrives.
+async fn supervise(workers: &mut Workers, job: &Job, formed: &nodes::Formed, signals: &mut Signals) -> Outcome {
+    // Only other launchers end a round from outside; one node has nothing to watch.
+    let watch = job.config.max_nodes > 1;
     let mut poll = tokio::time::interval(job.config.monitor_interval.max(Duration::from_millis(10)));
     loop {
         tokio::select! {
@@ -625,51 +703,56 @@ async fn supervise(
                 Some(_) => {}
             },
             signo = signals.recv() => return Outcome::Signaled(signo),
-            _ = poll.tick(), if watch => {
-                match nodes::current_attempt(job.store.store.as_ref(), &job.keys).await {
-                    Ok(current) if current > attempt => return Outcome::Moved(current),
-                    Ok(_) => {}
-                    Err(error) => {
-                        say(format!("lost the job's store ({error}); stopping"));
-                        return Outcome::Moved(u64::MAX);
-                    }
-                }
+            _ = poll.tick(), if watch => match watch_round(job, formed).await {
+                Ok(Some(outcome)) => return outcome,
+                Ok(None) => {}
+                Err(error) => return Outcome::StoreLost(error),
             }
         }
     }
+}
+
+/// One look at the store while this node's workers run.
+async fn watch_round(job: &Job, formed: &nodes::Formed) -> Result<Option<Outcome>, StoreError> {
+    let store = job.store.store.as_ref();
+    if nodes::current_attempt(store, &job.keys).await? > formed.round {
+        return Ok(Some(Outcome::Moved));
+    }
+    if formed.nnodes >= job.config.max_nodes {
+        return Ok(None);
+    }
+    let Some(id) = nodes::waiting(store, &job.keys, formed.round).await? else {
+        return Ok(None);
+    };
+    let done = nodes::done_count(store, &job.keys, formed.round).await?;
+    Ok(plan::admit_waiting(formed.nnodes, job.config.max_nodes, done, true).then_some(Outcome::Waiting(id)))
 }
 
 /// How waiting for the other nodes' workers ended.
 enum AllDone {
     /// Every node's workers succeeded.
     Yes,
-    /// Another node failed and moved the job to this attempt.
-    Moved(u64),
+    /// Another node ended the round.
+    Moved,
     /// The launcher got this signal.
     Signaled(i32),
 }
 
 /// After this node's workers succeeded: waits until every node's have, so
 /// the store stays up while others still use it.
-async fn wait_for_nodes(
-    job: &Job,
-    formed: nodes::Formed,
-    attempt: u64,
-    signals: &mut Signals,
-) -> Result<AllDone, LaunchError> {
+async fn wait_for_nodes(job: &Job, formed: &nodes::Formed, signals: &mut Signals) -> Result<AllDone, LaunchError> {
     let store = job.store.store.as_ref();
-    let mut done = nodes::mark_done(store, &job.keys, attempt).await?;
+    let mut done = nodes::mark_done(store, &job.keys, formed.round).await?;
     let mut poll = tokio::time::interval(job.config.monitor_interval.max(Duration::from_millis(10)));
     while done < formed.nnodes {
         tokio::select! {
             _ = poll.tick() => {}
             signo = signals.recv() => return Ok(AllDone::Signaled(signo)),
         }
-        let current = nodes::current_attempt(store, &job.keys).await?;
-        if current > attempt {
-            return Ok(AllDone::Moved(current));
+        if nodes::current_attempt(store, &job.keys).await? > formed.round {
+            return Ok(AllDone::Moved);
         }
-        done = nodes::done_count(store, &job.keys, attempt).await?;
+        done = nodes::done_count(store, &job.keys, formed.round).await?;
     }
     Ok(AllDone::Yes)
 }

@@ -1,14 +1,43 @@
-//! The launchers of one job meeting on the job's store: who serves it, node
-//! ranks, the agreed node count and `--nproc-per-node`, the job secret, and
-//! the attempt counter through which a failure on one node restarts all.
+//! The launchers of one job meeting on the job's store: who serves it, the
+//! rounds in which they form a node group (node ranks, node count, an
+//! agreed `--nproc-per-node`), the job secret, and how a round ends: a
+//! failure anywhere, or a launcher waiting to join, moves every node to the
+//! next round, whose group may have other nodes (nodes leave and join
+//! between rounds, within `--nnodes MIN:MAX`).
 //!
-//! Keys, under `chorus/launch/<run id>/`: `attempt` (the current attempt,
-//! advanced by compare-set so concurrent failures restart once), `secret`
-//! (only when the host had to generate one), and per attempt `a<n>/joined`
-//! (arrival counter), `a<n>/node/<rank>` (`<nproc> <launcher id>`),
-//! `a<n>/nnodes` (set by node 0 when the group is formed), `a<n>/failure`
-//! (what failed, for the other nodes' messages) and `a<n>/done` (nodes whose
-//! workers all succeeded).
+//! # Key layout
+//! Under `chorus/launch/<run id>/`:
+//! - `attempt`: the current round; advanced from n to n+1 by compare-set,
+//!   so several nodes ending a round at once advance it once.
+//! - `secret`: the job secret, only when the store's host had to generate one.
+//! - `a<n>/joiners`: appended, one line per event in arrival order:
+//!   `+ <launcher id> <nproc> <node rank or ->` when a launcher joins round n,
+//!   `- <launcher id>` when it gives up waiting. A launcher that finds round
+//!   n closed without it joins round n+1: being in `a<n+1>/joiners` while
+//!   round n runs is how a newcomer says it waits.
+//! - `a<n>/claim/<rank>`: the launcher that claimed an explicit `--node-rank`.
+//! - `a<n>/closed`: round n's group, written once by compare-set by
+//!   whichever launcher closes it first (everyone reads the same one):
+//!   `restarts <k>` then `<launcher id> <nproc>` per node in node rank
+//!   order; or `ended <why>` when the job ended before round n formed, so
+//!   launchers waiting for it stop.
+//! - `a<n>/end`: why round n ended, first writer wins: `failure <what>`
+//!   (counts against `--max-restarts`) or `membership <what>` (does not).
+//! - `a<n>/done`: how many nodes' workers all succeeded in round n.
+//!
+//! # Rounds
+//! 1. A launcher joins the current round (appends itself) unless it is
+//!    closed; a closed round without it sends it on to the next one.
+//! 2. Round n may close only once it is the current round (`attempt` >= n),
+//!    so launchers waiting for round n+1 never form a group beside round n's.
+//! 3. Any member closes it ([`plan::nodes_formed`]): at once with max nodes;
+//!    with min or more once every node of round n-1 is back or after the
+//!    last call; node ranks are dense ([`plan::members`]).
+//! 4. A running launcher advances the round when one of its workers fails,
+//!    or when a launcher waits in the next round and the group has room and
+//!    no node has finished ([`plan::admit_waiting`]).
+//! 5. `restarts` of round n+1 is round n's, plus one when round n ended by
+//!    a failure: `TORCHELASTIC_RESTART_COUNT`, the same on every node.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -100,19 +129,23 @@ pub async fn open(plan: &StorePlan, timeout: Duration) -> Result<JobStore, Launc
     })
 }
 
-/// This node's place in one attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// This node's place in one round.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Formed {
+    /// The round (`attempt_<round>` directories).
+    pub round: u64,
     /// This node's rank.
     pub node_rank: usize,
-    /// Nodes in the attempt.
+    /// Nodes in the round.
     pub nnodes: usize,
+    /// Restarts after failures before this round (`TORCHELASTIC_RESTART_COUNT`).
+    pub restarts: u64,
 }
 
-/// What a launcher brings to an attempt's rendezvous.
+/// What a launcher brings to a round's rendezvous.
 #[derive(Debug, Clone)]
 pub struct Joining<'a> {
-    /// `--node-rank`, or the rank this node got in an earlier attempt.
+    /// `--node-rank` (static `--nnodes N` only).
     pub node_rank: Option<usize>,
     /// `--nproc-per-node`.
     pub nproc_per_node: usize,
@@ -148,131 +181,368 @@ impl Keys {
         format!("{}/{suffix}", self.prefix)
     }
 
-    fn attempt_key(&self, attempt: u64, suffix: &str) -> String {
-        format!("{}/a{attempt}/{suffix}", self.prefix)
+    fn round_key(&self, round: u64, suffix: &str) -> String {
+        format!("{}/a{round}/{suffix}", self.prefix)
     }
 }
 
-/// Joins attempt `attempt`: takes a node rank, waits for the group to form
-/// and checks every node runs as many workers as this one.
-pub async fn join(store: &dyn Store, keys: &Keys, attempt: u64, me: &Joining<'_>) -> Result<Formed, LaunchError> {
-    let order = store.add(&keys.attempt_key(attempt, "joined"), 1).await? as usize - 1;
-    let node_rank = me.node_rank.unwrap_or(order);
-    if node_rank >= me.max_nodes {
-        return Err(LaunchError::TooManyNodes { max: me.max_nodes });
+/// Why a round ended, as `a<n>/end` holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoundEnd {
+    /// A worker failed (or a node left, which its peers' workers see as a
+    /// failure): counts against `--max-restarts`.
+    Failure(String),
+    /// The group restarts to admit a waiting node: free, as in torchrun.
+    Membership(String),
+}
+
+impl RoundEnd {
+    fn encode(&self) -> String {
+        match self {
+            RoundEnd::Failure(what) => format!("failure {what}"),
+            RoundEnd::Membership(what) => format!("membership {what}"),
+        }
     }
-    let mine = format!("{} {}", me.nproc_per_node, me.launcher_id);
-    let held = store
-        .compare_set(
-            &keys.attempt_key(attempt, &format!("node/{node_rank}")),
-            b"",
-            mine.as_bytes(),
-        )
-        .await?;
-    if held != mine.as_bytes() {
-        let other = String::from_utf8_lossy(&held);
-        return Err(LaunchError::DuplicateNodeRank {
-            node_rank,
-            other: other
-                .split_once(' ')
-                .map_or(other.to_string(), |(_, id)| id.to_string()),
-        });
+
+    fn parse(text: &str) -> RoundEnd {
+        match text.split_once(' ') {
+            Some(("membership", what)) => RoundEnd::Membership(what.to_string()),
+            Some(("failure", what)) => RoundEnd::Failure(what.to_string()),
+            _ => RoundEnd::Failure(text.to_string()),
+        }
     }
-    let nnodes_key = keys.attempt_key(attempt, "nnodes");
-    if node_rank == 0 {
-        let start = Instant::now();
-        let mut min_reached: Option<Instant> = None;
-        let nnodes = loop {
-            let joined = store.add(&keys.attempt_key(attempt, "joined"), 0).await? as usize;
-            if joined >= me.min_nodes {
-                min_reached.get_or_insert_with(Instant::now);
+
+    /// What happened, for messages.
+    pub fn what(&self) -> &str {
+        match self {
+            RoundEnd::Failure(what) | RoundEnd::Membership(what) => what,
+        }
+    }
+}
+
+/// A member of a formed round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Member {
+    id: String,
+    nproc: usize,
+}
+
+/// What `a<n>/closed` holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Closed {
+    /// The round formed with these members, in node rank order.
+    Formed { restarts: u64, members: Vec<Member> },
+    /// The job ended before the round formed.
+    Ended(String),
+}
+
+impl Closed {
+    fn encode(&self) -> String {
+        match self {
+            Closed::Formed { restarts, members } => {
+                let mut text = format!("restarts {restarts}\n");
+                for m in members {
+                    text.push_str(&format!("{} {}\n", m.id, m.nproc));
+                }
+                text
             }
-            let since_min = min_reached.map(|t| t.elapsed());
-            if let Some(n) = plan::nodes_formed(joined, me.min_nodes, me.max_nodes, since_min, me.last_call_timeout) {
-                break n;
-            }
-            if start.elapsed() >= me.join_timeout {
-                return Err(LaunchError::NodesMissing {
-                    joined,
-                    expected: me.min_nodes,
-                    waited: me.join_timeout,
+            Closed::Ended(why) => format!("ended {why}"),
+        }
+    }
+
+    fn parse(text: &str) -> Closed {
+        if let Some(why) = text.strip_prefix("ended ") {
+            return Closed::Ended(why.to_string());
+        }
+        let mut lines = text.lines();
+        let restarts = lines
+            .next()
+            .and_then(|l| l.strip_prefix("restarts "))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        let members = lines
+            .filter_map(|l| l.split_once(' '))
+            .map(|(id, nproc)| Member {
+                id: id.to_string(),
+                nproc: nproc.parse().unwrap_or(0),
+            })
+            .collect();
+        Closed::Formed { restarts, members }
+    }
+}
+
+fn joiner_line(me: &Joining<'_>) -> String {
+    let rank = me.node_rank.map_or("-".to_string(), |r| r.to_string());
+    format!("+ {} {} {rank}\n", me.launcher_id, me.nproc_per_node)
+}
+
+/// The launchers in a round's `joiners` text, in arrival order: each once,
+/// less those that withdrew.
+fn parse_joiners(text: &str) -> Vec<plan::Arrival> {
+    let mut arrivals: Vec<plan::Arrival> = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split(' ');
+        match (words.next(), words.next()) {
+            (Some("+"), Some(id)) if !arrivals.iter().any(|a| a.id == id) => {
+                let nproc = words.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+                let node_rank = words.next().and_then(|r| r.parse().ok());
+                arrivals.push(plan::Arrival {
+                    id: id.to_string(),
+                    nproc,
+                    node_rank,
                 });
             }
-            tokio::time::sleep(me.poll).await;
-        };
-        store.set(&nnodes_key, nnodes.to_string().as_bytes()).await?;
-    }
-    let nnodes = match store.get_timeout(&nnodes_key, me.join_timeout).await {
-        Ok(value) => String::from_utf8_lossy(&value).parse().unwrap_or(0),
-        Err(e) if e.is_timeout() => {
-            return Err(LaunchError::NodesMissing {
-                joined: store.add(&keys.attempt_key(attempt, "joined"), 0).await? as usize,
-                expected: me.min_nodes,
-                waited: me.join_timeout,
-            });
-        }
-        Err(e) => return Err(e.into()),
-    };
-    if node_rank >= nnodes {
-        return Err(LaunchError::TooManyNodes { max: nnodes });
-    }
-    for rank in 0..nnodes {
-        let value = store
-            .get_timeout(&keys.attempt_key(attempt, &format!("node/{rank}")), me.join_timeout)
-            .await?;
-        let value = String::from_utf8_lossy(&value);
-        let (nproc, id) = value.split_once(' ').unwrap_or((&value, "?"));
-        if nproc != me.nproc_per_node.to_string() {
-            return Err(LaunchError::NprocMismatch {
-                mine: me.nproc_per_node,
-                other_node: rank,
-                other_id: id.to_string(),
-                other: nproc.to_string(),
-            });
+            (Some("-"), Some(id)) => arrivals.retain(|a| a.id != id),
+            _ => {}
         }
     }
-    Ok(Formed { node_rank, nnodes })
+    arrivals
 }
 
-/// The current attempt (0 before any restart). Creating the counter here
-/// lets [`advance_attempt`] compare-set it as text.
+/// The value of `key`, or `None` when it is not set (keys here are never deleted).
+async fn try_get(store: &dyn Store, key: &str) -> Result<Option<String>, StoreError> {
+    if !store.check(&[key]).await? {
+        return Ok(None);
+    }
+    Ok(Some(String::from_utf8_lossy(&store.get(key).await?).into_owned()))
+}
+
+async fn closed(store: &dyn Store, keys: &Keys, round: u64) -> Result<Option<Closed>, StoreError> {
+    Ok(try_get(store, &keys.round_key(round, "closed"))
+        .await?
+        .map(|t| Closed::parse(&t)))
+}
+
+/// The members of `round` in node rank order (empty when it did not form).
+async fn member_ids(store: &dyn Store, keys: &Keys, round: u64) -> Result<Vec<String>, StoreError> {
+    Ok(match closed(store, keys, round).await? {
+        Some(Closed::Formed { members, .. }) => members.into_iter().map(|m| m.id).collect(),
+        _ => Vec::new(),
+    })
+}
+
+/// Restarts before round `round`: round n-1's, plus one if it ended by a failure.
+async fn restarts_before(store: &dyn Store, keys: &Keys, round: u64) -> Result<u64, StoreError> {
+    let Some(last) = round.checked_sub(1) else {
+        return Ok(0);
+    };
+    let restarts = match closed(store, keys, last).await? {
+        Some(Closed::Formed { restarts, .. }) => restarts,
+        _ => 0,
+    };
+    let failed = matches!(round_end(store, keys, last).await?, Some(RoundEnd::Failure(_)));
+    Ok(restarts + u64::from(failed))
+}
+
+/// Joins the group of round `*round` or, when that one closes without this
+/// launcher, of the rounds after it (updating `*round`): waits until one
+/// forms with this launcher in it, closing it when the rule says so, and
+/// checks every node runs as many workers as this one.
+pub async fn join(store: &dyn Store, keys: &Keys, round: &mut u64, me: &Joining<'_>) -> Result<Formed, LaunchError> {
+    let start = Instant::now();
+    let mut entered = None;
+    let mut previous: Vec<String> = Vec::new();
+    let mut open_with_min: Option<Instant> = None;
+    loop {
+        let r = *round;
+        match closed(store, keys, r).await? {
+            Some(Closed::Ended(why)) => return Err(LaunchError::JobEnded { why }),
+            Some(Closed::Formed { restarts, members }) => {
+                if let Some(node_rank) = members.iter().position(|m| m.id == me.launcher_id) {
+                    check_nproc(&members, me.nproc_per_node)?;
+                    return Ok(Formed {
+                        round: r,
+                        node_rank,
+                        nnodes: members.len(),
+                        restarts,
+                    });
+                }
+                *round += 1;
+                continue;
+            }
+            None => {}
+        }
+        if entered != Some(r) {
+            if let Some(rank) = me.node_rank {
+                claim(store, keys, r, rank, me.launcher_id).await?;
+            }
+            store
+                .append(&keys.round_key(r, "joiners"), joiner_line(me).as_bytes())
+                .await?;
+            entered = Some(r);
+            previous = match r.checked_sub(1) {
+                Some(last) => member_ids(store, keys, last).await?,
+                None => Vec::new(),
+            };
+            open_with_min = None;
+            // Look again at once: the round may have closed meanwhile.
+            continue;
+        }
+        let open = current_attempt(store, keys).await? >= r;
+        let arrivals = match try_get(store, &keys.round_key(r, "joiners")).await? {
+            Some(text) => parse_joiners(&text),
+            None => Vec::new(),
+        };
+        if open && arrivals.len() >= me.min_nodes {
+            open_with_min.get_or_insert_with(Instant::now);
+        } else {
+            open_with_min = None;
+        }
+        let formed = plan::nodes_formed(
+            arrivals.len(),
+            me.min_nodes,
+            me.max_nodes,
+            open_with_min.map(|t| t.elapsed()),
+            me.last_call_timeout,
+            plan::previous_back(&arrivals, &previous),
+        );
+        if let Some(n) = formed.filter(|_| open) {
+            let members = plan::members(&arrivals, &previous, n)
+                .into_iter()
+                .map(|a| Member {
+                    id: a.id,
+                    nproc: a.nproc,
+                })
+                .collect();
+            let record = Closed::Formed {
+                restarts: restarts_before(store, keys, r).await?,
+                members,
+            };
+            // First writer wins; the loop reads back whichever group won.
+            store
+                .compare_set(&keys.round_key(r, "closed"), b"", record.encode().as_bytes())
+                .await?;
+            continue;
+        }
+        if start.elapsed() >= me.join_timeout {
+            store
+                .append(
+                    &keys.round_key(r, "joiners"),
+                    format!("- {}\n", me.launcher_id).as_bytes(),
+                )
+                .await?;
+            // A launcher that closed the round just before the withdrawal counts us in.
+            if let Some(Closed::Formed { members, .. }) = closed(store, keys, r).await?
+                && members.iter().any(|m| m.id == me.launcher_id)
+            {
+                continue;
+            }
+            return Err(if open {
+                LaunchError::NodesMissing {
+                    joined: arrivals.len(),
+                    expected: me.min_nodes,
+                    waited: me.join_timeout,
+                }
+            } else if previous.len() >= me.max_nodes {
+                LaunchError::JobFull {
+                    max: me.max_nodes,
+                    waited: me.join_timeout,
+                }
+            } else {
+                LaunchError::NotAdmitted {
+                    running: previous.len(),
+                    waited: me.join_timeout,
+                }
+            });
+        }
+        tokio::time::sleep(me.poll).await;
+    }
+}
+
+/// Claims an explicit node rank in `round`, refusing one another launcher holds.
+async fn claim(store: &dyn Store, keys: &Keys, round: u64, rank: usize, id: &str) -> Result<(), LaunchError> {
+    let held = store
+        .compare_set(&keys.round_key(round, &format!("claim/{rank}")), b"", id.as_bytes())
+        .await?;
+    if held != id.as_bytes() {
+        return Err(LaunchError::DuplicateNodeRank {
+            node_rank: rank,
+            other: String::from_utf8_lossy(&held).into_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn check_nproc(members: &[Member], mine: usize) -> Result<(), LaunchError> {
+    match members.iter().enumerate().find(|(_, m)| m.nproc != mine) {
+        Some((rank, other)) => Err(LaunchError::NprocMismatch {
+            mine,
+            other_node: rank,
+            other_id: other.id.clone(),
+            other: other.nproc.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The current round (0 before any restart). Creating the counter here
+/// lets [`end_round`] compare-set it as text.
 pub async fn current_attempt(store: &dyn Store, keys: &Keys) -> Result<u64, StoreError> {
     Ok(store.add(&keys.key("attempt"), 0).await?.max(0) as u64)
 }
 
-/// Records why attempt `attempt` failed and moves every node to the next
-/// attempt; several nodes failing at once advance it only once.
-pub async fn advance_attempt(store: &dyn Store, keys: &Keys, attempt: u64, failure: &str) -> Result<(), StoreError> {
-    store
-        .compare_set(&keys.attempt_key(attempt, "failure"), b"", failure.as_bytes())
+/// Ends round `round` for `why` and moves every node to the next round;
+/// several nodes ending it at once advance it only once. Returns the reason
+/// that won, which every node acts on.
+pub async fn end_round(store: &dyn Store, keys: &Keys, round: u64, why: &RoundEnd) -> Result<RoundEnd, StoreError> {
+    let held = store
+        .compare_set(&keys.round_key(round, "end"), b"", why.encode().as_bytes())
         .await?;
-    let from = attempt.to_string();
-    let to = (attempt + 1).to_string();
+    let from = round.to_string();
+    let to = (round + 1).to_string();
     store
         .compare_set(&keys.key("attempt"), from.as_bytes(), to.as_bytes())
+        .await?;
+    Ok(RoundEnd::parse(&String::from_utf8_lossy(&held)))
+}
+
+/// Why round `round` ended, once it has.
+pub async fn round_end(store: &dyn Store, keys: &Keys, round: u64) -> Result<Option<RoundEnd>, StoreError> {
+    Ok(try_get(store, &keys.round_key(round, "end"))
+        .await?
+        .map(|t| RoundEnd::parse(&t)))
+}
+
+/// Tells launchers waiting for the round after `round` that the job is
+/// over, so they stop instead of waiting out their join timeout.
+pub async fn end_job(store: &dyn Store, keys: &Keys, round: u64, why: &str) -> Result<(), StoreError> {
+    store
+        .compare_set(
+            &keys.round_key(round + 1, "closed"),
+            b"",
+            Closed::Ended(why.to_string()).encode().as_bytes(),
+        )
         .await?;
     Ok(())
 }
 
-/// Why attempt `attempt` failed, as the failing node wrote it.
-pub async fn failure(store: &dyn Store, keys: &Keys, attempt: u64) -> String {
-    match store
-        .get_timeout(&keys.attempt_key(attempt, "failure"), Duration::from_secs(1))
-        .await
-    {
-        Ok(value) => String::from_utf8_lossy(&value).into_owned(),
-        Err(_) => "another node left the job".to_string(),
+/// A launcher waiting to join the round after `round`, if any.
+pub async fn waiting(store: &dyn Store, keys: &Keys, round: u64) -> Result<Option<String>, StoreError> {
+    Ok(try_get(store, &keys.round_key(round + 1, "joiners"))
+        .await?
+        .and_then(|text| parse_joiners(&text).into_iter().next())
+        .map(|a| a.id))
+}
+
+/// Takes this launcher out of `round` while it is open, so no group forms
+/// with a launcher that is gone.
+pub async fn withdraw(store: &dyn Store, keys: &Keys, round: u64, id: &str) -> Result<(), StoreError> {
+    if closed(store, keys, round).await?.is_none() {
+        store
+            .append(&keys.round_key(round, "joiners"), format!("- {id}\n").as_bytes())
+            .await?;
     }
+    Ok(())
 }
 
-/// Marks this node's workers done in `attempt`; returns how many nodes are.
-pub async fn mark_done(store: &dyn Store, keys: &Keys, attempt: u64) -> Result<usize, StoreError> {
-    Ok(store.add(&keys.attempt_key(attempt, "done"), 1).await? as usize)
+/// Marks this node's workers done in `round`; returns how many nodes are.
+pub async fn mark_done(store: &dyn Store, keys: &Keys, round: u64) -> Result<usize, StoreError> {
+    Ok(store.add(&keys.round_key(round, "done"), 1).await? as usize)
 }
 
-/// How many nodes' workers are done in `attempt`.
-pub async fn done_count(store: &dyn Store, keys: &Keys, attempt: u64) -> Result<usize, StoreError> {
-    Ok(store.add(&keys.attempt_key(attempt, "done"), 0).await? as usize)
+/// How many nodes' workers are done in `round`.
+pub async fn done_count(store: &dyn Store, keys: &Keys, round: u64) -> Result<usize, StoreError> {
+    Ok(store.add(&keys.round_key(round, "done"), 0).await? as usize)
 }
 
 /// The job secret of a multi-node job that brought none: the host
@@ -315,16 +585,36 @@ mod tests {
         }
     }
 
+    /// Bounds 2:3 with a short last call.
+    fn elastic(id: &'static str) -> Joining<'static> {
+        Joining {
+            max_nodes: 3,
+            last_call_timeout: Duration::from_millis(50),
+            ..joining(None, 1, id)
+        }
+    }
+
+    async fn join_from(store: &HashStore, round: u64, me: &Joining<'_>) -> Result<Formed, LaunchError> {
+        let mut round = round;
+        join(store, &Keys::new("r"), &mut round, me).await
+    }
+
+    fn spawn_join(
+        store: &HashStore,
+        round: u64,
+        me: Joining<'static>,
+    ) -> tokio::task::JoinHandle<Result<Formed, LaunchError>> {
+        let store = store.clone();
+        tokio::spawn(async move { join_from(&store, round, &me).await })
+    }
+
     #[tokio::test]
     async fn nodes_get_ranks_in_arrival_order_and_agree() {
         let store = HashStore::new(Duration::from_secs(5));
-        let keys = Keys::new("r");
-        let a = joining(None, 2, "a");
-        let b = joining(None, 2, "b");
-        let (x, y) = tokio::join!(join(&store, &keys, 0, &a), join(&store, &keys, 0, &b));
+        let (a, b) = (joining(None, 2, "a"), joining(None, 2, "b"));
+        let (x, y) = tokio::join!(join_from(&store, 0, &a), join_from(&store, 0, &b));
         let (x, y) = (x.unwrap(), y.unwrap());
-        assert_eq!(x.nnodes, 2);
-        assert_eq!(y.nnodes, 2);
+        assert_eq!((x.nnodes, y.nnodes, x.round, x.restarts), (2, 2, 0, 0));
         let mut ranks = [x.node_rank, y.node_rank];
         ranks.sort();
         assert_eq!(ranks, [0, 1]);
@@ -333,19 +623,14 @@ mod tests {
     #[tokio::test]
     async fn differing_nproc_and_duplicate_ranks_are_refused() {
         let store = HashStore::new(Duration::from_secs(5));
-        let keys = Keys::new("r");
         let (a, b) = (joining(Some(0), 2, "a"), joining(Some(1), 3, "b"));
-        let (x, y) = tokio::join!(join(&store, &keys, 0, &a), join(&store, &keys, 0, &b));
+        let (x, y) = tokio::join!(join_from(&store, 0, &a), join_from(&store, 0, &b));
         assert!(matches!(x, Err(LaunchError::NprocMismatch { .. })), "{x:?}");
         assert!(matches!(y, Err(LaunchError::NprocMismatch { .. })), "{y:?}");
         let store = HashStore::new(Duration::from_secs(5));
-        let first = tokio::spawn({
-            let store = store.clone();
-            let keys = keys.clone();
-            async move { join(&store, &keys, 0, &joining(Some(0), 1, "a")).await }
-        });
+        let first = spawn_join(&store, 0, joining(Some(0), 1, "a"));
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let second = join(&store, &keys, 0, &joining(Some(0), 1, "b")).await;
+        let second = join_from(&store, 0, &joining(Some(0), 1, "b")).await;
         assert!(matches!(second, Err(LaunchError::DuplicateNodeRank { node_rank: 0, ref other }) if other == "a"));
         first.abort();
     }
@@ -357,7 +642,7 @@ mod tests {
             join_timeout: Duration::from_millis(50),
             ..joining(None, 1, "a")
         };
-        let error = join(&store, &Keys::new("r"), 0, &me).await.unwrap_err();
+        let error = join_from(&store, 0, &me).await.unwrap_err();
         assert!(
             matches!(
                 error,
@@ -372,13 +657,147 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn concurrent_failures_advance_the_attempt_once() {
+    async fn concurrent_ends_advance_the_round_once_and_the_first_reason_wins() {
         let store = HashStore::new(Duration::from_secs(5));
         let keys = Keys::new("r");
         assert_eq!(current_attempt(&store, &keys).await.unwrap(), 0);
-        advance_attempt(&store, &keys, 0, "rank 1 failed").await.unwrap();
-        advance_attempt(&store, &keys, 0, "rank 3 failed").await.unwrap();
+        let first = RoundEnd::Membership("node c waits to join".into());
+        let won = end_round(&store, &keys, 0, &first).await.unwrap();
+        assert_eq!(won, first);
+        let won = end_round(&store, &keys, 0, &RoundEnd::Failure("rank 3 failed".into()))
+            .await
+            .unwrap();
+        assert_eq!(won, first, "a failure racing a membership change reads the winner");
         assert_eq!(current_attempt(&store, &keys).await.unwrap(), 1);
-        assert_eq!(failure(&store, &keys, 0).await, "rank 1 failed");
+        assert_eq!(round_end(&store, &keys, 0).await.unwrap(), Some(first));
+        assert_eq!(round_end(&store, &keys, 1).await.unwrap(), None);
+    }
+
+    /// Rule 3: a node of round 0 left; the others form round 1 after the
+    /// last call, with dense ranks in their old order, one restart counted.
+    #[tokio::test]
+    async fn survivors_of_a_node_that_left_get_dense_ranks_in_their_old_order() {
+        let store = HashStore::new(Duration::from_secs(5));
+        let keys = Keys::new("r");
+        let (a, b, c) = (elastic("a"), elastic("b"), elastic("c"));
+        let (x, y, z) = tokio::join!(
+            join_from(&store, 0, &a),
+            join_from(&store, 0, &b),
+            join_from(&store, 0, &c)
+        );
+        let ranks = [x.unwrap().node_rank, y.unwrap().node_rank, z.unwrap().node_rank];
+        let lost = ranks.iter().position(|&r| r == 1).unwrap();
+        end_round(&store, &keys, 0, &RoundEnd::Failure("node left".into()))
+            .await
+            .unwrap();
+        let survivors: Vec<(usize, Joining<'static>)> =
+            [a, b, c].into_iter().enumerate().filter(|(i, _)| *i != lost).collect();
+        let (p, q) = tokio::join!(
+            join_from(&store, 1, &survivors[0].1),
+            join_from(&store, 1, &survivors[1].1)
+        );
+        let (p, q) = (p.unwrap(), q.unwrap());
+        assert_eq!((p.round, p.nnodes, p.restarts), (1, 2, 1));
+        assert_eq!((q.round, q.nnodes, q.restarts), (1, 2, 1));
+        // Old ranks 0 and 2 become 0 and 1, in the same order.
+        let old = |i: usize| ranks[survivors[i].0];
+        assert_eq!(p.node_rank < q.node_rank, old(0) < old(1));
+    }
+
+    /// Rules 1, 2, 4: a launcher arriving while round 0 runs waits in round
+    /// 1 (round 1 does not form beside round 0), is seen as waiting, and
+    /// joins the others in round 1 with the last rank; no restart counted.
+    #[tokio::test]
+    async fn a_newcomer_waits_for_the_next_round_and_is_admitted() {
+        let store = HashStore::new(Duration::from_secs(5));
+        let keys = Keys::new("r");
+        let (a, b) = (elastic("a"), elastic("b"));
+        let (x, y) = tokio::join!(join_from(&store, 0, &a), join_from(&store, 0, &b));
+        assert_eq!((x.unwrap().nnodes, y.unwrap().nnodes), (2, 2));
+        let newcomer = spawn_join(&store, 0, elastic("c"));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while waiting(&store, &keys, 0).await.unwrap().is_none() {
+            assert!(Instant::now() < deadline, "the newcomer never waited");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(waiting(&store, &keys, 0).await.unwrap().as_deref(), Some("c"));
+        // Past the last call, round 1 has still not formed without round 0's nodes.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(closed(&store, &keys, 1).await.unwrap().is_none());
+        end_round(&store, &keys, 0, &RoundEnd::Membership("node c waits to join".into()))
+            .await
+            .unwrap();
+        let (x, y) = tokio::join!(join_from(&store, 1, &a), join_from(&store, 1, &b));
+        let z = newcomer.await.unwrap().unwrap();
+        let (x, y) = (x.unwrap(), y.unwrap());
+        assert_eq!((z.round, z.node_rank, z.nnodes, z.restarts), (1, 2, 3, 0));
+        assert_eq!((x.nnodes, y.nnodes, x.restarts), (3, 3, 0));
+    }
+
+    /// More launchers than max arriving while round 0 closes: max of them
+    /// form it, the others wait in round 1 and, the job being full, give up
+    /// with a clear error and withdraw.
+    #[tokio::test]
+    async fn launchers_past_max_wait_and_give_up_when_the_job_is_full() {
+        let store = HashStore::new(Duration::from_secs(5));
+        let keys = Keys::new("r");
+        let me = |id| Joining {
+            join_timeout: Duration::from_millis(300),
+            ..joining(None, 1, id)
+        };
+        let (a, b, c) = (me("a"), me("b"), me("c"));
+        let (x, y, z) = tokio::join!(
+            join_from(&store, 0, &a),
+            join_from(&store, 0, &b),
+            join_from(&store, 0, &c)
+        );
+        let results = [x, y, z];
+        assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 2, "{results:?}");
+        let error = results.into_iter().find_map(Result::err).unwrap();
+        assert!(matches!(error, LaunchError::JobFull { max: 2, .. }), "{error:?}");
+        assert!(error.to_string().contains("maximum of 2 nodes"), "{error}");
+        assert_eq!(waiting(&store, &keys, 0).await.unwrap(), None, "it withdrew");
+    }
+
+    #[tokio::test]
+    async fn a_waiting_launcher_stops_when_the_job_ends() {
+        let store = HashStore::new(Duration::from_secs(5));
+        let keys = Keys::new("r");
+        let (a, b) = (elastic("a"), elastic("b"));
+        let (x, y) = tokio::join!(join_from(&store, 0, &a), join_from(&store, 0, &b));
+        let (_, _) = (x.unwrap(), y.unwrap());
+        let newcomer = spawn_join(&store, 0, elastic("c"));
+        end_job(&store, &keys, 0, "the job finished").await.unwrap();
+        let error = newcomer.await.unwrap().unwrap_err();
+        assert!(
+            matches!(error, LaunchError::JobEnded { ref why } if why == "the job finished"),
+            "{error:?}"
+        );
+    }
+
+    #[test]
+    fn records_read_back_as_written() {
+        let closed = Closed::Formed {
+            restarts: 2,
+            members: vec![
+                Member {
+                    id: "h:1".into(),
+                    nproc: 2,
+                },
+                Member {
+                    id: "h:2".into(),
+                    nproc: 2,
+                },
+            ],
+        };
+        assert_eq!(Closed::parse(&closed.encode()), closed);
+        let ended = Closed::Ended("rank 1 failed".into());
+        assert_eq!(Closed::parse(&ended.encode()), ended);
+        for end in [RoundEnd::Failure("a b".into()), RoundEnd::Membership("c d".into())] {
+            assert_eq!(RoundEnd::parse(&end.encode()), end);
+        }
+        let arrivals = parse_joiners("+ a 2 -\n+ b 2 1\n+ a 2 -\n- a\n+ c 2 -\n");
+        let ids: Vec<_> = arrivals.iter().map(|a| (a.id.as_str(), a.node_rank)).collect();
+        assert_eq!(ids, [("b", Some(1)), ("c", None)]);
     }
 }

@@ -1,5 +1,7 @@
-//! Sans-IO decisions: when the node group is formed, whether to restart,
-//! how a worker's end reads and what the launcher exits with.
+//! Sans-IO decisions: when a round's node group is formed and in which
+//! order its nodes rank, when a running group restarts to admit a waiting
+//! node, whether to restart after a failure, how a worker's end reads and
+//! what the launcher exits with.
 
 use std::fmt;
 use std::time::Duration;
@@ -93,23 +95,86 @@ pub fn after_failure(attempt: u64, max_restarts: u64) -> AfterFailure {
     }
 }
 
-/// Whether the node group of an attempt is formed, and with how many nodes:
-/// at once with `max` nodes; with `min` or more once `last_call` has passed
-/// since the `min`-th arrived (torchrun's last call for late nodes).
+/// Whether a round's node group is formed, and with how many nodes: at
+/// once with `max` nodes; with `min` or more once every node of the
+/// previous round is back (`previous_back`: nobody left, so nobody is worth
+/// waiting for), or once `last_call` has passed since the round opened with
+/// `min` nodes in (torchrun's last call for late nodes).
 pub fn nodes_formed(
     joined: usize,
     min: usize,
     max: usize,
     since_min: Option<Duration>,
     last_call: Duration,
+    previous_back: bool,
 ) -> Option<usize> {
     if joined >= max {
         return Some(max);
     }
+    if joined < min {
+        return None;
+    }
     match since_min {
-        Some(waited) if joined >= min && waited >= last_call => Some(joined),
+        Some(_) if previous_back => Some(joined),
+        Some(waited) if waited >= last_call => Some(joined),
         _ => None,
     }
+}
+
+/// A launcher that joined a round, as its record in the store says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arrival {
+    /// The launcher (`host:pid`).
+    pub id: String,
+    /// Its `--nproc-per-node`.
+    pub nproc: usize,
+    /// Its `--node-rank`, when given (static `--nnodes N` only).
+    pub node_rank: Option<usize>,
+}
+
+/// The members of a round that forms with `n` nodes, in node rank order:
+/// an explicit `--node-rank` keeps its place; the other places go first to
+/// the previous round's members, in their previous order (so survivors
+/// keep their relative order), then to newcomers in arrival order. Ranks
+/// are dense: a node that left leaves no hole.
+pub fn members(arrivals: &[Arrival], previous: &[String], n: usize) -> Vec<Arrival> {
+    let previous_rank = |a: &Arrival| previous.iter().position(|id| *id == a.id);
+    let mut by_priority: Vec<(usize, &Arrival)> = arrivals.iter().enumerate().collect();
+    // Explicit ranks first, then survivors by old rank, then arrival order.
+    by_priority.sort_by_key(|&(order, a)| match (a.node_rank, previous_rank(a)) {
+        (Some(rank), _) => (0, rank, order),
+        (None, Some(rank)) => (1, rank, order),
+        (None, None) => (2, 0, order),
+    });
+    let chosen: Vec<&Arrival> = by_priority.into_iter().take(n).map(|(_, a)| a).collect();
+    let mut places: Vec<Option<Arrival>> = vec![None; chosen.len()];
+    let mut rest = Vec::new();
+    for arrival in chosen {
+        match arrival.node_rank {
+            Some(rank) if rank < places.len() && places[rank].is_none() => places[rank] = Some(arrival.clone()),
+            _ => rest.push(arrival.clone()),
+        }
+    }
+    let mut rest = rest.into_iter();
+    places
+        .into_iter()
+        .map(|place| place.or_else(|| rest.next()))
+        .collect::<Option<Vec<_>>>()
+        .unwrap_or_default()
+}
+
+/// Whether every member of the previous round (when there was one) is
+/// among `arrivals`.
+pub fn previous_back(arrivals: &[Arrival], previous: &[String]) -> bool {
+    !previous.is_empty() && previous.iter().all(|id| arrivals.iter().any(|a| a.id == *id))
+}
+
+/// Whether a running round of `nnodes` nodes restarts to admit a launcher
+/// waiting for the next one: only while it has room for it, and only while
+/// no node has finished (a finished node would not come back to the
+/// restarted group).
+pub fn admit_waiting(nnodes: usize, max: usize, nodes_done: usize, waiting: bool) -> bool {
+    waiting && nnodes < max && nodes_done == 0
 }
 
 #[cfg(test)]
@@ -136,9 +201,72 @@ mod tests {
     #[test]
     fn group_forms_at_max_or_after_last_call() {
         let call = Duration::from_secs(30);
-        assert_eq!(nodes_formed(2, 2, 2, Some(Duration::ZERO), call), Some(2));
-        assert_eq!(nodes_formed(1, 2, 2, None, call), None);
-        assert_eq!(nodes_formed(2, 1, 4, Some(Duration::from_secs(1)), call), None);
-        assert_eq!(nodes_formed(2, 1, 4, Some(call), call), Some(2));
+        assert_eq!(nodes_formed(2, 2, 2, Some(Duration::ZERO), call, false), Some(2));
+        assert_eq!(nodes_formed(1, 2, 2, None, call, false), None);
+        assert_eq!(nodes_formed(2, 1, 4, Some(Duration::from_secs(1)), call, false), None);
+        assert_eq!(nodes_formed(2, 1, 4, Some(call), call, false), Some(2));
+        // More than max arrived (a race): the group takes max.
+        assert_eq!(nodes_formed(5, 2, 4, None, call, false), Some(4));
+    }
+
+    #[test]
+    fn a_restarted_group_forms_without_last_call_once_everyone_is_back() {
+        let call = Duration::from_secs(30);
+        let early = Some(Duration::from_millis(1));
+        assert_eq!(nodes_formed(3, 2, 4, early, call, true), Some(3));
+        // Someone of the previous round is missing: wait for it up to the last call.
+        assert_eq!(nodes_formed(2, 2, 4, early, call, false), None);
+        assert_eq!(nodes_formed(2, 2, 4, Some(call), call, false), Some(2));
+        // Never below min, even with everyone back.
+        assert_eq!(nodes_formed(1, 2, 4, early, call, true), None);
+        // The round is not open yet (no min-timer): wait.
+        assert_eq!(nodes_formed(3, 2, 4, None, call, true), None);
+    }
+
+    fn arrival(id: &str, node_rank: Option<usize>) -> Arrival {
+        Arrival {
+            id: id.to_string(),
+            nproc: 1,
+            node_rank,
+        }
+    }
+
+    fn ids(members: &[Arrival]) -> Vec<&str> {
+        members.iter().map(|a| a.id.as_str()).collect()
+    }
+
+    #[test]
+    fn ranks_are_dense_survivors_keep_their_order_and_newcomers_follow() {
+        // Round 0 had a, b, c; b left; d arrived first, then c, then a.
+        let previous = ["a".to_string(), "b".into(), "c".into()];
+        let arrivals = [arrival("d", None), arrival("c", None), arrival("a", None)];
+        assert_eq!(ids(&members(&arrivals, &previous, 3)), ["a", "c", "d"]);
+        // No room for everyone: survivors before newcomers.
+        assert_eq!(ids(&members(&arrivals, &previous, 2)), ["a", "c"]);
+        // The first round: arrival order.
+        assert_eq!(ids(&members(&arrivals, &[], 3)), ["d", "c", "a"]);
+        assert!(previous_back(
+            &[arrival("c", None), arrival("a", None), arrival("b", None)],
+            &previous
+        ));
+        assert!(!previous_back(&arrivals, &previous));
+        assert!(!previous_back(&arrivals, &[]));
+    }
+
+    #[test]
+    fn explicit_node_ranks_keep_their_places() {
+        let arrivals = [arrival("x", None), arrival("y", Some(2)), arrival("z", Some(0))];
+        assert_eq!(ids(&members(&arrivals, &[], 3)), ["z", "x", "y"]);
+        let previous = ["x".to_string()];
+        let arrivals = [arrival("n", None), arrival("x", None), arrival("y", Some(1))];
+        assert_eq!(ids(&members(&arrivals, &previous, 3)), ["x", "y", "n"]);
+    }
+
+    #[test]
+    fn a_waiting_node_is_admitted_only_with_room_and_nobody_finished() {
+        assert!(admit_waiting(2, 3, 0, true));
+        assert!(!admit_waiting(3, 3, 0, true), "at max the newcomer waits");
+        assert!(!admit_waiting(2, 3, 1, true), "a finished node would not come back");
+        assert!(!admit_waiting(2, 3, 0, false));
     }
 }
