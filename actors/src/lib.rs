@@ -15,9 +15,13 @@
 //! - [`driver`]: the CPU backend: runs one rank's collective plan (from
 //!   `chorus_runtime::collective`) over its links, with signature exchange
 //!   for desync detection and a deadline.
+//! - [`nccl`]: the GPU backend: NCCL through cudarc (loaded at run time,
+//!   probed before use), the unique id exchange through the store, and a
+//!   supervised group (actor, watchdog, abort); rules NC-1..NC-10 in its docs.
 
 pub mod driver;
 pub mod heartbeat;
+pub mod nccl;
 pub mod rank;
 pub mod supervision;
 pub mod system;

@@ -1,0 +1,517 @@
+//! What an NCCL operation is, how chorus's dtypes and operators map onto
+//! NCCL's (`ncclDataType_t`, `ncclRedOp_t`), NCCL's result codes, and the
+//! errors of NCCL calls.
+
+use std::fmt;
+
+use chorus_runtime::collective::{CollectiveKind, DType, ReduceOp};
+use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t, ncclResult_t};
+use thiserror::Error;
+
+use super::probe::ProbeError;
+
+/// Size of an `ncclUniqueId` in bytes.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// An `ncclUniqueId`: made by one rank, handed to every rank through the
+/// store, it names one communicator.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UniqueId([u8; UNIQUE_ID_BYTES]);
+
+impl UniqueId {
+    /// The id made of these bytes.
+    pub const fn from_array(bytes: [u8; UNIQUE_ID_BYTES]) -> Self {
+        Self(bytes)
+    }
+
+    /// The id in `bytes`, or `None` when they are not exactly
+    /// [`UNIQUE_ID_BYTES`] long.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Self)
+    }
+
+    /// The raw bytes, as the store holds them.
+    pub fn as_bytes(&self) -> &[u8; UNIQUE_ID_BYTES] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The first bytes are enough to tell two ids apart in a log.
+        write!(f, "UniqueId(")?;
+        for byte in &self.0[..8] {
+            write!(f, "{byte:02x}")?;
+        }
+        write!(f, "..)")
+    }
+}
+
+/// An NCCL result other than `ncclSuccess` (mirrors `ncclResult_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NcclCode {
+    /// `ncclUnhandledCudaError`: a CUDA call inside NCCL failed.
+    UnhandledCudaError,
+    /// `ncclSystemError`: a system call failed (sockets, shared memory).
+    SystemError,
+    /// `ncclInternalError`: an NCCL bug or memory corruption.
+    InternalError,
+    /// `ncclInvalidArgument`: a bad argument (pointer, count, rank).
+    InvalidArgument,
+    /// `ncclInvalidUsage`: a bad sequence of calls (e.g. mismatched
+    /// collectives across ranks).
+    InvalidUsage,
+    /// `ncclRemoteError`: a peer failed or went away.
+    RemoteError,
+    /// `ncclInProgress`: a non-blocking operation has not finished.
+    InProgress,
+    /// `ncclTimeout` (NCCL 2.30+).
+    Timeout,
+}
+
+impl NcclCode {
+    /// The code of `result`, or `None` for `ncclSuccess` (and the
+    /// `ncclNumResults` sentinel, which no call returns).
+    pub fn from_result(result: ncclResult_t) -> Option<Self> {
+        match result {
+            ncclResult_t::ncclSuccess | ncclResult_t::ncclNumResults => None,
+            ncclResult_t::ncclUnhandledCudaError => Some(Self::UnhandledCudaError),
+            ncclResult_t::ncclSystemError => Some(Self::SystemError),
+            ncclResult_t::ncclInternalError => Some(Self::InternalError),
+            ncclResult_t::ncclInvalidArgument => Some(Self::InvalidArgument),
+            ncclResult_t::ncclInvalidUsage => Some(Self::InvalidUsage),
+            ncclResult_t::ncclRemoteError => Some(Self::RemoteError),
+            ncclResult_t::ncclInProgress => Some(Self::InProgress),
+            ncclResult_t::ncclTimeout => Some(Self::Timeout),
+        }
+    }
+
+    /// NCCL's name (`ncclRemoteError`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::UnhandledCudaError => "ncclUnhandledCudaError",
+            Self::SystemError => "ncclSystemError",
+            Self::InternalError => "ncclInternalError",
+            Self::InvalidArgument => "ncclInvalidArgument",
+            Self::InvalidUsage => "ncclInvalidUsage",
+            Self::RemoteError => "ncclRemoteError",
+            Self::InProgress => "ncclInProgress",
+            Self::Timeout => "ncclTimeout",
+        }
+    }
+}
+
+impl fmt::Display for NcclCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What `ncclCommGetAsyncError` says of a healthy communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommStatus {
+    /// Idle or running: the last call has been taken in.
+    Ready,
+    /// A non-blocking call (init, a launch, abort) is still being carried out.
+    InProgress,
+}
+
+/// Errors from NCCL and CUDA calls and from checking an operation.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum NcclError {
+    /// An NCCL call returned an error.
+    #[error("{call} failed with {code}{}", detail_suffix(detail))]
+    Call {
+        /// The function called.
+        call: &'static str,
+        /// What it returned.
+        code: NcclCode,
+        /// `ncclGetLastError`'s text, when it had one.
+        detail: String,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA {call} failed: {detail}")]
+    Cuda {
+        /// The function called.
+        call: &'static str,
+        /// The driver's error.
+        detail: String,
+    },
+    /// The communicator was aborted: it takes no more calls.
+    #[error("the NCCL communicator of rank {rank} was aborted; form a new group (a new unique id)")]
+    Aborted {
+        /// Its rank.
+        rank: usize,
+    },
+    /// CUDA or NCCL cannot be used on this machine.
+    #[error(transparent)]
+    Unavailable(#[from] ProbeError),
+    /// A reduction operator NCCL does not have.
+    #[error("NCCL has no {op} reduction (its operators are sum, prod, min, max, avg); use the CPU backend for {op}")]
+    UnsupportedOp {
+        /// The operator.
+        op: ReduceOp,
+    },
+    /// A collective this backend does not run.
+    #[error(
+        "{kind} is not an NCCL collective here (all_reduce, broadcast, reduce, all_gather, reduce_scatter are); use the CPU backend"
+    )]
+    UnsupportedKind {
+        /// The collective.
+        kind: CollectiveKind,
+    },
+    /// A rooted collective without a root in the group.
+    #[error("{kind} needs a root in 0..{world}, got {root:?}")]
+    BadRoot {
+        /// The collective.
+        kind: CollectiveKind,
+        /// The root given.
+        root: Option<usize>,
+        /// The world size.
+        world: usize,
+    },
+    /// A buffer of the wrong length.
+    #[error("{operation} needs {expected} bytes in its {which} buffer, got {got}")]
+    BufferSize {
+        /// The operation.
+        operation: String,
+        /// "input" or "output".
+        which: &'static str,
+        /// Bytes it needs.
+        expected: usize,
+        /// Bytes it got.
+        got: usize,
+    },
+}
+
+fn detail_suffix(detail: &str) -> String {
+    if detail.is_empty() {
+        String::new()
+    } else {
+        format!(": {detail}")
+    }
+}
+
+/// The NCCL type of a chorus dtype. Every dtype has one (bfloat16 needs
+/// NCCL 2.10, below the 2.14 the backend requires anyway).
+pub const fn nccl_data_type(dtype: DType) -> ncclDataType_t {
+    match dtype {
+        DType::Int8 => ncclDataType_t::ncclInt8,
+        DType::UInt8 => ncclDataType_t::ncclUint8,
+        DType::Int32 => ncclDataType_t::ncclInt32,
+        DType::UInt32 => ncclDataType_t::ncclUint32,
+        DType::Int64 => ncclDataType_t::ncclInt64,
+        DType::UInt64 => ncclDataType_t::ncclUint64,
+        DType::Float16 => ncclDataType_t::ncclFloat16,
+        DType::BFloat16 => ncclDataType_t::ncclBfloat16,
+        DType::Float32 => ncclDataType_t::ncclFloat32,
+        DType::Float64 => ncclDataType_t::ncclFloat64,
+    }
+}
+
+/// The NCCL operator of a chorus operator: the bitwise ones have none.
+/// `avg` on integers truncates in NCCL as in chorus's CPU kernels.
+pub fn nccl_red_op(op: ReduceOp) -> Result<ncclRedOp_t, NcclError> {
+    match op {
+        ReduceOp::Sum => Ok(ncclRedOp_t::ncclSum),
+        ReduceOp::Prod => Ok(ncclRedOp_t::ncclProd),
+        ReduceOp::Min => Ok(ncclRedOp_t::ncclMin),
+        ReduceOp::Max => Ok(ncclRedOp_t::ncclMax),
+        ReduceOp::Avg => Ok(ncclRedOp_t::ncclAvg),
+        ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => Err(NcclError::UnsupportedOp { op }),
+    }
+}
+
+/// One NCCL collective as submitted: which, on what, how many.
+///
+/// Buffer lengths (`count` elements per rank, `P` ranks):
+/// - all-reduce, broadcast, reduce: input and output `count`; without an
+///   input the operation runs in place in the output (for broadcast, the
+///   root's output holds the data).
+/// - all-gather: input `count`, output `count * P` (block `i` from rank `i`).
+/// - reduce-scatter: input `count * P`, output `count` (the reduction of
+///   every rank's block `rank`).
+///
+/// Only operations whose input and output have the same length run in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclOp {
+    /// Which collective.
+    pub kind: CollectiveKind,
+    /// The element type.
+    pub dtype: DType,
+    /// Elements per rank (see above).
+    pub count: usize,
+    /// The root of broadcast and reduce.
+    pub root: Option<usize>,
+    /// The operator of reducing collectives (sum when `None`).
+    pub op: Option<ReduceOp>,
+}
+
+impl NcclOp {
+    /// An all-reduce of `count` elements with `op`.
+    pub fn all_reduce(dtype: DType, count: usize, op: ReduceOp) -> Self {
+        Self {
+            kind: CollectiveKind::AllReduce,
+            dtype,
+            count,
+            root: None,
+            op: Some(op),
+        }
+    }
+
+    /// A broadcast of `count` elements from `root`.
+    pub fn broadcast(dtype: DType, count: usize, root: usize) -> Self {
+        Self {
+            kind: CollectiveKind::Broadcast,
+            dtype,
+            count,
+            root: Some(root),
+            op: None,
+        }
+    }
+
+    /// A reduction of `count` elements with `op` into `root`.
+    pub fn reduce(dtype: DType, count: usize, op: ReduceOp, root: usize) -> Self {
+        Self {
+            kind: CollectiveKind::Reduce,
+            dtype,
+            count,
+            root: Some(root),
+            op: Some(op),
+        }
+    }
+
+    /// An all-gather of `count` elements from each rank.
+    pub fn all_gather(dtype: DType, count: usize) -> Self {
+        Self {
+            kind: CollectiveKind::AllGather,
+            dtype,
+            count,
+            root: None,
+            op: None,
+        }
+    }
+
+    /// A reduce-scatter leaving `count` reduced elements on each rank.
+    pub fn reduce_scatter(dtype: DType, count: usize, op: ReduceOp) -> Self {
+        Self {
+            kind: CollectiveKind::ReduceScatter,
+            dtype,
+            count,
+            root: None,
+            op: Some(op),
+        }
+    }
+
+    /// The operator it reduces with (sum by default), for reducing kinds.
+    pub fn reduce_op(&self) -> Option<ReduceOp> {
+        self.kind.reduces().then(|| self.op.unwrap_or(ReduceOp::Sum))
+    }
+
+    /// Bytes of its input buffer in a world of `world` ranks.
+    pub fn input_bytes(&self, world: usize) -> usize {
+        let elements = match self.kind {
+            CollectiveKind::ReduceScatter => self.count.saturating_mul(world),
+            _ => self.count,
+        };
+        elements.saturating_mul(self.dtype.size())
+    }
+
+    /// Bytes of its output buffer in a world of `world` ranks.
+    pub fn output_bytes(&self, world: usize) -> usize {
+        let elements = match self.kind {
+            CollectiveKind::AllGather => self.count.saturating_mul(world),
+            _ => self.count,
+        };
+        elements.saturating_mul(self.dtype.size())
+    }
+
+    /// Checks the operation against NCCL and the buffers against the
+    /// operation, before anything is launched: the kind, the operator, the
+    /// root, and the lengths (`input` is `None` in place).
+    pub fn check(&self, world: usize, input: Option<usize>, output: usize) -> Result<(), NcclError> {
+        match self.kind {
+            CollectiveKind::AllReduce
+            | CollectiveKind::Broadcast
+            | CollectiveKind::Reduce
+            | CollectiveKind::AllGather
+            | CollectiveKind::ReduceScatter => {}
+            kind => return Err(NcclError::UnsupportedKind { kind }),
+        }
+        if let Some(op) = self.reduce_op() {
+            nccl_red_op(op)?;
+        }
+        if self.kind.rooted() && !self.root.is_some_and(|r| r < world) {
+            return Err(NcclError::BadRoot {
+                kind: self.kind,
+                root: self.root,
+                world,
+            });
+        }
+        let size = |which, expected: usize, got: usize| {
+            if expected == got {
+                Ok(())
+            } else {
+                Err(NcclError::BufferSize {
+                    operation: self.to_string(),
+                    which,
+                    expected,
+                    got,
+                })
+            }
+        };
+        size("output", self.output_bytes(world), output)?;
+        match input {
+            Some(len) => size("input", self.input_bytes(world), len),
+            // In place: the output must hold the input too.
+            None => size("input (in place, so output)", self.input_bytes(world), output),
+        }
+    }
+}
+
+impl fmt::Display for NcclOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}({} x {}", self.kind.name(), self.dtype, self.count)?;
+        if let Some(op) = self.reduce_op() {
+            write!(f, ", {op}")?;
+        }
+        if let Some(root) = self.root {
+            write!(f, ", root {root}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nc2_every_dtype_maps_to_its_nccl_type() {
+        let expected = [
+            (DType::Int8, ncclDataType_t::ncclInt8),
+            (DType::UInt8, ncclDataType_t::ncclUint8),
+            (DType::Int32, ncclDataType_t::ncclInt32),
+            (DType::UInt32, ncclDataType_t::ncclUint32),
+            (DType::Int64, ncclDataType_t::ncclInt64),
+            (DType::UInt64, ncclDataType_t::ncclUint64),
+            (DType::Float16, ncclDataType_t::ncclFloat16),
+            (DType::BFloat16, ncclDataType_t::ncclBfloat16),
+            (DType::Float32, ncclDataType_t::ncclFloat32),
+            (DType::Float64, ncclDataType_t::ncclFloat64),
+        ];
+        assert_eq!(expected.len(), DType::ALL.len(), "a dtype was added: map it");
+        for (dtype, nccl) in expected {
+            assert_eq!(nccl_data_type(dtype), nccl, "{dtype}");
+        }
+        // The numeric values are NCCL's ABI.
+        assert_eq!(nccl_data_type(DType::BFloat16) as u32, 9);
+        assert_eq!(nccl_data_type(DType::Float64) as u32, 8);
+    }
+
+    #[test]
+    fn nc2_reduce_ops_map_and_bitwise_ones_are_a_typed_error() {
+        let expected = [
+            (ReduceOp::Sum, Some(ncclRedOp_t::ncclSum)),
+            (ReduceOp::Prod, Some(ncclRedOp_t::ncclProd)),
+            (ReduceOp::Min, Some(ncclRedOp_t::ncclMin)),
+            (ReduceOp::Max, Some(ncclRedOp_t::ncclMax)),
+            (ReduceOp::Avg, Some(ncclRedOp_t::ncclAvg)),
+            (ReduceOp::BAnd, None),
+            (ReduceOp::BOr, None),
+            (ReduceOp::BXor, None),
+        ];
+        assert_eq!(expected.len(), ReduceOp::ALL.len(), "an operator was added: map it");
+        for (op, nccl) in expected {
+            match (nccl_red_op(op), nccl) {
+                (Ok(got), Some(want)) => assert_eq!(got, want, "{op}"),
+                (Err(NcclError::UnsupportedOp { op: named }), None) => {
+                    assert_eq!(named, op);
+                    let text = nccl_red_op(op).unwrap_err().to_string();
+                    assert!(text.contains(op.name()) && text.contains("CPU backend"), "{text}");
+                }
+                (got, want) => panic!("{op}: got {got:?}, want {want:?}"),
+            }
+        }
+        assert_eq!(ncclRedOp_t::ncclAvg as u32, 4);
+    }
+
+    #[test]
+    fn nc2_result_codes_map_both_ways_of_success() {
+        assert_eq!(NcclCode::from_result(ncclResult_t::ncclSuccess), None);
+        assert_eq!(
+            NcclCode::from_result(ncclResult_t::ncclRemoteError),
+            Some(NcclCode::RemoteError)
+        );
+        assert_eq!(
+            NcclCode::from_result(ncclResult_t::ncclInProgress),
+            Some(NcclCode::InProgress)
+        );
+        assert_eq!(NcclCode::RemoteError.to_string(), "ncclRemoteError");
+    }
+
+    #[test]
+    fn nc2_checks_kinds_roots_and_buffer_lengths_before_launch() {
+        let world = 4;
+        let ar = NcclOp::all_reduce(DType::Float32, 8, ReduceOp::Sum);
+        assert_eq!(ar.check(world, Some(32), 32), Ok(()));
+        assert_eq!(ar.check(world, None, 32), Ok(()));
+        assert!(matches!(
+            ar.check(world, Some(32), 16),
+            Err(NcclError::BufferSize {
+                which: "output",
+                expected: 32,
+                got: 16,
+                ..
+            })
+        ));
+        let bitwise = NcclOp::all_reduce(DType::Int32, 8, ReduceOp::BXor);
+        assert_eq!(
+            bitwise.check(world, None, 32),
+            Err(NcclError::UnsupportedOp { op: ReduceOp::BXor })
+        );
+        let ag = NcclOp::all_gather(DType::Float16, 3);
+        assert_eq!((ag.input_bytes(world), ag.output_bytes(world)), (6, 24));
+        assert_eq!(ag.check(world, Some(6), 24), Ok(()));
+        assert!(
+            ag.check(world, None, 24).is_err(),
+            "all-gather does not run in place here"
+        );
+        let rs = NcclOp::reduce_scatter(DType::Int64, 2, ReduceOp::Max);
+        assert_eq!((rs.input_bytes(world), rs.output_bytes(world)), (64, 16));
+        assert_eq!(rs.check(world, Some(64), 16), Ok(()));
+        let bcast = NcclOp::broadcast(DType::UInt8, 5, 4);
+        assert!(matches!(
+            bcast.check(world, None, 5),
+            Err(NcclError::BadRoot { root: Some(4), .. })
+        ));
+        assert_eq!(
+            NcclOp::reduce(DType::UInt8, 5, ReduceOp::Min, 3).check(world, None, 5),
+            Ok(())
+        );
+        let barrier = NcclOp {
+            kind: CollectiveKind::Barrier,
+            dtype: DType::UInt8,
+            count: 0,
+            root: None,
+            op: None,
+        };
+        assert_eq!(
+            barrier.check(world, None, 0),
+            Err(NcclError::UnsupportedKind {
+                kind: CollectiveKind::Barrier
+            })
+        );
+        assert_eq!(ar.to_string(), "all_reduce(float32 x 8, sum)");
+        assert_eq!(bcast.to_string(), "broadcast(uint8 x 5, root 4)");
+    }
+
+    #[test]
+    fn unique_ids_are_exactly_128_bytes() {
+        assert!(UniqueId::from_bytes(&[7u8; 128]).is_some());
+        assert!(UniqueId::from_bytes(&[7u8; 127]).is_none());
+        assert!(UniqueId::from_bytes(&[7u8; 129]).is_none());
+        let id = UniqueId::from_array([0xab; 128]);
+        assert_eq!(format!("{id:?}"), "UniqueId(abababababababab..)");
+    }
+}
