@@ -72,7 +72,16 @@ pub struct NcclCollective<B> {
 }
 
 impl<B: 'static> Message for NcclCollective<B> {
-    type Result = Result<B, NcclOpError>;
+    type Result = Result<Buffers<B>, NcclOpError>;
+}
+
+/// A completed operation's buffers, handed back for reuse.
+#[derive(Debug)]
+pub struct Buffers<B> {
+    /// The input (`None` when it ran in place).
+    pub input: Option<B>,
+    /// The output, holding the result.
+    pub output: B,
 }
 
 /// Why an operation of an NCCL group failed.
@@ -241,7 +250,7 @@ impl<C: Communicator> NcclRankActor<C> {
 }
 
 impl<C: Communicator> Handler<NcclCollective<C::Buffer>> for NcclRankActor<C> {
-    type Result = AtomicResponse<Self, Result<C::Buffer, NcclOpError>>;
+    type Result = AtomicResponse<Self, Result<Buffers<C::Buffer>, NcclOpError>>;
 
     fn handle(&mut self, msg: NcclCollective<C::Buffer>, _ctx: &mut Context<Self>) -> Self::Result {
         let immediate = |result| AtomicResponse::new(Box::pin(actix::fut::ready(result)));
@@ -291,7 +300,7 @@ async fn execute<C: Communicator>(
     shared: &Shared<C>,
     msg: NcclCollective<C::Buffer>,
     deadline: Option<Instant>,
-) -> Result<C::Buffer, Failure> {
+) -> Result<Buffers<C::Buffer>, Failure> {
     let comm = &shared.comm;
     let mut abort = shared.supervision.subscribe();
     let NcclCollective {
@@ -306,9 +315,8 @@ async fn execute<C: Communicator>(
         comm.query(&event)
     })
     .await?;
-    // The input lives until the work that reads it has completed.
-    drop(input);
-    Ok(output)
+    // Both buffers stay here until the work that uses them has completed.
+    Ok(Buffers { input, output })
 }
 
 async fn wait(
@@ -449,24 +457,27 @@ impl<C: Communicator> NcclGroup<C> {
     }
 
     /// Queues `collective` now (operations run in the order submitted,
-    /// NC-5) and returns its result, the output buffer, when awaited.
+    /// NC-5) and returns its buffers, the result in the output, when awaited.
     pub fn submit(
         &self,
         collective: NcclCollective<C::Buffer>,
-    ) -> impl Future<Output = Result<C::Buffer, NcclOpError>> + 'static {
+    ) -> impl Future<Output = Result<Buffers<C::Buffer>, NcclOpError>> + 'static {
         let request = self.addr.send(collective);
         async move { request.await.unwrap_or(Err(NcclOpError::Stopped)) }
     }
 
-    /// Runs `op` under the group's timeout (`input` `None`: in place).
+    /// Runs `op` under the group's timeout (`input` `None`: in place) and
+    /// returns the output.
     pub async fn run(&self, op: NcclOp, input: Option<C::Buffer>, output: C::Buffer) -> Result<C::Buffer, NcclOpError> {
-        self.submit(NcclCollective {
-            op,
-            input,
-            output,
-            timeout: None,
-        })
-        .await
+        let done = self
+            .submit(NcclCollective {
+                op,
+                input,
+                output,
+                timeout: None,
+            })
+            .await?;
+        Ok(done.output)
     }
 
     /// A receiver that sees the abort when it happens: the hook an elastic

@@ -74,6 +74,6 @@ mod types;
 pub use bootstrap::{BootstrapError, CommKey, exchange_unique_id, init_communicator, wait_ready};
 pub use comm::{Backend, Communicator, DeviceBuffer};
 pub use cuda::{CudaBackend, CudaBuffer, CudaComm};
-pub use group::{DEFAULT_TIMEOUT, NcclCollective, NcclGroup, NcclGroupConfig, NcclOpError, NcclRankActor};
+pub use group::{Buffers, DEFAULT_TIMEOUT, NcclCollective, NcclGroup, NcclGroupConfig, NcclOpError, NcclRankActor};
 pub use probe::{Availability, MIN_NCCL, NcclVersion, ProbeError, REQUIRED_SYMBOLS, probe};
 pub use types::{CommStatus, NcclCode, NcclError, NcclOp, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op};

@@ -1,0 +1,526 @@
+//! The NCCL backend (rules NC-1..NC-10 in `chorus_actors::nccl`).
+//!
+//! The multi-rank supervision tests run everywhere, on the in-process fake
+//! communicator. The `gpu_*` tests use real CUDA and NCCL: where either is
+//! missing they print "skipping: <why>" and pass, unless
+//! `CHORUS_REQUIRE_GPU=1` (set by `scripts/gpu-check.sh`) makes that a failure.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chorus_actors::nccl::fake::{FakeBackend, FakeBuffer, FakeComm, Fault};
+use chorus_actors::nccl::{
+    Availability, Backend, BootstrapError, CommKey, Communicator, CudaBackend, NcclCode, NcclCollective, NcclError,
+    NcclGroup, NcclGroupConfig, NcclOp, NcclOpError, ProbeError, init_communicator, probe,
+};
+use chorus_actors::supervision::{AbortReason, ErrorHandling};
+use chorus_runtime::collective::{DType, ReduceOp};
+use chorus_runtime::store::{HashStore, Store};
+
+/// Fails a test that hangs, with a message, instead of hanging CI.
+async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_ne_bytes()).collect()
+}
+
+fn f32_values(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn f32s(values: &[f32]) -> FakeBuffer {
+    FakeBuffer::from_host(f32_bytes(values))
+}
+
+fn config(mode: ErrorHandling, timeout: Duration) -> NcclGroupConfig {
+    NcclGroupConfig {
+        mode,
+        timeout,
+        ..NcclGroupConfig::default()
+    }
+}
+
+/// `world` fake ranks formed through one store, each with its group and a
+/// handle on its communicator; `faults` go in before the groups start.
+async fn fake_group(
+    world: usize,
+    config: NcclGroupConfig,
+    faults: &[(usize, Fault)],
+) -> Vec<(FakeComm, NcclGroup<FakeComm>)> {
+    let store = Arc::new(HashStore::new(Duration::from_secs(10)));
+    let backend = FakeBackend::new();
+    let key = CommKey::world("nccl-test", config.generation);
+    let tasks: Vec<_> = (0..world)
+        .map(|rank| {
+            let (store, backend, key) = (store.clone(), backend.clone(), key.clone());
+            tokio::spawn(async move {
+                init_communicator(&backend, &*store, &key, rank, world, Duration::from_secs(10)).await
+            })
+        })
+        .collect();
+    let mut ranks = Vec::new();
+    for task in tasks {
+        let comm = within(20, "init", task).await.unwrap().unwrap();
+        for (rank, fault) in faults {
+            if *rank == comm.rank() {
+                comm.inject(*fault);
+            }
+        }
+        let group = NcclGroup::start(comm.clone(), config).unwrap();
+        ranks.push((comm, group));
+    }
+    ranks
+}
+
+/// Whether `comm` is aborted within 5 s: the abort is published first (failing the operations), then
+/// `ncclCommAbort` runs, which may take a while on a real device.
+async fn aborted_soon(comm: &FakeComm) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !comm.is_aborted() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    comm.is_aborted()
+}
+
+fn all_reduce(values: &[f32]) -> NcclCollective<FakeBuffer> {
+    NcclCollective {
+        op: NcclOp::all_reduce(DType::Float32, values.len(), ReduceOp::Sum),
+        input: None,
+        output: f32s(values),
+        timeout: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc5_operations_run_in_submission_order_with_correct_results() {
+    let ranks = fake_group(3, NcclGroupConfig::default(), &[]).await;
+    let mut pending = Vec::new();
+    for (rank, (_, group)) in ranks.iter().enumerate() {
+        let r = rank as f32;
+        // Three queued at once: any reordering would mismatch collectives across ranks.
+        let ops = vec![
+            group.submit(all_reduce(&[r, 10.0 * r])),
+            group.submit(NcclCollective {
+                op: NcclOp::all_gather(DType::Float32, 1),
+                input: Some(f32s(&[r])),
+                output: f32s(&[0.0; 3]),
+                timeout: None,
+            }),
+            group.submit(NcclCollective {
+                op: NcclOp::reduce_scatter(DType::Float32, 1, ReduceOp::Max),
+                input: Some(f32s(&[r, 2.0 * r, 3.0 * r])),
+                output: f32s(&[0.0]),
+                timeout: None,
+            }),
+        ];
+        pending.push(ops);
+    }
+    for (rank, ops) in pending.into_iter().enumerate() {
+        let mut results = Vec::new();
+        for op in ops {
+            results.push(f32_values(
+                &within(10, "an operation", op).await.unwrap().output.to_host(),
+            ));
+        }
+        assert_eq!(results[0], vec![3.0, 30.0], "rank {rank}: all-reduce");
+        assert_eq!(results[1], vec![0.0, 1.0, 2.0], "rank {rank}: all-gather");
+        assert_eq!(
+            results[2],
+            vec![2.0 * (rank as f32 + 1.0)],
+            "rank {rank}: reduce-scatter"
+        );
+    }
+    for (comm, _) in &ranks {
+        assert_eq!(comm.launched(), 3);
+        assert!(!comm.is_aborted());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc2_a_refused_operation_leaves_the_group_usable() {
+    let ranks = fake_group(2, NcclGroupConfig::default(), &[]).await;
+    for (comm, group) in &ranks {
+        let refused = group
+            .run(
+                NcclOp::all_reduce(DType::Int32, 1, ReduceOp::BXor),
+                None,
+                FakeBuffer::zeros(4),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                NcclOpError::Invalid {
+                    source: NcclError::UnsupportedOp { op: ReduceOp::BXor },
+                    ..
+                }
+            ),
+            "{refused}"
+        );
+        let short = group
+            .run(NcclOp::all_reduce(DType::Float32, 4, ReduceOp::Sum), None, f32s(&[1.0]))
+            .await
+            .unwrap_err();
+        assert!(short.to_string().contains("needs 16 bytes"), "{short}");
+        assert_eq!(comm.launched(), 0, "nothing refused reaches the communicator");
+    }
+    let works: Vec<_> = ranks.iter().map(|(_, g)| g.submit(all_reduce(&[1.0]))).collect();
+    for work in works {
+        assert_eq!(
+            f32_values(&within(10, "all-reduce", work).await.unwrap().output.to_host()),
+            vec![2.0]
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc6_a_hung_collective_is_aborted_within_its_timeout() {
+    let timeout = Duration::from_millis(300);
+    let ranks = fake_group(2, config(ErrorHandling::Abort, timeout), &[(1, Fault::HangAt(0))]).await;
+    let started = Instant::now();
+    let works: Vec<_> = ranks.iter().map(|(_, g)| g.submit(all_reduce(&[1.0]))).collect();
+    for (rank, work) in works.into_iter().enumerate() {
+        let err = within(10, "the hung collective", work).await.unwrap_err();
+        let NcclOpError::GroupAborted(aborted) = err else {
+            panic!("rank {rank}: {err}");
+        };
+        assert_eq!(aborted.rank, rank);
+        assert!(
+            matches!(aborted.reason, AbortReason::Overdue { .. }) || aborted.to_string().contains("ncclRemoteError"),
+            "rank {rank}: {aborted}"
+        );
+    }
+    let elapsed = started.elapsed();
+    assert!(elapsed >= timeout, "aborted before the timeout: {elapsed:?}");
+    assert!(elapsed < timeout + Duration::from_secs(2), "aborted late: {elapsed:?}");
+    for (comm, group) in &ranks {
+        assert!(aborted_soon(comm).await, "ncclCommAbort ends the hung kernel");
+        assert!(group.failures().borrow().is_some(), "the abort is published");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc6_an_async_error_aborts_the_group() {
+    let fault = Fault::AsyncErrorAt {
+        seq: 1,
+        code: NcclCode::RemoteError,
+    };
+    let ranks = fake_group(2, config(ErrorHandling::Abort, Duration::from_secs(60)), &[(1, fault)]).await;
+    let first: Vec<_> = ranks.iter().map(|(_, g)| g.submit(all_reduce(&[1.0]))).collect();
+    for work in first {
+        within(10, "the first all-reduce", work).await.unwrap();
+    }
+    let started = Instant::now();
+    let second: Vec<_> = ranks.iter().map(|(_, g)| g.submit(all_reduce(&[1.0]))).collect();
+    for (rank, work) in second.into_iter().enumerate() {
+        let err = within(10, "the failing all-reduce", work).await.unwrap_err();
+        assert!(
+            matches!(&err, NcclOpError::GroupAborted(a) if a.to_string().contains("ncclRemoteError")),
+            "rank {rank}: {err}"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the error, not the 60 s timeout, ended it: {:?}",
+        started.elapsed()
+    );
+    for (comm, _) in &ranks {
+        assert!(aborted_soon(comm).await);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc7_queued_operations_fail_with_the_abort_and_later_ones_fail_fast() {
+    let ranks = fake_group(
+        2,
+        config(ErrorHandling::Abort, Duration::from_millis(300)),
+        &[(1, Fault::HangAt(0))],
+    )
+    .await;
+    let (comm, group) = &ranks[0];
+    let queued: Vec<_> = (0..3).map(|i| group.submit(all_reduce(&[i as f32]))).collect();
+    for work in queued {
+        let err = within(10, "a queued operation", work).await.unwrap_err();
+        assert!(matches!(err, NcclOpError::GroupAborted(_)), "{err}");
+    }
+    assert_eq!(comm.launched(), 1, "queued operations never reached the communicator");
+    let started = Instant::now();
+    let later = group.submit(all_reduce(&[1.0])).await.unwrap_err();
+    assert!(matches!(later, NcclOpError::GroupAborted(_)), "{later}");
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(comm.launched(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc8_abort_is_idempotent_and_peers_follow() {
+    let ranks = fake_group(2, config(ErrorHandling::Abort, Duration::from_secs(60)), &[]).await;
+    let (comm, group) = &ranks[0];
+    assert!(group.abort("the application gave up"));
+    assert!(!group.abort("again"));
+    assert_eq!(comm.abort_calls(), 1, "ncclCommAbort is called once");
+    let published = group.failures().borrow().clone().unwrap();
+    assert!(published.to_string().contains("the application gave up"), "{published}");
+    // The peer's watchdog sees ncclRemoteError from its communicator and aborts too.
+    let (peer_comm, peer) = &ranks[1];
+    let mut failures = peer.failures();
+    within(5, "the peer's abort", failures.wait_for(|a| a.is_some()))
+        .await
+        .unwrap();
+    assert!(aborted_soon(peer_comm).await);
+    assert_eq!(peer_comm.abort_calls(), 1);
+    assert!(matches!(
+        peer.submit(all_reduce(&[1.0])).await,
+        Err(NcclOpError::GroupAborted(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc9_blocking_wait_returns_the_error_to_the_caller() {
+    let timeout = Duration::from_millis(300);
+    let ranks = fake_group(
+        2,
+        config(ErrorHandling::BlockingWait, timeout),
+        &[(1, Fault::HangAt(0))],
+    )
+    .await;
+    let (comm, group) = &ranks[0];
+    let started = Instant::now();
+    let err = within(10, "the hung collective", group.submit(all_reduce(&[1.0])))
+        .await
+        .unwrap_err();
+    let NcclOpError::Timeout {
+        rank: 0,
+        timeout: waited,
+        ..
+    } = &err
+    else {
+        panic!("{err}");
+    };
+    assert_eq!(*waited, timeout);
+    assert!(
+        started.elapsed() < timeout + Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(err.to_string().contains("all_reduce(float32 x 1, sum) #0"), "{err}");
+    assert!(aborted_soon(comm).await, "the hung kernel is ended all the same");
+    assert!(group.failures().borrow().is_some());
+    let started = Instant::now();
+    assert!(group.submit(all_reduce(&[1.0])).await.is_err());
+    assert!(started.elapsed() < Duration::from_millis(100));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc10_with_async_error_handling_off_the_watchdog_only_logs() {
+    let ranks = fake_group(
+        2,
+        config(ErrorHandling::Off, Duration::from_millis(300)),
+        &[(1, Fault::HangAt(0))],
+    )
+    .await;
+    let (comm, group) = &ranks[0];
+    let err = within(10, "the hung collective", group.submit(all_reduce(&[1.0])))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, NcclOpError::Timeout { .. }), "{err}");
+    // Past the watchdog's grace too: it logs, and aborts nothing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(comm.abort_calls(), 0);
+    assert!(group.failures().borrow().is_none());
+    let later = group.submit(all_reduce(&[1.0])).await.unwrap_err();
+    assert!(matches!(later, NcclOpError::Broken { .. }), "{later}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc3_a_new_generation_gets_a_new_unique_id() {
+    let store = HashStore::new(Duration::from_secs(5));
+    let backend = FakeBackend::new();
+    let mut ids = Vec::new();
+    for generation in 0..2 {
+        let key = CommKey::world("job", generation);
+        within(
+            5,
+            "init",
+            init_communicator(&backend, &store, &key, 0, 1, Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+        ids.push(store.get(&key.store_key()).await.unwrap());
+    }
+    assert_ne!(ids[0], ids[1]);
+}
+
+/// The machine's CUDA and NCCL, or `None` after printing why the test skips.
+fn device_or_skip(test: &str) -> Option<Availability> {
+    match probe() {
+        Ok(found) => Some(found),
+        Err(e) if std::env::var("CHORUS_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+            panic!("{test}: CHORUS_REQUIRE_GPU=1 but {e}")
+        }
+        Err(e) => {
+            println!("{test}: skipping: {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn nc1_without_cuda_or_nccl_every_entry_point_is_a_typed_error() {
+    let Err(missing) = probe() else {
+        println!("nc1: skipping the missing-library path: CUDA and NCCL are present");
+        return;
+    };
+    let text = missing.to_string();
+    if let ProbeError::MissingLibrary { library, .. } = &missing {
+        assert!(text.contains(library) && text.contains("LD_LIBRARY_PATH"), "{text}");
+    }
+    match CudaBackend::new(0) {
+        Err(NcclError::Unavailable(e)) => assert_eq!(e, missing),
+        other => panic!("expected the probe's error, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_collectives_on_every_visible_device() {
+    let Some(found) = device_or_skip("gpu_collectives_on_every_visible_device") else {
+        return;
+    };
+    // NCCL takes one rank per device: as many ranks as devices, one thread each.
+    let world = found.devices;
+    let store = Arc::new(HashStore::new(Duration::from_secs(60)));
+    let key = CommKey::world("gpu-test", 0);
+    let tasks: Vec<_> = (0..world)
+        .map(|rank| {
+            let (store, key) = (store.clone(), key.clone());
+            tokio::spawn(async move {
+                let backend = CudaBackend::new(rank).unwrap();
+                let comm = init_communicator(&backend, &*store, &key, rank, world, Duration::from_secs(60))
+                    .await
+                    .unwrap();
+                let group = NcclGroup::start(comm, NcclGroupConfig::default()).unwrap();
+                let n = 1 << 20;
+                let values: Vec<f32> = (0..n).map(|i| (i % 7) as f32 + rank as f32).collect();
+                let output = group
+                    .run(
+                        NcclOp::all_reduce(DType::Float32, n, ReduceOp::Sum),
+                        None,
+                        backend.upload(&f32_bytes(&values)).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                let sum: f32 = (0..world).map(|r| r as f32).sum();
+                let got = f32_values(&backend.download(&output).unwrap());
+                for (i, v) in got.iter().enumerate() {
+                    assert_eq!(*v, world as f32 * (i % 7) as f32 + sum, "rank {rank}, element {i}");
+                }
+                let gathered = group
+                    .run(
+                        NcclOp::all_gather(DType::Float32, 2),
+                        Some(backend.upload(&f32_bytes(&[rank as f32, -(rank as f32)])).unwrap()),
+                        backend.zeros(8 * world).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                let want: Vec<f32> = (0..world).flat_map(|r| [r as f32, -(r as f32)]).collect();
+                assert_eq!(f32_values(&backend.download(&gathered).unwrap()), want);
+                let scattered = group
+                    .run(
+                        NcclOp::reduce_scatter(DType::Float32, 1, ReduceOp::Max),
+                        Some(backend.upload(&f32_bytes(&vec![rank as f32; world])).unwrap()),
+                        backend.zeros(4).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    f32_values(&backend.download(&scattered).unwrap()),
+                    vec![(world - 1) as f32]
+                );
+                let broadcast = group
+                    .run(
+                        NcclOp::broadcast(DType::Float32, 1, 0),
+                        None,
+                        backend.upload(&f32_bytes(&[rank as f32 + 5.0])).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(f32_values(&backend.download(&broadcast).unwrap()), vec![5.0]);
+                // An application abort on a live communicator: later operations fail at once.
+                assert!(group.abort("test over"));
+                let err = group
+                    .run(
+                        NcclOp::all_reduce(DType::Float32, 1, ReduceOp::Sum),
+                        None,
+                        backend.zeros(4).unwrap(),
+                    )
+                    .await
+                    .unwrap_err();
+                assert!(matches!(err, NcclOpError::GroupAborted(_)), "{err}");
+            })
+        })
+        .collect();
+    for task in tasks {
+        within(120, "the GPU collectives", task).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_nc4_an_init_missing_a_rank_is_aborted_at_its_timeout() {
+    if device_or_skip("gpu_nc4_an_init_missing_a_rank_is_aborted_at_its_timeout").is_none() {
+        return;
+    }
+    let backend = CudaBackend::new(0).unwrap();
+    let store = HashStore::new(Duration::from_secs(10));
+    // Rank 1 of 2 never comes: the real non-blocking init stays in progress until aborted.
+    let started = Instant::now();
+    let err = within(
+        60,
+        "the abandoned init",
+        init_communicator(
+            &backend,
+            &store,
+            &CommKey::world("gpu-test", 1),
+            0,
+            2,
+            Duration::from_secs(3),
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, BootstrapError::InitTimeout { .. }), "{err}");
+    println!("abandoned init aborted after {:?}", started.elapsed());
+    // The device is still usable afterwards.
+    let comm = init_communicator(
+        &backend,
+        &store,
+        &CommKey::world("gpu-test", 2),
+        0,
+        1,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert_eq!(comm.world(), 1);
+    assert!(comm.abort().unwrap());
+}
+
+#[test]
+fn gpu_unique_ids_are_128_random_bytes() {
+    if device_or_skip("gpu_unique_ids_are_128_random_bytes").is_none() {
+        return;
+    }
+    let backend = CudaBackend::new(0).unwrap();
+    let (a, b) = (backend.unique_id().unwrap(), backend.unique_id().unwrap());
+    assert_ne!(a, b);
+}
