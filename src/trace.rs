@@ -19,6 +19,11 @@
 //!   counterpart instead.
 //! - Ranks that ran different operations under one number are desynchronized;
 //!   that explains any hang that follows, so it comes first.
+//! - A rank that never entered `#n+1` because it is stuck in `#n` is a
+//!   consequence, not a culprit, when `#n` has a culprit of its own (a rank
+//!   without a dump): a SIGSTOPped rank may have fed some ranks their part of
+//!   `#n` and not others; those left in `#n` wait for it, the others wait in
+//!   `#n+1` for them.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -347,7 +352,9 @@ fn desync(by_rank: &BTreeMap<usize, &RankDump>, notes: &mut Vec<String>) -> Opti
     Some(first)
 }
 
-/// One finding per collective some rank is inside: culprits first, then
+/// One finding per collective some rank is inside: culprits first (ranks
+/// that never entered it or left no dump), causes before consequences (a
+/// collective whose never-entered ranks all wait in an earlier one), then
 /// the one most ranks wait in.
 fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) -> Vec<Stuck> {
     let mut waiting: BTreeMap<u64, Vec<(usize, &FlightEntry)>> = BTreeMap::new();
@@ -364,6 +371,10 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
             highest_entered.insert(rank, seq);
         }
     }
+    let waits_in: BTreeMap<usize, u64> = waiting
+        .iter()
+        .flat_map(|(&seq, waiters)| waiters.iter().map(move |(rank, _)| (*rank, seq)))
+        .collect();
     let mut stuck: Vec<Stuck> = waiting
         .into_iter()
         .map(|(seq, waiters)| {
@@ -387,8 +398,10 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
         })
         .collect();
     stuck.sort_by_key(|s| {
+        let stuck_earlier = |rank: &usize| waits_in.get(rank).is_some_and(|&seq| seq < s.seq);
         (
             s.never_entered.is_empty() && s.no_dump.is_empty(),
+            !s.never_entered.is_empty() && s.never_entered.iter().all(stuck_earlier),
             std::cmp::Reverse(s.waiting.len()),
             s.seq,
         )
@@ -1091,7 +1104,7 @@ mod tests {
         // A rank that never entered, and one that left nothing.
         let dumps = [
             rank(0, 4, 7, enters(7, op("all_reduce", 1 << 20))),
-            rank(1, 4, 6, enters(6, op("all_reduce", 1 << 20))),
+            rank(1, 4, 7, idle),
             rank(3, 4, 7, enters(7, op("all_reduce", 1 << 20))),
         ];
         let report = analyze(&dumps).unwrap();
@@ -1099,15 +1112,53 @@ mod tests {
             report.verdict(),
             "rank 1 never entered #7 all_reduce(1048576 x float32, sum) that ranks 0, 3 are waiting in; rank 2 left no dump (killed or frozen?)"
         );
-        // Rank 1 is itself stuck in #6, which the others completed.
-        assert_eq!(
-            report.findings[1].to_string(),
-            "rank 1 is waiting in #6 all_reduce(1048576 x float32, sum); rank 2 left no dump (killed or frozen?); ranks 0, 3 completed it"
-        );
 
         // Nobody inside anything, one rank missing.
         let report = analyze(&[rank(0, 2, 3, idle)]).unwrap();
         assert_eq!(report.findings, [Finding::NoDump { ranks: vec![1] }]);
+    }
+
+    #[test]
+    fn a_rank_held_back_by_a_missing_one_is_not_the_culprit() {
+        // What a SIGSTOP leaves: rank 2 fed ranks 1 and 3 their part of #7
+        // and stopped before rank 0's; rank 0 waits in #7 for rank 2, and
+        // ranks 1 and 3 wait in #8 for ranks 0 and 2.
+        let aborted = |seq: u64| {
+            move |r: &mut FlightRecorder| {
+                let id = r.record_scheduled(seq, op("all_reduce", 1 << 20), at(9_000));
+                r.record_started(id, at(9_000));
+                r.record_failed(id, at(11_000), "aborted: rank 2 sent no heartbeat for 2.0s");
+            }
+        };
+        let dumps = [
+            rank(0, 4, 7, aborted(7)),
+            rank(1, 4, 8, aborted(8)),
+            rank(3, 4, 8, aborted(8)),
+        ];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "rank 0 was waiting in #7 all_reduce(1048576 x float32, sum); rank 2 left no dump (killed or frozen?); ranks 1, 3 completed it"
+        );
+        let s = stuck(&report);
+        assert_eq!((s.never_entered.as_slice(), s.no_dump.as_slice()), (&[][..], &[2][..]));
+        assert_eq!(
+            report.findings[1].to_string(),
+            "rank 0 never entered #8 all_reduce(1048576 x float32, sum) that ranks 1, 3 were waiting in; rank 2 left no dump (killed or frozen?)"
+        );
+
+        // Every rank dumped: #7 has no culprit of its own, so the rank that
+        // never entered #8 is the one to look at.
+        let dumps = [
+            rank(0, 4, 7, aborted(7)),
+            rank(1, 4, 8, aborted(8)),
+            rank(2, 4, 8, aborted(8)),
+            rank(3, 4, 8, aborted(8)),
+        ];
+        assert_eq!(
+            analyze(&dumps).unwrap().verdict(),
+            "rank 0 never entered #8 all_reduce(1048576 x float32, sum) that ranks 1-3 were waiting in"
+        );
     }
 
     #[test]

@@ -1,11 +1,25 @@
-//! The flight recorder end to end: a rank frozen by fault injection makes the
-//! others time out; they dump their recorders, and `chorus trace` names the
-//! frozen rank.
+//! The flight recorder end to end: a rank frozen by fault injection, or
+//! stopped by SIGSTOP, makes the others time out or abort; they dump their
+//! recorders, and `chorus trace` names the frozen rank.
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
 
 const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+
+/// Each test runs several ranks; one at a time on a 2-core machine, so one
+/// test's ranks do not starve the other's past its timeouts (the frozen
+/// test's 4 s `--timeout` also bounds connecting).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 fn run(command: &mut Command, secs: u64) -> (bool, String) {
     let mut child = command
@@ -32,6 +46,7 @@ fn run(command: &mut Command, secs: u64) -> (bool, String) {
 
 #[test]
 fn chorus_trace_names_the_frozen_rank() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let (ok, job) = run(
         Command::new(CHORUS)
@@ -69,4 +84,240 @@ fn chorus_trace_names_the_frozen_rank() {
     assert!(ok, "{report}");
     let verdict = report.lines().next().unwrap_or_default();
     assert!(verdict.contains("rank 2"), "the verdict must name rank 2:\n{report}");
+}
+
+/// Real rank processes (`chorus fault-probe`: all-reduces in a loop, rank 0
+/// serving the store) dumping to `trace_dir`, and their merged output.
+/// Dropping it continues and kills every one, so a stopped rank is not left
+/// behind when an assertion fails.
+struct Probes {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    log: Vec<String>,
+}
+
+impl Probes {
+    fn start(world: usize, trace_dir: &Path) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let (tx, lines) = mpsc::channel();
+        let mut children = Vec::new();
+        for rank in 0..world {
+            let mut command = Command::new(CHORUS);
+            command
+                .args(["fault-probe", "--seconds", "120", "--init"])
+                .arg(format!("tcp://127.0.0.1:{port}"))
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                // A stopped rank is noticed within seconds, long before any collective timeout.
+                .env("CHORUS_HEARTBEAT_TIMEOUT", "3")
+                .env("CHORUS_TRACE_DIR", trace_dir)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let mut child = command.spawn().expect("start chorus fault-probe");
+            let streams: [Box<dyn Read + Send>; 2] = [
+                Box::new(child.stdout.take().unwrap()),
+                Box::new(child.stderr.take().unwrap()),
+            ];
+            for stream in streams {
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                        let _ = tx.send((rank, line));
+                    }
+                });
+            }
+            children.push(child);
+        }
+        Self {
+            children,
+            lines,
+            log: Vec::new(),
+        }
+    }
+
+    /// Reads output until each of `ranks` printed a probe line with
+    /// `event=NAME`, or panics with the output at `deadline`.
+    fn until_event(&mut self, name: &str, ranks: &[usize], deadline: Instant) {
+        while !ranks.iter().all(|&rank| self.event(rank, name).is_some()) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
+                Ok((rank, line)) => self.log.push(format!("[{rank}] {line}")),
+                Err(_) => panic!(
+                    "timed out waiting for event={name} from ranks {ranks:?}; output:\n{}",
+                    self.output()
+                ),
+            }
+        }
+    }
+
+    /// The first probe line of `rank` with `event=NAME`.
+    fn event(&self, rank: usize, name: &str) -> Option<&str> {
+        let prefix = format!("[{rank}] probe ");
+        let event = format!(" event={name} ");
+        self.log
+            .iter()
+            .find(|line| line.starts_with(&prefix) && format!("{line} ").contains(&event))
+            .map(String::as_str)
+    }
+
+    /// Waits until each of `ranks` exited and returns whether each succeeded.
+    fn exited(&mut self, ranks: &[usize], deadline: Instant) -> Vec<bool> {
+        ranks
+            .iter()
+            .map(|&rank| {
+                loop {
+                    if let Some(status) = self.children[rank].try_wait().unwrap() {
+                        break status.success();
+                    }
+                    if Instant::now() > deadline {
+                        panic!("rank {rank} did not exit; output:\n{}", self.output());
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            })
+            .collect()
+    }
+
+    fn output(&self) -> String {
+        self.log.join("\n")
+    }
+}
+
+impl Drop for Probes {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            // SAFETY: signals a child this test started; SIGCONT lets a stopped one run to its death.
+            unsafe {
+                libc::kill(child.id() as i32, libc::SIGCONT);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A field of a probe line: `iteration` of `probe rank=1 event=error iteration=57 ...`.
+fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+}
+
+#[test]
+fn chorus_trace_names_a_sigstopped_rank() {
+    let _serial = one_at_a_time();
+    // Rank 0 serves the store; stopping it would test the store, not the trace.
+    const STOPPED: usize = 2;
+    const SURVIVORS: [usize; 3] = [0, 1, 3];
+    let dir = tempfile::tempdir().unwrap();
+    let mut probes = Probes::start(4, dir.path());
+    probes.until_event("running", &[0, 1, 2, 3], Instant::now() + Duration::from_secs(60));
+    // Stopping at a different point of the loop each run: a rank stopped
+    // between its sends of one all-reduce leaves some survivors in it and
+    // others in the next, which `chorus trace` must still pin on the stopped rank.
+    let pause = Duration::from_millis(u64::from(
+        SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos() % 300,
+    ));
+    std::thread::sleep(pause);
+    // SAFETY: SIGSTOP to a child this test started (Drop continues and kills it).
+    let stopped = unsafe { libc::kill(probes.children[STOPPED].id() as i32, libc::SIGSTOP) };
+    assert_eq!(stopped, 0, "SIGSTOP rank {STOPPED}");
+    // A survivor prints its error, then whether the next call failed too, then exits.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    probes.until_event("next", &SURVIVORS, deadline);
+    let succeeded = probes.exited(&SURVIVORS, deadline);
+    assert_eq!(succeeded, [false; 3], "the survivors must fail:\n{}", probes.output());
+    let mut dumps: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    dumps.sort();
+    assert_eq!(
+        dumps,
+        [
+            "chorus-trace-g0-r0.json",
+            "chorus-trace-g0-r1.json",
+            "chorus-trace-g0-r3.json"
+        ],
+        "the survivors dump, the stopped rank cannot:\n{}",
+        probes.output()
+    );
+    // What each survivor completed, by its own account: the probe counts
+    // the all-reduces of its loop, the flight recorder numbers them from 0.
+    let last_completed: Vec<u64> = SURVIVORS
+        .iter()
+        .map(|&rank| {
+            let error = probes.event(rank, "error").unwrap();
+            let iterations: u64 = field(error, "iteration").unwrap().parse().unwrap();
+            assert!(iterations >= 20, "rank {rank} stopped before running: {error}");
+            iterations - 1
+        })
+        .collect();
+    let context = |report: &str| {
+        format!(
+            "{report}\nrank {STOPPED} stopped {pause:?} after all ran; probes:\n{}",
+            probes.output()
+        )
+    };
+
+    let (ok, report) = run(Command::new(CHORUS).arg("trace").arg(dir.path()), 30);
+    assert!(ok, "{}", context(&report));
+    let verdict = report.lines().next().unwrap_or_default();
+    assert!(
+        verdict.contains(&format!("rank {STOPPED} left no dump (killed or frozen?)"))
+            && !verdict.contains("never entered"),
+        "the verdict must blame the stopped rank {STOPPED}, not a survivor:\n{}",
+        context(&report)
+    );
+    let row = |rank: usize| {
+        report
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{rank} ")))
+            .unwrap_or_default()
+    };
+    assert!(row(STOPPED).contains("no dump"), "{}", context(&report));
+    for (&rank, last) in SURVIVORS.iter().zip(&last_completed) {
+        assert!(
+            row(rank).contains(&format!("#{last} all_reduce(1024 x float32, sum)")),
+            "rank {rank} last completed #{last}:\n{}",
+            context(&report)
+        );
+    }
+
+    let (ok, json) = run(Command::new(CHORUS).arg("trace").arg(dir.path()).arg("--json"), 30);
+    assert!(ok, "{}", context(&json));
+    let json: Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {}", context(&json)));
+    assert_eq!(
+        json["verdict"].as_str(),
+        Some(verdict),
+        "{}",
+        context(&json.to_string())
+    );
+    let finding = &json["findings"][0];
+    assert_eq!(
+        (&finding["kind"], &finding["never_entered"], &finding["no_dump"]),
+        (&json!("stuck"), &json!([]), &json!([STOPPED])),
+        "{}",
+        context(&json.to_string())
+    );
+    // The collective they wait in is the one after the lowest any survivor completed.
+    assert_eq!(
+        finding["op"]["seq"].as_u64(),
+        last_completed.iter().min().map(|seq| seq + 1),
+        "{}",
+        context(&json.to_string())
+    );
+    for (&rank, &last) in SURVIVORS.iter().zip(&last_completed) {
+        let row = &json["ranks"][rank];
+        assert_eq!(
+            (row["last_completed"]["seq"].as_u64(), row["current"]["state"].as_str()),
+            (Some(last), Some("failed")),
+            "rank {rank}: {}",
+            context(&json.to_string())
+        );
+    }
+    assert_eq!(json["ranks"][STOPPED]["dumped"], json!(false));
 }
