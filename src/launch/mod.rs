@@ -499,7 +499,9 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             nnodes: formed.nnodes,
             master_addr: job.store.host.clone(),
             master_port: job.store.port,
-            restart_count: formed.restarts,
+            // Every round restarts the workers, so each gets its own count:
+            // chorus workers take it as their rendezvous generation.
+            restart_count: round,
             max_restarts: config.max_restarts,
             run_id: job.run_id.clone(),
             secret: job.secret.clone(),

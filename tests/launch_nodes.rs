@@ -1,0 +1,408 @@
+//! `chorus launch --nnodes MIN:MAX` with real processes: several launchers
+//! on this machine form one job, and nodes leave it (a launcher SIGKILLed)
+//! and join it (a launcher started late) while it runs.
+//!
+//! Workers run `worker.sh` below: in a round of `$FINAL_NODES` nodes
+//! `chorus elastic-probe` (a fixed number of all-reduces, then exit 0),
+//! otherwise `chorus fault-probe` (all-reduces until a peer is lost, then
+//! exit 3), after printing their torchrun variables and writing their pid.
+//!
+//! Every child runs under a deadline: past it, the test kills every
+//! launcher and fails with what each printed. The tests take turns (one
+//! lock): each starts several launchers and workers on a small machine.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const WORKER: &str = r#"#!/bin/sh
+echo "node=$NODE_TAG GROUP_RANK=$GROUP_RANK RANK=$RANK WORLD_SIZE=$WORLD_SIZE GROUP_WORLD_SIZE=$GROUP_WORLD_SIZE RESTART=$TORCHELASTIC_RESTART_COUNT MAX_RESTARTS=$TORCHELASTIC_MAX_RESTARTS"
+if [ "$GROUP_WORLD_SIZE" = "$FINAL_NODES" ]; then exec "$CHORUS" elastic-probe --iterations 50; fi
+echo "$$" > "$OUT/$NODE_TAG.$LOCAL_RANK.pid.tmp" && mv "$OUT/$NODE_TAG.$LOCAL_RANK.pid.tmp" "$OUT/$NODE_TAG.$LOCAL_RANK.pid"
+exec "$CHORUS" fault-probe --seconds 600
+"#;
+
+/// The launchers of one job; whatever is still running when it drops is
+/// SIGKILLed (its workers die with it).
+struct Job {
+    dir: tempfile::TempDir,
+    port: u16,
+    launchers: Vec<(String, Child)>,
+}
+
+impl Job {
+    fn new() -> Job {
+        let dir = tempfile::tempdir().unwrap();
+        write_script(&dir.path().join("worker.sh"), WORKER);
+        Job {
+            dir,
+            port: free_port(),
+            launchers: Vec::new(),
+        }
+    }
+
+    fn out(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts launcher `tag`: `chorus launch` with `flags`, this job's store
+    /// endpoint and run id, running `program` (worker.sh when empty).
+    fn start(&mut self, tag: &str, flags: &[&str], program: &[&str], final_nodes: usize) {
+        let endpoint = format!("127.0.0.1:{}", self.port);
+        let mut command = Command::new(CHORUS);
+        command
+            .arg("launch")
+            .args([
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "nodes",
+            ])
+            .args(["--monitor-interval", "0.05", "--shutdown-timeout", "5"])
+            .args(flags)
+            .arg("--");
+        if program.is_empty() {
+            command.arg(self.out().join("worker.sh"));
+        } else {
+            command.args(program);
+        }
+        let log = |stream: &str| std::fs::File::create(self.out().join(format!("{tag}.{stream}"))).unwrap();
+        command
+            .env("CHORUS_JOB_SECRET", "launch-nodes-test")
+            .env("CHORUS_HEARTBEAT_TIMEOUT", "3")
+            // Nodes on several machines would talk over QUIC: so do these.
+            .env("CHORUS_TRANSPORT", "quic")
+            .env_remove("CHORUS_FAULTS")
+            .env_remove("OMP_NUM_THREADS")
+            .env("CHORUS", CHORUS)
+            .env("OUT", self.out())
+            .env("NODE_TAG", tag)
+            .env("FINAL_NODES", final_nodes.to_string())
+            .stdin(Stdio::null())
+            .stdout(log("stdout"))
+            .stderr(log("stderr"));
+        let child = command.spawn().expect("start chorus launch");
+        self.launchers.push((tag.to_string(), child));
+    }
+
+    /// Waits until the store's port accepts connections (the first launcher serves it).
+    fn wait_for_store(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            self.check(deadline, "the first launcher never served the store");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// What launcher `tag`'s workers printed to stdout so far.
+    fn stdout(&self, tag: &str) -> String {
+        std::fs::read_to_string(self.out().join(format!("{tag}.stdout"))).unwrap_or_default()
+    }
+
+    /// What launcher `tag` printed so far.
+    fn output(&self, tag: &str) -> String {
+        let read =
+            |stream: &str| std::fs::read_to_string(self.out().join(format!("{tag}.{stream}"))).unwrap_or_default();
+        format!(
+            "--- {tag} stdout:\n{}--- {tag} stderr:\n{}",
+            read("stdout"),
+            read("stderr")
+        )
+    }
+
+    fn all_output(&self) -> String {
+        self.launchers
+            .iter()
+            .map(|(tag, _)| self.output(tag))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Past `deadline`, kills everything and fails with `what` and the output.
+    fn check(&self, deadline: Instant, what: &str) {
+        if Instant::now() > deadline {
+            self.stop_all();
+            panic!("{what}\n{}", self.all_output());
+        }
+    }
+
+    fn stop_all(&self) {
+        for (_, child) in &self.launchers {
+            // SAFETY: kill only sends a signal; SIGKILL takes the workers too (parent-death signal).
+            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        }
+    }
+
+    fn child(&mut self, tag: &str) -> &mut Child {
+        &mut self.launchers.iter_mut().find(|(t, _)| t == tag).unwrap().1
+    }
+
+    /// The pids of `tag`'s workers in their first (long) round, once all
+    /// `nproc` of them wrote one.
+    fn worker_pids(&self, tag: &str, nproc: usize) -> Vec<i32> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let files: Vec<PathBuf> = (0..nproc).map(|r| self.out().join(format!("{tag}.{r}.pid"))).collect();
+        loop {
+            let pids: Vec<i32> = files
+                .iter()
+                .filter_map(|f| std::fs::read_to_string(f).ok()?.trim().parse().ok())
+                .collect();
+            if pids.len() == nproc {
+                return pids;
+            }
+            self.check(deadline, &format!("the workers of launcher {tag} did not start"));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until launcher `tag` relayed `count` lines containing `text`.
+    fn wait_for_lines(&self, tag: &str, text: &str, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.output(tag).matches(text).count() < count {
+            self.check(deadline, &format!("launcher {tag} never printed {count} x {text:?}"));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for launcher `tag` to exit, up to `secs` from now.
+    fn finish(&mut self, tag: &str, secs: u64) -> ExitStatus {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(status) = self.child(tag).try_wait().expect("poll child") {
+                return status;
+            }
+            self.check(deadline, &format!("launcher {tag} did not finish within {secs}s"));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn signal(&mut self, tag: &str, signal: i32) {
+        // SAFETY: kill only sends a signal.
+        unsafe { libc::kill(self.child(tag).id() as i32, signal) };
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        self.stop_all();
+        for (_, child) in &mut self.launchers {
+            let _ = child.wait();
+        }
+    }
+}
+
+fn write_script(path: &Path, body: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, body).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn alive(pid: i32) -> bool {
+    // A zombie has exited; only its entry waits for a reaper.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+}
+
+/// The worker.sh lines a launcher relayed, as `KEY=value` maps.
+fn env_lines(output: &str) -> Vec<BTreeMap<String, String>> {
+    output
+        .lines()
+        .filter_map(|l| l.split_once("]: node="))
+        .map(|(_, rest)| {
+            format!("node={rest}")
+                .split(' ')
+                .filter_map(|f| f.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        })
+        .collect()
+}
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Three nodes; one that does not serve the store is SIGKILLed (its workers
+/// die with it). The two others' workers fail, and the launchers restart
+/// them as a group of two with dense node ranks in their old order.
+#[test]
+fn a_node_that_leaves_is_dropped_and_the_others_go_on_with_dense_ranks() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let flags = [
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--rdzv-conf",
+        "join_timeout=20,last_call_timeout=2",
+    ];
+    job.start("a", &flags, &[], 2);
+    job.wait_for_store();
+    job.start("b", &flags, &[], 2);
+    job.start("c", &flags, &[], 2);
+    let leaving = job.worker_pids("c", 1);
+    // Past the workers' own rendezvous: a node lost there would leave the
+    // others waiting for it until their init timeout.
+    for tag in ["a", "b", "c"] {
+        job.wait_for_lines(tag, "event=running", 1);
+    }
+
+    job.child("c").kill().unwrap();
+    job.child("c").wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while leaving.iter().any(|&p| alive(p)) {
+        job.check(deadline, "the SIGKILLed launcher's workers outlived it");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let (a, b) = (job.finish("a", 40), job.finish("b", 20));
+    let all = job.all_output();
+    assert!(a.success() && b.success(), "{all}");
+    let first_rank = |tag: &str| -> usize {
+        let lines = env_lines(&job.stdout(tag));
+        lines
+            .iter()
+            .find(|l| l["GROUP_WORLD_SIZE"] == "3")
+            .unwrap_or_else(|| panic!("{all}"))["GROUP_RANK"]
+            .parse()
+            .unwrap()
+    };
+    let mut last = Vec::new();
+    for tag in ["a", "b"] {
+        let lines = env_lines(&job.stdout(tag));
+        let line = lines.last().unwrap_or_else(|| panic!("{all}")).clone();
+        assert_eq!(line["GROUP_WORLD_SIZE"], "2", "{all}");
+        assert_eq!(line["WORLD_SIZE"], "2", "{all}");
+        assert_eq!(line["RESTART"], "1", "the failure counts as a restart\n{all}");
+        assert_eq!(line["GROUP_RANK"], line["RANK"], "{all}");
+        assert!(job.output(tag).contains("world=2 event=done iterations=50"), "{all}");
+        last.push(line["GROUP_RANK"].parse::<usize>().unwrap());
+    }
+    let mut ranks = last.clone();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1], "dense node ranks\n{all}");
+    assert_eq!(
+        last[0] < last[1],
+        first_rank("a") < first_rank("b"),
+        "the survivors keep their order\n{all}"
+    );
+}
+
+/// Two nodes run; a third launcher starts: the running ones restart their
+/// workers to admit it, and the job finishes with three nodes. The
+/// membership restart uses none of `--max-restarts 0`.
+#[test]
+fn a_late_node_is_admitted_by_restarting_the_workers_for_free() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let flags = [
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        "join_timeout=20,last_call_timeout=1",
+    ];
+    job.start("a", &flags, &[], 3);
+    job.wait_for_store();
+    job.start("b", &flags, &[], 3);
+    job.worker_pids("a", 2);
+    job.worker_pids("b", 2);
+    job.start("c", &flags, &[], 3);
+
+    let statuses = [job.finish("c", 40), job.finish("a", 20), job.finish("b", 20)];
+    let all = job.all_output();
+    assert!(statuses.iter().all(ExitStatus::success), "{statuses:?}\n{all}");
+    assert!(
+        all.contains("waits to join; restarting the workers to admit it"),
+        "{all}"
+    );
+    let mut ranks = Vec::new();
+    let mut nodes = Vec::new();
+    for tag in ["a", "b", "c"] {
+        let lines = env_lines(&job.stdout(tag));
+        let last: Vec<_> = lines.iter().filter(|l| l["GROUP_WORLD_SIZE"] == "3").collect();
+        assert_eq!(last.len(), 2, "launcher {tag}: two workers in the 3-node round\n{all}");
+        for line in last {
+            assert_eq!(line["WORLD_SIZE"], "6", "{all}");
+            // The workers were restarted once (a new round), though not for a failure.
+            assert_eq!(line["RESTART"], "1", "{all}");
+            ranks.push(line["RANK"].parse::<usize>().unwrap());
+            nodes.push((tag, line["GROUP_RANK"].clone()));
+        }
+        assert_eq!(
+            job.output(tag).matches("world=6 event=done iterations=50").count(),
+            2,
+            "{all}"
+        );
+    }
+    ranks.sort();
+    assert_eq!(ranks, (0..6).collect::<Vec<_>>(), "{all}");
+    assert!(
+        nodes.contains(&("c", "2".to_string())),
+        "the newcomer ranks last\n{all}"
+    );
+}
+
+/// A launcher arriving while the job runs with its most nodes waits for a
+/// place, then gives up after its join timeout with a clear error; the
+/// running nodes are left alone.
+#[test]
+fn a_node_past_max_waits_then_gives_up_with_a_clear_error() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let sleeper = [
+        "sh",
+        "-c",
+        r#"echo "node=$NODE_TAG GROUP_WORLD_SIZE=$GROUP_WORLD_SIZE"; echo $$ > "$OUT/$NODE_TAG.0.pid"; exec sleep 600"#,
+    ];
+    let flags = ["--nnodes", "1:2", "--rdzv-conf", "join_timeout=20,last_call_timeout=5"];
+    job.start("a", &flags, &sleeper, 0);
+    job.wait_for_store();
+    job.start("b", &flags, &sleeper, 0);
+    job.worker_pids("a", 1);
+    job.worker_pids("b", 1);
+    job.start("c", &["--nnodes", "1:2", "--rdzv-conf", "join_timeout=2"], &sleeper, 0);
+
+    let c = job.finish("c", 20);
+    let all = job.all_output();
+    assert_eq!(c.code(), Some(1), "{all}");
+    assert!(
+        job.output("c")
+            .contains("the job runs with its maximum of 2 nodes (--nnodes); this launcher waited 2s for a place"),
+        "{all}"
+    );
+    assert!(!all.contains("waits to join"), "the full job did not restart\n{all}");
+    // Both at once: a launcher that outlives the one serving the store
+    // would fail, having lost it.
+    for tag in ["b", "a"] {
+        job.signal(tag, libc::SIGTERM);
+    }
+    let codes = [job.finish("a", 15).code(), job.finish("b", 15).code()];
+    let all = job.all_output();
+    assert_eq!(codes, [Some(128 + libc::SIGTERM); 2], "{all}");
+    for tag in ["a", "b"] {
+        assert_eq!(env_lines(&job.stdout(tag)).len(), 1, "one round only\n{all}");
+    }
+}
