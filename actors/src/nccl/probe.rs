@@ -41,8 +41,9 @@ pub const REQUIRED_SYMBOLS: [&str; 12] = [
 
 const CUDA_HINT: &str = "install the NVIDIA driver, and put the directory holding libcuda.so.1 on LD_LIBRARY_PATH \
      (in containers often /usr/local/nvidia/lib64 or /usr/lib/x86_64-linux-gnu)";
-const NCCL_HINT: &str = "install NCCL: `pip install nvidia-nccl-cu12` puts libnccl.so.2 in \
-     site-packages/nvidia/nccl/lib (add that directory to LD_LIBRARY_PATH), or install the libnccl2 package";
+const NCCL_HINT: &str = "install NCCL (`pip install nvidia-nccl-cu12` puts libnccl.so.2 in \
+     site-packages/nvidia/nccl/lib; or the libnccl2 package) and put a libnccl.so linked to its libnccl.so.2 in a \
+     directory on LD_LIBRARY_PATH (the loader looks for libnccl.so, not .so.2; scripts/gpu-check.sh makes the link)";
 
 /// An NCCL version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

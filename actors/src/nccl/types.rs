@@ -341,7 +341,7 @@ impl NcclOp {
         if let Some(op) = self.reduce_op() {
             nccl_red_op(op)?;
         }
-        if self.kind.rooted() && !self.root.is_some_and(|r| r < world) {
+        if self.kind.rooted() && self.root.is_none_or(|r| r >= world) {
             return Err(NcclError::BadRoot {
                 kind: self.kind,
                 root: self.root,
