@@ -406,3 +406,36 @@ fn a_node_past_max_waits_then_gives_up_with_a_clear_error() {
         assert_eq!(env_lines(&job.stdout(tag)).len(), 1, "one round only\n{all}");
     }
 }
+
+/// The launcher serving the store cannot leave: the others end with an
+/// error that says so (as torchrun's agents do when the c10d store's host
+/// is gone).
+#[test]
+fn losing_the_store_host_ends_the_job_with_a_clear_error() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let flags = [
+        "--nnodes",
+        "1:2",
+        "--max-restarts",
+        "1",
+        "--rdzv-conf",
+        "join_timeout=20,last_call_timeout=5",
+    ];
+    job.start("a", &flags, &[], 1);
+    job.wait_for_store();
+    job.start("b", &flags, &[], 1);
+    for tag in ["a", "b"] {
+        job.wait_for_lines(tag, "event=running", 1);
+    }
+    job.child("a").kill().unwrap();
+    job.child("a").wait().unwrap();
+    let b = job.finish("b", 20);
+    let all = job.all_output();
+    assert_eq!(b.code(), Some(1), "{all}");
+    assert!(
+        job.output("b")
+            .contains("the launcher serving it has left, and the job cannot go on without it"),
+        "{all}"
+    );
+}
