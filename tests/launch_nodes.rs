@@ -439,3 +439,41 @@ fn losing_the_store_host_ends_the_job_with_a_clear_error() {
         "{all}"
     );
 }
+
+/// A launcher that hangs (SIGSTOP: alive, and its workers not failing) is
+/// noticed by its keep-alive standing still; the others end the round
+/// naming it and go on without it.
+#[test]
+fn a_hung_launcher_is_noticed_by_its_keep_alive() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let flags = [
+        "--nnodes",
+        "2:3",
+        "--max-restarts",
+        "1",
+        "--rdzv-conf",
+        "join_timeout=20,last_call_timeout=2,keep_alive_interval=0.5,keep_alive_max_attempt=2",
+    ];
+    job.start("a", &flags, &[], 2);
+    job.wait_for_store();
+    job.start("b", &flags, &[], 2);
+    job.start("c", &flags, &[], 2);
+    for tag in ["a", "b", "c"] {
+        job.wait_for_lines(tag, "event=running", 1);
+    }
+    job.signal("c", libc::SIGSTOP);
+    let b = job.finish("b", 30);
+    // The hung launcher still holds a connection the store's host would wait for.
+    job.signal("c", libc::SIGKILL);
+    let a = job.finish("a", 15);
+    let all = job.all_output();
+    assert!(a.success() && b.success(), "{all}");
+    assert!(all.contains("sent no keep-alive for 1s; taking it for hung"), "{all}");
+    for tag in ["a", "b"] {
+        let lines = env_lines(&job.stdout(tag));
+        let last = lines.last().unwrap_or_else(|| panic!("{all}"));
+        assert_eq!(last["GROUP_WORLD_SIZE"], "2", "{all}");
+        assert!(job.stdout(tag).contains("world=2 event=done iterations=50"), "{all}");
+    }
+}

@@ -166,6 +166,10 @@ pub struct LaunchConfig {
     /// How long, once `min_nodes` are in, to wait for more
     /// (`--rdzv-conf last_call_timeout=S`, default 30 s).
     pub last_call_timeout: Duration,
+    /// How long another launcher's keep-alive may stand still before it is
+    /// taken for hung (`--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`,
+    /// their product, torchrun's default 5 s x 3).
+    pub keep_alive_timeout: Duration,
     /// Restarts allowed after failures, for the whole job: group restarts,
     /// or worker relaunches with [`RestartPolicy::Worker`].
     pub max_restarts: u64,
@@ -224,7 +228,10 @@ is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
   --rdzv-backend static|c10d       who serves the store (default static)
   --rdzv-endpoint HOST[:PORT]      store address (port default 29400)
   --rdzv-id ID                     run id (TORCHELASTIC_RUN_ID)
-  --rdzv-conf join_timeout=S,last_call_timeout=S
+  --rdzv-conf join_timeout=S,last_call_timeout=S,keep_alive_interval=S,keep_alive_max_attempt=N
+                                   waits for nodes (600, 30 s); a launcher whose
+                                   keep-alive stands still for interval x attempts
+                                   (5 s x 3) is taken for hung
   --max-restarts N                 restarts after failures, per job (default 0)
   --restart-policy all|worker      restart the whole group (default, as torchrun)
                                    or relaunch only the failed worker, which
@@ -476,11 +483,23 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
 
     let mut join_timeout = Duration::from_secs(600);
     let mut last_call_timeout = Duration::from_secs(30);
+    let mut keep_alive_interval = Duration::from_secs(5);
+    let mut keep_alive_max_attempt = 3u32;
     if let Some((spelled, value)) = given.get("rdzv-conf") {
         for pair in value.split(',').filter(|p| !p.trim().is_empty()) {
-            let hint = "give join_timeout=SECONDS and/or last_call_timeout=SECONDS, comma separated";
-            let (key, seconds) = pair.split_once('=').ok_or_else(|| invalid(&spelled, &value, hint))?;
-            let seconds = seconds
+            let hint = "give join_timeout, last_call_timeout, keep_alive_interval (seconds) and/or \
+                        keep_alive_max_attempt (a count) as KEY=VALUE, comma separated";
+            let (key, number) = pair.split_once('=').ok_or_else(|| invalid(&spelled, &value, hint))?;
+            if key.trim() == "keep_alive_max_attempt" {
+                keep_alive_max_attempt = number
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| invalid(&spelled, &value, hint))?;
+                continue;
+            }
+            let seconds = number
                 .trim()
                 .parse::<f64>()
                 .ok()
@@ -489,6 +508,7 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
             match key.trim() {
                 "join_timeout" => join_timeout = seconds,
                 "last_call_timeout" => last_call_timeout = seconds,
+                "keep_alive_interval" => keep_alive_interval = seconds,
                 _ => return Err(invalid(&spelled, &value, hint)),
             }
         }
@@ -580,6 +600,7 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         standalone,
         join_timeout,
         last_call_timeout,
+        keep_alive_timeout: keep_alive_interval * keep_alive_max_attempt,
         max_restarts: given
             .number("max-restarts", "give a number of restarts, 0 or more")?
             .unwrap_or(0),
@@ -793,6 +814,33 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("single-node"), "{error}");
+    }
+
+    #[test]
+    fn rdzv_conf_timeouts() {
+        let c = config("p", &[]);
+        assert_eq!(
+            (c.join_timeout, c.last_call_timeout, c.keep_alive_timeout),
+            (
+                Duration::from_secs(600),
+                Duration::from_secs(30),
+                Duration::from_secs(15)
+            )
+        );
+        let c = config(
+            "--rdzv-conf join_timeout=5,last_call_timeout=0.5,keep_alive_interval=0.25,keep_alive_max_attempt=4 p",
+            &[],
+        );
+        assert_eq!(
+            (c.join_timeout, c.last_call_timeout, c.keep_alive_timeout),
+            (
+                Duration::from_secs(5),
+                Duration::from_millis(500),
+                Duration::from_secs(1)
+            )
+        );
+        assert!(parse_with("--rdzv-conf keep_alive_max_attempt=0 p", &[]).is_err());
+        assert!(parse_with("--rdzv-conf close_timeout=1 p", &[]).is_err());
     }
 
     #[test]

@@ -4,18 +4,20 @@
 //! The launcher of a job serves the job's store at `MASTER_ADDR:MASTER_PORT`
 //! and tells the workers so (`TORCHELASTIC_USE_AGENT_STORE=True`): rank 0
 //! connects to it instead of serving its own, and the store outlives any
-//! worker. With several nodes the launchers meet on that store, agree on the
-//! node count, node ranks and `--nproc-per-node`, and restart together: a
-//! failure anywhere advances the store's attempt counter, which every
-//! launcher watches.
+//! worker. With several nodes the launchers meet on that store in rounds,
+//! agree on each round's nodes, dense node ranks and `--nproc-per-node`, and
+//! restart together: a failure anywhere, a hung launcher, or a launcher
+//! waiting to join (`--nnodes MIN:MAX`) advances the store's round counter,
+//! which every launcher watches (see `nodes` for the rules and keys).
 //!
 //! # Layout
 //! - `config`: sans-IO; flags and `PET_*` variables into a [`LaunchConfig`],
 //!   and where the store is served ([`config::StorePlan`]).
 //! - `env`: sans-IO; the environment of each worker ([`env::JobEnv`]).
-//! - `plan`: sans-IO; restart policy, when the node group is formed, exit codes.
-//! - `nodes`: serving or reaching the store; the launchers' rendezvous,
-//!   attempt counter and shared secret on it.
+//! - `plan`: sans-IO; restart policy, when a round's group is formed and how
+//!   its nodes rank, when to admit a waiting node, keep-alives, exit codes.
+//! - `nodes`: serving or reaching the store; the launchers' rounds, their
+//!   key layout and shared secret on it.
 //! - `workers`: the worker processes of one attempt and their output.
 //!
 //! # Restart policies
@@ -340,6 +342,8 @@ enum Outcome {
     Moved,
     /// This launcher waits to join, and the group has room for it.
     Waiting(String),
+    /// This member's keep-alive stood still: it is taken for hung.
+    Stalled(String),
     /// The launcher got this signal.
     Signaled(i32),
     /// The store is out of reach.
@@ -565,14 +569,16 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             },
             Outcome::Failed(ended) => {
                 let tail = workers.tail(ended.rank).await;
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 let what = format!(
                     "rank {} (local rank {} on node {}, pid {}) {} in attempt {round}",
                     ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit
                 );
-                report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
-                let ours = RoundEnd::Failure(what);
+                // End the round before stopping: the others stop at once, and
+                // none takes this node for hung while its workers wind down.
+                let ours = RoundEnd::Failure(what.clone());
                 let won = nodes::end_round(store, &job.keys, round, &ours).await?;
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
                 if won != ours {
                     won
                 } else {
@@ -603,6 +609,16 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             Outcome::Waiting(id) => {
                 // Tell the other nodes first, so every group stops at once.
                 let why = RoundEnd::Membership(format!("node {id} waits to join"));
+                let won = nodes::end_round(store, &job.keys, round, &why).await?;
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                won
+            }
+            Outcome::Stalled(id) => {
+                let rank = formed.members.iter().position(|m| *m == id).unwrap_or(0);
+                let why = RoundEnd::Failure(format!(
+                    "node {rank} (launcher {id}) sent no keep-alive for {:?}; taking it for hung",
+                    config.keep_alive_timeout
+                ));
                 let won = nodes::end_round(store, &job.keys, round, &why).await?;
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 won
@@ -697,6 +713,7 @@ async fn supervise(workers: &mut Workers, job: &Job, formed: &nodes::Formed, sig
     // Only other launchers end a round from outside; one node has nothing to watch.
     let watch = job.config.max_nodes > 1;
     let mut poll = tokio::time::interval(job.config.monitor_interval.max(Duration::from_millis(10)));
+    let mut alive = plan::KeepAlives::default();
     loop {
         tokio::select! {
             ended = workers.next_exit() => match ended {
@@ -705,7 +722,7 @@ async fn supervise(workers: &mut Workers, job: &Job, formed: &nodes::Formed, sig
                 Some(_) => {}
             },
             signo = signals.recv() => return Outcome::Signaled(signo),
-            _ = poll.tick(), if watch => match watch_round(job, formed).await {
+            _ = poll.tick(), if watch => match watch_round(job, formed, &mut alive).await {
                 Ok(Some(outcome)) => return outcome,
                 Ok(None) => {}
                 Err(error) => return Outcome::StoreLost(error),
@@ -715,10 +732,22 @@ async fn supervise(workers: &mut Workers, job: &Job, formed: &nodes::Formed, sig
 }
 
 /// One look at the store while this node's workers run.
-async fn watch_round(job: &Job, formed: &nodes::Formed) -> Result<Option<Outcome>, StoreError> {
+async fn watch_round(
+    job: &Job,
+    formed: &nodes::Formed,
+    alive: &mut plan::KeepAlives,
+) -> Result<Option<Outcome>, StoreError> {
     let store = job.store.store.as_ref();
+    nodes::keep_alive(store, &job.keys, &job.launcher_id).await?;
     if nodes::current_attempt(store, &job.keys).await? > formed.round {
         return Ok(Some(Outcome::Moved));
+    }
+    for id in formed.members.iter().filter(|m| **m != job.launcher_id) {
+        let count = nodes::keep_alive_count(store, &job.keys, id).await?;
+        alive.observe(id, count, std::time::Instant::now());
+    }
+    if let Some(id) = alive.stalled(std::time::Instant::now(), job.config.keep_alive_timeout) {
+        return Ok(Some(Outcome::Stalled(id.to_string())));
     }
     if formed.nnodes >= job.config.max_nodes {
         return Ok(None);
@@ -751,6 +780,8 @@ async fn wait_for_nodes(job: &Job, formed: &nodes::Formed, signals: &mut Signals
             _ = poll.tick() => {}
             signo = signals.recv() => return Ok(AllDone::Signaled(signo)),
         }
+        // Nodes still running must not take this one for hung.
+        nodes::keep_alive(store, &job.keys, &job.launcher_id).await?;
         if nodes::current_attempt(store, &job.keys).await? > formed.round {
             return Ok(AllDone::Moved);
         }

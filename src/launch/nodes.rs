@@ -24,6 +24,9 @@
 //! - `a<n>/end`: why round n ended, first writer wins: `failure <what>`
 //!   (counts against `--max-restarts`) or `membership <what>` (does not).
 //! - `a<n>/done`: how many nodes' workers all succeeded in round n.
+//! - `alive/<launcher id>`: a counter each launcher bumps every monitor
+//!   interval while its round runs; a member whose counter stands still for
+//!   the keep-alive timeout is taken for hung, and its round ends.
 //!
 //! # Rounds
 //! 1. A launcher joins the current round (appends itself) unless it is
@@ -34,6 +37,7 @@
 //!    with min or more once every node of round n-1 is back or after the
 //!    last call; node ranks are dense ([`plan::members`]).
 //! 4. A running launcher advances the round when one of its workers fails,
+//!    when another member's keep-alive stands still ([`plan::KeepAlives`]),
 //!    or when a launcher waits in the next round and the group has room and
 //!    no node has finished ([`plan::admit_waiting`]).
 //! 5. `restarts` of round n+1 is round n's, plus one when round n ended by
@@ -138,8 +142,10 @@ pub struct Formed {
     pub node_rank: usize,
     /// Nodes in the round.
     pub nnodes: usize,
-    /// Restarts after failures before this round (`TORCHELASTIC_RESTART_COUNT`).
+    /// Restarts after failures before this round (what `--max-restarts` counts).
     pub restarts: u64,
+    /// The launchers of the round, in node rank order.
+    pub members: Vec<String>,
 }
 
 /// What a launcher brings to a round's rendezvous.
@@ -355,6 +361,7 @@ pub async fn join(store: &dyn Store, keys: &Keys, round: &mut u64, me: &Joining<
                         node_rank,
                         nnodes: members.len(),
                         restarts,
+                        members: members.into_iter().map(|m| m.id).collect(),
                     });
                 }
                 *round += 1;
@@ -535,6 +542,17 @@ pub async fn withdraw(store: &dyn Store, keys: &Keys, round: u64, id: &str) -> R
     Ok(())
 }
 
+/// Bumps this launcher's keep-alive counter.
+pub async fn keep_alive(store: &dyn Store, keys: &Keys, id: &str) -> Result<(), StoreError> {
+    store.add(&keys.key(&format!("alive/{id}")), 1).await?;
+    Ok(())
+}
+
+/// Launcher `id`'s keep-alive counter.
+pub async fn keep_alive_count(store: &dyn Store, keys: &Keys, id: &str) -> Result<i64, StoreError> {
+    store.add(&keys.key(&format!("alive/{id}")), 0).await
+}
+
 /// Marks this node's workers done in `round`; returns how many nodes are.
 pub async fn mark_done(store: &dyn Store, keys: &Keys, round: u64) -> Result<usize, StoreError> {
     Ok(store.add(&keys.round_key(round, "done"), 1).await? as usize)
@@ -615,6 +633,7 @@ mod tests {
         let (x, y) = tokio::join!(join_from(&store, 0, &a), join_from(&store, 0, &b));
         let (x, y) = (x.unwrap(), y.unwrap());
         assert_eq!((x.nnodes, y.nnodes, x.round, x.restarts), (2, 2, 0, 0));
+        assert_eq!(x.members, y.members);
         let mut ranks = [x.node_rank, y.node_rank];
         ranks.sort();
         assert_eq!(ranks, [0, 1]);

@@ -4,7 +4,7 @@
 //! what the launcher exits with.
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How a worker process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,6 +177,33 @@ pub fn admit_waiting(nnodes: usize, max: usize, nodes_done: usize, waiting: bool
     waiting && nnodes < max && nodes_done == 0
 }
 
+/// The keep-alive counters of the other launchers of a round, as last
+/// seen, and when each last moved: a launcher whose counter stands still
+/// for the keep-alive timeout is taken for hung.
+#[derive(Debug, Default)]
+pub struct KeepAlives {
+    seen: Vec<(String, i64, Instant)>,
+}
+
+impl KeepAlives {
+    /// Records that `id`'s counter reads `count` at `now`.
+    pub fn observe(&mut self, id: &str, count: i64, now: Instant) {
+        match self.seen.iter_mut().find(|(seen, _, _)| seen == id) {
+            Some((_, last, moved)) if *last != count => (*last, *moved) = (count, now),
+            Some(_) => {}
+            None => self.seen.push((id.to_string(), count, now)),
+        }
+    }
+
+    /// The first launcher whose counter has not moved for `timeout` at `now`.
+    pub fn stalled(&self, now: Instant, timeout: Duration) -> Option<&str> {
+        self.seen
+            .iter()
+            .find(|(_, _, moved)| now.saturating_duration_since(*moved) >= timeout)
+            .map(|(id, _, _)| id.as_str())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -260,6 +287,23 @@ mod tests {
         let previous = ["x".to_string()];
         let arrivals = [arrival("n", None), arrival("x", None), arrival("y", Some(1))];
         assert_eq!(ids(&members(&arrivals, &previous, 3)), ["x", "y", "n"]);
+    }
+
+    #[test]
+    fn a_launcher_whose_keep_alive_stands_still_is_taken_for_hung() {
+        let start = Instant::now();
+        let timeout = Duration::from_secs(15);
+        let at = |s: u64| start + Duration::from_secs(s);
+        let mut alive = KeepAlives::default();
+        alive.observe("a", 0, at(0));
+        alive.observe("b", 7, at(0));
+        alive.observe("a", 1, at(10));
+        assert_eq!(alive.stalled(at(14), timeout), None);
+        assert_eq!(alive.stalled(at(15), timeout), Some("b"));
+        alive.observe("b", 8, at(16));
+        alive.observe("b", 8, at(20));
+        assert_eq!(alive.stalled(at(24), timeout), None, "b moved at 16");
+        assert_eq!(alive.stalled(at(25), timeout), Some("a"));
     }
 
     #[test]
