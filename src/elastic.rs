@@ -31,14 +31,18 @@
 //! - SV-10: ranks of a new generation are dense and stable: survivors keep
 //!   their relative order by old rank, joiners follow in arrival order.
 //! - SV-11: a generation closes when `max_world` joined, or when at least
-//!   `min_world` joined and the last-call window passed; fewer than
-//!   `min_world` within the timeout is an error naming who came; an
-//!   arrival after the close waits for the next generation.
+//!   `min_world` joined and every rank of the previous generation joined or
+//!   was seen to fail by one who did, or when at least `min_world` joined
+//!   and the last-call window passed; fewer than `min_world` within the
+//!   timeout is an error naming who came; an arrival after the close waits
+//!   for the next generation.
 //! - SV-12: at most `max_restarts` restarts per window; the failure past the
 //!   budget (or a restart that cannot form) ends the process with a message
 //!   naming every failure seen (generation, rank, reason, failed ranks).
 //! - SV-13: a process waiting to join generation g+1 restarts a healthy
-//!   group that has fewer than `max_world` ranks, so it is admitted.
+//!   group that has fewer than `max_world` ranks, so it is admitted; that
+//!   restart is a membership change and does not count against SV-12's
+//!   budget (as torchrun's agents do not count one).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -197,12 +201,17 @@ struct Base {
 
 impl Base {
     /// Joins generation `generation` (or a later one, when late), then forms it.
-    async fn form(&self, mut generation: u64, old_rank: Option<usize>) -> Result<ProcessGroup, RestartError> {
+    /// A survivor brings its place in the generation it leaves.
+    async fn form(&self, mut generation: u64, survivor: Option<&Survivor>) -> Result<ProcessGroup, RestartError> {
+        let old_rank = survivor.map(|s| s.old_rank);
         let me = Joiner {
             old_rank: old_rank.map(|r| r as u32),
+            previous_world: survivor.map(|s| s.world_size as u32),
+            failed: survivor.map_or_else(Vec::new, |s| s.failed.iter().map(|&r| r as u32).collect()),
             ..self.me.clone()
         };
         loop {
+            let started = Instant::now();
             let elastic = ElasticConfig {
                 run_id: self.config.run_id.clone(),
                 generation,
@@ -220,6 +229,7 @@ impl Base {
                 }
                 Err(other) => return Err(other.into()),
             };
+            let admitted = started.elapsed();
             let initial = generation == self.config.generation && Some(admission.rank) == old_rank;
             let config = RendezvousConfig {
                 rank: admission.rank,
@@ -251,9 +261,27 @@ impl Base {
             )
             .await?;
             elastic_rdzv::publish_latest(&self.store, &self.config.run_id, generation).await?;
+            tracing::info!(
+                generation,
+                rank = admission.rank,
+                world_size = admission.world_size(),
+                rendezvous_ms = admitted.as_secs_f64() * 1e3,
+                connect_ms = (started.elapsed() - admitted).as_secs_f64() * 1e3,
+                "generation formed"
+            );
             return Ok(group);
         }
     }
+}
+
+/// A survivor's place in the generation it leaves, for the elastic
+/// rendezvous of the next one.
+#[derive(Debug, Clone)]
+struct Survivor {
+    old_rank: usize,
+    world_size: usize,
+    /// Ranks it saw fail, so the survivors need not wait for them.
+    failed: Vec<usize>,
 }
 
 /// What the handle and its supervisor share.
@@ -352,6 +380,8 @@ impl ElasticGroup {
             store: opened.store.clone(),
             me: Joiner {
                 old_rank: None,
+                previous_world: None,
+                failed: Vec::new(),
                 hostname: rendezvous::HostId::local().hostname,
                 pid: std::process::id(),
                 nonce: next_nonce(),
@@ -364,7 +394,14 @@ impl ElasticGroup {
         let group = match elastic_rdzv::latest(&base.store, &base.config.run_id).await? {
             // The job runs: join its next generation as a new member.
             Some(latest) => base.form(latest + 1, None).await?,
-            None => base.form(base.config.generation, Some(base.config.rank)).await?,
+            None => {
+                let first = Survivor {
+                    old_rank: base.config.rank,
+                    world_size: base.config.world_size,
+                    failed: Vec::new(),
+                };
+                base.form(base.config.generation, Some(&first)).await?
+            }
         };
         let shared = Arc::new(Shared {
             current: watch::Sender::new(Arc::new(group)),
@@ -469,29 +506,30 @@ fn next_nonce() -> u64 {
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Aborts `group` once a process waits to join the next generation and
-/// there is room (SV-13); never returns otherwise.
-async fn watch_joiners(group: &ProcessGroup, base: &Base) {
-    let next = ElasticConfig {
+/// The elastic rendezvous of `generation`.
+fn next_config(base: &Base, generation: u64) -> ElasticConfig {
+    ElasticConfig {
         run_id: base.config.run_id.clone(),
-        generation: group.generation() + 1,
+        generation,
         min_world: base.min_world,
         max_world: base.max_world,
         last_call: base.options.last_call,
         timeout: base.options.timeout,
         poll: RENDEZVOUS_POLL,
-    };
+    }
+}
+
+/// Returns how many processes wait to join the next generation, once some
+/// do and there is room for them (SV-13).
+async fn watch_joiners(group: &ProcessGroup, base: &Base) -> usize {
+    let next = next_config(base, group.generation() + 1);
     loop {
         tokio::time::sleep(JOINER_POLL).await;
         if group.world_size() >= base.max_world {
             continue;
         }
-        if let Ok(waiting @ 1..) = elastic_rdzv::waiting(base.store.clone(), &next).await {
-            group.abort(format!(
-                "{waiting} process(es) wait to join generation {}",
-                next.generation
-            ));
-            std::future::pending::<()>().await;
+        if let Ok(waiting @ 1..) = elastic_rdzv::newcomers(base.store.clone(), &next).await {
+            return waiting;
         }
     }
 }
@@ -510,26 +548,55 @@ async fn supervise(
     loop {
         let group = shared.current.borrow().clone();
         let mut failures = group.failures();
+        let (old_generation, old_rank) = (group.generation(), group.rank());
+        let mut survivor = Survivor {
+            old_rank,
+            world_size: group.world_size(),
+            failed: Vec::new(),
+        };
         let aborted = tokio::select! {
             seen = failures.wait_for(Option::is_some) => match seen {
-                Ok(aborted) => aborted.clone().expect("waited for Some"),
+                Ok(aborted) => Some(aborted.clone().expect("waited for Some")),
                 // The group's supervision is gone: nothing left to restart.
                 Err(_) => return,
             },
-            () = watch_joiners(&group, &base) => unreachable!("watch_joiners never returns"),
+            waiting = watch_joiners(&group, &base) => {
+                let why = format!("{waiting} process(es) wait to join generation {}", old_generation + 1);
+                group.abort(why.clone());
+                group.tear_down(&why);
+                tracing::info!(generation = old_generation, rank = old_rank, "{why}; restarting to admit them");
+                None
+            }
         };
-        let (old_generation, old_rank) = (group.generation(), group.rank());
-        group.tear_down(&aborted.to_string());
-        drop(group);
-        if let Err(error) = budget.admit(aborted, Instant::now()) {
-            return give_up(error);
+        if let Some(aborted) = aborted {
+            group.tear_down(&aborted.to_string());
+            survivor.failed = aborted.failed_ranks.clone();
+            // Another rank may have aborted to admit a newcomer (SV-13):
+            // this rank then sees that rank's links close.
+            let admitting = group.world_size() < base.max_world
+                && matches!(
+                    elastic_rdzv::newcomers(base.store.clone(), &next_config(&base, old_generation + 1)).await,
+                    Ok(1..)
+                );
+            if admitting {
+                tracing::info!(
+                    generation = old_generation,
+                    rank = old_rank,
+                    "{aborted}; processes wait to join: restarting to admit them"
+                );
+            } else {
+                if let Err(error) = budget.admit(aborted, Instant::now()) {
+                    return give_up(error);
+                }
+                tracing::warn!(
+                    generation = old_generation,
+                    rank = old_rank,
+                    "restarting the group into the next generation"
+                );
+            }
         }
-        tracing::warn!(
-            generation = old_generation,
-            rank = old_rank,
-            "restarting the group into the next generation"
-        );
-        match base.form(old_generation + 1, Some(old_rank)).await {
+        drop(group);
+        match base.form(old_generation + 1, Some(&survivor)).await {
             Ok(next) => {
                 let change = MembershipChange {
                     generation: next.generation(),

@@ -145,6 +145,33 @@ struct BenchCommand {
 
 #[derive(Subcommand)]
 enum BenchSubcommand {
+    /// Recovery time of an elastic group: SIGKILL a random rank, time until the survivors' next collective.
+    Recovery {
+        /// Ranks per trial (one is killed; the survivors form the next generation).
+        #[arg(long, default_value_t = 4)]
+        world: usize,
+        /// How many trials.
+        #[arg(long, default_value_t = 10)]
+        trials: usize,
+        /// CHORUS_TRANSPORT for the ranks (auto, quic, shm); default: auto.
+        #[arg(long)]
+        transport: Option<String>,
+        /// CHORUS_HEARTBEAT_TIMEOUT for the ranks, seconds; default: the library's.
+        #[arg(long)]
+        heartbeat_timeout: Option<u64>,
+        /// The elastic rendezvous' last-call window, milliseconds (the library's default).
+        #[arg(long, default_value_t = 1000)]
+        last_call_ms: u64,
+        /// All-reduces per rank (the kill comes after the 20th).
+        #[arg(long, default_value_t = 150)]
+        iterations: u64,
+        /// Seeds which rank is killed and when (default: random).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Print JSON lines instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Throughput and 8-byte round trip between two processes, per transport, next to raw TCP.
     Transport {
         /// Bytes per transfer.
@@ -405,6 +432,22 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
     Ok(ExitCode::SUCCESS)
 }
 
+/// A seed from the clock and the pid, for runs that name none.
+fn rand_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 32)
+}
+
+/// Microseconds since the Unix epoch: the probes' event times, comparable
+/// between processes on one host.
+fn unix_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros())
+}
+
 /// One rank of `chorus fault-probe`: all-reduces until an operation fails,
 /// then prints `event=error` (with the Unix time in ms, the error's kind and
 /// the ranks it blames) and how long the next call took to fail, and exits 3.
@@ -536,9 +579,10 @@ async fn elastic_probe(
             }
             Err(error) => {
                 println!(
-                    "probe rank={} gen={} event=error error={error}",
+                    "probe rank={} gen={} event=error at_us={} error={error}",
                     pg.rank(),
-                    pg.generation()
+                    pg.generation(),
+                    unix_us()
                 );
                 let next = group
                     .next_generation(pg.generation())
@@ -549,11 +593,13 @@ async fn elastic_probe(
                     .all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min)
                     .await?;
                 done = step.to_vec::<f64>()?[0] as u64;
+                // at_us: when the first collective of the new generation completed here.
                 println!(
-                    "probe rank={} gen={} world={} event=restarted resume={done}",
+                    "probe rank={} gen={} world={} event=restarted resume={done} at_us={}",
                     next.rank(),
                     next.generation(),
-                    next.world_size()
+                    next.world_size(),
+                    unix_us()
                 );
             }
         }
@@ -748,6 +794,37 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
 
 async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     use chorus::bench::transport::{TransportBench, run_leader, run_peer};
+    if let Some(BenchSubcommand::Recovery {
+        world,
+        trials,
+        transport,
+        heartbeat_timeout,
+        last_call_ms,
+        iterations,
+        seed,
+        json,
+    }) = command.command
+    {
+        if world < 2 || iterations <= 20 {
+            bail!("--world must be at least 2 and --iterations above 20 (the kill comes after the 20th)");
+        }
+        let bench = chorus::bench::recovery::RecoveryBench {
+            world,
+            trials,
+            transport,
+            heartbeat_timeout,
+            last_call_ms,
+            iterations,
+            seed: seed.unwrap_or_else(|| rand_seed()),
+            trial_timeout: Duration::from_secs(60),
+        };
+        let failed = chorus::bench::recovery::run(&bench, json).await?;
+        return Ok(if failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
     let Some(BenchSubcommand::Transport {
         size,
         iters,

@@ -6,8 +6,11 @@
 //!   collective over a sweep of sizes, with `--compare gloo` (PyTorch's Gloo
 //!   in the same invocation, alternating per size), `--json` and `--plot`.
 //! - [`plot`]: the `--plot` PNG (busbw against size).
+//! - [`recovery`]: `chorus bench recovery`, the time an elastic group takes
+//!   from the SIGKILL of a rank to its next successful collective.
 //! - [`transport`]: throughput and round trip per transport path, against raw TCP.
 
 pub mod collective;
 pub mod plot;
+pub mod recovery;
 pub mod transport;

@@ -6,15 +6,20 @@
 //! generation, under `.../g<generation>/peer/...`, never sees these keys):
 //! - `count`: `add(1)` by each participant; the result is its arrival index;
 //! - `joiner/<index>`: its [`Joiner`] record (old rank, host, pid, nonce);
+//! - `newcomers`: `add(1)` by each participant without an old rank, which
+//!   running groups poll to admit it (`newcomers`);
 //! - `closed`: compare-set once with the number admitted; the first writer
 //!   wins, so every participant reads the same membership.
 //!
 //! The decisions are pure functions ([`decide`], [`assign_ranks`]) fed
 //! with store reads and the time waited; [`join`] is the thin IO loop.
-//! - The generation closes as soon as `max_world` joined, or once at least
-//!   `min_world` joined and the last-call window has passed since this
-//!   participant saw `min_world` reached (whoever's window passes first
-//!   closes it, with the count it reads then).
+//! - The generation closes as soon as `max_world` joined; or as soon as at
+//!   least `min_world` joined and every member of the previous generation
+//!   is accounted for (it joined, or a participant saw it fail), so
+//!   survivors of a known failure do not wait for ranks that are gone; or
+//!   once at least `min_world` joined and the last-call window has passed
+//!   since this participant saw `min_world` reached (whoever's rule fires
+//!   first closes it, with the count it reads then).
 //! - Arrivals past the admitted count are late: [`ElasticError::Late`], and
 //!   they try the next generation.
 //! - Ranks are dense and stable: survivors keep their relative order by old
@@ -45,6 +50,10 @@ pub struct Joiner {
     pub pid: u32,
     /// Tells two participants of one process apart (ranks in one process).
     pub nonce: u64,
+    /// The world size of the generation it comes from (`None` for a new process).
+    pub previous_world: Option<u32>,
+    /// Ranks of that generation it saw fail (empty when it knows of none).
+    pub failed: Vec<u32>,
 }
 
 impl std::fmt::Display for Joiner {
@@ -136,20 +145,42 @@ pub enum Step {
     TooFew,
 }
 
-/// The closing rule. `joined`: arrivals so far; `since_min`: how long ago
-/// this participant first saw `min_world` arrivals (`None`: not yet);
-/// `waited`: time since it joined.
-pub fn decide(config: &ElasticConfig, joined: usize, since_min: Option<Duration>, waited: Duration) -> Step {
+/// The closing rule. `joined`: arrivals so far; `accounted`: whether
+/// [`accounted_for`] holds for them; `since_min`: how long ago this
+/// participant first saw `min_world` arrivals (`None`: not yet); `waited`:
+/// time since it joined.
+pub fn decide(
+    config: &ElasticConfig,
+    joined: usize,
+    accounted: bool,
+    since_min: Option<Duration>,
+    waited: Duration,
+) -> Step {
     if joined >= config.max_world {
         return Step::Close(config.max_world);
     }
-    if joined >= config.min_world && since_min.is_some_and(|d| d >= config.last_call) {
+    if joined >= config.min_world && (accounted || since_min.is_some_and(|d| d >= config.last_call)) {
         return Step::Close(joined);
     }
     if joined < config.min_world && waited >= config.timeout {
         return Step::TooFew;
     }
     Step::Wait
+}
+
+/// Whether every rank of the previous generation is accounted for among
+/// `members`: it joined, or one of them saw it fail. False when no member
+/// comes from a previous generation (there is nobody to account for, and
+/// the last call decides).
+pub fn accounted_for(members: &[Joiner]) -> bool {
+    let Some(previous_world) = members.iter().filter_map(|m| m.previous_world).max() else {
+        return false;
+    };
+    (0..previous_world).all(|rank| {
+        members
+            .iter()
+            .any(|m| m.old_rank == Some(rank) || m.failed.contains(&rank))
+    })
 }
 
 /// New dense ranks for the admitted participants, given in arrival order:
@@ -194,14 +225,16 @@ fn scoped(store: Arc<dyn Store>, config: &ElasticConfig) -> PrefixStore {
     )
 }
 
-/// How many have announced themselves for `config.generation` (a running
-/// group polls this to learn that someone waits to join).
-pub async fn waiting(store: Arc<dyn Store>, config: &ElasticConfig) -> Result<usize, StoreError> {
+/// How many new processes (no old rank: a relaunched worker, a new node)
+/// have announced themselves for `config.generation`; a running group polls
+/// this to learn that someone waits to join. Survivors of a failure that
+/// already joined do not count.
+pub async fn newcomers(store: Arc<dyn Store>, config: &ElasticConfig) -> Result<usize, StoreError> {
     let scoped = scoped(store, config);
-    if !scoped.check(&["count"]).await? {
+    if !scoped.check(&["newcomers"]).await? {
         return Ok(0);
     }
-    Ok(scoped.add("count", 0).await?.max(0) as usize)
+    Ok(scoped.add("newcomers", 0).await?.max(0) as usize)
 }
 
 /// The newest formed generation of `run_id`, if any formed through [`join`].
@@ -258,8 +291,13 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
     scoped
         .set(&format!("joiner/{arrival}"), &crate::codec::encode(&me))
         .await?;
+    if me.old_rank.is_none() {
+        scoped.add("newcomers", 1).await?;
+    }
     let started = tokio::time::Instant::now();
     let mut min_seen: Option<tokio::time::Instant> = None;
+    // Whether the arrivals counted so far account for the previous generation.
+    let mut accounted = (0, false);
     let admitted = loop {
         if scoped.check(&["closed"]).await? {
             let value = scoped.get("closed").await?;
@@ -269,7 +307,16 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
         if joined >= config.min_world && min_seen.is_none() {
             min_seen = Some(tokio::time::Instant::now());
         }
-        match decide(config, joined, min_seen.map(|t| t.elapsed()), started.elapsed()) {
+        if joined >= config.min_world && joined < config.max_world && accounted.0 != joined {
+            accounted = (joined, accounted_for(&read_members(&scoped, config, joined).await?));
+        }
+        match decide(
+            config,
+            joined,
+            accounted.1,
+            min_seen.map(|t| t.elapsed()),
+            started.elapsed(),
+        ) {
             Step::Close(n) => {
                 let agreed = scoped.compare_set("closed", b"", n.to_string().as_bytes()).await?;
                 break parse_count(&agreed, config)?;
@@ -337,6 +384,17 @@ mod tests {
             hostname: "h".into(),
             pid,
             nonce: pid as u64,
+            previous_world: None,
+            failed: Vec::new(),
+        }
+    }
+
+    /// A survivor of a generation of `world` ranks that saw `failed` fail.
+    fn survivor(old_rank: u32, world: u32, failed: &[u32]) -> Joiner {
+        Joiner {
+            previous_world: Some(world),
+            failed: failed.to_vec(),
+            ..joiner(Some(old_rank), old_rank)
         }
     }
 
@@ -344,20 +402,43 @@ mod tests {
     fn sv11_the_closing_rule() {
         let c = config(2, 4);
         let ms = Duration::from_millis;
-        assert_eq!(decide(&c, 4, None, ms(0)), Step::Close(4));
+        assert_eq!(decide(&c, 4, false, None, ms(0)), Step::Close(4));
         assert_eq!(
-            decide(&c, 5, Some(ms(0)), ms(0)),
+            decide(&c, 5, false, Some(ms(0)), ms(0)),
             Step::Close(4),
             "arrivals past max_world are late"
         );
         assert_eq!(
-            decide(&c, 3, Some(ms(100)), ms(100)),
+            decide(&c, 3, false, Some(ms(100)), ms(100)),
             Step::Wait,
             "last call still open"
         );
-        assert_eq!(decide(&c, 3, Some(ms(200)), ms(300)), Step::Close(3));
-        assert_eq!(decide(&c, 1, None, ms(1999)), Step::Wait);
-        assert_eq!(decide(&c, 1, None, ms(2000)), Step::TooFew);
+        assert_eq!(
+            decide(&c, 3, true, Some(ms(0)), ms(0)),
+            Step::Close(3),
+            "everyone accounted for: no last call"
+        );
+        assert_eq!(
+            decide(&c, 1, true, None, ms(0)),
+            Step::Wait,
+            "accounted but below min_world"
+        );
+        assert_eq!(decide(&c, 3, false, Some(ms(200)), ms(300)), Step::Close(3));
+        assert_eq!(decide(&c, 1, false, None, ms(1999)), Step::Wait);
+        assert_eq!(decide(&c, 1, false, None, ms(2000)), Step::TooFew);
+    }
+
+    #[test]
+    fn sv11_survivors_account_for_the_previous_generation() {
+        // Generation of 4, rank 2 died: the three survivors account for it.
+        let all = [survivor(0, 4, &[2]), survivor(1, 4, &[2]), survivor(3, 4, &[])];
+        assert!(accounted_for(&all));
+        // Rank 3 has not come and nobody saw it fail: wait for it.
+        assert!(!accounted_for(&all[..2]));
+        // Anyone's word suffices; a new process adds no knowledge.
+        assert!(accounted_for(&[survivor(0, 2, &[1])]));
+        assert!(!accounted_for(&[joiner(None, 9)]));
+        assert!(!accounted_for(&[]));
     }
 
     #[test]
@@ -434,6 +515,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn sv11_survivors_of_a_known_failure_close_without_the_last_call() {
+        let store = HashStore::default();
+        let mut c = config(2, 4);
+        c.last_call = Duration::from_secs(60);
+        let started = std::time::Instant::now();
+        let out = run(
+            &store,
+            &c,
+            vec![survivor(3, 4, &[1]), survivor(0, 4, &[1]), survivor(2, 4, &[])],
+        )
+        .await;
+        assert!(started.elapsed() < Duration::from_secs(5), "waited for the last call");
+        let ranks: Vec<usize> = out.into_iter().map(|a| a.unwrap().rank).collect();
+        assert_eq!(ranks, vec![2, 0, 1]);
+    }
+
+    #[tokio::test]
     async fn sv11_too_few_names_who_came() {
         let store = HashStore::default();
         let mut c = config(3, 3);
@@ -457,6 +555,6 @@ mod tests {
         assert_eq!(latest(&store, "t").await.unwrap(), None);
         publish_latest(&store, "t", 3).await.unwrap();
         assert_eq!(latest(&store, "t").await.unwrap(), Some(3));
-        assert_eq!(waiting(store, &config(1, 2)).await.unwrap(), 0);
+        assert_eq!(newcomers(store, &config(1, 2)).await.unwrap(), 0);
     }
 }

@@ -1,0 +1,515 @@
+//! `chorus bench recovery`: how long an elastic group takes to recover
+//! from the loss of a rank, from the SIGKILL to the first successful
+//! collective of the new generation, over repeated trials.
+//!
+//! Each trial starts a store that outlives every rank (served by this
+//! process) and `--world` `chorus elastic-probe` processes (an
+//! [`ElasticGroup`](crate::ElasticGroup) each, all-reducing in a loop),
+//! SIGKILLs a random rank mid-loop, and reads the survivors' event lines:
+//! `event=error at_us=` (the abort reached the application), `event=restarted
+//! at_us=` (the first collective of generation 1 completed) and `event=done`
+//! (the loop finished, every sum checked against the world size). A trial
+//! counts only if every survivor re-formed generation 1 of `world - 1`
+//! ranks and finished. Event times are wall-clock microseconds, comparable
+//! between processes of one host.
+//!
+//! The parsing and the statistics are pure ([`TrialOutcome::from_lines`],
+//! [`Summary::of`]); [`run_trial`] is the process driver.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+/// What `chorus bench recovery` does.
+#[derive(Debug, Clone)]
+pub struct RecoveryBench {
+    /// Ranks per trial (one is killed).
+    pub world: usize,
+    /// How many trials.
+    pub trials: usize,
+    /// `CHORUS_TRANSPORT` for the ranks (`None`: the default, auto).
+    pub transport: Option<String>,
+    /// `CHORUS_HEARTBEAT_TIMEOUT` for the ranks, seconds (`None`: the default).
+    pub heartbeat_timeout: Option<u64>,
+    /// The elastic rendezvous' last-call window, milliseconds.
+    pub last_call_ms: u64,
+    /// All-reduces each rank runs (the kill comes after the 20th).
+    pub iterations: u64,
+    /// Seeds the choice of the killed rank and of the moment.
+    pub seed: u64,
+    /// Limit on one trial.
+    pub trial_timeout: Duration,
+}
+
+/// Why a trial failed.
+#[derive(Debug, Error)]
+pub enum RecoveryError {
+    /// A process could not be started or signalled.
+    #[error("{0}")]
+    Setup(String),
+    /// The trial did not reach `phase` in time, or a rank misbehaved.
+    #[error("trial {trial}: {what}\n--- output ---\n{output}")]
+    Trial {
+        /// Which trial.
+        trial: usize,
+        /// What went wrong.
+        what: String,
+        /// Every line the ranks printed, prefixed by their rank.
+        output: String,
+    },
+}
+
+/// One survivor's view of a trial.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SurvivorTimes {
+    /// Its rank in generation 0.
+    pub rank: usize,
+    /// Microseconds from the kill until its operation failed.
+    pub detected_us: i64,
+    /// Microseconds from the kill until its first collective of generation 1 completed.
+    pub recovered_us: i64,
+}
+
+/// What one trial measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrialOutcome {
+    /// The killed rank.
+    pub killed: usize,
+    /// Per survivor, by rank.
+    pub survivors: Vec<SurvivorTimes>,
+}
+
+impl TrialOutcome {
+    /// Microseconds until the last survivor saw the failure.
+    pub fn detected_us(&self) -> i64 {
+        self.survivors.iter().map(|s| s.detected_us).max().unwrap_or(0)
+    }
+
+    /// Microseconds until the last survivor completed the new generation's
+    /// first collective: the trial's recovery time.
+    pub fn recovered_us(&self) -> i64 {
+        self.survivors.iter().map(|s| s.recovered_us).max().unwrap_or(0)
+    }
+
+    /// Reads a trial's outcome from the probes' lines (`(rank, line)`),
+    /// given the killed rank and the kill's wall-clock time. Every survivor
+    /// must have failed, re-formed generation 1 of `world - 1` ranks and
+    /// finished `iterations`; otherwise says what is missing.
+    pub fn from_lines(
+        lines: &[(usize, String)],
+        world: usize,
+        killed: usize,
+        killed_at_us: i64,
+        iterations: u64,
+    ) -> Result<Self, String> {
+        let mut survivors = Vec::new();
+        for rank in (0..world).filter(|&r| r != killed) {
+            let find = |event: &str| {
+                lines
+                    .iter()
+                    .filter(|(r, _)| *r == rank)
+                    .map(|(_, l)| l.as_str())
+                    .find(|l| l.split_whitespace().any(|w| w == event))
+            };
+            let at = |line: &str| -> Option<i64> { field(line, "at_us")?.parse().ok() };
+            let error = find("event=error").ok_or_else(|| format!("rank {rank} never saw the failure"))?;
+            let restarted = find("event=restarted").ok_or_else(|| format!("rank {rank} never restarted"))?;
+            let generation = (field(restarted, "gen"), field(restarted, "world"));
+            if generation != (Some("1"), Some(&(world - 1).to_string())) {
+                return Err(format!(
+                    "rank {rank} restarted into {restarted:?}, not generation 1 of {} ranks",
+                    world - 1
+                ));
+            }
+            let done = find("event=done").ok_or_else(|| format!("rank {rank} did not finish its loop"))?;
+            if field(done, "iterations") != Some(&iterations.to_string()) {
+                return Err(format!("rank {rank} finished with {done:?}"));
+            }
+            let (Some(error_at), Some(restarted_at)) = (at(error), at(restarted)) else {
+                return Err(format!("rank {rank} printed no event times"));
+            };
+            survivors.push(SurvivorTimes {
+                rank,
+                detected_us: error_at - killed_at_us,
+                recovered_us: restarted_at - killed_at_us,
+            });
+        }
+        Ok(Self { killed, survivors })
+    }
+}
+
+/// The value of `key=` in a probe line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// Medians and tails over trials, in milliseconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    /// Trials summarized.
+    pub trials: usize,
+    /// Median time until every survivor saw the failure.
+    pub detect_median_ms: f64,
+    /// Median recovery time.
+    pub recover_median_ms: f64,
+    /// 90th percentile of the recovery time (nearest rank).
+    pub recover_p90_ms: f64,
+    /// Slowest recovery.
+    pub recover_max_ms: f64,
+}
+
+impl Summary {
+    /// Summarizes `outcomes` (at least one).
+    pub fn of(outcomes: &[TrialOutcome]) -> Option<Self> {
+        if outcomes.is_empty() {
+            return None;
+        }
+        let sorted = |f: fn(&TrialOutcome) -> i64| {
+            let mut v: Vec<f64> = outcomes.iter().map(|o| f(o) as f64 / 1e3).collect();
+            v.sort_by(f64::total_cmp);
+            v
+        };
+        let detect = sorted(TrialOutcome::detected_us);
+        let recover = sorted(TrialOutcome::recovered_us);
+        let nearest = |v: &[f64], q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        Some(Self {
+            trials: outcomes.len(),
+            detect_median_ms: nearest(&detect, 0.5),
+            recover_median_ms: nearest(&recover, 0.5),
+            recover_p90_ms: nearest(&recover, 0.9),
+            recover_max_ms: recover[recover.len() - 1],
+        })
+    }
+}
+
+/// A small deterministic generator (xorshift64*) for the kill schedule.
+#[derive(Debug, Clone)]
+pub struct Schedule(u64);
+
+impl Schedule {
+    /// Seeded through splitmix64, so that small seeds start well mixed
+    /// (xorshift also needs a nonzero state).
+    pub fn new(seed: u64) -> Self {
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        Self((z ^ (z >> 31)).max(1))
+    }
+
+    /// A number in `0..bound`.
+    pub fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % bound.max(1)
+    }
+}
+
+fn unix_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// The ranks of one trial; dropping it kills whatever still runs.
+struct Ranks {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    seen: Vec<(usize, String)>,
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Ranks {
+    fn output(&self) -> String {
+        let lines: Vec<String> = self.seen.iter().map(|(r, l)| format!("[{r}] {l}")).collect();
+        lines.join("\n")
+    }
+
+    /// Reads lines until `done` holds for what was seen, or the deadline.
+    fn until(&mut self, deadline: Instant, done: impl Fn(&[(usize, String)]) -> bool) -> bool {
+        while !done(&self.seen) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
+                Ok(line) => self.seen.push(line),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+}
+
+fn every(lines: &[(usize, String)], ranks: impl Iterator<Item = usize>, event: &str) -> bool {
+    let mut ranks = ranks;
+    ranks.all(|rank| {
+        lines
+            .iter()
+            .any(|(r, l)| *r == rank && l.split_whitespace().any(|w| w == event))
+    })
+}
+
+/// Runs trial `trial`: ranks meet on the store at `store_url`, one is
+/// killed, the survivors' outcome is read.
+pub fn run_trial(
+    bench: &RecoveryBench,
+    exe: &std::path::Path,
+    store_url: &str,
+    trial: usize,
+    schedule: &mut Schedule,
+) -> Result<TrialOutcome, RecoveryError> {
+    let (tx, lines) = mpsc::channel();
+    let mut ranks = Ranks {
+        children: Vec::new(),
+        lines,
+        seen: Vec::new(),
+    };
+    let secret = format!("chorus-bench-recovery-{}-{trial}", std::process::id());
+    for rank in 0..bench.world {
+        let mut command = Command::new(exe);
+        command
+            .args(["elastic-probe", "--init", store_url])
+            .args(["--iterations", &bench.iterations.to_string()])
+            .args(["--min-world", &(bench.world - 1).to_string()])
+            .args(["--max-world", &bench.world.to_string()])
+            .args(["--last-call-ms", &bench.last_call_ms.to_string()])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", bench.world.to_string())
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("CHORUS_JOB_SECRET", &secret)
+            .env_remove("CHORUS_FAULTS")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        match &bench.transport {
+            Some(transport) => command.env("CHORUS_TRANSPORT", transport),
+            None => command.env_remove("CHORUS_TRANSPORT"),
+        };
+        if let Some(secs) = bench.heartbeat_timeout {
+            command.env("CHORUS_HEARTBEAT_TIMEOUT", secs.to_string());
+        }
+        let mut child = command
+            .spawn()
+            .map_err(|e| RecoveryError::Setup(format!("starting {}: {e}", exe.display())))?;
+        let streams: [Box<dyn std::io::Read + Send>; 2] = [
+            Box::new(child.stdout.take().expect("piped")),
+            Box::new(child.stderr.take().expect("piped")),
+        ];
+        for stream in streams {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send((rank, line));
+                }
+            });
+        }
+        ranks.children.push(child);
+    }
+    let deadline = Instant::now() + bench.trial_timeout;
+    let fail = |ranks: &Ranks, what: String| RecoveryError::Trial {
+        trial,
+        what,
+        output: ranks.output(),
+    };
+    if !ranks.until(deadline, |seen| every(seen, 0..bench.world, "event=running")) {
+        return Err(fail(&ranks, "the ranks did not all start running in time".into()));
+    }
+    // A random moment within a few all-reduces, so the kill lands in any phase.
+    std::thread::sleep(Duration::from_millis(schedule.below(50)));
+    let killed = schedule.below(bench.world as u64) as usize;
+    let killed_at_us = unix_us();
+    ranks.children[killed]
+        .kill()
+        .map_err(|e| RecoveryError::Setup(format!("killing rank {killed}: {e}")))?;
+    let _ = ranks.children[killed].wait();
+    let survivors = (0..bench.world).filter(|&r| r != killed);
+    if !ranks.until(deadline, |seen| every(seen, survivors.clone(), "event=done")) {
+        return Err(fail(
+            &ranks,
+            format!("after rank {killed} was killed, the survivors did not all finish in time"),
+        ));
+    }
+    for rank in (0..bench.world).filter(|&r| r != killed) {
+        let status = loop {
+            if let Some(status) = ranks.children[rank]
+                .try_wait()
+                .map_err(|e| RecoveryError::Setup(e.to_string()))?
+            {
+                break status;
+            }
+            if Instant::now() > deadline {
+                return Err(fail(&ranks, format!("rank {rank} did not exit after its loop")));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        if !status.success() {
+            return Err(fail(&ranks, format!("rank {rank} exited with {status}")));
+        }
+    }
+    // Lines printed before exit may still be in the reader threads' hands.
+    let _ = ranks.until(Instant::now() + Duration::from_millis(200), |_| false);
+    TrialOutcome::from_lines(&ranks.seen, bench.world, killed, killed_at_us, bench.iterations)
+        .map_err(|what| fail(&ranks, what))
+}
+
+/// Runs every trial (each on a store of its own) and prints a row per
+/// trial and the summary (or JSON lines); returns how many trials failed.
+pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryError> {
+    use chorus_runtime::store::{TcpStoreServer, TcpStoreServerOptions};
+    let exe = std::env::current_exe().map_err(|e| RecoveryError::Setup(format!("locating the chorus binary: {e}")))?;
+    let mut schedule = Schedule::new(bench.seed);
+    let mut outcomes = Vec::new();
+    let mut failures = 0;
+    if !json {
+        println!(
+            "# chorus bench recovery: {} ranks on loopback (transport {}), SIGKILL of a random rank mid-loop, {} trials",
+            bench.world,
+            bench.transport.as_deref().unwrap_or("auto"),
+            bench.trials
+        );
+        println!("# recovery = kill -> first all_reduce of generation 1 completed on every survivor");
+        println!("#  trial  killed  detect(ms)  recovery(ms)");
+    }
+    for trial in 0..bench.trials {
+        let server = TcpStoreServer::bind(
+            "127.0.0.1:0".parse().expect("literal address"),
+            TcpStoreServerOptions::default(),
+        )
+        .await
+        .map_err(|e| RecoveryError::Setup(format!("serving the store: {e}")))?;
+        let url = format!("tcp://{}", server.local_addr());
+        let (task_bench, task_exe, mut task_schedule) = (bench.clone(), exe.clone(), schedule.clone());
+        let (result, used) = tokio::task::spawn_blocking(move || {
+            let result = run_trial(&task_bench, &task_exe, &url, trial, &mut task_schedule);
+            (result, task_schedule)
+        })
+        .await
+        .map_err(|e| RecoveryError::Setup(format!("the trial's thread failed: {e}")))?;
+        schedule = used;
+        server.shutdown().await;
+        match result {
+            Ok(outcome) => {
+                if json {
+                    println!(
+                        "{{\"trial\":{trial},\"killed\":{},\"detect_ms\":{:.1},\"recovery_ms\":{:.1}}}",
+                        outcome.killed,
+                        outcome.detected_us() as f64 / 1e3,
+                        outcome.recovered_us() as f64 / 1e3
+                    );
+                } else {
+                    println!(
+                        "   {trial:>5}  {:>6}  {:>10.1}  {:>12.1}",
+                        outcome.killed,
+                        outcome.detected_us() as f64 / 1e3,
+                        outcome.recovered_us() as f64 / 1e3
+                    );
+                }
+                outcomes.push(outcome);
+            }
+            Err(error) => {
+                failures += 1;
+                eprintln!("chorus bench recovery: {error}");
+            }
+        }
+    }
+    if let Some(summary) = Summary::of(&outcomes) {
+        if json {
+            println!(
+                "{{\"trials\":{},\"recovered\":{},\"detect_median_ms\":{:.1},\"recovery_median_ms\":{:.1},\"recovery_p90_ms\":{:.1},\"recovery_max_ms\":{:.1}}}",
+                bench.trials,
+                summary.trials,
+                summary.detect_median_ms,
+                summary.recover_median_ms,
+                summary.recover_p90_ms,
+                summary.recover_max_ms
+            );
+        } else {
+            println!(
+                "# {}/{} trials: every survivor re-formed generation 1 of {} ranks and finished its loop with correct sums",
+                summary.trials,
+                bench.trials,
+                bench.world - 1
+            );
+            println!(
+                "# detect median {:.1} ms; recovery median {:.1} ms, p90 {:.1} ms, max {:.1} ms",
+                summary.detect_median_ms, summary.recover_median_ms, summary.recover_p90_ms, summary.recover_max_ms
+            );
+        }
+    }
+    Ok(failures)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(text: &[(usize, &str)]) -> Vec<(usize, String)> {
+        text.iter().map(|(r, l)| (*r, l.to_string())).collect()
+    }
+
+    #[test]
+    fn a_trial_is_read_from_the_survivors_events() {
+        let seen = lines(&[
+            (0, "probe rank=0 gen=0 event=running"),
+            (0, "probe rank=0 gen=0 event=error at_us=1100 error=rank 1 died"),
+            (2, "probe rank=2 gen=0 event=error at_us=1300 error=rank 1 died"),
+            (0, "probe rank=0 gen=1 world=2 event=restarted resume=40 at_us=1900"),
+            (2, "probe rank=1 gen=1 world=2 event=restarted resume=40 at_us=2000"),
+            (0, "probe rank=0 gen=1 world=2 event=done iterations=100 pid=7"),
+            (2, "probe rank=1 gen=1 world=2 event=done iterations=100 pid=8"),
+        ]);
+        let outcome = TrialOutcome::from_lines(&seen, 3, 1, 1000, 100).unwrap();
+        assert_eq!(outcome.killed, 1);
+        assert_eq!((outcome.detected_us(), outcome.recovered_us()), (300, 1000));
+        assert_eq!(outcome.survivors[1].rank, 2);
+        // A survivor that restarted into the wrong world, or never finished, fails the trial.
+        let mut wrong = seen.clone();
+        wrong[4].1 = "probe rank=1 gen=1 world=3 event=restarted resume=40 at_us=2000".into();
+        assert!(
+            TrialOutcome::from_lines(&wrong, 3, 1, 1000, 100)
+                .unwrap_err()
+                .contains("rank 2")
+        );
+        let unfinished: Vec<_> = seen[..6].to_vec();
+        let error = TrialOutcome::from_lines(&unfinished, 3, 1, 1000, 100).unwrap_err();
+        assert!(error.contains("rank 2 did not finish"), "{error}");
+    }
+
+    #[test]
+    fn the_summary_takes_medians_and_nearest_rank_tails() {
+        let outcome = |recovered_us| TrialOutcome {
+            killed: 0,
+            survivors: vec![SurvivorTimes {
+                rank: 1,
+                detected_us: 100_000,
+                recovered_us,
+            }],
+        };
+        let outcomes: Vec<_> = (1..=10).map(|i| outcome(i * 100_000)).collect();
+        let summary = Summary::of(&outcomes).unwrap();
+        assert_eq!(summary.trials, 10);
+        assert_eq!(summary.recover_median_ms, 500.0);
+        assert_eq!(summary.recover_p90_ms, 900.0);
+        assert_eq!(summary.recover_max_ms, 1000.0);
+        assert_eq!(summary.detect_median_ms, 100.0);
+        assert!(Summary::of(&[]).is_none());
+    }
+
+    #[test]
+    fn the_schedule_is_deterministic_and_in_bounds() {
+        let (mut a, mut b) = (Schedule::new(7), Schedule::new(7));
+        let draws: Vec<u64> = (0..100).map(|_| a.below(4)).collect();
+        assert!(draws.iter().all(|&d| d < 4));
+        assert_eq!(draws, (0..100).map(|_| b.below(4)).collect::<Vec<_>>());
+        assert!((0..4).all(|r| draws.contains(&r)), "every rank gets killed sometimes");
+    }
+}
