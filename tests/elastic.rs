@@ -298,6 +298,62 @@ fn sv9_sigkill_mid_loop_survivors_form_generation_1_of_3_and_finish() {
     }
 }
 
+/// Issue 7 asks for 20 trials; CI runs 3. Run the 20 with
+/// `CHORUS_SUPERVISION_TRIALS=20 cargo test --release --test elastic random_rank`.
+const SIGKILL_TRIALS: usize = 3;
+
+#[test]
+fn sv9_sigkill_of_a_random_rank_survivors_re_form_every_trial() {
+    let trials: usize = std::env::var("CHORUS_SUPERVISION_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SIGKILL_TRIALS);
+    // `chorus bench recovery` runs the trials: a store that outlives the
+    // ranks, 4 elastic-probe ranks, a random one SIGKILLed mid-loop; a trial
+    // counts only if every survivor formed generation 1 of 3 ranks and
+    // finished its loop with correct sums.
+    let mut child = Command::new(CHORUS)
+        .args(["bench", "recovery", "--json", "--heartbeat-timeout", "2"])
+        .args(["--trials", &trials.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chorus bench recovery");
+    let deadline = Instant::now() + Duration::from_secs(30 + 30 * trials as u64);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "{trials} recovery trials did not finish in time:\n{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "a trial failed:\n{stdout}\n{stderr}");
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    let summary = rows.last().expect("a summary line");
+    assert_eq!(summary["recovered"], trials, "{stdout}\n{stderr}");
+    for row in &rows[..rows.len() - 1] {
+        // Every survivor errors within the heartbeat window (2 s) + 1 s.
+        let detect = row["detect_ms"].as_f64().unwrap();
+        assert!(
+            detect <= 3000.0,
+            "a survivor saw the failure {detect} ms after the kill: {row}"
+        );
+    }
+}
+
 #[test]
 fn sv12_the_restart_budget_is_enforced_in_processes() {
     let mut job = Job::start();
