@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use chorus_transports::link::Link;
+use chorus_transports::link::{Link, TransportError};
 use tokio::sync::watch;
 
 /// The channel heartbeats travel on (`u32::MAX - 1`), apart from
@@ -55,13 +55,36 @@ impl HeartbeatConfig {
     }
 }
 
-/// Why a peer is taken for failed.
+/// Why a peer is gone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PeerFailureCause {
-    /// Nothing arrived from it for this long.
+    /// Nothing arrived from it for this long: failed.
     Silent(Duration),
-    /// Its link closed.
+    /// Its link was lost (it died, the connection broke, a fault cut it):
+    /// failed.
     Closed(String),
+    /// It closed its link on purpose, e.g. aborting after a failure it saw
+    /// (SV-14): gone, but not failed itself.
+    Left {
+        /// Its reason.
+        reason: String,
+        /// The ranks it took for failed.
+        failed: Vec<usize>,
+    },
+}
+
+impl PeerFailureCause {
+    /// The cause a link error shows: a peer's close on purpose is
+    /// [`Left`](Self::Left), anything else a lost link.
+    pub fn of(error: &TransportError) -> Self {
+        match error {
+            TransportError::PeerClosed { reason, failed, .. } => PeerFailureCause::Left {
+                reason: reason.clone(),
+                failed: failed.clone(),
+            },
+            other => PeerFailureCause::Closed(other.to_string()),
+        }
+    }
 }
 
 /// A peer the monitor gave up on.
@@ -71,6 +94,13 @@ pub struct PeerFailure {
     pub rank: usize,
     /// Why.
     pub cause: PeerFailureCause,
+}
+
+impl PeerFailure {
+    /// Whether the peer itself failed (it did not leave on purpose).
+    pub fn failed(&self) -> bool {
+        !matches!(self.cause, PeerFailureCause::Left { .. })
+    }
 }
 
 impl fmt::Display for PeerFailure {
@@ -83,6 +113,7 @@ impl fmt::Display for PeerFailure {
                 d.as_secs_f64()
             ),
             PeerFailureCause::Closed(reason) => write!(f, "rank {} is gone: {reason}", self.rank),
+            PeerFailureCause::Left { reason, .. } => write!(f, "rank {} closed its links ({reason})", self.rank),
         }
     }
 }
@@ -90,7 +121,7 @@ impl fmt::Display for PeerFailure {
 #[derive(Debug)]
 struct PeerState {
     last: Instant,
-    closed: Option<String>,
+    closed: Option<PeerFailureCause>,
     reported: bool,
 }
 
@@ -127,11 +158,11 @@ impl HeartbeatMonitor {
         }
     }
 
-    /// The link to `peer` closed: it is failed at once, without waiting out
-    /// the window.
-    pub fn closed(&mut self, peer: usize, reason: impl Into<String>) {
+    /// The link to `peer` failed with `error`: it is gone at once, without
+    /// waiting out the window (failed, or left when it closed on purpose).
+    pub fn link_failed(&mut self, peer: usize, error: &TransportError) {
         if let Some(state) = self.peers.get_mut(&peer) {
-            state.closed.get_or_insert_with(|| reason.into());
+            state.closed.get_or_insert_with(|| PeerFailureCause::of(error));
         }
     }
 
@@ -150,7 +181,7 @@ impl HeartbeatMonitor {
             }
             let silent = now.saturating_duration_since(state.last);
             let cause = match &state.closed {
-                Some(reason) => PeerFailureCause::Closed(reason.clone()),
+                Some(cause) => cause.clone(),
                 None if silent >= self.window => PeerFailureCause::Silent(silent),
                 None => continue,
             };
@@ -205,7 +236,7 @@ pub fn spawn(
                             }
                             Ok(_) => monitor.arrived(peer, Instant::now()),
                             Err(e) => {
-                                monitor.closed(peer, e.to_string());
+                                monitor.link_failed(peer, &e);
                                 return;
                             }
                         }
@@ -277,11 +308,54 @@ mod tests {
     fn a_closed_link_fails_its_peer_at_once() {
         let t0 = Instant::now();
         let mut monitor = HeartbeatMonitor::new([0, 3], WINDOW, t0);
-        monitor.closed(3, "link to rank 3 is closed: peer exited");
+        monitor.link_failed(
+            3,
+            &TransportError::Closed {
+                peer: 3,
+                reason: "rank 3 (pid 9) died".into(),
+            },
+        );
         let failed = monitor.poll(t0);
         assert_eq!(failed.len(), 1);
         assert_eq!(failed[0].rank, 3);
-        assert!(failed[0].to_string().contains("peer exited"));
+        assert!(failed[0].failed());
+        assert!(failed[0].to_string().contains("pid 9) died"), "{}", failed[0]);
+    }
+
+    #[test]
+    fn sv14_a_peer_that_closed_on_purpose_left_and_did_not_fail() {
+        let t0 = Instant::now();
+        let mut monitor = HeartbeatMonitor::new([1, 2], WINDOW, t0);
+        let closed = TransportError::PeerClosed {
+            peer: 1,
+            reason: "rank 1 aborted: rank 2 (pid 9) died".into(),
+            failed: vec![2],
+        };
+        monitor.link_failed(1, &closed);
+        // A later error of the same link does not change what happened first.
+        monitor.link_failed(
+            1,
+            &TransportError::Closed {
+                peer: 1,
+                reason: "closed by rank 0".into(),
+            },
+        );
+        let gone = monitor.poll(t0);
+        assert_eq!(
+            gone,
+            vec![PeerFailure {
+                rank: 1,
+                cause: PeerFailureCause::Left {
+                    reason: "rank 1 aborted: rank 2 (pid 9) died".into(),
+                    failed: vec![2]
+                }
+            }]
+        );
+        assert!(!gone[0].failed());
+        assert_eq!(
+            gone[0].to_string(),
+            "rank 1 closed its links (rank 1 aborted: rank 2 (pid 9) died)"
+        );
     }
 
     #[test]

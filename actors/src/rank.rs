@@ -21,7 +21,10 @@
 //! - RA-6: the actor runs under its rank's [`Supervision`]: an operation that
 //!   breaks the group aborts it (SV-2), an abort ends the running operation
 //!   and fails queued ones at once (SV-1, SV-4), and the recorder is dumped
-//!   once per group, whichever path broke it.
+//!   once per group, whichever path broke it. An operation that failed on a
+//!   link once the group is aborted returns the abort, which names the
+//!   failed ranks (SV-14); other errors (a timeout, a desync) are returned
+//!   as they are.
 //!
 //! Channels: collectives use `0..COLLECTIVE_CHANNELS` (RA-2), point-to-point
 //! [`P2P_CHANNEL`] (RA-3), heartbeats
@@ -275,7 +278,7 @@ impl Handler<Collective> for RankActor {
             .await
             .map(|()| output)
         };
-        AtomicResponse::new(Box::pin(run.into_actor(self).map(move |result, actor, _| {
+        AtomicResponse::new(Box::pin(run.into_actor(self).map(move |mut result, actor, _| {
             actor.supervision.finished();
             match &result {
                 Ok(_) => actor.flight.record_completed(entry, SystemTime::now()),
@@ -292,6 +295,10 @@ impl Handler<Collective> for RankActor {
                                 actor.supervision.abort(AbortReason::OperationFailed(e.to_string()), failed_ranks(e));
                             }
                             actor.broke(&e.to_string());
+                            // A link error names one link; the abort names who failed.
+                            if let (CollectiveError::Transport(_), Some(aborted)) = (e, actor.supervision.aborted()) {
+                                result = Err(aborted.into());
+                            }
                         }
                     }
                 }
@@ -311,11 +318,14 @@ impl Handler<Aborted> for RankActor {
     }
 }
 
-/// The ranks an operation's error blames, for the abort it causes.
+/// The ranks an operation's error blames, for the abort it causes: a peer
+/// that closed its link on purpose is not one of them, the ranks it blamed
+/// are (SV-14).
 fn failed_ranks(error: &CollectiveError) -> Vec<usize> {
     match error {
         CollectiveError::Timeout { waiting_for, .. } => waiting_for.clone(),
         CollectiveError::Transport(e) => match e {
+            chorus_transports::link::TransportError::PeerClosed { failed, .. } => failed.clone(),
             chorus_transports::link::TransportError::Closed { peer, .. }
             | chorus_transports::link::TransportError::FrameTooLarge { peer, .. }
             | chorus_transports::link::TransportError::Protocol { peer, .. }

@@ -25,6 +25,13 @@
 //! - SV-8: a group that leaves cleanly (`ProcessGroup::destroy`) says
 //!   goodbye on the heartbeat channel and stops its heartbeats before its
 //!   last barrier, so a rank that leaves first is never taken for failed.
+//! - SV-14: a peer that closed its links on purpose is not taken for failed;
+//!   the rank that died is. An abort closes the links with a
+//!   [`CloseNotice`] naming what this rank saw and the ranks it blames; a
+//!   peer that gets it (`TransportError::PeerClosed`, a
+//!   [`Left`](crate::heartbeat::PeerFailureCause::Left) peer) still aborts,
+//!   but blames the ranks the notice names, not its sender, and its abort
+//!   message leads with the failures it saw itself.
 //!
 //! Restarting a group (a new generation) is a supervisor's job on top of
 //! SV-5: everything here belongs to one generation and ends with it.
@@ -34,11 +41,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chorus_transports::link::Link;
+use chorus_transports::link::{CloseNotice, Link};
 use thiserror::Error;
 use tokio::sync::watch;
 
-use crate::heartbeat::{HeartbeatMonitor, PeerFailure};
+use crate::heartbeat::{HeartbeatMonitor, PeerFailure, PeerFailureCause};
 
 /// The environment variables of blocking-wait mode, most specific first.
 pub const BLOCKING_WAIT_ENV: [&str; 3] = ["CHORUS_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"];
@@ -202,8 +209,21 @@ impl fmt::Display for AbortReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AbortReason::PeersFailed(failures) => {
-                let text: Vec<String> = failures.iter().map(ToString::to_string).collect();
-                f.write_str(&text.join("; "))
+                // The real failures lead; peers that closed on purpose are a
+                // consequence, named in full only when nothing else is known.
+                let (failed, left): (Vec<&PeerFailure>, Vec<&PeerFailure>) = failures.iter().partition(|f| f.failed());
+                let full = if failed.is_empty() { &left } else { &failed };
+                let text: Vec<String> = full.iter().map(ToString::to_string).collect();
+                f.write_str(&text.join("; "))?;
+                match left.as_slice() {
+                    _ if failed.is_empty() => Ok(()),
+                    [] => Ok(()),
+                    [one] => write!(f, "; rank {} closed its links too", one.rank),
+                    many => {
+                        let ranks: Vec<usize> = many.iter().map(|p| p.rank).collect();
+                        write!(f, "; ranks {ranks:?} closed their links too")
+                    }
+                }
             }
             AbortReason::OperationFailed(e) => f.write_str(e),
             AbortReason::Overdue { operation, ran } => {
@@ -224,7 +244,9 @@ pub struct GroupAborted {
     pub generation: u64,
     /// Why.
     pub reason: AbortReason,
-    /// The ranks taken for failed (empty when none is known, e.g. a desync).
+    /// The ranks taken for failed, ascending, never this rank (empty when
+    /// none is known, e.g. a desync). Peers that closed their links on
+    /// purpose are not among them (SV-14).
     pub failed_ranks: Vec<usize>,
 }
 
@@ -270,9 +292,12 @@ impl Supervision {
 
     /// Aborts the group unless it already was (SV-5): publishes the abort
     /// (which ends the running operation and fails the queued ones) and, in
-    /// modes that do, closes the links (SV-3). Returns whether this call
-    /// aborted.
-    pub fn abort(&self, reason: AbortReason, failed_ranks: Vec<usize>) -> bool {
+    /// modes that do, closes the links (SV-3) with a notice of why and whom
+    /// this rank blames (SV-14). Returns whether this call aborted.
+    pub fn abort(&self, reason: AbortReason, mut failed_ranks: Vec<usize>) -> bool {
+        failed_ranks.sort_unstable();
+        failed_ranks.dedup();
+        failed_ranks.retain(|&r| r != self.rank);
         let abort = GroupAborted {
             rank: self.rank,
             generation: self.generation,
@@ -289,8 +314,12 @@ impl Supervision {
         if first {
             tracing::error!(rank = self.rank, generation = self.generation, mode = ?self.mode, "{abort}");
             if self.mode.closes_links() {
+                let notice = CloseNotice {
+                    reason: format!("rank {} aborted: {}", self.rank, abort.reason),
+                    failed: abort.failed_ranks.clone(),
+                };
                 for link in self.links.iter().flatten() {
-                    link.close(&abort.to_string());
+                    link.close_with(&notice);
                 }
             }
         }
@@ -350,9 +379,10 @@ impl Default for WatchdogConfig {
     }
 }
 
-/// What one poll of the watchdog decides, as a pure function of the failed
+/// What one poll of the watchdog decides, as a pure function of the gone
 /// peers and the operation in flight: the reason to abort and the ranks to
-/// name, or nothing.
+/// name, or nothing. Named are the peers that failed and the ranks that
+/// peers which closed on purpose blamed, never those peers (SV-14).
 fn verdict(
     failures: Vec<PeerFailure>,
     in_flight: Option<&InFlight>,
@@ -360,7 +390,19 @@ fn verdict(
     now: Instant,
 ) -> Option<(AbortReason, Vec<usize>)> {
     if !failures.is_empty() {
-        let ranks = failures.iter().map(|f| f.rank).collect();
+        let mut ranks = Vec::new();
+        let mut left = Vec::new();
+        for failure in &failures {
+            match &failure.cause {
+                PeerFailureCause::Left { failed, .. } => {
+                    left.push(failure.rank);
+                    ranks.extend(failed);
+                }
+                _ => ranks.push(failure.rank),
+            }
+        }
+        // What this rank saw itself beats what a peer reported.
+        ranks.retain(|r| !left.contains(r));
         return Some((AbortReason::PeersFailed(failures), ranks));
     }
     let op = in_flight?;
@@ -493,7 +535,6 @@ pub fn exit_on_stall(message: String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::heartbeat::PeerFailureCause;
     use std::collections::HashMap;
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
@@ -609,6 +650,69 @@ mod tests {
         let (reason, ranks) = verdict(Vec::new(), Some(&op), grace, t0 + Duration::from_secs(15)).unwrap();
         assert!(ranks.is_empty());
         assert!(reason.to_string().contains("all_reduce #4 still running"), "{reason}");
+    }
+
+    #[tokio::test]
+    async fn sv14_a_peer_that_closed_its_links_on_purpose_is_not_taken_for_failed_the_rank_that_died_is() {
+        use chorus_transports::link::TransportError;
+        use chorus_transports::local::local_mesh;
+        let now = Instant::now();
+        let left = |rank, failed: Vec<usize>| PeerFailure {
+            rank,
+            cause: PeerFailureCause::Left {
+                reason: format!("rank {rank} aborted: rank 2 (pid 9) died"),
+                failed,
+            },
+        };
+        let died = PeerFailure {
+            rank: 2,
+            cause: PeerFailureCause::Closed("link to rank 2 is closed: rank 2 (pid 9) died".into()),
+        };
+        // Rank 0 of 4 (the report of today's bug): ranks 1 and 3 aborted and
+        // closed their links, rank 2 died. Only rank 2 is blamed, and first.
+        let mut mesh = local_mesh(4);
+        let supervision = Supervision::new(0, 0, ErrorHandling::Abort, std::mem::take(&mut mesh[0]));
+        let failures = vec![left(1, vec![2]), died.clone(), left(3, vec![2, 0, 1])];
+        let (reason, ranks) = verdict(failures, None, Duration::ZERO, now).unwrap();
+        assert!(supervision.abort(reason, ranks));
+        let aborted = supervision.aborted().unwrap();
+        assert_eq!(aborted.failed_ranks, vec![2], "{aborted}");
+        let text = aborted.to_string();
+        assert!(
+            text.contains("rank 0: rank 2 is gone") && text.ends_with("; ranks [1, 3] closed their links too"),
+            "{text}"
+        );
+        // Its own close tells every peer why, and that it blames rank 2.
+        let heard = tokio::time::timeout(Duration::from_secs(5), mesh[3][0].as_ref().unwrap().recv(0))
+            .await
+            .expect("the close wakes the peer");
+        match heard {
+            Err(TransportError::PeerClosed {
+                peer: 0,
+                reason,
+                failed,
+            }) => {
+                assert_eq!(failed, vec![2]);
+                assert!(reason.starts_with("rank 0 aborted: rank 2 is gone"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+
+        // Before its own detection, a rank learns of the failure from a notice alone.
+        let (reason, ranks) = verdict(vec![left(1, vec![2])], None, Duration::ZERO, now).unwrap();
+        assert_eq!(ranks, vec![2]);
+        assert_eq!(
+            reason.to_string(),
+            "rank 1 closed its links (rank 1 aborted: rank 2 (pid 9) died)"
+        );
+        // A notice blaming nobody (a membership change, an overdue operation) blames nobody.
+        assert_eq!(
+            verdict(vec![left(1, vec![])], None, Duration::ZERO, now).unwrap().1,
+            Vec::<usize>::new()
+        );
+        // What this rank saw itself wins: rank 3 left on purpose, whatever rank 1 says.
+        let (_, ranks) = verdict(vec![left(1, vec![3]), left(3, vec![])], None, Duration::ZERO, now).unwrap();
+        assert!(ranks.is_empty(), "{ranks:?}");
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! - `drop(link, p=P)`: loses each frame with probability P (default 1).
 //! - `delay(link, ms=D[, jitter_ms=J])`: holds each frame D..D+J ms.
 //! - `partition(ranks|ranks)`: frames between the two sides are lost.
-//! - `close(link)`: closes the connection (both sides see a closed link).
+//! - `close(link)`: cuts the connection (both sides see a lost link).
 //! - `kill(rank=R)`: rank R dies: every link of it closes, and when it is a
 //!   process of its own (a non-local link), the process gets SIGKILL.
 //! - `freeze(rank=R)`: rank R stops: its sends and receives never complete
@@ -36,7 +36,7 @@ use bytes::Bytes;
 use thiserror::Error;
 use tokio::time::Instant;
 
-use crate::link::{ChannelId, Frame, HEARTBEAT_CHANNEL, Link, SendError, TransportError, TransportKind};
+use crate::link::{ChannelId, CloseNotice, Frame, HEARTBEAT_CHANNEL, Link, SendError, TransportError, TransportKind};
 
 /// A fault specification that could not be parsed.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -372,7 +372,7 @@ impl FaultyLink {
             }
         }
         for link in self.rank.links.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            link.close("rank killed by fault injection");
+            link.cut("rank killed by fault injection");
         }
     }
 
@@ -448,7 +448,7 @@ impl Link for FaultyLink {
                 self.inner.send(channel, tag, payload).await
             }
             Action::Close => {
-                self.inner.close("closed by fault injection");
+                self.inner.cut("closed by fault injection");
                 self.inner.send(channel, tag, payload).await
             }
             Action::Kill => {
@@ -477,8 +477,12 @@ impl Link for FaultyLink {
         frame
     }
 
-    fn close(&self, reason: &str) {
-        self.inner.close(reason);
+    fn close_with(&self, notice: &CloseNotice) {
+        self.inner.close_with(notice);
+    }
+
+    fn cut(&self, reason: &str) {
+        self.inner.cut(reason);
     }
 }
 
@@ -609,13 +613,19 @@ mod tests {
             mesh[0][1].as_ref().unwrap().send(0, 0, Bytes::new()).await.unwrap();
             assert!(mesh[0][1].as_ref().unwrap().send(0, 1, Bytes::new()).await.is_err());
             assert_eq!(mesh[1][0].as_ref().unwrap().recv(0).await.unwrap().tag, 0);
+            // Injected closes and kills are lost links, never a peer leaving on purpose.
+            let cut = mesh[1][0].as_ref().unwrap().recv(0).await;
             assert!(
-                mesh[1][0].as_ref().unwrap().recv(0).await.is_err(),
-                "closed after the first frame"
+                matches!(cut, Err(TransportError::Closed { peer: 0, .. })),
+                "closed after the first frame: {cut:?}"
             );
             // Rank 2 dies on its first send: its peers see closed links.
             assert!(mesh[2][0].as_ref().unwrap().send(0, 0, Bytes::new()).await.is_err());
-            assert!(mesh[1][2].as_ref().unwrap().recv(0).await.is_err());
+            let killed = mesh[1][2].as_ref().unwrap().recv(0).await;
+            assert!(
+                matches!(killed, Err(TransportError::Closed { peer: 2, .. })),
+                "{killed:?}"
+            );
 
             let mesh = wrapped(2, "freeze(rank=0, after_frames=1)");
             mesh[0][1].as_ref().unwrap().send(0, 0, Bytes::new()).await.unwrap();

@@ -56,16 +56,110 @@ impl fmt::Display for TransportKind {
     }
 }
 
+/// What a rank tells its peer when it closes a link on purpose (it leaves or
+/// aborts): why, and the ranks it takes for failed. The peer then blames
+/// those ranks, not the one that closed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CloseNotice {
+    /// Why the link closes, e.g. "rank 1 aborted: rank 2 (pid 7) died".
+    pub reason: String,
+    /// The ranks the closer takes for failed, in the group's numbering.
+    pub failed: Vec<usize>,
+}
+
+/// Marks an encoded [`CloseNotice`]: 0xC1 never starts UTF-8 text, so a
+/// plain-text reason (an older peer, a QUIC stack's own close) is told apart.
+const NOTICE_MARKER: u8 = 0xC1;
+
+impl CloseNotice {
+    /// Most bytes [`encode`](Self::encode) produces: it fits a QUIC close
+    /// frame in one packet and the shared-memory ring header.
+    pub const MAX_ENCODED: usize = 1000;
+
+    /// A notice with a reason and no failed ranks.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            failed: Vec::new(),
+        }
+    }
+
+    /// The wire form: the marker, a `u16` count, that many `u32` ranks, then
+    /// the reason as UTF-8; at most [`MAX_ENCODED`](Self::MAX_ENCODED)
+    /// bytes (ranks first, the reason cut at a character boundary).
+    pub fn encode(&self) -> Vec<u8> {
+        let room = (Self::MAX_ENCODED - 3) / 4;
+        let failed: Vec<u32> = self
+            .failed
+            .iter()
+            .filter_map(|&r| u32::try_from(r).ok())
+            .take(room)
+            .collect();
+        let mut out = Vec::with_capacity(Self::MAX_ENCODED);
+        out.put_u8(NOTICE_MARKER);
+        out.put_u16_le(failed.len() as u16);
+        for rank in failed {
+            out.put_u32_le(rank);
+        }
+        let mut end = self.reason.len().min(Self::MAX_ENCODED - out.len());
+        while !self.reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        out.extend_from_slice(&self.reason.as_bytes()[..end]);
+        out
+    }
+
+    /// Reads [`encode`](Self::encode)'s form; anything else is a plain
+    /// reason with no failed ranks.
+    pub fn decode(bytes: &[u8]) -> Self {
+        if bytes.len() >= 3 && bytes[0] == NOTICE_MARKER {
+            let mut cursor = &bytes[1..];
+            let count = usize::from(cursor.get_u16_le());
+            if cursor.len() >= count * 4 {
+                let failed = (0..count).map(|_| cursor.get_u32_le() as usize).collect();
+                return Self {
+                    reason: String::from_utf8_lossy(cursor).into_owned(),
+                    failed,
+                };
+            }
+        }
+        Self::new(String::from_utf8_lossy(bytes))
+    }
+
+    /// The error the peer's operations get.
+    pub fn into_error(self, peer: usize) -> TransportError {
+        TransportError::PeerClosed {
+            peer,
+            reason: self.reason,
+            failed: self.failed,
+        }
+    }
+}
+
 /// Why a link failed. Errors are per link: the rest of the mesh keeps working.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum TransportError {
-    /// The link was closed, by either side or by a fault.
+    /// The link was lost: the peer died or dropped the link without closing
+    /// it, the connection was reset or timed out, this side closed it, or a
+    /// fault cut it.
     #[error("link to rank {peer} is closed: {reason}")]
     Closed {
         /// The peer.
         peer: usize,
         /// Why, as far as this side knows.
         reason: String,
+    },
+    /// The peer closed the link on purpose ([`Link::close_with`]): it left
+    /// or aborted. Not a failure of the peer; `failed` names the ranks it
+    /// blamed.
+    #[error("rank {peer} closed the link: {reason}")]
+    PeerClosed {
+        /// The peer.
+        peer: usize,
+        /// The peer's reason.
+        reason: String,
+        /// The ranks the peer took for failed.
+        failed: Vec<usize>,
     },
     /// The peer sent a frame larger than this side accepts.
     #[error("rank {peer} sent a frame of {len} bytes, over the limit of {limit}; closing the link")]
@@ -120,8 +214,20 @@ pub trait Link: Send + Sync + fmt::Debug {
     /// Receives the next frame of `channel`.
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError>;
 
-    /// Closes the link; pending and later operations on both sides fail.
-    fn close(&self, reason: &str);
+    /// Closes the link on purpose: pending and later operations on both
+    /// sides fail, the peer's with [`TransportError::PeerClosed`] carrying
+    /// `notice` (where the transport has room for it). Only the first close
+    /// or cut of a link counts.
+    fn close_with(&self, notice: &CloseNotice);
+
+    /// [`close_with`](Self::close_with) a reason and no failed ranks.
+    fn close(&self, reason: &str) {
+        self.close_with(&CloseNotice::new(reason));
+    }
+
+    /// Ends the link as if it were lost, as a crash would: the peer gets
+    /// [`TransportError::Closed`]. What fault injection's cuts and kills do.
+    fn cut(&self, reason: &str);
 }
 
 /// The fixed header in front of every payload on a byte stream:
@@ -181,5 +287,36 @@ mod tests {
                 Err(other) => prop_assert!(false, "unexpected {other}"),
             }
         }
+
+        #[test]
+        fn close_notices_roundtrip_within_their_bound(
+            reason in ".{0,1200}",
+            failed in proptest::collection::vec(0usize..1 << 20, 0..400),
+        ) {
+            let notice = CloseNotice { reason: reason.clone(), failed: failed.clone() };
+            let bytes = notice.encode();
+            prop_assert!(bytes.len() <= CloseNotice::MAX_ENCODED);
+            let back = CloseNotice::decode(&bytes);
+            prop_assert!(failed.starts_with(&back.failed));
+            prop_assert!(reason.starts_with(&back.reason));
+            // Shorter than any cut: nothing was left out.
+            if bytes.len() < CloseNotice::MAX_ENCODED - 4 {
+                prop_assert_eq!(back, notice);
+            }
+        }
+
+        #[test]
+        fn any_bytes_decode_to_some_notice(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            CloseNotice::decode(&bytes);
+        }
+    }
+
+    #[test]
+    fn plain_text_is_a_reason_without_failed_ranks() {
+        assert_eq!(CloseNotice::decode(b"gone"), CloseNotice::new("gone"));
+        assert_eq!(
+            CloseNotice::decode(&[NOTICE_MARKER, 9]),
+            CloseNotice::new(String::from_utf8_lossy(&[NOTICE_MARKER, 9]))
+        );
     }
 }

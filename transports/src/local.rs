@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::{mpsc, watch};
 
-use crate::link::{ChannelId, Frame, Link, SendError, TransportError, TransportKind};
+use crate::link::{ChannelId, CloseNotice, Frame, Link, SendError, TransportError, TransportKind};
 
 /// Frames a channel may hold before `send` waits (back-pressure).
 const DEFAULT_DEPTH: usize = 16;
@@ -18,11 +18,20 @@ struct Queue {
     rx: tokio::sync::Mutex<mpsc::Receiver<Frame>>,
 }
 
+/// How a pair was closed, and by which rank.
+#[derive(Debug, Clone)]
+enum Shut {
+    /// On purpose ([`Link::close_with`]).
+    Notice { by: usize, notice: CloseNotice },
+    /// Lost: cut, or dropped without closing.
+    Lost { reason: String },
+}
+
 /// The state two ranks share: one queue per direction and channel, and
-/// whether the pair is closed (and why).
+/// whether the pair is closed (and how).
 struct Pair {
     queues: Mutex<HashMap<(usize, ChannelId), Arc<Queue>>>,
-    closed: watch::Sender<Option<String>>,
+    closed: watch::Sender<Option<Shut>>,
     depth: usize,
 }
 
@@ -78,11 +87,28 @@ impl LocalLink {
         )
     }
 
-    fn closed_error(&self, reason: &Option<String>) -> TransportError {
+    fn closed_error(&self, shut: &Option<Shut>) -> TransportError {
+        let reason = match shut {
+            Some(Shut::Notice { by, notice }) if *by == self.peer => return notice.clone().into_error(self.peer),
+            Some(Shut::Notice { by, notice }) => format!("closed by rank {by}: {}", notice.reason),
+            Some(Shut::Lost { reason }) => reason.clone(),
+            None => "closed".into(),
+        };
         TransportError::Closed {
             peer: self.peer,
-            reason: reason.clone().unwrap_or_else(|| "closed".into()),
+            reason,
         }
+    }
+
+    fn shut(&self, shut: Shut) {
+        self.pair.closed.send_if_modified(|current| {
+            if current.is_none() {
+                *current = Some(shut);
+                true
+            } else {
+                false
+            }
+        });
     }
 }
 
@@ -118,9 +144,10 @@ impl Link for LocalLink {
 
     async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError> {
         let mut closed = self.pair.closed.subscribe();
-        if let Some(reason) = closed.borrow_and_update().clone() {
+        let shut = closed.borrow_and_update().clone();
+        if shut.is_some() {
             return Err(SendError {
-                error: self.closed_error(&Some(reason)),
+                error: self.closed_error(&shut),
                 payload,
             });
         }
@@ -144,8 +171,9 @@ impl Link for LocalLink {
         if let Ok(frame) = rx.try_recv() {
             return Ok(frame);
         }
-        if let Some(reason) = closed.borrow_and_update().clone() {
-            return Err(self.closed_error(&Some(reason)));
+        let shut = closed.borrow_and_update().clone();
+        if shut.is_some() {
+            return Err(self.closed_error(&shut));
         }
         // A frame sent just before the close wins over the close.
         tokio::select! {
@@ -158,21 +186,27 @@ impl Link for LocalLink {
         }
     }
 
-    fn close(&self, reason: &str) {
-        self.pair.closed.send_if_modified(|current| {
-            if current.is_none() {
-                *current = Some(format!("closed by rank {}: {reason}", self.me));
-                true
-            } else {
-                false
-            }
+    fn close_with(&self, notice: &CloseNotice) {
+        self.shut(Shut::Notice {
+            by: self.me,
+            notice: notice.clone(),
+        });
+    }
+
+    fn cut(&self, reason: &str) {
+        self.shut(Shut::Lost {
+            reason: format!("cut by rank {}: {reason}", self.me),
         });
     }
 }
 
 impl Drop for LocalLink {
+    // A rank that goes away without closing (a task that panicked, a rank
+    // dropped mid-operation) is lost, not leaving.
     fn drop(&mut self) {
-        self.close("link dropped");
+        self.shut(Shut::Lost {
+            reason: format!("rank {} dropped the link without closing it", self.me),
+        });
     }
 }
 
@@ -227,12 +261,41 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
             a.close("test");
             let (result, b) = waiting.await.unwrap();
-            assert!(
-                matches!(result, Err(TransportError::Closed { peer: 3, .. })),
-                "{result:?}"
+            assert_eq!(
+                result,
+                Err(TransportError::PeerClosed {
+                    peer: 3,
+                    reason: "test".into(),
+                    failed: Vec::new()
+                })
             );
             let err = b.send(0, 0, Bytes::from_static(b"kept")).await.unwrap_err();
             assert_eq!(err.payload, Bytes::from_static(b"kept"));
+            assert!(
+                matches!(a.recv(0).await, Err(TransportError::Closed { peer: 5, .. })),
+                "the closing side's own link is closed, not closed by its peer"
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_close_carries_its_notice_and_a_cut_or_a_drop_is_a_lost_link() {
+        within(async {
+            let (a, b) = LocalLink::pair(1, 2);
+            let notice = CloseNotice {
+                reason: "rank 1 aborted: rank 0 (pid 7) died".into(),
+                failed: vec![0],
+            };
+            a.close_with(&notice);
+            a.cut("too late: the first close counts");
+            assert_eq!(b.recv(0).await, Err(notice.into_error(1)));
+            let (a, b) = LocalLink::pair(1, 2);
+            a.cut("fault injection");
+            assert!(matches!(b.recv(0).await, Err(TransportError::Closed { peer: 1, .. })));
+            let (a, b) = LocalLink::pair(1, 2);
+            drop(a);
+            assert!(matches!(b.recv(0).await, Err(TransportError::Closed { peer: 1, .. })));
         })
         .await;
     }

@@ -70,7 +70,13 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use tokio::sync::{Notify, watch};
 
-use crate::link::{ChannelId, Frame, FrameHeader, Link, SendError, TransportError, TransportKind};
+use crate::link::{ChannelId, CloseNotice, Frame, FrameHeader, Link, SendError, TransportError, TransportKind};
+
+/// The application close code of a link closed on purpose
+/// ([`Link::close_with`]); its reason bytes are an encoded [`CloseNotice`].
+/// Any other code (0 is what quinn sends for a dropped connection, and what
+/// [`Link::cut`] sends) is a lost link.
+const CLOSE_NOTICE_CODE: u32 = 3;
 
 /// A certificate's SHA-256 digest: what ranks publish and pin.
 pub type Fingerprint = [u8; 32];
@@ -586,10 +592,19 @@ impl QuicLink {
         }
     }
 
+    /// The error of an operation that found the connection gone: the
+    /// peer's notice when it closed on purpose, otherwise `reason`.
     fn closed(&self, reason: impl std::fmt::Display) -> TransportError {
-        TransportError::Closed {
-            peer: self.peer,
-            reason: reason.to_string(),
+        match self.conn.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(close))
+                if close.error_code == VarInt::from_u32(CLOSE_NOTICE_CODE) =>
+            {
+                CloseNotice::decode(&close.reason).into_error(self.peer)
+            }
+            _ => TransportError::Closed {
+                peer: self.peer,
+                reason: reason.to_string(),
+            },
         }
     }
 
@@ -707,7 +722,7 @@ impl Link for QuicLink {
             Ok(header) => header,
             Err(e) => {
                 // A forged length poisons the stream's framing: drop the link.
-                self.conn.close(VarInt::from_u32(2), b"frame too large");
+                self.close(&e.to_string());
                 return Err(e);
             }
         };
@@ -759,7 +774,11 @@ impl Link for QuicLink {
         })
     }
 
-    fn close(&self, reason: &str) {
+    fn close_with(&self, notice: &CloseNotice) {
+        self.conn.close(VarInt::from_u32(CLOSE_NOTICE_CODE), &notice.encode());
+    }
+
+    fn cut(&self, reason: &str) {
         self.conn.close(VarInt::from_u32(0), reason.as_bytes());
     }
 }
@@ -995,9 +1014,13 @@ mod tests {
     async fn a_closed_peer_fails_its_link_and_the_rest_keeps_working() {
         within(async {
             let (_endpoints, links) = mesh(3).await;
-            links[2][0].as_ref().unwrap().close("vanishing");
+            let notice = CloseNotice {
+                reason: "rank 2 aborted: rank 1 sent no heartbeat".into(),
+                failed: vec![1],
+            };
+            links[2][0].as_ref().unwrap().close_with(&notice);
             let err = links[0][2].as_ref().unwrap().recv(0).await.unwrap_err();
-            assert!(matches!(err, TransportError::Closed { peer: 2, .. }), "{err}");
+            assert_eq!(err, notice.clone().into_error(2), "the peer's notice arrives typed");
             let err = links[0][2]
                 .as_ref()
                 .unwrap()
@@ -1012,6 +1035,12 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(links[1][0].as_ref().unwrap().recv(5).await.unwrap().tag, 5);
+            // A cut is a lost link; so is the peer's close seen from the closer's side.
+            links[1][0].as_ref().unwrap().cut("fault injection");
+            let err = links[0][1].as_ref().unwrap().recv(0).await.unwrap_err();
+            assert!(matches!(err, TransportError::Closed { peer: 1, .. }), "{err}");
+            let err = links[2][0].as_ref().unwrap().recv(0).await.unwrap_err();
+            assert!(matches!(err, TransportError::Closed { peer: 0, .. }), "{err}");
         })
         .await;
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::link::{ChannelId, Frame, Link, SendError, TransportError, TransportKind};
+use crate::link::{ChannelId, CloseNotice, Frame, Link, SendError, TransportError, TransportKind};
 
 /// A link whose channels are offset by a base.
 #[derive(Debug)]
@@ -34,6 +34,13 @@ impl ScopedLink {
             TransportError::Closed { reason, .. } => TransportError::Closed {
                 peer: self.peer,
                 reason,
+            },
+            // The failed ranks are the parent's numbers, which mean nothing
+            // here: the subgroup learns of its failures itself.
+            TransportError::PeerClosed { reason, .. } => TransportError::PeerClosed {
+                peer: self.peer,
+                reason,
+                failed: Vec::new(),
             },
             TransportError::FrameTooLarge { len, limit, .. } => TransportError::FrameTooLarge {
                 peer: self.peer,
@@ -80,9 +87,14 @@ impl Link for ScopedLink {
     }
 
     /// Closing a subgroup's view closes the shared connection: a failure in
-    /// either group breaks the link for both.
-    fn close(&self, reason: &str) {
-        self.inner.close(reason);
+    /// either group breaks the link for both. The failed ranks stay behind:
+    /// they are subgroup numbers, which the parent's peer would misread.
+    fn close_with(&self, notice: &CloseNotice) {
+        self.inner.close_with(&CloseNotice::new(notice.reason.clone()));
+    }
+
+    fn cut(&self, reason: &str) {
+        self.inner.cut(reason);
     }
 }
 
@@ -108,10 +120,17 @@ mod tests {
         assert_eq!(parent.tag, 2, "the parent's channel 0 holds only the parent's frame");
         assert_eq!(sub_b.recv(0).await.unwrap().tag, 1);
         assert_eq!(sub_b.peer(), 0);
-        a.close("test");
-        assert!(matches!(
+        sub_a.close_with(&CloseNotice {
+            reason: "test".into(),
+            failed: vec![1],
+        });
+        assert_eq!(
             sub_b.recv(0).await,
-            Err(TransportError::Closed { peer: 0, .. })
-        ));
+            Err(TransportError::PeerClosed {
+                peer: 0,
+                reason: "test".into(),
+                failed: Vec::new()
+            })
+        );
     }
 }

@@ -20,6 +20,8 @@
 //! | 136..140, 140..144, 144..148 | `head_seq` (futex), writer sleeping, writer closed | writer |
 //! | 256..264 | `tail`: bytes released | reader |
 //! | 264..268, 268..272, 272..276 | `tail_seq` (futex), reader sleeping, reader closed | reader |
+//! | 384..388, 388..1408 | writer's close notice: length, bytes | writer, once |
+//! | 1408..1412, 1412..2432 | reader's close notice: length, bytes | reader, once |
 //!
 //! `head` and `tail` count bytes since the ring was made and never wrap; a
 //! position `p` lives at data offset `p % capacity`. A record is a 64-byte
@@ -68,6 +70,11 @@
 //!    without closing is an error, not a hang.
 //! 7. Closing raises this side's closed flag in both rings and wakes every
 //!    sleeper; the peer still receives every record published before it.
+//!    A close on purpose ([`Link::close_with`]) first writes its encoded
+//!    [`CloseNotice`] next to the flag (length last), so the peer gets
+//!    [`TransportError::PeerClosed`]; a flag without a notice (a cut, a
+//!    dropped link) is a lost link. Rings of an older version have length 0
+//!    there, which reads as no notice.
 //!
 //! # Copies and costs
 //! A frame that fits the ring is copied once (sender into the ring). The
@@ -87,7 +94,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::pin;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
@@ -96,7 +103,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use tokio::sync::{mpsc, watch};
 
-use crate::link::{ChannelId, Frame, Link, SendError, TransportError, TransportKind};
+use crate::link::{ChannelId, CloseNotice, Frame, Link, SendError, TransportError, TransportKind};
 
 /// `chorusR1`: marks a fully initialized ring.
 const MAGIC: u64 = u64::from_le_bytes(*b"chorusR1");
@@ -127,6 +134,39 @@ struct Header {
     reader_pid: AtomicU32,
     writer: WriterLine,
     reader: ReaderLine,
+    writer_notice: NoticeArea,
+    reader_notice: NoticeArea,
+}
+
+/// Bytes of an encoded close notice a ring header holds per side.
+const NOTICE_BYTES: usize = 1020;
+const _: () = assert!(CloseNotice::MAX_ENCODED <= NOTICE_BYTES);
+
+/// Where one side leaves its [`CloseNotice`] when it closes on purpose
+/// (rule 7): written once, before that side's closed flag.
+#[repr(C)]
+struct NoticeArea {
+    len: AtomicU32,
+    bytes: [AtomicU8; NOTICE_BYTES],
+}
+
+impl NoticeArea {
+    fn write(&self, encoded: &[u8]) {
+        let encoded = &encoded[..encoded.len().min(NOTICE_BYTES)];
+        for (slot, &byte) in self.bytes.iter().zip(encoded) {
+            slot.store(byte, Ordering::Relaxed);
+        }
+        self.len.store(encoded.len() as u32, Ordering::Release);
+    }
+
+    /// The notice, if the side left one; read after seeing its closed flag.
+    fn read(&self) -> Option<CloseNotice> {
+        let len = (self.len.load(Ordering::Acquire) as usize).min(NOTICE_BYTES);
+        (len > 0).then(|| {
+            let bytes: Vec<u8> = self.bytes[..len].iter().map(|b| b.load(Ordering::Relaxed)).collect();
+            CloseNotice::decode(&bytes)
+        })
+    }
 }
 
 /// Fields the writer moves, on their own cache lines (128 bytes: adjacent
@@ -154,6 +194,8 @@ const _: () = assert!(
         && std::mem::offset_of!(Header, reader_pid) == 48
         && std::mem::offset_of!(Header, writer) == 128
         && std::mem::offset_of!(Header, reader) == 256
+        && std::mem::offset_of!(Header, writer_notice) == 384
+        && std::mem::offset_of!(Header, reader_notice) == 1408
 );
 
 /// Settings of shared-memory links.
@@ -826,6 +868,8 @@ struct Shared {
     liveness_interval: Duration,
     /// Why the link failed, once it has.
     closed: watch::Sender<Option<TransportError>>,
+    /// Whether the peer was told (rule 7): only the first close counts.
+    told: Mutex<bool>,
     /// One writer at a time; owned guards survive a cancelled `send`.
     writing: Arc<tokio::sync::Mutex<()>>,
 }
@@ -856,11 +900,21 @@ impl Shared {
         }
     }
 
-    /// Fails the link (the first error wins) and tells the peer (rule 7).
-    fn fail(&self, error: TransportError) {
+    /// Fails the link (the first error wins) and tells the peer (rule 7),
+    /// leaving `notice` when this side closes on purpose.
+    fn fail(&self, error: TransportError, notice: Option<&CloseNotice>) {
         // Flags first: whoever sees the error here also sees them there.
-        self.outbound.header().writer.closed.store(1, Ordering::SeqCst);
-        self.inbound.header().reader.closed.store(1, Ordering::SeqCst);
+        let mut told = self.told.lock().unwrap_or_else(|p| p.into_inner());
+        if !std::mem::replace(&mut *told, true) {
+            if let Some(notice) = notice {
+                let encoded = notice.encode();
+                self.outbound.header().writer_notice.write(&encoded);
+                self.inbound.header().reader_notice.write(&encoded);
+            }
+            self.outbound.header().writer.closed.store(1, Ordering::SeqCst);
+            self.inbound.header().reader.closed.store(1, Ordering::SeqCst);
+        }
+        drop(told);
         self.closed.send_if_modified(|current| {
             if current.is_none() {
                 *current = Some(error);
@@ -880,14 +934,23 @@ impl Shared {
         }
         if let Some(reason) = self.outbound.reservation.get() {
             let error = self.closed(reason);
-            self.fail(error.clone());
+            self.fail(error.clone(), Some(&CloseNotice::new(error.to_string())));
             return Some(error);
         }
         let header = self.outbound.header();
         if header.reader.closed.load(Ordering::SeqCst) != 0 {
-            return Some(self.closed(format!("rank {} closed the link", self.peer)));
+            return Some(self.peer_closed(&header.reader_notice));
         }
         None
+    }
+
+    /// The error once the peer raised its closed flag: its notice when it
+    /// left one (a close on purpose), a lost link otherwise.
+    fn peer_closed(&self, notice: &NoticeArea) -> TransportError {
+        match notice.read() {
+            Some(notice) => notice.into_error(self.peer),
+            None => self.closed(format!("rank {} dropped the link without closing it", self.peer)),
+        }
     }
 
     fn peer_died(&self, pid: u32) -> TransportError {
@@ -1012,7 +1075,7 @@ impl Shared {
             let blocker = if let Some(error) = self.failure() {
                 Some(error)
             } else if header.writer.closed.load(Ordering::SeqCst) != 0 {
-                Some(self.closed(format!("rank {} closed the link", self.peer)))
+                Some(self.peer_closed(&header.writer_notice))
             } else {
                 None
             };
@@ -1067,8 +1130,11 @@ impl Shared {
     /// The reader thread: reads records in order, validates them and files
     /// the frames by channel until the link fails.
     fn read_loop(&self) {
+        // This side gives up on purpose (a bad record); after a peer's
+        // close or death the notice reaches nobody who needs it.
         if let Err(error) = self.read_records() {
-            self.fail(error);
+            let notice = CloseNotice::new(error.to_string());
+            self.fail(error, Some(&notice));
         }
     }
 
@@ -1217,6 +1283,7 @@ impl ShmLink {
             max_frame: options.max_frame,
             liveness_interval: options.liveness_interval,
             closed: watch::Sender::new(None),
+            told: Mutex::new(false),
             writing: Arc::new(tokio::sync::Mutex::new(())),
         });
         let reader = shared.clone();
@@ -1292,17 +1359,26 @@ impl Link for ShmLink {
         }
     }
 
-    fn close(&self, reason: &str) {
-        self.shared.fail(
-            self.shared
-                .closed(format!("closed by rank {}: {reason}", self.shared.me)),
-        );
+    fn close_with(&self, notice: &CloseNotice) {
+        let error = self
+            .shared
+            .closed(format!("closed by rank {}: {}", self.shared.me, notice.reason));
+        self.shared.fail(error, Some(notice));
+    }
+
+    fn cut(&self, reason: &str) {
+        let error = self.shared.closed(format!("cut by rank {}: {reason}", self.shared.me));
+        self.shared.fail(error, None);
     }
 }
 
 impl Drop for ShmLink {
+    // Going away without a close (an unwinding rank) is a lost link.
     fn drop(&mut self) {
-        self.close("link dropped");
+        let error = self
+            .shared
+            .closed(format!("rank {} dropped the link without closing it", self.shared.me));
+        self.shared.fail(error, None);
     }
 }
 
@@ -1457,11 +1533,46 @@ mod tests {
             let frame = b.recv(0).await.unwrap();
             assert_eq!(frame.payload, Bytes::from_static(b"last words"));
             let err = b.recv(0).await.unwrap_err();
-            assert!(matches!(err, TransportError::Closed { peer: 0, .. }), "{err}");
+            assert_eq!(err, CloseNotice::new("test").into_error(0));
             let err = b.send(0, 0, Bytes::from_static(b"kept")).await.unwrap_err();
             assert_eq!(err.payload, Bytes::from_static(b"kept"));
             let err = a.recv(0).await.unwrap_err();
             assert!(matches!(err, TransportError::Closed { peer: 1, .. }), "{err}");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_close_on_purpose_carries_its_notice_both_ways_and_a_cut_or_a_drop_does_not() {
+        within(async {
+            let notice = CloseNotice {
+                reason: "rank 0 aborted: rank 2 (pid 7) died".into(),
+                failed: vec![2],
+            };
+            let (a, b) = pair(1 << 16).await;
+            a.close_with(&notice);
+            a.cut("too late: the first close counts");
+            assert_eq!(b.recv(0).await.unwrap_err(), notice.clone().into_error(0));
+            let err = b.send(0, 0, Bytes::new()).await.unwrap_err();
+            assert!(
+                matches!(err.error, TransportError::PeerClosed { peer: 0, .. }),
+                "{}",
+                err.error
+            );
+
+            let (a, b) = pair(1 << 16).await;
+            a.cut("fault injection");
+            let err = b.send(0, 0, Bytes::new()).await.unwrap_err();
+            assert!(
+                matches!(err.error, TransportError::Closed { peer: 0, .. }),
+                "{}",
+                err.error
+            );
+
+            let (a, b) = pair(1 << 16).await;
+            drop(a);
+            let err = b.recv(0).await.unwrap_err();
+            assert!(matches!(err, TransportError::Closed { peer: 0, .. }), "{err}");
         })
         .await;
     }
@@ -1513,10 +1624,10 @@ mod tests {
             ring.poke();
             let err = b.recv(0).await.unwrap_err();
             assert!(matches!(err, TransportError::Protocol { peer: 0, .. }), "{err}");
-            // The writer learns that the reader gave up.
+            // The writer learns that the reader gave up, and why.
             let err = a.send(0, 0, Bytes::new()).await.unwrap_err();
             assert!(
-                matches!(err.error, TransportError::Closed { peer: 1, .. }),
+                matches!(&err.error, TransportError::PeerClosed { peer: 1, reason, .. } if reason.contains("rank 0 broke the framing")),
                 "{}",
                 err.error
             );
