@@ -171,6 +171,12 @@ enum BenchSubcommand {
         /// Print JSON lines instead of the table.
         #[arg(long)]
         json: bool,
+        /// Also measure torchrun restarting a Gloo job (needs torch), trials alternating.
+        #[arg(long, value_parser = ["torchrun"])]
+        compare: Option<String>,
+        /// The Python that runs torchrun for --compare.
+        #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
+        python: String,
     },
     /// Throughput and 8-byte round trip between two processes, per transport, next to raw TCP.
     Transport {
@@ -803,6 +809,8 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         iterations,
         seed,
         json,
+        compare,
+        python,
     }) = command.command
     {
         if world < 2 || iterations <= 20 {
@@ -817,6 +825,7 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
             iterations,
             seed: seed.unwrap_or_else(|| rand_seed()),
             trial_timeout: Duration::from_secs(60),
+            compare_torchrun: compare.map(|_| python),
         };
         let failed = chorus::bench::recovery::run(&bench, json).await?;
         return Ok(if failed == 0 {

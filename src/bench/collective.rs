@@ -1085,7 +1085,7 @@ fn worker_flags(args: &CollectiveArgs) -> Vec<String> {
 }
 
 /// Whether `python` can import torch.distributed; its version or why not.
-fn torch_version(python: &str) -> Result<String, String> {
+pub(crate) fn torch_version(python: &str) -> Result<String, String> {
     match Command::new(python)
         .args([
             "-c",

@@ -13,8 +13,15 @@
 //! ranks and finished. Event times are wall-clock microseconds, comparable
 //! between processes of one host.
 //!
+//! With `--compare torchrun`, the peer is measured in the same run, trials
+//! alternating: `tests/python/elastic_gloo.py` (embedded) under torchrun
+//! `--max-restarts 1`, a Gloo all-reduce loop in which a random rank
+//! SIGKILLs itself; torchrun restarts every worker, and the recovery is the
+//! kill to the first all-reduce of the new attempt on every worker.
+//!
 //! The parsing and the statistics are pure ([`TrialOutcome::from_lines`],
-//! [`Summary::of`]); [`run_trial`] is the process driver.
+//! [`torchrun_recovery`], [`Summary::of`]); [`run_trial`] and
+//! [`run_torchrun_trial`] are the process drivers.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -42,7 +49,12 @@ pub struct RecoveryBench {
     pub seed: u64,
     /// Limit on one trial.
     pub trial_timeout: Duration,
+    /// Also measure torchrun with this Python (`None`: chorus alone).
+    pub compare_torchrun: Option<String>,
 }
+
+/// torchrun's side: the script, embedded so that the binary works from anywhere.
+const TORCHRUN_SCRIPT: &str = include_str!("../../tests/python/elastic_gloo.py");
 
 /// Why a trial failed.
 #[derive(Debug, Error)]
@@ -139,6 +151,37 @@ impl TrialOutcome {
         }
         Ok(Self { killed, survivors })
     }
+}
+
+/// torchrun's recovery in microseconds, from its workers' lines: the
+/// killing rank's `event=killing at_us=` to the last `event=restarted at_us=`
+/// of the `world` restarted workers; or why it did not recover.
+pub fn torchrun_recovery(lines: &[String], world: usize) -> Result<i64, String> {
+    let at = |line: &str| -> Option<i64> { field(line, "at_us")?.parse().ok() };
+    let killed_at = lines
+        .iter()
+        .find(|l| l.contains("event=killing"))
+        .and_then(|l| at(l))
+        .ok_or("no worker killed itself")?;
+    let restarted: Vec<i64> = lines
+        .iter()
+        .filter(|l| l.contains("event=restarted"))
+        .filter_map(|l| at(l))
+        .collect();
+    if restarted.len() < world {
+        // The reason: the workers' last exception, else their last error line.
+        let last = |pattern: &str| lines.iter().rev().find(|l| l.contains(pattern));
+        let why = last("RuntimeError:")
+            .or_else(|| last("Error"))
+            .map_or("no reason printed".to_string(), |l| {
+                l.trim().chars().take(200).collect()
+            });
+        return Err(format!(
+            "{} of {world} workers ran an all-reduce after the restart; last error: {why}",
+            restarted.len()
+        ));
+    }
+    Ok(restarted.iter().max().expect("world > 0") - killed_at)
 }
 
 /// The value of `key=` in a probe line.
@@ -361,6 +404,74 @@ pub fn run_trial(
         .map_err(|what| fail(&ranks, what))
 }
 
+/// One torchrun trial: `python -m torch.distributed.run --standalone
+/// --nproc-per-node world --max-restarts 1` over the embedded script, whose
+/// rank `killed` SIGKILLs itself; returns the recovery in microseconds, or
+/// why torchrun did not recover.
+pub fn run_torchrun_trial(
+    bench: &RecoveryBench,
+    python: &str,
+    script: &std::path::Path,
+    killed: usize,
+    kill_after: u64,
+) -> Result<i64, String> {
+    let mut child = Command::new(python)
+        .args(["-m", "torch.distributed.run", "--standalone", "--max-restarts", "1"])
+        .args([
+            "--monitor-interval",
+            "0.1",
+            "--nproc-per-node",
+            &bench.world.to_string(),
+        ])
+        .arg(script)
+        .args([
+            "--kill-rank",
+            &killed.to_string(),
+            "--kill-after",
+            &kill_after.to_string(),
+        ])
+        .args(["--iterations", &bench.iterations.to_string()])
+        .env("OMP_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start torchrun with {python}: {e}"))?;
+    let (tx, rx) = mpsc::channel();
+    let streams: [Box<dyn std::io::Read + Send>; 2] = [
+        Box::new(child.stdout.take().expect("piped")),
+        Box::new(child.stderr.take().expect("piped")),
+    ];
+    for stream in streams {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + bench.trial_timeout;
+    let mut lines = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left.max(Duration::from_millis(1))) {
+            Ok(line) => lines.push(line),
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                // SAFETY: SIGTERM to the torchrun we started lets it stop its workers.
+                unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                std::thread::sleep(Duration::from_secs(2));
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("torchrun did not finish within {:?}", bench.trial_timeout));
+            }
+        }
+    }
+    let _ = child.wait();
+    torchrun_recovery(&lines, bench.world)
+}
+
 /// Runs every trial (each on a store of its own) and prints a row per
 /// trial and the summary (or JSON lines); returns how many trials failed.
 pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryError> {
@@ -369,6 +480,25 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
     let mut schedule = Schedule::new(bench.seed);
     let mut outcomes = Vec::new();
     let mut failures = 0;
+    let torchrun = match &bench.compare_torchrun {
+        Some(python) => match super::collective::torch_version(python) {
+            Ok(version) => {
+                let script = std::env::temp_dir().join(format!("chorus-bench-recovery-{}.py", std::process::id()));
+                std::fs::write(&script, TORCHRUN_SCRIPT)
+                    .map_err(|e| RecoveryError::Setup(format!("writing {}: {e}", script.display())))?;
+                Some((python.clone(), version, script))
+            }
+            Err(why) => {
+                eprintln!(
+                    "--compare torchrun: {python} cannot import torch ({why}); no comparison (pip install torch to enable it)"
+                );
+                None
+            }
+        },
+        None => None,
+    };
+    let mut torchrun_us: Vec<i64> = Vec::new();
+    let mut torchrun_failed = 0;
     if !json {
         println!(
             "# chorus bench recovery: {} ranks on loopback (transport {}), SIGKILL of a random rank mid-loop, {} trials",
@@ -377,7 +507,12 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
             bench.trials
         );
         println!("# recovery = kill -> first all_reduce of generation 1 completed on every survivor");
-        println!("#  trial  killed  detect(ms)  recovery(ms)");
+        if let Some((_, version, _)) = &torchrun {
+            println!(
+                "# torchrun (torch {version} gloo, --max-restarts 1) measured in the same run, trials alternating"
+            );
+        }
+        println!("#  trial  runtime   killed  detect(ms)  recovery(ms)");
     }
     for trial in 0..bench.trials {
         let server = TcpStoreServer::bind(
@@ -407,7 +542,8 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
                     );
                 } else {
                     println!(
-                        "   {trial:>5}  {:>6}  {:>10.1}  {:>12.1}",
+                        "   {trial:>5}  {:<8}  {:>6}  {:>10.1}  {:>12.1}",
+                        "chorus",
                         outcome.killed,
                         outcome.detected_us() as f64 / 1e3,
                         outcome.recovered_us() as f64 / 1e3
@@ -420,6 +556,51 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
                 eprintln!("chorus bench recovery: {error}");
             }
         }
+        if let Some((python, _, script)) = &torchrun {
+            let killed = schedule.below(bench.world as u64) as usize;
+            let kill_after = 20 + schedule.below(10);
+            let (task_bench, python, script) = (bench.clone(), python.clone(), script.clone());
+            let result = tokio::task::spawn_blocking(move || {
+                run_torchrun_trial(&task_bench, &python, &script, killed, kill_after)
+            })
+            .await
+            .map_err(|e| RecoveryError::Setup(format!("the trial's thread failed: {e}")))?;
+            match result {
+                Ok(us) => {
+                    if json {
+                        println!(
+                            "{{\"trial\":{trial},\"runtime\":\"torchrun\",\"killed\":{killed},\"recovery_ms\":{:.1}}}",
+                            us as f64 / 1e3
+                        );
+                    } else {
+                        println!(
+                            "   {trial:>5}  {:<8}  {killed:>6}  {:>10}  {:>12.1}",
+                            "torchrun",
+                            "-",
+                            us as f64 / 1e3
+                        );
+                    }
+                    torchrun_us.push(us);
+                }
+                Err(why) => {
+                    torchrun_failed += 1;
+                    if json {
+                        println!(
+                            "{{\"trial\":{trial},\"runtime\":\"torchrun\",\"killed\":{killed},\"failed\":{}}}",
+                            serde_json::Value::String(why)
+                        );
+                    } else {
+                        println!(
+                            "   {trial:>5}  {:<8}  {killed:>6}  {:>10}  {:>12}  did not recover: {why}",
+                            "torchrun", "-", "-"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if let Some((_, _, script)) = &torchrun {
+        let _ = std::fs::remove_file(script);
     }
     if let Some(summary) = Summary::of(&outcomes) {
         if json {
@@ -443,6 +624,33 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
                 "# detect median {:.1} ms; recovery median {:.1} ms, p90 {:.1} ms, max {:.1} ms",
                 summary.detect_median_ms, summary.recover_median_ms, summary.recover_p90_ms, summary.recover_max_ms
             );
+        }
+    }
+    if torchrun.is_some() {
+        let recovered = torchrun_us.len();
+        let median = (!torchrun_us.is_empty()).then(|| {
+            torchrun_us.sort_unstable();
+            torchrun_us[(recovered - 1) / 2] as f64 / 1e3
+        });
+        let ours = Summary::of(&outcomes).map(|s| s.recover_median_ms);
+        if json {
+            println!(
+                "{{\"runtime\":\"torchrun\",\"trials\":{},\"recovered\":{recovered},\"recovery_median_ms\":{}}}",
+                bench.trials,
+                median.map_or("null".to_string(), |m| format!("{m:.1}"))
+            );
+        } else {
+            match (median, ours) {
+                (Some(theirs), Some(ours)) => println!(
+                    "# torchrun: {recovered}/{} trials recovered, recovery median {theirs:.1} ms; chorus/torchrun {:.3}x",
+                    bench.trials,
+                    ours / theirs
+                ),
+                _ => println!(
+                    "# torchrun: {recovered}/{} trials recovered ({torchrun_failed} did not)",
+                    bench.trials
+                ),
+            }
         }
     }
     Ok(failures)
@@ -482,6 +690,24 @@ mod tests {
         let unfinished: Vec<_> = seen[..6].to_vec();
         let error = TrialOutcome::from_lines(&unfinished, 3, 1, 1000, 100).unwrap_err();
         assert!(error.contains("rank 2 did not finish"), "{error}");
+    }
+
+    #[test]
+    fn torchrun_recovery_needs_every_restarted_worker() {
+        let lines: Vec<String> = [
+            "probe rank=1 gen=0 event=killing at_us=1000",
+            "probe rank=0 gen=1 world=2 event=restarted at_us=4000",
+            "probe rank=1 gen=1 world=2 event=restarted at_us=4500",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(torchrun_recovery(&lines, 2), Ok(3500));
+        let failed = vec![
+            lines[0].clone(),
+            "RuntimeError: Gloo connectFullMesh failed with ... Connection refused".to_string(),
+        ];
+        let why = torchrun_recovery(&failed, 2).unwrap_err();
+        assert!(why.contains("0 of 2") && why.contains("connectFullMesh"), "{why}");
     }
 
     #[test]
