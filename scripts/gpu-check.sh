@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check of chorus's NCCL backend: tests/nccl.rs with real devices
-# required (CHORUS_REQUIRE_GPU=1) and examples/nccl_all_reduce, each under a
-# timeout, then a compact summary. Exit status: the number of failed checks.
+# required (CHORUS_REQUIRE_GPU=1), examples/nccl_all_reduce, and
+# `chorus launch --nproc-per-node <GPUs> -- chorus selftest --backend nccl`
+# (one process per GPU, as torchrun runs them), each under a timeout, then a
+# compact summary. Exit status: the number of failed checks.
 #
-#   scripts/gpu-check.sh prepare   # here, with the crates at hand: builds both
-#                                  # into target/gpu-check/bin (carry that path)
+#   scripts/gpu-check.sh prepare   # here, with the crates at hand: builds the
+#                                  # three into target/gpu-check/bin (carry that path)
 #   scripts/gpu-check.sh           # on the GPU machine (no network): uses
 #                                  # target/gpu-check/bin, else builds with cargo
 #
@@ -19,12 +21,12 @@ export PATH="$HOME/.cargo/bin:$PATH"
 say() { echo "gpu-check: $*"; }
 
 if [ "${1:-}" = prepare ]; then
-    cargo build --release --test nccl --example nccl_all_reduce || exit 1
+    cargo build --release --test nccl --example nccl_all_reduce --bin chorus || exit 1
     test_bin=$(cargo test --release --test nccl --no-run --message-format=json 2>/dev/null |
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
     [ -x "$test_bin" ] || { say "could not find the test binary"; exit 1; }
     mkdir -p "$BIN"
-    cp "$test_bin" "$BIN/nccl-tests" && cp target/release/examples/nccl_all_reduce "$BIN/"
+    cp "$test_bin" "$BIN/nccl-tests" && cp target/release/examples/nccl_all_reduce target/release/chorus "$BIN/"
     strip "$BIN"/* 2>/dev/null || true
     du -sh "$BIN"
     exit 0
@@ -73,7 +75,7 @@ else
 fi
 
 # 3. The binaries: carried in, or built here.
-if [ ! -x "$BIN/nccl-tests" ] || [ ! -x "$BIN/nccl_all_reduce" ]; then
+if [ ! -x "$BIN/nccl-tests" ] || [ ! -x "$BIN/nccl_all_reduce" ] || [ ! -x "$BIN/chorus" ]; then
     if ! command -v cargo >/dev/null; then
         record FAIL "no prepared binaries in $BIN and no cargo: run 'scripts/gpu-check.sh prepare' where the crates are and carry $BIN"
         finish
@@ -107,6 +109,30 @@ if [ $status -eq 0 ]; then
     record PASS "nccl_all_reduce: $(grep 'Avg bus bandwidth' "$log")"
 else
     record FAIL "nccl_all_reduce (exit $status$([ $status -eq 124 ] && echo ', timed out'); $log)"
+fi
+
+# 6. The command line as a torchrun user checks NCCL: one process per visible GPU (at least one, so a
+#    machine without one reports the probe's reason, exit 2), each checking its collectives on its device.
+count_gpus() {
+    if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+        tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .
+    elif command -v nvidia-smi >/dev/null; then
+        nvidia-smi -L 2>/dev/null | grep -c '^GPU'
+    else
+        find /dev -maxdepth 1 -regex '/dev/nvidia[0-9]+' 2>/dev/null | grep -c .
+    fi
+}
+gpus=$(count_gpus)
+[ "${gpus:-0}" -ge 1 ] 2>/dev/null || gpus=1
+log=target/gpu-check/selftest.log
+NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout "$STEP_TIMEOUT" \
+    "$BIN/chorus" launch --nproc-per-node "$gpus" -- "$BIN/chorus" selftest --backend nccl >"$log" 2>&1
+status=$?
+grep -E 'selftest nccl ok|chorus launch:|chorus: |skipped' "$log" | tail -n 20
+if [ $status -eq 0 ]; then
+    record PASS "chorus selftest --backend nccl: $(grep -c 'selftest nccl ok' "$log") of $gpus rank(s) ok"
+else
+    record FAIL "chorus selftest --backend nccl on $gpus GPU(s) (exit $status$([ $status -eq 124 ] && echo ', timed out'); $log)"
 fi
 
 finish

@@ -43,7 +43,7 @@ enum Commands {
     /// Serve or inspect a TCPStore-compatible key/value store.
     #[command(subcommand)]
     Store(StoreCommand),
-    /// As one rank (e.g. under `chorus launch`): check every collective and dtype against a reference.
+    /// As one rank (e.g. under `chorus launch`): check a backend's collectives (cpu: every one and every dtype) against a reference.
     Selftest {
         /// How the ranks meet.
         #[arg(long, default_value = "env://")]
@@ -51,9 +51,12 @@ enum Commands {
         /// Seconds for rendezvous and for each collective.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
-        /// Elements per rank to check, comma-separated.
-        #[arg(long, value_delimiter = ',', default_values_t = [0usize, 1, 13, 1000])]
-        counts: Vec<usize>,
+        /// Elements per rank to check, comma-separated [default: 0,1,13,1000 for cpu; 1,4099,1048576 for nccl].
+        #[arg(long, value_delimiter = ',')]
+        counts: Option<Vec<usize>>,
+        /// The backend to check: cpu (every collective and dtype over the mesh) or nccl (one GPU per process, as torchrun starts them; exits 2 where CUDA or NCCL is missing).
+        #[arg(long, value_enum, default_value_t)]
+        backend: chorus::selftest::SelfTestBackend,
     },
     /// Measure chorus against the peers it must beat (`chorus bench --help`).
     Bench(BenchCommand),
@@ -301,7 +304,38 @@ fn main() -> ExitCode {
             .and_then(|runtime| runtime.block_on(store_command(command))),
         // A rank drives its links from one thread, as its actor will: a
         // cross-thread wake-up per packet tripled the QUIC round trip.
-        Commands::Selftest { init, timeout, counts } => run_async(selftest(init, Duration::from_secs(timeout), counts)),
+        Commands::Selftest {
+            init,
+            timeout,
+            counts,
+            backend: chorus::selftest::SelfTestBackend::Cpu,
+        } => run_async(selftest(
+            init,
+            Duration::from_secs(timeout),
+            counts.unwrap_or_else(|| vec![0, 1, 13, 1000]),
+        )),
+        // One GPU per process; the probe's message and exit code 2 where
+        // CUDA or NCCL is missing, which the launcher reports as the worker's.
+        Commands::Selftest {
+            init,
+            timeout,
+            counts,
+            backend: chorus::selftest::SelfTestBackend::Nccl,
+        } => run_async(async move {
+            use chorus::selftest::nccl;
+            let counts = counts.unwrap_or_else(|| nccl::DEFAULT_COUNTS.to_vec());
+            let mut report = |line: &str| println!("{line}");
+            match nccl::run(&init, Duration::from_secs(timeout), &counts, &mut report).await {
+                Ok(summary) => {
+                    println!("{summary}");
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(error) => {
+                    eprintln!("chorus: selftest --backend nccl: {error}");
+                    Ok(ExitCode::from(error.exit_code()))
+                }
+            }
+        }),
         Commands::Bench(command) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

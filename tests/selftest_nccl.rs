@@ -1,0 +1,99 @@
+//! `chorus launch --nproc-per-node 2 -- chorus selftest --backend nccl`, as a
+//! torchrun user checks NCCL: one process per GPU. Without CUDA or NCCL the
+//! workers exit 2 with the probe's message naming the missing library and
+//! the launcher reports it; with CUDA and NCCL every rank passes (two ranks
+//! where two GPUs are visible, one on a single GPU).
+//! A hard deadline kills the job and fails the test rather than hang.
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use chorus_actors::nccl::{ProbeError, probe};
+
+const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+
+/// Waits for `child` up to `secs`; past that stops it and fails.
+fn finish(mut child: Child, secs: u64) -> Output {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().expect("poll chorus launch").is_none() {
+        if Instant::now() > deadline {
+            // SAFETY: kill only sends a signal; SIGTERM lets the launcher stop its workers.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_secs(3));
+            let _ = child.kill();
+            let output = child.wait_with_output().expect("collect output");
+            panic!("chorus launch did not finish within {secs}s\n{}", text(&output));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("collect output")
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// `chorus launch --nproc-per-node N -- chorus selftest --backend nccl ARGS`.
+fn launch_selftest(nproc: usize, args: &[&str], secs: u64) -> Output {
+    let child = Command::new(CHORUS)
+        .args(["launch", "--nproc-per-node", &nproc.to_string(), "--", CHORUS])
+        .args(["selftest", "--backend", "nccl"])
+        .args(args)
+        .env_remove("CHORUS_JOB_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chorus launch");
+    finish(child, secs)
+}
+
+#[test]
+fn nccl_selftest_under_launch_fails_cleanly_without_cuda_or_passes_on_the_gpus() {
+    match probe() {
+        Err(missing) => {
+            let output = launch_selftest(2, &["--timeout", "20"], 60);
+            let all = text(&output);
+            assert_eq!(output.status.code(), Some(2), "{all}");
+            // The launcher's report: which worker failed, how, and its last lines.
+            assert!(all.contains("exited with code 2 in attempt 0"), "{all}");
+            assert!(all.contains("--max-restarts 0 is used up"), "{all}");
+            // The probe's own message, naming the missing library where one is missing.
+            assert!(all.contains(&missing.to_string()), "{all}");
+            if let ProbeError::MissingLibrary { library, .. } = &missing {
+                assert!(all.contains(library) && all.contains("LD_LIBRARY_PATH"), "{all}");
+            }
+            assert!(!all.contains("panicked"), "{all}");
+            assert!(!all.contains("selftest nccl ok"), "{all}");
+        }
+        Ok(found) => {
+            // Two ranks where two GPUs are visible; one GPU still checks the
+            // whole path (probe, store, communicator, every op) at world 1.
+            let world = found.devices.min(2);
+            let output = launch_selftest(world, &["--timeout", "120"], 300);
+            let all = text(&output);
+            assert!(output.status.success(), "{all}");
+            for rank in 0..world {
+                let ok = format!("selftest nccl ok rank={rank} world={world} device=");
+                assert!(all.contains(&ok), "rank {rank} did not pass:\n{all}");
+                assert!(
+                    all.contains(&format!("selftest nccl rank={rank}: all_reduce(float32 x 1, sum) ok")),
+                    "{all}"
+                );
+            }
+            assert!(all.contains(&format!("nccl={}", found.nccl)), "{all}");
+        }
+    }
+}
+
+/// A count of 0 is refused before the probe runs: input to fix, exit 2.
+#[test]
+fn nccl_selftest_refuses_zero_counts() {
+    let output = launch_selftest(1, &["--counts", "0,5"], 60);
+    let all = text(&output);
+    assert_eq!(output.status.code(), Some(2), "{all}");
+    assert!(all.contains("--counts must list element counts of at least 1"), "{all}");
+}
