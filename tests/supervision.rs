@@ -78,6 +78,37 @@ async fn sv1_a_dead_peer_aborts_every_pending_operation() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv14_survivors_blame_the_rank_that_died_not_each_other() {
+    let results = within(
+        20,
+        "the group",
+        spawn_with(4, options(Duration::from_secs(1)), |pg| async move {
+            if pg.rank() == 2 {
+                // Rank 2 vanishes mid-collective without closing its links.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                drop(pg);
+                return None;
+            }
+            let failures = pg.failures();
+            let error = pg.all_reduce(tensor(), ReduceOp::Sum).await.unwrap_err();
+            let aborted = failures.borrow().clone().expect("the abort is published");
+            Some((pg.rank(), error, aborted))
+        }),
+    )
+    .await
+    .unwrap();
+    for (rank, error, aborted) in results.into_iter().flatten() {
+        // Whichever rank noticed first aborted and closed its links on
+        // purpose (SV-3); the others must not blame it for that.
+        assert_eq!(aborted.failed_ranks, vec![2], "rank {rank}: {aborted}");
+        assert!(
+            matches!(&error, CollectiveError::GroupAborted(a) if a.failed_ranks == vec![2]),
+            "rank {rank}: the operation's error must name rank 2 alone: {error}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sv2_sv3_a_timed_out_collective_aborts_the_group_and_peers_fail_fast() {
     let options = options(Duration::from_secs(10)).collective_timeout(Duration::from_millis(300));
     let results = within(
@@ -340,6 +371,39 @@ fn sv1_sigkill_of_a_random_rank_fails_every_survivor_within_the_window() {
             assert!(
                 after <= WINDOW_MS + 1000,
                 "trial {trial} (seed {seed}, {transport}, rank {victim} killed): rank {rank} got its error {after} ms later:\n{}",
+                probes.log.join("\n")
+            );
+        }
+    }
+}
+
+/// The ranks an error event blames (`failed=[1, 2]`).
+fn blamed(event: &Event) -> Vec<usize> {
+    let list = event["failed"].trim_start_matches('[').trim_end_matches(']');
+    list.split(',')
+        .filter(|r| !r.trim().is_empty())
+        .map(|r| r.trim().parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn sv14_sigkill_blames_the_killed_rank_not_the_survivors() {
+    // Over shm the death is seen by pid; over QUIC by heartbeat silence, and
+    // the first survivor to abort closes its links (ApplicationClosed) before
+    // the others' windows run out.
+    for (trial, transport) in ["shm", "quic", "shm", "quic"].into_iter().enumerate() {
+        let victim = (trial * 3 + 1) % 4;
+        let mut probes = Probes::start(4, &[("CHORUS_TRANSPORT", transport)]);
+        probes.until_running();
+        // SAFETY: SIGKILL to a child this test started.
+        assert_eq!(unsafe { libc::kill(probes.pid(victim), libc::SIGKILL) }, 0);
+        let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
+        let errors = probes.errors(&survivors, Instant::now() + Duration::from_secs(10));
+        for (rank, error) in survivors.iter().zip(&errors) {
+            assert_eq!(
+                (error["kind"].as_str(), blamed(error)),
+                ("aborted", vec![victim]),
+                "{transport}, rank {victim} killed: rank {rank} must blame rank {victim} alone: {error:?}\n{}",
                 probes.log.join("\n")
             );
         }
