@@ -252,6 +252,23 @@ impl Schedule {
     }
 }
 
+/// Sends every line `child` prints (stdout and stderr, piped), tagged, to
+/// `tx`, from a thread per stream.
+fn forward_lines(child: &mut Child, tag: usize, tx: &mpsc::Sender<(usize, String)>) {
+    let streams: [Box<dyn std::io::Read + Send>; 2] = [
+        Box::new(child.stdout.take().expect("piped")),
+        Box::new(child.stderr.take().expect("piped")),
+    ];
+    for stream in streams {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send((tag, line));
+            }
+        });
+    }
+}
+
 fn unix_us() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -343,18 +360,7 @@ pub fn run_trial(
         let mut child = command
             .spawn()
             .map_err(|e| RecoveryError::Setup(format!("starting {}: {e}", exe.display())))?;
-        let streams: [Box<dyn std::io::Read + Send>; 2] = [
-            Box::new(child.stdout.take().expect("piped")),
-            Box::new(child.stderr.take().expect("piped")),
-        ];
-        for stream in streams {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send((rank, line));
-                }
-            });
-        }
+        forward_lines(&mut child, rank, &tx);
         ranks.children.push(child);
     }
     let deadline = Instant::now() + bench.trial_timeout;
@@ -438,25 +444,14 @@ pub fn run_torchrun_trial(
         .spawn()
         .map_err(|e| format!("cannot start torchrun with {python}: {e}"))?;
     let (tx, rx) = mpsc::channel();
-    let streams: [Box<dyn std::io::Read + Send>; 2] = [
-        Box::new(child.stdout.take().expect("piped")),
-        Box::new(child.stderr.take().expect("piped")),
-    ];
-    for stream in streams {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
+    forward_lines(&mut child, 0, &tx);
     drop(tx);
     let deadline = Instant::now() + bench.trial_timeout;
     let mut lines = Vec::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left.max(Duration::from_millis(1))) {
-            Ok(line) => lines.push(line),
+            Ok((_, line)) => lines.push(line),
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 // SAFETY: SIGTERM to the torchrun we started lets it stop its workers.
