@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use actix::{Actor, Addr};
 use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor};
+use chorus_actors::process_watch::{self, ProcessWatch};
 use chorus_actors::rank::{Aborted, RankActor};
 use chorus_actors::supervision::{
     self, ErrorHandling, GroupAborted, HEARTBEAT_TIMEOUT_ENV, Supervision, SupervisionConfigError,
@@ -323,7 +324,10 @@ pub(crate) async fn form(
         host: HostId::local(),
         pid: std::process::id(),
         addrs: netif::local_addresses(master, &env)?,
-        extras: Vec::new(),
+        // Peers on this host watch this pid only within one pid namespace (SV-15).
+        extras: process_watch::pid_namespace()
+            .map(|ns| vec![(PIDNS_EXTRA.to_string(), ns.to_le_bytes().to_vec())])
+            .unwrap_or_default(),
     };
     let (membership, endpoint, links) = match source {
         LinkSource::Mesh { single_host } => {
@@ -342,6 +346,28 @@ pub(crate) async fn form(
         }
     };
     start_rank(config, membership, opened, links, endpoint, options, arbiter).await
+}
+
+/// The record entry holding a rank's pid namespace.
+const PIDNS_EXTRA: &str = "pidns";
+
+/// The peers of this rank whose processes it can watch (SV-15): other
+/// processes on this host, in this pid namespace.
+fn local_processes(membership: &Membership) -> ProcessWatch {
+    let me = membership.me();
+    let namespace = me.extra(PIDNS_EXTRA);
+    ProcessWatch::new(
+        membership
+            .peers
+            .iter()
+            .filter(|peer| {
+                peer.host == me.host
+                    && peer.pid != me.pid
+                    && namespace.is_some()
+                    && peer.extra(PIDNS_EXTRA) == namespace
+            })
+            .map(|peer| (peer.rank as usize, peer.pid)),
+    )
 }
 
 /// Starts a formed rank: its actor, heartbeats and watchdog on `arbiter`.
@@ -400,6 +426,7 @@ async fn start_rank(
         window,
         std::time::Instant::now(),
     )));
+    let processes = local_processes(&membership);
     let (heartbeat_links, watched, watchdog_stop, notify) =
         (links.clone(), supervision.clone(), stop.clone(), actor.clone());
     on_arbiter(&arbiter, async move {
@@ -412,6 +439,7 @@ async fn start_rank(
         supervision::spawn_watchdog(
             watched,
             monitor,
+            processes,
             watchdog,
             move || notify.do_send(Aborted),
             watchdog_stop,

@@ -1,5 +1,6 @@
-//! Failure detection and group abort (rules SV-1..SV-8 in
-//! `chorus_actors::supervision`), in process and with real processes.
+//! Failure detection and group abort (rules SV-1..SV-8 and SV-14 in
+//! `chorus_actors::supervision`, SV-15 in `chorus_actors::process_watch`),
+//! in process and with real processes.
 //!
 //! The process tests start 4 `chorus fault-probe` ranks (all-reduce in a
 //! loop, printing each event with a timestamp) with a 2 s heartbeat window,
@@ -408,6 +409,25 @@ fn sv14_sigkill_blames_the_killed_rank_not_the_survivors() {
             );
         }
     }
+}
+
+#[test]
+fn sv15_a_sigkilled_peer_on_this_host_is_seen_at_once_over_quic() {
+    // A heartbeat window of a minute: only the process watch can see the
+    // death within the test's 10 s deadline, as QUIC carries no word of it.
+    let mut probes = Probes::start(4, &[("CHORUS_TRANSPORT", "quic"), ("CHORUS_HEARTBEAT_TIMEOUT", "60")]);
+    probes.until_running();
+    // SAFETY: SIGKILL to a child this test started.
+    assert_eq!(unsafe { libc::kill(probes.pid(1), libc::SIGKILL) }, 0);
+    let errors = probes.errors(&[0, 2, 3], Instant::now() + Duration::from_secs(10));
+    for error in &errors {
+        assert_eq!(blamed(error), vec![1], "{error:?}\n{}", probes.log.join("\n"));
+    }
+    assert!(
+        errors.iter().any(|e| e["error"].contains("exited")),
+        "some survivor must have seen rank 1's process exit:\n{}",
+        probes.log.join("\n")
+    );
 }
 
 #[test]

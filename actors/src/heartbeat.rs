@@ -166,6 +166,16 @@ impl HeartbeatMonitor {
         }
     }
 
+    /// `peer`'s process (on this host) exited: it failed, without waiting
+    /// out the window (SV-15).
+    pub fn process_exited(&mut self, peer: usize, pid: u32) {
+        if let Some(state) = self.peers.get_mut(&peer) {
+            state
+                .closed
+                .get_or_insert_with(|| PeerFailureCause::Closed(format!("its process (pid {pid}) exited")));
+        }
+    }
+
     /// `peer` left cleanly: it is no longer watched (SV-8).
     pub fn left(&mut self, peer: usize) {
         self.peers.remove(&peer);

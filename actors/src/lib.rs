@@ -12,6 +12,8 @@
 //! - [`supervision`]: error-handling modes, the watchdog that aborts a group
 //!   when a peer fails or an operation overruns, the monitor that exits a
 //!   process whose watchdog is stuck; rules SV-1..SV-8 in its docs.
+//! - [`process_watch`]: watching peer processes on this host through
+//!   pidfds, so their exit is noticed at once whatever the transport (SV-15).
 //! - [`driver`]: the CPU backend: runs one rank's collective plan (from
 //!   `chorus_runtime::collective`) over its links, with signature exchange
 //!   for desync detection and a deadline.
@@ -22,6 +24,7 @@
 pub mod driver;
 pub mod heartbeat;
 pub mod nccl;
+pub mod process_watch;
 pub mod rank;
 pub mod supervision;
 pub mod system;

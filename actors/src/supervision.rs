@@ -46,6 +46,7 @@ use thiserror::Error;
 use tokio::sync::watch;
 
 use crate::heartbeat::{HeartbeatMonitor, PeerFailure, PeerFailureCause};
+use crate::process_watch::ProcessWatch;
 
 /// The environment variables of blocking-wait mode, most specific first.
 pub const BLOCKING_WAIT_ENV: [&str; 3] = ["CHORUS_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"];
@@ -419,12 +420,14 @@ fn verdict(
 
 /// Runs the watchdog on the current runtime (the rank's arbiter) until
 /// `stop` turns true: every `config.poll` it counts a step of progress,
-/// polls the heartbeat monitor and the operation in flight, and aborts the
-/// group on a verdict (in modes that abort; [`ErrorHandling::Off`] logs).
-/// `on_abort` runs once after the abort (the actor dumps its recorder).
+/// tells the heartbeat monitor which watched peer processes exited (SV-15),
+/// polls the monitor and the operation in flight, and aborts the group on a
+/// verdict (in modes that abort; [`ErrorHandling::Off`] logs). `on_abort`
+/// runs once after the abort (the actor dumps its recorder).
 pub fn spawn_watchdog(
     supervision: Arc<Supervision>,
     monitor: Arc<Mutex<HeartbeatMonitor>>,
+    mut processes: ProcessWatch,
     config: WatchdogConfig,
     on_abort: impl FnOnce() + Send + 'static,
     mut stop: watch::Receiver<bool>,
@@ -441,7 +444,13 @@ pub fn spawn_watchdog(
                 continue;
             }
             let now = Instant::now();
-            let failures = monitor.lock().unwrap_or_else(|p| p.into_inner()).poll(now);
+            let failures = {
+                let mut monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
+                for (rank, pid) in processes.exited() {
+                    monitor.process_exited(rank, pid);
+                }
+                monitor.poll(now)
+            };
             let in_flight = supervision.in_flight.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let Some((reason, ranks)) = verdict(failures, in_flight.as_ref(), config.overdue_grace, now) else {
                 continue;
