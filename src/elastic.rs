@@ -438,6 +438,12 @@ impl ElasticGroup {
         self.current().generation()
     }
 
+    /// The current generation's group, as it changes (for what follows the
+    /// group through its generations, e.g. `ElasticNccl`).
+    pub(crate) fn generations(&self) -> watch::Receiver<Arc<ProcessGroup>> {
+        self.shared.current.subscribe()
+    }
+
     /// Membership changes from now on, one per restart.
     pub fn events(&self) -> broadcast::Receiver<MembershipChange> {
         self.shared.events.subscribe()

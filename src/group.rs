@@ -585,6 +585,11 @@ impl ProcessGroup {
         self.membership.generation
     }
 
+    /// The job's run id (`TORCHELASTIC_RUN_ID`), which scopes its keys in the store.
+    pub fn run_id(&self) -> &str {
+        &self.config.run_id
+    }
+
     /// Every rank's published record, indexed by rank.
     pub fn peers(&self) -> &[PeerRecord] {
         &self.membership.peers

@@ -9,7 +9,8 @@
 //!   [`ProcessGroup`], each returning a [`Work`]; [`tensor`]: the owned
 //!   buffers they take and hand back.
 //! - [`elastic`]: [`ElasticGroup`], a group that restarts itself into a
-//!   new generation after a failure (rules SV-9..SV-13).
+//!   new generation after a failure (rules SV-9..SV-13); [`elastic_nccl`]:
+//!   NCCL communicators that follow it through its generations (EN-1..EN-3).
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).
 //! - [`mesh`]: building those links: transport choice, published endpoints,
@@ -26,6 +27,7 @@
 pub mod bench;
 pub mod collectives;
 pub mod elastic;
+pub mod elastic_nccl;
 pub mod group;
 pub mod launch;
 pub mod mesh;

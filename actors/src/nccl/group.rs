@@ -407,6 +407,7 @@ pub struct NcclGroup<C: Communicator> {
     shared: Arc<Shared<C>>,
     stop: Arc<AtomicBool>,
     arbiter: Arbiter,
+    generation: u64,
 }
 
 impl<C: Communicator> NcclGroup<C> {
@@ -443,6 +444,7 @@ impl<C: Communicator> NcclGroup<C> {
             shared,
             stop,
             arbiter,
+            generation: config.generation,
         })
     }
 
@@ -454,6 +456,11 @@ impl<C: Communicator> NcclGroup<C> {
     /// The number of ranks.
     pub fn world(&self) -> usize {
         self.shared.comm.world()
+    }
+
+    /// The generation it was formed for.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Queues `collective` now (operations run in the order submitted,
