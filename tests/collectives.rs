@@ -3,17 +3,13 @@
 //! sizes 1 to 8) and in separate processes (`chorus launch ... chorus
 //! selftest`, over shared memory and QUIC); plus desync detection.
 
-use std::time::Duration;
+use std::process::Command;
 
 use chorus::selftest::{ALL_DTYPES, check_collectives, check_subgroups};
 use chorus::{CollectiveError, DType, ReduceOp, Tensor, spawn};
 
-/// Fails the test with a message instead of hanging.
-async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(60), fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within 60s"))
-}
+mod common;
+use common::{CHORUS, Stop, joined, run, within};
 
 async fn check_world(world: usize, dtypes: &'static [DType], counts: &'static [usize]) {
     let results = spawn(world, move |pg| async move {
@@ -35,7 +31,7 @@ async fn check_world(world: usize, dtypes: &'static [DType], counts: &'static [u
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_collective_for_worlds_one_to_eight() {
-    within("collectives", async {
+    within(60, "collectives", async {
         for world in 1..=8 {
             check_world(world, &ALL_DTYPES, &[0, 1, 13]).await;
         }
@@ -45,7 +41,7 @@ async fn every_collective_for_worlds_one_to_eight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_mib_all_reduce_in_process() {
-    within("large all_reduce", async {
+    within(60, "large all_reduce", async {
         for world in [2, 3, 5] {
             check_world(world, &[DType::Float32], &[(3 << 20) / 4 + 3]).await;
         }
@@ -55,7 +51,7 @@ async fn several_mib_all_reduce_in_process() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_that_call_different_collectives_all_get_a_desync_error() {
-    within("desync", async {
+    within(60, "desync", async {
         let errors = spawn(3, |pg| async move {
             let t = Tensor::from_slice(&[1.0f32; 4]);
             let result = if pg.rank() == 1 {
@@ -85,41 +81,24 @@ async fn ranks_that_call_different_collectives_all_get_a_desync_error() {
 
 /// `chorus launch --nproc-per-node world -- chorus selftest` with `transport`.
 fn selftest_processes(world: usize, transport: &str) {
-    use std::process::{Command, Stdio};
-    use std::time::Instant;
-    let chorus = env!("CARGO_BIN_EXE_chorus");
-    let mut child = Command::new(chorus)
+    let mut command = Command::new(CHORUS);
+    command
         .args([
             "launch",
             "--nproc-per-node",
             &world.to_string(),
             "--",
-            chorus,
+            CHORUS,
             "selftest",
             "--timeout",
             "60",
             "--counts",
             "0,1,13,2000",
         ])
-        .env("CHORUS_TRANSPORT", transport)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start chorus launch");
-    let deadline = Instant::now() + Duration::from_secs(150);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("selftest of {world} processes over {transport} did not finish in 150s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = child.wait_with_output().unwrap();
-    let all = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+        .env("CHORUS_TRANSPORT", transport);
+    let what = format!("selftest of {world} processes over {transport}");
+    let output = run(&mut command, 150, &what, Stop::Kill);
+    let all = joined(&output);
     assert!(
         output.status.success(),
         "selftest of {world} processes over {transport} failed:\n{all}"
@@ -147,7 +126,7 @@ fn every_collective_in_separate_processes_over_quic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_that_disagree_on_a_subgroup_are_told_so() {
-    within("subgroup mismatch", async {
+    within(60, "subgroup mismatch", async {
         let outcomes = spawn(3, |pg| async move {
             let ranks: &[usize] = if pg.rank() == 2 { &[0, 2] } else { &[0, 1] };
             pg.new_group(ranks)

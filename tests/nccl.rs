@@ -17,12 +17,8 @@ use chorus_actors::supervision::{AbortReason, ErrorHandling};
 use chorus_runtime::collective::{DType, ReduceOp};
 use chorus_runtime::store::{HashStore, Store};
 
-/// Fails a test that hangs, with a message, instead of hanging CI.
-async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
-}
+mod common;
+use common::within;
 
 fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_ne_bytes()).collect()

@@ -1,40 +1,15 @@
 //! Rendezvous between real processes (the `chorus` binary), over each init
 //! method, and the errors a user gets for each way of getting it wrong.
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+mod common;
+use common::{CHORUS, Stop, free_port, joined, spawn_piped};
 
 /// Runs `command` to completion, killing it and failing the test after `secs`.
 fn run(mut command: Command, secs: u64) -> Output {
-    let mut child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start chorus");
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while child.try_wait().expect("poll child").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!(
-                "chorus did not finish within {secs}s\nstdout:\n{}\nstderr:\n{}",
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn text(output: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
+    common::run(&mut command, secs, "chorus", Stop::Kill)
 }
 
 fn hello(world: usize, init: &str) {
@@ -49,7 +24,7 @@ fn hello(world: usize, init: &str) {
         "60",
     ]);
     let output = run(command, 90);
-    let all = text(&output);
+    let all = joined(&output);
     assert!(
         output.status.success(),
         "hello --world {world} --init {init} failed:\n{all}"
@@ -96,14 +71,6 @@ fn processes_meet_over_env() {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// One rank process, with a clean environment plus `env`.
 fn worker(url: &str, timeout_secs: u64, env: &[(&str, String)]) -> Command {
     let mut command = Command::new(CHORUS);
@@ -123,9 +90,9 @@ fn a_rank_outside_the_world_is_refused() {
     let output = run(worker(&url, 5, &[]), 30);
     assert!(!output.status.success());
     assert!(
-        text(&output).contains("rank 3 is out of range for world size 2"),
+        joined(&output).contains("rank 3 is out of range for world size 2"),
         "{}",
-        text(&output)
+        joined(&output)
     );
 }
 
@@ -133,7 +100,7 @@ fn a_rank_outside_the_world_is_refused() {
 fn env_init_names_the_missing_variable() {
     let output = run(worker("env://", 5, &[]), 30);
     assert!(!output.status.success());
-    assert!(text(&output).contains("MASTER_ADDR"), "{}", text(&output));
+    assert!(joined(&output).contains("MASTER_ADDR"), "{}", joined(&output));
     let env = [
         ("MASTER_ADDR", "127.0.0.1".to_string()),
         ("MASTER_PORT", free_port().to_string()),
@@ -141,7 +108,7 @@ fn env_init_names_the_missing_variable() {
     ];
     let output = run(worker("env://", 5, &env), 30);
     assert!(!output.status.success());
-    assert!(text(&output).contains("RANK"), "{}", text(&output));
+    assert!(joined(&output).contains("RANK"), "{}", joined(&output));
 }
 
 #[test]
@@ -151,7 +118,7 @@ fn an_unreachable_store_is_reported_with_address_and_time() {
     let started = Instant::now();
     let output = run(worker(&url, 2, &[]), 30);
     assert!(!output.status.success());
-    let all = text(&output);
+    let all = joined(&output);
     assert!(
         all.contains(&format!("could not connect to store at 127.0.0.1:{port}")),
         "{all}"
@@ -167,19 +134,13 @@ fn an_unreachable_store_is_reported_with_address_and_time() {
 fn a_duplicate_rank_names_both_processes_and_the_rest_time_out_naming_the_missing_rank() {
     let port = free_port();
     let url = |rank: usize| format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=3");
-    let spawn = |rank: usize| {
-        worker(&url(rank), 4, &[])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
+    let spawn = |rank: usize| spawn_piped(&mut worker(&url(rank), 4, &[]), "chorus");
     let rank0 = spawn(0);
     std::thread::sleep(Duration::from_millis(300));
     let first = spawn(1);
     std::thread::sleep(Duration::from_millis(500));
     let second = run(worker(&url(1), 4, &[]), 30);
-    let all = text(&second);
+    let all = joined(&second);
     assert!(!second.status.success());
     assert!(all.contains("rank 1 is claimed twice"), "{all}");
     assert!(
@@ -187,12 +148,12 @@ fn a_duplicate_rank_names_both_processes_and_the_rest_time_out_naming_the_missin
         "the first claimant's pid must be named: {all}"
     );
     let output = wait_with_deadline(rank0, 30);
-    let all = text(&output);
+    let all = joined(&output);
     assert!(!output.status.success(), "rank 0 should fail: rank 2 never came");
     assert!(all.contains("missing ranks [2]"), "rank 0: {all}");
     // Rank 1 times out too, or first sees rank 0 (the store's host) leave.
     let output = wait_with_deadline(first, 30);
-    let all = text(&output);
+    let all = joined(&output);
     assert!(!output.status.success(), "rank 1 should fail: rank 2 never came");
     assert!(
         all.contains("missing ranks [2]") || all.contains("closed the connection"),
@@ -200,32 +161,24 @@ fn a_duplicate_rank_names_both_processes_and_the_rest_time_out_naming_the_missin
     );
 }
 
-fn wait_with_deadline(mut child: std::process::Child, secs: u64) -> Output {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("process {} did not exit within {secs}s", child.id());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
+fn wait_with_deadline(child: std::process::Child, secs: u64) -> Output {
+    let what = format!("process {}", child.id());
+    common::finish(child, secs, &what, Stop::Kill)
 }
 
 #[test]
 fn ranks_that_disagree_on_the_world_size_are_told_so() {
     let port = free_port();
-    let rank0 = worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let rank0 = spawn_piped(
+        &mut worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]),
+        "chorus",
+    );
     std::thread::sleep(Duration::from_millis(300));
     let output = run(
         worker(&format!("tcp://127.0.0.1:{port}?rank=1&world_size=3"), 4, &[]),
         30,
     );
-    let all = text(&output);
+    let all = joined(&output);
     assert!(!output.status.success());
     assert!(all.contains("world size mismatch"), "{all}");
     assert!(all.contains("world size 3") && all.contains("world size 2"), "{all}");
@@ -235,17 +188,16 @@ fn ranks_that_disagree_on_the_world_size_are_told_so() {
 #[test]
 fn two_rank_zeros_cannot_both_serve() {
     let port = free_port();
-    let rank0 = worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let rank0 = spawn_piped(
+        &mut worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]),
+        "chorus",
+    );
     std::thread::sleep(Duration::from_millis(300));
     let output = run(
         worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]),
         30,
     );
-    let all = text(&output);
+    let all = joined(&output);
     assert!(!output.status.success());
     assert!(all.contains("port is in use") || all.contains("claimed twice"), "{all}");
     let _ = wait_with_deadline(rank0, 30);
@@ -255,15 +207,14 @@ fn two_rank_zeros_cannot_both_serve() {
 fn a_rank_without_the_job_secret_is_refused() {
     let port = free_port();
     let url = |rank: usize| format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=2");
-    let rank0 = worker(&url(0), 5, &[("CHORUS_JOB_SECRET", "the-real-secret".to_string())])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let rank0 = spawn_piped(
+        &mut worker(&url(0), 5, &[("CHORUS_JOB_SECRET", "the-real-secret".to_string())]),
+        "chorus",
+    );
     let intruder = run(worker(&url(1), 5, &[("CHORUS_JOB_SECRET", "a-guess".to_string())]), 30);
     let rank0 = wait_with_deadline(rank0, 30);
     assert!(!rank0.status.success() && !intruder.status.success());
-    let all = text(&rank0);
+    let all = joined(&rank0);
     assert!(
         all.contains("rank 1 (pid") && all.contains("not signed with this job's secret"),
         "{all}"
@@ -277,7 +228,7 @@ fn faults_from_the_environment_kill_the_named_rank() {
         .args(["hello", "--world", "3", "--timeout", "5"])
         .env("CHORUS_FAULTS", "kill(rank=1)");
     let output = run(command, 60);
-    let all = text(&output);
+    let all = joined(&output);
     assert!(!output.status.success(), "{all}");
     assert!(
         all.contains("rank 1 exited with signal: 9"),
@@ -293,7 +244,7 @@ fn the_transport_follows_chorus_transport() {
             .args(["hello", "--world", "3", "--timeout", "30"])
             .env("CHORUS_TRANSPORT", choice);
         let output = run(command, 60);
-        let all = text(&output);
+        let all = joined(&output);
         assert!(output.status.success(), "CHORUS_TRANSPORT={choice}:\n{all}");
         assert_eq!(
             all.matches(expected).count(),
@@ -313,8 +264,8 @@ fn the_transport_follows_chorus_transport() {
     let output = run(command, 60);
     assert!(!output.status.success());
     assert!(
-        text(&output).contains("CHORUS_TRANSPORT=\"carrier-pigeon\" is not a transport"),
+        joined(&output).contains("CHORUS_TRANSPORT=\"carrier-pigeon\" is not a transport"),
         "{}",
-        text(&output)
+        joined(&output)
     );
 }

@@ -10,12 +10,8 @@ use chorus::store::{Store, StoreError, TcpStore, TcpStoreOptions, TcpStoreServer
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Fails the test with a message instead of hanging.
-async fn within<T>(what: &str, secs: u64, fut: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
-}
+mod common;
+use common::{CHORUS, free_port, within};
 
 async fn server_with(options: TcpStoreServerOptions) -> TcpStoreServer {
     TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), options)
@@ -34,7 +30,7 @@ async fn client(addr: SocketAddr, timeout: Duration) -> TcpStore {
 
 #[tokio::test]
 async fn every_operation_over_tcp() {
-    within("operations", 30, async {
+    within(30, "operations", async {
         let server = server_with(TcpStoreServerOptions::default()).await;
         let store = client(server.local_addr(), Duration::from_secs(5)).await;
         store.set("a", b"1").await.unwrap();
@@ -93,7 +89,7 @@ async fn every_operation_over_tcp() {
 
 #[tokio::test]
 async fn a_get_waits_for_another_clients_set() {
-    within("wait", 30, async {
+    within(30, "wait", async {
         let server = server_with(TcpStoreServerOptions::default()).await;
         let reader = client(server.local_addr(), Duration::from_secs(10)).await;
         let writer = client(server.local_addr(), Duration::from_secs(10)).await;
@@ -108,7 +104,7 @@ async fn a_get_waits_for_another_clients_set() {
 
 #[tokio::test]
 async fn a_wait_timeout_names_key_and_address_and_the_connection_survives() {
-    within("timeout", 30, async {
+    within(30, "timeout", async {
         let server = server_with(TcpStoreServerOptions::default()).await;
         let store = client(server.local_addr(), Duration::from_millis(300)).await;
         store.set("present", b"1").await.unwrap();
@@ -129,7 +125,7 @@ async fn a_wait_timeout_names_key_and_address_and_the_connection_survives() {
 
 #[tokio::test]
 async fn eight_concurrent_clients_add_up() {
-    within("concurrent adds", 60, async {
+    within(60, "concurrent adds", async {
         let server = server_with(TcpStoreServerOptions::default()).await;
         let mut tasks = Vec::new();
         for _ in 0..8 {
@@ -151,11 +147,8 @@ async fn eight_concurrent_clients_add_up() {
 
 #[tokio::test]
 async fn an_unreachable_store_says_where_and_how_long() {
-    within("unreachable", 30, async {
-        let port = {
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            listener.local_addr().unwrap().port()
-        };
+    within(30, "unreachable", async {
+        let port = free_port();
         let options = TcpStoreOptions {
             connect_timeout: Duration::from_millis(500),
             ..TcpStoreOptions::default()
@@ -182,7 +175,7 @@ async fn an_unreachable_store_says_where_and_how_long() {
 
 #[tokio::test]
 async fn a_server_that_goes_away_is_an_error_not_a_hang() {
-    within("server gone", 30, async {
+    within(30, "server gone", async {
         let server = server_with(TcpStoreServerOptions::default()).await;
         let store = client(server.local_addr(), Duration::from_secs(20)).await;
         let waiter = tokio::spawn(async move { store.wait(&["never"]).await });
@@ -223,7 +216,7 @@ async fn closed_by_server(stream: &mut TcpStream) -> bool {
 
 #[tokio::test]
 async fn bad_input_closes_only_the_offending_connection() {
-    within("bad input", 60, async {
+    within(60, "bad input", async {
         let options = TcpStoreServerOptions {
             handshake_timeout: Duration::from_millis(500),
             ..TcpStoreServerOptions::default()
@@ -297,9 +290,9 @@ async fn bad_input_closes_only_the_offending_connection() {
 
 #[tokio::test]
 async fn ten_thousand_idle_connections_do_not_starve_a_working_client() {
-    within("10k idle connections", 120, async {
+    within(120, "10k idle connections", async {
         // The server runs in its own process so each side holds 10 000 sockets, not 20 000.
-        let mut server = tokio::process::Command::new(env!("CARGO_BIN_EXE_chorus"))
+        let mut server = tokio::process::Command::new(CHORUS)
             .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)

@@ -11,25 +11,14 @@ use chorus::store::{Store, StoreError, TcpStore, TcpStoreOptions, TcpStoreServer
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+mod common;
+use common::within;
+
 const SCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python");
 
+/// Whether the tests can run; says so when they skip.
 fn torch_available() -> bool {
-    let ok = std::process::Command::new("python3")
-        .args(["-c", "import torch.distributed"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("SKIPPED: torch is not importable by python3; `pip install torch==2.15.0` enables the interop tests");
-    }
-    ok
-}
-
-async fn within<T>(what: &str, secs: u64, fut: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), fut)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
+    common::torch_available("the interop tests")
 }
 
 /// PyTorch's own server, in a Python process that lives while `Child` does.
@@ -87,7 +76,7 @@ async fn pytorch_client_gets_the_same_answers_from_chorus_as_from_pytorch() {
     if !torch_available() {
         return;
     }
-    within("pytorch client transcripts", 120, async {
+    within(120, "pytorch client transcripts", async {
         let (_python_server, port) = pytorch_server().await;
         let reference = pytorch_transcript(port).await;
         let server = chorus_server().await;
@@ -170,7 +159,7 @@ async fn chorus_client_gets_the_same_answers_from_pytorch_as_from_chorus() {
     if !torch_available() {
         return;
     }
-    within("chorus client transcripts", 120, async {
+    within(120, "chorus client transcripts", async {
         let (_python_server, port) = pytorch_server().await;
         let reference = chorus_transcript(port).await;
         let server = chorus_server().await;
@@ -186,7 +175,7 @@ async fn keys_written_by_one_side_are_read_by_the_other() {
     if !torch_available() {
         return;
     }
-    within("cross reads", 120, async {
+    within(120, "cross reads", async {
         let server = chorus_server().await;
         let port = server.local_addr().port();
         // PyTorch writes (through its own client), chorus reads with the same key names.
