@@ -101,7 +101,8 @@ pub enum RestartPolicy {
     All,
     /// Relaunch only the failed worker, in its local rank slot, while the
     /// others keep running; an elastic program (`ElasticGroup`) takes it
-    /// into its next generation. Single node only.
+    /// into its next generation. With several nodes, nodes also leave and
+    /// join without restarting the others' workers (see `launch::nodes`).
     Worker,
 }
 
@@ -235,7 +236,9 @@ is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
   --max-restarts N                 restarts after failures, per job (default 0)
   --restart-policy all|worker      restart the whole group (default, as torchrun)
                                    or relaunch only the failed worker, which
-                                   joins an elastic program's next generation
+                                   joins an elastic program's next generation;
+                                   with several nodes, nodes leave and join
+                                   without restarting the others' workers
   --monitor-interval S             store polling period, multi-node (default 0.1)
   --shutdown-timeout S             SIGTERM to SIGKILL grace (default 30)
   --log-dir DIR                    write DIR/RUN_ID/attempt_N/RANK/{stdout,stderr}.log
@@ -518,13 +521,6 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         None => RestartPolicy::All,
         Some((spelled, value)) => match value.trim() {
             "all" => RestartPolicy::All,
-            "worker" if max_nodes > 1 => {
-                return Err(invalid(
-                    &spelled,
-                    &value,
-                    "worker restarts are single-node for now; use --restart-policy all with --nnodes above 1",
-                ));
-            }
             "worker" => RestartPolicy::Worker,
             _ => {
                 return Err(invalid(
@@ -795,7 +791,7 @@ mod tests {
     }
 
     #[test]
-    fn restart_policy_defaults_to_all_and_worker_is_single_node() {
+    fn restart_policy_defaults_to_all_and_worker_works_with_several_nodes() {
         assert_eq!(config("p", &[]).restart_policy, RestartPolicy::All);
         assert_eq!(
             config("--restart-policy worker p", &[]).restart_policy,
@@ -810,10 +806,10 @@ mod tests {
             RestartPolicy::Worker
         );
         assert!(parse_with("--restart-policy some p", &[]).is_err());
-        let error = parse_with("--nnodes 1:2 --restart-policy worker p", &[])
-            .unwrap_err()
-            .to_string();
-        assert!(error.contains("single-node"), "{error}");
+        for nnodes in ["2", "1:2"] {
+            let line = format!("--nnodes {nnodes} --restart-policy worker p");
+            assert_eq!(config(&line, &[]).restart_policy, RestartPolicy::Worker, "{line}");
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Sans-IO: the environment each worker gets, as torchrun gives it, plus
-//! `CHORUS_JOB_SECRET`.
+//! `CHORUS_JOB_SECRET`, and under `--restart-policy worker` the elastic
+//! bounds of the workers' group (`CHORUS_MIN_WORLD`, `CHORUS_MAX_WORLD`).
 
 use std::path::{Path, PathBuf};
 
@@ -29,7 +30,17 @@ pub struct JobEnv {
     /// This attempt's directory; each rank's `TORCHELASTIC_ERROR_FILE` is
     /// `<attempt_dir>/<rank>/error.json`.
     pub attempt_dir: PathBuf,
+    /// `CHORUS_MIN_WORLD` and `CHORUS_MAX_WORLD`: the bounds on the size of
+    /// an elastic group's generation, set only under `--restart-policy
+    /// worker`, where the workers re-form by themselves as nodes leave and
+    /// join (`--nnodes MIN:MAX` times `--nproc-per-node`).
+    pub elastic_world: Option<(usize, usize)>,
 }
+
+/// Fewest ranks a generation of the workers' elastic group may have.
+pub const MIN_WORLD_ENV: &str = "CHORUS_MIN_WORLD";
+/// Most ranks a generation of the workers' elastic group admits.
+pub const MAX_WORLD_ENV: &str = "CHORUS_MAX_WORLD";
 
 /// The signals the launcher forwards, as torchrun names them in
 /// `TORCHELASTIC_SIGNALS_TO_HANDLE`.
@@ -95,6 +106,10 @@ impl JobEnv {
             ),
             ("CHORUS_JOB_SECRET", self.secret.clone()),
         ];
+        if let Some((min, max)) = self.elastic_world {
+            vars.push((MIN_WORLD_ENV, min.to_string()));
+            vars.push((MAX_WORLD_ENV, max.to_string()));
+        }
         if self.nproc_per_node > 1 && parent("OMP_NUM_THREADS").is_none() {
             vars.push(("OMP_NUM_THREADS", "1".to_string()));
         }
@@ -129,6 +144,7 @@ mod tests {
             run_id: "job".into(),
             secret: "ab".into(),
             attempt_dir: PathBuf::from("/l/job/attempt_2"),
+            elastic_world: None,
         }
     }
 
@@ -181,6 +197,19 @@ mod tests {
             .map(|(a, _)| a.0.as_str())
             .collect();
         assert_eq!(differ, ["TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"]);
+    }
+
+    #[test]
+    fn elastic_bounds_only_when_given() {
+        let plain = job().for_worker(0, &|_| None);
+        assert_eq!(get(&plain, MIN_WORLD_ENV), None, "torchrun's variables only");
+        let elastic = JobEnv {
+            elastic_world: Some((3, 9)),
+            ..job()
+        };
+        let vars = elastic.for_worker(0, &|_| None);
+        assert_eq!(get(&vars, MIN_WORLD_ENV), Some("3"));
+        assert_eq!(get(&vars, MAX_WORLD_ENV), Some("9"));
     }
 
     #[test]

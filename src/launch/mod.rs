@@ -20,15 +20,30 @@
 //!   key layout and shared secret on it.
 //! - `workers`: the worker processes of one attempt and their output.
 //!
+//! - this file: the driver tying them together ([`main`]).
+//!
 //! # Restart policies
 //! `--restart-policy all` (the default) is torchrun's: a failed worker stops
-//! every worker and the group restarts as attempt n+1. `worker` (single node)
-//! reports the failure the same way but relaunches only that worker, in its
-//! local rank slot with `TORCHELASTIC_RESTART_COUNT` = n+1 (its files under
-//! `attempt_<n+1>/`), while the others keep running; an `ElasticGroup`
+//! every worker and the group restarts as attempt n+1. `worker` reports the
+//! failure the same way but relaunches only that worker, in its local rank
+//! slot with `TORCHELASTIC_RESTART_COUNT` advanced (its files under
+//! `attempt_<n>/`), while the others keep running; an `ElasticGroup`
 //! program takes it into its next generation, where its rank may differ from
-//! `RANK`. `--max-restarts` counts restarts per job under both policies.
-//! - this file: the driver tying them together ([`main`]).
+//! `RANK`. `--max-restarts` counts restarts per job under `all` and per node
+//! under `worker` (on one node the same thing; with several, each launcher
+//! relaunches and counts its own workers, as torchrun's agents count theirs).
+//!
+//! With several nodes, `worker` leaves node churn to the workers too: a node
+//! that leaves (its keep-alive stands still) or joins changes the launchers'
+//! record of who the nodes are (the next round), but no launcher restarts
+//! its workers for it; the workers re-form without the lost ranks (within
+//! `CHORUS_MIN_WORLD`) and take a new node's workers into their next
+//! generation (SV-13). Every worker gets the bounds of its group's size,
+//! `CHORUS_MIN_WORLD` / `CHORUS_MAX_WORLD` = `--nnodes` MIN / MAX times
+//! `--nproc-per-node`. A node whose worker fails past its `--max-restarts`
+//! ends the job for every node; the job succeeds once every node of the
+//! current round has seen all its workers succeed. The rules and keys are in
+//! [`nodes`] (rules 6-10); [`run_elastic_round`] drives them.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -166,6 +181,16 @@ pub enum LaunchError {
         /// Its count.
         other: String,
     },
+    /// Launchers of one job run different restart policies.
+    #[error(
+        "this launcher runs --restart-policy {mine} but the job's other launchers run {theirs}; give every node the same --restart-policy"
+    )]
+    PolicyMismatch {
+        /// This launcher's policy.
+        mine: String,
+        /// The job's.
+        theirs: String,
+    },
     /// A multi-node launcher found no secret to share.
     #[error(
         "no job secret arrived from the launcher serving the store; set CHORUS_JOB_SECRET or --job-secret-file on every node"
@@ -200,7 +225,8 @@ impl LaunchError {
             | LaunchError::Bind { .. }
             | LaunchError::NotLocal(_)
             | LaunchError::Unresolvable(_)
-            | LaunchError::SecretFile { .. } => 2,
+            | LaunchError::SecretFile { .. }
+            | LaunchError::PolicyMismatch { .. } => 2,
             _ => 1,
         }
     }
@@ -348,6 +374,8 @@ enum Outcome {
     Signaled(i32),
     /// The store is out of reach.
     StoreLost(StoreError),
+    /// Another node ended the job for good (`--restart-policy worker`).
+    Over(String),
 }
 
 /// Everything fixed for the whole run.
@@ -467,6 +495,13 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
     let config = &job.config;
     let store = job.store.store.clone();
     let mut round = nodes::current_attempt(store.as_ref(), &job.keys).await?;
+    if config.max_nodes > 1 {
+        let policy = match config.restart_policy {
+            RestartPolicy::All => "all",
+            RestartPolicy::Worker => "worker",
+        };
+        nodes::agree_policy(store.as_ref(), &job.keys, policy).await?;
+    }
     loop {
         let joining = Joining {
             node_rank: config.node_rank,
@@ -510,53 +545,22 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             run_id: job.run_id.clone(),
             secret: job.secret.clone(),
             attempt_dir: env::attempt_dir(&job.run_dir, round),
+            elastic_world: (config.restart_policy == RestartPolicy::Worker).then_some((
+                config.min_nodes * config.nproc_per_node,
+                config.max_nodes * config.nproc_per_node,
+            )),
         };
         let mut workers = Workers::spawn(specs(config, &job_env)?, config.shutdown_timeout).await?;
-        // With --restart-policy worker (single node, so the round stays put),
-        // failed workers are relaunched here one by one; `restarts` counts
-        // the job's restarts either way.
-        let mut restarts = formed.restarts;
-        let mut slot_restarts = vec![restarts; config.nproc_per_node];
-        let outcome = loop {
-            let outcome = supervise(&mut workers, job, &formed, signals).await;
-            let Outcome::Failed(ended) = outcome else { break outcome };
-            if config.restart_policy != RestartPolicy::Worker {
-                break Outcome::Failed(ended);
-            }
-            let slot_env = job_env.for_attempt(slot_restarts[ended.local_rank], &job.run_dir);
-            let tail = workers.tail(ended.rank).await;
-            let what = format!(
-                "rank {} (local rank {} on node {}, pid {}) {} in attempt {}",
-                ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit, slot_env.restart_count
-            );
-            report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
-            match plan::after_failure(restarts, config.max_restarts) {
-                AfterFailure::Restart { next } => {
-                    let new_env = job_env.for_attempt(next, &job.run_dir);
-                    let spec = spec(config, &new_env, ended.local_rank)?;
-                    match workers.relaunch(spec) {
-                        Ok(pid) => say(format!(
-                            "relaunching rank {} alone as pid {pid} (restart {next} of {}); the other workers keep running",
-                            ended.rank, config.max_restarts
-                        )),
-                        Err(error) => {
-                            workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                            return Err(error);
-                        }
-                    }
-                    restarts = next;
-                    slot_restarts[ended.local_rank] = next;
-                }
-                AfterFailure::GiveUp => {
-                    workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                    say(format!(
-                        "rank {} failed and --max-restarts {} is used up; stopped the other workers; exiting",
-                        ended.rank, config.max_restarts
-                    ));
-                    return Ok(ended.exit.launcher_code());
+        if config.restart_policy == RestartPolicy::Worker {
+            match run_elastic_round(job, signals, formed, job_env, &mut workers).await? {
+                ElasticEnd::Exit(code) => return Ok(code),
+                ElasticEnd::Rejoin(next) => {
+                    round = next;
+                    continue;
                 }
             }
-        };
+        }
+        let outcome = supervise(&mut workers, job, &formed, &mut plan::KeepAlives::default(), signals).await;
         let store = store.as_ref();
         let end = match outcome {
             Outcome::Succeeded => match wait_for_nodes(job, &formed, signals).await? {
@@ -632,6 +636,12 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 return Err(LaunchError::Store(source));
             }
+            // Only set under --restart-policy worker, which every node of the job runs.
+            Outcome::Over(why) => {
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                say(format!("the job ended: {why}; stopped this node's workers"));
+                return Ok(1);
+            }
         };
         match &end {
             RoundEnd::Membership(why) => say(format!(
@@ -653,6 +663,219 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             },
         }
         round += 1;
+    }
+}
+
+/// How a node's run under `--restart-policy worker` ended.
+enum ElasticEnd {
+    /// The launcher exits with this code.
+    Exit(i32),
+    /// This node was left out of round `.0` (its workers are stopped): it
+    /// waits to join again, as a newcomer.
+    Rejoin(u64),
+}
+
+/// Runs this node's workers under `--restart-policy worker` from the round
+/// `formed` until the job ends (see `nodes`, rules 6-10): relaunches a
+/// failed worker alone; follows the rounds other launchers close for nodes
+/// that left or join, keeping its workers; closes such a round itself when
+/// it sees a node gone or waiting.
+async fn run_elastic_round(
+    job: &Job,
+    signals: &mut Signals,
+    mut formed: nodes::Formed,
+    mut job_env: env::JobEnv,
+    workers: &mut Workers,
+) -> Result<ElasticEnd, LaunchError> {
+    let config = &job.config;
+    let store = job.store.store.as_ref();
+    let multi = config.max_nodes > 1;
+    // The budget of --max-restarts counts this node's relaunches; the
+    // restart count of a relaunched worker goes on from the round its node
+    // started in, so it stays above that of the workers it replaces.
+    let mut restarts = formed.restarts;
+    let first_count = job_env.restart_count;
+    let mut slot_counts = vec![first_count; config.nproc_per_node];
+    let mut alive = plan::KeepAlives::default();
+    loop {
+        let outcome = supervise(workers, job, &formed, &mut alive, signals).await;
+        match outcome {
+            Outcome::Failed(ended) => {
+                let slot_env = job_env.for_attempt(slot_counts[ended.local_rank], &job.run_dir);
+                let tail = workers.tail(ended.rank).await;
+                let what = format!(
+                    "rank {} (local rank {} on node {}, pid {}) {} in attempt {}",
+                    ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit, slot_env.restart_count
+                );
+                report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
+                match plan::after_failure(restarts, config.max_restarts) {
+                    AfterFailure::Restart { next } => {
+                        let count = first_count + (next - formed.restarts.min(next));
+                        let new_env = job_env.for_attempt(count, &job.run_dir);
+                        let spec = spec(config, &new_env, ended.local_rank)?;
+                        match workers.relaunch(spec) {
+                            Ok(pid) => say(format!(
+                                "relaunching rank {} alone as pid {pid} (restart {next} of {}{}); the other workers keep running",
+                                new_env.rank(ended.local_rank),
+                                config.max_restarts,
+                                if multi { " on this node" } else { "" }
+                            )),
+                            Err(error) => {
+                                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                                return Err(error);
+                            }
+                        }
+                        restarts = next;
+                        slot_counts[ended.local_rank] = count;
+                    }
+                    AfterFailure::GiveUp => {
+                        let why = format!(
+                            "rank {} failed and --max-restarts {} is used up",
+                            ended.rank, config.max_restarts
+                        );
+                        if multi {
+                            // Tell the other nodes first, so every node stops at once.
+                            nodes::end_for_good(store, &job.keys, &format!("{why} on node {}", formed.node_rank))
+                                .await?;
+                            nodes::end_job(store, &job.keys, formed.round, &why).await?;
+                        }
+                        workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                        say(format!("{why}; stopped the other workers; exiting"));
+                        return Ok(ElasticEnd::Exit(ended.exit.launcher_code()));
+                    }
+                }
+            }
+            Outcome::Succeeded => {
+                if !multi {
+                    return Ok(ElasticEnd::Exit(0));
+                }
+                return wait_for_members(job, formed, &mut alive, signals).await;
+            }
+            Outcome::Moved => {
+                if let Some(end) = follow(job, &mut formed, &mut alive).await? {
+                    workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                    return Ok(end);
+                }
+                // Later relaunches take this node's place in the new round.
+                job_env.node_rank = formed.node_rank;
+                job_env.nnodes = formed.nnodes;
+            }
+            Outcome::Waiting(id) => {
+                let why = format!("node {id} waits to join");
+                nodes::reform(store, &job.keys, &formed, &[], config.max_nodes, &why).await?;
+            }
+            Outcome::Stalled(id) => {
+                let why = gone_message(job, &formed, &id);
+                nodes::reform(store, &job.keys, &formed, &[id.as_str()], config.max_nodes, &why).await?;
+            }
+            Outcome::Over(why) => {
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                say(format!("the job ended: {why}; stopped this node's workers"));
+                return Ok(ElasticEnd::Exit(1));
+            }
+            Outcome::Signaled(signo) => {
+                say(format!("got {}; stopping the workers", plan::signal_name(signo)));
+                workers.stop(signo, config.shutdown_timeout).await;
+                return Ok(ElasticEnd::Exit(128 + signo));
+            }
+            Outcome::StoreLost(source) => {
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                return Err(LaunchError::Store(source));
+            }
+        }
+    }
+}
+
+/// What the launchers say of a member whose keep-alive stood still.
+fn gone_message(job: &Job, formed: &nodes::Formed, id: &str) -> String {
+    let rank = formed.members.iter().position(|m| m == id).unwrap_or(0);
+    format!(
+        "node {rank} (launcher {id}) sent no keep-alive for {:?}; taking it for gone (its workers' places are left to the elastic group; no worker restarts for it)",
+        job.config.keep_alive_timeout
+    )
+}
+
+/// Follows the round another launcher closed (rule 8): `None` when this
+/// node is still in it (its place updated, its workers untouched), else how
+/// this node's run ends (its workers are then to be stopped).
+async fn follow(
+    job: &Job,
+    formed: &mut nodes::Formed,
+    alive: &mut plan::KeepAlives,
+) -> Result<Option<ElasticEnd>, LaunchError> {
+    let store = job.store.store.as_ref();
+    match nodes::adopt(store, &job.keys, &job.launcher_id).await? {
+        nodes::Adopted::Member(next) => {
+            let why = nodes::round_end(store, &job.keys, formed.round)
+                .await?
+                .map_or_else(String::new, |end| format!("{}; ", end.what()));
+            say(format!(
+                "round {}: {why}this launcher ({}) is node {} of {}; its workers keep running",
+                next.round, job.launcher_id, next.node_rank, next.nnodes
+            ));
+            *formed = next;
+            // The members changed: their keep-alives are watched afresh.
+            *alive = plan::KeepAlives::default();
+            Ok(None)
+        }
+        nodes::Adopted::Pending => Ok(None),
+        nodes::Adopted::Dropped(round) => {
+            say(format!(
+                "round {round} formed without this launcher (taken for gone); stopping its workers and waiting to join again"
+            ));
+            Ok(Some(ElasticEnd::Rejoin(round)))
+        }
+        nodes::Adopted::Ended(why) => {
+            say(format!("the job ended: {why}; stopped this node's workers"));
+            Ok(Some(ElasticEnd::Exit(1)))
+        }
+    }
+}
+
+/// After this node's workers all succeeded (`--restart-policy worker`, several
+/// nodes): waits until every member of the current round's have, following
+/// the rounds and dropping members that leave meanwhile, so the store stays
+/// up while others still use it.
+async fn wait_for_members(
+    job: &Job,
+    mut formed: nodes::Formed,
+    alive: &mut plan::KeepAlives,
+    signals: &mut Signals,
+) -> Result<ElasticEnd, LaunchError> {
+    let config = &job.config;
+    let store = job.store.store.as_ref();
+    nodes::mark_finished(store, &job.keys, &job.launcher_id).await?;
+    let mut poll = tokio::time::interval(config.monitor_interval.max(Duration::from_millis(10)));
+    loop {
+        if nodes::finished_among(store, &job.keys, &formed.members).await? == formed.nnodes {
+            nodes::end_job(store, &job.keys, formed.round, "the job finished").await?;
+            return Ok(ElasticEnd::Exit(0));
+        }
+        tokio::select! {
+            _ = poll.tick() => {}
+            signo = signals.recv() => return Ok(ElasticEnd::Exit(128 + signo)),
+        }
+        match watch_round(job, &formed, alive).await? {
+            None | Some(Outcome::Waiting(_)) => {}
+            Some(Outcome::Moved) => {
+                if let Some(end) = follow(job, &mut formed, alive).await? {
+                    // Left out after its work was done: the others finish without it.
+                    return Ok(match end {
+                        ElasticEnd::Rejoin(_) => ElasticEnd::Exit(0),
+                        end => end,
+                    });
+                }
+            }
+            Some(Outcome::Stalled(id)) => {
+                let why = gone_message(job, &formed, &id);
+                nodes::reform(store, &job.keys, &formed, &[id.as_str()], config.max_nodes, &why).await?;
+            }
+            Some(Outcome::Over(why)) => {
+                say(format!("the job ended: {why}"));
+                return Ok(ElasticEnd::Exit(1));
+            }
+            Some(_) => {}
+        }
     }
 }
 
@@ -709,11 +932,16 @@ fn spec(config: &LaunchConfig, job_env: &env::JobEnv, local_rank: usize) -> Resu
 
 /// Watches one round until a worker fails, all succeed, another node
 /// ends the round, a launcher waits to join, or a signal arrives.
-async fn supervise(workers: &mut Workers, job: &Job, formed: &nodes::Formed, signals: &mut Signals) -> Outcome {
+async fn supervise(
+    workers: &mut Workers,
+    job: &Job,
+    formed: &nodes::Formed,
+    alive: &mut plan::KeepAlives,
+    signals: &mut Signals,
+) -> Outcome {
     // Only other launchers end a round from outside; one node has nothing to watch.
     let watch = job.config.max_nodes > 1;
     let mut poll = tokio::time::interval(job.config.monitor_interval.max(Duration::from_millis(10)));
-    let mut alive = plan::KeepAlives::default();
     loop {
         tokio::select! {
             ended = workers.next_exit() => match ended {
@@ -722,7 +950,7 @@ async fn supervise(workers: &mut Workers, job: &Job, formed: &nodes::Formed, sig
                 Some(_) => {}
             },
             signo = signals.recv() => return Outcome::Signaled(signo),
-            _ = poll.tick(), if watch => match watch_round(job, formed, &mut alive).await {
+            _ = poll.tick(), if watch => match watch_round(job, formed, alive).await {
                 Ok(Some(outcome)) => return outcome,
                 Ok(None) => {}
                 Err(error) => return Outcome::StoreLost(error),
@@ -738,7 +966,11 @@ async fn watch_round(
     alive: &mut plan::KeepAlives,
 ) -> Result<Option<Outcome>, StoreError> {
     let store = job.store.store.as_ref();
+    let elastic = job.config.restart_policy == RestartPolicy::Worker;
     nodes::keep_alive(store, &job.keys, &job.launcher_id).await?;
+    if elastic && let Some(why) = nodes::over(store, &job.keys).await? {
+        return Ok(Some(Outcome::Over(why)));
+    }
     if nodes::current_attempt(store, &job.keys).await? > formed.round {
         return Ok(Some(Outcome::Moved));
     }
@@ -755,7 +987,11 @@ async fn watch_round(
     let Some(id) = nodes::waiting(store, &job.keys, formed.round).await? else {
         return Ok(None);
     };
-    let done = nodes::done_count(store, &job.keys, formed.round).await?;
+    let done = if elastic {
+        nodes::finished_among(store, &job.keys, &formed.members).await?
+    } else {
+        nodes::done_count(store, &job.keys, formed.round).await?
+    };
     Ok(plan::admit_waiting(formed.nnodes, job.config.max_nodes, done, true).then_some(Outcome::Waiting(id)))
 }
 

@@ -42,6 +42,42 @@
 //!    no node has finished ([`plan::admit_waiting`]).
 //! 5. `restarts` of round n+1 is round n's, plus one when round n ended by
 //!    a failure: `TORCHELASTIC_RESTART_COUNT`, the same on every node.
+//!
+//! # Rounds under `--restart-policy worker`
+//! The workers are elastic (`ElasticGroup`): they re-form by themselves
+//! when a worker or a whole node is lost, and take in processes that start
+//! while they run (SV-13). Restarting every node's workers would throw that
+//! away, so under this policy a round only records who the nodes are, and
+//! moving to the next round restarts nobody:
+//! 6. Rounds 0.. form as above until the first one forms; from then on the
+//!    running launchers never meet again. A failed worker is relaunched by
+//!    its own launcher alone, counted against that node's `--max-restarts`
+//!    (each node counts its own, as torchrun's agents do), and the round
+//!    stays.
+//! 7. A running launcher that sees a member's keep-alive stand still (the
+//!    node left: its launcher was killed and its workers with it), or a
+//!    launcher waiting in round n+1 while the group has room and no node has
+//!    finished, closes round n+1 itself ([`reform`]): round n's members less
+//!    the ones taken for gone, then the waiting launchers, up to max, with
+//!    dense node ranks ([`plan::members`]); then it advances `attempt`
+//!    (`end` is a membership change). `closed` is written before `attempt`
+//!    moves, so whoever sees the new round can read its group.
+//! 8. Every running launcher follows the round ([`adopt`]) and keeps its
+//!    workers: only the node rank and node count for later relaunches
+//!    change. The waiting launchers find themselves in `a<n+1>/closed` and
+//!    start their workers, which join the running job's next generation. A
+//!    launcher that finds itself left out (taken for gone while it was only
+//!    slow) stops its workers and waits to join again, as a newcomer.
+//! 9. The job is over when every member of the current round is in
+//!    `finished` (a node is added once all its workers succeeded; a set,
+//!    not a per-round count, since rounds move while nodes wait), or as
+//!    soon as `over` is set: a node whose worker failed past its
+//!    `--max-restarts` ends the job for every node, as under `all`.
+//! 10. Every launcher of a job runs the same policy: `policy` holds the
+//!    first one's, and a launcher with the other one is refused.
+//!
+//! Keys of this policy, under the same prefix: `policy`, `finished` (one
+//! launcher id per line), `over` (why the job ended for good).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -561,6 +597,126 @@ pub async fn mark_done(store: &dyn Store, keys: &Keys, round: u64) -> Result<usi
 /// How many nodes' workers are done in `round`.
 pub async fn done_count(store: &dyn Store, keys: &Keys, round: u64) -> Result<usize, StoreError> {
     Ok(store.add(&keys.round_key(round, "done"), 0).await? as usize)
+}
+
+/// Makes sure every launcher of the job runs restart policy `mine`: the
+/// first launcher records its own, the others must match it (a node
+/// restarting everybody beside nodes that never restart cannot work).
+pub async fn agree_policy(store: &dyn Store, keys: &Keys, mine: &str) -> Result<(), LaunchError> {
+    let held = store.compare_set(&keys.key("policy"), b"", mine.as_bytes()).await?;
+    if held != mine.as_bytes() {
+        return Err(LaunchError::PolicyMismatch {
+            mine: mine.to_string(),
+            theirs: String::from_utf8_lossy(&held).into_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Closes the round after `formed` for the running group without
+/// restarting anyone (rule 7): `formed`'s members less `gone`, then the
+/// launchers waiting in the next round, up to `max_nodes`; then advances
+/// the round as a membership change. Several launchers doing it at once
+/// write one group: the first record wins and everyone follows it.
+pub async fn reform(
+    store: &dyn Store,
+    keys: &Keys,
+    formed: &Formed,
+    gone: &[&str],
+    max_nodes: usize,
+    why: &str,
+) -> Result<(), StoreError> {
+    let round = formed.round;
+    let (restarts, members) = match closed(store, keys, round).await? {
+        Some(Closed::Formed { restarts, members }) => (restarts, members),
+        // Not formed (cannot happen for a running round): nothing to change.
+        _ => return Ok(()),
+    };
+    let previous: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
+    let mut arrivals: Vec<plan::Arrival> = members
+        .into_iter()
+        .filter(|m| !gone.contains(&m.id.as_str()))
+        .map(|m| plan::Arrival {
+            id: m.id,
+            nproc: m.nproc,
+            node_rank: None,
+        })
+        .collect();
+    if let Some(text) = try_get(store, &keys.round_key(round + 1, "joiners")).await? {
+        for waiting in parse_joiners(&text) {
+            if !arrivals.iter().any(|a| a.id == waiting.id) {
+                arrivals.push(waiting);
+            }
+        }
+    }
+    let n = arrivals.len().min(max_nodes);
+    let members = plan::members(&arrivals, &previous, n)
+        .into_iter()
+        .map(|a| Member {
+            id: a.id,
+            nproc: a.nproc,
+        })
+        .collect();
+    let record = Closed::Formed { restarts, members };
+    store
+        .compare_set(&keys.round_key(round + 1, "closed"), b"", record.encode().as_bytes())
+        .await?;
+    end_round(store, keys, round, &RoundEnd::Membership(why.to_string())).await?;
+    Ok(())
+}
+
+/// Where a running launcher stands after the round moved (rule 8).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Adopted {
+    /// It is a member of the current round, with this place.
+    Member(Formed),
+    /// The current round left it out; it may wait to join this round.
+    Dropped(u64),
+    /// The job ended.
+    Ended(String),
+    /// The current round's group is not written yet: look again later.
+    Pending,
+}
+
+/// This launcher's place in the current round (rule 8).
+pub async fn adopt(store: &dyn Store, keys: &Keys, id: &str) -> Result<Adopted, StoreError> {
+    let round = current_attempt(store, keys).await?;
+    Ok(match closed(store, keys, round).await? {
+        None => Adopted::Pending,
+        Some(Closed::Ended(why)) => Adopted::Ended(why),
+        Some(Closed::Formed { restarts, members }) => match members.iter().position(|m| m.id == id) {
+            Some(node_rank) => Adopted::Member(Formed {
+                round,
+                node_rank,
+                nnodes: members.len(),
+                restarts,
+                members: members.into_iter().map(|m| m.id).collect(),
+            }),
+            None => Adopted::Dropped(round),
+        },
+    })
+}
+
+/// Records that every worker of launcher `id` succeeded (rule 9).
+pub async fn mark_finished(store: &dyn Store, keys: &Keys, id: &str) -> Result<(), StoreError> {
+    store.append(&keys.key("finished"), format!("{id}\n").as_bytes()).await
+}
+
+/// How many of `members` finished (rule 9).
+pub async fn finished_among(store: &dyn Store, keys: &Keys, members: &[String]) -> Result<usize, StoreError> {
+    let text = try_get(store, &keys.key("finished")).await?.unwrap_or_default();
+    Ok(members.iter().filter(|m| text.lines().any(|l| l == m.as_str())).count())
+}
+
+/// Ends the job for every node (rule 9); the first reason stays.
+pub async fn end_for_good(store: &dyn Store, keys: &Keys, why: &str) -> Result<(), StoreError> {
+    store.compare_set(&keys.key("over"), b"", why.as_bytes()).await?;
+    Ok(())
+}
+
+/// Why the job ended for good, once it has.
+pub async fn over(store: &dyn Store, keys: &Keys) -> Result<Option<String>, StoreError> {
+    try_get(store, &keys.key("over")).await
 }
 
 /// The job secret of a multi-node job that brought none: the host

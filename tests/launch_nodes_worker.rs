@@ -1,0 +1,416 @@
+//! `chorus launch --restart-policy worker` with several nodes, real
+//! processes: several launchers on this machine form one job whose workers
+//! are elastic (`chorus elastic-probe`, an `ElasticGroup`). A failed worker
+//! is relaunched alone, a node that leaves (its launcher SIGKILLed) and a
+//! node that joins change the group without restarting anyone else's
+//! workers.
+//!
+//! Workers run `worker.sh` below: `chorus elastic-probe` with the elastic
+//! bounds the launcher gives (`CHORUS_MIN_WORLD`, `CHORUS_MAX_WORLD`), so a
+//! launcher that does not give them fails the test.
+//!
+//! Every child runs under a deadline: past it, the test kills every
+//! launcher and fails with what each printed. The tests take turns (one
+//! lock): each starts several launchers and workers on a small machine.
+
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const WORKER: &str = r#"#!/bin/sh
+exec "$CHORUS" elastic-probe --min-world "$CHORUS_MIN_WORLD" --max-world "$CHORUS_MAX_WORLD" "$@"
+"#;
+
+/// The launchers of one job; whatever is still running when it drops is
+/// SIGKILLed (its workers die with it).
+struct Job {
+    dir: tempfile::TempDir,
+    port: u16,
+    launchers: Vec<(String, Child)>,
+}
+
+impl Job {
+    fn new() -> Job {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("worker.sh");
+        std::fs::write(&script, WORKER).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Job {
+            dir,
+            port: free_port(),
+            launchers: Vec::new(),
+        }
+    }
+
+    fn out(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts launcher `tag`: `chorus launch --restart-policy worker` with
+    /// `flags`, this job's store endpoint and run id, running worker.sh
+    /// with `probe` (elastic-probe's flags).
+    fn start(&mut self, tag: &str, flags: &[&str], probe: &[&str]) {
+        let endpoint = format!("127.0.0.1:{}", self.port);
+        let log = |stream: &str| std::fs::File::create(self.out().join(format!("{tag}.{stream}"))).unwrap();
+        let child = Command::new(CHORUS)
+            .arg("launch")
+            .args([
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "workers",
+            ])
+            .args(["--monitor-interval", "0.05", "--shutdown-timeout", "5"])
+            .args(["--restart-policy", "worker"])
+            .args(flags)
+            .arg("--")
+            .arg(self.out().join("worker.sh"))
+            .args(probe)
+            .env("CHORUS_JOB_SECRET", "launch-nodes-worker-test")
+            .env("CHORUS_HEARTBEAT_TIMEOUT", "3")
+            // Nodes on several machines would talk over QUIC: so do these.
+            .env("CHORUS_TRANSPORT", "quic")
+            .env_remove("CHORUS_FAULTS")
+            .env_remove("CHORUS_MIN_WORLD")
+            .env_remove("CHORUS_MAX_WORLD")
+            .env_remove("OMP_NUM_THREADS")
+            .env("CHORUS", CHORUS)
+            .stdin(Stdio::null())
+            .stdout(log("stdout"))
+            .stderr(log("stderr"))
+            .spawn()
+            .expect("start chorus launch");
+        self.launchers.push((tag.to_string(), child));
+    }
+
+    /// Waits until the store's port accepts connections (the first launcher serves it).
+    fn wait_for_store(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            self.check(deadline, "the first launcher never served the store");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn read(&self, tag: &str, stream: &str) -> String {
+        std::fs::read_to_string(self.out().join(format!("{tag}.{stream}"))).unwrap_or_default()
+    }
+
+    /// What launcher `tag`'s workers printed to stdout so far.
+    fn stdout(&self, tag: &str) -> String {
+        self.read(tag, "stdout")
+    }
+
+    /// What launcher `tag` printed itself so far.
+    fn stderr(&self, tag: &str) -> String {
+        self.read(tag, "stderr")
+    }
+
+    fn all_output(&self) -> String {
+        self.launchers
+            .iter()
+            .map(|(tag, _)| {
+                format!(
+                    "--- {tag} stdout:\n{}--- {tag} stderr:\n{}",
+                    self.stdout(tag),
+                    self.stderr(tag)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Past `deadline`, kills everything and fails with `what` and the output.
+    fn check(&self, deadline: Instant, what: &str) {
+        if Instant::now() > deadline {
+            self.stop_all();
+            panic!("{what}\n{}", self.all_output());
+        }
+    }
+
+    fn stop_all(&self) {
+        for (_, child) in &self.launchers {
+            // SAFETY: kill only sends a signal; SIGKILL takes the workers too (parent-death signal).
+            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        }
+    }
+
+    fn child(&mut self, tag: &str) -> &mut Child {
+        &mut self.launchers.iter_mut().find(|(t, _)| t == tag).unwrap().1
+    }
+
+    /// Waits until launcher `tag` relayed `count` lines containing `text`.
+    fn wait_for_lines(&self, tag: &str, text: &str, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.stdout(tag).matches(text).count() < count {
+            self.check(deadline, &format!("launcher {tag} never relayed {count} x {text:?}"));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for launcher `tag` to exit, up to `secs` from now.
+    fn finish(&mut self, tag: &str, secs: u64) -> ExitStatus {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(status) = self.child(tag).try_wait().expect("poll child") {
+                return status;
+            }
+            self.check(deadline, &format!("launcher {tag} did not finish within {secs}s"));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        self.stop_all();
+        for (_, child) in &mut self.launchers {
+            let _ = child.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn alive(pid: i32) -> bool {
+    // A zombie has exited; only its entry waits for a reaper.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+}
+
+/// Whether a launcher said it restarts its workers (the workers' own
+/// lines, prefixed with their rank, may speak of their group restarting).
+fn launcher_restarted(stderr: &str) -> bool {
+    stderr
+        .lines()
+        .any(|l| l.starts_with("chorus launch:") && l.contains("restarting"))
+}
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The value of `key=` in a probe line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// The probe lines in `stdout` (a launcher's relayed output) with `event`.
+fn events<'a>(stdout: &'a str, event: &str) -> Vec<&'a str> {
+    let event = format!("event={event}");
+    stdout
+        .lines()
+        .filter(|l| l.contains("]: probe ") && l.split_whitespace().any(|w| w == event))
+        .collect()
+}
+
+/// The probe lines relayed for the worker slot of global `rank`.
+fn lines_of(stdout: &str, rank: usize) -> Vec<&str> {
+    let prefix = format!("[{rank}]: probe ");
+    stdout.lines().filter(|l| l.starts_with(&prefix)).collect()
+}
+
+/// Checks that the single worker process behind `lines` ran from start to
+/// end (one `ready`, and the `done` line from the same pid) and returns its
+/// `done` line.
+fn one_process<'a>(lines: &[&'a str], who: &str, all: &str) -> &'a str {
+    let ready: Vec<&&str> = lines.iter().filter(|l| l.contains("event=ready")).collect();
+    assert_eq!(ready.len(), 1, "{who} started more than once (or never)\n{all}");
+    let done = lines
+        .iter()
+        .find(|l| l.contains("event=done"))
+        .unwrap_or_else(|| panic!("{who} did not finish\n{all}"));
+    assert_eq!(field(ready[0], "pid"), field(done, "pid"), "{who}'s pid changed\n{all}");
+    done
+}
+
+/// Two nodes of two workers; the worker of rank 3 kills itself. Only its
+/// launcher relaunches it, alone; the three others keep their processes,
+/// the group re-forms with the relaunched one and everybody finishes.
+#[test]
+fn a_failed_worker_on_one_node_is_relaunched_alone() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let flags = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-conf",
+        "join_timeout=20",
+    ];
+    let probe = ["--iterations", "300", "--kill-rank", "3", "--kill-after", "30"];
+    job.start("a", &flags, &probe);
+    job.wait_for_store();
+    job.start("b", &flags, &probe);
+    let statuses = [job.finish("a", 60), job.finish("b", 20)];
+    let all = job.all_output();
+    assert!(statuses.iter().all(ExitStatus::success), "{statuses:?}\n{all}");
+
+    let stdout = job.stdout("a") + &job.stdout("b");
+    let stderr = job.stderr("a") + &job.stderr("b");
+    assert_eq!(stderr.matches("relaunching rank").count(), 1, "{all}");
+    assert!(stderr.contains("relaunching rank 3 alone"), "{all}");
+    assert!(
+        stderr.contains("was killed by signal SIGKILL (9) in attempt 0"),
+        "{all}"
+    );
+    assert!(!launcher_restarted(&stderr), "no launcher restarted its workers\n{all}");
+    for rank in 0..3 {
+        let done = one_process(&lines_of(&stdout, rank), &format!("rank {rank}"), &all);
+        assert!(done.contains("world=4 event=done iterations=300"), "{all}");
+    }
+    let lines = lines_of(&stdout, 3);
+    let ready: Vec<&&str> = lines.iter().filter(|l| l.contains("event=ready")).collect();
+    assert_eq!(ready.len(), 2, "rank 3 started twice\n{all}");
+    assert!(ready[0].contains("gen=0 world=4"), "{all}");
+    assert!(ready[1].contains("gen=1 world=4"), "joined the next generation\n{all}");
+    assert_ne!(field(ready[0], "pid"), field(ready[1], "pid"), "{all}");
+    let done = lines
+        .iter()
+        .find(|l| l.contains("event=done"))
+        .unwrap_or_else(|| panic!("the relaunched worker did not finish\n{all}"));
+    assert_eq!(field(ready[1], "pid"), field(done, "pid"), "{all}");
+    assert!(done.contains("world=4 event=done iterations=300"), "{all}");
+}
+
+/// Three nodes of `--nnodes 2:3`; one that does not serve the store is
+/// SIGKILLed (its worker dies with it). The other launchers keep their
+/// workers, which re-form without it and finish in a world of two; the
+/// launchers take the node for gone without restarting anyone.
+#[test]
+fn a_node_that_leaves_leaves_the_others_workers_running() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let flags = [
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        "join_timeout=20,last_call_timeout=2,keep_alive_interval=0.5,keep_alive_max_attempt=2",
+    ];
+    let probe = ["--iterations", "600"];
+    job.start("a", &flags, &probe);
+    job.wait_for_store();
+    job.start("b", &flags, &probe);
+    job.start("c", &flags, &probe);
+    // Past the workers' own rendezvous: every worker runs in a world of three.
+    for tag in ["a", "b", "c"] {
+        job.wait_for_lines(tag, "event=running", 1);
+    }
+    let ready = job.stdout("c");
+    let leaving: i32 = events(&ready, "ready")
+        .first()
+        .and_then(|l| field(l, "pid")?.parse().ok())
+        .unwrap_or_else(|| panic!("no pid from c's worker\n{}", job.all_output()));
+
+    job.child("c").kill().unwrap();
+    job.child("c").wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while alive(leaving) {
+        job.check(deadline, "the SIGKILLed launcher's worker outlived it");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let statuses = [job.finish("a", 60), job.finish("b", 20)];
+    let all = job.all_output();
+    assert!(statuses.iter().all(ExitStatus::success), "{statuses:?}\n{all}");
+    for tag in ["a", "b"] {
+        let stdout = job.stdout(tag);
+        let lines: Vec<&str> = stdout.lines().filter(|l| l.contains("]: probe ")).collect();
+        let done = one_process(&lines, &format!("the worker of {tag}"), &all);
+        assert!(
+            events(&stdout, "ready").iter().all(|l| l.contains("gen=0 world=3")),
+            "{all}"
+        );
+        assert!(done.contains("world=2 event=done iterations=600"), "{all}");
+        assert!(
+            events(&stdout, "restarted").iter().any(|l| l.contains("world=2")),
+            "the worker re-formed without the lost node\n{all}"
+        );
+        let stderr = job.stderr(tag);
+        assert!(!stderr.contains("relaunching"), "{all}");
+        assert!(!launcher_restarted(&stderr), "{all}");
+    }
+    let stderr = job.stderr("a") + &job.stderr("b");
+    assert!(stderr.contains("taking it for gone"), "{all}");
+    assert!(stderr.contains("is node 1 of 2; its workers keep running"), "{all}");
+}
+
+/// Two nodes of `--nnodes 2:3` run; a third launcher starts: it is
+/// admitted without a restart of the others' workers, its worker joins the
+/// running group's next generation, and everybody finishes in a world of
+/// three.
+#[test]
+fn a_late_node_joins_without_restarting_the_others() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let flags = [
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        "join_timeout=20,last_call_timeout=1",
+    ];
+    let probe = ["--iterations", "1200"];
+    job.start("a", &flags, &probe);
+    job.wait_for_store();
+    job.start("b", &flags, &probe);
+    for tag in ["a", "b"] {
+        job.wait_for_lines(tag, "event=running", 1);
+    }
+    job.start("c", &flags, &probe);
+
+    let statuses = [job.finish("c", 60), job.finish("a", 20), job.finish("b", 20)];
+    let all = job.all_output();
+    assert!(statuses.iter().all(ExitStatus::success), "{statuses:?}\n{all}");
+    for tag in ["a", "b"] {
+        let stdout = job.stdout(tag);
+        let lines: Vec<&str> = stdout.lines().filter(|l| l.contains("]: probe ")).collect();
+        let done = one_process(&lines, &format!("the worker of {tag}"), &all);
+        assert!(
+            events(&stdout, "ready").iter().all(|l| l.contains("gen=0 world=2")),
+            "{all}"
+        );
+        assert!(done.contains("world=3 event=done iterations=1200"), "{all}");
+        assert!(!launcher_restarted(&job.stderr(tag)), "{all}");
+    }
+    let stdout = job.stdout("c");
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains("]: probe ")).collect();
+    let done = one_process(&lines, "the worker of c", &all);
+    assert!(done.contains("world=3 event=done iterations=1200"), "{all}");
+    assert!(
+        events(&stdout, "joined").iter().any(|l| l.contains("world=3")),
+        "the new node's worker joined the running group\n{all}"
+    );
+    assert!(
+        job.stdout("c").starts_with("[2]: "),
+        "the newcomer is node 2, its worker rank 2\n{all}"
+    );
+    let stderr = job.stderr("a") + &job.stderr("b");
+    assert!(stderr.contains("waits to join"), "{all}");
+    assert!(stderr.contains("its workers keep running"), "{all}");
+}
