@@ -2,11 +2,12 @@
 //! tiny sweeps, hard deadlines. The Gloo comparison runs when python3 can
 //! import torch and skips, saying so, otherwise.
 
-use std::io::Read;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+mod common;
+use common::{CHORUS, Stop};
 
 const HEADER: &str = "#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong";
 const UNITS: &str =
@@ -20,46 +21,17 @@ struct Output {
 
 /// Runs `chorus bench ARGS`, killing it after `secs`.
 fn bench(args: &[&str], secs: u64) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_chorus"))
+    let mut command = Command::new(CHORUS);
+    command
         .arg("bench")
         .args(args)
         .env("CHORUS_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start chorus bench");
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        out.read_to_string(&mut s).unwrap();
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        err.read_to_string(&mut s).unwrap();
-        s
-    });
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "chorus bench {args:?} ran past {secs}s; stderr:\n{}",
-                err_reader.join().unwrap()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+        .stdin(Stdio::null());
+    let output = common::run(&mut command, secs, &format!("chorus bench {args:?}"), Stop::Kill);
     Output {
-        ok: status.success(),
-        stdout: reader.join().unwrap(),
-        stderr: err_reader.join().unwrap(),
+        ok: output.status.success(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
     }
 }
 
@@ -71,19 +43,9 @@ fn data_rows(table: &str) -> Vec<Vec<&str>> {
         .collect()
 }
 
+/// Whether the Gloo comparison can run; says so when it skips.
 fn torch_available() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import torch.distributed"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!(
-            "SKIPPED: torch is not importable by python3; `pip install torch==2.15.0` enables the Gloo comparison test"
-        );
-    }
-    ok
+    common::torch_available("the Gloo comparison test")
 }
 
 #[test]

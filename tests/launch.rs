@@ -7,11 +7,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+mod common;
+use common::{CHORUS, LAUNCHER, finish, free_port, text};
+
 const PYTHON_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python");
 
 /// `chorus launch ARGS`, with stdout and stderr captured.
@@ -27,34 +29,9 @@ fn launch(args: &[&str]) -> Command {
     command
 }
 
-/// Waits for `child` up to `secs`; past that kills it and fails.
-fn finish(mut child: Child, secs: u64, what: &str) -> Output {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while child.try_wait().expect("poll child").is_none() {
-        if Instant::now() > deadline {
-            // SAFETY: kill only sends a signal; SIGTERM lets the launcher stop its workers.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            std::thread::sleep(Duration::from_secs(2));
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!("{what} did not finish within {secs}s\n{}", text(&output));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
+/// Runs `command` to its end; past `secs` stops it (SIGTERM first) and fails.
 fn run(mut command: Command, secs: u64) -> Output {
-    let child = command.spawn().expect("start chorus launch");
-    finish(child, secs, "chorus launch")
-}
-
-fn text(output: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
+    common::run(&mut command, secs, "chorus launch", LAUNCHER)
 }
 
 /// The python that has torch, or `None` (tests needing it then skip).
@@ -82,14 +59,6 @@ fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
     std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     path
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `KEY=value` lines (output of `env`) into a map.
@@ -384,7 +353,7 @@ wait"#,
     let pids = worker_pids(dir.path(), 2);
     // SAFETY: kill only sends a signal.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let output = finish(child, 15, "the launcher after SIGTERM");
+    let output = finish(child, 15, "the launcher after SIGTERM", LAUNCHER);
     assert_eq!(output.status.code(), Some(128 + 15), "{}", text(&output));
     assert_all_gone(&pids, Duration::from_secs(2), "processes left behind");
 }
@@ -434,7 +403,10 @@ fn two_launchers_form_one_job() {
         command.spawn().unwrap()
     };
     let (a, b) = (spawn(), spawn());
-    let outputs = [finish(a, 30, "launcher a"), finish(b, 30, "launcher b")];
+    let outputs = [
+        finish(a, 30, "launcher a", LAUNCHER),
+        finish(b, 30, "launcher b", LAUNCHER),
+    ];
     let mut ranks = BTreeSet::new();
     let mut secrets = BTreeSet::new();
     for output in &outputs {
@@ -564,7 +536,10 @@ if [ "$RANK" = 3 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exit 5; fi; sl
         command.spawn().unwrap()
     };
     let (a, b) = (spawn(), spawn());
-    let outputs = [finish(a, 30, "launcher a"), finish(b, 30, "launcher b")];
+    let outputs = [
+        finish(a, 30, "launcher a", LAUNCHER),
+        finish(b, 30, "launcher b", LAUNCHER),
+    ];
     let all = format!("{}\n{}", text(&outputs[0]), text(&outputs[1]));
     assert!(outputs.iter().all(|o| o.status.success()), "{all}");
     for rank in 0..4 {

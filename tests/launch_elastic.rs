@@ -5,57 +5,24 @@
 //! Every child runs under a deadline: past it, the test kills it and fails
 //! with what it printed.
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
-
-/// Waits for `child` up to `secs`; past that stops it and fails.
-fn finish(mut child: Child, secs: u64) -> Output {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while child.try_wait().expect("poll child").is_none() {
-        if Instant::now() > deadline {
-            // SAFETY: kill only sends a signal; SIGTERM lets the launcher stop its workers.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            std::thread::sleep(Duration::from_secs(2));
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!("chorus launch did not finish within {secs}s\n{}", text(&output));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn text(output: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
+mod common;
+use common::{CHORUS, LAUNCHER, field, text};
 
 /// `chorus launch ARGS -- chorus elastic-probe PROBE`, run to the end.
 fn launch_probe(args: &[&str], probe: &[&str], secs: u64) -> Output {
-    let child = Command::new(CHORUS)
+    let mut command = Command::new(CHORUS);
+    command
         .arg("launch")
         .args(args)
         .args(["--", CHORUS, "elastic-probe"])
         .args(probe)
         .env_remove("CHORUS_JOB_SECRET")
         .env_remove("CHORUS_FAULTS")
-        .env("CHORUS_HEARTBEAT_TIMEOUT", "2")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start chorus launch");
-    finish(child, secs)
-}
-
-/// The value of `key=` in a probe line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+        .env("CHORUS_HEARTBEAT_TIMEOUT", "2");
+    common::run(&mut command, secs, "chorus launch", LAUNCHER)
 }
 
 /// The probe lines the launcher relayed for the worker slot of `rank`.

@@ -166,41 +166,33 @@ fn wait_with_deadline(child: std::process::Child, secs: u64) -> Output {
     common::finish(child, secs, &what, Stop::Kill)
 }
 
+/// A rank at `tcp://127.0.0.1:PORT?{first}`, then 300 ms later one at
+/// `?{second}` (both with a 4 s timeout): the second's output, once both exited.
+fn after_a_first_rank(first: &str, second: &str) -> Output {
+    let port = free_port();
+    let url = |query: &str| format!("tcp://127.0.0.1:{port}?{query}");
+    let rank0 = spawn_piped(&mut worker(&url(first), 4, &[]), "chorus");
+    std::thread::sleep(Duration::from_millis(300));
+    let output = run(worker(&url(second), 4, &[]), 30);
+    let _ = wait_with_deadline(rank0, 30);
+    output
+}
+
 #[test]
 fn ranks_that_disagree_on_the_world_size_are_told_so() {
-    let port = free_port();
-    let rank0 = spawn_piped(
-        &mut worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]),
-        "chorus",
-    );
-    std::thread::sleep(Duration::from_millis(300));
-    let output = run(
-        worker(&format!("tcp://127.0.0.1:{port}?rank=1&world_size=3"), 4, &[]),
-        30,
-    );
+    let output = after_a_first_rank("rank=0&world_size=2", "rank=1&world_size=3");
     let all = joined(&output);
     assert!(!output.status.success());
     assert!(all.contains("world size mismatch"), "{all}");
     assert!(all.contains("world size 3") && all.contains("world size 2"), "{all}");
-    let _ = wait_with_deadline(rank0, 30);
 }
 
 #[test]
 fn two_rank_zeros_cannot_both_serve() {
-    let port = free_port();
-    let rank0 = spawn_piped(
-        &mut worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]),
-        "chorus",
-    );
-    std::thread::sleep(Duration::from_millis(300));
-    let output = run(
-        worker(&format!("tcp://127.0.0.1:{port}?rank=0&world_size=2"), 4, &[]),
-        30,
-    );
+    let output = after_a_first_rank("rank=0&world_size=2", "rank=0&world_size=2");
     let all = joined(&output);
     assert!(!output.status.success());
     assert!(all.contains("port is in use") || all.contains("claimed twice"), "{all}");
-    let _ = wait_with_deadline(rank0, 30);
 }
 
 #[test]

@@ -5,50 +5,25 @@
 //! where two GPUs are visible, one on a single GPU).
 //! A hard deadline kills the job and fails the test rather than hang.
 
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
 
 use chorus_actors::nccl::{ProbeError, probe};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+mod common;
+use common::{CHORUS, Stop, text};
 
-/// Waits for `child` up to `secs`; past that stops it and fails.
-fn finish(mut child: Child, secs: u64) -> Output {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while child.try_wait().expect("poll chorus launch").is_none() {
-        if Instant::now() > deadline {
-            // SAFETY: kill only sends a signal; SIGTERM lets the launcher stop its workers.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            std::thread::sleep(Duration::from_secs(3));
-            let _ = child.kill();
-            let output = child.wait_with_output().expect("collect output");
-            panic!("chorus launch did not finish within {secs}s\n{}", text(&output));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("collect output")
-}
-
-fn text(output: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-/// `chorus launch --nproc-per-node N -- chorus selftest --backend nccl ARGS`.
+/// `chorus launch --nproc-per-node N -- chorus selftest --backend nccl ARGS`;
+/// past `secs` SIGTERM, 3 s for the launcher to stop its workers, SIGKILL,
+/// and the test fails.
 fn launch_selftest(nproc: usize, args: &[&str], secs: u64) -> Output {
-    let child = Command::new(CHORUS)
+    let mut command = Command::new(CHORUS);
+    command
         .args(["launch", "--nproc-per-node", &nproc.to_string(), "--", CHORUS])
         .args(["selftest", "--backend", "nccl"])
         .args(args)
-        .env_remove("CHORUS_JOB_SECRET")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start chorus launch");
-    finish(child, secs)
+        .env_remove("CHORUS_JOB_SECRET");
+    common::run(&mut command, secs, "chorus launch", Stop::Term(Duration::from_secs(3)))
 }
 
 #[test]

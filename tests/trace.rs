@@ -2,11 +2,14 @@
 //! command run as a process, its verdict, table, JSON and exit codes checked.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chorus_runtime::flight::{self, FlightOp, FlightRecorder};
 use serde_json::Value;
+
+mod common;
+use common::{CHORUS, Stop};
 
 fn at(ms: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_secs(1_700_000_000) + Duration::from_millis(ms)
@@ -41,12 +44,12 @@ fn write_rank(dir: &Path, rank: usize, world: usize, generation: u64, completed:
 }
 
 fn trace(dir: &Path, json: bool) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_chorus"));
-    command.arg("trace").arg(dir);
+    let mut command = Command::new(CHORUS);
+    command.arg("trace").arg(dir).stdin(Stdio::null());
     if json {
         command.arg("--json");
     }
-    command.output().expect("run chorus trace")
+    common::run(&mut command, 30, "chorus trace", Stop::Kill)
 }
 
 fn stdout(output: &Output) -> String {
