@@ -414,3 +414,46 @@ fn a_late_node_joins_without_restarting_the_others() {
     assert!(stderr.contains("waits to join"), "{all}");
     assert!(stderr.contains("its workers keep running"), "{all}");
 }
+
+/// A worker failing past its node's `--max-restarts` ends the job on every
+/// node, as under `--restart-policy all`: its launcher exits with the
+/// worker's code (1 for a signal), the other stops its workers and exits 1
+/// naming the failure.
+#[test]
+fn a_failure_past_max_restarts_ends_the_job_on_every_node() {
+    let _turn = lock();
+    let mut job = Job::new();
+    let flags = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        "join_timeout=20",
+    ];
+    let probe = ["--iterations", "1000000", "--kill-rank", "1", "--kill-after", "20"];
+    job.start("a", &flags, &probe);
+    job.wait_for_store();
+    job.start("b", &flags, &probe);
+    let statuses = [job.finish("a", 60), job.finish("b", 20)];
+    let all = job.all_output();
+    assert_eq!(statuses.map(|s| s.code()), [Some(1); 2], "{all}");
+    let gave_up: Vec<&str> = ["a", "b"]
+        .into_iter()
+        .filter(|tag| {
+            job.stderr(tag)
+                .contains("rank 1 failed and --max-restarts 0 is used up; stopped the other workers; exiting")
+        })
+        .collect();
+    assert_eq!(gave_up.len(), 1, "{all}");
+    let other = if gave_up[0] == "a" { "b" } else { "a" };
+    assert!(
+        job.stderr(other).contains(
+            "the job ended: rank 1 failed and --max-restarts 0 is used up on node 1; stopped this node's workers"
+        ),
+        "{all}"
+    );
+    assert!(!all.contains("relaunching"), "{all}");
+}

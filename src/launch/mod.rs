@@ -694,6 +694,7 @@ async fn run_elastic_round(
     // restart count of a relaunched worker goes on from the round its node
     // started in, so it stays above that of the workers it replaces.
     let mut restarts = formed.restarts;
+    let first_restarts = formed.restarts;
     let first_count = job_env.restart_count;
     let mut slot_counts = vec![first_count; config.nproc_per_node];
     let mut alive = plan::KeepAlives::default();
@@ -710,7 +711,7 @@ async fn run_elastic_round(
                 report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
                 match plan::after_failure(restarts, config.max_restarts) {
                     AfterFailure::Restart { next } => {
-                        let count = first_count + (next - formed.restarts.min(next));
+                        let count = first_count + (next - first_restarts);
                         let new_env = job_env.for_attempt(count, &job.run_dir);
                         let spec = spec(config, &new_env, ended.local_rank)?;
                         match workers.relaunch(spec) {

@@ -950,6 +950,85 @@ mod tests {
         );
     }
 
+    /// Forms round 0 of `ids` (bounds 2:3) and returns each one's place.
+    async fn formed_round_zero(store: &HashStore, ids: &[&'static str]) -> Vec<Formed> {
+        let joins = ids.iter().map(|id| spawn_join(store, 0, elastic(id)));
+        let mut formed = Vec::new();
+        for join in joins.collect::<Vec<_>>() {
+            formed.push(join.await.unwrap().unwrap());
+        }
+        formed
+    }
+
+    /// Rule 7: a node taken for gone is dropped and a waiting one admitted
+    /// in one new round, with dense ranks (survivors in their old order,
+    /// the newcomer last), as a membership change; rule 8: the others
+    /// follow it, the dropped one finds itself left out.
+    #[tokio::test]
+    async fn reform_drops_the_gone_admits_the_waiting_and_everyone_follows() {
+        let store = HashStore::new(Duration::from_secs(5));
+        let keys = Keys::new("r");
+        let formed = formed_round_zero(&store, &["a", "b", "c"]).await;
+        let by_rank = |rank: usize| formed.iter().find(|f| f.node_rank == rank).unwrap().members[rank].clone();
+        let (first, lost, last) = (by_rank(0), by_rank(1), by_rank(2));
+        let newcomer = spawn_join(&store, 0, elastic("d"));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while waiting(&store, &keys, 0).await.unwrap().is_none() {
+            assert!(Instant::now() < deadline, "the newcomer never waited");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        reform(&store, &keys, &formed[0], &[lost.as_str()], 3, "node 1 left")
+            .await
+            .unwrap();
+        assert_eq!(current_attempt(&store, &keys).await.unwrap(), 1);
+        assert_eq!(
+            round_end(&store, &keys, 0).await.unwrap(),
+            Some(RoundEnd::Membership("node 1 left".into()))
+        );
+        let d = newcomer.await.unwrap().unwrap();
+        assert_eq!((d.round, d.node_rank, d.nnodes, d.restarts), (1, 2, 3, 0));
+        assert_eq!(d.members, [first.clone(), last.clone(), "d".to_string()]);
+        match adopt(&store, &keys, &last).await.unwrap() {
+            Adopted::Member(place) => assert_eq!((place.round, place.node_rank, place.nnodes), (1, 1, 3)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(adopt(&store, &keys, &lost).await.unwrap(), Adopted::Dropped(1));
+        // A launcher that saw something else a moment later follows the first record.
+        reform(&store, &keys, &formed[0], &[], 3, "node e waits to join")
+            .await
+            .unwrap();
+        assert_eq!(current_attempt(&store, &keys).await.unwrap(), 1);
+        assert_eq!(member_ids(&store, &keys, 1).await.unwrap(), d.members);
+    }
+
+    /// Rules 9 and 10: the job is over for the members of the current
+    /// round once each finished, whatever round it finished in; `over`
+    /// keeps the first reason; a second policy is refused.
+    #[tokio::test]
+    async fn finished_nodes_over_and_one_policy_per_job() {
+        let store = HashStore::new(Duration::from_secs(5));
+        let keys = Keys::new("r");
+        let members = ["a".to_string(), "b".to_string()];
+        assert_eq!(finished_among(&store, &keys, &members).await.unwrap(), 0);
+        mark_finished(&store, &keys, "b").await.unwrap();
+        mark_finished(&store, &keys, "gone").await.unwrap();
+        assert_eq!(finished_among(&store, &keys, &members).await.unwrap(), 1);
+        mark_finished(&store, &keys, "a").await.unwrap();
+        assert_eq!(finished_among(&store, &keys, &members).await.unwrap(), 2);
+        assert_eq!(over(&store, &keys).await.unwrap(), None);
+        end_for_good(&store, &keys, "rank 3 failed").await.unwrap();
+        end_for_good(&store, &keys, "rank 1 failed").await.unwrap();
+        assert_eq!(over(&store, &keys).await.unwrap().as_deref(), Some("rank 3 failed"));
+        agree_policy(&store, &keys, "worker").await.unwrap();
+        agree_policy(&store, &keys, "worker").await.unwrap();
+        let error = agree_policy(&store, &keys, "all").await.unwrap_err();
+        assert!(
+            matches!(error, LaunchError::PolicyMismatch { ref mine, ref theirs } if mine == "all" && theirs == "worker"),
+            "{error:?}"
+        );
+        assert_eq!(error.exit_code(), 2);
+    }
+
     #[test]
     fn records_read_back_as_written() {
         let closed = Closed::Formed {
