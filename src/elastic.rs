@@ -68,6 +68,11 @@ pub const DEFAULT_RESTART_WINDOW: Duration = Duration::from_secs(600);
 pub const MAX_RESTARTS_ENV: &str = "CHORUS_MAX_RESTARTS";
 /// The budget's window, in seconds.
 pub const RESTART_WINDOW_ENV: &str = "CHORUS_RESTART_WINDOW";
+/// Fewest ranks a generation may have, when the options do not say
+/// (`chorus launch --restart-policy worker` sets it from `--nnodes MIN:MAX`).
+pub const MIN_WORLD_ENV: &str = "CHORUS_MIN_WORLD";
+/// Most ranks a generation may have, when the options do not say.
+pub const MAX_WORLD_ENV: &str = "CHORUS_MAX_WORLD";
 /// How often a healthy group looks for processes waiting to join (SV-13).
 const JOINER_POLL: Duration = Duration::from_millis(500);
 /// How often an elastic rendezvous reads the store while waiting.
@@ -327,6 +332,21 @@ pub fn exit_on_give_up(error: &RestartError) {
     std::process::exit(1);
 }
 
+/// A world-size bound from the environment, if set.
+fn world_from_env(name: &'static str) -> Result<Option<usize>, RestartError> {
+    match std::env::var(name).ok().filter(|v| !v.trim().is_empty()) {
+        Some(value) => match value.trim().parse() {
+            Ok(n @ 1..) => Ok(Some(n)),
+            _ => Err(RestartError::BadSetting {
+                name,
+                value,
+                expected: "a number of ranks, 1 or more",
+            }),
+        },
+        None => Ok(None),
+    }
+}
+
 fn budget_from(options: &InitOptions) -> Result<RestartBudget, RestartError> {
     let env = |name: &str| std::env::var(name).ok();
     let max_restarts = match options.max_restarts {
@@ -373,8 +393,14 @@ impl ElasticGroup {
         let opened = rendezvous::open_store(&config, options.timeout)
             .await
             .map_err(InitError::from)?;
-        let min_world = options.min_world.unwrap_or(config.world_size);
-        let max_world = options.max_world.unwrap_or(config.world_size.max(min_world));
+        let min_world = match options.min_world {
+            Some(n) => n,
+            None => world_from_env(MIN_WORLD_ENV)?.unwrap_or(config.world_size),
+        };
+        let max_world = match options.max_world {
+            Some(n) => n,
+            None => world_from_env(MAX_WORLD_ENV)?.unwrap_or(config.world_size.max(min_world)),
+        };
         let base = Base {
             single_host: single_host(&config).await,
             store: opened.store.clone(),
