@@ -5,20 +5,14 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use chorus::rendezvous::InitMethod;
 use chorus::store::{HashStore, Store};
 use chorus::{ElasticGroup, ErrorHandling, InitOptions, ReduceOp, Tensor};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
-
-async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
-}
+mod common;
+use common::{CHORUS, Ranks, Stop, free_port, within};
 
 fn options(store: &Arc<dyn Store>, rank: usize, world: usize) -> InitOptions {
     InitOptions {
@@ -147,23 +141,17 @@ async fn sv13_a_process_waiting_to_join_is_admitted_into_the_next_generation() {
     assert_eq!(results, vec![(0, 1, 4.0), (1, 1, 4.0), (2, 1, 4.0), (3, 1, 4.0)]);
 }
 
-/// A store server and elastic-probe ranks, with their output.
+/// A store server and elastic-probe ranks, with their output. Dropping it
+/// kills the ranks, then the store.
 struct Job {
+    ranks: Ranks,
     store: Child,
     url: String,
-    children: Vec<Child>,
-    lines: mpsc::Receiver<(usize, String)>,
-    tx: mpsc::Sender<(usize, String)>,
-    log: Vec<String>,
 }
 
 impl Job {
     fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let mut store = Command::new(CHORUS)
             .args(["store", "serve", "--host", "127.0.0.1", "--port", &port.to_string()])
             .stdout(Stdio::piped())
@@ -174,14 +162,10 @@ impl Job {
             .read_line(&mut first)
             .unwrap();
         assert!(first.contains("serving"), "{first}");
-        let (tx, lines) = mpsc::channel();
         Self {
+            ranks: Ranks::new(),
             store,
             url: format!("tcp://127.0.0.1:{port}"),
-            children: Vec::new(),
-            lines,
-            tx,
-            log: Vec::new(),
         }
     }
 
@@ -193,72 +177,44 @@ impl Job {
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("TORCHELASTIC_USE_AGENT_STORE", "True")
-            .env("CHORUS_HEARTBEAT_TIMEOUT", "2")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .env("CHORUS_HEARTBEAT_TIMEOUT", "2");
         for (k, v) in env {
             command.env(k, v);
         }
-        let mut child = command.spawn().expect("start chorus elastic-probe");
-        let streams: [Box<dyn std::io::Read + Send>; 2] = [
-            Box::new(child.stdout.take().unwrap()),
-            Box::new(child.stderr.take().unwrap()),
-        ];
-        for stream in streams {
-            let tx = self.tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send((rank, line));
-                }
-            });
-        }
-        self.children.push(child);
+        let started = self.ranks.spawn(&mut command, "chorus elastic-probe");
+        assert_eq!(started, rank, "ranks start in order");
     }
 
-    /// Reads output until `count` lines from `ranks` contain `needle` each.
+    /// Reads output until a line from each of `ranks` contains `needle`.
     fn until(&mut self, ranks: &[usize], needle: &str, deadline: Instant) {
         let has = |log: &[String], r: usize| {
             log.iter()
                 .any(|l| l.starts_with(&format!("[{r}] ")) && l.contains(needle))
         };
-        while !ranks.iter().all(|&r| has(&self.log, r)) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
-                Ok((rank, line)) => self.log.push(format!("[{rank}] {line}")),
-                Err(_) => panic!(
-                    "timed out waiting for {needle:?} from ranks {ranks:?}; output:\n{}",
-                    self.log.join("\n")
-                ),
-            }
-        }
+        self.ranks
+            .until(&format!("{needle:?} from ranks {ranks:?}"), deadline, |log| {
+                ranks.iter().all(|&r| has(log, r))
+            });
     }
 
     fn kill(&mut self, rank: usize) {
-        self.children[rank].kill().unwrap();
-        self.children[rank].wait().unwrap();
+        self.ranks.kill(rank);
     }
 
     fn wait(&mut self, rank: usize, deadline: Instant) -> std::process::ExitStatus {
-        loop {
-            if let Some(status) = self.children[rank].try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "rank {rank} did not exit; output:\n{}",
-                self.log.join("\n")
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.ranks.wait(rank, deadline)
+    }
+
+    fn output(&self) -> String {
+        self.ranks.output()
     }
 }
 
 impl Drop for Job {
     fn drop(&mut self) {
-        for child in self.children.iter_mut().chain(std::iter::once(&mut self.store)) {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.ranks.kill_all();
+        let _ = self.store.kill();
+        let _ = self.store.wait();
     }
 }
 
@@ -281,10 +237,10 @@ fn sv9_sigkill_mid_loop_survivors_form_generation_1_of_3_and_finish() {
         assert!(
             job.wait(rank, deadline).success(),
             "rank {rank} failed:\n{}",
-            job.log.join("\n")
+            job.output()
         );
     }
-    let log = job.log.join("\n");
+    let log = job.output();
     for (old, new) in [(0, 0), (1, 1), (3, 2)] {
         assert!(
             log.contains(&format!("[{old}] probe rank={new} gen=1 world=3 event=restarted")),
@@ -313,27 +269,16 @@ fn sv9_sigkill_of_a_random_rank_survivors_re_form_every_trial() {
     // ranks, 4 elastic-probe ranks, a random one SIGKILLed mid-loop; a trial
     // counts only if every survivor formed generation 1 of 3 ranks and
     // finished its loop with correct sums.
-    let mut child = Command::new(CHORUS)
+    let mut command = Command::new(CHORUS);
+    command
         .args(["bench", "recovery", "--json", "--heartbeat-timeout", "2"])
-        .args(["--trials", &trials.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start chorus bench recovery");
-    let deadline = Instant::now() + Duration::from_secs(30 + 30 * trials as u64);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!(
-                "{trials} recovery trials did not finish in time:\n{}{}",
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = child.wait_with_output().unwrap();
+        .args(["--trials", &trials.to_string()]);
+    let output = common::run(
+        &mut command,
+        30 + 30 * trials as u64,
+        &format!("{trials} recovery trials"),
+        Stop::Kill,
+    );
     let (stdout, stderr) = (
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr),
@@ -375,11 +320,11 @@ fn sv12_the_restart_budget_is_enforced_in_processes() {
         assert!(
             !job.wait(rank, deadline).success(),
             "rank {rank} went on past the budget:\n{}",
-            job.log.join("\n")
+            job.output()
         );
     }
     job.until(&[0, 1], "restart budget spent", deadline);
-    let log = job.log.join("\n");
+    let log = job.output();
     let message = log
         .lines()
         .find(|l| l.starts_with("[0] ") && l.contains("restart budget spent"))

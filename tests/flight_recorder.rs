@@ -2,15 +2,15 @@
 //! stopped by SIGSTOP, makes the others time out or abort; they dump their
 //! recorders, and `chorus trace` names the frozen rank.
 
-use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+mod common;
+use common::{CHORUS, Ranks, Stop, field, free_port, joined};
 
 /// Each test runs several ranks; one at a time on a 2-core machine, so one
 /// test's ranks do not starve the other's past its timeouts (the frozen
@@ -21,27 +21,10 @@ fn one_at_a_time() -> MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Runs `command` under a deadline: whether it succeeded, and its output.
 fn run(command: &mut Command, secs: u64) -> (bool, String) {
-    let mut child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start chorus");
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("chorus did not finish within {secs}s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    (output.status.success(), text)
+    let output = common::run(command, secs, "chorus", Stop::Kill);
+    (output.status.success(), joined(&output))
 }
 
 #[test]
@@ -88,122 +71,49 @@ fn chorus_trace_names_the_frozen_rank() {
 
 /// Real rank processes (`chorus fault-probe`: all-reduces in a loop, rank 0
 /// serving the store) dumping to `trace_dir`, and their merged output.
-/// Dropping it continues and kills every one, so a stopped rank is not left
-/// behind when an assertion fails.
-struct Probes {
-    children: Vec<Child>,
-    lines: mpsc::Receiver<(usize, String)>,
-    log: Vec<String>,
+/// Dropping them continues and kills every one, so a stopped rank is not
+/// left behind when an assertion fails.
+fn start_probes(world: usize, trace_dir: &Path) -> Ranks {
+    let port = free_port();
+    let mut probes = Ranks::new();
+    for rank in 0..world {
+        let mut command = Command::new(CHORUS);
+        command
+            .args(["fault-probe", "--seconds", "120", "--init"])
+            .arg(format!("tcp://127.0.0.1:{port}"))
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            // A stopped rank is noticed within seconds, long before any collective timeout.
+            .env("CHORUS_HEARTBEAT_TIMEOUT", "3")
+            .env("CHORUS_TRACE_DIR", trace_dir);
+        probes.spawn(&mut command, "chorus fault-probe");
+    }
+    probes
 }
 
-impl Probes {
-    fn start(world: usize, trace_dir: &Path) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let (tx, lines) = mpsc::channel();
-        let mut children = Vec::new();
-        for rank in 0..world {
-            let mut command = Command::new(CHORUS);
-            command
-                .args(["fault-probe", "--seconds", "120", "--init"])
-                .arg(format!("tcp://127.0.0.1:{port}"))
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                // A stopped rank is noticed within seconds, long before any collective timeout.
-                .env("CHORUS_HEARTBEAT_TIMEOUT", "3")
-                .env("CHORUS_TRACE_DIR", trace_dir)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            let mut child = command.spawn().expect("start chorus fault-probe");
-            let streams: [Box<dyn Read + Send>; 2] = [
-                Box::new(child.stdout.take().unwrap()),
-                Box::new(child.stderr.take().unwrap()),
-            ];
-            for stream in streams {
-                let tx = tx.clone();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                        let _ = tx.send((rank, line));
-                    }
-                });
-            }
-            children.push(child);
-        }
-        Self {
-            children,
-            lines,
-            log: Vec::new(),
-        }
-    }
-
-    /// Reads output until each of `ranks` printed a probe line with
-    /// `event=NAME`, or panics with the output at `deadline`.
-    fn until_event(&mut self, name: &str, ranks: &[usize], deadline: Instant) {
-        while !ranks.iter().all(|&rank| self.event(rank, name).is_some()) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
-                Ok((rank, line)) => self.log.push(format!("[{rank}] {line}")),
-                Err(_) => panic!(
-                    "timed out waiting for event={name} from ranks {ranks:?}; output:\n{}",
-                    self.output()
-                ),
-            }
-        }
-    }
-
-    /// The first probe line of `rank` with `event=NAME`.
-    fn event(&self, rank: usize, name: &str) -> Option<&str> {
-        let prefix = format!("[{rank}] probe ");
-        let event = format!(" event={name} ");
-        self.log
-            .iter()
-            .find(|line| line.starts_with(&prefix) && format!("{line} ").contains(&event))
-            .map(String::as_str)
-    }
-
-    /// Waits until each of `ranks` exited and returns whether each succeeded.
-    fn exited(&mut self, ranks: &[usize], deadline: Instant) -> Vec<bool> {
-        ranks
-            .iter()
-            .map(|&rank| {
-                loop {
-                    if let Some(status) = self.children[rank].try_wait().unwrap() {
-                        break status.success();
-                    }
-                    if Instant::now() > deadline {
-                        panic!("rank {rank} did not exit; output:\n{}", self.output());
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            })
-            .collect()
-    }
-
-    fn output(&self) -> String {
-        self.log.join("\n")
-    }
+/// Reads output until each of `ranks` printed a probe line with
+/// `event=NAME`, or panics with the output at `deadline`.
+fn until_event(probes: &mut Ranks, name: &str, ranks: &[usize], deadline: Instant) {
+    probes.until(&format!("event={name} from ranks {ranks:?}"), deadline, |log| {
+        ranks.iter().all(|&rank| event(log, rank, name).is_some())
+    });
 }
 
-impl Drop for Probes {
-    fn drop(&mut self) {
-        for child in &mut self.children {
-            // SAFETY: signals a child this test started; SIGCONT lets a stopped one run to its death.
-            unsafe {
-                libc::kill(child.id() as i32, libc::SIGCONT);
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
+/// The first probe line of `rank` with `event=NAME`.
+fn event<'a>(log: &'a [String], rank: usize, name: &str) -> Option<&'a str> {
+    let prefix = format!("[{rank}] probe ");
+    let event = format!(" event={name} ");
+    log.iter()
+        .find(|line| line.starts_with(&prefix) && format!("{line} ").contains(&event))
+        .map(String::as_str)
 }
 
-/// A field of a probe line: `iteration` of `probe rank=1 event=error iteration=57 ...`.
-fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+/// Waits until each of `ranks` exited and returns whether each succeeded.
+fn exited(probes: &mut Ranks, ranks: &[usize], deadline: Instant) -> Vec<bool> {
+    ranks
+        .iter()
+        .map(|&rank| probes.wait(rank, deadline).success())
+        .collect()
 }
 
 #[test]
@@ -213,8 +123,13 @@ fn chorus_trace_names_a_sigstopped_rank() {
     const STOPPED: usize = 2;
     const SURVIVORS: [usize; 3] = [0, 1, 3];
     let dir = tempfile::tempdir().unwrap();
-    let mut probes = Probes::start(4, dir.path());
-    probes.until_event("running", &[0, 1, 2, 3], Instant::now() + Duration::from_secs(60));
+    let mut probes = start_probes(4, dir.path());
+    until_event(
+        &mut probes,
+        "running",
+        &[0, 1, 2, 3],
+        Instant::now() + Duration::from_secs(60),
+    );
     // Stopping at a different point of the loop each run: a rank stopped
     // between its sends of one all-reduce leaves some survivors in it and
     // others in the next, which `chorus trace` must still pin on the stopped rank.
@@ -223,12 +138,12 @@ fn chorus_trace_names_a_sigstopped_rank() {
     ));
     std::thread::sleep(pause);
     // SAFETY: SIGSTOP to a child this test started (Drop continues and kills it).
-    let stopped = unsafe { libc::kill(probes.children[STOPPED].id() as i32, libc::SIGSTOP) };
+    let stopped = unsafe { libc::kill(probes.pid(STOPPED), libc::SIGSTOP) };
     assert_eq!(stopped, 0, "SIGSTOP rank {STOPPED}");
     // A survivor prints its error, then whether the next call failed too, then exits.
     let deadline = Instant::now() + Duration::from_secs(60);
-    probes.until_event("next", &SURVIVORS, deadline);
-    let succeeded = probes.exited(&SURVIVORS, deadline);
+    until_event(&mut probes, "next", &SURVIVORS, deadline);
+    let succeeded = exited(&mut probes, &SURVIVORS, deadline);
     assert_eq!(succeeded, [false; 3], "the survivors must fail:\n{}", probes.output());
     let mut dumps: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()
@@ -250,7 +165,7 @@ fn chorus_trace_names_a_sigstopped_rank() {
     let last_completed: Vec<u64> = SURVIVORS
         .iter()
         .map(|&rank| {
-            let error = probes.event(rank, "error").unwrap();
+            let error = event(&probes.log, rank, "error").unwrap();
             let iterations: u64 = field(error, "iteration").unwrap().parse().unwrap();
             assert!(iterations >= 20, "rank {rank} stopped before running: {error}");
             iterations - 1

@@ -9,23 +9,16 @@
 //! `CHORUS_SUPERVISION_TRIALS=20 cargo test --release --test supervision sigkill`.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chorus::{CollectiveError, ErrorHandling, InitOptions, ReduceOp, Tensor, spawn_with};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+mod common;
+use common::{CHORUS, Ranks, free_port, within};
+
 const WINDOW_MS: u128 = 2000;
 const SIGKILL_TRIALS: usize = 5;
-
-/// Fails a test that hangs, with a message, instead of hanging CI.
-async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
-}
 
 fn options(window: Duration) -> InitOptions {
     InitOptions::default()
@@ -200,21 +193,14 @@ fn parse(line: &str) -> Option<Event> {
 
 /// Four probe processes and their output.
 struct Probes {
-    children: Vec<Child>,
-    lines: mpsc::Receiver<(usize, String)>,
-    log: Vec<String>,
+    ranks: Ranks,
     events: Vec<(usize, Event)>,
 }
 
 impl Probes {
     fn start(world: usize, env: &[(&str, &str)]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let (tx, lines) = mpsc::channel();
-        let mut children = Vec::new();
+        let port = free_port();
+        let mut ranks = Ranks::new();
         for rank in 0..world {
             let mut command = Command::new(CHORUS);
             command
@@ -227,31 +213,14 @@ impl Probes {
                 ])
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
-                .env("CHORUS_HEARTBEAT_TIMEOUT", (WINDOW_MS as f64 / 1000.0).to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+                .env("CHORUS_HEARTBEAT_TIMEOUT", (WINDOW_MS as f64 / 1000.0).to_string());
             for (k, v) in env {
                 command.env(k, v);
             }
-            let mut child = command.spawn().expect("start chorus fault-probe");
-            let streams: [Box<dyn std::io::Read + Send>; 2] = [
-                Box::new(child.stdout.take().unwrap()),
-                Box::new(child.stderr.take().unwrap()),
-            ];
-            for stream in streams {
-                let tx = tx.clone();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                        let _ = tx.send((rank, line));
-                    }
-                });
-            }
-            children.push(child);
+            ranks.spawn(&mut command, "chorus fault-probe");
         }
         Self {
-            children,
-            lines,
-            log: Vec::new(),
+            ranks,
             events: Vec::new(),
         }
     }
@@ -259,15 +228,9 @@ impl Probes {
     /// Reads output until `done` holds for the events so far, or panics at `deadline`.
     fn until(&mut self, what: &str, deadline: Instant, done: impl Fn(&[(usize, Event)]) -> bool) {
         while !done(&self.events) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
-                Ok((rank, line)) => {
-                    if let Some(event) = parse(&line) {
-                        self.events.push((rank, event));
-                    }
-                    self.log.push(format!("[{rank}] {line}"));
-                }
-                Err(_) => panic!("timed out waiting for {what}; output:\n{}", self.log.join("\n")),
+            let (rank, line) = self.ranks.next_line(what, deadline);
+            if let Some(event) = parse(&line) {
+                self.events.push((rank, event));
             }
         }
     }
@@ -292,12 +255,16 @@ impl Probes {
     }
 
     fn pid(&self, rank: usize) -> i32 {
-        self.children[rank].id() as i32
+        self.ranks.pid(rank)
+    }
+
+    fn output(&self) -> String {
+        self.ranks.output()
     }
 
     /// Waits until every rank is past its first iterations.
     fn until_running(&mut self) {
-        let all: Vec<usize> = (0..self.children.len()).collect();
+        let all: Vec<usize> = (0..self.ranks.len()).collect();
         self.until(
             "every rank running",
             Instant::now() + Duration::from_secs(20),
@@ -316,7 +283,7 @@ impl Probes {
                 next["ok"],
                 "false",
                 "rank {rank}: a call after the error succeeded:\n{}",
-                self.log.join("\n")
+                self.output()
             );
             let waited: u64 = next["waited_ms"].parse().unwrap();
             assert!(
@@ -325,19 +292,6 @@ impl Probes {
             );
         }
         ranks.iter().map(|&r| self.event(r, "error").clone()).collect()
-    }
-}
-
-impl Drop for Probes {
-    fn drop(&mut self) {
-        for child in &mut self.children {
-            // SAFETY: signals a child this test started; SIGCONT first lets a stopped one die.
-            unsafe {
-                libc::kill(child.id() as i32, libc::SIGCONT);
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -372,7 +326,7 @@ fn sv1_sigkill_of_a_random_rank_fails_every_survivor_within_the_window() {
             assert!(
                 after <= WINDOW_MS + 1000,
                 "trial {trial} (seed {seed}, {transport}, rank {victim} killed): rank {rank} got its error {after} ms later:\n{}",
-                probes.log.join("\n")
+                probes.output()
             );
         }
     }
@@ -405,7 +359,7 @@ fn sv14_sigkill_blames_the_killed_rank_not_the_survivors() {
                 (error["kind"].as_str(), blamed(error)),
                 ("aborted", vec![victim]),
                 "{transport}, rank {victim} killed: rank {rank} must blame rank {victim} alone: {error:?}\n{}",
-                probes.log.join("\n")
+                probes.output()
             );
         }
     }
@@ -421,12 +375,12 @@ fn sv15_a_sigkilled_peer_on_this_host_is_seen_at_once_over_quic() {
     assert_eq!(unsafe { libc::kill(probes.pid(1), libc::SIGKILL) }, 0);
     let errors = probes.errors(&[0, 2, 3], Instant::now() + Duration::from_secs(10));
     for error in &errors {
-        assert_eq!(blamed(error), vec![1], "{error:?}\n{}", probes.log.join("\n"));
+        assert_eq!(blamed(error), vec![1], "{error:?}\n{}", probes.output());
     }
     assert!(
         errors.iter().any(|e| e["error"].contains("exited")),
         "some survivor must have seen rank 1's process exit:\n{}",
-        probes.log.join("\n")
+        probes.output()
     );
 }
 
@@ -442,13 +396,13 @@ fn sv1_a_sigstopped_rank_is_detected() {
         assert!(
             at_ms(error).saturating_sub(stopped) <= WINDOW_MS + 1000,
             "{error:?}\n{}",
-            probes.log.join("\n")
+            probes.output()
         );
     }
     assert!(
         errors.iter().any(|e| e["kind"] == "aborted" && e["failed"] == "[2]"),
         "some survivor must name the stopped rank 2:\n{}",
-        probes.log.join("\n")
+        probes.output()
     );
 }
 
@@ -463,7 +417,7 @@ fn sv1_a_partition_is_detected() {
         assert!(
             after <= 1500 + WINDOW_MS + 1000,
             "rank {rank} noticed the partition {after} ms after it formed:\n{}",
-            probes.log.join("\n")
+            probes.output()
         );
     }
 }
@@ -490,7 +444,7 @@ fn sv7_blocking_wait_returns_errors_to_the_caller() {
             (error["kind"].as_str(), error["failed"].as_str()),
             ("aborted", "[1]"),
             "{error:?}\n{}",
-            probes.log.join("\n")
+            probes.output()
         );
         assert!(at_ms(error).saturating_sub(stopped) <= WINDOW_MS + 1000, "{error:?}");
     }
@@ -505,22 +459,11 @@ fn sv7_setting_both_modes_is_an_error_at_init() {
             ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         ],
     );
-    let status = {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = probes.children[0].try_wait().unwrap() {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "the probe did not exit");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
+    let status = probes.ranks.wait(0, Instant::now() + Duration::from_secs(20));
     assert!(!status.success());
     std::thread::sleep(Duration::from_millis(100));
-    while let Ok((_, line)) = probes.lines.try_recv() {
-        probes.log.push(line);
-    }
-    let log = probes.log.join("\n");
+    probes.ranks.drain();
+    let log = probes.output();
     assert!(
         log.contains("TORCH_NCCL_BLOCKING_WAIT=1") && log.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING=1"),
         "{log}"
