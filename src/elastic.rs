@@ -73,6 +73,9 @@ pub const RESTART_WINDOW_ENV: &str = "CHORUS_RESTART_WINDOW";
 pub const MIN_WORLD_ENV: &str = "CHORUS_MIN_WORLD";
 /// Most ranks a generation may have, when the options do not say.
 pub const MAX_WORLD_ENV: &str = "CHORUS_MAX_WORLD";
+/// Set (to 1) for a process that joins a running group: `chorus launch
+/// --restart-policy worker` sets it for relaunched workers and late nodes.
+pub const JOIN_ENV: &str = "CHORUS_ELASTIC_JOIN";
 /// How often a healthy group looks for processes waiting to join (SV-13).
 const JOINER_POLL: Duration = Duration::from_millis(500);
 /// How often an elastic rendezvous reads the store while waiting.
@@ -99,6 +102,15 @@ pub enum RestartError {
         value: String,
         /// What it should be.
         expected: &'static str,
+    },
+    /// This process was started to join a running group (`CHORUS_ELASTIC_JOIN`)
+    /// and none formed in time.
+    #[error("{JOIN_ENV}=1 but no generation of run {run_id:?} formed within {waited:?}: nothing to join")]
+    NothingToJoin {
+        /// The run.
+        run_id: String,
+        /// How long it waited.
+        waited: Duration,
     },
     /// The restart budget is spent (SV-12).
     #[error("restart budget spent: {} failure(s) in {window:?} with at most {max_restarts} restart(s) allowed; failures: {}", failures.len(), describe(failures))]
@@ -332,6 +344,24 @@ pub fn exit_on_give_up(error: &RestartError) {
     std::process::exit(1);
 }
 
+/// The newest formed generation of `run_id`, waiting up to `timeout` for
+/// the first one.
+async fn wait_for_latest(store: &Arc<dyn Store>, run_id: &str, timeout: Duration) -> Result<u64, RestartError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(latest) = elastic_rdzv::latest(store, run_id).await? {
+            return Ok(latest);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(RestartError::NothingToJoin {
+                run_id: run_id.to_string(),
+                waited: timeout,
+            });
+        }
+        tokio::time::sleep(RENDEZVOUS_POLL).await;
+    }
+}
+
 /// A world-size bound from the environment, if set.
 fn world_from_env(name: &'static str) -> Result<Option<usize>, RestartError> {
     match std::env::var(name).ok().filter(|v| !v.trim().is_empty()) {
@@ -417,7 +447,13 @@ impl ElasticGroup {
             min_world,
             max_world,
         };
-        let group = match elastic_rdzv::latest(&base.store, &base.config.run_id).await? {
+        let latest = match std::env::var(JOIN_ENV).is_ok_and(|v| v.trim() == "1") {
+            // Started to join a running group (a relaunched worker, a late
+            // node): wait for its first generation rather than form one.
+            true => Some(wait_for_latest(&base.store, &base.config.run_id, base.options.timeout).await?),
+            false => elastic_rdzv::latest(&base.store, &base.config.run_id).await?,
+        };
+        let group = match latest {
             // The job runs: join its next generation as a new member.
             Some(latest) => base.form(latest + 1, None).await?,
             None => {

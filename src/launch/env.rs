@@ -35,7 +35,15 @@ pub struct JobEnv {
     /// worker`, where the workers re-form by themselves as nodes leave and
     /// join (`--nnodes MIN:MAX` times `--nproc-per-node`).
     pub elastic_world: Option<(usize, usize)>,
+    /// `CHORUS_ELASTIC_JOIN=1`: the workers join a running elastic group as
+    /// new members (a relaunched worker, a node that joined later) rather
+    /// than form its first generation, even before the group has published
+    /// one.
+    pub join_running: bool,
 }
+
+/// Set for workers that join a running elastic group.
+pub const JOIN_ENV: &str = "CHORUS_ELASTIC_JOIN";
 
 /// Fewest ranks a generation of the workers' elastic group may have.
 pub const MIN_WORLD_ENV: &str = "CHORUS_MIN_WORLD";
@@ -110,6 +118,9 @@ impl JobEnv {
             vars.push((MIN_WORLD_ENV, min.to_string()));
             vars.push((MAX_WORLD_ENV, max.to_string()));
         }
+        if self.join_running {
+            vars.push((JOIN_ENV, "1".to_string()));
+        }
         if self.nproc_per_node > 1 && parent("OMP_NUM_THREADS").is_none() {
             vars.push(("OMP_NUM_THREADS", "1".to_string()));
         }
@@ -145,6 +156,7 @@ mod tests {
             secret: "ab".into(),
             attempt_dir: PathBuf::from("/l/job/attempt_2"),
             elastic_world: None,
+            join_running: false,
         }
     }
 
@@ -210,6 +222,12 @@ mod tests {
         let vars = elastic.for_worker(0, &|_| None);
         assert_eq!(get(&vars, MIN_WORLD_ENV), Some("3"));
         assert_eq!(get(&vars, MAX_WORLD_ENV), Some("9"));
+        assert_eq!(get(&vars, JOIN_ENV), None);
+        let joining = JobEnv {
+            join_running: true,
+            ..elastic
+        };
+        assert_eq!(get(&joining.for_worker(0, &|_| None), JOIN_ENV), Some("1"));
     }
 
     #[test]

@@ -549,6 +549,9 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
                 config.min_nodes * config.nproc_per_node,
                 config.max_nodes * config.nproc_per_node,
             )),
+            // Under the worker policy only the first round starts the group;
+            // workers started in a later one join it.
+            join_running: config.restart_policy == RestartPolicy::Worker && round > 0,
         };
         let mut workers = Workers::spawn(specs(config, &job_env)?, config.shutdown_timeout).await?;
         if config.restart_policy == RestartPolicy::Worker {
@@ -712,7 +715,10 @@ async fn run_elastic_round(
                 match plan::after_failure(restarts, config.max_restarts) {
                     AfterFailure::Restart { next } => {
                         let count = first_count + (next - first_restarts);
-                        let new_env = job_env.for_attempt(count, &job.run_dir);
+                        let new_env = env::JobEnv {
+                            join_running: true,
+                            ..job_env.for_attempt(count, &job.run_dir)
+                        };
                         let spec = spec(config, &new_env, ended.local_rank)?;
                         match workers.relaunch(spec) {
                             Ok(pid) => say(format!(
