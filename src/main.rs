@@ -522,9 +522,12 @@ async fn fault_probe(url: String, seconds: Duration) -> Result<ExitCode> {
                     CollectiveError::Broken(_) => ("broken", Vec::new()),
                     _ => ("other", Vec::new()),
                 };
+                // `failed=[0,1]`: one word, for the tests' key=value parsing.
+                let failed: Vec<String> = failed.iter().map(ToString::to_string).collect();
                 println!(
-                    "probe rank={rank} event=error at_ms={} iteration={iteration} kind={kind} failed={failed:?} error={error}",
-                    unix_ms()
+                    "probe rank={rank} event=error at_ms={} iteration={iteration} kind={kind} failed=[{}] error={error}",
+                    unix_ms(),
+                    failed.join(",")
                 );
                 let next = Instant::now();
                 let again = group
