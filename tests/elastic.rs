@@ -255,6 +255,57 @@ fn sv9_sigkill_mid_loop_survivors_form_generation_1_of_3_and_finish() {
     }
 }
 
+#[test]
+fn a_process_started_to_join_waits_for_the_first_generation_then_joins_the_next() {
+    let mut job = Job::start();
+    let probe = |rank: usize, extra: &[(&str, &str)]| {
+        let mut command = Command::new(CHORUS);
+        command
+            .args(["elastic-probe", "--init", &job.url, "--iterations", "200"])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "3")
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("CHORUS_HEARTBEAT_TIMEOUT", "2")
+            // The bounds come from the environment, as `chorus launch --restart-policy worker` sets them.
+            .env("CHORUS_MIN_WORLD", "3")
+            .env("CHORUS_MAX_WORLD", "4");
+        for (k, v) in extra {
+            command.env(k, v);
+        }
+        command
+    };
+    // Started before the group exists (a worker relaunched early, a node
+    // that came first): told to join, it waits instead of forming
+    // generation 0 with a rank it does not own.
+    let joiner = job
+        .ranks
+        .spawn(&mut probe(0, &[("CHORUS_ELASTIC_JOIN", "1")]), "the joiner");
+    assert_eq!(joiner, 0);
+    for rank in 0..3 {
+        assert_eq!(job.ranks.spawn(&mut probe(rank, &[]), "chorus elastic-probe"), rank + 1);
+    }
+    let deadline = Instant::now() + Duration::from_secs(40);
+    job.until(&[0, 1, 2, 3], "event=done", deadline);
+    let log = job.output();
+    assert!(log.contains("[0] probe rank=3 gen=1 world=4 event=joined"), "{log}");
+    for (index, rank) in [(1, 0), (2, 1), (3, 2)] {
+        assert!(
+            log.contains(&format!("[{index}] probe rank={rank} gen=0 world=3 pid=")),
+            "generation 0 formed without the joiner:\n{log}"
+        );
+        assert!(
+            log.contains(&format!(
+                "[{index}] probe rank={rank} gen=1 world=4 event=done iterations=200"
+            )),
+            "{log}"
+        );
+    }
+    assert!(
+        log.contains("[0] probe rank=3 gen=1 world=4 event=done iterations=200"),
+        "{log}"
+    );
+}
+
 /// Issue 7 asks for 20 trials; CI runs 3. Run the 20 with
 /// `CHORUS_SUPERVISION_TRIALS=20 cargo test --release --test elastic random_rank`.
 const SIGKILL_TRIALS: usize = 3;
