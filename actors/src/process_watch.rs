@@ -7,13 +7,18 @@
 //!
 //! A process is watched through a pidfd (`pidfd_open`, Linux 5.3+), which
 //! names that process and no later one with a reused pid, and turns readable
-//! when it exits, reaped or not; where pidfds are unavailable, `kill(pid, 0)`
-//! stands in (a zombie then counts as alive until its parent reaps it).
+//! when it exits, reaped or not: [`ProcessWatch::next_exit`] waits for that
+//! on the runtime's reactor, so the watchdog hears of an exit at once;
+//! where pidfds are unavailable, `kill(pid, 0)` on each poll stands in (a
+//! zombie then counts as alive until its parent reaps it).
 //! Pids mean something only within one pid namespace: the caller watches
 //! only peers whose host and pid namespace are this process's
 //! ([`pid_namespace`]).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::task::Poll;
+
+use tokio::io::unix::AsyncFd;
 
 /// This process's pid namespace (the inode of `/proc/self/ns/pid`), if it can be read.
 pub fn pid_namespace() -> Option<u64> {
@@ -22,11 +27,30 @@ pub fn pid_namespace() -> Option<u64> {
 }
 
 #[derive(Debug)]
+enum Handle {
+    /// A pidfd not yet registered with a reactor.
+    Pidfd(OwnedFd),
+    /// A pidfd registered with the reactor of the runtime that waits on it.
+    Registered(AsyncFd<OwnedFd>),
+    /// No pidfd could be opened: `kill(pid, 0)` stands in.
+    Signal,
+}
+
+#[derive(Debug)]
 struct Watched {
     rank: usize,
     pid: u32,
-    /// `None`: no pidfd could be opened, `kill(pid, 0)` stands in.
-    pidfd: Option<OwnedFd>,
+    handle: Handle,
+}
+
+impl Watched {
+    fn exited(&self) -> bool {
+        match &self.handle {
+            Handle::Pidfd(fd) => readable(fd),
+            Handle::Registered(fd) => readable(fd.get_ref()),
+            Handle::Signal => !process_exists(self.pid),
+        }
+    }
 }
 
 /// The peer processes on this host being watched.
@@ -44,7 +68,7 @@ impl ProcessWatch {
             .map(|(rank, pid)| Watched {
                 rank,
                 pid,
-                pidfd: open_pidfd(pid),
+                handle: open_pidfd(pid).map_or(Handle::Signal, Handle::Pidfd),
             })
             .collect();
         Self { watched }
@@ -65,16 +89,54 @@ impl ProcessWatch {
     pub fn exited(&mut self) -> Vec<(usize, u32)> {
         let mut gone = Vec::new();
         self.watched.retain(|w| {
-            let alive = match &w.pidfd {
-                Some(fd) => !readable(fd),
-                None => process_exists(w.pid),
-            };
-            if !alive {
+            let exited = w.exited();
+            if exited {
                 gone.push((w.rank, w.pid));
             }
-            alive
+            !exited
         });
         gone
+    }
+
+    /// Waits until watched processes exit and returns them, as
+    /// [`exited`](Self::exited) does; pends forever when none can be waited
+    /// for (no pidfds: [`exited`](Self::exited) on each poll finds them).
+    /// Must run inside a Tokio runtime with IO enabled, whose reactor then
+    /// watches the pidfds.
+    pub async fn next_exit(&mut self) -> Vec<(usize, u32)> {
+        for watched in &mut self.watched {
+            if let Handle::Pidfd(_) = watched.handle {
+                let Handle::Pidfd(fd) = std::mem::replace(&mut watched.handle, Handle::Signal) else {
+                    unreachable!("matched above")
+                };
+                // SAFETY: the `OwnedFd` moves into the `AsyncFd`, which keeps
+                // it open and unchanged until it is dropped.
+                watched.handle = match unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
+                    Ok(registered) => Handle::Registered(registered),
+                    // The reactor refused it: keep polling the pidfd.
+                    Err(refused) => Handle::Pidfd(refused.into_parts().0),
+                };
+            }
+        }
+        std::future::poll_fn(|cx| {
+            let mut gone = Vec::new();
+            self.watched.retain(|w| {
+                let exited = match &w.handle {
+                    Handle::Registered(fd) => fd.poll_read_ready(cx).is_ready(),
+                    Handle::Pidfd(_) | Handle::Signal => false,
+                };
+                if exited {
+                    gone.push((w.rank, w.pid));
+                }
+                !exited
+            });
+            if gone.is_empty() {
+                Poll::Pending
+            } else {
+                Poll::Ready(gone)
+            }
+        })
+        .await
     }
 }
 
@@ -137,6 +199,23 @@ mod tests {
         second.wait().unwrap();
         assert_eq!(watch.exited(), vec![(3, second.id())]);
         assert!(watch.is_empty());
+    }
+
+    #[tokio::test]
+    async fn sv15_an_exit_wakes_a_waiting_watchdog() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let mut watch = ProcessWatch::new([(2, child.id()), (0, std::process::id())]);
+        let waiting = tokio::spawn(async move { (watch.next_exit().await, watch) });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "nothing exited yet");
+        child.kill().unwrap();
+        let (gone, mut watch) = tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("the exit woke the waiter")
+            .unwrap();
+        assert_eq!(gone, vec![(2, child.id())]);
+        assert!(watch.exited().is_empty(), "this process still runs");
+        child.wait().unwrap();
     }
 
     #[test]

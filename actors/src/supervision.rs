@@ -438,6 +438,13 @@ pub fn spawn_watchdog(
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => return,
                 () = tokio::time::sleep(config.poll) => {}
+                // A local peer's exit is acted on at once, not at the next poll (SV-15).
+                gone = processes.next_exit() => {
+                    let mut monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
+                    for (rank, pid) in gone {
+                        monitor.process_exited(rank, pid);
+                    }
+                }
             }
             supervision.progress.fetch_add(1, Ordering::Relaxed);
             if supervision.aborted().is_some() {

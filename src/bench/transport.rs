@@ -314,10 +314,14 @@ fn link_error(e: impl std::fmt::Display) -> BenchError {
 
 async fn link_leader(link: &Arc<dyn Link>, bench: &TransportBench) -> Result<(f64, f64), BenchError> {
     let payload = Bytes::from(vec![1u8; bench.size]);
-    // One untimed transfer first: a new link's first bytes pay its setup
-    // (page faults in a shm ring still being prepared, QUIC's window
+    // One untimed sample first: a new link's first bytes pay its setup
+    // (first-touch faults on both views of a shm ring, QUIC's window
     // growth), as nccl-tests' warm-up iterations do.
-    link.send(0, u64::MAX, payload.clone()).await.map_err(link_error)?;
+    for i in 0..bench.iters {
+        link.send(0, u64::MAX - i as u64, payload.clone())
+            .await
+            .map_err(link_error)?;
+    }
     link.recv(1).await.map_err(link_error)?;
     let started = Instant::now();
     for i in 0..bench.iters {
@@ -337,7 +341,9 @@ async fn link_leader(link: &Arc<dyn Link>, bench: &TransportBench) -> Result<(f6
 }
 
 async fn link_peer(link: &Arc<dyn Link>, bench: &TransportBench) -> Result<(), BenchError> {
-    link.recv(0).await.map_err(link_error)?;
+    for _ in 0..bench.iters {
+        link.recv(0).await.map_err(link_error)?;
+    }
     link.send(1, u64::MAX, Bytes::from_static(b"k"))
         .await
         .map_err(link_error)?;

@@ -39,12 +39,12 @@
 //!    error now rather than a `SIGBUS` later), then attaches every inbound
 //!    ring, then waits until every peer has attached to this rank's rings.
 //!    Both sides of a pair must connect concurrently. The ring's pages are
-//!    allocated and mapped in (`MADV_POPULATE_WRITE`, or `posix_fallocate`
-//!    before Linux 5.14) by a background thread at low priority, not while
-//!    connecting: `posix_fallocate` and `MAP_POPULATE` of 64 MiB rings to
-//!    every local peer took 0.1-0.7 s on 2 cores, most of a group restart.
-//!    A ring that does not fit fails its link before the writer's next
-//!    record.
+//!    reserved (`posix_fallocate`) by a background thread, not while
+//!    connecting, and mapped in by faults on first use: reserving and
+//!    `MAP_POPULATE`-ing 64 MiB rings to every local peer took 0.1-0.7 s on
+//!    2 cores, most of a group restart, and populating them in the
+//!    background held the mmap lock the ranks need (0.1-0.5 s more). A ring
+//!    that does not fit fails its link before the writer's next record.
 //! 3. The writer fills the header and stores the magic last; a reader that
 //!    finds magic 0 waits, any other wrong magic, version or size is a typed
 //!    [`TransportError::Protocol`]. The reader checks that the file is its
@@ -523,48 +523,21 @@ fn free_bytes(file: &File) -> io::Result<u64> {
     Ok(stat.f_bavail as u64 * stat.f_frsize as u64)
 }
 
-/// Prepares a ring's pages on a thread of its own (rule 2): allocates and
-/// maps them in, so transfers neither page-fault nor meet a full tmpfs
-/// (`SIGBUS`). The writer passes the file and its length: where it cannot
-/// get its pages, `failed` says why.
-fn prepare_in_background(reserve: Option<(File, u64)>, map: Arc<Mapping>, failed: Arc<std::sync::OnceLock<String>>) {
+/// Reserves a ring's pages in the tmpfs (`posix_fallocate`) on a thread of
+/// its own (rule 2), so a full tmpfs fails the link rather than `SIGBUS`ing
+/// the writer later; records why it failed in `failed`. Only the file is
+/// touched, not the mapping: the connecting and running ranks need their
+/// process's mmap lock, which `MAP_POPULATE` or `MADV_POPULATE_WRITE` would
+/// hold (measured: 0.1-0.5 s added to a restart on 2 busy cores). Pages
+/// reserved this way are mapped in by minor faults on first use.
+fn reserve_in_background(file: File, len: u64, failed: Arc<std::sync::OnceLock<String>>) {
     let reported = failed.clone();
     let spawned = std::thread::Builder::new()
-        .name("chorus-shm-prepare".into())
+        .name("chorus-shm-reserve".into())
         .spawn(move || {
-            // Zeroing the pages should yield to the ranks that connect and
-            // run their first collectives, but not starve: a populating
-            // thread holds the process's mmap lock, which they need too
-            // (SCHED_IDLE here stalled their mmap calls for 0.5 s).
+            // Zeroing the pages yields to the ranks' own threads.
             // SAFETY: changes only this thread's nice value.
             unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
-            // In pieces, so the mmap lock is released between them.
-            const PIECE: usize = 2 << 20;
-            let populated = (0..map.len).step_by(PIECE).try_for_each(|at| {
-                // SAFETY: `[at, at + len)` lies in this mapping, kept alive
-                // by `map`; MADV_POPULATE_WRITE allocates and maps the pages
-                // without writing them, and fails (EFAULT) where a write
-                // would SIGBUS.
-                let done = unsafe {
-                    libc::madvise(
-                        map.base.add(at).cast(),
-                        PIECE.min(map.len - at),
-                        libc::MADV_POPULATE_WRITE,
-                    )
-                };
-                if done == 0 {
-                    Ok(())
-                } else {
-                    Err(io::Error::last_os_error())
-                }
-            });
-            let Err(error) = populated else { return };
-            let Some((file, len)) = reserve else { return };
-            if error.raw_os_error() != Some(libc::EINVAL) {
-                let _ = reported.set(format!("the {len}-byte ring does not fit in the tmpfs: {error}"));
-                return;
-            }
-            // A kernel before 5.14 has no MADV_POPULATE_WRITE: reserve instead.
             // SAFETY: fallocate on an fd this thread owns; it only reserves pages.
             let err = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
             if err != 0 {
@@ -579,8 +552,7 @@ fn prepare_in_background(reserve: Option<(File, u64)>, map: Arc<Mapping>, failed
 
 /// One direction's ring, as mapped by either side.
 struct Ring {
-    /// Shared with the thread that prepares its pages (rule 2).
-    map: Arc<Mapping>,
+    map: Mapping,
     data_offset: usize,
     capacity: u64,
     released: Mutex<Released>,
@@ -618,9 +590,8 @@ impl Ring {
             header.writer_rank.store(writer_rank as u64, Ordering::Relaxed);
             header.reader_rank.store(reader_rank as u64, Ordering::Relaxed);
             header.magic.store(MAGIC, Ordering::Release);
-            let map = Arc::new(map);
             let reservation = Arc::new(std::sync::OnceLock::new());
-            prepare_in_background(Some((file, len)), map.clone(), reservation.clone());
+            reserve_in_background(file, len, reservation.clone());
             Ok(Ring {
                 map,
                 data_offset,
@@ -708,17 +679,13 @@ impl Ring {
             return Err(protocol_error(peer, "the ring's capacity changed while attaching"));
         }
         map.header_ref().reader_pid.store(std::process::id(), Ordering::Release);
-        let map = Arc::new(map);
-        // The writer reserves the pages (a failure shows on its side); this
-        // side only maps them in ahead of use.
-        let reservation = Arc::default();
-        prepare_in_background(None, map.clone(), Arc::clone(&reservation));
         Ok(Some(Ring {
             map,
             data_offset,
             capacity: capacity as u64,
             released: Mutex::default(),
-            reservation,
+            // The writer reserves the pages; a failure shows on its side.
+            reservation: Arc::default(),
         }))
     }
 
