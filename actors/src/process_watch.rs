@@ -105,18 +105,18 @@ impl ProcessWatch {
     /// watches the pidfds.
     pub async fn next_exit(&mut self) -> Vec<(usize, u32)> {
         for watched in &mut self.watched {
-            if let Handle::Pidfd(_) = watched.handle {
-                let Handle::Pidfd(fd) = std::mem::replace(&mut watched.handle, Handle::Signal) else {
-                    unreachable!("matched above")
-                };
+            watched.handle = match std::mem::replace(&mut watched.handle, Handle::Signal) {
                 // SAFETY: the `OwnedFd` moves into the `AsyncFd`, which keeps
                 // it open and unchanged until it is dropped.
-                watched.handle = match unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
-                    Ok(registered) => Handle::Registered(registered),
-                    // The reactor refused it: keep polling the pidfd.
-                    Err(refused) => Handle::Pidfd(refused.into_parts().0),
-                };
-            }
+                Handle::Pidfd(fd) => {
+                    match unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
+                        Ok(registered) => Handle::Registered(registered),
+                        // The reactor refused it: keep polling the pidfd.
+                        Err(refused) => Handle::Pidfd(refused.into_parts().0),
+                    }
+                }
+                other => other,
+            };
         }
         std::future::poll_fn(|cx| {
             let mut gone = Vec::new();
