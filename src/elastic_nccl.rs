@@ -162,22 +162,22 @@ where
             nccl.abort("the group moved to a new generation");
         } else {
             tokio::select! {
-            seen = nccl_failures.wait_for(Option::is_some) => {
-                let why = seen.ok().and_then(|s| s.clone()).map_or_else(|| "the NCCL group stopped".to_string(), |a| a.to_string());
-                cpu.abort(format!("NCCL: {why}"));
-            }
-            seen = cpu_failures.wait_for(Option::is_some) => {
-                let why = seen.ok().and_then(|s| s.clone()).map_or_else(|| "the group stopped".to_string(), |a| a.to_string());
-                nccl.abort(&why);
-            }
-            changed = generations.changed() => {
-                // A generation change without an abort seen here (it was seen
-                // first by the elastic supervisor): end this communicator too.
-                if changed.is_err() {
-                    return Ok(());
+                seen = nccl_failures.wait_for(Option::is_some) => {
+                    let why = seen.ok().and_then(|s| s.clone()).map_or_else(|| "the NCCL group stopped".to_string(), |a| a.to_string());
+                    cpu.abort(format!("NCCL: {why}"));
                 }
-                nccl.abort("the group moved to a new generation");
-            }
+                seen = cpu_failures.wait_for(Option::is_some) => {
+                    let why = seen.ok().and_then(|s| s.clone()).map_or_else(|| "the group stopped".to_string(), |a| a.to_string());
+                    nccl.abort(&why);
+                }
+                changed = generations.changed() => {
+                    // A generation change without an abort seen here (it was
+                    // seen first by the elastic supervisor): end this one too.
+                    if changed.is_err() {
+                        return Ok(());
+                    }
+                    nccl.abort("the group moved to a new generation");
+                }
             }
         }
         drop((nccl, cpu));
