@@ -24,6 +24,11 @@
 //!   without a dump): a SIGSTOPped rank may have fed some ranks their part of
 //!   `#n` and not others; those left in `#n` wait for it, the others wait in
 //!   `#n+1` for them.
+//! - When every rank entered `#n` and none completed it, the ranks that timed
+//!   out there name the peers whose frames never came (`waiting_for` in their
+//!   entries): those peers are named, unless they timed out waiting for
+//!   someone else themselves (a rank frozen inside a collective still dumps
+//!   once its peers' exits abort it).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -205,6 +210,10 @@ pub struct Stuck {
     pub completed: Vec<usize>,
     /// Ranks of the world that left no dump.
     pub no_dump: Vec<usize>,
+    /// The ranks the waiting ranks timed out waiting for (their entries'
+    /// `waiting_for`), excluding those that named someone else: when every
+    /// rank entered the collective, the one the others wait for.
+    pub waited_for: Vec<usize>,
 }
 
 /// What a peer's dump says about the counterpart of a waiting send or
@@ -386,6 +395,18 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
                     _ => never_entered.push(rank),
                 }
             }
+            // Whom the timed-out ranks waited for, less any rank that itself
+            // timed out waiting for others (a consequence, not the cause).
+            let named: Vec<usize> = waiters
+                .iter()
+                .flat_map(|(_, e)| e.waiting_for.iter().copied())
+                .collect();
+            let mut waited_for: Vec<usize> = named
+                .into_iter()
+                .filter(|r| !waiters.iter().any(|(w, e)| w == r && !e.waiting_for.is_empty()))
+                .collect();
+            waited_for.sort_unstable();
+            waited_for.dedup();
             Stuck {
                 seq,
                 op: waiters[0].1.op.clone(),
@@ -394,6 +415,7 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
                 never_entered,
                 completed,
                 no_dump: missing.to_vec(),
+                waited_for,
             }
         })
         .collect();
@@ -548,6 +570,19 @@ impl fmt::Display for Finding {
                     )?;
                 } else if !s.no_dump.is_empty() || !s.completed.is_empty() {
                     write!(f, "{waiting} {verb} {what}")?;
+                } else if !s.waited_for.is_empty() {
+                    let timed_out: Vec<usize> = s
+                        .waiting
+                        .iter()
+                        .copied()
+                        .filter(|r| !s.waited_for.contains(r))
+                        .collect();
+                    return write!(
+                        f,
+                        "{} entered {what} and never sent what {} timed out waiting for (stalled inside it?)",
+                        rank_list(&s.waited_for),
+                        rank_list(&timed_out)
+                    );
                 } else {
                     return write!(
                         f,
@@ -652,6 +687,7 @@ impl Report {
                         never_entered: s.never_entered.clone(),
                         completed: s.completed.clone(),
                         no_dump: s.no_dump.clone(),
+                        waited_for: s.waited_for.clone(),
                     },
                     Finding::P2p {
                         waiter,
@@ -796,6 +832,8 @@ pub enum FindingDetail {
         completed: Vec<usize>,
         /// Ranks without a dump.
         no_dump: Vec<usize>,
+        /// Ranks the others timed out waiting for.
+        waited_for: Vec<usize>,
     },
     /// See [`Finding::P2p`].
     P2p {
@@ -1232,6 +1270,37 @@ mod tests {
             report.notes[1],
             "rank 1 dumped more than once; using each one's newest dump"
         );
+    }
+
+    #[test]
+    fn when_everyone_entered_the_rank_the_others_timed_out_waiting_for_is_named() {
+        // Ranks 0 and 1 timed out waiting for rank 2's frames; rank 2 entered
+        // too (its links froze) and was aborted later, naming nobody.
+        let times_out = |r: &mut FlightRecorder| {
+            let id = r.record_scheduled(20, op("all_reduce", 8), at(1_000));
+            r.record_started(id, at(1_000));
+            r.record_timed_out(id, at(5_000), "timed out after 4s", vec![2]);
+        };
+        let aborted = |r: &mut FlightRecorder| {
+            let id = r.record_scheduled(20, op("all_reduce", 8), at(1_000));
+            r.record_started(id, at(1_000));
+            r.record_failed(id, at(5_010), "group aborted");
+        };
+        let dumps = [
+            rank(0, 3, 20, times_out),
+            rank(1, 3, 20, times_out),
+            rank(2, 3, 20, aborted),
+        ];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "rank 2 entered #20 all_reduce(8 x float32, sum) and never sent what ranks 0, 1 timed out waiting for (stalled inside it?)"
+        );
+        assert_eq!(stuck(&report).waited_for, vec![2]);
+        // The dump keeps whom an entry waited for.
+        let text = dumps[0].encode();
+        let parsed = RankDump::parse(&text).unwrap();
+        assert_eq!(parsed.entries.last().unwrap().waiting_for, vec![2]);
     }
 
     #[test]

@@ -53,16 +53,21 @@ fn chorus_trace_names_the_frozen_rank() {
         90,
     );
     assert!(!ok, "the job must fail when a rank freezes:\n{job}");
-    let dumps: Vec<_> = std::fs::read_dir(dir.path())
+    let dumps: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()
         .flatten()
-        .map(|e| e.file_name())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| !name.starts_with('.'))
         .collect();
-    assert_eq!(
-        dumps.len(),
-        2,
-        "ranks 0 and 1 dump, the frozen rank cannot: {dumps:?}\n{job}"
-    );
+    // The frozen rank's links are frozen, not its process: it may notice its
+    // peers' processes exit (SV-15) and dump too, or be stopped by the
+    // launcher first (a half-written dump is a hidden temporary file).
+    for rank in [0, 1] {
+        assert!(
+            dumps.contains(&format!("chorus-trace-g0-r{rank}.json")),
+            "rank {rank} must dump: {dumps:?}\n{job}"
+        );
+    }
     let (ok, report) = run(Command::new(CHORUS).arg("trace").arg(dir.path()), 30);
     assert!(ok, "{report}");
     let verdict = report.lines().next().unwrap_or_default();

@@ -283,7 +283,13 @@ impl Handler<Collective> for RankActor {
             match &result {
                 Ok(_) => actor.flight.record_completed(entry, SystemTime::now()),
                 Err(e) => {
-                    actor.flight.record_failed(entry, SystemTime::now(), e.to_string());
+                    let waiting_for = match e {
+                        CollectiveError::Timeout { waiting_for, .. } => waiting_for.clone(),
+                        _ => Vec::new(),
+                    };
+                    actor
+                        .flight
+                        .record_timed_out(entry, SystemTime::now(), e.to_string(), waiting_for);
                     match e {
                         CollectiveError::BufferSize { .. } => {}
                         // Later operations see the abort itself (SV-4).

@@ -167,6 +167,9 @@ pub struct FlightEntry {
     pub started_at: Option<SystemTime>,
     /// When it completed or failed.
     pub completed_at: Option<SystemTime>,
+    /// The peers it still waited for when it timed out (empty otherwise):
+    /// whom a stuck collective waits for when every rank entered it.
+    pub waiting_for: Vec<usize>,
 }
 
 impl FlightEntry {
@@ -232,6 +235,7 @@ impl FlightRecorder {
             enqueued_at: now,
             started_at: None,
             completed_at: None,
+            waiting_for: Vec::new(),
         });
         id
     }
@@ -267,11 +271,24 @@ impl FlightRecorder {
     /// abort while it was queued) keeps no start time: it was never entered.
     /// Ignored once the entry has ended or left the ring.
     pub fn record_failed(&mut self, id: EntryId, now: SystemTime, reason: impl Into<String>) {
+        self.record_timed_out(id, now, reason, Vec::new());
+    }
+
+    /// Marks an operation as failed while it still waited for `waiting_for`
+    /// (a timeout naming the peers whose frames never came).
+    pub fn record_timed_out(
+        &mut self,
+        id: EntryId,
+        now: SystemTime,
+        reason: impl Into<String>,
+        waiting_for: Vec<usize>,
+    ) {
         if let Some(entry) = self.entry_mut(id)
             && matches!(entry.state, EntryState::Scheduled | EntryState::Started)
         {
             entry.state = EntryState::Failed(reason.into());
             entry.completed_at = Some(now);
+            entry.waiting_for = waiting_for;
         }
     }
 
@@ -400,6 +417,8 @@ struct EntryLine<'a> {
     enqueued_ns: u64,
     started_ns: Option<u64>,
     completed_ns: Option<u64>,
+    #[serde(skip_serializing_if = "<[usize]>::is_empty")]
+    waiting_for: &'a [usize],
 }
 
 impl<'a> From<&'a FlightEntry> for EntryLine<'a> {
@@ -422,6 +441,7 @@ impl<'a> From<&'a FlightEntry> for EntryLine<'a> {
             enqueued_ns: unix_nanos(entry.enqueued_at),
             started_ns: entry.started_at.map(unix_nanos),
             completed_ns: entry.completed_at.map(unix_nanos),
+            waiting_for: &entry.waiting_for,
         }
     }
 }
@@ -594,6 +614,19 @@ fn parse_entry(value: &Value, at: &str) -> Result<FlightEntry, DumpError> {
         enqueued_at: time(uint(value, at, "enqueued_ns")?),
         started_at,
         completed_at,
+        // Absent when the entry waited for nobody.
+        waiting_for: match value.get("waiting_for") {
+            None => Vec::new(),
+            Some(list) => list
+                .as_array()
+                .and_then(|ranks| {
+                    ranks
+                        .iter()
+                        .map(|r| r.as_u64().and_then(|r| usize::try_from(r).ok()))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| member(at, "waiting_for", "a list of ranks"))?,
+        },
     })
 }
 
