@@ -73,6 +73,9 @@ pub const RESTART_WINDOW_ENV: &str = "CHORUS_RESTART_WINDOW";
 pub const MIN_WORLD_ENV: &str = "CHORUS_MIN_WORLD";
 /// Most ranks a generation may have, when the options do not say.
 pub const MAX_WORLD_ENV: &str = "CHORUS_MAX_WORLD";
+/// Scopes this process's elastic group within its run (`chorus launch
+/// --restart-policy all` sets it per attempt after the first).
+pub const SCOPE_ENV: &str = "CHORUS_ELASTIC_SCOPE";
 /// Set (to 1) for a process that joins a running group: `chorus launch
 /// --restart-policy worker` sets it for relaunched workers and late nodes.
 pub const JOIN_ENV: &str = "CHORUS_ELASTIC_JOIN";
@@ -417,8 +420,13 @@ impl ElasticGroup {
         on_give_up: impl Fn(&RestartError) + Send + Sync + 'static,
     ) -> Result<Self, RestartError> {
         let env = |name: &str| std::env::var(name).ok();
-        let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)
+        let mut config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)
             .map_err(InitError::from)?;
+        // A launcher that restarts every worker (`--restart-policy all`) makes
+        // each attempt a job of its own: keys under `<run id>/<scope>`.
+        if let Some(scope) = env(SCOPE_ENV).filter(|s| !s.trim().is_empty()) {
+            config.run_id = format!("{}/{}", config.run_id, scope.trim());
+        }
         let budget = budget_from(&options)?;
         let opened = rendezvous::open_store(&config, options.timeout)
             .await

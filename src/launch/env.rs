@@ -44,6 +44,8 @@ pub struct JobEnv {
 
 /// Set for workers that join a running elastic group.
 pub const JOIN_ENV: &str = "CHORUS_ELASTIC_JOIN";
+/// Scopes the workers' elastic groups to one attempt (`--restart-policy all`).
+pub const SCOPE_ENV: &str = "CHORUS_ELASTIC_SCOPE";
 
 /// Fewest ranks a generation of the workers' elastic group may have.
 pub const MIN_WORLD_ENV: &str = "CHORUS_MIN_WORLD";
@@ -120,6 +122,12 @@ impl JobEnv {
         }
         if self.join_running {
             vars.push((JOIN_ENV, "1".to_string()));
+        }
+        // Under the all policy each attempt is a new job: its elastic groups
+        // must not meet the previous attempt's (whose ranks may have begun a
+        // restart of their own before the launcher stopped them).
+        if self.elastic_world.is_none() && self.restart_count > 0 {
+            vars.push((SCOPE_ENV, format!("attempt{}", self.restart_count)));
         }
         if self.nproc_per_node > 1 && parent("OMP_NUM_THREADS").is_none() {
             vars.push(("OMP_NUM_THREADS", "1".to_string()));
@@ -208,7 +216,15 @@ mod tests {
             .filter(|(a, b)| a != b)
             .map(|(a, _)| a.0.as_str())
             .collect();
-        assert_eq!(differ, ["TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"]);
+        // Under the all policy the attempt's elastic scope moves with it.
+        assert_eq!(
+            differ,
+            [
+                "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_ERROR_FILE",
+                "CHORUS_ELASTIC_SCOPE"
+            ]
+        );
     }
 
     #[test]
@@ -228,6 +244,30 @@ mod tests {
             ..elastic
         };
         assert_eq!(get(&joining.for_worker(0, &|_| None), JOIN_ENV), Some("1"));
+        // The worker policy keeps one group across relaunches: no scope.
+        let relaunched = JobEnv {
+            restart_count: 2,
+            ..joining
+        };
+        assert_eq!(get(&relaunched.for_worker(0, &|_| None), SCOPE_ENV), None);
+    }
+
+    #[test]
+    fn every_attempt_after_the_first_scopes_its_elastic_groups_under_the_all_policy() {
+        let first = JobEnv {
+            restart_count: 0,
+            ..job()
+        };
+        assert_eq!(
+            get(&first.for_worker(0, &|_| None), SCOPE_ENV),
+            None,
+            "torchrun's variables only"
+        );
+        let again = JobEnv {
+            restart_count: 3,
+            ..job()
+        };
+        assert_eq!(get(&again.for_worker(0, &|_| None), SCOPE_ENV), Some("attempt3"));
     }
 
     #[test]
