@@ -37,8 +37,10 @@
 //!   timeout is an error naming who came; an arrival after the close waits
 //!   for the next generation.
 //! - SV-12: at most `max_restarts` restarts per window; the failure past the
-//!   budget (or a restart that cannot form) ends the process with a message
-//!   naming every failure seen (generation, rank, reason, failed ranks).
+//!   budget ends the process with a message naming every failure seen
+//!   (generation, rank, reason, failed ranks). A generation that closed but
+//!   could not form (a member died before publishing or connecting) is such
+//!   a failure: the survivors try the next generation.
 //! - SV-13: a process waiting to join generation g+1 restarts a healthy
 //!   group that has fewer than `max_world` ranks, so it is admitted; that
 //!   restart is a membership change and does not count against SV-12's
@@ -48,7 +50,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus_actors::supervision::{self, GroupAborted};
+use chorus_actors::supervision::{self, AbortReason, GroupAborted};
 use chorus_runtime::rendezvous::elastic::{self as elastic_rdzv, ElasticConfig, Joiner};
 use chorus_runtime::rendezvous::{self, OpenedStore, RendezvousConfig};
 use chorus_runtime::store::{Store, StoreError, TcpStoreServer};
@@ -672,26 +674,44 @@ async fn supervise(
             }
         }
         drop(group);
-        match base.form(old_generation + 1, Some(&survivor)).await {
-            Ok(next) => {
-                let change = MembershipChange {
-                    generation: next.generation(),
-                    old_rank: Some(old_rank),
-                    new_rank: next.rank(),
-                    world_size: next.world_size(),
-                };
-                tracing::info!(?change, "group restarted");
-                shared.current.send_replace(Arc::new(next));
-                let _ = shared.events.send(change);
+        let mut generation = old_generation + 1;
+        let next = loop {
+            match base.form(generation, Some(&survivor)).await {
+                Ok(next) => break next,
+                // A member admitted to the generation died before it formed
+                // (its records or links never came): a failure of that
+                // generation, retried in the next one under the budget (SV-12).
+                Err(RestartError::Init(error)) => {
+                    let failure = GroupAborted {
+                        rank: old_rank,
+                        generation,
+                        reason: AbortReason::OperationFailed(format!("generation {generation} did not form: {error}")),
+                        failed_ranks: Vec::new(),
+                    };
+                    tracing::warn!(generation, "{}; trying the next generation", failure.reason);
+                    if let Err(spent) = budget.admit(failure, Instant::now()) {
+                        return give_up(spent);
+                    }
+                    generation += 1;
+                }
+                Err(source) => {
+                    return give_up(RestartError::RestartFailed {
+                        generation: old_generation,
+                        source: Box::new(source),
+                        failures: budget.failures().to_vec(),
+                    });
+                }
             }
-            Err(source) => {
-                return give_up(RestartError::RestartFailed {
-                    generation: old_generation,
-                    source: Box::new(source),
-                    failures: budget.failures().to_vec(),
-                });
-            }
-        }
+        };
+        let change = MembershipChange {
+            generation: next.generation(),
+            old_rank: Some(old_rank),
+            new_rank: next.rank(),
+            world_size: next.world_size(),
+        };
+        tracing::info!(?change, "group restarted");
+        shared.current.send_replace(Arc::new(next));
+        let _ = shared.events.send(change);
     }
 }
 

@@ -104,6 +104,81 @@ async fn sv9_sv10_survivors_restart_in_process_and_keep_their_order() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv12_a_generation_that_cannot_form_is_retried_in_the_next() {
+    use chorus::rendezvous::elastic::{ElasticConfig, Joiner, join};
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let forming: Vec<_> = (0..3)
+        .map(|rank| {
+            tokio::spawn(init(
+                options(&store, rank, 3)
+                    .elastic_world(2, 3)
+                    .timeout(Duration::from_secs(3)),
+            ))
+        })
+        .collect();
+    let mut groups = Vec::new();
+    for task in forming {
+        groups.push(within(20, "generation 0", task).await.unwrap());
+    }
+    // A member of generation 1 that will never form it: admitted, then gone
+    // (a process that joined and died before publishing its record).
+    let ghost = Joiner {
+        old_rank: None,
+        hostname: "ghost".into(),
+        pid: 1,
+        nonce: u64::MAX,
+        previous_world: None,
+        failed: Vec::new(),
+    };
+    let config = ElasticConfig {
+        run_id: groups[0].current().run_id().to_string(),
+        generation: 1,
+        min_world: 2,
+        max_world: 3,
+        last_call: Duration::from_millis(200),
+        timeout: Duration::from_secs(20),
+        poll: Duration::from_millis(10),
+    };
+    let ghost = tokio::spawn({
+        let store = store.clone();
+        async move { join(store, &config, ghost).await }
+    });
+    // Rank 2 dies: its links are lost.
+    let dead = groups.pop().unwrap();
+    let links: Vec<_> = (0..3).filter_map(|r| dead.current().link(r).cloned()).collect();
+    drop(dead);
+    for link in links {
+        link.cut("rank 2 died");
+    }
+    let admitted = within(20, "generation 1's rendezvous", ghost).await.unwrap().unwrap();
+    assert_eq!(admitted.world_size(), 3, "the ghost was admitted to generation 1");
+    let survivors: Vec<_> = groups
+        .into_iter()
+        .map(|group| {
+            tokio::spawn(async move {
+                let next = group.next_generation(1).await.unwrap();
+                let sum = next
+                    .all_reduce(Tensor::from_slice(&[1.0f32; 8]), ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                let result = (next.generation(), next.world_size(), sum.to_vec::<f32>().unwrap()[0]);
+                drop(next);
+                group.destroy().await.unwrap();
+                result
+            })
+        })
+        .collect();
+    for task in survivors {
+        let (generation, world, sum) = within(30, "generation 2", task).await.unwrap();
+        assert_eq!(
+            (generation, world, sum),
+            (2, 2, 2.0),
+            "generation 1 could not form; 2 did"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sv13_a_process_waiting_to_join_is_admitted_into_the_next_generation() {
     let store: Arc<dyn Store> = Arc::new(HashStore::default());
     let forming: Vec<_> = (0..3)
