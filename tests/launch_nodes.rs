@@ -12,14 +12,12 @@
 //! lock): each starts several launchers and workers on a small machine.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Mutex;
+use std::path::PathBuf;
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+mod common;
+use common::launchers::{Job, alive, lock};
 
 const WORKER: &str = r#"#!/bin/sh
 echo "node=$NODE_TAG GROUP_RANK=$GROUP_RANK RANK=$RANK WORLD_SIZE=$WORLD_SIZE GROUP_WORLD_SIZE=$GROUP_WORLD_SIZE RESTART=$TORCHELASTIC_RESTART_COUNT MAX_RESTARTS=$TORCHELASTIC_MAX_RESTARTS"
@@ -28,121 +26,26 @@ echo "$$" > "$OUT/$NODE_TAG.$LOCAL_RANK.pid.tmp" && mv "$OUT/$NODE_TAG.$LOCAL_RA
 exec "$CHORUS" fault-probe --seconds 600
 "#;
 
-/// The launchers of one job; whatever is still running when it drops is
-/// SIGKILLed (its workers die with it).
-struct Job {
-    dir: tempfile::TempDir,
-    port: u16,
-    launchers: Vec<(String, Child)>,
-}
-
+/// This file's part of the shared harness (`common::launchers`).
 impl Job {
     fn new() -> Job {
-        let dir = tempfile::tempdir().unwrap();
-        write_script(&dir.path().join("worker.sh"), WORKER);
-        Job {
-            dir,
-            port: free_port(),
-            launchers: Vec::new(),
-        }
-    }
-
-    fn out(&self) -> &Path {
-        self.dir.path()
+        Job::named("nodes", "launch-nodes-test", WORKER)
     }
 
     /// Starts launcher `tag`: `chorus launch` with `flags`, this job's store
     /// endpoint and run id, running `program` (worker.sh when empty).
     fn start(&mut self, tag: &str, flags: &[&str], program: &[&str], final_nodes: usize) {
-        let endpoint = format!("127.0.0.1:{}", self.port);
-        let mut command = Command::new(CHORUS);
-        command
-            .arg("launch")
-            .args([
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                "nodes",
-            ])
-            .args(["--monitor-interval", "0.05", "--shutdown-timeout", "5"])
-            .args(flags)
-            .arg("--");
+        let mut command = self.command(tag, flags);
         if program.is_empty() {
-            command.arg(self.out().join("worker.sh"));
+            command.arg(self.worker());
         } else {
             command.args(program);
         }
-        let log = |stream: &str| std::fs::File::create(self.out().join(format!("{tag}.{stream}"))).unwrap();
         command
-            .env("CHORUS_JOB_SECRET", "launch-nodes-test")
-            .env("CHORUS_HEARTBEAT_TIMEOUT", "3")
-            // Nodes on several machines would talk over QUIC: so do these.
-            .env("CHORUS_TRANSPORT", "quic")
-            .env_remove("CHORUS_FAULTS")
-            .env_remove("OMP_NUM_THREADS")
-            .env("CHORUS", CHORUS)
             .env("OUT", self.out())
             .env("NODE_TAG", tag)
-            .env("FINAL_NODES", final_nodes.to_string())
-            .stdin(Stdio::null())
-            .stdout(log("stdout"))
-            .stderr(log("stderr"));
-        let child = command.spawn().expect("start chorus launch");
-        self.launchers.push((tag.to_string(), child));
-    }
-
-    /// Waits until the store's port accepts connections (the first launcher serves it).
-    fn wait_for_store(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            self.check(deadline, "the first launcher never served the store");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// What launcher `tag`'s workers printed to stdout so far.
-    fn stdout(&self, tag: &str) -> String {
-        std::fs::read_to_string(self.out().join(format!("{tag}.stdout"))).unwrap_or_default()
-    }
-
-    /// What launcher `tag` printed so far.
-    fn output(&self, tag: &str) -> String {
-        let read =
-            |stream: &str| std::fs::read_to_string(self.out().join(format!("{tag}.{stream}"))).unwrap_or_default();
-        format!(
-            "--- {tag} stdout:\n{}--- {tag} stderr:\n{}",
-            read("stdout"),
-            read("stderr")
-        )
-    }
-
-    fn all_output(&self) -> String {
-        self.launchers
-            .iter()
-            .map(|(tag, _)| self.output(tag))
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-
-    /// Past `deadline`, kills everything and fails with `what` and the output.
-    fn check(&self, deadline: Instant, what: &str) {
-        if Instant::now() > deadline {
-            self.stop_all();
-            panic!("{what}\n{}", self.all_output());
-        }
-    }
-
-    fn stop_all(&self) {
-        for (_, child) in &self.launchers {
-            // SAFETY: kill only sends a signal; SIGKILL takes the workers too (parent-death signal).
-            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-        }
-    }
-
-    fn child(&mut self, tag: &str) -> &mut Child {
-        &mut self.launchers.iter_mut().find(|(t, _)| t == tag).unwrap().1
+            .env("FINAL_NODES", final_nodes.to_string());
+        self.spawn(tag, command);
     }
 
     /// The pids of `tag`'s workers in their first (long) round, once all
@@ -163,60 +66,12 @@ impl Job {
         }
     }
 
-    /// Waits until launcher `tag` relayed `count` lines containing `text`.
+    /// Waits until launcher `tag` printed (either stream) `count` lines containing `text`.
     fn wait_for_lines(&self, tag: &str, text: &str, count: usize) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while self.output(tag).matches(text).count() < count {
-            self.check(deadline, &format!("launcher {tag} never printed {count} x {text:?}"));
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.wait_until(20, &format!("launcher {tag} never printed {count} x {text:?}"), |job| {
+            job.output(tag).matches(text).count() >= count
+        });
     }
-
-    /// Waits for launcher `tag` to exit, up to `secs` from now.
-    fn finish(&mut self, tag: &str, secs: u64) -> ExitStatus {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        loop {
-            if let Some(status) = self.child(tag).try_wait().expect("poll child") {
-                return status;
-            }
-            self.check(deadline, &format!("launcher {tag} did not finish within {secs}s"));
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn signal(&mut self, tag: &str, signal: i32) {
-        // SAFETY: kill only sends a signal.
-        unsafe { libc::kill(self.child(tag).id() as i32, signal) };
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        self.stop_all();
-        for (_, child) in &mut self.launchers {
-            let _ = child.wait();
-        }
-    }
-}
-
-fn write_script(path: &Path, body: &str) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::write(path, body).unwrap();
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn alive(pid: i32) -> bool {
-    // A zombie has exited; only its entry waits for a reaper.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
 }
 
 /// The worker.sh lines a launcher relayed, as `KEY=value` maps.
@@ -232,10 +87,6 @@ fn env_lines(output: &str) -> Vec<BTreeMap<String, String>> {
                 .collect()
         })
         .collect()
-}
-
-fn lock() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Three nodes; one that does not serve the store is SIGKILLed (its workers

@@ -13,183 +13,43 @@
 //! launcher and fails with what each printed. The tests take turns (one
 //! lock): each starts several launchers and workers on a small machine.
 
-use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Mutex;
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+mod common;
+use common::field;
+use common::launchers::{Job, alive, lock};
 
 const WORKER: &str = r#"#!/bin/sh
 exec "$CHORUS" elastic-probe --min-world "$CHORUS_MIN_WORLD" --max-world "$CHORUS_MAX_WORLD" "$@"
 "#;
 
-/// The launchers of one job; whatever is still running when it drops is
-/// SIGKILLed (its workers die with it).
-struct Job {
-    dir: tempfile::TempDir,
-    port: u16,
-    launchers: Vec<(String, Child)>,
-}
-
+/// This file's part of the shared harness (`common::launchers`).
 impl Job {
     fn new() -> Job {
-        let dir = tempfile::tempdir().unwrap();
-        let script = dir.path().join("worker.sh");
-        std::fs::write(&script, WORKER).unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-        Job {
-            dir,
-            port: free_port(),
-            launchers: Vec::new(),
-        }
-    }
-
-    fn out(&self) -> &Path {
-        self.dir.path()
+        Job::named("workers", "launch-nodes-worker-test", WORKER)
     }
 
     /// Starts launcher `tag`: `chorus launch --restart-policy worker` with
     /// `flags`, this job's store endpoint and run id, running worker.sh
     /// with `probe` (elastic-probe's flags).
     fn start(&mut self, tag: &str, flags: &[&str], probe: &[&str]) {
-        let endpoint = format!("127.0.0.1:{}", self.port);
-        let log = |stream: &str| std::fs::File::create(self.out().join(format!("{tag}.{stream}"))).unwrap();
-        let child = Command::new(CHORUS)
-            .arg("launch")
-            .args([
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &endpoint,
-                "--rdzv-id",
-                "workers",
-            ])
-            .args(["--monitor-interval", "0.05", "--shutdown-timeout", "5"])
-            .args(["--restart-policy", "worker"])
-            .args(flags)
-            .arg("--")
-            .arg(self.out().join("worker.sh"))
+        let flags = [&["--restart-policy", "worker"][..], flags].concat();
+        let mut command = self.command(tag, &flags);
+        command
+            .arg(self.worker())
             .args(probe)
-            .env("CHORUS_JOB_SECRET", "launch-nodes-worker-test")
-            .env("CHORUS_HEARTBEAT_TIMEOUT", "3")
-            // Nodes on several machines would talk over QUIC: so do these.
-            .env("CHORUS_TRANSPORT", "quic")
-            .env_remove("CHORUS_FAULTS")
             .env_remove("CHORUS_MIN_WORLD")
-            .env_remove("CHORUS_MAX_WORLD")
-            .env_remove("OMP_NUM_THREADS")
-            .env("CHORUS", CHORUS)
-            .stdin(Stdio::null())
-            .stdout(log("stdout"))
-            .stderr(log("stderr"))
-            .spawn()
-            .expect("start chorus launch");
-        self.launchers.push((tag.to_string(), child));
-    }
-
-    /// Waits until the store's port accepts connections (the first launcher serves it).
-    fn wait_for_store(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            self.check(deadline, "the first launcher never served the store");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn read(&self, tag: &str, stream: &str) -> String {
-        std::fs::read_to_string(self.out().join(format!("{tag}.{stream}"))).unwrap_or_default()
-    }
-
-    /// What launcher `tag`'s workers printed to stdout so far.
-    fn stdout(&self, tag: &str) -> String {
-        self.read(tag, "stdout")
-    }
-
-    /// What launcher `tag` printed itself so far.
-    fn stderr(&self, tag: &str) -> String {
-        self.read(tag, "stderr")
-    }
-
-    fn all_output(&self) -> String {
-        self.launchers
-            .iter()
-            .map(|(tag, _)| {
-                format!(
-                    "--- {tag} stdout:\n{}--- {tag} stderr:\n{}",
-                    self.stdout(tag),
-                    self.stderr(tag)
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-
-    /// Past `deadline`, kills everything and fails with `what` and the output.
-    fn check(&self, deadline: Instant, what: &str) {
-        if Instant::now() > deadline {
-            self.stop_all();
-            panic!("{what}\n{}", self.all_output());
-        }
-    }
-
-    fn stop_all(&self) {
-        for (_, child) in &self.launchers {
-            // SAFETY: kill only sends a signal; SIGKILL takes the workers too (parent-death signal).
-            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-        }
-    }
-
-    fn child(&mut self, tag: &str) -> &mut Child {
-        &mut self.launchers.iter_mut().find(|(t, _)| t == tag).unwrap().1
+            .env_remove("CHORUS_MAX_WORLD");
+        self.spawn(tag, command);
     }
 
     /// Waits until launcher `tag` relayed `count` lines containing `text`.
     fn wait_for_lines(&self, tag: &str, text: &str, count: usize) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.stdout(tag).matches(text).count() < count {
-            self.check(deadline, &format!("launcher {tag} never relayed {count} x {text:?}"));
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.wait_until(30, &format!("launcher {tag} never relayed {count} x {text:?}"), |job| {
+            job.stdout(tag).matches(text).count() >= count
+        });
     }
-
-    /// Waits for launcher `tag` to exit, up to `secs` from now.
-    fn finish(&mut self, tag: &str, secs: u64) -> ExitStatus {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        loop {
-            if let Some(status) = self.child(tag).try_wait().expect("poll child") {
-                return status;
-            }
-            self.check(deadline, &format!("launcher {tag} did not finish within {secs}s"));
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        self.stop_all();
-        for (_, child) in &mut self.launchers {
-            let _ = child.wait();
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn alive(pid: i32) -> bool {
-    // A zombie has exited; only its entry waits for a reaper.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
 }
 
 /// Whether a launcher said it restarts its workers (the workers' own
@@ -198,16 +58,6 @@ fn launcher_restarted(stderr: &str) -> bool {
     stderr
         .lines()
         .any(|l| l.starts_with("chorus launch:") && l.contains("restarting"))
-}
-
-fn lock() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// The value of `key=` in a probe line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
 }
 
 /// The probe lines in `stdout` (a launcher's relayed output) with `event`.

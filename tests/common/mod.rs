@@ -13,6 +13,8 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub(crate) mod launchers;
+
 /// The `chorus` binary under test.
 pub(crate) const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
 
