@@ -222,6 +222,19 @@ struct Base {
 }
 
 impl Base {
+    /// The elastic rendezvous of `generation`.
+    fn rendezvous(&self, generation: u64) -> ElasticConfig {
+        ElasticConfig {
+            run_id: self.config.run_id.clone(),
+            generation,
+            min_world: self.min_world,
+            max_world: self.max_world,
+            last_call: self.options.last_call,
+            timeout: self.options.timeout,
+            poll: RENDEZVOUS_POLL,
+        }
+    }
+
     /// Joins generation `generation` (or a later one, when late), then forms it.
     /// A survivor brings its place in the generation it leaves.
     async fn form(&self, mut generation: u64, survivor: Option<&Survivor>) -> Result<ProcessGroup, RestartError> {
@@ -234,15 +247,7 @@ impl Base {
         };
         loop {
             let started = Instant::now();
-            let elastic = ElasticConfig {
-                run_id: self.config.run_id.clone(),
-                generation,
-                min_world: self.min_world,
-                max_world: self.max_world,
-                last_call: self.options.last_call,
-                timeout: self.options.timeout,
-                poll: RENDEZVOUS_POLL,
-            };
+            let elastic = self.rendezvous(generation);
             let admission = match elastic_rdzv::join(self.store.clone(), &elastic, me.clone()).await {
                 Ok(admission) => admission,
                 Err(elastic_rdzv::ElasticError::Late { .. }) => {
@@ -584,23 +589,10 @@ fn next_nonce() -> u64 {
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The elastic rendezvous of `generation`.
-fn next_config(base: &Base, generation: u64) -> ElasticConfig {
-    ElasticConfig {
-        run_id: base.config.run_id.clone(),
-        generation,
-        min_world: base.min_world,
-        max_world: base.max_world,
-        last_call: base.options.last_call,
-        timeout: base.options.timeout,
-        poll: RENDEZVOUS_POLL,
-    }
-}
-
 /// Returns how many processes wait to join the next generation, once some
 /// do and there is room for them (SV-13).
 async fn watch_joiners(group: &ProcessGroup, base: &Base) -> usize {
-    let next = next_config(base, group.generation() + 1);
+    let next = base.rendezvous(group.generation() + 1);
     loop {
         tokio::time::sleep(JOINER_POLL).await;
         if group.world_size() >= base.max_world {
@@ -653,7 +645,7 @@ async fn supervise(
             // this rank then sees that rank's links close.
             let admitting = group.world_size() < base.max_world
                 && matches!(
-                    elastic_rdzv::newcomers(base.store.clone(), &next_config(&base, old_generation + 1)).await,
+                    elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(old_generation + 1)).await,
                     Ok(1..)
                 );
             if admitting {
