@@ -7,25 +7,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus::rendezvous::InitMethod;
 use chorus::store::{HashStore, Store};
-use chorus::{ElasticGroup, ErrorHandling, InitOptions, ReduceOp, Tensor};
+use chorus::{ElasticGroup, InitOptions, ReduceOp, Tensor};
 
 mod common;
-use common::{CHORUS, Ranks, Stop, free_port, within};
-
-fn options(store: &Arc<dyn Store>, rank: usize, world: usize) -> InitOptions {
-    InitOptions {
-        init_method: InitMethod::Store(store.clone()),
-        ..InitOptions::default()
-    }
-    .rank(rank)
-    .world_size(world)
-    .timeout(Duration::from_secs(10))
-    .heartbeat_timeout(Duration::from_secs(1))
-    .error_handling(ErrorHandling::Abort)
-    .last_call(Duration::from_millis(200))
-}
+use common::{CHORUS, Ranks, Stop, elastic_options as options, free_port, within};
 
 async fn init(options: InitOptions) -> ElasticGroup {
     ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}"))

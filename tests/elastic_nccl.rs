@@ -6,30 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chorus::elastic_nccl::ElasticNccl;
-use chorus::rendezvous::InitMethod;
 use chorus::store::{HashStore, Store};
-use chorus::{DType, ElasticGroup, ErrorHandling, InitOptions, ReduceOp};
+use chorus::{DType, ElasticGroup, ReduceOp};
 use chorus_actors::nccl::fake::{FakeBackend, FakeBuffer};
 use chorus_actors::nccl::{NcclGroupConfig, NcclOp};
 
-async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
-}
-
-fn options(store: &Arc<dyn Store>, rank: usize, world: usize) -> InitOptions {
-    InitOptions {
-        init_method: InitMethod::Store(store.clone()),
-        ..InitOptions::default()
-    }
-    .rank(rank)
-    .world_size(world)
-    .timeout(Duration::from_secs(10))
-    .heartbeat_timeout(Duration::from_secs(1))
-    .error_handling(ErrorHandling::Abort)
-    .last_call(Duration::from_millis(200))
-}
+mod common;
+use common::{elastic_options as options, within};
 
 fn nccl_config() -> NcclGroupConfig {
     NcclGroupConfig {

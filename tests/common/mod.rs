@@ -18,6 +18,25 @@ pub(crate) mod launchers;
 /// The `chorus` binary under test.
 pub(crate) const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
 
+/// Options for rank `rank` of an in-process elastic group meeting on
+/// `store`: a 1 s heartbeat window, aborts on failure, a 200 ms last call.
+pub(crate) fn elastic_options(
+    store: &std::sync::Arc<dyn chorus::store::Store>,
+    rank: usize,
+    world: usize,
+) -> chorus::InitOptions {
+    chorus::InitOptions {
+        init_method: chorus::rendezvous::InitMethod::Store(store.clone()),
+        ..chorus::InitOptions::default()
+    }
+    .rank(rank)
+    .world_size(world)
+    .timeout(Duration::from_secs(10))
+    .heartbeat_timeout(Duration::from_secs(1))
+    .error_handling(chorus::ErrorHandling::Abort)
+    .last_call(Duration::from_millis(200))
+}
+
 /// Fails a test that hangs, with a message, instead of hanging CI.
 pub(crate) async fn within<T>(secs: u64, what: &str, future: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(secs), future)
