@@ -480,14 +480,6 @@ fn rand_seed() -> u64 {
     nanos ^ (u64::from(std::process::id()) << 32)
 }
 
-/// Microseconds since the Unix epoch: the probes' event times, comparable
-/// between processes on one host.
-fn unix_us() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros())
-}
-
 /// One rank of `chorus fault-probe`: all-reduces until an operation fails,
 /// then prints `event=error` (with the Unix time in ms, the error's kind and
 /// the ranks it blames) and how long the next call took to fail, and exits 3.
@@ -625,7 +617,7 @@ async fn elastic_probe(
                     "probe rank={} gen={} event=error at_us={} error={error}",
                     pg.rank(),
                     pg.generation(),
-                    unix_us()
+                    chorus::bench::recovery::unix_us()
                 );
                 let next = group
                     .next_generation(pg.generation())
@@ -642,7 +634,7 @@ async fn elastic_probe(
                     next.rank(),
                     next.generation(),
                     next.world_size(),
-                    unix_us()
+                    chorus::bench::recovery::unix_us()
                 );
             }
         }

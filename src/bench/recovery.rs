@@ -269,7 +269,9 @@ fn forward_lines(child: &mut Child, tag: usize, tx: &mpsc::Sender<(usize, String
     }
 }
 
-fn unix_us() -> i64 {
+/// Microseconds since the Unix epoch: the probes' event times (`at_us=`)
+/// and the kill's, comparable between processes of one host.
+pub fn unix_us() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as i64)
