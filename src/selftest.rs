@@ -936,13 +936,24 @@ pub mod nccl {
                 .unwrap_or_else(|_| panic!("did not finish within {secs}s"))
         }
 
-        /// Every rank of an in-process group runs `check_group` on `backend`;
+        /// Every rank of an in-process group runs `check_group` on `backend`
+        /// (its corruption on rank 0 only);
         /// returns each rank's result and the lines it reported.
         async fn run_fake(world: usize, backend: Fake, counts: &[usize]) -> Vec<(Result<usize, String>, Vec<String>)> {
             let store = Arc::new(HashStore::new(Duration::from_secs(10)));
             let tasks: Vec<_> = (0..world)
                 .map(|rank| {
-                    let (store, backend, counts) = (store.clone(), backend.clone(), counts.to_vec());
+                    // Only rank 0's downloads are corrupted: a peer that saw a
+                    // wrong element first would abort the group under rank 0,
+                    // which would then report the abort instead.
+                    let backend = match rank {
+                        0 => backend.clone(),
+                        _ => Fake {
+                            corrupt: None,
+                            ..backend.clone()
+                        },
+                    };
+                    let (store, counts) = (store.clone(), counts.to_vec());
                     tokio::spawn(async move {
                         let key = CommKey::world("selftest", 0);
                         let comm = init_communicator(&backend, &*store, &key, rank, world, Duration::from_secs(10))
