@@ -585,9 +585,33 @@ async fn elastic_probe(
             pg.world_size()
         );
     }
+    let mut generation = pg.generation();
     while done < iterations {
         let pg = group.current();
-        match pg.all_reduce(Tensor::from_slice(&[1.0f32; 1024]), ReduceOp::Sum).await {
+        let result = if pg.generation() != generation {
+            // A new generation, seen through an error below or formed by the
+            // supervisor between two operations: a collective may have
+            // completed on some survivors only, so resume from the least step.
+            match pg.all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min).await {
+                Ok(step) => {
+                    done = step.to_vec::<f64>()?[0] as u64;
+                    generation = pg.generation();
+                    // at_us: when the first collective of the new generation completed here.
+                    println!(
+                        "probe rank={} gen={} world={} event=restarted resume={done} at_us={}",
+                        pg.rank(),
+                        pg.generation(),
+                        pg.world_size(),
+                        chorus::bench::recovery::unix_us()
+                    );
+                    continue;
+                }
+                Err(error) => Err(error),
+            }
+        } else {
+            pg.all_reduce(Tensor::from_slice(&[1.0f32; 1024]), ReduceOp::Sum).await
+        };
+        match result {
             Ok(sum) => {
                 if !sum.to_vec::<f32>()?.iter().all(|&v| v == pg.world_size() as f32) {
                     bail!(
@@ -619,23 +643,10 @@ async fn elastic_probe(
                     pg.generation(),
                     chorus::bench::recovery::unix_us()
                 );
-                let next = group
+                group
                     .next_generation(pg.generation())
                     .await
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
-                // A collective may have completed on some survivors only: resume from the least step.
-                let step = next
-                    .all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min)
-                    .await?;
-                done = step.to_vec::<f64>()?[0] as u64;
-                // at_us: when the first collective of the new generation completed here.
-                println!(
-                    "probe rank={} gen={} world={} event=restarted resume={done} at_us={}",
-                    next.rank(),
-                    next.generation(),
-                    next.world_size(),
-                    chorus::bench::recovery::unix_us()
-                );
             }
         }
     }

@@ -6,8 +6,10 @@
 //! process) and `--world` `chorus elastic-probe` processes (an
 //! [`ElasticGroup`](crate::ElasticGroup) each, all-reducing in a loop),
 //! SIGKILLs a random rank mid-loop, and reads the survivors' event lines:
-//! `event=error at_us=` (the abort reached the application), `event=restarted
-//! at_us=` (the first collective of generation 1 completed) and `event=done`
+//! `event=error at_us=` (the abort reached the application; a survivor
+//! between two operations when its group restarted has none and learns at
+//! the restart), `event=restarted at_us=` (the first collective of
+//! generation 1 completed) and `event=done`
 //! (the loop finished, every sum checked against the world size). A trial
 //! counts only if every survivor re-formed generation 1 of `world - 1`
 //! ranks and finished. Event times are wall-clock microseconds, comparable
@@ -127,7 +129,7 @@ impl TrialOutcome {
                     .find(|l| l.split_whitespace().any(|w| w == event))
             };
             let at = |line: &str| -> Option<i64> { field(line, "at_us")?.parse().ok() };
-            let error = find("event=error").ok_or_else(|| format!("rank {rank} never saw the failure"))?;
+            let error = find("event=error");
             let restarted = find("event=restarted").ok_or_else(|| format!("rank {rank} never restarted"))?;
             let generation = (field(restarted, "gen"), field(restarted, "world"));
             if generation != (Some("1"), Some(&(world - 1).to_string())) {
@@ -140,12 +142,19 @@ impl TrialOutcome {
             if field(done, "iterations") != Some(&iterations.to_string()) {
                 return Err(format!("rank {rank} finished with {done:?}"));
             }
-            let (Some(error_at), Some(restarted_at)) = (at(error), at(restarted)) else {
-                return Err(format!("rank {rank} printed no event times"));
+            let Some(restarted_at) = at(restarted) else {
+                return Err(format!("rank {rank} printed no restart time"));
+            };
+            // A survivor between two operations when its group restarted
+            // sees no failed operation: it learned of the failure from the
+            // new generation.
+            let detected_at = match error {
+                Some(error) => at(error).ok_or_else(|| format!("rank {rank} printed no error time"))?,
+                None => restarted_at,
             };
             survivors.push(SurvivorTimes {
                 rank,
-                detected_us: error_at - killed_at_us,
+                detected_us: detected_at - killed_at_us,
                 recovered_us: restarted_at - killed_at_us,
             });
         }
@@ -687,6 +696,15 @@ mod tests {
         let unfinished: Vec<_> = seen[..6].to_vec();
         let error = TrialOutcome::from_lines(&unfinished, 3, 1, 1000, 100).unwrap_err();
         assert!(error.contains("rank 2 did not finish"), "{error}");
+        // A survivor whose group restarted between two of its operations
+        // saw no error: it detected the failure when it restarted.
+        let between: Vec<_> = seen
+            .iter()
+            .filter(|(r, l)| !(*r == 2 && l.contains("error")))
+            .cloned()
+            .collect();
+        let outcome = TrialOutcome::from_lines(&between, 3, 1, 1000, 100).unwrap();
+        assert_eq!((outcome.detected_us(), outcome.recovered_us()), (1000, 1000));
     }
 
     #[test]
