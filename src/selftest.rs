@@ -657,7 +657,7 @@ pub mod nccl {
                     let (input, output) = if check.in_place() {
                         (None, input)
                     } else {
-                        (Some(input), device.zeros(op.output_bytes(world)).map_err(transfer)?)
+                        (Some(input), device.zeros(op.output_bytes(world, rank)).map_err(transfer)?)
                     };
                     let started = Instant::now();
                     let output = group

@@ -185,6 +185,140 @@ async fn nc2_a_refused_operation_leaves_the_group_usable() {
     }
 }
 
+/// `op` on every rank of `ranks` at once, rank `r` with `input(r)` and an
+/// output of `output_len(r)` floats; the outputs, by rank.
+async fn on_every_rank(
+    ranks: &[(FakeComm, NcclGroup<FakeComm>)],
+    op: NcclOp,
+    input: impl Fn(usize) -> Option<Vec<f32>>,
+    output_len: impl Fn(usize) -> usize,
+) -> Vec<Vec<f32>> {
+    let works: Vec<_> = ranks
+        .iter()
+        .enumerate()
+        .map(|(rank, (_, group))| {
+            group.submit(NcclCollective {
+                op,
+                input: input(rank).map(|v| f32s(&v)),
+                output: f32s(&vec![0.0; output_len(rank)]),
+                timeout: None,
+            })
+        })
+        .collect();
+    let mut outputs = Vec::new();
+    for work in works {
+        let done = within(10, &op.to_string(), work).await.unwrap();
+        outputs.push(f32_values(&done.output.to_host()));
+    }
+    outputs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gather_scatter_all_to_all_and_barrier_run_as_pytorch_runs_them() {
+    let ranks = fake_group(3, NcclGroupConfig::default(), &[]).await;
+    let r = |rank: usize| rank as f32;
+    let gathered = on_every_rank(
+        &ranks,
+        NcclOp::gather(DType::Float32, 2, 1),
+        |rank| Some(vec![r(rank), -r(rank)]),
+        |rank| if rank == 1 { 6 } else { 0 },
+    )
+    .await;
+    assert_eq!(gathered, [vec![], vec![0.0, -0.0, 1.0, -1.0, 2.0, -2.0], vec![]]);
+    let scattered = on_every_rank(
+        &ranks,
+        NcclOp::scatter(DType::Float32, 1, 2),
+        |rank| (rank == 2).then(|| vec![10.0, 11.0, 12.0]),
+        |_| 1,
+    )
+    .await;
+    assert_eq!(scattered, [vec![10.0], vec![11.0], vec![12.0]]);
+    // Rank r sends 10r + j to rank j: rank i ends with 10r + i from each r.
+    let exchanged = on_every_rank(
+        &ranks,
+        NcclOp::all_to_all(DType::Float32, 1),
+        |rank| Some((0..3).map(|j| 10.0 * r(rank) + j as f32).collect()),
+        |_| 3,
+    )
+    .await;
+    for (i, got) in exchanged.iter().enumerate() {
+        let want: Vec<f32> = (0..3).map(|from| 10.0 * from as f32 + i as f32).collect();
+        assert_eq!(got, &want, "rank {i}");
+    }
+    let barriers: Vec<_> = ranks.iter().map(|(_, g)| g.barrier()).collect();
+    for barrier in barriers {
+        within(10, "barrier", barrier).await.unwrap();
+    }
+    // A barrier waits for every rank: with one rank absent it does not return.
+    let early = tokio::time::timeout(Duration::from_millis(300), ranks[0].1.barrier()).await;
+    assert!(early.is_err(), "a barrier returned before every rank entered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_and_receives_match_per_pair_in_order_between_collectives() {
+    let ranks = fake_group(3, NcclGroupConfig::default(), &[]).await;
+    let (g0, g2) = (&ranks[0].1, &ranks[2].1);
+    // Rank 0 sends two messages to rank 2; rank 1 takes no part, and the
+    // all-reduce after them still matches on every rank.
+    let first = g0.run(NcclOp::send(DType::Float32, 2, 2), None, f32s(&[1.0, 2.0]));
+    let second = g0.run(NcclOp::send(DType::Float32, 1, 2), None, f32s(&[3.0]));
+    let a = g2.run(NcclOp::recv(DType::Float32, 2, 0), None, f32s(&[0.0; 2]));
+    let b = g2.run(NcclOp::recv(DType::Float32, 1, 0), None, f32s(&[0.0]));
+    let (first, second, a, b) = within(10, "sends and receives", async { tokio::join!(first, second, a, b) }).await;
+    assert_eq!(
+        f32_values(&first.unwrap().to_host()),
+        [1.0, 2.0],
+        "a send hands its buffer back"
+    );
+    second.unwrap();
+    assert_eq!(f32_values(&a.unwrap().to_host()), [1.0, 2.0]);
+    assert_eq!(f32_values(&b.unwrap().to_host()), [3.0]);
+    let sums = on_every_rank(
+        &ranks,
+        NcclOp::all_reduce(DType::Float32, 1, ReduceOp::Sum),
+        |rank| Some(vec![rank as f32]),
+        |_| 1,
+    )
+    .await;
+    assert_eq!(sums, vec![vec![3.0]; 3]);
+    // Sending to oneself is refused before launch; the group stays usable.
+    let to_self = g0
+        .run(NcclOp::send(DType::Float32, 1, 0), None, f32s(&[1.0]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            to_self,
+            NcclOpError::Invalid {
+                source: NcclError::PeerIsSelf { rank: 0, .. },
+                ..
+            }
+        ),
+        "{to_self}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_that_does_not_match_its_send_fails_and_aborts_both_ranks() {
+    let ranks = fake_group(2, NcclGroupConfig::default(), &[]).await;
+    let send = ranks[0]
+        .1
+        .run(NcclOp::send(DType::Float32, 2, 1), None, f32s(&[1.0, 2.0]));
+    let recv = ranks[1].1.run(NcclOp::recv(DType::Float32, 1, 0), None, f32s(&[0.0]));
+    let (send, recv) = within(10, "a mismatched pair", async { tokio::join!(send, recv) }).await;
+    // The rank that sees the mismatch aborts; its peer may see that abort first.
+    let errors = [send.unwrap_err().to_string(), recv.unwrap_err().to_string()];
+    assert!(
+        errors.iter().any(|e| e.contains(
+            "mismatched send and receive: send(float32 x 2, peer 1) sent 8 bytes to recv(float32 x 1, peer 0)"
+        )),
+        "{errors:#?}"
+    );
+    for (comm, _) in &ranks {
+        assert!(aborted_soon(comm).await);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nc6_a_hung_collective_is_aborted_within_its_timeout() {
     let timeout = Duration::from_millis(300);
@@ -463,6 +597,41 @@ async fn gpu_collectives_on_every_visible_device() {
                     .await
                     .unwrap();
                 assert_eq!(f32_values(&backend.download(&broadcast).unwrap()), vec![5.0]);
+                // Grouped sends and receives (with one device, each rank's own).
+                let root = world - 1;
+                let gathered = group
+                    .run(
+                        NcclOp::gather(DType::Float32, 1, root),
+                        Some(backend.upload(&f32_bytes(&[rank as f32])).unwrap()),
+                        backend.zeros(if rank == root { 4 * world } else { 0 }).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                if rank == root {
+                    let want: Vec<f32> = (0..world).map(|r| r as f32).collect();
+                    assert_eq!(f32_values(&backend.download(&gathered).unwrap()), want);
+                }
+                let blocks: Vec<f32> = (0..world).map(|j| (10 * rank + j) as f32).collect();
+                let exchanged = group
+                    .run(
+                        NcclOp::all_to_all(DType::Float32, 1),
+                        Some(backend.upload(&f32_bytes(&blocks)).unwrap()),
+                        backend.zeros(4 * world).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                let want: Vec<f32> = (0..world).map(|from| (10 * from + rank) as f32).collect();
+                assert_eq!(f32_values(&backend.download(&exchanged).unwrap()), want);
+                let scattered = group
+                    .run(
+                        NcclOp::scatter(DType::Float32, 1, 0),
+                        (rank == 0).then(|| backend.upload(&f32_bytes(&blocks)).unwrap()),
+                        backend.zeros(4).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(f32_values(&backend.download(&scattered).unwrap()), vec![rank as f32]);
+                group.barrier().await.unwrap();
                 // An application abort on a live communicator: later operations fail at once.
                 assert!(group.abort("test over"));
                 let err = group

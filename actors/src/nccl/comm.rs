@@ -51,6 +51,10 @@ pub trait Communicator: Send + Sync + 'static {
     /// The number of ranks.
     fn world(&self) -> usize;
 
+    /// A buffer of `len` zero bytes on its device, for operations that need
+    /// scratch memory (a barrier).
+    fn zeros(&self, len: usize) -> Result<Self::Buffer, NcclError>;
+
     /// Enqueues `op` on the stream, reading `input` (or `output`, in place)
     /// and writing `output`. The buffers were checked with
     /// [`NcclOp::check`]. The communicator may be

@@ -17,7 +17,9 @@ use cudarc::nccl::sys;
 
 use super::comm::{Backend, Communicator, DeviceBuffer};
 use super::probe::{NcclVersion, probe};
-use super::types::{CommStatus, NcclCode, NcclError, NcclOp, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op};
+use super::types::{
+    CommStatus, NcclCode, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op,
+};
 use chorus_runtime::collective::{CollectiveKind, ReduceOp};
 
 /// How long an abort that returned `ncclInProgress` is polled before the
@@ -162,6 +164,53 @@ fn nccl_error(call: &'static str, result: sys::ncclResult_t, comm: sys::ncclComm
     Some(NcclError::Call { call, code, detail })
 }
 
+/// Issues `calls` between `ncclGroupStart` and `ncclGroupEnd`, which
+/// launches them as one operation. A failing call is reported, and the
+/// group is ended all the same, as NCCL requires.
+///
+/// # Safety
+/// `comm` must be live; for every call, `count` elements of `dtype` at its
+/// offset must lie within the allocation `send` (sends) or `recv`
+/// (receives) points to, on `stream`'s device.
+unsafe fn grouped(
+    calls: &[P2pCall],
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: sys::ncclDataType_t,
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
+) -> (&'static str, sys::ncclResult_t) {
+    let failed = |result| NcclCode::from_result(result).is_some_and(|code| code != NcclCode::InProgress);
+    // SAFETY: opens the group the calls below join.
+    let started = unsafe { sys::ncclGroupStart() };
+    if failed(started) {
+        return ("ncclGroupStart", started);
+    }
+    let mut first_failure = None;
+    for call in calls {
+        // SAFETY: the caller's contract covers each call's range.
+        let (name, result) = unsafe {
+            match *call {
+                P2pCall::Send { peer, offset } => (
+                    "ncclSend",
+                    sys::ncclSend(send.byte_add(offset), count, dtype, peer as c_int, comm, stream),
+                ),
+                P2pCall::Recv { peer, offset } => (
+                    "ncclRecv",
+                    sys::ncclRecv(recv.byte_add(offset), count, dtype, peer as c_int, comm, stream),
+                ),
+            }
+        };
+        if failed(result) && first_failure.is_none() {
+            first_failure = Some((name, result));
+        }
+    }
+    // SAFETY: ends the group opened above.
+    let ended = unsafe { sys::ncclGroupEnd() };
+    first_failure.unwrap_or(("ncclGroupEnd", ended))
+}
+
 /// Success or in progress is fine for a non-blocking call.
 fn accepted(call: &'static str, result: sys::ncclResult_t, comm: sys::ncclComm_t) -> Result<(), NcclError> {
     match nccl_error(call, result, comm) {
@@ -274,9 +323,17 @@ impl Communicator for CudaComm {
         self.world
     }
 
+    fn zeros(&self, len: usize) -> Result<CudaBuffer, NcclError> {
+        self.ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))?;
+        self.stream
+            .alloc_zeros(len)
+            .map(CudaBuffer)
+            .map_err(cuda("cuMemsetD8Async"))
+    }
+
     fn launch(&self, op: &NcclOp, input: Option<&CudaBuffer>, output: &mut CudaBuffer) -> Result<(), NcclError> {
         // The pointers below must be valid for these lengths: checked here, not only by the caller.
-        op.check(self.world, input.map(DeviceBuffer::len), output.len())?;
+        op.check(self.world, self.rank, input.map(DeviceBuffer::len), output.len())?;
         let dtype = nccl_data_type(op.dtype);
         let red_op = nccl_red_op(op.reduce_op().unwrap_or(ReduceOp::Sum))?;
         let root = op.root.map_or(0, |r| r as c_int);
@@ -291,6 +348,14 @@ impl Communicator for CudaComm {
         let (send, recv) = (send as *const c_void, recv as *mut c_void);
         let (_guard, comm) = self.handle()?;
         let count = op.count;
+        if op.is_grouped_p2p() {
+            let calls = op.p2p_calls(self.world, self.rank);
+            // SAFETY: comm is live (held under its lock); every call's offset plus `count`
+            // elements stays within the buffer `check` verified for this kind and rank (send
+            // reads the output, recv writes it, both by `is_grouped_p2p`'s rules).
+            let (call, result) = unsafe { grouped(&calls, send, recv, count, dtype, comm, stream) };
+            return accepted(call, result, comm);
+        }
         // SAFETY: comm is live (held under its lock); send and recv are device allocations of
         // the lengths `check` verified for this kind, on this communicator's device; the stream
         // belongs to the same context.

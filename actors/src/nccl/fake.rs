@@ -5,7 +5,10 @@
 //!
 //! It keeps the semantics the supervision relies on: a launch returns at
 //! once and completes later; a rank that never launches (or hangs) leaves
-//! its peers waiting forever; `status` reports an injected asynchronous
+//! its peers waiting forever; collectives are matched by their order among
+//! collectives, and the sends and receives of grouped operations (gather,
+//! scatter, all-to-all, send, recv: [`NcclOp::p2p_calls`]) by their order
+//! between each pair of ranks, as NCCL matches them; `status` reports an injected asynchronous
 //! error, and `ncclRemoteError` once a peer has aborted; abort ends
 //! everything and is idempotent.
 
@@ -17,7 +20,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use chorus_runtime::collective::{CollectiveKind, ReduceOp, finalize_avg, reduce_into};
 
 use super::comm::{Backend, Communicator, DeviceBuffer};
-use super::types::{CommStatus, NcclCode, NcclError, NcclOp, UNIQUE_ID_BYTES, UniqueId};
+use super::types::{CommStatus, NcclCode, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // No code path panics while holding these locks; recover the data if one ever does.
@@ -82,6 +85,42 @@ struct WorldState {
     joined: Vec<bool>,
     aborted: Vec<bool>,
     slots: HashMap<u64, Slot>,
+    transfers: HashMap<TransferKey, Transfer>,
+}
+
+/// The `n`th transfer from rank `from` to rank `to`.
+type TransferKey = (usize, usize, u64);
+
+/// One send matched with one receive.
+#[derive(Debug, Default)]
+struct Transfer {
+    sent: Option<(NcclOp, Vec<u8>)>,
+    receiver: Option<(NcclOp, FakeBuffer, usize)>,
+    done: Option<Result<(), NcclError>>,
+}
+
+impl Transfer {
+    /// Copies the data once both sides are there.
+    fn complete(&mut self) {
+        let (Some((send_op, data)), Some((recv_op, output, offset))) = (&self.sent, &self.receiver) else {
+            return;
+        };
+        self.done = Some(
+            if send_op.dtype != recv_op.dtype || data.len() != recv_op.count * recv_op.dtype.size() {
+                Err(NcclError::Call {
+                    call: "ncclCommGetAsyncError",
+                    code: NcclCode::InvalidUsage,
+                    detail: format!(
+                        "mismatched send and receive: {send_op} sent {} bytes to {recv_op}",
+                        data.len()
+                    ),
+                })
+            } else {
+                lock(&output.0)[*offset..*offset + data.len()].copy_from_slice(data);
+                Ok(())
+            },
+        );
+    }
 }
 
 #[derive(Debug)]
@@ -152,6 +191,7 @@ impl Backend for FakeBackend {
                         joined: vec![false; world],
                         aborted: vec![false; world],
                         slots: HashMap::new(),
+                        transfers: HashMap::new(),
                     }),
                 })
             })
@@ -180,6 +220,11 @@ impl Backend for FakeBackend {
 #[derive(Debug, Default)]
 struct CommState {
     launched: u64,
+    /// What each launch waits on, by launch number.
+    launches: HashMap<u64, Launch>,
+    collectives: u64,
+    sent: HashMap<usize, u64>,
+    received: HashMap<usize, u64>,
     faults: Vec<Fault>,
     hung: Vec<u64>,
     async_error: Option<NcclCode>,
@@ -201,8 +246,17 @@ pub struct FakeComm {
     inner: Arc<Inner>,
 }
 
+/// What a launch completes with.
+#[derive(Debug)]
+enum Launch {
+    /// A collective, by its number among collectives.
+    Collective(u64),
+    /// Sends and receives, every one of which must complete.
+    Transfers(Vec<TransferKey>),
+}
+
 /// The end of the work launched before it: the number of the last
-/// collective, if any.
+/// launch, if any.
 #[derive(Debug)]
 pub struct FakeEvent(Option<u64>);
 
@@ -244,7 +298,13 @@ impl Communicator for FakeComm {
         self.inner.world.size
     }
 
+    fn zeros(&self, len: usize) -> Result<FakeBuffer, NcclError> {
+        Ok(FakeBuffer::zeros(len))
+    }
+
     fn launch(&self, op: &NcclOp, input: Option<&FakeBuffer>, output: &mut FakeBuffer) -> Result<(), NcclError> {
+        let (rank, size) = (self.inner.rank, self.inner.world.size);
+        op.check(size, rank, input.map(DeviceBuffer::len), output.len())?;
         let mut state = lock(&self.inner.state);
         if state.aborted {
             return Err(self.aborted_error());
@@ -266,19 +326,42 @@ impl Communicator for FakeComm {
             state.hung.push(seq);
             return Ok(());
         }
+        let input = input.unwrap_or(output).to_host();
+        let mut world = lock(&self.inner.world.state);
+        if op.is_grouped_p2p() {
+            let mut keys = Vec::new();
+            for call in op.p2p_calls(size, rank) {
+                let key = match call {
+                    P2pCall::Send { peer, .. } => (rank, peer, next(&mut state.sent, peer)),
+                    P2pCall::Recv { peer, .. } => (peer, rank, next(&mut state.received, peer)),
+                };
+                let transfer = world.transfers.entry(key).or_default();
+                match call {
+                    P2pCall::Send { offset, .. } => {
+                        transfer.sent = Some((*op, input[offset..offset + op.count * op.dtype.size()].to_vec()));
+                    }
+                    P2pCall::Recv { offset, .. } => transfer.receiver = Some((*op, output.clone(), offset)),
+                }
+                transfer.complete();
+                keys.push(key);
+            }
+            state.launches.insert(seq, Launch::Transfers(keys));
+            return Ok(());
+        }
+        let collective = state.collectives;
+        state.collectives += 1;
+        state.launches.insert(seq, Launch::Collective(collective));
         let deposit = Deposit {
             op: *op,
-            input: input.unwrap_or(output).to_host(),
+            input,
             output: output.clone(),
         };
-        let size = self.inner.world.size;
-        let mut world = lock(&self.inner.world.state);
         let slot = world
             .slots
-            .entry(seq)
+            .entry(collective)
             .or_insert_with(|| Slot::Pending((0..size).map(|_| None).collect()));
         if let Slot::Pending(deposits) = slot {
-            deposits[self.inner.rank] = Some(deposit);
+            deposits[rank] = Some(deposit);
             if deposits.iter().all(Option::is_some) {
                 let deposits: Vec<Deposit> = std::mem::take(deposits).into_iter().flatten().collect();
                 *slot = Slot::Done(run(&deposits));
@@ -306,9 +389,23 @@ impl Communicator for FakeComm {
         if state.hung.contains(&seq) {
             return Ok(false);
         }
-        match lock(&self.inner.world.state).slots.get(&seq) {
-            Some(Slot::Done(outcome)) => outcome.clone().map(|()| true),
-            _ => Ok(false),
+        let world = lock(&self.inner.world.state);
+        match state.launches.get(&seq) {
+            Some(Launch::Collective(n)) => match world.slots.get(n) {
+                Some(Slot::Done(outcome)) => outcome.clone().map(|()| true),
+                _ => Ok(false),
+            },
+            Some(Launch::Transfers(keys)) => {
+                for key in keys {
+                    match world.transfers.get(key).and_then(|t| t.done.clone()) {
+                        Some(Ok(())) => {}
+                        Some(Err(error)) => return Err(error),
+                        None => return Ok(false),
+                    }
+                }
+                Ok(true)
+            }
+            None => Ok(false),
         }
     }
 
@@ -348,6 +445,13 @@ impl Communicator for FakeComm {
         lock(&self.inner.world.state).aborted[self.inner.rank] = true;
         Ok(true)
     }
+}
+
+/// The next number of `peer`'s counter.
+fn next(counters: &mut HashMap<usize, u64>, peer: usize) -> u64 {
+    let counter = counters.entry(peer).or_default();
+    *counter += 1;
+    *counter - 1
 }
 
 /// Runs one collective once every rank has launched it: checks that they
@@ -397,7 +501,7 @@ fn run(deposits: &[Deposit]) -> Result<(), NcclError> {
             (0..world).for_each(|rank| write(rank, &all));
         }
         CollectiveKind::ReduceScatter => {
-            let block = op.output_bytes(world);
+            let block = op.output_bytes(world, 0);
             for rank in 0..world {
                 let result = reduce(&mut deposits.iter().map(|d| &d.input[rank * block..(rank + 1) * block]))?;
                 write(rank, &result);

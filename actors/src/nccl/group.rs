@@ -16,6 +16,8 @@ use actix_rt::Arbiter;
 use thiserror::Error;
 use tokio::sync::watch;
 
+use chorus_runtime::collective::{DType, ReduceOp};
+
 use super::comm::{Communicator, DeviceBuffer};
 use super::types::{CommStatus, NcclError, NcclOp};
 use crate::supervision::{AbortReason, ErrorHandling, GroupAborted, Supervision};
@@ -268,7 +270,7 @@ impl<C: Communicator> Handler<NcclCollective<C::Buffer>> for NcclRankActor<C> {
         let world = self.shared.comm.world();
         if let Err(source) = msg
             .op
-            .check(world, msg.input.as_ref().map(DeviceBuffer::len), msg.output.len())
+            .check(world, rank, msg.input.as_ref().map(DeviceBuffer::len), msg.output.len())
         {
             return immediate(Err(NcclOpError::Invalid { rank, source }));
         }
@@ -485,6 +487,36 @@ impl<C: Communicator> NcclGroup<C> {
             })
             .await?;
         Ok(done.output)
+    }
+
+    /// Queues a barrier now, like [`submit`](Self::submit): it completes
+    /// once every rank has entered. A one-element all-reduce on scratch
+    /// memory, as PyTorch's ProcessGroupNCCL runs `barrier`.
+    pub fn barrier(&self) -> impl Future<Output = Result<(), NcclOpError>> + 'static {
+        let rank = self.rank();
+        let op = NcclOp::all_reduce(DType::Float32, 1, ReduceOp::Sum);
+        let submitted = self
+            .shared
+            .comm
+            .zeros(op.output_bytes(self.world(), rank))
+            .map(|scratch| {
+                self.submit(NcclCollective {
+                    op,
+                    input: None,
+                    output: scratch,
+                    timeout: None,
+                })
+            });
+        async move {
+            match submitted {
+                Ok(work) => work.await.map(drop),
+                Err(source) => Err(NcclOpError::Failed {
+                    rank,
+                    operation: "barrier".into(),
+                    source,
+                }),
+            }
+        }
     }
 
     /// A receiver that sees the abort when it happens: the hook an elastic

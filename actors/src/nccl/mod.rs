@@ -76,4 +76,6 @@ pub use comm::{Backend, Communicator, DeviceBuffer};
 pub use cuda::{CudaBackend, CudaBuffer, CudaComm};
 pub use group::{Buffers, DEFAULT_TIMEOUT, NcclCollective, NcclGroup, NcclGroupConfig, NcclOpError, NcclRankActor};
 pub use probe::{Availability, MIN_NCCL, NcclVersion, ProbeError, REQUIRED_SYMBOLS, probe};
-pub use types::{CommStatus, NcclCode, NcclError, NcclOp, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op};
+pub use types::{
+    CommStatus, NcclCode, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op,
+};

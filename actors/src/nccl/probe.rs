@@ -24,7 +24,7 @@ pub const MIN_NCCL: NcclVersion = NcclVersion {
 };
 
 /// The NCCL functions the backend calls; cudarc panics on a missing one.
-pub const REQUIRED_SYMBOLS: [&str; 12] = [
+pub const REQUIRED_SYMBOLS: [&str; 16] = [
     "ncclGetVersion",
     "ncclGetUniqueId",
     "ncclGetLastError",
@@ -36,6 +36,10 @@ pub const REQUIRED_SYMBOLS: [&str; 12] = [
     "ncclReduce",
     "ncclAllGather",
     "ncclReduceScatter",
+    "ncclSend",
+    "ncclRecv",
+    "ncclGroupStart",
+    "ncclGroupEnd",
     "ncclGetErrorString",
 ];
 

@@ -152,13 +152,21 @@ pub enum NcclError {
         /// The operator.
         op: ReduceOp,
     },
-    /// A collective this backend does not run.
-    #[error(
-        "{kind} is not an NCCL collective here (all_reduce, broadcast, reduce, all_gather, reduce_scatter are); use the CPU backend"
-    )]
+    /// A collective the NCCL library has no call for (barrier: NCCL groups
+    /// run it as a one-element all-reduce, `NcclGroup::barrier`).
+    #[error("{kind} is not an NCCL operation; a barrier is a one-element all_reduce (NcclGroup::barrier)")]
     UnsupportedKind {
         /// The collective.
         kind: CollectiveKind,
+    },
+    /// A send or receive whose peer is the rank itself: NCCL would match it
+    /// only with its twin in one group call, so alone it never completes.
+    #[error("rank {rank} cannot {kind} to or from itself")]
+    PeerIsSelf {
+        /// Send or recv.
+        kind: CollectiveKind,
+        /// The rank.
+        rank: usize,
     },
     /// A rooted collective without a root in the group.
     #[error("{kind} needs a root in 0..{world}, got {root:?}")]
@@ -222,17 +230,26 @@ pub fn nccl_red_op(op: ReduceOp) -> Result<ncclRedOp_t, NcclError> {
     }
 }
 
-/// One NCCL collective as submitted: which, on what, how many.
+/// One NCCL operation as submitted: which, on what, how many.
 ///
-/// Buffer lengths (`count` elements per rank, `P` ranks):
+/// Buffer lengths on rank `r` (`count` elements, `P` ranks):
 /// - all-reduce, broadcast, reduce: input and output `count`; without an
 ///   input the operation runs in place in the output (for broadcast, the
 ///   root's output holds the data).
 /// - all-gather: input `count`, output `count * P` (block `i` from rank `i`).
 /// - reduce-scatter: input `count * P`, output `count` (the reduction of
-///   every rank's block `rank`).
+///   every rank's block `r`).
+/// - gather: input `count`; output `count * P` at the root (block `i` from
+///   rank `i`), empty elsewhere.
+/// - scatter: input `count * P` at the root (block `i` goes to rank `i`),
+///   none elsewhere; output `count`.
+/// - all-to-all: input and output `count * P`: input block `j` goes to rank
+///   `j`, output block `i` comes from rank `i`. Never in place.
+/// - send and recv (`root` is the peer): no input; the output is the data
+///   sent, or the place the data received goes (`count`).
 ///
-/// Only operations whose input and output have the same length run in place.
+/// Only operations whose input and output have the same length run in place
+/// (no input given); an operation that reads nothing takes no input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NcclOp {
     /// Which collective.
@@ -241,7 +258,8 @@ pub struct NcclOp {
     pub dtype: DType,
     /// Elements per rank (see above).
     pub count: usize,
-    /// The root of broadcast and reduce.
+    /// The root of broadcast, reduce, gather and scatter; the peer of send
+    /// and recv.
     pub root: Option<usize>,
     /// The operator of reducing collectives (sum when `None`).
     pub op: Option<ReduceOp>,
@@ -303,40 +321,123 @@ impl NcclOp {
         }
     }
 
+    /// A gather of `count` elements from each rank into `root`.
+    pub fn gather(dtype: DType, count: usize, root: usize) -> Self {
+        Self::rooted(CollectiveKind::Gather, dtype, count, root)
+    }
+
+    /// A scatter of `count` elements to each rank from `root`.
+    pub fn scatter(dtype: DType, count: usize, root: usize) -> Self {
+        Self::rooted(CollectiveKind::Scatter, dtype, count, root)
+    }
+
+    /// An all-to-all of `count` elements between every pair of ranks.
+    pub fn all_to_all(dtype: DType, count: usize) -> Self {
+        Self {
+            kind: CollectiveKind::AllToAll,
+            dtype,
+            count,
+            root: None,
+            op: None,
+        }
+    }
+
+    /// A send of `count` elements to `peer`.
+    pub fn send(dtype: DType, count: usize, peer: usize) -> Self {
+        Self::rooted(CollectiveKind::Send, dtype, count, peer)
+    }
+
+    /// A receive of `count` elements from `peer`.
+    pub fn recv(dtype: DType, count: usize, peer: usize) -> Self {
+        Self::rooted(CollectiveKind::Recv, dtype, count, peer)
+    }
+
+    fn rooted(kind: CollectiveKind, dtype: DType, count: usize, root: usize) -> Self {
+        Self {
+            kind,
+            dtype,
+            count,
+            root: Some(root),
+            op: None,
+        }
+    }
+
+    /// Whether it is a point-to-point operation (send, recv): only the two
+    /// ranks take part, matched in the order each pair issues them.
+    pub fn is_p2p(&self) -> bool {
+        matches!(self.kind, CollectiveKind::Send | CollectiveKind::Recv)
+    }
+
+    /// Whether NCCL runs it as grouped sends and receives (gather, scatter,
+    /// all-to-all, send, recv) rather than one collective call.
+    pub fn is_grouped_p2p(&self) -> bool {
+        matches!(
+            self.kind,
+            CollectiveKind::Gather
+                | CollectiveKind::Scatter
+                | CollectiveKind::AllToAll
+                | CollectiveKind::Send
+                | CollectiveKind::Recv
+        )
+    }
+
+    /// The sends and receives `rank` issues, in one NCCL group, for a
+    /// [grouped](Self::is_grouped_p2p) operation (as PyTorch's
+    /// ProcessGroupNCCL issues them); empty for the others. Each moves
+    /// `count` elements; a send reads its input (the output for send), a
+    /// receive writes its output.
+    pub fn p2p_calls(&self, world: usize, rank: usize) -> Vec<P2pCall> {
+        let block = self.count.saturating_mul(self.dtype.size());
+        let root = self.root.unwrap_or(0);
+        let every = |call: fn(usize, usize) -> P2pCall| (0..world).map(move |peer| call(peer, peer * block));
+        let send = |peer, offset| P2pCall::Send { peer, offset };
+        let recv = |peer, offset| P2pCall::Recv { peer, offset };
+        match self.kind {
+            CollectiveKind::Send => vec![send(root, 0)],
+            CollectiveKind::Recv => vec![recv(root, 0)],
+            CollectiveKind::AllToAll => every(send).zip(every(recv)).flat_map(|(s, r)| [s, r]).collect(),
+            CollectiveKind::Gather if rank == root => std::iter::once(send(root, 0)).chain(every(recv)).collect(),
+            CollectiveKind::Gather => vec![send(root, 0)],
+            CollectiveKind::Scatter if rank == root => every(send).chain(std::iter::once(recv(root, 0))).collect(),
+            CollectiveKind::Scatter => vec![recv(root, 0)],
+            _ => Vec::new(),
+        }
+    }
+
     /// The operator it reduces with (sum by default), for reducing kinds.
     pub fn reduce_op(&self) -> Option<ReduceOp> {
         self.kind.reduces().then(|| self.op.unwrap_or(ReduceOp::Sum))
     }
 
-    /// Bytes of its input buffer in a world of `world` ranks.
-    pub fn input_bytes(&self, world: usize) -> usize {
+    /// Bytes of its input buffer on `rank` of `world` ranks.
+    pub fn input_bytes(&self, world: usize, rank: usize) -> usize {
         let elements = match self.kind {
-            CollectiveKind::ReduceScatter => self.count.saturating_mul(world),
+            CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => self.count.saturating_mul(world),
+            CollectiveKind::Scatter if self.root == Some(rank) => self.count.saturating_mul(world),
+            CollectiveKind::Scatter | CollectiveKind::Send | CollectiveKind::Recv => 0,
             _ => self.count,
         };
         elements.saturating_mul(self.dtype.size())
     }
 
-    /// Bytes of its output buffer in a world of `world` ranks.
-    pub fn output_bytes(&self, world: usize) -> usize {
+    /// Bytes of its output buffer on `rank` of `world` ranks.
+    pub fn output_bytes(&self, world: usize, rank: usize) -> usize {
         let elements = match self.kind {
-            CollectiveKind::AllGather => self.count.saturating_mul(world),
+            CollectiveKind::AllGather | CollectiveKind::AllToAll => self.count.saturating_mul(world),
+            CollectiveKind::Gather if self.root == Some(rank) => self.count.saturating_mul(world),
+            CollectiveKind::Gather => 0,
             _ => self.count,
         };
         elements.saturating_mul(self.dtype.size())
     }
 
-    /// Checks the operation against NCCL and the buffers against the
-    /// operation, before anything is launched: the kind, the operator, the
-    /// root, and the lengths (`input` is `None` in place).
-    pub fn check(&self, world: usize, input: Option<usize>, output: usize) -> Result<(), NcclError> {
-        match self.kind {
-            CollectiveKind::AllReduce
-            | CollectiveKind::Broadcast
-            | CollectiveKind::Reduce
-            | CollectiveKind::AllGather
-            | CollectiveKind::ReduceScatter => {}
-            kind => return Err(NcclError::UnsupportedKind { kind }),
+    /// Checks the operation on `rank` of `world` against NCCL and the
+    /// buffers against the operation, before anything is launched: the
+    /// kind, the operator, the root or peer, and the lengths (`input` is
+    /// `None` in place, or when the operation reads no input).
+    pub fn check(&self, world: usize, rank: usize, input: Option<usize>, output: usize) -> Result<(), NcclError> {
+        if self.kind == CollectiveKind::Barrier {
+            return Err(NcclError::UnsupportedKind { kind: self.kind });
         }
         if let Some(op) = self.reduce_op() {
             nccl_red_op(op)?;
@@ -347,6 +448,9 @@ impl NcclOp {
                 root: self.root,
                 world,
             });
+        }
+        if self.is_p2p() && self.root == Some(rank) {
+            return Err(NcclError::PeerIsSelf { kind: self.kind, rank });
         }
         let size = |which, expected: usize, got: usize| {
             if expected == got {
@@ -360,13 +464,40 @@ impl NcclOp {
                 })
             }
         };
-        size("output", self.output_bytes(world), output)?;
+        let wanted = self.input_bytes(world, rank);
+        size("output", self.output_bytes(world, rank), output)?;
         match input {
-            Some(len) => size("input", self.input_bytes(world), len),
+            Some(len) => size("input", wanted, len),
+            None if wanted == 0 => Ok(()),
+            // Each rank's block is sent while others land in the output.
+            None if self.kind == CollectiveKind::AllToAll && world > 1 => {
+                size("input (all_to_all never runs in place)", wanted, 0)
+            }
             // In place: the output must hold the input too.
-            None => size("input (in place, so output)", self.input_bytes(world), output),
+            None => size("input (in place, so output)", wanted, output),
         }
     }
+}
+
+/// One call of a grouped point-to-point operation ([`NcclOp::p2p_calls`]):
+/// `ncclSend` or `ncclRecv` of the operation's `count` elements at a byte
+/// offset of the buffer it reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum P2pCall {
+    /// Send to `peer` from `offset` of the input.
+    Send {
+        /// The receiving rank.
+        peer: usize,
+        /// Byte offset into the input.
+        offset: usize,
+    },
+    /// Receive from `peer` into `offset` of the output.
+    Recv {
+        /// The sending rank.
+        peer: usize,
+        /// Byte offset into the output.
+        offset: usize,
+    },
 }
 
 impl fmt::Display for NcclOp {
@@ -376,7 +507,8 @@ impl fmt::Display for NcclOp {
             write!(f, ", {op}")?;
         }
         if let Some(root) = self.root {
-            write!(f, ", root {root}")?;
+            let role = if self.is_p2p() { "peer" } else { "root" };
+            write!(f, ", {role} {root}")?;
         }
         f.write_str(")")
     }
@@ -454,10 +586,10 @@ mod tests {
     fn nc2_checks_kinds_roots_and_buffer_lengths_before_launch() {
         let world = 4;
         let ar = NcclOp::all_reduce(DType::Float32, 8, ReduceOp::Sum);
-        assert_eq!(ar.check(world, Some(32), 32), Ok(()));
-        assert_eq!(ar.check(world, None, 32), Ok(()));
+        assert_eq!(ar.check(world, 0, Some(32), 32), Ok(()));
+        assert_eq!(ar.check(world, 0, None, 32), Ok(()));
         assert!(matches!(
-            ar.check(world, Some(32), 16),
+            ar.check(world, 0, Some(32), 16),
             Err(NcclError::BufferSize {
                 which: "output",
                 expected: 32,
@@ -467,26 +599,26 @@ mod tests {
         ));
         let bitwise = NcclOp::all_reduce(DType::Int32, 8, ReduceOp::BXor);
         assert_eq!(
-            bitwise.check(world, None, 32),
+            bitwise.check(world, 0, None, 32),
             Err(NcclError::UnsupportedOp { op: ReduceOp::BXor })
         );
         let ag = NcclOp::all_gather(DType::Float16, 3);
-        assert_eq!((ag.input_bytes(world), ag.output_bytes(world)), (6, 24));
-        assert_eq!(ag.check(world, Some(6), 24), Ok(()));
+        assert_eq!((ag.input_bytes(world, 0), ag.output_bytes(world, 0)), (6, 24));
+        assert_eq!(ag.check(world, 0, Some(6), 24), Ok(()));
         assert!(
-            ag.check(world, None, 24).is_err(),
+            ag.check(world, 0, None, 24).is_err(),
             "all-gather does not run in place here"
         );
         let rs = NcclOp::reduce_scatter(DType::Int64, 2, ReduceOp::Max);
-        assert_eq!((rs.input_bytes(world), rs.output_bytes(world)), (64, 16));
-        assert_eq!(rs.check(world, Some(64), 16), Ok(()));
+        assert_eq!((rs.input_bytes(world, 0), rs.output_bytes(world, 0)), (64, 16));
+        assert_eq!(rs.check(world, 0, Some(64), 16), Ok(()));
         let bcast = NcclOp::broadcast(DType::UInt8, 5, 4);
         assert!(matches!(
-            bcast.check(world, None, 5),
+            bcast.check(world, 0, None, 5),
             Err(NcclError::BadRoot { root: Some(4), .. })
         ));
         assert_eq!(
-            NcclOp::reduce(DType::UInt8, 5, ReduceOp::Min, 3).check(world, None, 5),
+            NcclOp::reduce(DType::UInt8, 5, ReduceOp::Min, 3).check(world, 0, None, 5),
             Ok(())
         );
         let barrier = NcclOp {
@@ -497,13 +629,120 @@ mod tests {
             op: None,
         };
         assert_eq!(
-            barrier.check(world, None, 0),
+            barrier.check(world, 0, None, 0),
             Err(NcclError::UnsupportedKind {
                 kind: CollectiveKind::Barrier
             })
         );
+        // Gather: the root's output holds every block, the others' none.
+        let gather = NcclOp::gather(DType::Float32, 2, 1);
+        assert_eq!(gather.check(world, 1, Some(8), 32), Ok(()));
+        assert_eq!(gather.check(world, 0, Some(8), 0), Ok(()));
+        assert!(
+            gather.check(world, 0, Some(8), 32).is_err(),
+            "a non-root's output is empty"
+        );
+        // Scatter: the root's input holds every block, the others take none.
+        let scatter = NcclOp::scatter(DType::Float32, 2, 0);
+        assert_eq!(scatter.check(world, 0, Some(32), 8), Ok(()));
+        assert_eq!(scatter.check(world, 3, None, 8), Ok(()));
+        assert!(scatter.check(world, 0, None, 8).is_err(), "the root needs its input");
+        let a2a = NcclOp::all_to_all(DType::Int32, 3);
+        assert_eq!(a2a.check(world, 2, Some(48), 48), Ok(()));
+        let in_place = a2a.check(world, 2, None, 48).unwrap_err().to_string();
+        assert!(in_place.contains("never runs in place"), "{in_place}");
+        assert_eq!(
+            a2a.check(1, 0, None, 12),
+            Ok(()),
+            "alone, all-to-all is a copy onto itself"
+        );
+        // Send and recv: the output is the data; no input; never to oneself.
+        let send = NcclOp::send(DType::UInt8, 5, 2);
+        assert_eq!(send.check(world, 0, None, 5), Ok(()));
+        assert!(send.check(world, 0, Some(5), 5).is_err());
+        assert_eq!(
+            send.check(world, 2, None, 5),
+            Err(NcclError::PeerIsSelf {
+                kind: CollectiveKind::Send,
+                rank: 2
+            })
+        );
+        assert!(matches!(
+            NcclOp::recv(DType::UInt8, 5, 4).check(world, 0, None, 5),
+            Err(NcclError::BadRoot { root: Some(4), .. })
+        ));
+        assert_eq!(send.to_string(), "send(uint8 x 5, peer 2)");
         assert_eq!(ar.to_string(), "all_reduce(float32 x 8, sum)");
         assert_eq!(bcast.to_string(), "broadcast(uint8 x 5, root 4)");
+    }
+
+    #[test]
+    fn grouped_operations_issue_the_sends_and_receives_pytorch_does() {
+        use P2pCall::{Recv, Send};
+        let (world, block) = (3, 8);
+        // all-to-all: block j of the input to rank j, block i of the output from rank i.
+        let a2a = NcclOp::all_to_all(DType::Float32, 2);
+        assert_eq!(
+            a2a.p2p_calls(world, 1),
+            (0..world)
+                .flat_map(|p| [
+                    Send {
+                        peer: p,
+                        offset: p * block
+                    },
+                    Recv {
+                        peer: p,
+                        offset: p * block
+                    }
+                ])
+                .collect::<Vec<_>>()
+        );
+        // gather to 2: everyone sends its input to the root; the root receives block i from rank i.
+        let gather = NcclOp::gather(DType::Float32, 2, 2);
+        assert_eq!(gather.p2p_calls(world, 0), [Send { peer: 2, offset: 0 }]);
+        assert_eq!(
+            gather.p2p_calls(world, 2),
+            [
+                Send { peer: 2, offset: 0 },
+                Recv { peer: 0, offset: 0 },
+                Recv { peer: 1, offset: 8 },
+                Recv { peer: 2, offset: 16 },
+            ]
+        );
+        // scatter from 0: the root sends block i to rank i; everyone receives its block.
+        let scatter = NcclOp::scatter(DType::Float32, 2, 0);
+        assert_eq!(
+            scatter.p2p_calls(world, 0),
+            [
+                Send { peer: 0, offset: 0 },
+                Send { peer: 1, offset: 8 },
+                Send { peer: 2, offset: 16 },
+                Recv { peer: 0, offset: 0 },
+            ]
+        );
+        assert_eq!(scatter.p2p_calls(world, 1), [Recv { peer: 0, offset: 0 }]);
+        assert_eq!(
+            NcclOp::send(DType::Float32, 2, 1).p2p_calls(world, 0),
+            [Send { peer: 1, offset: 0 }]
+        );
+        assert_eq!(
+            NcclOp::recv(DType::Float32, 2, 0).p2p_calls(world, 1),
+            [Recv { peer: 0, offset: 0 }]
+        );
+        let all_reduce = NcclOp::all_reduce(DType::Float32, 2, ReduceOp::Sum);
+        assert!(all_reduce.p2p_calls(world, 0).is_empty() && !all_reduce.is_grouped_p2p());
+        // Every offset plus a block stays within the buffer `check` accepts.
+        for op in [a2a, gather, scatter] {
+            for rank in 0..world {
+                for call in op.p2p_calls(world, rank) {
+                    let (offset, len) = match call {
+                        Send { offset, .. } => (offset, op.input_bytes(world, rank)),
+                        Recv { offset, .. } => (offset, op.output_bytes(world, rank)),
+                    };
+                    assert!(offset + block <= len, "{op} on rank {rank}: {call:?} past {len} bytes");
+                }
+            }
+        }
     }
 
     #[test]
