@@ -118,18 +118,10 @@ impl fmt::Display for PeerFailure {
     }
 }
 
-/// How long a peer's process exit waits for that peer's close notice
-/// before it counts as the peer's failure: a rank that aborted closes its
-/// links with a notice (SV-14) and may exit a moment later, and its notice
-/// can arrive after its exit was seen (SV-15).
-pub const EXIT_SETTLE: Duration = Duration::from_millis(20);
-
 #[derive(Debug)]
 struct PeerState {
     last: Instant,
     closed: Option<PeerFailureCause>,
-    /// When its process was seen to exit, and its pid.
-    exited: Option<(Instant, u32)>,
     reported: bool,
 }
 
@@ -151,7 +143,6 @@ impl HeartbeatMonitor {
                     PeerState {
                         last: now,
                         closed: None,
-                        exited: None,
                         reported: false,
                     },
                 )
@@ -175,24 +166,14 @@ impl HeartbeatMonitor {
         }
     }
 
-    /// `peer`'s process (on this host) exited at `now`: it failed, without
-    /// waiting out the window (SV-15), unless its link reports it closed on
-    /// purpose within [`EXIT_SETTLE`].
-    pub fn process_exited(&mut self, peer: usize, pid: u32, now: Instant) {
+    /// `peer`'s process (on this host) exited: it failed, without waiting
+    /// out the window (SV-15).
+    pub fn process_exited(&mut self, peer: usize, pid: u32) {
         if let Some(state) = self.peers.get_mut(&peer) {
-            state.exited.get_or_insert((now, pid));
+            state
+                .closed
+                .get_or_insert_with(|| PeerFailureCause::Closed(format!("its process (pid {pid}) exited")));
         }
-    }
-
-    /// When an exited peer's settle time ends, the earliest of them: the
-    /// next moment [`poll`](Self::poll) may report a failure without
-    /// anything new arriving.
-    pub fn next_settled(&self) -> Option<Instant> {
-        self.peers
-            .values()
-            .filter(|state| !state.reported && state.closed.is_none())
-            .filter_map(|state| state.exited.map(|(at, _)| at + EXIT_SETTLE))
-            .min()
     }
 
     /// `peer` left cleanly: it is no longer watched (SV-8).
@@ -209,13 +190,10 @@ impl HeartbeatMonitor {
                 continue;
             }
             let silent = now.saturating_duration_since(state.last);
-            let cause = match (&state.closed, state.exited) {
-                (Some(cause), _) => cause.clone(),
-                (None, Some((at, pid))) if now >= at + EXIT_SETTLE => {
-                    PeerFailureCause::Closed(format!("its process (pid {pid}) exited"))
-                }
-                (None, _) if silent >= self.window => PeerFailureCause::Silent(silent),
-                (None, _) => continue,
+            let cause = match &state.closed {
+                Some(cause) => cause.clone(),
+                None if silent >= self.window => PeerFailureCause::Silent(silent),
+                None => continue,
             };
             state.reported = true;
             failed.push(PeerFailure { rank, cause });
@@ -388,37 +366,6 @@ mod tests {
             gone[0].to_string(),
             "rank 1 closed its links (rank 1 aborted: rank 2 (pid 9) died)"
         );
-    }
-
-    #[test]
-    fn sv15_an_exit_fails_its_peer_unless_a_close_notice_follows_within_the_settle_time() {
-        let t0 = Instant::now();
-        let mut monitor = HeartbeatMonitor::new([1, 2], WINDOW, t0);
-        // Rank 2 was SIGKILLed; rank 1 aborted, closed its links with a
-        // notice and exited, its exit seen before its notice arrived.
-        monitor.process_exited(2, 72, t0);
-        monitor.process_exited(1, 71, t0);
-        assert_eq!(monitor.next_settled(), Some(t0 + EXIT_SETTLE));
-        assert!(monitor.poll(t0 + EXIT_SETTLE / 2).is_empty(), "still settling");
-        monitor.link_failed(
-            1,
-            &TransportError::PeerClosed {
-                peer: 1,
-                reason: "rank 1 aborted".into(),
-                failed: vec![2],
-            },
-        );
-        let gone = monitor.poll(t0 + EXIT_SETTLE);
-        assert_eq!(gone.len(), 2);
-        assert!(!gone[0].failed(), "rank 1 left: {}", gone[0]);
-        assert_eq!(
-            gone[1],
-            PeerFailure {
-                rank: 2,
-                cause: PeerFailureCause::Closed("its process (pid 72) exited".into())
-            }
-        );
-        assert_eq!(monitor.next_settled(), None, "both reported");
     }
 
     #[test]

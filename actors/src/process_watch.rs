@@ -14,12 +14,6 @@
 //! Pids mean something only within one pid namespace: the caller watches
 //! only peers whose host and pid namespace are this process's
 //! ([`pid_namespace`]).
-//!
-//! An exit is not yet a failure: a rank that aborted closes its links with
-//! a notice and may exit a moment later, before its notice was read here.
-//! The heartbeat monitor holds an exit for
-//! [`EXIT_SETTLE`](crate::heartbeat::EXIT_SETTLE) (20 ms) in case the
-//! notice follows, so such a rank is taken for gone, not failed (SV-14).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::task::Poll;

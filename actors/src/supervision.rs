@@ -435,19 +435,14 @@ pub fn spawn_watchdog(
     tokio::spawn(async move {
         let mut on_abort = Some(on_abort);
         loop {
-            let next_poll = {
-                let monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
-                let regular = tokio::time::Instant::now() + config.poll;
-                monitor.next_settled().map_or(regular, |settled| regular.min(settled.into()))
-            };
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => return,
-                () = tokio::time::sleep_until(next_poll) => {}
+                () = tokio::time::sleep(config.poll) => {}
                 // A local peer's exit is acted on at once, not at the next poll (SV-15).
                 gone = processes.next_exit() => {
                     let mut monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
                     for (rank, pid) in gone {
-                        monitor.process_exited(rank, pid, Instant::now());
+                        monitor.process_exited(rank, pid);
                     }
                 }
             }
@@ -459,7 +454,7 @@ pub fn spawn_watchdog(
             let failures = {
                 let mut monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
                 for (rank, pid) in processes.exited() {
-                    monitor.process_exited(rank, pid, now);
+                    monitor.process_exited(rank, pid);
                 }
                 monitor.poll(now)
             };
