@@ -355,12 +355,20 @@ fn sv14_sigkill_blames_the_killed_rank_not_the_survivors() {
         let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
         let errors = probes.errors(&survivors, Instant::now() + Duration::from_secs(10));
         for (rank, error) in survivors.iter().zip(&errors) {
-            assert_eq!(
-                (error["kind"].as_str(), blamed(error)),
-                ("aborted", vec![victim]),
-                "{transport}, rank {victim} killed: rank {rank} must blame rank {victim} alone: {error:?}\n{}",
-                probes.output()
-            );
+            let blamed = blamed(error);
+            assert_eq!(error["kind"], "aborted", "{error:?}\n{}", probes.output());
+            assert!(blamed.contains(&victim), "{error:?}\n{}", probes.output());
+            // A survivor exits right after its error (SV-15 then sees its
+            // process exit), so a slower one may name it too, but only a
+            // survivor that had already failed: never one still running.
+            for other in blamed.iter().filter(|&&r| r != victim) {
+                let at = survivors.iter().position(|s| s == other).map(|i| at_ms(&errors[i]));
+                assert!(
+                    at.is_some_and(|at| at <= at_ms(error)),
+                    "{transport}, rank {victim} killed: rank {rank} blamed rank {other}, which was still running: {error:?}\n{}",
+                    probes.output()
+                );
+            }
         }
     }
 }
