@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use actix::{Actor, Addr};
-use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor};
+use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor, SharedMonitor};
 use chorus_actors::process_watch::{self, ProcessWatch};
 use chorus_actors::rank::{Aborted, RankActor};
 use chorus_actors::supervision::{
@@ -421,11 +421,7 @@ async fn start_rank(
     });
     let (stop_supervision, stop) = watch::channel(false);
     let peers = (0..links.len()).filter(|&r| r != rank);
-    let monitor = Arc::new(std::sync::Mutex::new(HeartbeatMonitor::new(
-        peers,
-        window,
-        std::time::Instant::now(),
-    )));
+    let monitor = SharedMonitor::new(HeartbeatMonitor::new(peers, window, std::time::Instant::now()));
     let processes = local_processes(&membership);
     let (heartbeat_links, watched, watchdog_stop, notify) =
         (links.clone(), supervision.clone(), stop.clone(), actor.clone());

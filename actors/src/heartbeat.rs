@@ -11,12 +11,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chorus_transports::link::{Link, TransportError};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 /// The channel heartbeats travel on (`u32::MAX - 1`), apart from
 /// collectives (RA-2) and point-to-point operations (RA-3), so a heartbeat is
@@ -202,6 +202,41 @@ impl HeartbeatMonitor {
     }
 }
 
+/// A [`HeartbeatMonitor`] shared by the heartbeat readers and the
+/// watchdog. A failed link wakes the watchdog at once: a peer's close
+/// notice (its abort) is acted on in microseconds, not at the next poll.
+#[derive(Debug)]
+pub struct SharedMonitor {
+    monitor: Mutex<HeartbeatMonitor>,
+    link_failed: Notify,
+}
+
+impl SharedMonitor {
+    /// Shares `monitor`.
+    pub fn new(monitor: HeartbeatMonitor) -> Arc<Self> {
+        Arc::new(Self {
+            monitor: Mutex::new(monitor),
+            link_failed: Notify::new(),
+        })
+    }
+
+    /// The monitor.
+    pub fn lock(&self) -> MutexGuard<'_, HeartbeatMonitor> {
+        self.monitor.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records that the link to `peer` failed and wakes the watchdog.
+    pub fn link_failed(&self, peer: usize, error: &TransportError) {
+        self.lock().link_failed(peer, error);
+        self.link_failed.notify_one();
+    }
+
+    /// Returns once a link failed since the last call returned.
+    pub async fn next_link_failure(&self) {
+        self.link_failed.notified().await;
+    }
+}
+
 /// Starts this rank's heartbeats on the current runtime (the rank's
 /// arbiter): per peer, one task sends a frame every `config.interval` and
 /// one reads the peer's frames into `monitor`. A task per direction and
@@ -210,7 +245,7 @@ impl HeartbeatMonitor {
 pub fn spawn(
     links: &[Option<Arc<dyn Link>>],
     config: HeartbeatConfig,
-    monitor: Arc<Mutex<HeartbeatMonitor>>,
+    monitor: Arc<SharedMonitor>,
     stop: watch::Receiver<bool>,
 ) {
     for link in links.iter().flatten() {
@@ -237,20 +272,17 @@ pub fn spawn(
             loop {
                 tokio::select! {
                     _ = stop_reading.wait_for(|s| *s) => return,
-                    frame = reader.recv(HEARTBEAT_CHANNEL) => {
-                        let mut monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
-                        match frame {
-                            Ok(frame) if frame.tag == GOODBYE => {
-                                monitor.left(peer);
-                                return;
-                            }
-                            Ok(_) => monitor.arrived(peer, Instant::now()),
-                            Err(e) => {
-                                monitor.link_failed(peer, &e);
-                                return;
-                            }
+                    frame = reader.recv(HEARTBEAT_CHANNEL) => match frame {
+                        Ok(frame) if frame.tag == GOODBYE => {
+                            monitor.lock().left(peer);
+                            return;
                         }
-                    }
+                        Ok(_) => monitor.lock().arrived(peer, Instant::now()),
+                        Err(e) => {
+                            monitor.link_failed(peer, &e);
+                            return;
+                        }
+                    },
                 }
             }
         });
@@ -366,6 +398,22 @@ mod tests {
             gone[0].to_string(),
             "rank 1 closed its links (rank 1 aborted: rank 2 (pid 9) died)"
         );
+    }
+
+    #[tokio::test]
+    async fn a_failed_link_wakes_the_watchdog_even_when_it_was_not_waiting_yet() {
+        let shared = SharedMonitor::new(HeartbeatMonitor::new([1], WINDOW, Instant::now()));
+        let closed = TransportError::Closed {
+            peer: 1,
+            reason: "reset".into(),
+        };
+        shared.link_failed(1, &closed);
+        tokio::time::timeout(Duration::from_secs(10), shared.next_link_failure())
+            .await
+            .expect("the failure before the wait was kept");
+        assert_eq!(shared.lock().poll(Instant::now())[0].rank, 1);
+        let waiting = tokio::time::timeout(Duration::from_millis(50), shared.next_link_failure()).await;
+        assert!(waiting.is_err(), "one failure wakes once");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Watching the processes of peers on this host (SV-15): a SIGKILLed peer
 //! sends nothing, so over QUIC only the heartbeat window (seconds) would
 //! notice it; a peer process on this host can be watched directly, and its
-//! exit is seen at the watchdog's next poll whatever the transport. On a
+//! exit wakes the watchdog at once whatever the transport. On a
 //! multi-GPU node this also speeds up remote ranks: the dead rank's local
 //! neighbours abort at once and close their links to everyone (SV-14).
 //!

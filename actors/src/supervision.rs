@@ -45,7 +45,7 @@ use chorus_transports::link::{CloseNotice, Link};
 use thiserror::Error;
 use tokio::sync::watch;
 
-use crate::heartbeat::{HeartbeatMonitor, PeerFailure, PeerFailureCause};
+use crate::heartbeat::{PeerFailure, PeerFailureCause, SharedMonitor};
 use crate::process_watch::ProcessWatch;
 
 /// The environment variables of blocking-wait mode, most specific first.
@@ -419,14 +419,15 @@ fn verdict(
 }
 
 /// Runs the watchdog on the current runtime (the rank's arbiter) until
-/// `stop` turns true: every `config.poll` it counts a step of progress,
-/// tells the heartbeat monitor which watched peer processes exited (SV-15),
+/// `stop` turns true: every `config.poll`, and at once when a link fails or
+/// a watched peer process exits, it counts a step of progress, tells the
+/// heartbeat monitor which watched peer processes exited (SV-15),
 /// polls the monitor and the operation in flight, and aborts the group on a
 /// verdict (in modes that abort; [`ErrorHandling::Off`] logs). `on_abort`
 /// runs once after the abort (the actor dumps its recorder).
 pub fn spawn_watchdog(
     supervision: Arc<Supervision>,
-    monitor: Arc<Mutex<HeartbeatMonitor>>,
+    monitor: Arc<SharedMonitor>,
     mut processes: ProcessWatch,
     config: WatchdogConfig,
     on_abort: impl FnOnce() + Send + 'static,
@@ -438,9 +439,12 @@ pub fn spawn_watchdog(
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => return,
                 () = tokio::time::sleep(config.poll) => {}
-                // A local peer's exit is acted on at once, not at the next poll (SV-15).
+                // A closed link (a peer's abort, a lost connection) and a
+                // local peer's exit (SV-15) are acted on at once, not at the
+                // next poll.
+                () = monitor.next_link_failure() => {}
                 gone = processes.next_exit() => {
-                    let mut monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut monitor = monitor.lock();
                     for (rank, pid) in gone {
                         monitor.process_exited(rank, pid);
                     }
@@ -452,7 +456,7 @@ pub fn spawn_watchdog(
             }
             let now = Instant::now();
             let failures = {
-                let mut monitor = monitor.lock().unwrap_or_else(|p| p.into_inner());
+                let mut monitor = monitor.lock();
                 for (rank, pid) in processes.exited() {
                     monitor.process_exited(rank, pid);
                 }
