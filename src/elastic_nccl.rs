@@ -106,7 +106,7 @@ where
         config: NcclGroupConfig,
         timeout: Duration,
     ) -> Result<Self, ElasticNcclError> {
-        let first = Arc::new(form(&backend, &group.current(), config, timeout).await?);
+        let first = Arc::new(form(&backend, &group.current(), config.clone(), timeout).await?);
         let (current_tx, current) = watch::channel(first);
         let (failed_tx, failed) = watch::channel(None);
         let generations = group.generations();
@@ -192,7 +192,7 @@ where
             }
         };
         attempted = next.generation();
-        match form(&backend, &next, config, timeout).await {
+        match form(&backend, &next, config.clone(), timeout).await {
             Ok(group) => {
                 current.send_replace(Arc::new(group));
             }

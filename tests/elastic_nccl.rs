@@ -57,7 +57,14 @@ async fn en2_en3_a_dead_rank_aborts_nccl_and_the_survivors_get_a_new_communicato
             tokio::spawn(async move {
                 let (group, nccl) = start(&store, &backend, rank).await;
                 assert_eq!(all_reduce_ones(&nccl).await.unwrap(), vec![3.0; 4]);
+                // Until every rank has seen its all-reduce complete: a death
+                // before that fails a collective the others have not
+                // finished waiting for, as it would on a GPU.
+                store.add("first all-reduce seen", 1).await.unwrap();
                 if rank == 2 {
+                    while store.add("first all-reduce seen", 0).await.unwrap() < 3 {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
                     // Rank 2 dies: its links are lost (a cut, SV-14).
                     let links: Vec<_> = (0..3).filter_map(|r| group.current().link(r).cloned()).collect();
                     drop(nccl);

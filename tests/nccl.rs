@@ -69,7 +69,7 @@ async fn fake_group(
                 comm.inject(*fault);
             }
         }
-        let group = NcclGroup::start(comm.clone(), config).unwrap();
+        let group = NcclGroup::start(comm.clone(), config.clone()).unwrap();
         ranks.push((comm, group));
     }
     ranks
@@ -317,6 +317,53 @@ async fn a_receive_that_does_not_match_its_send_fails_and_aborts_both_ranks() {
     for (comm, _) in &ranks {
         assert!(aborted_soon(comm).await);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nc11_every_rank_dumps_its_flight_recorder_and_chorus_trace_names_the_rank_that_never_entered() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = NcclGroupConfig {
+        trace_dir: Some(dir.path().to_path_buf()),
+        flight_capacity: Some(16),
+        ..config(ErrorHandling::Abort, Duration::from_millis(500))
+    };
+    let ranks = fake_group(3, config, &[]).await;
+    // Two all-reduces everywhere, then a third that rank 1 never calls
+    // (stuck in its own code, as a data loader can be).
+    for round in 0..3 {
+        let works: Vec<_> = ranks
+            .iter()
+            .enumerate()
+            .filter(|(rank, _)| round < 2 || *rank != 1)
+            .map(|(_, (_, group))| group.submit(all_reduce(&[1.0])))
+            .collect();
+        for work in works {
+            let result = within(10, "an all-reduce", work).await;
+            assert_eq!(result.is_ok(), round < 2, "round {round}: {result:?}");
+        }
+    }
+    // Ranks 0 and 2 abort at their timeout; rank 1 follows their abort.
+    for (comm, _) in &ranks {
+        assert!(aborted_soon(comm).await);
+    }
+    let nccl_dir = dir.path().join("nccl");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let loaded = loop {
+        let loaded = chorus::trace::load_dir(&nccl_dir);
+        if loaded.as_ref().is_ok_and(|l| l.dumps.len() == 3) || Instant::now() > deadline {
+            break loaded.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(loaded.dumps.len(), 3, "every rank dumps: {:?}", loaded.unreadable);
+    let dumps: Vec<_> = loaded.dumps.into_iter().map(|(_, dump)| dump).collect();
+    let stuck = dumps.iter().find(|d| d.rank == 0).unwrap();
+    assert_eq!(stuck.entries.len(), 3);
+    assert_eq!(stuck.entries[2].op.to_string(), "all_reduce(1 x float32, sum)");
+    let report = chorus::trace::analyze(&dumps).expect("a report");
+    let verdict = report.verdict();
+    assert!(verdict.contains("rank 1"), "{verdict}");
+    assert!(!verdict.contains("rank 0") && !verdict.contains("rank 2"), "{verdict}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,17 +6,20 @@
 //! does under `TORCH_NCCL_ASYNC_ERROR_HANDLING`; in blocking-wait mode the
 //! waiting caller gets the error itself (NC-9).
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use actix::{Actor, ActorFutureExt, Addr, AtomicResponse, Context, Handler, Message, WrapFuture};
 use actix_rt::Arbiter;
 use thiserror::Error;
 use tokio::sync::watch;
 
-use chorus_runtime::collective::{DType, ReduceOp};
+use chorus_runtime::collective::{CollectiveKind, DType, ReduceOp};
+use chorus_runtime::flight::{self, FlightOp, FlightRecorder, write_dump};
 
 use super::comm::{Communicator, DeviceBuffer};
 use super::types::{CommStatus, NcclError, NcclOp};
@@ -33,7 +36,7 @@ const SPIN: Duration = Duration::from_micros(200);
 const POLL: Duration = Duration::from_millis(1);
 
 /// How a group is supervised.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NcclGroupConfig {
     /// The generation it belongs to (published with an abort).
     pub generation: u64,
@@ -46,6 +49,13 @@ pub struct NcclGroupConfig {
     /// In blocking-wait and off modes the caller enforces the timeout; the
     /// watchdog steps in only this much later.
     pub overdue_grace: Duration,
+    /// Operations the flight recorder keeps (0: none); `None` reads
+    /// `CHORUS_TRACE_BUFFER_SIZE`, as the CPU backend does.
+    pub flight_capacity: Option<usize>,
+    /// Where every rank dumps its flight recorder when the group aborts or
+    /// breaks (into `<dir>/nccl`, apart from the CPU group's dumps); `None`
+    /// reads `CHORUS_TRACE_DIR`.
+    pub trace_dir: Option<PathBuf>,
 }
 
 impl Default for NcclGroupConfig {
@@ -56,7 +66,29 @@ impl Default for NcclGroupConfig {
             mode: ErrorHandling::Abort,
             watchdog_poll: Duration::from_millis(100),
             overdue_grace: Duration::from_secs(5),
+            flight_capacity: None,
+            trace_dir: None,
         }
+    }
+}
+
+impl NcclGroupConfig {
+    fn recorder(&self) -> FlightRecorder {
+        let capacity = self.flight_capacity.or_else(|| {
+            std::env::var(flight::BUFFER_SIZE_ENV)
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+        });
+        FlightRecorder::new(capacity.unwrap_or(flight::DEFAULT_CAPACITY))
+    }
+
+    fn trace_dir(&self) -> Option<PathBuf> {
+        let dir = self.trace_dir.clone().or_else(|| {
+            std::env::var_os(flight::TRACE_DIR_ENV)
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+        });
+        dir.map(|d| d.join("nccl"))
     }
 }
 
@@ -152,6 +184,10 @@ struct Shared<C> {
     supervision: Arc<Supervision>,
     in_flight: Mutex<Option<InFlight>>,
     mode: ErrorHandling,
+    flight: Mutex<FlightRecorder>,
+    trace_dir: Option<PathBuf>,
+    dumped: AtomicBool,
+    generation: u64,
 }
 
 impl<C: Communicator> Shared<C> {
@@ -163,6 +199,8 @@ impl<C: Communicator> Shared<C> {
     fn abort(&self, reason: AbortReason) -> bool {
         let first = self.supervision.abort(reason, Vec::new());
         if first {
+            let aborted = self.supervision.aborted().map(|a| a.to_string()).unwrap_or_default();
+            self.dump(&aborted);
             if self.mode == ErrorHandling::TearDown {
                 eprintln!(
                     "chorus: rank {}: NCCL group aborted: {}; exiting (async error handling 3: tear down)",
@@ -181,6 +219,45 @@ impl<C: Communicator> Shared<C> {
     fn in_flight(&self) -> std::sync::MutexGuard<'_, Option<InFlight>> {
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    fn flight(&self) -> std::sync::MutexGuard<'_, FlightRecorder> {
+        self.flight.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Dumps the flight recorder once, when the group aborts or breaks: the
+    /// operation in flight shows as started, where this rank was stuck.
+    fn dump(&self, reason: &str) {
+        let Some(dir) = &self.trace_dir else {
+            return;
+        };
+        if self.dumped.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let rank = self.comm.rank();
+        let dump = self
+            .flight()
+            .dump(rank, self.comm.world(), self.generation, reason, SystemTime::now());
+        match write_dump(dir, &dump) {
+            Ok(path) => {
+                tracing::error!(rank, path = %path.display(), "NCCL flight recorder dumped; run `chorus trace {}`", dir.display())
+            }
+            Err(e) => {
+                tracing::error!(rank, dir = %dir.display(), error = %e, "could not dump the NCCL flight recorder")
+            }
+        }
+    }
+}
+
+/// What the flight recorder shows of `op`.
+fn flight_op(op: &NcclOp) -> FlightOp {
+    FlightOp {
+        kind: op.kind.name().to_string(),
+        dtype: op.dtype.name().to_string(),
+        count: op.count as u64,
+        root: op.root.filter(|_| !op.is_p2p()),
+        peer: op.root.filter(|_| op.is_p2p()),
+        reduce_op: op.reduce_op().map(|r| r.name().to_string()),
+    }
 }
 
 /// How one operation ended badly, before the actor decides what the caller gets.
@@ -195,6 +272,10 @@ pub struct NcclRankActor<C: Communicator> {
     shared: Arc<Shared<C>>,
     timeout: Duration,
     seq: u64,
+    /// Collectives so far: the recorder's numbering, which every rank shares.
+    collectives: u64,
+    /// Sends and receives so far, per direction and peer.
+    transfers: HashMap<(CollectiveKind, usize), u64>,
     broken: Option<String>,
 }
 
@@ -237,6 +318,7 @@ impl<C: Communicator> NcclRankActor<C> {
         tracing::error!(rank, error = %error, "NCCL operation failed");
         self.broken = Some(error.to_string());
         if !self.shared.mode.aborts() {
+            self.shared.dump(&error.to_string());
             return error;
         }
         let reason = match &error {
@@ -276,6 +358,17 @@ impl<C: Communicator> Handler<NcclCollective<C::Buffer>> for NcclRankActor<C> {
         }
         let operation = format!("{} #{}", msg.op, self.seq);
         self.seq += 1;
+        let numbered = match (msg.op.is_p2p(), msg.op.root) {
+            (true, Some(peer)) => self.transfers.entry((msg.op.kind, peer)).or_default(),
+            _ => &mut self.collectives,
+        };
+        let entry = {
+            let mut flight = self.shared.flight();
+            let entry = flight.record_scheduled(*numbered, flight_op(&msg.op), SystemTime::now());
+            flight.record_started(entry, SystemTime::now());
+            entry
+        };
+        *numbered += 1;
         let timeout = msg.timeout.unwrap_or(self.timeout);
         let started = Instant::now();
         let deadline = started + timeout;
@@ -289,7 +382,13 @@ impl<C: Communicator> Handler<NcclCollective<C::Buffer>> for NcclRankActor<C> {
         let run = async move { execute(&shared, msg, caller_deadline).await };
         AtomicResponse::new(Box::pin(run.into_actor(self).map(move |result, actor, _| {
             *actor.shared.in_flight() = None;
-            result.map_err(|failure| actor.fail(failure, operation, timeout, started.elapsed()))
+            let result = result.map_err(|failure| actor.fail(failure, operation, timeout, started.elapsed()));
+            let mut flight = actor.shared.flight();
+            match &result {
+                Ok(_) => flight.record_completed(entry, SystemTime::now()),
+                Err(error) => flight.record_failed(entry, SystemTime::now(), error.to_string()),
+            }
+            result
         })))
     }
 }
@@ -427,16 +526,23 @@ impl<C: Communicator> NcclGroup<C> {
             supervision,
             in_flight: Mutex::new(None),
             mode: config.mode,
+            flight: Mutex::new(config.recorder()),
+            trace_dir: config.trace_dir(),
+            dumped: AtomicBool::new(false),
+            generation: config.generation,
         });
         let arbiter = new_arbiter()?;
         let actor = NcclRankActor {
             shared: shared.clone(),
             timeout: config.timeout,
             seq: 0,
+            collectives: 0,
+            transfers: HashMap::new(),
             broken: None,
         };
         let addr = NcclRankActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
         let stop = Arc::new(AtomicBool::new(false));
+        let generation = config.generation;
         if let Err(e) = spawn_watchdog(shared.clone(), config, stop.clone()) {
             arbiter.stop();
             return Err(SystemError::new(format!("could not start the NCCL watchdog: {e}")));
@@ -446,7 +552,7 @@ impl<C: Communicator> NcclGroup<C> {
             shared,
             stop,
             arbiter,
-            generation: config.generation,
+            generation,
         })
     }
 

@@ -46,6 +46,11 @@
 //! - NC-10: with async error handling off the watchdog only logs; an
 //!   operation still fails at its timeout, which breaks the group (later
 //!   operations fail at once) without aborting the communicator.
+//! - NC-11: every operation is recorded in the group's flight recorder
+//!   (collectives numbered per group, sends and receives per peer and
+//!   direction); when the group aborts or breaks, every rank dumps it once
+//!   into `<trace dir>/nccl` (`CHORUS_TRACE_DIR`), where `chorus trace`
+//!   names the rank that never entered the operation the others wait in.
 //!
 //! Tear-down mode (async error handling 3) exits the process at the abort
 //! without calling `ncclCommAbort`, as PyTorch's does.
