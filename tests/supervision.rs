@@ -354,21 +354,31 @@ fn sv14_sigkill_blames_the_killed_rank_not_the_survivors() {
         assert_eq!(unsafe { libc::kill(probes.pid(victim), libc::SIGKILL) }, 0);
         let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
         let errors = probes.errors(&survivors, Instant::now() + Duration::from_secs(10));
-        for (rank, error) in survivors.iter().zip(&errors) {
-            let blamed = blamed(error);
-            assert_eq!(error["kind"], "aborted", "{error:?}\n{}", probes.output());
-            assert!(blamed.contains(&victim), "{error:?}\n{}", probes.output());
-            // A survivor exits right after its error (SV-15 then sees its
-            // process exit), so a slower one may name it too, but only a
-            // survivor that had already failed: never one still running.
-            for other in blamed.iter().filter(|&&r| r != victim) {
-                let at = survivors.iter().position(|s| s == other).map(|i| at_ms(&errors[i]));
-                assert!(
-                    at.is_some_and(|at| at <= at_ms(error)),
-                    "{transport}, rank {victim} killed: rank {rank} blamed rank {other}, which was still running: {error:?}\n{}",
-                    probes.output()
-                );
-            }
+        assert_blame(
+            &survivors,
+            &errors,
+            victim,
+            &format!("{transport}, rank {victim} killed"),
+            &probes,
+        );
+    }
+}
+
+/// Every survivor's error names `victim`. A survivor exits right after its
+/// error (SV-15 then sees its process exit), so a slower survivor may name
+/// it too, but only one that had already failed: never one still running.
+fn assert_blame(survivors: &[usize], errors: &[Event], victim: usize, case: &str, probes: &Probes) {
+    for (rank, error) in survivors.iter().zip(errors) {
+        let blamed = blamed(error);
+        assert_eq!(error["kind"], "aborted", "{case}: {error:?}\n{}", probes.output());
+        assert!(blamed.contains(&victim), "{case}: {error:?}\n{}", probes.output());
+        for other in blamed.iter().filter(|&&r| r != victim) {
+            let at = survivors.iter().position(|s| s == other).map(|i| at_ms(&errors[i]));
+            assert!(
+                at.is_some_and(|at| at <= at_ms(error)),
+                "{case}: rank {rank} blamed rank {other}, which was still running: {error:?}\n{}",
+                probes.output()
+            );
         }
     }
 }
@@ -382,9 +392,7 @@ fn sv15_a_sigkilled_peer_on_this_host_is_seen_at_once_over_quic() {
     // SAFETY: SIGKILL to a child this test started.
     assert_eq!(unsafe { libc::kill(probes.pid(1), libc::SIGKILL) }, 0);
     let errors = probes.errors(&[0, 2, 3], Instant::now() + Duration::from_secs(10));
-    for error in &errors {
-        assert_eq!(blamed(error), vec![1], "{error:?}\n{}", probes.output());
-    }
+    assert_blame(&[0, 2, 3], &errors, 1, "rank 1 killed", &probes);
     assert!(
         errors.iter().any(|e| e["error"].contains("exited")),
         "some survivor must have seen rank 1's process exit:\n{}",
