@@ -11,6 +11,9 @@
 //! - [`elastic`]: [`ElasticGroup`], a group that restarts itself into a
 //!   new generation after a failure (rules SV-9..SV-13); [`elastic_nccl`]:
 //!   NCCL communicators that follow it through its generations (EN-1..EN-3).
+//! - [`nccl_group`]: [`init_nccl_group`], `init_process_group(backend="nccl")`:
+//!   a supervised NCCL group on the local rank's GPU, formed through the
+//!   same rendezvous.
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).
 //! - [`mesh`]: building those links: transport choice, published endpoints,
@@ -31,6 +34,7 @@ pub mod elastic_nccl;
 pub mod group;
 pub mod launch;
 pub mod mesh;
+pub mod nccl_group;
 pub mod selftest;
 pub mod tensor;
 pub mod trace;
@@ -43,4 +47,5 @@ pub use chorus_transports::{fault, link, netif};
 pub use collectives::Work;
 pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
 pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
+pub use nccl_group::{NcclInitError, NcclProcessGroup, init_nccl_group, init_nccl_group_with};
 pub use tensor::{Element, Tensor};

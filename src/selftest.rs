@@ -308,18 +308,16 @@ pub mod nccl {
     use std::time::{Duration, Instant};
 
     use chorus_actors::nccl::{
-        Backend, BootstrapError, CommKey, Communicator, CudaBackend, NcclError, NcclGroup, NcclGroupConfig, NcclOp,
-        NcclOpError, NcclVersion, ProbeError, init_communicator, probe,
+        Backend, Communicator, CudaBackend, NcclError, NcclGroup, NcclOp, NcclOpError, NcclVersion, ProbeError, probe,
     };
-    use chorus_actors::supervision::{ErrorHandling, SupervisionConfigError};
-    use chorus_actors::system::SystemError;
     use chorus_runtime::collective::{DType, ReduceOp};
-    use chorus_runtime::rendezvous::{self, InitMethod, RendezvousError};
-    use chorus_runtime::store::{Store, StoreError};
+    use chorus_runtime::rendezvous::InitMethod;
     use half::{bf16, f16};
     use thiserror::Error;
 
     use super::encode;
+    use crate::InitOptions;
+    use crate::nccl_group::{NcclInitError, init_nccl_group};
 
     /// Elements per rank checked by default: one element, an odd size that
     /// no NCCL chunking divides, and 1 Mi elements, enough for every
@@ -499,42 +497,10 @@ pub mod nccl {
             /// The counts given.
             counts: Vec<usize>,
         },
-        /// More processes on this node than GPUs.
-        #[error(
-            "local rank {local_rank} has no GPU of its own: {devices} visible (CUDA_VISIBLE_DEVICES={visible:?}); \
-             start at most {devices} processes per node (--nproc-per-node)"
-        )]
-        TooFewDevices {
-            /// This process's local rank.
-            local_rank: usize,
-            /// The devices visible.
-            devices: usize,
-            /// CUDA_VISIBLE_DEVICES, when set.
-            visible: Option<String>,
-        },
-        /// Rank, world and store could not be resolved or opened.
+        /// Rank, world and store could not be resolved, or the group could
+        /// not be formed.
         #[error(transparent)]
-        Rendezvous(#[from] RendezvousError),
-        /// The supervision variables are wrong.
-        #[error(transparent)]
-        Supervision(#[from] SupervisionConfigError),
-        /// The device could not be set up.
-        #[error("rank {rank}: CUDA device {local_rank}: {source}")]
-        Device {
-            /// The rank.
-            rank: usize,
-            /// The device (its local rank).
-            local_rank: usize,
-            /// What failed.
-            #[source]
-            source: NcclError,
-        },
-        /// The communicator could not be formed.
-        #[error(transparent)]
-        Bootstrap(#[from] BootstrapError),
-        /// The group's actor could not be started.
-        #[error(transparent)]
-        System(#[from] SystemError),
+        Init(#[from] NcclInitError),
         /// Copying to or from the device failed.
         #[error("rank {rank}: {operation}: copying between host and device: {source}")]
         Transfer {
@@ -578,15 +544,6 @@ pub mod nccl {
             /// The first wrong element.
             mismatch: Mismatch,
         },
-        /// The closing barrier through the store failed.
-        #[error("rank {rank}: the closing barrier through the store: {source}")]
-        Barrier {
-            /// The rank.
-            rank: usize,
-            /// What failed.
-            #[source]
-            source: StoreError,
-        },
     }
 
     impl NcclSelfTestError {
@@ -595,7 +552,9 @@ pub mod nccl {
         /// the worker's code), 1 for failures while running.
         pub fn exit_code(&self) -> u8 {
             match self {
-                Self::Unavailable(_) | Self::BadCounts { .. } | Self::TooFewDevices { .. } => 2,
+                Self::Unavailable(_)
+                | Self::BadCounts { .. }
+                | Self::Init(NcclInitError::Unavailable(_) | NcclInitError::TooFewDevices { .. }) => 2,
                 _ => 1,
             }
         }
@@ -657,7 +616,10 @@ pub mod nccl {
                     let (input, output) = if check.in_place() {
                         (None, input)
                     } else {
-                        (Some(input), device.zeros(op.output_bytes(world, rank)).map_err(transfer)?)
+                        (
+                            Some(input),
+                            device.zeros(op.output_bytes(world, rank)).map_err(transfer)?,
+                        )
                     };
                     let started = Instant::now();
                     let output = group
@@ -716,17 +678,6 @@ pub mod nccl {
         }
     }
 
-    /// Every rank arrives before any leaves, so a rank 0 that serves the
-    /// store (no agent store) keeps serving until nobody needs it.
-    async fn barrier(store: &dyn Store, key: &CommKey, world: usize, timeout: Duration) -> Result<(), StoreError> {
-        let prefix = format!("chorus/{}/g{}/nccl/selftest/leave", key.run_id, key.generation);
-        let (count, done) = (format!("{prefix}/count"), format!("{prefix}/done"));
-        if store.add(&count, 1).await? as usize == world {
-            store.set(&done, b"1").await?;
-        }
-        store.wait_timeout(&[&done], timeout).await
-    }
-
     /// One rank of `chorus selftest --backend nccl`: probes CUDA and NCCL
     /// (first: where they are missing nothing else runs), resolves rank,
     /// world and store from `init` and the launcher's environment as the CPU
@@ -745,50 +696,24 @@ pub mod nccl {
                 counts: counts.to_vec(),
             });
         }
-        let found = probe()?;
-        let env = |name: &str| std::env::var(name).ok();
-        let config = rendezvous::resolve(InitMethod::parse(init)?, None, None, &env)?;
-        let (rank, world) = (config.rank, config.world_size);
-        // torchrun's convention: the process of local rank k uses device k.
-        let local_rank = config.local_rank.unwrap_or(rank);
-        if local_rank >= found.devices {
-            return Err(NcclSelfTestError::TooFewDevices {
-                local_rank,
-                devices: found.devices,
-                visible: env("CUDA_VISIBLE_DEVICES"),
-            });
-        }
-        let mode = ErrorHandling::from_env(&env)?;
-        let device_error = |source| NcclSelfTestError::Device {
-            rank,
-            local_rank,
-            source,
+        // Probed first: where CUDA or NCCL is missing nothing else runs.
+        probe()?;
+        let options = InitOptions {
+            init_method: InitMethod::parse(init).map_err(NcclInitError::from)?,
+            timeout,
+            collective_timeout: timeout,
+            ..InitOptions::default()
         };
-        let backend = CudaBackend::new(local_rank).map_err(device_error)?;
-        let device = backend.device_name().map_err(device_error)?;
-        let opened = rendezvous::open_store(&config, timeout).await?;
-        let key = CommKey::world(config.run_id.clone(), config.generation);
-        let comm = init_communicator(&backend, &*opened.store, &key, rank, world, timeout).await?;
-        let group = NcclGroup::start(
-            comm,
-            NcclGroupConfig {
-                generation: config.generation,
-                timeout,
-                mode,
-                ..NcclGroupConfig::default()
-            },
-        )?;
-        let checks = check_group(&group, &backend, counts, report).await?;
-        barrier(&*opened.store, &key, world, timeout)
-            .await
-            .map_err(|source| NcclSelfTestError::Barrier { rank, source })?;
-        drop(group);
-        // Our own connection must not hold the server's shutdown open.
-        let rendezvous::OpenedStore { store, server } = opened;
-        drop(store);
-        if let Some(server) = server {
-            server.shutdown().await;
-        }
+        let formed = init_nccl_group(options).await?;
+        let (rank, world) = (formed.rank(), formed.world_size());
+        let backend = formed.backend().clone();
+        let device = backend.device_name().map_err(|source| NcclInitError::Device {
+            rank,
+            local_rank: formed.local_rank(),
+            source,
+        })?;
+        let checks = check_group(formed.group(), &backend, counts, report).await?;
+        formed.destroy().await?;
         Ok(Summary {
             rank,
             world,
@@ -802,8 +727,8 @@ pub mod nccl {
     mod tests {
         use std::sync::Arc;
 
-        use chorus_actors::nccl::UniqueId;
         use chorus_actors::nccl::fake::{FakeBackend, FakeBuffer, FakeComm};
+        use chorus_actors::nccl::{CommKey, NcclGroupConfig, UniqueId, init_communicator};
         use chorus_runtime::store::HashStore;
 
         use super::*;

@@ -747,3 +747,61 @@ fn gpu_unique_ids_are_128_random_bytes() {
     let (a, b) = (backend.unique_id().unwrap(), backend.unique_id().unwrap());
     assert_ne!(a, b);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_nccl_group_forms_a_group_through_the_rendezvous_as_init_process_group_does() {
+    let url = format!("tcp://127.0.0.1:{}", common::free_port());
+    let backend = FakeBackend::new();
+    let tasks: Vec<_> = (0..3)
+        .map(|rank| {
+            let (url, backend) = (url.clone(), backend.clone());
+            tokio::spawn(async move {
+                let options = chorus::InitOptions {
+                    rank: Some(rank),
+                    world_size: Some(3),
+                    ..chorus::InitOptions::from_url(&url).unwrap()
+                };
+                let formed = chorus::init_nccl_group_with(options, |r, local_rank| {
+                    assert_eq!(
+                        (r, local_rank),
+                        (rank, rank),
+                        "no LOCAL_RANK: the rank picks the device"
+                    );
+                    Ok(backend)
+                })
+                .await
+                .unwrap();
+                assert_eq!((formed.rank(), formed.world_size()), (rank, 3));
+                let sum = formed
+                    .group()
+                    .run(
+                        NcclOp::all_reduce(DType::Float32, 1, ReduceOp::Sum),
+                        None,
+                        f32s(&[rank as f32 + 1.0]),
+                    )
+                    .await
+                    .unwrap();
+                formed.destroy().await.unwrap();
+                f32_values(&sum.to_host())
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert_eq!(within(30, "init_nccl_group", task).await.unwrap(), vec![6.0]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_nccl_group_without_cuda_is_the_probes_typed_error() {
+    if probe().is_ok() {
+        eprintln!("skipped: CUDA and NCCL are present here");
+        return;
+    }
+    let options = chorus::InitOptions {
+        rank: Some(0),
+        world_size: Some(1),
+        ..chorus::InitOptions::from_url(&format!("tcp://127.0.0.1:{}", common::free_port())).unwrap()
+    };
+    let error = chorus::init_nccl_group(options).await.err().expect("no GPU here");
+    assert!(matches!(error, chorus::NcclInitError::Unavailable(_)), "{error}");
+}
