@@ -385,14 +385,8 @@ async fn start_rank(
     let overrides = overrides()?;
     let actor_links = links.clone();
     let (rank, collective_timeout) = (config.rank, options.collective_timeout);
-    let flight = FlightRecorder::new(
-        env(flight::BUFFER_SIZE_ENV)
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(flight::DEFAULT_CAPACITY),
-    );
-    let trace_dir = env(flight::TRACE_DIR_ENV)
-        .filter(|d| !d.trim().is_empty())
-        .map(std::path::PathBuf::from);
+    let flight = FlightRecorder::new(flight::capacity_from_env());
+    let trace_dir = flight::trace_dir_from_env();
     let generation = membership.generation;
     let mode = match options.error_handling {
         Some(mode) => mode,

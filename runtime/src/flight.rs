@@ -5,7 +5,8 @@
 //!
 //! The recorder has no IO and no clock: every method takes `now`, so tests
 //! drive time by hand. [`write_dump`] is the only function that touches the
-//! file system. The caller reads [`BUFFER_SIZE_ENV`] and [`TRACE_DIR_ENV`].
+//! file system. Groups read [`BUFFER_SIZE_ENV`] and [`TRACE_DIR_ENV`]
+//! through [`capacity_from_env`] and [`trace_dir_from_env`].
 //!
 //! # Dump format (version 1)
 //! One JSON document, UTF-8, with one entry per line so it also reads well in
@@ -38,7 +39,7 @@ use serde::Serialize;
 use serde_json::Value;
 use thiserror::Error;
 
-use crate::collective::{CollectiveKind, Signature};
+use crate::collective::{CollectiveKind, DType, ReduceOp, Signature};
 
 /// Entries a recorder keeps unless configured otherwise.
 pub const DEFAULT_CAPACITY: usize = 1000;
@@ -84,20 +85,56 @@ impl FlightOp {
     }
 }
 
-/// A signature's `root` is the peer for `send` and `recv`; the recorder
-/// keeps them apart because p2p operations are numbered differently.
-impl From<&Signature> for FlightOp {
-    fn from(signature: &Signature) -> Self {
-        let p2p = matches!(signature.kind, CollectiveKind::Send | CollectiveKind::Recv);
+impl FlightOp {
+    /// The record of an operation; `root` is the peer of a `send` or
+    /// `recv`, which the recorder keeps apart because p2p operations are
+    /// numbered differently.
+    pub fn new(
+        kind: CollectiveKind,
+        dtype: DType,
+        count: usize,
+        root: Option<usize>,
+        reduce_op: Option<ReduceOp>,
+    ) -> Self {
+        let p2p = matches!(kind, CollectiveKind::Send | CollectiveKind::Recv);
         FlightOp {
-            kind: signature.kind.name().to_string(),
-            dtype: signature.dtype.name().to_string(),
-            count: signature.count as u64,
-            root: signature.root.filter(|_| !p2p),
-            peer: signature.root.filter(|_| p2p),
-            reduce_op: signature.reduce_op.map(|op| op.name().to_string()),
+            kind: kind.name().to_string(),
+            dtype: dtype.name().to_string(),
+            count: count as u64,
+            root: root.filter(|_| !p2p),
+            peer: root.filter(|_| p2p),
+            reduce_op: reduce_op.map(|op| op.name().to_string()),
         }
     }
+}
+
+impl From<&Signature> for FlightOp {
+    fn from(signature: &Signature) -> Self {
+        FlightOp::new(
+            signature.kind,
+            signature.dtype,
+            signature.count,
+            signature.root,
+            signature.reduce_op,
+        )
+    }
+}
+
+/// The ring capacity [`BUFFER_SIZE_ENV`] asks for, else
+/// [`DEFAULT_CAPACITY`].
+pub fn capacity_from_env() -> usize {
+    std::env::var(BUFFER_SIZE_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_CAPACITY)
+}
+
+/// The directory [`TRACE_DIR_ENV`] names, when set and not blank.
+pub fn trace_dir_from_env() -> Option<PathBuf> {
+    std::env::var(TRACE_DIR_ENV)
+        .ok()
+        .filter(|d| !d.trim().is_empty())
+        .map(PathBuf::from)
 }
 
 /// `all_reduce(1048576 x float32, sum)`, `broadcast(4 x int64, root 0)`,

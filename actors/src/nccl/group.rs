@@ -74,20 +74,11 @@ impl Default for NcclGroupConfig {
 
 impl NcclGroupConfig {
     fn recorder(&self) -> FlightRecorder {
-        let capacity = self.flight_capacity.or_else(|| {
-            std::env::var(flight::BUFFER_SIZE_ENV)
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-        });
-        FlightRecorder::new(capacity.unwrap_or(flight::DEFAULT_CAPACITY))
+        FlightRecorder::new(self.flight_capacity.unwrap_or_else(flight::capacity_from_env))
     }
 
     fn trace_dir(&self) -> Option<PathBuf> {
-        let dir = self.trace_dir.clone().or_else(|| {
-            std::env::var_os(flight::TRACE_DIR_ENV)
-                .filter(|d| !d.is_empty())
-                .map(PathBuf::from)
-        });
+        let dir = self.trace_dir.clone().or_else(flight::trace_dir_from_env);
         dir.map(|d| d.join("nccl"))
     }
 }
@@ -248,18 +239,6 @@ impl<C: Communicator> Shared<C> {
     }
 }
 
-/// What the flight recorder shows of `op`.
-fn flight_op(op: &NcclOp) -> FlightOp {
-    FlightOp {
-        kind: op.kind.name().to_string(),
-        dtype: op.dtype.name().to_string(),
-        count: op.count as u64,
-        root: op.root.filter(|_| !op.is_p2p()),
-        peer: op.root.filter(|_| op.is_p2p()),
-        reduce_op: op.reduce_op().map(|r| r.name().to_string()),
-    }
-}
-
 /// How one operation ended badly, before the actor decides what the caller gets.
 enum Failure {
     Aborted(GroupAborted),
@@ -364,7 +343,9 @@ impl<C: Communicator> Handler<NcclCollective<C::Buffer>> for NcclRankActor<C> {
         };
         let entry = {
             let mut flight = self.shared.flight();
-            let entry = flight.record_scheduled(*numbered, flight_op(&msg.op), SystemTime::now());
+            let op = &msg.op;
+            let recorded = FlightOp::new(op.kind, op.dtype, op.count, op.root, op.reduce_op());
+            let entry = flight.record_scheduled(*numbered, recorded, SystemTime::now());
             flight.record_started(entry, SystemTime::now());
             entry
         };
@@ -508,7 +489,6 @@ pub struct NcclGroup<C: Communicator> {
     shared: Arc<Shared<C>>,
     stop: Arc<AtomicBool>,
     arbiter: Arbiter,
-    generation: u64,
 }
 
 impl<C: Communicator> NcclGroup<C> {
@@ -542,7 +522,6 @@ impl<C: Communicator> NcclGroup<C> {
         };
         let addr = NcclRankActor::start_in_arbiter(&arbiter.handle(), move |_| actor);
         let stop = Arc::new(AtomicBool::new(false));
-        let generation = config.generation;
         if let Err(e) = spawn_watchdog(shared.clone(), config, stop.clone()) {
             arbiter.stop();
             return Err(SystemError::new(format!("could not start the NCCL watchdog: {e}")));
@@ -552,7 +531,6 @@ impl<C: Communicator> NcclGroup<C> {
             shared,
             stop,
             arbiter,
-            generation,
         })
     }
 
@@ -568,7 +546,7 @@ impl<C: Communicator> NcclGroup<C> {
 
     /// The generation it was formed for.
     pub fn generation(&self) -> u64 {
-        self.generation
+        self.shared.generation
     }
 
     /// Queues `collective` now (operations run in the order submitted,
