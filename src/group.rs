@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use actix::{Actor, Addr};
 use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor, SharedMonitor};
-use chorus_actors::process_watch::{self, ProcessWatch};
+use chorus_actors::process_watch::ProcessWatch;
 use chorus_actors::rank::{Aborted, RankActor};
 use chorus_actors::supervision::{
     self, ErrorHandling, GroupAborted, HEARTBEAT_TIMEOUT_ENV, Supervision, SupervisionConfigError,
@@ -324,15 +324,12 @@ pub(crate) async fn form(
         host: HostId::local(),
         pid: std::process::id(),
         addrs: netif::local_addresses(master, &env)?,
-        // Peers on this host watch this pid only within one pid namespace (SV-15).
-        extras: process_watch::pid_namespace()
-            .map(|ns| vec![(PIDNS_EXTRA.to_string(), ns.to_le_bytes().to_vec())])
-            .unwrap_or_default(),
+        extras: Vec::new(),
     };
     let (membership, endpoint, links) = match source {
         LinkSource::Mesh { single_host } => {
-            let rank = config.rank;
-            let plan = on_arbiter(&arbiter, async move { MeshPlan::prepare(rank, single_host) }).await??;
+            let (rank, timeout) = (config.rank, options.timeout);
+            let plan = on_arbiter(&arbiter, async move { MeshPlan::prepare(rank, single_host, timeout) }).await??;
             plan.publish(&mut record, &config.run_id, config.generation);
             let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
             let (known, run_id, timeout) = (membership.clone(), config.run_id.clone(), options.timeout);
@@ -348,24 +345,15 @@ pub(crate) async fn form(
     start_rank(config, membership, opened, links, endpoint, options, arbiter).await
 }
 
-/// The record entry holding a rank's pid namespace.
-const PIDNS_EXTRA: &str = "pidns";
-
 /// The peers of this rank whose processes it can watch (SV-15): other
 /// processes on this host, in this pid namespace.
 fn local_processes(membership: &Membership) -> ProcessWatch {
     let me = membership.me();
-    let namespace = me.extra(PIDNS_EXTRA);
     ProcessWatch::new(
         membership
             .peers
             .iter()
-            .filter(|peer| {
-                peer.host == me.host
-                    && peer.pid != me.pid
-                    && namespace.is_some()
-                    && peer.extra(PIDNS_EXTRA) == namespace
-            })
+            .filter(|peer| peer.host.same_pids(&me.host) && peer.pid != me.pid)
             .map(|peer| (peer.rank as usize, peer.pid)),
     )
 }
@@ -590,7 +578,7 @@ impl ProcessGroup {
     /// only loopback from another host.
     pub fn peer_address(&self, rank: usize) -> Option<IpAddr> {
         let peer = self.membership.peers.get(rank)?;
-        netif::peer_address(&peer.addrs, peer.host == self.membership.me().host)
+        netif::peer_address(&peer.addrs, peer.host.same_network(&self.membership.me().host))
     }
 
     /// PyTorch's `new_group(ranks)`: a group of some of this group's ranks,

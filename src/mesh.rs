@@ -6,7 +6,7 @@
 //! (`quic`: port and certificate fingerprint; `shm`: the ring nonce; `mac`:
 //! the record's HMAC under the job secret). After it, [`MeshPlan::connect`]
 //! verifies every peer's signature, picks each peer's path (`auto`: shared
-//! memory with peers on this host, QUIC with the others), connects, then
+//! memory with peers that mount the same `/dev/shm`, QUIC with the others), connects, then
 //! wraps the links with `CHORUS_FAULTS`.
 
 use std::net::{IpAddr, SocketAddr};
@@ -34,8 +34,10 @@ pub enum MeshError {
         "CHORUS_TRANSPORT={0:?} is not a transport; use auto, quic or shm (local is for ranks in one process, chorus::spawn)"
     )]
     UnknownTransport(String),
-    /// `CHORUS_TRANSPORT=shm` with a peer on another host.
-    #[error("CHORUS_TRANSPORT=shm, but rank {rank} runs on {host}, not on this host; use auto or quic")]
+    /// `CHORUS_TRANSPORT=shm` with a peer that does not share `/dev/shm`.
+    #[error(
+        "CHORUS_TRANSPORT=shm, but rank {rank} on {host} does not share this process's /dev/shm (another host or container); use auto or quic"
+    )]
     NotOnThisHost {
         /// The peer.
         rank: usize,
@@ -142,7 +144,7 @@ fn quic_extra(record: &PeerRecord) -> Option<(u16, Fingerprint)> {
 impl MeshPlan {
     /// Makes the identity and endpoint, on loopback with loopback tuning when
     /// the whole job is on this host, on every interface otherwise.
-    pub(crate) fn prepare(rank: usize, single_host: bool) -> Result<Self, MeshError> {
+    pub(crate) fn prepare(rank: usize, single_host: bool, timeout: Duration) -> Result<Self, MeshError> {
         let choice = TransportChoice::from_env()?;
         let faults = FaultPlan::from_env()?;
         let secret = JobSecret::from_env();
@@ -158,7 +160,11 @@ impl MeshPlan {
         } else {
             IpAddr::from([0, 0, 0, 0])
         };
-        let endpoint = QuicEndpoint::bind(rank, ip, &identity, QuicOptions::default())?;
+        let options = QuicOptions {
+            connect_timeout: timeout,
+            ..QuicOptions::default()
+        };
+        let endpoint = QuicEndpoint::bind(rank, ip, &identity, options)?;
         // The shared-memory endpoint is made once the local peers are known;
         // its nonce names the rings and is published now.
         let shm_nonce = ShmEndpoint::new(rank, ShmOptions::default())?.nonce();
@@ -197,7 +203,7 @@ impl MeshPlan {
         let me = membership.me();
         let mut quic_peers = Vec::new();
         let mut shm_peers = Vec::new();
-        for peer in &membership.peers {
+        for peer in membership.peers.iter().filter(|peer| peer.rank != me.rank) {
             let rank = peer.rank as usize;
             if let Some(secret) = &self.secret {
                 let message = signed_message(run_id, membership.generation, peer);
@@ -209,11 +215,11 @@ impl MeshPlan {
                     });
                 }
             }
-            let same_host = peer.host == me.host;
+            let same_shm = peer.host.same_shm(&me.host);
             let use_shm = match self.choice {
-                TransportChoice::Auto => same_host,
+                TransportChoice::Auto => same_shm,
                 TransportChoice::Quic => false,
-                TransportChoice::Shm if same_host => true,
+                TransportChoice::Shm if same_shm => true,
                 TransportChoice::Shm => {
                     return Err(MeshError::NotOnThisHost {
                         rank,
@@ -237,7 +243,7 @@ impl MeshPlan {
                 rank,
                 what: "QUIC endpoint",
             })?;
-            let ip = netif::peer_address(&peer.addrs, same_host).ok_or_else(|| MeshError::Unreachable {
+            let ip = netif::peer_address(&peer.addrs, peer.host.same_network(&me.host)).ok_or_else(|| MeshError::Unreachable {
                 rank,
                 host: peer.host.hostname.clone(),
             })?;
@@ -248,37 +254,36 @@ impl MeshPlan {
             });
         }
         let mut links: Vec<Option<Arc<dyn Link>>> = (0..membership.world_size()).map(|_| None).collect();
-        let formed = async {
-            // This rank itself counts in both lists, so each side skips only
-            // when it has no peer of that kind.
-            if shm_peers.len() > 1 {
-                let options = ShmOptions {
-                    capacity: shm_capacity(shm_peers.len() - 1),
-                    connect_timeout: timeout,
-                    ..ShmOptions::default()
-                };
-                let shm = ShmEndpoint::with_nonce(membership.rank, self.shm_nonce, options);
-                for (rank, link) in shm.connect_mesh(&shm_peers).await?.into_iter().enumerate() {
-                    if link.is_some() {
-                        links[rank] = link;
-                    }
-                }
+        // Both sides connect at once, each within `timeout`, and a failure
+        // names the peers and addresses that did not answer.
+        let shm = async {
+            if shm_peers.is_empty() {
+                return Ok(Vec::new());
             }
-            if quic_peers.len() > 1 {
-                for (rank, link) in self.endpoint.connect_mesh(&quic_peers).await?.into_iter().enumerate() {
-                    if link.is_some() {
-                        links[rank] = link;
-                    }
-                }
-            }
-            Ok::<_, TransportError>(())
+            let options = ShmOptions {
+                capacity: shm_capacity(shm_peers.len()),
+                connect_timeout: timeout,
+                ..ShmOptions::default()
+            };
+            ShmEndpoint::with_nonce(membership.rank, self.shm_nonce, options)
+                .connect_mesh(&shm_peers)
+                .await
         };
-        tokio::time::timeout(timeout, formed)
-            .await
-            .map_err(|_| TransportError::Connect {
-                peer: membership.rank,
-                reason: format!("the mesh did not form within {timeout:?}"),
-            })??;
+        let quic = async {
+            if quic_peers.is_empty() {
+                return Ok(Vec::new());
+            }
+            self.endpoint.connect_mesh(&quic_peers).await
+        };
+        let (shm, quic) = tokio::join!(shm, quic);
+        // Each list is indexed by rank, `None` where the other side serves.
+        for side in [shm?, quic?] {
+            for (rank, link) in side.into_iter().enumerate() {
+                if link.is_some() {
+                    links[rank] = link;
+                }
+            }
+        }
         let links = match self.faults {
             Some(plan) => wrap_links(membership.rank, links, plan),
             None => links,

@@ -13,6 +13,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub(crate) mod cluster;
 pub(crate) mod launchers;
 
 /// The `chorus` binary under test.

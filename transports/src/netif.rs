@@ -346,6 +346,21 @@ pub fn route_to(target: IpAddr) -> Result<IpAddr, NetifError> {
     Ok(socket.local_addr().map_err(io_err)?.ip())
 }
 
+/// Where a connection to `target` leaves this host, for error messages:
+/// "10.0.0.1 on eth0", or why the route is unknown.
+pub fn describe_route(target: IpAddr) -> String {
+    match route_to(target) {
+        Ok(local) => {
+            let name = list_interfaces()
+                .ok()
+                .and_then(|all| all.into_iter().find(|i| i.addr == local))
+                .map_or_else(|| "an unlisted interface".to_string(), |i| i.name);
+            format!("{local} on {name}")
+        }
+        Err(_) => "no route".to_string(),
+    }
+}
+
 /// The addresses this rank publishes, most preferred first: the spec from
 /// `lookup` ([`spec_from_env`]), this host's interfaces
 /// ([`list_interfaces`]) and, without a spec, the route to `master`

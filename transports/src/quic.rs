@@ -466,24 +466,48 @@ impl QuicEndpoint {
         }
         let world = peers.iter().map(|p| p.rank + 1).max().unwrap_or(0).max(self.rank + 1);
         let mut links: Vec<Option<Arc<dyn Link>>> = (0..world).map(|_| None).collect();
+        // Ranks connected so far: a timeout names the others and their addresses.
+        let connected = std::sync::Mutex::new(Vec::new());
         let dial_higher = async {
             let mut dialled = Vec::new();
             for peer in peers.iter().filter(|p| p.rank > self.rank) {
                 dialled.push(self.dial(peer.clone()).await?);
+                connected.lock().unwrap_or_else(|p| p.into_inner()).push(peer.rank);
             }
             Ok::<_, TransportError>(dialled)
         };
         let lower = peers.iter().filter(|p| p.rank < self.rank).count();
         let formed = async {
-            let (dialled, accepted) = tokio::join!(dial_higher, self.accept(lower));
+            let (dialled, accepted) = tokio::join!(dial_higher, self.accept(lower, &connected));
             Ok::<_, TransportError>((dialled?, accepted?))
         };
         let (dialled, accepted) = tokio::time::timeout(self.options.connect_timeout, formed)
             .await
             .map_err(|_| {
+                let connected = connected.lock().unwrap_or_else(|p| p.into_inner());
+                let missing: Vec<String> = peers
+                    .iter()
+                    .filter(|p| p.rank != self.rank && !connected.contains(&p.rank))
+                    .map(|p| {
+                        if p.rank > self.rank {
+                            format!(
+                                "rank {} (dialled {} from {})",
+                                p.rank,
+                                p.addr,
+                                crate::netif::describe_route(p.addr.ip())
+                            )
+                        } else {
+                            format!("rank {} (at {}: it has not dialled this rank on port {})", p.rank, p.addr, self.local_addr().port())
+                        }
+                    })
+                    .collect();
                 connect_error(
                     self.rank,
-                    format!("the mesh did not form within {:?}", self.options.connect_timeout),
+                    format!(
+                        "the mesh did not form within {:?}: no connection with {}",
+                        self.options.connect_timeout,
+                        missing.join(", ")
+                    ),
                 )
             })??;
         for (rank, conn) in dialled.into_iter().chain(accepted) {
@@ -493,11 +517,23 @@ impl QuicEndpoint {
     }
 
     async fn dial(&self, peer: QuicPeer) -> Result<(usize, Connection), TransportError> {
+        // Name both ends: "timed out" alone does not say which address of
+        // the peer was dialled, nor from which interface.
+        let failed = |e: &dyn std::fmt::Display| {
+            connect_error(
+                peer.rank,
+                format!(
+                    "dialled {} from {}: {e}",
+                    peer.addr,
+                    crate::netif::describe_route(peer.addr.ip())
+                ),
+            )
+        };
         let connecting = self
             .endpoint
             .connect_with(self.client.clone(), peer.addr, SERVER_NAME)
-            .map_err(|e| connect_error(peer.rank, e))?;
-        let conn = connecting.await.map_err(|e| connect_error(peer.rank, e))?;
+            .map_err(|e| failed(&e))?;
+        let conn = connecting.await.map_err(|e| failed(&e))?;
         // Any member's certificate passes TLS; the dialled one must be this rank's.
         match peer_certificate(&conn) {
             Some(cert) if fingerprint(&cert) == peer.fingerprint => Ok((peer.rank, conn)),
@@ -510,7 +546,11 @@ impl QuicEndpoint {
 
     /// Accepts until `count` members of lower rank are connected; strangers
     /// fail the handshake and are logged, not counted.
-    async fn accept(&self, count: usize) -> Result<Vec<(usize, Connection)>, TransportError> {
+    async fn accept(
+        &self,
+        count: usize,
+        connected: &std::sync::Mutex<Vec<usize>>,
+    ) -> Result<Vec<(usize, Connection)>, TransportError> {
         let mut accepted: Vec<(usize, Connection)> = Vec::new();
         while accepted.len() < count {
             let Some(incoming) = self.endpoint.accept().await else {
@@ -527,6 +567,7 @@ impl QuicEndpoint {
             let rank = peer_certificate(&conn).and_then(|c| self.pinned.rank_of(&c));
             match rank {
                 Some(rank) if rank < self.rank && accepted.iter().all(|(r, _)| *r != rank) => {
+                    connected.lock().unwrap_or_else(|p| p.into_inner()).push(rank);
                     accepted.push((rank, conn))
                 }
                 _ => {

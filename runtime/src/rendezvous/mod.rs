@@ -465,10 +465,13 @@ impl Membership {
         &self.peers[self.rank]
     }
 
-    /// Ranks on the same host as this one (this one included), in rank order.
+    /// Ranks on the same host as this one (this one included), in rank
+    /// order: one kernel and one network namespace, as a launcher's node.
     pub fn local_ranks(&self) -> Vec<usize> {
         let host = &self.me().host;
-        (0..self.peers.len()).filter(|&r| &self.peers[r].host == host).collect()
+        (0..self.peers.len())
+            .filter(|&r| self.peers[r].host.same_network(host))
+            .collect()
     }
 }
 

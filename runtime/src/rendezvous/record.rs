@@ -1,28 +1,72 @@
 //! What each rank publishes at rendezvous, and how a host is identified.
 
 use std::net::IpAddr;
+use std::os::unix::fs::MetadataExt;
 
 use crate::codec;
 
-/// Identifies a machine (more precisely, one boot of one kernel): ranks with
-/// equal `HostId`s share memory and loopback.
+/// Where a rank runs, precisely enough to tell which fast paths it shares
+/// with another: containers on one machine share a kernel (boot id) but
+/// not always a network namespace (loopback) or a `/dev/shm` (shared
+/// memory), and `ip netns exec` keeps the host name. Compare with
+/// [`HostId::same_network`], [`HostId::same_shm`], [`HostId::same_kernel`].
 #[derive(Debug, Clone, PartialEq, Eq, Hash, bincode::Encode, bincode::Decode)]
 pub struct HostId {
     /// The host name, for messages.
     pub hostname: String,
-    /// `/proc/sys/kernel/random/boot_id`, so two containers or machines that
-    /// share a host name are still told apart (empty where unavailable).
+    /// `/proc/sys/kernel/random/boot_id`: one boot of one kernel (empty
+    /// where unavailable, and then the host name stands in for it).
     pub boot_id: String,
+    /// Inode of `/proc/self/ns/net`: loopback reaches exactly the ranks in
+    /// the same network namespace (0 where unavailable).
+    pub net_ns: u64,
+    /// Device and inode of `/dev/shm`: shared-memory rings are seen exactly
+    /// by the ranks that mount the same one (0s where unavailable).
+    pub shm: (u64, u64),
+    /// Inode of `/proc/self/ns/pid`: a pid names the same process only
+    /// within one pid namespace (0 where unavailable).
+    pub pid_ns: u64,
 }
 
 impl HostId {
-    /// This machine's identity.
+    /// This process's identity.
     pub fn local() -> Self {
         let hostname = gethostname::gethostname().to_string_lossy().into_owned();
         let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
             .map(|s| s.trim().to_string())
             .unwrap_or_default();
-        Self { hostname, boot_id }
+        let inode = |path: &str| std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()));
+        Self {
+            hostname,
+            boot_id,
+            net_ns: inode("/proc/self/ns/net").map_or(0, |(_, ino)| ino),
+            shm: inode("/dev/shm").unwrap_or((0, 0)),
+            pid_ns: inode("/proc/self/ns/pid").map_or(0, |(_, ino)| ino),
+        }
+    }
+
+    /// Whether both run on one kernel (so pids and namespaces compare).
+    pub fn same_kernel(&self, other: &Self) -> bool {
+        if self.boot_id.is_empty() || other.boot_id.is_empty() {
+            return self.hostname == other.hostname;
+        }
+        self.boot_id == other.boot_id
+    }
+
+    /// Whether loopback connects the two: one kernel, one network namespace.
+    pub fn same_network(&self, other: &Self) -> bool {
+        self.same_kernel(other) && self.net_ns == other.net_ns
+    }
+
+    /// Whether a pid published by one names a process the other can watch.
+    pub fn same_pids(&self, other: &Self) -> bool {
+        self.same_kernel(other) && self.pid_ns != 0 && self.pid_ns == other.pid_ns
+    }
+
+    /// Whether shared-memory rings work between the two: one mount of
+    /// `/dev/shm`, and pids that compare (a ring notices a dead peer by pid).
+    pub fn same_shm(&self, other: &Self) -> bool {
+        self.same_pids(other) && self.shm != (0, 0) && self.shm == other.shm
     }
 }
 

@@ -1,0 +1,87 @@
+//! Simulated hosts for multi-host tests: `scripts/sim-cluster.sh` makes
+//! network namespaces with their own host names, `/dev/shm`, `eth0` on a
+//! switch and a decoy `docker0`; this wraps it for tests. Every host of a
+//! [`Cluster`] is removed when it drops, with whatever still runs on it.
+
+use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard};
+
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/sim-cluster.sh");
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Serializes the cluster tests of one binary: each runs several launchers
+/// and ranks on a small machine.
+pub(crate) fn lock() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Hosts `1..=hosts` of one simulated cluster.
+pub(crate) struct Cluster {
+    prefix: String,
+}
+
+fn script(args: &[&str]) -> Output {
+    Command::new("bash")
+        .arg(SCRIPT)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run scripts/sim-cluster.sh")
+}
+
+impl Cluster {
+    /// Makes `hosts` hosts (`options` as `sim-cluster.sh up` takes them), or
+    /// says why it cannot and returns `None`: the caller skips.
+    pub(crate) fn up(tag: &str, hosts: usize, options: &[&str]) -> Option<Cluster> {
+        assert!(tag.len() <= 3, "cluster tags are at most 3 characters");
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED: the simulated-host tests need root (network namespaces)");
+            return None;
+        }
+        let prefix = format!("{tag}{}", std::process::id() % 1000);
+        // A cluster left by a killed run of the same pid would be in the way.
+        script(&["down", &prefix]);
+        let hosts = hosts.to_string();
+        let mut args = vec!["up", prefix.as_str(), hosts.as_str()];
+        args.extend_from_slice(options);
+        let made = script(&args);
+        if !made.status.success() {
+            script(&["down", &prefix]);
+            eprintln!(
+                "SKIPPED: cannot make simulated hosts here: {}",
+                String::from_utf8_lossy(&made.stderr).trim()
+            );
+            return None;
+        }
+        Some(Cluster { prefix })
+    }
+
+    /// `program` on host `host` (from 1).
+    pub(crate) fn command(&self, host: usize, program: &str) -> Command {
+        let mut command = Command::new("bash");
+        command
+            .arg(SCRIPT)
+            .args(["exec", &self.prefix, &host.to_string(), "--", program])
+            .stdin(Stdio::null());
+        command
+    }
+
+    /// Host `host`'s `eth0` address.
+    pub(crate) fn addr(&self, host: usize) -> String {
+        format!("10.77.0.{host}")
+    }
+
+    /// Takes host `host` off the network (both directions), as a partition.
+    pub(crate) fn cut(&self, host: usize) {
+        let done = script(&["cut", &self.prefix, &host.to_string()]);
+        assert!(done.status.success(), "cut host {host}: {done:?}");
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        script(&["down", &self.prefix]);
+    }
+}

@@ -1,0 +1,171 @@
+//! Jobs across simulated hosts (network namespaces made by
+//! `scripts/sim-cluster.sh`: own host name, own `/dev/shm`, `eth0` on a
+//! switch, a decoy `docker0` with the same address everywhere). Each test
+//! starts one `chorus launch` per host, as a user would on real machines.
+//! Skipped, with a message, where namespaces cannot be made.
+
+mod common;
+
+use std::process::{Child, Command, Output};
+
+use common::cluster::{self, Cluster};
+use common::{CHORUS, LAUNCHER, finish, joined, spawn_piped};
+
+/// `chorus launch` on `host` of a job of `nnodes` nodes whose store is on
+/// host 1, running `program`.
+fn launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, program: &[&str]) -> Command {
+    let mut command = cluster.command(host, CHORUS);
+    command
+        .args(["launch", "--nnodes", &nnodes.to_string(), "--nproc-per-node", &nproc.to_string()])
+        .args(["--master-addr", &cluster.addr(1), "--master-port", "29500", "--"])
+        .args(program)
+        .env("CHORUS_JOB_SECRET", "multihost-test");
+    command
+}
+
+/// Starts one launcher per host (1..=hosts) and waits for all of them.
+fn run_job(cluster: &Cluster, hosts: usize, nproc: usize, program: &[&str], secs: u64) -> Vec<Output> {
+    let children: Vec<Child> = (1..=hosts)
+        .map(|host| spawn_piped(&mut launcher(cluster, host, hosts, nproc, program), "a launcher"))
+        .collect();
+    children
+        .into_iter()
+        .enumerate()
+        .map(|(i, child)| finish(child, secs, &format!("the launcher on host {}", i + 1), LAUNCHER))
+        .collect()
+}
+
+fn hello() -> Vec<&'static str> {
+    vec![CHORUS, "hello", "--worker", "env://", "--timeout", "20"]
+}
+
+/// Every launcher succeeded and printed, per rank, how it reached each peer.
+fn assert_all_succeeded(outputs: &[Output]) -> String {
+    let all: String = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
+    for (host, output) in outputs.iter().enumerate() {
+        assert!(output.status.success(), "the launcher on host {} failed:\n{all}", host + 1);
+    }
+    assert!(!all.contains("172.17."), "a rank used the decoy docker0:\n{all}");
+    all
+}
+
+/// Lines `rank R pid P on HOST via ADDR: KIND said ...` of hello's output.
+fn greetings(all: &str) -> Vec<&str> {
+    all.lines().filter(|l| l.contains(" said ")).collect()
+}
+
+#[test]
+fn mh1_two_nodes_with_one_rank_each_form() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mha", 2, &[]) else { return };
+    let outputs = run_job(&cluster, 2, 1, &hello(), 90);
+    let all = assert_all_succeeded(&outputs);
+    let said = greetings(&all);
+    assert_eq!(said.len(), 2, "each rank greets the other once:\n{all}");
+    assert!(said.iter().all(|l| l.contains("quic said")), "{all}");
+    assert!(all.contains("via 10.77.0.1") && all.contains("via 10.77.0.2"), "{all}");
+}
+
+#[test]
+fn mh2_three_hosts_of_two_ranks_pass_selftest_and_never_pick_the_decoy() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhb", 3, &[]) else { return };
+    let outputs = run_job(
+        &cluster,
+        3,
+        2,
+        &[CHORUS, "selftest", "--timeout", "60", "--counts", "0,13,1000"],
+        240,
+    );
+    let all = assert_all_succeeded(&outputs);
+    assert!(all.contains("passed"), "{all}");
+    let outputs = run_job(&cluster, 3, 2, &hello(), 90);
+    let all = assert_all_succeeded(&outputs);
+    let said = greetings(&all);
+    assert_eq!(said.len(), 6 * 5, "{all}");
+    // Ranks 2k and 2k+1 share a host: shared memory; the others over eth0.
+    for line in said {
+        let shm = line.contains("shm said");
+        let quic_over_eth0 = line.contains("quic said") && line.contains("via 10.77.0.");
+        assert!(shm || quic_over_eth0, "unexpected path: {line}\n{all}");
+    }
+}
+
+#[test]
+fn mh3_containers_with_one_host_name_use_neither_loopback_nor_shm_between_them() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhc", 2, &["--same-hostname"]) else { return };
+    let outputs = run_job(&cluster, 2, 2, &hello(), 90);
+    let all = assert_all_succeeded(&outputs);
+    let said = greetings(&all);
+    assert_eq!(said.len(), 4 * 3, "{all}");
+    // `[n]: [r]: rank p ...`: rank r greets rank p; same host when r/2 == p/2.
+    for line in &said {
+        let (me, peer) = ranks_of(line);
+        if me / 2 == peer / 2 {
+            assert!(line.contains("shm said"), "same container, shared memory expected: {line}\n{all}");
+        } else {
+            assert!(
+                line.contains("quic said") && line.contains("via 10.77.0."),
+                "other container, QUIC over eth0 expected: {line}\n{all}"
+            );
+        }
+    }
+}
+
+#[test]
+fn mh4_containers_sharing_a_network_but_not_dev_shm_talk_quic_over_loopback() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhd", 2, &["--share-net", "1:2"]) else { return };
+    let outputs = run_job(&cluster, 2, 1, &hello(), 90);
+    let all = assert_all_succeeded(&outputs);
+    let said = greetings(&all);
+    assert_eq!(said.len(), 2, "{all}");
+    for line in said {
+        assert!(
+            line.contains("quic said") && line.contains("via 127.0.0.1"),
+            "one network namespace, two /dev/shm: QUIC over loopback expected: {line}\n{all}"
+        );
+    }
+}
+
+#[test]
+fn mh5_a_failed_connect_names_the_address_and_the_interface() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhe", 2, &[]) else { return };
+    // Host 2 publishes only its docker0 address: host 1 cannot reach it.
+    let program = [CHORUS, "hello", "--worker", "env://", "--timeout", "4"];
+    let first = spawn_piped(&mut launcher(&cluster, 1, 2, 1, &program), "launcher 1");
+    let second = spawn_piped(
+        launcher(&cluster, 2, 2, 1, &program).env("CHORUS_SOCKET_IFNAME", "=docker0"),
+        "launcher 2",
+    );
+    let outputs = [
+        finish(first, 60, "the launcher on host 1", LAUNCHER),
+        finish(second, 60, "the launcher on host 2", LAUNCHER),
+    ];
+    let all: String = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
+    assert!(outputs.iter().all(|o| !o.status.success()), "{all}");
+    assert!(
+        all.contains("could not connect to rank 1") && all.contains("172.17.0.1:"),
+        "rank 0's error names the address it dialled:\n{all}"
+    );
+    assert!(all.contains(" on docker0"), "and the interface it left from:\n{all}");
+}
+
+/// (greeting rank, greeted rank) of a hello line `[n]: [r]:   rank p pid ...`,
+/// or of `[r]:   rank p ...` when the launcher prints one prefix.
+fn ranks_of(line: &str) -> (usize, usize) {
+    let numbers: Vec<usize> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let peer = line
+        .split("rank ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no peer rank in {line}"));
+    (numbers[0], peer)
+}
