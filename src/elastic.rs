@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use chorus_actors::supervision::{self, AbortReason, GroupAborted};
 use chorus_runtime::rendezvous::elastic::{self as elastic_rdzv, ElasticConfig, Joiner};
-use chorus_runtime::rendezvous::{self, OpenedStore, RendezvousConfig};
+use chorus_runtime::rendezvous::{self, OpenedStore, RendezvousConfig, RendezvousError};
 use chorus_runtime::store::{Store, StoreError, TcpStoreServer};
 use thiserror::Error;
 use tokio::sync::{broadcast, watch};
@@ -237,12 +237,18 @@ impl Base {
 
     /// Joins generation `generation` (or a later one, when late), then forms it.
     /// A survivor brings its place in the generation it leaves.
-    async fn form(&self, mut generation: u64, survivor: Option<&Survivor>) -> Result<ProcessGroup, RestartError> {
-        let old_rank = survivor.map(|s| s.old_rank);
+    /// Once admitted, `survivor` becomes this process's place in the new
+    /// generation, so that a generation which then fails to form is the one
+    /// the next must hold a quorum of (SV-16).
+    async fn form(&self, mut generation: u64, survivor: &mut Option<Survivor>) -> Result<ProcessGroup, RestartError> {
+        let old_rank = survivor.as_ref().map(|s| s.old_rank);
         let me = Joiner {
             old_rank: old_rank.map(|r| r as u32),
-            previous_world: survivor.map(|s| s.world_size as u32),
-            failed: survivor.map_or_else(Vec::new, |s| s.failed.iter().map(|&r| r as u32).collect()),
+            previous_generation: survivor.as_ref().and_then(|s| s.generation),
+            previous_world: survivor.as_ref().map(|s| s.world_size as u32),
+            failed: survivor
+                .as_ref()
+                .map_or_else(Vec::new, |s| s.failed.iter().map(|&r| r as u32).collect()),
             ..self.me.clone()
         };
         loop {
@@ -258,6 +264,12 @@ impl Base {
             };
             let admitted = started.elapsed();
             let initial = generation == self.config.generation && Some(admission.rank) == old_rank;
+            *survivor = Some(Survivor {
+                old_rank: admission.rank,
+                world_size: admission.world_size(),
+                generation: Some(generation),
+                failed: Vec::new(),
+            });
             let config = RendezvousConfig {
                 rank: admission.rank,
                 world_size: admission.world_size(),
@@ -307,6 +319,8 @@ impl Base {
 struct Survivor {
     old_rank: usize,
     world_size: usize,
+    /// The generation `old_rank` is in (`None` before the first one).
+    generation: Option<u64>,
     /// Ranks it saw fail, so the survivors need not wait for them.
     failed: Vec<usize>,
 }
@@ -451,6 +465,7 @@ impl ElasticGroup {
             store: opened.store.clone(),
             me: Joiner {
                 old_rank: None,
+                previous_generation: None,
                 previous_world: None,
                 failed: Vec::new(),
                 hostname: rendezvous::HostId::local().hostname,
@@ -470,14 +485,15 @@ impl ElasticGroup {
         };
         let group = match latest {
             // The job runs: join its next generation as a new member.
-            Some(latest) => base.form(latest + 1, None).await?,
+            Some(latest) => base.form(latest + 1, &mut None).await?,
             None => {
-                let first = Survivor {
+                let mut first = Some(Survivor {
                     old_rank: base.config.rank,
                     world_size: base.config.world_size,
+                    generation: None,
                     failed: Vec::new(),
-                };
-                base.form(base.config.generation, Some(&first)).await?
+                });
+                base.form(base.config.generation, &mut first).await?
             }
         };
         let shared = Arc::new(Shared {
@@ -622,6 +638,7 @@ async fn supervise(
         let mut survivor = Survivor {
             old_rank,
             world_size: group.world_size(),
+            generation: Some(old_generation),
             failed: Vec::new(),
         };
         let aborted = tokio::select! {
@@ -667,24 +684,32 @@ async fn supervise(
         }
         drop(group);
         let mut generation = old_generation + 1;
+        let mut survivor = Some(survivor);
         let next = loop {
-            match base.form(generation, Some(&survivor)).await {
+            match base.form(generation, &mut survivor).await {
                 Ok(next) => break next,
                 // A member admitted to the generation died before it formed
                 // (its records or links never came): a failure of that
                 // generation, retried in the next one under the budget (SV-12).
                 Err(RestartError::Init(error)) => {
+                    let failed_ranks = match &error {
+                        InitError::Rendezvous(RendezvousError::Incomplete { missing, .. }) => missing.clone(),
+                        _ => Vec::new(),
+                    };
+                    if let Some(survivor) = &mut survivor {
+                        survivor.failed = failed_ranks.clone();
+                    }
                     let failure = GroupAborted {
                         rank: old_rank,
                         generation,
                         reason: AbortReason::OperationFailed(format!("generation {generation} did not form: {error}")),
-                        failed_ranks: Vec::new(),
+                        failed_ranks,
                     };
                     tracing::warn!(generation, "{}; trying the next generation", failure.reason);
                     if let Err(spent) = budget.admit(failure, Instant::now()) {
                         return give_up(spent);
                     }
-                    generation += 1;
+                    generation = survivor.as_ref().and_then(|s| s.generation).unwrap_or(generation) + 1;
                 }
                 Err(source) => {
                     return give_up(RestartError::RestartFailed {

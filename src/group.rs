@@ -26,7 +26,7 @@ use chorus_actors::system::{self, SystemError};
 use chorus_runtime::collective::Overrides;
 use chorus_runtime::flight::{self, FlightRecorder};
 use chorus_runtime::rendezvous::{
-    self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError, StoreSpec,
+    self, HostId, elastic, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError, StoreSpec,
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use chorus_runtime::store::{HashStore, PrefixStore};
@@ -358,6 +358,40 @@ fn local_processes(membership: &Membership) -> ProcessWatch {
     )
 }
 
+/// How often a rank with peers on other hosts looks for their exits.
+const REMOTE_EXIT_POLL: Duration = Duration::from_millis(250);
+
+/// Fails peers on other hosts as soon as their launcher publishes their
+/// exit (`elastic::publish_exit`): a SIGKILLed rank elsewhere is noticed
+/// within a poll instead of at the heartbeat window, which remains for
+/// partitions and frozen ranks. Reads one counter per poll, and the peers'
+/// exit keys only when it moved; a store error is not a peer's failure.
+async fn watch_remote_exits(
+    store: Arc<dyn Store>,
+    run_id: String,
+    peers: Vec<(usize, String, u32)>,
+    monitor: Arc<SharedMonitor>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut seen = None;
+    loop {
+        if let Ok(count) = elastic::exit_count(store.as_ref(), &run_id).await
+            && seen != Some(count)
+        {
+            seen = Some(count);
+            for (rank, host, pid) in &peers {
+                if let Ok(true) = elastic::has_exited(store.as_ref(), &run_id, host, *pid).await {
+                    monitor.process_exited(*rank, *pid);
+                }
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(REMOTE_EXIT_POLL) => {}
+            _ = stop.wait_for(|stopped| *stopped) => return,
+        }
+    }
+}
+
 /// Starts a formed rank: its actor, heartbeats and watchdog on `arbiter`.
 /// Shared by whole groups and subgroups.
 async fn start_rank(
@@ -405,6 +439,7 @@ async fn start_rank(
     let peers = (0..links.len()).filter(|&r| r != rank);
     let monitor = SharedMonitor::new(HeartbeatMonitor::new(peers, window, std::time::Instant::now()));
     let processes = local_processes(&membership);
+    let exits_monitor = monitor.clone();
     let (heartbeat_links, watched, watchdog_stop, notify) =
         (links.clone(), supervision.clone(), stop.clone(), actor.clone());
     on_arbiter(&arbiter, async move {
@@ -424,6 +459,17 @@ async fn start_rank(
         );
     })
     .await?;
+    let me = membership.me();
+    let remote: Vec<(usize, String, u32)> = membership
+        .peers
+        .iter()
+        .filter(|peer| !peer.host.same_pids(&me.host))
+        .map(|peer| (peer.rank as usize, peer.host.hostname.clone(), peer.pid))
+        .collect();
+    if !remote.is_empty() {
+        let (store, run_id, stop) = (opened.store.clone(), config.run_id.clone(), stop.clone());
+        arbiter.spawn(watch_remote_exits(store, run_id, remote, exits_monitor, stop));
+    }
     supervision::spawn_stall_monitor(
         supervision.clone(),
         watchdog.stall_timeout,

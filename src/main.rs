@@ -623,10 +623,11 @@ async fn elastic_probe(
                 done += 1;
                 if Some(done) == kill_after {
                     println!(
-                        "probe rank={} gen={} pid={} event=killing-self",
+                        "probe rank={} gen={} pid={} event=killing-self at_us={}",
                         pg.rank(),
                         pg.generation(),
-                        std::process::id()
+                        std::process::id(),
+                        chorus::bench::recovery::unix_us()
                     );
                     // SAFETY: kill only sends a signal, to this process.
                     unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };

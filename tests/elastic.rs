@@ -110,6 +110,7 @@ async fn sv12_a_generation_that_cannot_form_is_retried_in_the_next() {
     // (a process that joined and died before publishing its record).
     let ghost = Joiner {
         old_rank: None,
+        previous_generation: None,
         hostname: "ghost".into(),
         pid: 1,
         nonce: u64::MAX,

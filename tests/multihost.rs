@@ -12,12 +12,14 @@ use common::cluster::{self, Cluster};
 use common::{CHORUS, LAUNCHER, finish, joined, spawn_piped};
 
 /// `chorus launch` on `host` of a job of `nnodes` nodes whose store is on
-/// host 1, running `program`.
-fn launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, program: &[&str]) -> Command {
+/// host 1, with `flags`, running `program`.
+fn launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, flags: &[&str], program: &[&str]) -> Command {
     let mut command = cluster.command(host, CHORUS);
     command
         .args(["launch", "--nnodes", &nnodes.to_string(), "--nproc-per-node", &nproc.to_string()])
-        .args(["--master-addr", &cluster.addr(1), "--master-port", "29500", "--"])
+        .args(["--master-addr", &cluster.addr(1), "--master-port", "29500"])
+        .args(flags)
+        .arg("--")
         .args(program)
         .env("CHORUS_JOB_SECRET", "multihost-test");
     command
@@ -26,7 +28,7 @@ fn launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, program
 /// Starts one launcher per host (1..=hosts) and waits for all of them.
 fn run_job(cluster: &Cluster, hosts: usize, nproc: usize, program: &[&str], secs: u64) -> Vec<Output> {
     let children: Vec<Child> = (1..=hosts)
-        .map(|host| spawn_piped(&mut launcher(cluster, host, hosts, nproc, program), "a launcher"))
+        .map(|host| spawn_piped(&mut launcher(cluster, host, hosts, nproc, &[], program), "a launcher"))
         .collect();
     children
         .into_iter()
@@ -135,9 +137,9 @@ fn mh5_a_failed_connect_names_the_address_and_the_interface() {
     let Some(cluster) = Cluster::up("mhe", 2, &[]) else { return };
     // Host 2 publishes only its docker0 address: host 1 cannot reach it.
     let program = [CHORUS, "hello", "--worker", "env://", "--timeout", "4"];
-    let first = spawn_piped(&mut launcher(&cluster, 1, 2, 1, &program), "launcher 1");
+    let first = spawn_piped(&mut launcher(&cluster, 1, 2, 1, &[], &program), "launcher 1");
     let second = spawn_piped(
-        launcher(&cluster, 2, 2, 1, &program).env("CHORUS_SOCKET_IFNAME", "=docker0"),
+        launcher(&cluster, 2, 2, 1, &[], &program).env("CHORUS_SOCKET_IFNAME", "=docker0"),
         "launcher 2",
     );
     let outputs = [
@@ -168,4 +170,118 @@ fn ranks_of(line: &str) -> (usize, usize) {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no peer rank in {line}"));
     (numbers[0], peer)
+}
+
+/// `chorus launch --restart-policy worker --nnodes 1:N` on `host`, running
+/// `chorus elastic-probe` with `probe`'s flags and the launcher's bounds.
+fn elastic_launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, probe: &[&str]) -> Command {
+    let mut command = cluster.command(host, CHORUS);
+    command
+        .args(["launch", "--restart-policy", "worker", "--max-restarts", "2"])
+        .args(["--nnodes", &format!("1:{nnodes}"), "--nproc-per-node", &nproc.to_string()])
+        .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &format!("{}:29400", cluster.addr(1))])
+        .args(["--rdzv-id", "mh", "--rdzv-conf", "last_call_timeout=1", "--"])
+        .args(["sh", "-c", r#"exec "$0" elastic-probe --min-world "$CHORUS_MIN_WORLD" --max-world "$CHORUS_MAX_WORLD" "$@""#, CHORUS])
+        .args(probe)
+        .env("CHORUS_JOB_SECRET", "multihost-test");
+    command
+}
+
+/// The `[rank]: probe ... event=NAME ...` lines relayed by the launchers
+/// (not the indented copies in a failure report's last lines).
+fn probe_events<'a>(all: &'a str, event: &str) -> Vec<&'a str> {
+    all.lines()
+        .filter(|l| l.starts_with('[') && l.contains(&format!("event={event}")))
+        .collect()
+}
+
+/// The value of `key=` in a probe line.
+fn probe_field<'a>(line: &'a str, key: &str) -> &'a str {
+    common::field(line.split_once("probe ").map_or(line, |(_, rest)| rest), key)
+        .unwrap_or_else(|| panic!("no {key}= in {line}"))
+}
+
+#[test]
+fn mh6_an_elastic_job_that_loses_a_rank_stays_one_job() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhf", 2, &[]) else { return };
+    let probe = ["--iterations", "150", "--kill-rank", "3", "--kill-after", "30"];
+    let children: Vec<Child> = (1..=2)
+        .map(|host| spawn_piped(&mut elastic_launcher(&cluster, host, 2, 2, &probe), "an elastic launcher"))
+        .collect();
+    let outputs: Vec<Output> = children
+        .into_iter()
+        .enumerate()
+        .map(|(i, child)| finish(child, 150, &format!("the launcher on host {}", i + 1), LAUNCHER))
+        .collect();
+    let all = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
+    assert!(outputs.iter().all(|o| o.status.success()), "{all}");
+    assert_eq!(probe_events(&all, "killing-self").len(), 1, "{all}");
+    // Every process that finished, on both hosts, finished in one generation
+    // of one group: never two groups each re-running the steps.
+    let done = probe_events(&all, "done");
+    assert_eq!(done.len(), 4, "the three survivors and the relaunched rank finish:\n{all}");
+    let last = (probe_field(done[0], "gen"), probe_field(done[0], "world"));
+    for line in &done {
+        assert_eq!((probe_field(line, "gen"), probe_field(line, "world")), last, "the job split:\n{all}");
+    }
+    assert_eq!(last.1, "4", "{all}");
+}
+
+#[test]
+fn mh7_a_killed_rank_on_another_host_is_detected_within_a_second() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhg", 2, &[]) else { return };
+    // One rank per host: rank 0 has no neighbour of rank 1 that could tell
+    // it; without the launcher's word it would wait out the 5 s window.
+    let probe = ["--iterations", "120", "--kill-rank", "1", "--kill-after", "30"];
+    let children: Vec<Child> = (1..=2)
+        .map(|host| spawn_piped(&mut elastic_launcher(&cluster, host, 2, 1, &probe), "an elastic launcher"))
+        .collect();
+    let outputs: Vec<Output> = children
+        .into_iter()
+        .enumerate()
+        .map(|(i, child)| finish(child, 120, &format!("the launcher on host {}", i + 1), LAUNCHER))
+        .collect();
+    let all = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
+    assert!(outputs.iter().all(|o| o.status.success()), "{all}");
+    let killed: u64 = probe_field(probe_events(&all, "killing-self")[0], "at_us").parse().unwrap();
+    let noticed = probe_events(&all, "error")
+        .iter()
+        .filter(|l| probe_field(l, "rank") == "0")
+        .map(|l| probe_field(l, "at_us").parse::<u64>().unwrap())
+        .next()
+        .unwrap_or_else(|| panic!("rank 0 never saw the failure:\n{all}"));
+    let detection_ms = (noticed - killed) as f64 / 1e3;
+    eprintln!("rank 0 noticed the SIGKILL of rank 1 on another host in {detection_ms:.0} ms");
+    assert!(detection_ms < 1000.0, "took {detection_ms} ms:\n{all}");
+}
+
+#[test]
+fn mh8_a_cut_off_node_reports_at_once_and_gives_up_on_the_store_within_the_keep_alive_window() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhh", 2, &[]) else { return };
+    let probe = [CHORUS, "elastic-probe", "--iterations", "100000"];
+    let start = |host: usize| {
+        let flags = ["--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2"];
+        let mut command = launcher(&cluster, host, 2, 1, &flags, &probe);
+        command
+            .env("CHORUS_HEARTBEAT_TIMEOUT", "2")
+            .env("CHORUS_ASYNC_ERROR_HANDLING", "3");
+        spawn_piped(&mut command, "a launcher")
+    };
+    let (first, second) = (start(1), start(2));
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    cluster.cut(2);
+    let cut = std::time::Instant::now();
+    let second = finish(second, 40, "the cut-off launcher on host 2", LAUNCHER);
+    let took = cut.elapsed();
+    let first = finish(first, 60, "the launcher on host 1", LAUNCHER);
+    let all = format!("host 1:\n{}\nhost 2:\n{}", joined(&first), joined(&second));
+    assert!(!second.status.success(), "{all}");
+    let text = joined(&second);
+    assert!(text.contains("rank 1 (local rank 0 on node 1"), "it reports its worker's failure:\n{all}");
+    assert!(text.contains("could not reach the job's store"), "{all}");
+    // Heartbeat window (2 s), keep-alive window (2 s), stopping: well under join_timeout (600 s).
+    assert!(took < std::time::Duration::from_secs(20), "took {took:?}:\n{all}");
 }

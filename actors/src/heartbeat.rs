@@ -166,8 +166,8 @@ impl HeartbeatMonitor {
         }
     }
 
-    /// `peer`'s process (on this host) exited: it failed, without waiting
-    /// out the window (SV-15).
+    /// `peer`'s process exited (seen on this host, SV-15, or published by
+    /// its launcher in the store): it failed, without waiting out the window.
     pub fn process_exited(&mut self, peer: usize, pid: u32) {
         if let Some(state) = self.peers.get_mut(&peer) {
             state
@@ -228,6 +228,13 @@ impl SharedMonitor {
     /// Records that the link to `peer` failed and wakes the watchdog.
     pub fn link_failed(&self, peer: usize, error: &TransportError) {
         self.lock().link_failed(peer, error);
+        self.link_failed.notify_one();
+    }
+
+    /// Records that `peer`'s process exited (seen by this host, SV-15, or
+    /// published by its launcher) and wakes the watchdog.
+    pub fn process_exited(&self, peer: usize, pid: u32) {
+        self.lock().process_exited(peer, pid);
         self.link_failed.notify_one();
     }
 

@@ -123,16 +123,30 @@ impl JobEnv {
         if self.join_running {
             vars.push((JOIN_ENV, "1".to_string()));
         }
-        // Under the all policy each attempt is a new job: its elastic groups
-        // must not meet the previous attempt's (whose ranks may have begun a
-        // restart of their own before the launcher stopped them).
-        if self.elastic_world.is_none() && self.restart_count > 0 {
-            vars.push((SCOPE_ENV, format!("attempt{}", self.restart_count)));
+        if let Some(scope) = self.elastic_scope() {
+            vars.push((SCOPE_ENV, scope));
         }
         if self.nproc_per_node > 1 && parent("OMP_NUM_THREADS").is_none() {
             vars.push(("OMP_NUM_THREADS", "1".to_string()));
         }
         vars.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    }
+}
+
+impl JobEnv {
+    /// Under the all policy each attempt is a new job: its elastic groups
+    /// must not meet the previous attempt's (whose ranks may have begun a
+    /// restart of their own before the launcher stopped them).
+    fn elastic_scope(&self) -> Option<String> {
+        (self.elastic_world.is_none() && self.restart_count > 0).then(|| format!("attempt{}", self.restart_count))
+    }
+
+    /// The run ids the workers' groups use in the store: a plain group's
+    /// (`TORCHELASTIC_RUN_ID`), and an elastic group's when it is scoped.
+    pub fn group_run_ids(&self) -> Vec<String> {
+        let mut ids = vec![self.run_id.clone()];
+        ids.extend(self.elastic_scope().map(|scope| format!("{}/{scope}", self.run_id)));
+        ids
     }
 }
 

@@ -60,6 +60,7 @@ pub mod workers;
 
 pub use config::{ConfigError, LaunchConfig, Parsed, RestartPolicy};
 
+use chorus_runtime::rendezvous::{HostId, elastic};
 use chorus_runtime::store::{Store, StoreError};
 use config::{HostFacts, Streams};
 use nodes::{JobStore, Joining, Keys, RoundEnd};
@@ -158,6 +159,17 @@ pub enum LaunchError {
         /// What failed.
         #[source]
         source: StoreError,
+    },
+    /// The store did not answer within the keep-alive window after this
+    /// node's workers failed.
+    #[error(
+        "could not reach the job's store at {addr} within {waited:?} (the keep-alive window) after this node's workers failed; is this node cut off from the network?"
+    )]
+    StoreUnreachable {
+        /// Where the store is.
+        addr: String,
+        /// How long it was given.
+        waited: Duration,
     },
     /// Two launchers claim one node rank.
     #[error("node rank {node_rank} is already taken by launcher {other}; give each node its own --node-rank, or none")]
@@ -374,6 +386,8 @@ enum Outcome {
     Signaled(i32),
     /// The store is out of reach.
     StoreLost(StoreError),
+    /// The store did not answer within the keep-alive window.
+    StoreUnreachable(Duration),
     /// Another node ended the job for good (`--restart-policy worker`).
     Over(String),
 }
@@ -479,6 +493,36 @@ async fn job_secret(config: &LaunchConfig, store: &JobStore, keys: &Keys) -> Res
     nodes::shared_secret(store.store.as_ref(), keys, hosting, || fresh, config.join_timeout).await
 }
 
+/// A store call made after a failure, given up on after the keep-alive
+/// window: a launcher cut off from the store then reports and exits
+/// instead of waiting out `join_timeout` (what it has to say is printed
+/// before).
+async fn bounded<T>(
+    job: &Job,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, LaunchError> {
+    let waited = job.config.keep_alive_timeout;
+    match tokio::time::timeout(waited, call).await {
+        Ok(result) => Ok(result?),
+        Err(_) => Err(LaunchError::StoreUnreachable {
+            addr: format!("{}:{}", job.store.host, job.store.port),
+            waited,
+        }),
+    }
+}
+
+/// Publishes that worker `pid` exited (`elastic::publish_exit`), under
+/// the run ids its groups may use, so ranks on other hosts fail it at once
+/// and an elastic rendezvous need not wait for it.
+async fn publish_exit(job: &Job, job_env: &env::JobEnv, pid: i32) -> Result<(), LaunchError> {
+    let store = job.store.store.as_ref();
+    let host = HostId::local().hostname;
+    for run_id in job_env.group_run_ids() {
+        bounded(job, elastic::publish_exit(store, &run_id, &host, pid as u32)).await?;
+    }
+    Ok(())
+}
+
 /// Runs rounds until the job succeeds, fails for good or is signalled.
 async fn run(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
     // After the store was reached, a store error means its host is gone.
@@ -580,12 +624,18 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
                     "rank {} (local rank {} on node {}, pid {}) {} in attempt {round}",
                     ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit
                 );
+                report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
                 // End the round before stopping: the others stop at once, and
                 // none takes this node for hung while its workers wind down.
+                // A node cut off from the store gives up within the keep-alive window.
                 let ours = RoundEnd::Failure(what.clone());
-                let won = nodes::end_round(store, &job.keys, round, &ours).await?;
+                let told = async {
+                    publish_exit(job, &job_env, ended.pid).await?;
+                    bounded(job, nodes::end_round(store, &job.keys, round, &ours)).await
+                }
+                .await;
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
+                let won = told?;
                 if won != ours {
                     won
                 } else {
@@ -603,7 +653,7 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
                                 "rank {} failed and --max-restarts {} is used up; exiting",
                                 ended.rank, config.max_restarts
                             ));
-                            nodes::end_job(store, &job.keys, round, ours.what()).await?;
+                            bounded(job, nodes::end_job(store, &job.keys, round, ours.what())).await?;
                             return Ok(ended.exit.launcher_code());
                         }
                     }
@@ -638,6 +688,13 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             Outcome::StoreLost(source) => {
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 return Err(LaunchError::Store(source));
+            }
+            Outcome::StoreUnreachable(waited) => {
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                return Err(LaunchError::StoreUnreachable {
+                    addr: format!("{}:{}", job.store.host, job.store.port),
+                    waited,
+                });
             }
             // Only set under --restart-policy worker, which every node of the job runs.
             Outcome::Over(why) => {
@@ -712,6 +769,10 @@ async fn run_elastic_round(
                     ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit, slot_env.restart_count
                 );
                 report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
+                if let Err(error) = publish_exit(job, &slot_env, ended.pid).await {
+                    workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                    return Err(error);
+                }
                 match plan::after_failure(restarts, config.max_restarts) {
                     AfterFailure::Restart { next } => {
                         let count = first_count + (next - first_restarts);
@@ -742,9 +803,16 @@ async fn run_elastic_round(
                         );
                         if multi {
                             // Tell the other nodes first, so every node stops at once.
-                            nodes::end_for_good(store, &job.keys, &format!("{why} on node {}", formed.node_rank))
-                                .await?;
-                            nodes::end_job(store, &job.keys, formed.round, &why).await?;
+                            let over = format!("{why} on node {}", formed.node_rank);
+                            let told = async {
+                                bounded(job, nodes::end_for_good(store, &job.keys, &over)).await?;
+                                bounded(job, nodes::end_job(store, &job.keys, formed.round, &why)).await
+                            }
+                            .await;
+                            if let Err(error) = told {
+                                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                                return Err(error);
+                            }
                         }
                         workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                         say(format!("{why}; stopped the other workers; exiting"));
@@ -788,6 +856,13 @@ async fn run_elastic_round(
             Outcome::StoreLost(source) => {
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 return Err(LaunchError::Store(source));
+            }
+            Outcome::StoreUnreachable(waited) => {
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                return Err(LaunchError::StoreUnreachable {
+                    addr: format!("{}:{}", job.store.host, job.store.port),
+                    waited,
+                });
             }
         }
     }
@@ -949,6 +1024,11 @@ async fn supervise(
     // Only other launchers end a round from outside; one node has nothing to watch.
     let watch = job.config.max_nodes > 1;
     let mut poll = tokio::time::interval(job.config.monitor_interval.max(Duration::from_millis(10)));
+    // A look at the store runs beside the workers, never in their way: a
+    // worker's exit is acted on at once even while the store does not
+    // answer, and a store silent for the keep-alive window ends the wait.
+    let window = job.config.keep_alive_timeout;
+    let mut looking = std::pin::pin!(None);
     loop {
         tokio::select! {
             ended = workers.next_exit() => match ended {
@@ -957,10 +1037,28 @@ async fn supervise(
                 Some(_) => {}
             },
             signo = signals.recv() => return Outcome::Signaled(signo),
-            _ = poll.tick(), if watch => match watch_round(job, formed, alive).await {
-                Ok(Some(outcome)) => return outcome,
-                Ok(None) => {}
-                Err(error) => return Outcome::StoreLost(error),
+            _ = poll.tick(), if watch && looking.is_none() => {
+                // The look owns the keep-alive record while it runs.
+                let mut record = std::mem::take(alive);
+                looking.set(Some(tokio::time::timeout(window, async move {
+                    let seen = watch_round(job, formed, &mut record).await;
+                    (record, seen)
+                })));
+            }
+            seen = async { looking.as_mut().as_pin_mut().expect("guarded by is_some").await }, if looking.is_some() => {
+                looking.set(None);
+                let seen = match seen {
+                    Ok((record, seen)) => {
+                        *alive = record;
+                        seen
+                    }
+                    Err(_) => return Outcome::StoreUnreachable(window),
+                };
+                match seen {
+                    Ok(Some(outcome)) => return outcome,
+                    Ok(None) => {}
+                    Err(error) => return Outcome::StoreLost(error),
+                }
             }
         }
     }

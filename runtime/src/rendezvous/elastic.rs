@@ -25,6 +25,15 @@
 //! - Ranks are dense and stable: survivors keep their relative order by old
 //!   rank, joiners follow in arrival order.
 //! - Fewer than `min_world` within the timeout is an error naming who came.
+//! - A group never forks (SV-16): generation g closes only with a quorum of
+//!   the newest generation that closed before it (its *reference*, read from
+//!   the store, the one place every participant agrees on): more than half
+//!   of the reference's members, or every member of it that is still alive,
+//!   the others seen to fail by a member who joined or their exit published
+//!   in the store by their launcher ([`publish_exit`]). A participant that
+//!   is not a member of the reference counts as a newcomer, so a running
+//!   group admits it (SV-13) instead of it forming a second job. Without a
+//!   quorum within the timeout the participant fails naming who is missing.
 //!
 //! [`LATEST_KEY`] holds the newest formed generation, so a process that
 //! starts late (a relaunched worker, a new node) knows which one to join.
@@ -44,6 +53,10 @@ pub const LATEST_KEY: &str = "elastic/latest";
 pub struct Joiner {
     /// Its rank in the previous generation (`None` for a new process).
     pub old_rank: Option<u32>,
+    /// The generation `old_rank` and `previous_world` refer to: the last
+    /// one it was admitted to (`None` for a new process and for the first
+    /// generation a process joins).
+    pub previous_generation: Option<u64>,
     /// Its host name, for messages.
     pub hostname: String,
     /// Its process id, for messages.
@@ -119,6 +132,26 @@ pub enum ElasticError {
         /// This participant's arrival index.
         arrival: usize,
     },
+    /// The participants hold no quorum of the reference generation (SV-16).
+    #[error(
+        "generation {generation} could not form within {waited:?}: it needs more than half of generation {reference}'s {reference_world} members, or all of them still alive, and {} of them joined; not joined, not seen to fail and no exit published: [{}]; a process that is not a member joins the running group as a newcomer",
+        joined_members,
+        missing.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    NoQuorum {
+        /// The generation.
+        generation: u64,
+        /// The newest generation that closed before it.
+        reference: u64,
+        /// How many members the reference had.
+        reference_world: usize,
+        /// How many of them joined.
+        joined_members: usize,
+        /// The reference's members unaccounted for.
+        missing: Vec<Joiner>,
+        /// How long this participant waited.
+        waited: Duration,
+    },
     /// A stored record does not decode.
     #[error("generation {generation}: unreadable elastic record {key} ({reason}); is another chorus version running?")]
     BadRecord {
@@ -143,29 +176,76 @@ pub enum Step {
     Wait,
     /// Give up: fewer than `min_world` came in time.
     TooFew,
+    /// Give up: no quorum of the reference generation came in time (SV-16).
+    NoQuorum,
 }
 
 /// The closing rule. `joined`: arrivals so far; `accounted`: whether
-/// [`accounted_for`] holds for them; `since_min`: how long ago this
-/// participant first saw `min_world` arrivals (`None`: not yet); `waited`:
-/// time since it joined.
+/// [`accounted_for`] holds for them; `quorate`: whether they hold a quorum
+/// of the reference generation ([`Reference::quorate`]); `since_min`: how
+/// long ago this participant first saw `min_world` arrivals (`None`: not
+/// yet); `waited`: time since it joined.
 pub fn decide(
     config: &ElasticConfig,
     joined: usize,
     accounted: bool,
+    quorate: bool,
     since_min: Option<Duration>,
     waited: Duration,
 ) -> Step {
+    if joined < config.min_world && waited >= config.timeout {
+        return Step::TooFew;
+    }
+    if !quorate {
+        return if waited >= config.timeout { Step::NoQuorum } else { Step::Wait };
+    }
     if joined >= config.max_world {
         return Step::Close(config.max_world);
     }
     if joined >= config.min_world && (accounted || since_min.is_some_and(|d| d >= config.last_call)) {
         return Step::Close(joined);
     }
-    if joined < config.min_world && waited >= config.timeout {
-        return Step::TooFew;
-    }
     Step::Wait
+}
+
+/// The newest generation that closed before the one being formed, with its
+/// members by rank: the generation a new one must hold a quorum of (SV-16).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reference {
+    /// Its number.
+    pub generation: u64,
+    /// Its members, indexed by their rank in it.
+    pub members: Vec<Joiner>,
+}
+
+impl Reference {
+    /// Whether `joiner` was admitted to this generation.
+    pub fn is_member(&self, joiner: &Joiner) -> bool {
+        joiner.previous_generation == Some(self.generation)
+    }
+
+    /// Ranks of this generation that did not join among `joined` and that
+    /// no joining member saw fail: the ones a quorum waits for, unless a
+    /// majority joined or their exits are published.
+    pub fn unaccounted(&self, joined: &[Joiner]) -> Vec<usize> {
+        let members: Vec<&Joiner> = joined.iter().filter(|j| self.is_member(j)).collect();
+        (0..self.members.len())
+            .filter(|&rank| {
+                !members
+                    .iter()
+                    .any(|m| m.old_rank == Some(rank as u32) || m.failed.contains(&(rank as u32)))
+            })
+            .collect()
+    }
+
+    /// Whether `joined` may form the next generation without forking the
+    /// group: more than half of this generation's members joined, or every
+    /// member that did not is accounted for (seen to fail by a member who
+    /// joined, or its rank is in `exited`: its exit was published).
+    pub fn quorate(&self, joined: &[Joiner], exited: &[usize]) -> bool {
+        let members = joined.iter().filter(|j| self.is_member(j)).count();
+        members * 2 > self.members.len() || self.unaccounted(joined).iter().all(|rank| exited.contains(rank))
+    }
 }
 
 /// Whether every rank of the previous generation is accounted for among
@@ -258,6 +338,61 @@ pub async fn publish_latest(store: &Arc<dyn Store>, run_id: &str, generation: u6
         .await
 }
 
+/// The key a launcher sets when a worker process of `run_id` exits.
+fn exit_key(run_id: &str, hostname: &str, pid: u32) -> String {
+    format!("chorus/{run_id}/exited/{hostname}/{pid}")
+}
+
+/// Counts the exits published for `run_id`: a rank polls this one key and
+/// looks at its peers' exit keys only when it moved.
+fn exit_count_key(run_id: &str) -> String {
+    format!("chorus/{run_id}/exits")
+}
+
+/// Publishes that process `pid` on `hostname`, a worker of `run_id`, has
+/// exited: its launcher saw it, so an elastic rendezvous need not wait for
+/// it (SV-16), and ranks on other hosts fail it at once instead of waiting
+/// out the heartbeat window.
+pub async fn publish_exit(store: &dyn Store, run_id: &str, hostname: &str, pid: u32) -> Result<(), StoreError> {
+    store.set(&exit_key(run_id, hostname, pid), b"1").await?;
+    store.add(&exit_count_key(run_id), 1).await.map(drop)
+}
+
+/// How many exits were published for `run_id` ([`publish_exit`]).
+pub async fn exit_count(store: &dyn Store, run_id: &str) -> Result<i64, StoreError> {
+    store.add(&exit_count_key(run_id), 0).await
+}
+
+/// Whether [`publish_exit`] was called for process `pid` on `hostname`.
+pub async fn has_exited(store: &dyn Store, run_id: &str, hostname: &str, pid: u32) -> Result<bool, StoreError> {
+    store.check(&[&exit_key(run_id, hostname, pid)]).await
+}
+
+/// The newest generation below `config.generation` that closed, with its
+/// members (SV-16); `None` when none did (the group's first generation).
+pub async fn reference(store: &Arc<dyn Store>, config: &ElasticConfig) -> Result<Option<Reference>, ElasticError> {
+    for generation in (0..config.generation).rev() {
+        let earlier = ElasticConfig {
+            generation,
+            ..config.clone()
+        };
+        let scoped = scoped(store.clone(), &earlier);
+        if !scoped.check(&["closed"]).await? {
+            continue;
+        }
+        let admitted = parse_count(&scoped.get("closed").await?, &earlier)?;
+        let arrivals = read_members(&scoped, &earlier, admitted).await?;
+        let ranks = assign_ranks(&arrivals);
+        let mut members: Vec<(usize, Joiner)> = ranks.into_iter().zip(arrivals).collect();
+        members.sort_by_key(|(rank, _)| *rank);
+        return Ok(Some(Reference {
+            generation,
+            members: members.into_iter().map(|(_, m)| m).collect(),
+        }));
+    }
+    Ok(None)
+}
+
 async fn read_members(scoped: &PrefixStore, config: &ElasticConfig, count: usize) -> Result<Vec<Joiner>, ElasticError> {
     let keys: Vec<String> = (0..count).map(|i| format!("joiner/{i}")).collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -286,18 +421,27 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
             max_world: config.max_world,
         });
     }
-    let scoped = scoped(store, config);
+    let reference = reference(&store, config).await?;
+    let scoped = scoped(store.clone(), config);
     let arrival = (scoped.add("count", 1).await? - 1) as usize;
     scoped
         .set(&format!("joiner/{arrival}"), &crate::codec::encode(&me))
         .await?;
-    if me.old_rank.is_none() {
+    // Not a member of the generation this one grows from: a running group
+    // must admit it (SV-13), whatever rank it held in an older one.
+    let newcomer = match &reference {
+        Some(reference) => !reference.is_member(&me),
+        None => me.old_rank.is_none(),
+    };
+    if newcomer {
         scoped.add("newcomers", 1).await?;
     }
     let started = tokio::time::Instant::now();
     let mut min_seen: Option<tokio::time::Instant> = None;
-    // Whether the arrivals counted so far account for the previous generation.
-    let mut accounted = (0, false);
+    // The arrivals read so far, and whether they account for the previous generation.
+    let mut members: Vec<Joiner> = Vec::new();
+    let mut accounted = false;
+    let mut quorate = reference.is_none();
     let admitted = loop {
         if scoped.check(&["closed"]).await? {
             let value = scoped.get("closed").await?;
@@ -307,13 +451,29 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
         if joined >= config.min_world && min_seen.is_none() {
             min_seen = Some(tokio::time::Instant::now());
         }
-        if joined >= config.min_world && joined < config.max_world && accounted.0 != joined {
-            accounted = (joined, accounted_for(&read_members(&scoped, config, joined).await?));
+        let counted = joined.min(config.max_world);
+        if joined >= config.min_world && members.len() != counted {
+            members = read_members(&scoped, config, counted).await?;
+            accounted = accounted_for(&members);
+        }
+        if let (Some(reference), false, true) = (&reference, quorate && accounted, joined >= config.min_world) {
+            let mut exited = Vec::new();
+            let unaccounted = reference.unaccounted(&members);
+            for &rank in &unaccounted {
+                let member = &reference.members[rank];
+                if has_exited(store.as_ref(), &config.run_id, &member.hostname, member.pid).await? {
+                    exited.push(rank);
+                }
+            }
+            quorate = reference.quorate(&members, &exited);
+            // A published exit accounts for its member as a seen failure does.
+            accounted |= exited.len() == unaccounted.len();
         }
         match decide(
             config,
             joined,
-            accounted.1,
+            accounted,
+            quorate,
             min_seen.map(|t| t.elapsed()),
             started.elapsed(),
         ) {
@@ -326,6 +486,21 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
                     generation: config.generation,
                     min_world: config.min_world,
                     came: read_members(&scoped, config, joined).await?,
+                    waited: started.elapsed(),
+                });
+            }
+            Step::NoQuorum => {
+                let reference = reference.expect("only a reference can lack a quorum");
+                return Err(ElasticError::NoQuorum {
+                    generation: config.generation,
+                    reference: reference.generation,
+                    reference_world: reference.members.len(),
+                    joined_members: members.iter().filter(|m| reference.is_member(m)).count(),
+                    missing: reference
+                        .unaccounted(&members)
+                        .into_iter()
+                        .map(|rank| reference.members[rank].clone())
+                        .collect(),
                     waited: started.elapsed(),
                 });
             }
@@ -381,6 +556,7 @@ mod tests {
     fn joiner(old_rank: Option<u32>, pid: u32) -> Joiner {
         Joiner {
             old_rank,
+            previous_generation: None,
             hostname: "h".into(),
             pid,
             nonce: pid as u64,
@@ -402,30 +578,168 @@ mod tests {
     fn sv11_the_closing_rule() {
         let c = config(2, 4);
         let ms = Duration::from_millis;
-        assert_eq!(decide(&c, 4, false, None, ms(0)), Step::Close(4));
+        assert_eq!(decide(&c, 4, false, true, None, ms(0)), Step::Close(4));
         assert_eq!(
-            decide(&c, 5, false, Some(ms(0)), ms(0)),
+            decide(&c, 5, false, true, Some(ms(0)), ms(0)),
             Step::Close(4),
             "arrivals past max_world are late"
         );
         assert_eq!(
-            decide(&c, 3, false, Some(ms(100)), ms(100)),
+            decide(&c, 3, false, true, Some(ms(100)), ms(100)),
             Step::Wait,
             "last call still open"
         );
         assert_eq!(
-            decide(&c, 3, true, Some(ms(0)), ms(0)),
+            decide(&c, 3, true, true, Some(ms(0)), ms(0)),
             Step::Close(3),
             "everyone accounted for: no last call"
         );
         assert_eq!(
-            decide(&c, 1, true, None, ms(0)),
+            decide(&c, 1, true, true, None, ms(0)),
             Step::Wait,
             "accounted but below min_world"
         );
-        assert_eq!(decide(&c, 3, false, Some(ms(200)), ms(300)), Step::Close(3));
-        assert_eq!(decide(&c, 1, false, None, ms(1999)), Step::Wait);
-        assert_eq!(decide(&c, 1, false, None, ms(2000)), Step::TooFew);
+        assert_eq!(decide(&c, 3, false, true, Some(ms(200)), ms(300)), Step::Close(3));
+        assert_eq!(decide(&c, 1, false, true, None, ms(1999)), Step::Wait);
+        assert_eq!(decide(&c, 1, false, true, None, ms(2000)), Step::TooFew);
+        assert_eq!(
+            decide(&c, 4, true, false, Some(ms(0)), ms(0)),
+            Step::Wait,
+            "no quorum: not even max_world closes"
+        );
+        assert_eq!(decide(&c, 3, true, false, Some(ms(0)), ms(2000)), Step::NoQuorum);
+    }
+
+    /// Old rank `rank` of generation `generation` (of `world` ranks), which saw `failed` fail.
+    fn member(generation: u64, rank: u32, world: u32, failed: &[u32]) -> Joiner {
+        Joiner {
+            previous_generation: Some(generation),
+            nonce: 100 + rank as u64,
+            ..survivor(rank, world, failed)
+        }
+    }
+
+    fn reference(generation: u64, world: u32) -> Reference {
+        Reference {
+            generation,
+            members: (0..world).map(|r| member(generation.saturating_sub(1), r, world, &[])).collect(),
+        }
+    }
+
+    #[test]
+    fn sv16_a_quorum_is_a_majority_or_every_member_still_alive() {
+        let g1 = reference(1, 4);
+        // Two of four, the third of their host dead, the fourth unaccounted: no quorum.
+        let half = [member(1, 0, 4, &[3]), member(1, 1, 4, &[3])];
+        assert!(!g1.quorate(&half, &[]));
+        assert_eq!(g1.unaccounted(&half), vec![2]);
+        // Rank 2's launcher published its exit: every member still alive joined.
+        assert!(g1.quorate(&half, &[2]));
+        // Three of four: a majority.
+        assert!(g1.quorate(&[half[0].clone(), half[1].clone(), member(1, 2, 4, &[])], &[]));
+        // Members of an older generation are not members of the reference:
+        // they are newcomers, and hold no quorum however many they are.
+        let older = [member(0, 2, 4, &[0, 1]), member(0, 3, 4, &[0, 1])];
+        assert!(!g1.quorate(&older, &[]));
+        assert!(!g1.is_member(&older[0]) && g1.is_member(&half[0]));
+        // Every member exited: newcomers may start afresh.
+        assert!(g1.quorate(&[joiner(None, 9)], &[0, 1, 2, 3]));
+    }
+
+    /// Closes generation `c.generation` with `members` in the store, as a
+    /// finished elastic rendezvous leaves it.
+    async fn closed(store: &HashStore, c: &ElasticConfig, members: &[Joiner]) {
+        let store: Arc<dyn Store> = Arc::new(store.clone());
+        let scoped = scoped(store, c);
+        for (i, m) in members.iter().enumerate() {
+            scoped.add("count", 1).await.unwrap();
+            scoped.set(&format!("joiner/{i}"), &crate::codec::encode(m)).await.unwrap();
+        }
+        scoped.set("closed", members.len().to_string().as_bytes()).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn sv16_half_a_generation_waits_for_the_rest_instead_of_forking() {
+        let store = HashStore::default();
+        let mut c = config(2, 4);
+        c.last_call = Duration::from_millis(50);
+        c.generation = 1;
+        closed(&store, &c, &reference(1, 4).members).await;
+        c.generation = 2;
+        // Ranks 0 and 1 (node 0) saw rank 3 die; rank 2 (node 1) comes later.
+        let early = {
+            let (store, c) = (Arc::new(store.clone()) as Arc<dyn Store>, c.clone());
+            tokio::spawn(async move {
+                let (a, b) = tokio::join!(
+                    join(store.clone(), &c, member(1, 0, 4, &[3])),
+                    join(store, &c, member(1, 1, 4, &[3]))
+                );
+                (a, b)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(!early.is_finished(), "two of four closed a generation without rank 2");
+        let last = join(Arc::new(store.clone()), &c, member(1, 2, 4, &[])).await.unwrap();
+        let (a, b) = early.await.unwrap();
+        assert_eq!((a.unwrap().world_size(), b.unwrap().world_size(), last.world_size()), (3, 3, 3));
+        assert_eq!(last.rank, 2);
+    }
+
+    #[tokio::test]
+    async fn sv16_stragglers_of_an_older_generation_are_newcomers_and_cannot_form_alone() {
+        let store = HashStore::default();
+        let mut c = config(2, 4);
+        c.last_call = Duration::from_millis(50);
+        c.timeout = Duration::from_millis(500);
+        c.generation = 2;
+        // Generation 2 formed with old ranks 0 and 1 of generation 1.
+        closed(&store, &c, &[member(1, 0, 4, &[2, 3]), member(1, 1, 4, &[2, 3])]).await;
+        c.generation = 3;
+        let store: Arc<dyn Store> = Arc::new(store);
+        let (a, b) = tokio::join!(
+            join(store.clone(), &c, member(1, 2, 4, &[0, 1])),
+            join(store.clone(), &c, member(1, 3, 4, &[0, 1]))
+        );
+        let text = a.unwrap_err().to_string();
+        assert!(matches!(b, Err(ElasticError::NoQuorum { .. })), "{b:?}");
+        assert!(
+            text.contains("generation 2's 2 members") && text.contains("0 of them joined"),
+            "{text}"
+        );
+        // The running generation 2 sees them waiting, and admits them (SV-13).
+        assert_eq!(newcomers(store, &c).await.unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn sv16_a_published_exit_stands_for_the_dead_member() {
+        let store = HashStore::default();
+        let mut c = config(1, 2);
+        c.last_call = Duration::from_secs(60);
+        c.generation = 1;
+        let g1 = reference(1, 2);
+        closed(&store, &c, &g1.members).await;
+        c.generation = 2;
+        let store: Arc<dyn Store> = Arc::new(store);
+        // Rank 0 alone is half of two, and saw nothing fail: it waits ...
+        let alone = tokio::spawn({
+            let (store, c) = (store.clone(), c.clone());
+            async move { join(store, &c, member(1, 0, 2, &[])).await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!alone.is_finished());
+        // ... until rank 1's launcher publishes its exit.
+        publish_exit(store.as_ref(), &c.run_id, &g1.members[1].hostname, g1.members[1].pid)
+            .await
+            .unwrap();
+        let admitted = within(alone).await;
+        assert_eq!(admitted.unwrap().world_size(), 1);
+    }
+
+    async fn within<T>(task: tokio::task::JoinHandle<T>) -> T {
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the rendezvous did not finish within 5 s")
+            .unwrap()
     }
 
     #[test]
