@@ -180,7 +180,8 @@ fn elastic_launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize,
         .args(["launch", "--restart-policy", "worker", "--max-restarts", "2"])
         .args(["--nnodes", &format!("1:{nnodes}"), "--nproc-per-node", &nproc.to_string()])
         .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &format!("{}:29400", cluster.addr(1))])
-        .args(["--rdzv-id", "mh", "--rdzv-conf", "last_call_timeout=1", "--"])
+        .args(["--rdzv-id", "mh", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"])
+        .arg("--")
         .args(["sh", "-c", r#"exec "$0" elastic-probe --min-world "$CHORUS_MIN_WORLD" --max-world "$CHORUS_MAX_WORLD" "$@""#, CHORUS])
         .args(probe)
         .env("CHORUS_JOB_SECRET", "multihost-test");
@@ -284,4 +285,90 @@ fn mh8_a_cut_off_node_reports_at_once_and_gives_up_on_the_store_within_the_keep_
     assert!(text.contains("could not reach the job's store"), "{all}");
     // Heartbeat window (2 s), keep-alive window (2 s), stopping: well under join_timeout (600 s).
     assert!(took < std::time::Duration::from_secs(20), "took {took:?}:\n{all}");
+}
+
+/// Starts an elastic launcher per host (1..=hosts, one rank each) running
+/// `probe`, returning them in host order.
+fn start_elastic(cluster: &Cluster, hosts: usize, probe: &[&str], env: &[(&str, &str)]) -> Vec<Child> {
+    (1..=hosts)
+        .map(|host| {
+            let mut command = elastic_launcher(cluster, host, hosts, 1, probe);
+            command.envs(env.iter().copied());
+            spawn_piped(&mut command, "an elastic launcher")
+        })
+        .collect()
+}
+
+/// Waits for `children` (launchers of hosts 1, 2, ...) and returns their outputs.
+fn finish_all(children: Vec<Child>, secs: u64) -> Vec<Output> {
+    children
+        .into_iter()
+        .enumerate()
+        .map(|(i, child)| finish(child, secs, &format!("the launcher on host {}", i + 1), LAUNCHER))
+        .collect()
+}
+
+#[test]
+fn mh9_a_partitioned_host_is_left_behind_and_the_majority_goes_on() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhi", 3, &[]) else { return };
+    let env = [("CHORUS_HEARTBEAT_TIMEOUT", "2")];
+    let mut children = start_elastic(&cluster, 3, &["--iterations", "1500"], &env);
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    cluster.cut(3);
+    let cut_off = children.pop().unwrap();
+    let outputs = finish_all(children, 120);
+    let all = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
+    let cut_off = finish(cut_off, 60, "the cut-off launcher on host 3", LAUNCHER);
+    let all = format!("{all}\nhost 3:\n{}", joined(&cut_off));
+    assert!(outputs.iter().all(|o| o.status.success()), "{all}");
+    assert!(!cut_off.status.success(), "the cut-off host cannot finish alone:\n{all}");
+    let done = probe_events(&all, "done");
+    assert_eq!(done.len(), 2, "{all}");
+    assert!(done.iter().all(|l| probe_field(l, "world") == "2"), "{all}");
+}
+
+#[test]
+fn mh10_a_killed_node_leaves_a_group_that_goes_on_under_either_restart_policy() {
+    let _one = cluster::lock();
+    let Some(cluster) = Cluster::up("mhj", 3, &[]) else { return };
+    // --restart-policy worker: the survivors' group re-forms without the node.
+    let mut children = start_elastic(&cluster, 3, &["--iterations", "2500"], &[]);
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let mut killed = children.pop().unwrap();
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    let outputs = finish_all(children, 120);
+    let all = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
+    assert!(outputs.iter().all(|o| o.status.success()), "worker policy:\n{all}");
+    let done = probe_events(&all, "done");
+    assert!(
+        done.len() == 2 && done.iter().all(|l| probe_field(l, "world") == "2"),
+        "worker policy:\n{all}"
+    );
+    // --restart-policy all: the launchers restart every worker without it.
+    let start = |host: usize| {
+        let flags = ["--max-restarts", "2", "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2"];
+        let mut command = cluster.command(host, CHORUS);
+        command
+            .args(["launch", "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d"])
+            .args(["--rdzv-endpoint", &format!("{}:29401", cluster.addr(1)), "--rdzv-id", "mh10"])
+            .args(flags)
+            .args(["--", CHORUS, "elastic-probe", "--iterations", "2500"])
+            .env("CHORUS_JOB_SECRET", "multihost-test");
+        spawn_piped(&mut command, "a launcher")
+    };
+    let mut children: Vec<Child> = (1..=3).map(start).collect();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let mut killed = children.pop().unwrap();
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    let outputs = finish_all(children, 120);
+    let all = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
+    assert!(outputs.iter().all(|o| o.status.success()), "all policy:\n{all}");
+    let done = probe_events(&all, "done");
+    assert!(
+        done.len() == 2 && done.iter().all(|l| probe_field(l, "world") == "2"),
+        "all policy:\n{all}"
+    );
 }
