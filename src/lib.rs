@@ -23,6 +23,8 @@
 //! - [`netif`]: re-exported from `chorus-transports` (which address a rank
 //!   publishes, which one a peer connects to).
 //! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
+//! - `terminate`: with `CHORUS_TRACE_DIR` set, SIGTERM dumps every live
+//!   group's flight recorder before the process exits.
 //! - [`trace`]: `chorus trace DIR`, which compares the ranks' flight-recorder
 //!   dumps and names the rank(s) a stuck collective waits for.
 //! - `src/main.rs`: the `chorus` command line (`hello`, `launch`, `store ...`).
@@ -37,6 +39,7 @@ pub mod mesh;
 pub mod nccl_group;
 pub mod selftest;
 pub mod tensor;
+mod terminate;
 pub mod trace;
 
 pub use chorus_actors::driver::CollectiveError;

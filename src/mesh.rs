@@ -42,9 +42,11 @@ pub enum MeshError {
         /// Its host.
         host: String,
     },
-    /// `CHORUS_FAULTS` does not parse.
+    /// `CHORUS_FAULTS` does not parse, or names a rank outside the world.
+    // Not a `source`: the message already holds it, and printed with its
+    // chain it would say it twice.
     #[error("CHORUS_FAULTS: {0}")]
-    Faults(#[from] FaultSpecError),
+    Faults(FaultSpecError),
     /// A peer's record is not signed with this job's secret.
     #[error(
         "rank {rank} (pid {pid} on {host}) published a record not signed with this job's secret; every rank must get the same CHORUS_JOB_SECRET (chorus launch hands it out)"
@@ -102,6 +104,16 @@ impl TransportChoice {
     }
 }
 
+/// The plan in `CHORUS_FAULTS`, if set, checked against a world of `world`
+/// ranks.
+pub(crate) fn faults_from_env(world: usize) -> Result<Option<FaultPlan>, MeshError> {
+    let plan = FaultPlan::from_env().map_err(MeshError::Faults)?;
+    if let Some(plan) = &plan {
+        plan.check_world(world).map_err(MeshError::Faults)?;
+    }
+    Ok(plan)
+}
+
 /// Outgoing ring size per peer: a whole 64 MiB bucket in one record for a
 /// few local peers, less per peer for many, so a rank maps at most ~256 MiB.
 fn shm_capacity(local_peers: usize) -> usize {
@@ -141,10 +153,11 @@ fn quic_extra(record: &PeerRecord) -> Option<(u16, Fingerprint)> {
 
 impl MeshPlan {
     /// Makes the identity and endpoint, on loopback with loopback tuning when
-    /// the whole job is on this host, on every interface otherwise.
-    pub(crate) fn prepare(rank: usize, single_host: bool) -> Result<Self, MeshError> {
+    /// the whole job is on this host, on every interface otherwise; ranks
+    /// are below `world` (the fault plan is checked against it).
+    pub(crate) fn prepare(rank: usize, world: usize, single_host: bool) -> Result<Self, MeshError> {
         let choice = TransportChoice::from_env()?;
-        let faults = FaultPlan::from_env()?;
+        let faults = faults_from_env(world)?;
         let secret = JobSecret::from_env();
         if secret.is_none() {
             static WARN: Once = Once::new();

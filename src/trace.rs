@@ -1380,7 +1380,10 @@ mod tests {
         );
         assert!(stuck(&report).failed);
         let text = report.to_string();
-        assert!(text.contains("#9 all_gather(2 x float32) failed after 30.0 s"), "{text}");
+        assert!(
+            text.contains("#9 all_gather(2 x float32) failed after 30.0 s"),
+            "{text}"
+        );
         assert_eq!(text.matches("timed out after 30s").count(), 1, "{text}");
         // Completed by one side only.
         let completes = |r: &mut FlightRecorder| {
@@ -1470,12 +1473,19 @@ mod tests {
             .collect();
         let text = analyze(&dumps).unwrap().to_string();
         for line in text.lines().skip(1) {
-            assert!(line.chars().count() <= REPORT_WIDTH, "{} columns: {line:?}\n{text}", line.chars().count());
+            assert!(
+                line.chars().count() <= REPORT_WIDTH,
+                "{} columns: {line:?}\n{text}",
+                line.chars().count()
+            );
         }
         assert_eq!(text.matches("pidfd").count(), 1, "each reason once:\n{text}");
         assert!(text.contains("[1] group aborted: rank 5"), "{text}");
         let row = text.lines().find(|l| l.trim_start().starts_with("7 ")).unwrap();
-        assert!(row.contains("[1]") && row.contains("#40 reduce_scatter"), "{row}\n{text}");
+        assert!(
+            row.contains("[1]") && row.contains("#40 reduce_scatter"),
+            "{row}\n{text}"
+        );
         let missing = text.lines().find(|l| l.trim_start().starts_with("5 ")).unwrap();
         assert!(missing.ends_with("no dump (killed or frozen?)"), "{missing}\n{text}");
     }

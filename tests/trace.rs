@@ -103,7 +103,11 @@ fn trace_names_the_frozen_rank_and_the_last_completed_operations() {
     for line in text.lines().skip(1).filter(|l| !l.starts_with("unreadable: ")) {
         assert!(line.chars().count() <= 100, "too wide: {line:?}\n{text}");
     }
-    assert_eq!(text.lines().filter(|l| l.starts_with("[1] timeout")).count(), 1, "{text}");
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("[1] timeout")).count(),
+        1,
+        "{text}"
+    );
     assert!(!text.contains("[2]"), "one reason, one footnote:\n{text}");
     assert!(text.contains("ignored the dumps of rank 0 of generation 1"), "{text}");
     assert!(

@@ -642,7 +642,8 @@ mod tests {
             let err = FaultPlan::parse(spec).unwrap().check_world(2).unwrap_err();
             assert_eq!(err.rule, spec, "{err}");
             assert!(
-                err.reason.contains(&format!("rank {rank} is out of range for world size 2")),
+                err.reason
+                    .contains(&format!("rank {rank} is out of range for world size 2")),
                 "{spec}: {err}"
             );
         }
