@@ -1,10 +1,10 @@
 //! Building a group's links: which transport each peer gets, what a rank
 //! publishes for it, and checking what peers published.
 //!
-//! Before rendezvous, [`MeshPlan::prepare`] makes this rank's QUIC identity
+//! Before rendezvous, `MeshPlan::prepare` makes this rank's QUIC identity
 //! and endpoint, its shared-memory endpoint, and the extras to publish
 //! (`quic`: port and certificate fingerprint; `shm`: the ring nonce; `mac`:
-//! the record's HMAC under the job secret). After it, [`MeshPlan::connect`]
+//! the record's HMAC under the job secret). After it, `MeshPlan::connect`
 //! verifies every peer's signature, picks each peer's path (`auto`: shared
 //! memory with peers on this host, QUIC with the others), connects, then
 //! wraps the links with `CHORUS_FAULTS`.
