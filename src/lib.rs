@@ -50,11 +50,11 @@ mod terminate;
 pub mod trace;
 
 pub use chorus_actors::driver::CollectiveError;
+pub use chorus_actors::nccl;
+pub use chorus_actors::nccl::NcclOp;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
 pub use chorus_runtime::collective::{DType, ReduceOp};
 pub use chorus_runtime::{rendezvous, store};
-pub use chorus_actors::nccl;
-pub use chorus_actors::nccl::NcclOp;
 pub use chorus_transports::{fault, link, netif};
 pub use collectives::Work;
 pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError};

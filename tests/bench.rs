@@ -43,7 +43,6 @@ fn data_rows(table: &str) -> Vec<Vec<&str>> {
         .collect()
 }
 
-
 #[test]
 fn all_reduce_table_matches_nccl_tests_and_checks_every_element() {
     let out = bench(

@@ -49,7 +49,10 @@ fn with_env<T>(vars: &[(&str, Option<&str>)], body: impl FnOnce() -> T) -> T {
 }
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// The error of forming a 2-rank group in process under `vars`.
@@ -125,13 +128,20 @@ fn a_killed_in_process_rank_fails_its_peers() {
     for rank in [0, 1] {
         match &results[rank] {
             Err(CollectiveError::GroupAborted(aborted)) => {
-                assert!(aborted.failed_ranks.contains(&2), "rank {rank} blames rank 2: {aborted}")
+                assert!(
+                    aborted.failed_ranks.contains(&2),
+                    "rank {rank} blames rank 2: {aborted}"
+                )
             }
             other => panic!("rank {rank} must see the group aborted: {other:?}"),
         }
     }
     // Closed links are noticed at once, not at the heartbeat window.
-    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
 }
 
 #[test]
@@ -164,7 +174,16 @@ fn the_readme_fault_example_ends_in_a_detected_failure() {
     let started = Instant::now();
     let output = common::run(
         Command::new(CHORUS)
-            .args(["launch", "--nproc-per-node", "4", "--", CHORUS, "fault-probe", "--seconds", "120"])
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "4",
+                "--",
+                CHORUS,
+                "fault-probe",
+                "--seconds",
+                "120",
+            ])
             .env(
                 "CHORUS_FAULTS",
                 "seed=7; drop(0->1, p=0.1); kill(rank=2, after_frames=50)",

@@ -85,7 +85,16 @@ fn every_survivor_dumps_under_chorus_launch() {
         let dir = tempfile::tempdir().unwrap();
         let (ok, job) = run(
             Command::new(CHORUS)
-                .args(["launch", "--nproc-per-node", "4", "--", CHORUS, "fault-probe", "--seconds", "120"])
+                .args([
+                    "launch",
+                    "--nproc-per-node",
+                    "4",
+                    "--",
+                    CHORUS,
+                    "fault-probe",
+                    "--seconds",
+                    "120",
+                ])
                 .env("CHORUS_FAULTS", "kill(rank=2, after_frames=50)")
                 .env_remove("CHORUS_TRANSPORT")
                 .env("CHORUS_TRACE_DIR", dir.path()),

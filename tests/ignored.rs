@@ -14,7 +14,9 @@ fn test_functions(source: &str) -> Vec<(String, String, String)> {
     let mut rest = source;
     while let Some(at) = ["#[test]", "#[tokio::test"].iter().filter_map(|a| rest.find(a)).min() {
         let from_attributes = &rest[at..];
-        let Some(fn_at) = from_attributes.find("fn ") else { break };
+        let Some(fn_at) = from_attributes.find("fn ") else {
+            break;
+        };
         let attributes = from_attributes[..fn_at].to_string();
         let after = &from_attributes[fn_at + 3..];
         let name: String = after.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
@@ -51,7 +53,10 @@ fn tests_that_need_torch_or_a_gpu_are_ignored_with_the_reason() {
                 attributes.contains(&format!("#[ignore = \"{needs}")),
                 "{file}: {name} {needs}: mark it #[ignore = \"{needs} ...\"]"
             );
-            assert!(name.starts_with(prefix), "{file}: {name} must be named {prefix}* to be selected");
+            assert!(
+                name.starts_with(prefix),
+                "{file}: {name} must be named {prefix}* to be selected"
+            );
             checked.push(name);
         }
     }

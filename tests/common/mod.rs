@@ -68,7 +68,10 @@ pub(crate) fn require_torch() {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    assert!(ok, "this test needs torch, which python3 cannot import: `pip install torch==2.15.0`");
+    assert!(
+        ok,
+        "this test needs torch, which python3 cannot import: `pip install torch==2.15.0`"
+    );
 }
 
 /// A process's stdout and stderr, labelled.
