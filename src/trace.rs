@@ -983,9 +983,13 @@ impl fmt::Display for Report {
                     "no dump (killed or frozen?)".into(),
                 ],
                 Some(state) => {
-                    let mut why = vec![refer(&state.reason)];
+                    // "aborted on rank 3: rank 2 is gone" is one reason for
+                    // every rank: the row already says which rank.
+                    let own = format!(" on rank {}:", row.rank);
+                    let shared = |text: &str| text.replacen(&own, ":", 1);
+                    let mut why = vec![refer(&shared(&state.reason))];
                     if let Some(EntryState::Failed(error)) = state.current.as_ref().map(|e| &e.state) {
-                        let error = refer(error);
+                        let error = refer(&shared(error));
                         if !why.contains(&error) {
                             why.push(error);
                         }
@@ -1452,12 +1456,16 @@ mod tests {
 
     #[test]
     fn the_table_fits_a_terminal_and_says_each_reason_once() {
-        let reason = "group aborted: rank 5 (pid 4242 on a-rather-long-host-name.example.com) died: \
-                      its process exited, seen through its pidfd; every pending operation failed";
-        let waits = |r: &mut FlightRecorder| {
-            let id = r.record_scheduled(41, op("reduce_scatter", 123_456_789), at(1_000));
-            r.record_started(id, at(1_000));
-            r.record_failed(id, at(31_000), reason);
+        let reason = |r: usize| {
+            format!(
+                "process group (generation 0) aborted on rank {r}: rank 5 (pid 4242 on \
+                 a-rather-long-host-name.example.com) died: its process exited, seen through its pidfd"
+            )
+        };
+        let waits = |recorder: &mut FlightRecorder, r: usize| {
+            let id = recorder.record_scheduled(41, op("reduce_scatter", 123_456_789), at(1_000));
+            recorder.record_started(id, at(1_000));
+            recorder.record_failed(id, at(31_000), reason(r));
         };
         let dumps: Vec<RankDump> = (0..8)
             .filter(|&r| r != 5)
@@ -1467,8 +1475,8 @@ mod tests {
                     let id = recorder.record_scheduled(seq, op("reduce_scatter", 123_456_789), at(seq * 10));
                     recorder.record_completed(id, at(seq * 10 + 1));
                 }
-                waits(&mut recorder);
-                recorder.dump(r, 8, 0, reason, at(40_000))
+                waits(&mut recorder, r);
+                recorder.dump(r, 8, 0, &reason(r), at(40_000))
             })
             .collect();
         let text = analyze(&dumps).unwrap().to_string();
@@ -1480,7 +1488,10 @@ mod tests {
             );
         }
         assert_eq!(text.matches("pidfd").count(), 1, "each reason once:\n{text}");
-        assert!(text.contains("[1] group aborted: rank 5"), "{text}");
+        assert!(
+            text.contains("[1] process group (generation 0) aborted: rank 5"),
+            "the ranks' reasons differ only in the rank, which the rows say:\n{text}"
+        );
         let row = text.lines().find(|l| l.trim_start().starts_with("7 ")).unwrap();
         assert!(
             row.contains("[1]") && row.contains("#40 reduce_scatter"),
