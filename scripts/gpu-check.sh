@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check of chorus's NCCL backend: tests/nccl.rs with real devices
-# required (CHORUS_REQUIRE_GPU=1), examples/nccl_all_reduce, and
+# The GPU check of chorus's NCCL backend: tests/nccl.rs with its ignored
+# gpu_ tests included (they fail without a device), examples/nccl_all_reduce, and
 # `chorus launch --nproc-per-node <GPUs> -- chorus selftest --backend nccl`
 # (one process per GPU, as torchrun runs them), each under a timeout, then a
 # compact summary. Exit status: the number of failed checks.
@@ -89,8 +89,8 @@ fi
 
 # 4. The tests, GPU ones required.
 log=target/gpu-check/tests.log
-CHORUS_REQUIRE_GPU=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout "$STEP_TIMEOUT" \
-    "$BIN/nccl-tests" --test-threads=1 --nocapture >"$log" 2>&1
+NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout "$STEP_TIMEOUT" \
+    "$BIN/nccl-tests" --include-ignored --test-threads=1 --nocapture >"$log" 2>&1
 status=$?
 grep -E -A1 'panicked' "$log" | grep -v -e '^--' -e 'panicked' | sort -u | head -n 10
 grep -E '^test .*(ok|FAILED)$|test result|skipping|abandoned' "$log" | tail -n 20

@@ -295,6 +295,7 @@ impl Base {
                 opened,
                 LinkSource::Mesh {
                     single_host: self.single_host,
+                    world: self.max_world,
                 },
                 &self.options,
             )

@@ -30,6 +30,7 @@ use chorus_runtime::rendezvous::{
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use chorus_runtime::store::{HashStore, PrefixStore};
+use chorus_transports::fault::wrap_links;
 use chorus_transports::link::Link;
 use chorus_transports::local::local_mesh;
 use chorus_transports::netif::{self, NetifError};
@@ -38,7 +39,7 @@ use chorus_transports::scoped::ScopedLink;
 use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 
-use crate::mesh::{MeshError, MeshPlan};
+use crate::mesh::{MeshError, MeshPlan, TransportChoice, faults_from_env};
 
 /// Why a group could not be formed.
 #[derive(Debug, Error)]
@@ -223,6 +224,8 @@ pub struct ProcessGroup {
     subgroups: AtomicU32,
     /// Kept alive for the links' connections (none for in-process groups).
     _endpoint: Option<QuicEndpoint>,
+    /// Has the group dump its recorder on SIGTERM (with a trace directory).
+    _on_sigterm: Option<crate::terminate::Registration>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -271,8 +274,9 @@ fn overrides() -> Result<Overrides, InitError> {
 
 /// Where a group's links come from.
 pub(crate) enum LinkSource {
-    /// The QUIC mesh, set up on the rank's arbiter.
-    Mesh { single_host: bool },
+    /// The QUIC mesh, set up on the rank's arbiter; `world` bounds the
+    /// ranks of every generation (the fault plan is checked against it).
+    Mesh { single_host: bool, world: usize },
     /// In-process links made by [`spawn`].
     Local(Vec<Option<Arc<dyn Link>>>),
 }
@@ -284,7 +288,8 @@ pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, In
     let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
     let opened = rendezvous::open_store(&config, options.timeout).await?;
     let single_host = single_host(&config).await;
-    form(config, opened, LinkSource::Mesh { single_host }, &options).await
+    let world = config.world_size;
+    form(config, opened, LinkSource::Mesh { single_host, world }, &options).await
 }
 
 /// Whether the whole job is on this host: its store is on loopback, or is
@@ -327,9 +332,10 @@ pub(crate) async fn form(
         extras: Vec::new(),
     };
     let (membership, endpoint, links) = match source {
-        LinkSource::Mesh { single_host } => {
+        LinkSource::Mesh { single_host, world } => {
             let (rank, timeout) = (config.rank, options.timeout);
-            let plan = on_arbiter(&arbiter, async move { MeshPlan::prepare(rank, single_host, timeout) }).await??;
+            let plan =
+                on_arbiter(&arbiter, async move { MeshPlan::prepare(rank, world, single_host, timeout) }).await??;
             plan.publish(&mut record, &config.run_id, config.generation);
             let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
             let (known, run_id, timeout) = (membership.clone(), config.run_id.clone(), options.timeout);
@@ -431,10 +437,23 @@ async fn start_rank(
     };
     let supervision = Arc::new(Supervision::new(rank, generation, mode, links.clone()));
     let actor_supervision = supervision.clone();
+    // With a trace directory, SIGTERM (a launcher stopping the job) dumps
+    // the recorder before the process exits (crate::terminate).
+    let (dump_notice, dumped) = watch::channel(false);
+    let dumps = trace_dir.is_some();
     let actor = RankActor::start_in_arbiter(&arbiter.handle(), move |_| {
-        RankActor::new(rank, actor_links, collective_timeout, overrides, actor_supervision)
-            .with_flight_recorder(flight, trace_dir, generation)
+        let actor = RankActor::new(rank, actor_links, collective_timeout, overrides, actor_supervision)
+            .with_flight_recorder(flight, trace_dir, generation);
+        if dumps {
+            actor.with_dump_notice(dump_notice)
+        } else {
+            actor
+        }
     });
+    let on_sigterm = match dumps {
+        true => Some(crate::terminate::register(supervision.clone(), actor.clone(), dumped)?),
+        false => None,
+    };
     let (stop_supervision, stop) = watch::channel(false);
     let peers = (0..links.len()).filter(|&r| r != rank);
     let monitor = SharedMonitor::new(HeartbeatMonitor::new(peers, window, std::time::Instant::now()));
@@ -498,6 +517,7 @@ async fn start_rank(
         options: options.clone(),
         subgroups: AtomicU32::new(0),
         _endpoint: endpoint,
+        _on_sigterm: on_sigterm,
     })
 }
 
@@ -517,14 +537,29 @@ where
 
 /// [`spawn`] with `options` for every rank (timeouts, heartbeat window,
 /// error handling); their init method, rank and world size are ignored.
+///
+/// The environment is read as by rank processes: `CHORUS_FAULTS` injects
+/// faults into the in-process links (`kill` closes every link of the rank),
+/// and a bad `CHORUS_FAULTS` or `CHORUS_TRANSPORT` is an error. The ranks
+/// talk over in-process links whatever transport `CHORUS_TRANSPORT` names.
 pub async fn spawn_with<T, F, Fut>(world: usize, options: InitOptions, body: F) -> Result<Vec<T>, InitError>
 where
     T: Send + 'static,
     F: Fn(ProcessGroup) -> Fut,
     Fut: std::future::Future<Output = T> + Send + 'static,
 {
+    if TransportChoice::from_env()? != TransportChoice::Auto {
+        tracing::debug!("CHORUS_TRANSPORT applies to rank processes; chorus::spawn's ranks use in-process links");
+    }
+    let faults = faults_from_env(world)?;
     let store: Arc<dyn Store> = Arc::new(HashStore::default());
-    let mut meshes = local_mesh(world).into_iter();
+    let mut meshes = local_mesh(world)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, links)| match &faults {
+            Some(plan) => wrap_links(rank, links, plan.clone()),
+            None => links,
+        });
     let mut groups = Vec::with_capacity(world);
     let mut forming = Vec::with_capacity(world);
     for rank in 0..world {

@@ -18,14 +18,23 @@
 //!   rank (`chorus selftest`).
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
-//! - [`bench`]: `chorus bench` measurements.
+//! - [`bench`](mod@bench): `chorus bench` measurements.
 //! - [`store`], [`rendezvous`]: re-exported from `chorus-runtime`.
 //! - [`netif`]: re-exported from `chorus-transports` (which address a rank
 //!   publishes, which one a peer connects to).
 //! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
+//! - `terminate`: with `CHORUS_TRACE_DIR` set, SIGTERM dumps every live
+//!   group's flight recorder before the process exits.
 //! - [`trace`]: `chorus trace DIR`, which compares the ranks' flight-recorder
 //!   dumps and names the rank(s) a stuck collective waits for.
+//! - [`nccl`]: the NCCL backend of `chorus-actors` ([`NcclOp`], `CudaBackend`,
+//!   `NcclGroup`), re-exported for [`init_nccl_group`]'s users.
 //! - `src/main.rs`: the `chorus` command line (`hello`, `launch`, `store ...`).
+
+/// The README's code blocks, compiled and run as doc-tests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 
 pub mod bench;
 pub mod collectives;
@@ -37,9 +46,12 @@ pub mod mesh;
 pub mod nccl_group;
 pub mod selftest;
 pub mod tensor;
+mod terminate;
 pub mod trace;
 
 pub use chorus_actors::driver::CollectiveError;
+pub use chorus_actors::nccl;
+pub use chorus_actors::nccl::NcclOp;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
 pub use chorus_runtime::collective::{DType, ReduceOp};
 pub use chorus_runtime::{rendezvous, store};

@@ -1,12 +1,12 @@
 //! Building a group's links: which transport each peer gets, what a rank
 //! publishes for it, and checking what peers published.
 //!
-//! Before rendezvous, [`MeshPlan::prepare`] makes this rank's QUIC identity
+//! Before rendezvous, `MeshPlan::prepare` makes this rank's QUIC identity
 //! and endpoint, its shared-memory endpoint, and the extras to publish
 //! (`quic`: port and certificate fingerprint; `shm`: the ring nonce; `mac`:
-//! the record's HMAC under the job secret). After it, [`MeshPlan::connect`]
+//! the record's HMAC under the job secret). After it, `MeshPlan::connect`
 //! verifies every peer's signature, picks each peer's path (`auto`: shared
-//! memory with peers that mount the same `/dev/shm`, QUIC with the others), connects, then
+//! memory with peers that share `/dev/shm`, QUIC with the others), connects, then
 //! wraps the links with `CHORUS_FAULTS`.
 
 use std::net::{IpAddr, SocketAddr};
@@ -44,9 +44,11 @@ pub enum MeshError {
         /// Its host.
         host: String,
     },
-    /// `CHORUS_FAULTS` does not parse.
+    /// `CHORUS_FAULTS` does not parse, or names a rank outside the world.
+    // Not a `source`: the message already holds it, and printed with its
+    // chain it would say it twice.
     #[error("CHORUS_FAULTS: {0}")]
-    Faults(#[from] FaultSpecError),
+    Faults(FaultSpecError),
     /// A peer's record is not signed with this job's secret.
     #[error(
         "rank {rank} (pid {pid} on {host}) published a record not signed with this job's secret; every rank must get the same CHORUS_JOB_SECRET (chorus launch hands it out)"
@@ -104,6 +106,16 @@ impl TransportChoice {
     }
 }
 
+/// The plan in `CHORUS_FAULTS`, if set, checked against a world of `world`
+/// ranks.
+pub(crate) fn faults_from_env(world: usize) -> Result<Option<FaultPlan>, MeshError> {
+    let plan = FaultPlan::from_env().map_err(MeshError::Faults)?;
+    if let Some(plan) = &plan {
+        plan.check_world(world).map_err(MeshError::Faults)?;
+    }
+    Ok(plan)
+}
+
 /// Outgoing ring size per peer: a whole 64 MiB bucket in one record for a
 /// few local peers, less per peer for many, so a rank maps at most ~256 MiB.
 fn shm_capacity(local_peers: usize) -> usize {
@@ -143,10 +155,17 @@ fn quic_extra(record: &PeerRecord) -> Option<(u16, Fingerprint)> {
 
 impl MeshPlan {
     /// Makes the identity and endpoint, on loopback with loopback tuning when
-    /// the whole job is on this host, on every interface otherwise.
-    pub(crate) fn prepare(rank: usize, single_host: bool, timeout: Duration) -> Result<Self, MeshError> {
+    /// the whole job is on this host, on every interface otherwise; ranks
+    /// are below `world` (the fault plan is checked against it); the mesh
+    /// must form within `timeout`.
+    pub(crate) fn prepare(
+        rank: usize,
+        world: usize,
+        single_host: bool,
+        timeout: Duration,
+    ) -> Result<Self, MeshError> {
         let choice = TransportChoice::from_env()?;
-        let faults = FaultPlan::from_env()?;
+        let faults = faults_from_env(world)?;
         let secret = JobSecret::from_env();
         if secret.is_none() {
             static WARN: Once = Once::new();

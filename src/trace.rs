@@ -642,7 +642,8 @@ fn human(duration: Duration) -> String {
     }
 }
 
-/// The "in flight" cell: `#41 all_reduce(...) failed after 30.0 s: timed out`.
+/// The "in flight" cell: `#41 all_reduce(...) failed after 30.0 s`; the
+/// error itself goes to the table's list of reasons.
 fn current_cell(state: &RankState) -> String {
     let Some(entry) = &state.current else {
         return "-".to_string();
@@ -650,10 +651,32 @@ fn current_cell(state: &RankState) -> String {
     let took = state.current_for.map(human).unwrap_or_else(|| "?".to_string());
     let what = format!("#{} {}", entry.seq, entry.op);
     match &entry.state {
-        EntryState::Failed(error) => format!("{what} failed after {took}: {error}"),
+        EntryState::Failed(_) => format!("{what} failed after {took}"),
         EntryState::Scheduled => format!("{what} queued for {took}, not started"),
         _ => format!("{what} running for {took}"),
     }
+}
+
+/// The widest line the text report prints (besides the verdict, which
+/// stays one line for scripts): it fits a terminal.
+pub const REPORT_WIDTH: usize = 100;
+
+/// `text` in lines of at most `width` characters, broken at spaces (a word
+/// longer than a line stands alone).
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.chars().count() + 1 + word.chars().count() > width {
+            lines.push(std::mem::take(&mut line));
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    lines.push(line);
+    lines
 }
 
 impl Report {
@@ -936,46 +959,89 @@ impl fmt::Display for Report {
             "\ngeneration {}, world size {}: {dumped} of {} ranks dumped",
             self.generation, self.world, self.world
         )?;
+        // Each distinct reason (why a rank dumped, why its operation
+        // failed) is printed once under the table; rows refer to it by number.
+        let mut reasons: Vec<String> = Vec::new();
+        let mut refer = |text: &str| {
+            let index = match reasons.iter().position(|r| r == text) {
+                Some(index) => index,
+                None => {
+                    reasons.push(text.to_string());
+                    reasons.len() - 1
+                }
+            };
+            format!("[{}]", index + 1)
+        };
         let rows: Vec<[String; 4]> = self
             .ranks
             .iter()
             .map(|row| match &row.dump {
                 None => [
                     row.rank.to_string(),
+                    String::new(),
+                    String::new(),
                     "no dump (killed or frozen?)".into(),
-                    String::new(),
-                    String::new(),
                 ],
-                Some(state) => [
-                    row.rank.to_string(),
-                    state
-                        .last_completed
-                        .as_ref()
-                        .map_or_else(|| "-".to_string(), |e| format!("#{} {}", e.seq, e.op)),
-                    current_cell(state),
-                    state.reason.clone(),
-                ],
+                Some(state) => {
+                    // "aborted on rank 3: rank 2 is gone" is one reason for
+                    // every rank: the row already says which rank.
+                    let own = format!(" on rank {}:", row.rank);
+                    let shared = |text: &str| text.replacen(&own, ":", 1);
+                    let mut why = vec![refer(&shared(&state.reason))];
+                    if let Some(EntryState::Failed(error)) = state.current.as_ref().map(|e| &e.state) {
+                        let error = refer(&shared(error));
+                        if !why.contains(&error) {
+                            why.push(error);
+                        }
+                    }
+                    [
+                        row.rank.to_string(),
+                        why.join(" "),
+                        state
+                            .last_completed
+                            .as_ref()
+                            .map_or_else(|| "-".to_string(), |e| format!("#{} {}", e.seq, e.op.kind)),
+                        current_cell(state),
+                    ]
+                }
             })
             .collect();
-        let header = ["rank", "last completed", "in flight", "dumped because"].map(String::from);
-        let mut widths = [0; 4];
+        let header = ["rank", "why", "last completed", "in flight"].map(String::from);
+        let mut widths = [0; 3];
         for row in std::iter::once(&header).chain(&rows) {
             for (width, cell) in widths.iter_mut().zip(row) {
                 *width = (*width).max(cell.chars().count());
             }
         }
+        // The last column takes what is left of the line and wraps in it.
+        let indent = widths.iter().sum::<usize>() + 2 * widths.len();
+        let last = REPORT_WIDTH.saturating_sub(indent).max(20);
         for row in std::iter::once(&header).chain(&rows) {
-            let line = format!(
-                "{:>w0$}  {:<w1$}  {:<w2$}  {}",
+            let first = format!(
+                "{:>w0$}  {:<w1$}  {:<w2$}  ",
                 row[0],
                 row[1],
                 row[2],
-                row[3],
                 w0 = widths[0],
                 w1 = widths[1],
                 w2 = widths[2]
             );
-            writeln!(f, "{}", line.trim_end())?;
+            let mut cell = wrap(&row[3], last).into_iter();
+            let head = cell.next().unwrap_or_default();
+            writeln!(f, "{}", format!("{first}{head}").trim_end())?;
+            for more in cell {
+                writeln!(f, "{:indent$}{more}", "")?;
+            }
+        }
+        if !reasons.is_empty() {
+            writeln!(f)?;
+        }
+        for (i, reason) in reasons.iter().enumerate() {
+            let label = format!("[{}] ", i + 1);
+            for (j, line) in wrap(reason, REPORT_WIDTH - label.len()).iter().enumerate() {
+                let lead = if j == 0 { label.as_str() } else { "" };
+                writeln!(f, "{lead:w$}{line}", w = label.len())?;
+            }
         }
         for note in &self.notes {
             writeln!(f, "note: {note}")?;
@@ -1319,9 +1385,10 @@ mod tests {
         assert!(stuck(&report).failed);
         let text = report.to_string();
         assert!(
-            text.contains("#9 all_gather(2 x float32) failed after 30.0 s: timed out after 30s"),
+            text.contains("#9 all_gather(2 x float32) failed after 30.0 s"),
             "{text}"
         );
+        assert_eq!(text.matches("timed out after 30s").count(), 1, "{text}");
         // Completed by one side only.
         let completes = |r: &mut FlightRecorder| {
             let id = r.record_scheduled(9, op("all_gather", 2), at(1_000));
@@ -1385,6 +1452,53 @@ mod tests {
                 .and_then(Value::as_u64),
             Some(30_000)
         );
+    }
+
+    #[test]
+    fn the_table_fits_a_terminal_and_says_each_reason_once() {
+        let reason = |r: usize| {
+            format!(
+                "process group (generation 0) aborted on rank {r}: rank 5 (pid 4242 on \
+                 a-rather-long-host-name.example.com) died: its process exited, seen through its pidfd"
+            )
+        };
+        let waits = |recorder: &mut FlightRecorder, r: usize| {
+            let id = recorder.record_scheduled(41, op("reduce_scatter", 123_456_789), at(1_000));
+            recorder.record_started(id, at(1_000));
+            recorder.record_failed(id, at(31_000), reason(r));
+        };
+        let dumps: Vec<RankDump> = (0..8)
+            .filter(|&r| r != 5)
+            .map(|r| {
+                let mut recorder = FlightRecorder::new(flight::DEFAULT_CAPACITY);
+                for seq in 0..41 {
+                    let id = recorder.record_scheduled(seq, op("reduce_scatter", 123_456_789), at(seq * 10));
+                    recorder.record_completed(id, at(seq * 10 + 1));
+                }
+                waits(&mut recorder, r);
+                recorder.dump(r, 8, 0, &reason(r), at(40_000))
+            })
+            .collect();
+        let text = analyze(&dumps).unwrap().to_string();
+        for line in text.lines().skip(1) {
+            assert!(
+                line.chars().count() <= REPORT_WIDTH,
+                "{} columns: {line:?}\n{text}",
+                line.chars().count()
+            );
+        }
+        assert_eq!(text.matches("pidfd").count(), 1, "each reason once:\n{text}");
+        assert!(
+            text.contains("[1] process group (generation 0) aborted: rank 5"),
+            "the ranks' reasons differ only in the rank, which the rows say:\n{text}"
+        );
+        let row = text.lines().find(|l| l.trim_start().starts_with("7 ")).unwrap();
+        assert!(
+            row.contains("[1]") && row.contains("#40 reduce_scatter"),
+            "{row}\n{text}"
+        );
+        let missing = text.lines().find(|l| l.trim_start().starts_with("5 ")).unwrap();
+        assert!(missing.ends_with("no dump (killed or frozen?)"), "{missing}\n{text}");
     }
 
     #[test]

@@ -43,11 +43,6 @@ fn data_rows(table: &str) -> Vec<Vec<&str>> {
         .collect()
 }
 
-/// Whether the Gloo comparison can run; says so when it skips.
-fn torch_available() -> bool {
-    common::torch_available("the Gloo comparison test")
-}
-
 #[test]
 fn all_reduce_table_matches_nccl_tests_and_checks_every_element() {
     let out = bench(
@@ -238,10 +233,9 @@ fn a_transport_the_mesh_rejects_is_reported() {
 }
 
 #[test]
-fn compare_gloo_adds_the_ratio_columns() {
-    if !torch_available() {
-        return;
-    }
+#[ignore = "needs PyTorch (python3 -c 'import torch'); run: cargo test --workspace --release -- --ignored torch_"]
+fn torch_compare_gloo_adds_the_ratio_columns() {
+    common::require_torch();
     let out = bench(
         &[
             "--op",

@@ -1,7 +1,9 @@
 //! chorus and PyTorch (2.15) share the TCPStore wire protocol in both
 //! directions: PyTorch's client gets the same answers from a chorus server as
 //! from PyTorch's own, and chorus's client gets the same answers from
-//! PyTorch's server as from chorus's. Skips, saying so, when torch is absent.
+//! PyTorch's server as from chorus's. Ignored by default (`cargo test` lists
+//! them as ignored, with the reason); `-- --ignored torch_` runs them, and
+//! then they fail without torch.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -15,11 +17,6 @@ mod common;
 use common::within;
 
 const SCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python");
-
-/// Whether the tests can run; says so when they skip.
-fn torch_available() -> bool {
-    common::torch_available("the interop tests")
-}
 
 /// PyTorch's own server, in a Python process that lives while `Child` does.
 async fn pytorch_server() -> (Child, u16) {
@@ -72,10 +69,9 @@ async fn chorus_server() -> TcpStoreServer {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pytorch_client_gets_the_same_answers_from_chorus_as_from_pytorch() {
-    if !torch_available() {
-        return;
-    }
+#[ignore = "needs PyTorch (python3 -c 'import torch'); run: cargo test --workspace --release -- --ignored torch_"]
+async fn torch_pytorch_client_gets_the_same_answers_from_chorus_as_from_pytorch() {
+    common::require_torch();
     within(120, "pytorch client transcripts", async {
         let (_python_server, port) = pytorch_server().await;
         let reference = pytorch_transcript(port).await;
@@ -155,10 +151,9 @@ async fn chorus_transcript(port: u16) -> Vec<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chorus_client_gets_the_same_answers_from_pytorch_as_from_chorus() {
-    if !torch_available() {
-        return;
-    }
+#[ignore = "needs PyTorch (python3 -c 'import torch'); run: cargo test --workspace --release -- --ignored torch_"]
+async fn torch_chorus_client_gets_the_same_answers_from_pytorch_as_from_chorus() {
+    common::require_torch();
     within(120, "chorus client transcripts", async {
         let (_python_server, port) = pytorch_server().await;
         let reference = chorus_transcript(port).await;
@@ -171,10 +166,9 @@ async fn chorus_client_gets_the_same_answers_from_pytorch_as_from_chorus() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn keys_written_by_one_side_are_read_by_the_other() {
-    if !torch_available() {
-        return;
-    }
+#[ignore = "needs PyTorch (python3 -c 'import torch'); run: cargo test --workspace --release -- --ignored torch_"]
+async fn torch_keys_written_by_one_side_are_read_by_the_other() {
+    common::require_torch();
     within(120, "cross reads", async {
         let server = chorus_server().await;
         let port = server.local_addr().port();

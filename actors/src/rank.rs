@@ -98,6 +98,8 @@ pub struct RankActor {
     generation: u64,
     supervision: Arc<Supervision>,
     dumped: bool,
+    /// Turned true once the group broke and the recorder was dumped.
+    dump_notice: Option<tokio::sync::watch::Sender<bool>>,
 }
 
 /// Tells the actor its group was aborted from outside an operation (by the
@@ -131,6 +133,7 @@ impl RankActor {
             generation: 0,
             supervision,
             dumped: false,
+            dump_notice: None,
         }
     }
 
@@ -143,11 +146,21 @@ impl RankActor {
         self
     }
 
+    /// Turns `notice` true once the group broke and the recorder was dumped,
+    /// for a process that must not exit before (a SIGTERM that aborts it).
+    pub fn with_dump_notice(mut self, notice: tokio::sync::watch::Sender<bool>) -> Self {
+        self.dump_notice = Some(notice);
+        self
+    }
+
     /// The group broke (RA-4, RA-6): dump the recorder once, and in
     /// tear-down mode leave the process.
     fn broke(&mut self, reason: &str) {
         if !std::mem::replace(&mut self.dumped, true) {
             self.dump_flight_recorder(reason);
+        }
+        if let Some(notice) = &self.dump_notice {
+            notice.send_replace(true);
         }
         if self.supervision.mode() == ErrorHandling::TearDown {
             eprintln!(

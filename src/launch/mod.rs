@@ -43,7 +43,7 @@
 //! `--nproc-per-node`. A node whose worker fails past its `--max-restarts`
 //! ends the job for every node; the job succeeds once every node of the
 //! current round has seen all its workers succeed. The rules and keys are in
-//! [`nodes`] (rules 6-10); [`run_elastic_round`] drives them.
+//! [`nodes`] (rules 6-10); `run_elastic_round` drives them.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -60,19 +60,19 @@ pub(crate) fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
 }
 
-/// Whether python3 can import `torch.distributed`; when not, says which
-/// tests skip (`enables`: "the interop tests").
-pub(crate) fn torch_available(enables: &str) -> bool {
+/// Fails the test unless python3 can import `torch.distributed`: a test
+/// that needs it runs only when asked to (`--ignored`), and then must check.
+pub(crate) fn require_torch() {
     let ok = Command::new("python3")
         .args(["-c", "import torch.distributed"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("SKIPPED: torch is not importable by python3; `pip install torch==2.15.0` enables {enables}");
-    }
-    ok
+    assert!(
+        ok,
+        "this test needs torch, which python3 cannot import: `pip install torch==2.15.0`"
+    );
 }
 
 /// A process's stdout and stderr, labelled.

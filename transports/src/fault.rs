@@ -12,9 +12,14 @@
 //! ```
 //!
 //! - Links: `A->B` (frames A sends to B), `A<->B` (both ways), `*` for any rank.
-//! - `drop(link, p=P)`: loses each frame with probability P (default 1).
+//! - `drop(link, p=P)`: loses a frame with probability P (default 1). Links
+//!   are reliable streams that never re-send, so a lost frame breaks the
+//!   link, as on a real connection: it closes as lost
+//!   ([`TransportError::Closed`] on both sides) and supervision acts at once.
 //! - `delay(link, ms=D[, jitter_ms=J])`: holds each frame D..D+J ms.
-//! - `partition(ranks|ranks)`: frames between the two sides are lost.
+//! - `partition(ranks|ranks)`: frames between the two sides are lost,
+//!   heartbeats too, so each side takes the other for failed within the
+//!   heartbeat window (the links stay open, as across a real partition).
 //! - `close(link)`: cuts the connection (both sides see a lost link).
 //! - `kill(rank=R)`: rank R dies: every link of it closes, and when it is a
 //!   process of its own (a non-local link), the process gets SIGKILL.
@@ -102,6 +107,8 @@ pub struct FaultRule {
     pub after: Duration,
     /// It acts only once this many frames were sent on the matching link.
     pub after_frames: u64,
+    /// The rule as written, for errors.
+    pub text: String,
 }
 
 /// What to do with one frame.
@@ -109,8 +116,11 @@ pub struct FaultRule {
 pub enum Action {
     /// Deliver it.
     Deliver,
-    /// Lose it (the sender sees success).
+    /// Lose it silently (the sender sees success): a partition.
     Drop,
+    /// Lose it, which breaks the link (a reliable stream that lost a frame
+    /// is a lost connection).
+    Break,
     /// Deliver it after this long.
     Delay(Duration),
     /// Close the link instead.
@@ -288,7 +298,28 @@ impl FaultPlan {
             link,
             after,
             after_frames,
+            text: rule.to_string(),
         })
+    }
+
+    /// Checks that every rule names ranks of a world of `world` ranks: a
+    /// rule for a rank that does not exist would never act.
+    pub fn check_world(&self, world: usize) -> Result<(), FaultSpecError> {
+        for rule in &self.rules {
+            let ranks: Vec<usize> = match &rule.link {
+                LinkMatch::Directed(a, b) => a.iter().chain(b).copied().collect(),
+                LinkMatch::Both(a, b) => vec![*a, *b],
+                LinkMatch::Partition(left, right) => left.iter().chain(right).copied().collect(),
+                LinkMatch::Rank(rank) => vec![*rank],
+            };
+            if let Some(rank) = ranks.into_iter().find(|&r| r >= world) {
+                return Err(FaultSpecError {
+                    rule: rule.text.clone(),
+                    reason: format!("rank {rank} is out of range for world size {world}"),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// What happens to the `frames_sent`-th frame (0-based) `from` sends to
@@ -300,7 +331,7 @@ impl FaultPlan {
                 continue;
             }
             return match rule.kind {
-                FaultKind::Drop(p) if random < p => Action::Drop,
+                FaultKind::Drop(p) if random < p => Action::Break,
                 FaultKind::Drop(_) => continue,
                 FaultKind::Delay(base, jitter) => Action::Delay(base + jitter.mul_f64(random)),
                 FaultKind::Partition => Action::Drop,
@@ -443,6 +474,17 @@ impl Link for FaultyLink {
         match action {
             Action::Deliver => self.inner.send(channel, tag, payload).await,
             Action::Drop => Ok(()),
+            Action::Break => {
+                let reason = "a frame was lost (drop by fault injection), which breaks a reliable link";
+                self.inner.cut(reason);
+                Err(SendError {
+                    error: TransportError::Closed {
+                        peer: self.peer(),
+                        reason: reason.into(),
+                    },
+                    payload,
+                })
+            }
             Action::Delay(d) => {
                 tokio::time::sleep(d).await;
                 self.inner.send(channel, tag, payload).await
@@ -559,26 +601,52 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn drops_are_seeded_and_partial() {
+    async fn a_dropped_frame_breaks_the_link_at_a_seeded_frame() {
         within(async {
-            let count = |seed: u64| async move {
-                let mesh = wrapped(2, &format!("seed={seed}; drop(0->1, p=0.5)"));
-                for i in 0..10u64 {
-                    mesh[0][1].as_ref().unwrap().send(0, i, Bytes::new()).await.unwrap();
+            // Frames before the drop arrive; the drop closes the link as lost
+            // on both sides, so nothing waits for a frame that never comes.
+            let broken_at = |seed: u64| async move {
+                let mesh = wrapped(2, &format!("seed={seed}; drop(0->1, p=0.3)"));
+                let link = mesh[0][1].as_ref().unwrap();
+                let mut sent = 0u64;
+                while link.send(0, sent, Bytes::new()).await.is_ok() {
+                    sent += 1;
+                    assert!(sent < 1000, "p=0.3 drops a frame long before 1000");
                 }
-                let mut got = Vec::new();
-                while let Ok(Ok(frame)) =
-                    tokio::time::timeout(Duration::from_millis(20), mesh[1][0].as_ref().unwrap().recv(0)).await
-                {
-                    got.push(frame.tag);
+                for tag in 0..sent {
+                    assert_eq!(mesh[1][0].as_ref().unwrap().recv(0).await.unwrap().tag, tag);
                 }
-                got
+                let lost = mesh[1][0].as_ref().unwrap().recv(0).await;
+                assert!(matches!(lost, Err(TransportError::Closed { peer: 0, .. })), "{lost:?}");
+                assert!(link.send(0, 0, Bytes::new()).await.is_err(), "the link stays broken");
+                sent
             };
-            let first = count(11).await;
-            assert_eq!(first, count(11).await, "the same seed drops the same frames");
-            assert!(!first.is_empty() && first.len() < 10, "p=0.5 keeps some: {first:?}");
+            let first = broken_at(11).await;
+            assert_eq!(first, broken_at(11).await, "the same seed drops the same frame");
         })
         .await;
+    }
+
+    #[test]
+    fn rules_must_name_ranks_of_the_world() {
+        let ok = FaultPlan::parse("drop(0->1); delay(*->3, ms=1); partition(0|1,2,3); close(2<->3); freeze(rank=3)")
+            .unwrap();
+        assert_eq!(ok.check_world(4), Ok(()));
+        for (spec, rank) in [
+            ("kill(rank=9)", 9),
+            ("drop(0->2)", 2),
+            ("close(1<->5)", 5),
+            ("partition(0|1,7)", 7),
+            ("delay(4->*, ms=1)", 4),
+        ] {
+            let err = FaultPlan::parse(spec).unwrap().check_world(2).unwrap_err();
+            assert_eq!(err.rule, spec, "{err}");
+            assert!(
+                err.reason
+                    .contains(&format!("rank {rank} is out of range for world size 2")),
+                "{spec}: {err}"
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -27,7 +27,7 @@
 //!   the reader caught up, the freed top of the heap (> 128 KiB, glibc's
 //!   default `M_TRIM_THRESHOLD`) went back to the kernel and the next
 //!   datagrams faulted it in again: ~230k page faults per 4 GiB received,
-//!   `brk`/`munmap`/page-fault paths ~15% of the profile. [`tune_allocator`]
+//!   `brk`/`munmap`/page-fault paths ~15% of the profile. `tune_allocator`
 //!   raises the trim threshold to 64 MiB and fixes the mmap threshold at
 //!   32 MiB (where glibc's dynamic threshold ends anyway), once per process,
 //!   unless the user tuned malloc through the environment. Over six runs
@@ -41,7 +41,7 @@
 //!   loopback moved another ~20% (3.7-3.9 GB/s, 1.16-1.24x TCP), because less
 //!   data in flight stays in cache between the kernel copy, quinn's copy,
 //!   decryption and the copy into the frame. Not taken: callers use the
-//!   64 MiB window as buffering ([`STREAM_WINDOW`]), and the mesh test,
+//!   64 MiB window as buffering (`STREAM_WINDOW`), and the mesh test,
 //!   which sends 8 MiB frames before reading, deadlocks with 4 MiB.
 //! - no gain: datagrams of 65000 or 65500 bytes (within noise of 64000), GSO
 //!   with 8000/16000-byte datagrams (0.3-0.5 GB/s), NewReno (same as Cubic),

@@ -2,7 +2,7 @@
 //!
 //! 1. [`InitMethod::parse`] reads PyTorch's init URLs (`tcp://`, `file://`,
 //!    `env://`); [`resolve`] combines one with explicit arguments and the
-//!    launcher's environment ([`env`]) into a [`RendezvousConfig`]: store,
+//!    launcher's environment ([`env`](mod@env)) into a [`RendezvousConfig`]: store,
 //!    rank, world size, generation. Explicit arguments win over URL queries,
 //!    which win over the environment.
 //! 2. [`open_store`] opens that store (rank 0 hosts the TCP server for
