@@ -2,7 +2,10 @@
 //! `scripts/sim-cluster.sh`: own host name, own `/dev/shm`, `eth0` on a
 //! switch, a decoy `docker0` with the same address everywhere). Each test
 //! starts one `chorus launch` per host, as a user would on real machines.
-//! Skipped, with a message, where namespaces cannot be made.
+//! They need root (network namespaces): ignored by the README's test
+//! command, listed with that reason; `.ci/run` runs them as root
+//! (`cargo test --release --test multihost -- --ignored netns_`), and they
+//! fail where the hosts cannot be made.
 
 mod common;
 
@@ -57,9 +60,10 @@ fn greetings(all: &str) -> Vec<&str> {
 }
 
 #[test]
-fn mh1_two_nodes_with_one_rank_each_form() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh1_two_nodes_with_one_rank_each_form() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mha", 2, &[]) else { return };
+    let cluster = Cluster::up("mha", 2, &[]);
     let outputs = run_job(&cluster, 2, 1, &hello(), 90);
     let all = assert_all_succeeded(&outputs);
     let said = greetings(&all);
@@ -69,9 +73,10 @@ fn mh1_two_nodes_with_one_rank_each_form() {
 }
 
 #[test]
-fn mh2_three_hosts_of_two_ranks_pass_selftest_and_never_pick_the_decoy() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh2_three_hosts_of_two_ranks_pass_selftest_and_never_pick_the_decoy() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhb", 3, &[]) else { return };
+    let cluster = Cluster::up("mhb", 3, &[]);
     let outputs = run_job(
         &cluster,
         3,
@@ -94,9 +99,10 @@ fn mh2_three_hosts_of_two_ranks_pass_selftest_and_never_pick_the_decoy() {
 }
 
 #[test]
-fn mh3_containers_with_one_host_name_use_neither_loopback_nor_shm_between_them() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh3_containers_with_one_host_name_use_neither_loopback_nor_shm_between_them() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhc", 2, &["--same-hostname"]) else { return };
+    let cluster = Cluster::up("mhc", 2, &["--same-hostname"]);
     let outputs = run_job(&cluster, 2, 2, &hello(), 90);
     let all = assert_all_succeeded(&outputs);
     let said = greetings(&all);
@@ -116,9 +122,10 @@ fn mh3_containers_with_one_host_name_use_neither_loopback_nor_shm_between_them()
 }
 
 #[test]
-fn mh4_containers_sharing_a_network_but_not_dev_shm_talk_quic_over_loopback() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh4_containers_sharing_a_network_but_not_dev_shm_talk_quic_over_loopback() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhd", 2, &["--share-net", "1:2"]) else { return };
+    let cluster = Cluster::up("mhd", 2, &["--share-net", "1:2"]);
     let outputs = run_job(&cluster, 2, 1, &hello(), 90);
     let all = assert_all_succeeded(&outputs);
     let said = greetings(&all);
@@ -132,9 +139,10 @@ fn mh4_containers_sharing_a_network_but_not_dev_shm_talk_quic_over_loopback() {
 }
 
 #[test]
-fn mh5_a_failed_connect_names_the_address_and_the_interface() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh5_a_failed_connect_names_the_address_and_the_interface() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhe", 2, &[]) else { return };
+    let cluster = Cluster::up("mhe", 2, &[]);
     // Host 2 publishes only its docker0 address: host 1 cannot reach it.
     let program = [CHORUS, "hello", "--worker", "env://", "--timeout", "4"];
     let first = spawn_piped(&mut launcher(&cluster, 1, 2, 1, &[], &program), "launcher 1");
@@ -203,9 +211,10 @@ fn probe_field<'a>(line: &'a str, key: &str) -> &'a str {
 }
 
 #[test]
-fn mh6_an_elastic_job_that_loses_a_rank_stays_one_job() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh6_an_elastic_job_that_loses_a_rank_stays_one_job() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhf", 2, &[]) else { return };
+    let cluster = Cluster::up("mhf", 2, &[]);
     let probe = ["--iterations", "150", "--kill-rank", "3", "--kill-after", "30"];
     let children: Vec<Child> = (1..=2)
         .map(|host| spawn_piped(&mut elastic_launcher(&cluster, host, 2, 2, &probe), "an elastic launcher"))
@@ -230,9 +239,10 @@ fn mh6_an_elastic_job_that_loses_a_rank_stays_one_job() {
 }
 
 #[test]
-fn mh7_a_killed_rank_on_another_host_is_detected_within_a_second() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh7_a_killed_rank_on_another_host_is_detected_within_a_second() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhg", 2, &[]) else { return };
+    let cluster = Cluster::up("mhg", 2, &[]);
     // One rank per host: rank 0 has no neighbour of rank 1 that could tell
     // it; without the launcher's word it would wait out the 5 s window.
     let probe = ["--iterations", "120", "--kill-rank", "1", "--kill-after", "30"];
@@ -259,9 +269,10 @@ fn mh7_a_killed_rank_on_another_host_is_detected_within_a_second() {
 }
 
 #[test]
-fn mh8_a_cut_off_node_reports_at_once_and_gives_up_on_the_store_within_the_keep_alive_window() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh8_a_cut_off_node_reports_at_once_and_gives_up_on_the_store_within_the_keep_alive_window() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhh", 2, &[]) else { return };
+    let cluster = Cluster::up("mhh", 2, &[]);
     let probe = [CHORUS, "elastic-probe", "--iterations", "100000"];
     let start = |host: usize| {
         let flags = ["--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2"];
@@ -309,9 +320,10 @@ fn finish_all(children: Vec<Child>, secs: u64) -> Vec<Output> {
 }
 
 #[test]
-fn mh9_a_partitioned_host_is_left_behind_and_the_majority_goes_on() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh9_a_partitioned_host_is_left_behind_and_the_majority_goes_on() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhi", 3, &[]) else { return };
+    let cluster = Cluster::up("mhi", 3, &[]);
     let env = [("CHORUS_HEARTBEAT_TIMEOUT", "2")];
     let mut children = start_elastic(&cluster, 3, &["--iterations", "1500"], &env);
     std::thread::sleep(std::time::Duration::from_secs(3));
@@ -329,9 +341,10 @@ fn mh9_a_partitioned_host_is_left_behind_and_the_majority_goes_on() {
 }
 
 #[test]
-fn mh10_a_killed_node_leaves_a_group_that_goes_on_under_either_restart_policy() {
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh10_a_killed_node_leaves_a_group_that_goes_on_under_either_restart_policy() {
     let _one = cluster::lock();
-    let Some(cluster) = Cluster::up("mhj", 3, &[]) else { return };
+    let cluster = Cluster::up("mhj", 3, &[]);
     // --restart-policy worker: the survivors' group re-forms without the node.
     let mut children = start_elastic(&cluster, 3, &["--iterations", "2500"], &[]);
     std::thread::sleep(std::time::Duration::from_secs(3));

@@ -31,15 +31,16 @@ fn script(args: &[&str]) -> Output {
 }
 
 impl Cluster {
-    /// Makes `hosts` hosts (`options` as `sim-cluster.sh up` takes them), or
-    /// says why it cannot and returns `None`: the caller skips.
-    pub(crate) fn up(tag: &str, hosts: usize, options: &[&str]) -> Option<Cluster> {
+    /// Makes `hosts` hosts (`options` as `sim-cluster.sh up` takes them),
+    /// or fails the test saying why they cannot be made: the tests that
+    /// call this are ignored unless asked for (they need root).
+    pub(crate) fn up(tag: &str, hosts: usize, options: &[&str]) -> Cluster {
         assert!(tag.len() <= 3, "cluster tags are at most 3 characters");
         // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("SKIPPED: the simulated-host tests need root (network namespaces)");
-            return None;
-        }
+        assert!(
+            unsafe { libc::geteuid() } == 0,
+            "the simulated-host tests need root (network namespaces)"
+        );
         let prefix = format!("{tag}{}", std::process::id() % 1000);
         // A cluster left by a killed run of the same pid would be in the way.
         script(&["down", &prefix]);
@@ -49,13 +50,12 @@ impl Cluster {
         let made = script(&args);
         if !made.status.success() {
             script(&["down", &prefix]);
-            eprintln!(
-                "SKIPPED: cannot make simulated hosts here: {}",
+            panic!(
+                "cannot make simulated hosts here: {}",
                 String::from_utf8_lossy(&made.stderr).trim()
             );
-            return None;
         }
-        Some(Cluster { prefix })
+        Cluster { prefix }
     }
 
     /// `program` on host `host` (from 1).
