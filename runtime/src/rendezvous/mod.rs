@@ -309,8 +309,11 @@ pub fn resolve(
             })?;
             let port = match (launch.master_port, launch.launcher) {
                 (Some(port), _) => port,
-                // Schedulers do not hand out a port; PyTorch's default is the convention.
-                (None, Launcher::Slurm | Launcher::OpenMpi | Launcher::Mpich) => DEFAULT_PORT,
+                // Slurm hands out no port: derive one from the job id, as
+                // Lightning does, so two jobs sharing a node do not collide.
+                (None, Launcher::Slurm) => launch.run_id.as_deref().map_or(DEFAULT_PORT, slurm_port),
+                // MPI hands out no port either; PyTorch's default is the convention.
+                (None, Launcher::OpenMpi | Launcher::Mpich) => DEFAULT_PORT,
                 (None, launcher) => {
                     return Err(EnvError::Missing {
                         var: "MASTER_PORT",
@@ -473,6 +476,15 @@ impl Membership {
             .filter(|&r| self.peers[r].host.same_network(host))
             .collect()
     }
+}
+
+/// The store port of Slurm job `job_id` without `MASTER_PORT`: 15000 plus
+/// the id's last four digits (Lightning's rule), so every task of a job
+/// agrees on it and concurrent jobs on a node rarely share it.
+fn slurm_port(job_id: &str) -> u16 {
+    let digits: String = job_id.chars().filter(char::is_ascii_digit).collect();
+    let tail = &digits[digits.len().saturating_sub(4)..];
+    15000 + tail.parse::<u16>().unwrap_or(0)
 }
 
 fn random_nonce() -> u64 {
