@@ -23,6 +23,8 @@
 //! - [`netif`]: re-exported from `chorus-transports` (which address a rank
 //!   publishes, which one a peer connects to).
 //! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
+//! - [`netem`]: `chorus netem`, a userspace link impairer (loss, delay,
+//!   jitter, rate) between two interfaces, for tests across namespaces.
 //! - [`trace`]: `chorus trace DIR`, which compares the ranks' flight-recorder
 //!   dumps and names the rank(s) a stuck collective waits for.
 //! - `src/main.rs`: the `chorus` command line (`hello`, `launch`, `store ...`).
@@ -35,6 +37,7 @@ pub mod group;
 pub mod launch;
 pub mod mesh;
 pub mod nccl_group;
+pub mod netem;
 pub mod selftest;
 pub mod tensor;
 pub mod trace;

@@ -102,6 +102,8 @@ enum Commands {
         #[arg(long, default_value_t = 30)]
         kill_after: u64,
     },
+    /// Join two interfaces through a lossy, slow link (userspace netem): loss, delay, jitter, rate per direction.
+    Netem(NetemArgs),
     /// Compare the ranks' flight-recorder dumps (CHORUS_TRACE_DIR) and name the rank(s) a stuck collective waits for.
     Trace {
         /// The directory the ranks dumped into.
@@ -110,6 +112,34 @@ enum Commands {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Args)]
+struct NetemArgs {
+    /// One interface (in this network namespace).
+    #[arg(long)]
+    a: String,
+    /// The other interface.
+    #[arg(long)]
+    b: String,
+    /// Delay added to every frame, each direction, milliseconds.
+    #[arg(long, default_value_t = 0.0)]
+    delay_ms: f64,
+    /// Each frame's delay is drawn within delay ± jitter (order is kept), milliseconds.
+    #[arg(long, default_value_t = 0.0)]
+    jitter_ms: f64,
+    /// Probability that a frame is dropped, each direction: 0.01 or 1%.
+    #[arg(long, default_value = "0", value_parser = |s: &str| chorus::netem::core::parse_loss(s))]
+    loss: f64,
+    /// Seeds the losses and delays (default: random).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Line rate each direction, Mbit/s (default: as fast as frames come).
+    #[arg(long)]
+    rate_mbit: Option<f64>,
+    /// Frames held per direction; more are dropped.
+    #[arg(long, default_value_t = 100_000)]
+    limit: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -342,6 +372,7 @@ fn main() -> ExitCode {
             .context("starting the async runtime")
             .and_then(|runtime| runtime.block_on(bench_command(command))),
         Commands::Launch { args } => return chorus::launch::main(&args),
+        Commands::Netem(args) => netem(args),
         Commands::Trace { dir, json } => return chorus::trace::main(&dir, json),
         Commands::FaultProbe { init, seconds } => run_async(fault_probe(init, Duration::from_secs(seconds))),
         Commands::ElasticProbe {
@@ -473,6 +504,25 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
 }
 
 /// A seed from the clock and the pid, for runs that name none.
+fn netem(args: NetemArgs) -> Result<ExitCode> {
+    let ms = |v: f64| Duration::try_from_secs_f64(v / 1e3).context("--delay-ms and --jitter-ms must be >= 0");
+    let impairment = chorus::netem::core::Impairment::new(
+        ms(args.delay_ms)?,
+        ms(args.jitter_ms)?,
+        args.loss,
+        args.rate_mbit.map(|r| r * 1e6),
+        args.limit,
+    )?;
+    let options = chorus::netem::NetemOptions {
+        a: args.a,
+        b: args.b,
+        impairment,
+        seed: args.seed.unwrap_or_else(rand_seed),
+    };
+    chorus::netem::run(&options)?;
+    Ok(ExitCode::SUCCESS)
+}
+
 fn rand_seed() -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
