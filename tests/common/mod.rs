@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub(crate) mod launchers;
+pub(crate) mod netem;
 
 /// The `chorus` binary under test.
 pub(crate) const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
