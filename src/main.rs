@@ -228,6 +228,21 @@ enum BenchSubcommand {
         /// Print machine-readable rows (JSON lines) instead of the table.
         #[arg(long)]
         json: bool,
+        /// The paths to measure, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "tcp,quic,shm", value_parser = ["tcp", "quic", "shm"])]
+        paths: Vec<String>,
+        /// This process's address (e.g. a host of scripts/netem-pair.sh).
+        #[arg(long, default_value = "127.0.0.1")]
+        bind: std::net::IpAddr,
+        /// The peer's address [default: --bind].
+        #[arg(long)]
+        peer_bind: Option<std::net::IpAddr>,
+        /// Command words that start the peer where --peer-bind is, e.g. "ip netns exec NAME-b".
+        #[arg(long)]
+        peer_prefix: Option<String>,
+        /// QUIC's congestion controller: auto (Cubic on loopback, BBR between hosts), cubic, newreno, bbr.
+        #[arg(long, default_value = "auto", value_parser = ["auto", "cubic", "newreno", "bbr"])]
+        quic_congestion: String,
         /// Internal: run as the peer process, using this store.
         #[arg(long, hide = true)]
         peer_store: Option<std::net::SocketAddr>,
@@ -930,6 +945,11 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         rtt_iters,
         rounds,
         json,
+        paths,
+        bind,
+        peer_bind,
+        peer_prefix,
+        quic_congestion,
         peer_store,
     }) = command.command
     else {
@@ -946,6 +966,16 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         iters,
         rtt_iters,
         rounds: rounds.max(1),
+        paths: chorus::bench::transport::PATHS
+            .into_iter()
+            .filter(|p| paths.iter().any(|q| q == p))
+            .collect(),
+        bind,
+        peer_bind: peer_bind.unwrap_or(bind),
+        peer_prefix: peer_prefix
+            .map(|p| p.split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default(),
+        quic_congestion,
     };
     if let Some(store) = peer_store {
         run_peer(&bench, store).await?;
@@ -957,7 +987,7 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     if json {
         for r in &results {
             println!(
-                "{{\"path\":\"{}\",\"bytes\":{},\"gbps\":{:.3},\"rtt_us\":{:.1},\"memcpy_gbps\":{:.2}}}",
+                "{{\"path\":\"{}\",\"bytes\":{},\"gbps\":{:.6},\"rtt_us\":{:.1},\"memcpy_gbps\":{:.2}}}",
                 r.path, size, r.gbps, r.rtt_us, memcpy
             );
         }
