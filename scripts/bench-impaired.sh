@@ -4,6 +4,7 @@
 # medians of `chorus bench transport` rounds, one fresh connection per sample.
 #
 #   scripts/bench-impaired.sh [ROUNDS [SIZE]]     (default 5 rounds of 16 MiB)
+#   QUIC_CONGESTION=cubic scripts/bench-impaired.sh   (QUIC as before BBR)
 #
 # Needs root. CHORUS names the binary (default: target/release/chorus).
 set -euo pipefail
@@ -21,7 +22,7 @@ for link in "clean:" "20ms:--delay-ms 20" "1%-loss:--loss 1%" "20ms+1%-loss:--de
     # shellcheck disable=SC2086 # the flags are words
     "$root/scripts/netem-pair.sh" up "$name" ${link#*:} --seed 1 2>/dev/null
     timeout 600 ip netns exec "$name-a" "$CHORUS" bench transport --json --paths tcp,quic \
-        --size "$size" --iters 1 --rtt-iters 20 --rounds "$rounds" \
+        --size "$size" --iters 1 --rtt-iters 20 --rounds "$rounds" --quic-congestion "${QUIC_CONGESTION:-auto}" \
         --bind 10.99.0.1 --peer-bind 10.99.0.2 --peer-prefix "ip netns exec $name-b" |
         awk -v link="$label" -F'[:,"]+' '{
             for (i = 1; i < NF; i++) v[$i] = $(i + 1)

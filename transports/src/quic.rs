@@ -14,27 +14,24 @@
 //! ([`FrameHeader`] + payload). Flow control (stream and connection windows)
 //! is the back-pressure.
 //!
-//! Congestion control ([`Congestion`]): BBR between hosts, Cubic on
-//! loopback. Loss-based controllers read every lost datagram as congestion:
-//! through a link with 20 ms delay and 1% random loss each way (userspace
-//! netem between two namespaces, `scripts/bench-impaired.sh`), a 16 MiB
-//! transfer ran at 0.4 MB/s with Cubic (its window stayed near 25 KB) and at
-//! 54 MB/s with BBR, which sizes its window from the delivery rate and the
-//! minimum RTT instead (kernel TCP: 22 MB/s on the same link); with loss
-//! alone, 40 against 84 MB/s. See BENCHMARKS.md for the table. What BBR costs:
-//! its start-up is slower, the first 16 MiB of a fresh connection over a
-//! 40 ms round trip took 0.87-0.97 s against Cubic's 0.67-0.75 s, a few
-//! round trips that on a datacenter link's tens of microseconds do not show.
-//! Its initial window is quinn's (RFC 9002's ten datagrams): 32 or 100
-//! datagrams did not shorten that first transfer (0.79-0.97 s), as BBR's
-//! start-up paces from its bandwidth estimate, not from the window.
+//! Congestion control ([`Congestion`]): between hosts, Cubic until the link
+//! shows loss, then BBR ([`crate::congestion`], which has the measurements:
+//! 0.4 against 54 MB/s through 20 ms and 1% loss each way); Cubic on
+//! loopback. BBR's start-up is slower: the first 16 MiB of a fresh
+//! connection over a 40 ms round trip took 0.87-0.97 s against Cubic's
+//! 0.67-0.75 s, a few round trips that a datacenter link's tens of
+//! microseconds hide. The initial window stays quinn's (RFC 9002's ten
+//! datagrams): 32 or 100 did not shorten that first transfer under BBR
+//! (0.79-0.97 s), which paces from its bandwidth estimate; under Cubic 100
+//! did (0.51-0.54 s), but ten times the burst into a switch shared by every
+//! rank of a ring was not worth a one-off 0.2 s at 40 ms.
 //! Left as quinn has them, checked on the lossy link: loss detection's
 //! packet and time thresholds (3 packets, 9/8 RTT; nothing reorders on a
 //! datacenter path), MTU discovery (datagrams stayed at ~1.4 KB through 1%
 //! loss: its black-hole detector only counts bursts that spare no small
 //! packet), the receive windows (64 MiB per stream, 256 MiB per connection:
-//! well above a bandwidth-delay product of 100 Gbit/s x 1 ms), and the
-//! initial RTT (333 ms: it only paces the handshake, before the first sample).
+//! above a bandwidth-delay product of 100 Gbit/s x 1 ms), and the initial
+//! RTT (333 ms: it only times the handshake's retransmissions).
 //!
 //! Tuning (measured on loopback, see the transports issue): on loopback the
 //! datagram size may grow to [`LOOPBACK_MTU`] (`max_udp_payload_size`, with
@@ -281,8 +278,9 @@ pub struct QuicOptions {
 /// A connection's congestion controller (quinn's three).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Congestion {
-    /// Cubic on loopback (nothing is lost there, and it measured fastest),
-    /// BBR between hosts (random loss does not shrink its window).
+    /// Cubic on loopback (nothing is lost there, and it measured fastest);
+    /// between hosts Cubic until the link shows loss, then BBR
+    /// ([`crate::congestion::Adaptive`]).
     #[default]
     Auto,
     /// Cubic (RFC 9438): loss-based, as Linux TCP's default.
@@ -394,7 +392,7 @@ fn transport_config(loopback: bool, options: &QuicOptions) -> quinn::TransportCo
     // On loopback the window starts at ten of its large datagrams.
     let loopback_window = 10 * u64::from(LOOPBACK_MTU);
     let controller: Arc<dyn quinn::congestion::ControllerFactory + Send + Sync> = match options.congestion {
-        Congestion::Auto if !loopback => Arc::new(quinn::congestion::BbrConfig::default()),
+        Congestion::Auto if !loopback => Arc::new(crate::congestion::AdaptiveConfig::default()),
         Congestion::Bbr => {
             let mut bbr = quinn::congestion::BbrConfig::default();
             if loopback {
