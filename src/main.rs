@@ -59,7 +59,7 @@ enum Commands {
         backend: chorus::selftest::SelfTestBackend,
     },
     /// Measure chorus against the peers it must beat (`chorus bench --help`).
-    Bench(BenchCommand),
+    Bench(Box<BenchCommand>),
     /// Start a node's workers as torchrun does (`chorus launch --help`).
     #[command(disable_help_flag = true)]
     Launch {
@@ -385,7 +385,7 @@ fn main() -> ExitCode {
             .enable_all()
             .build()
             .context("starting the async runtime")
-            .and_then(|runtime| runtime.block_on(bench_command(command))),
+            .and_then(|runtime| runtime.block_on(bench_command(*command))),
         Commands::Launch { args } => return chorus::launch::main(&args),
         Commands::Netem(args) => netem(args),
         Commands::Trace { dir, json } => return chorus::trace::main(&dir, json),

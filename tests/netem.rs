@@ -14,8 +14,12 @@ use common::netem::{HOST_A, HOST_B, NetemPair};
 /// apart, and returns each one's round trip (`None`: never came back
 /// within 2 s of the last probe).
 fn echo_round_trips(pair: &NetemPair, count: usize, gap: Duration) -> Vec<Option<Duration>> {
-    let server = pair.in_host('b', || UdpSocket::bind(SocketAddr::new(HOST_B, 0)).expect("bind on host b"));
-    let client = pair.in_host('a', || UdpSocket::bind(SocketAddr::new(HOST_A, 0)).expect("bind on host a"));
+    let server = pair.in_host('b', || {
+        UdpSocket::bind(SocketAddr::new(HOST_B, 0)).expect("bind on host b")
+    });
+    let client = pair.in_host('a', || {
+        UdpSocket::bind(SocketAddr::new(HOST_A, 0)).expect("bind on host a")
+    });
     let target = server.local_addr().unwrap();
     server.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
     client.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
@@ -45,7 +49,9 @@ fn echo_round_trips(pair: &NetemPair, count: usize, gap: Duration) -> Vec<Option
         client.set_nonblocking(true).unwrap();
         for seq in 0..count {
             sent_at[seq] = Some(Instant::now());
-            client.send_to(&(seq as u64).to_le_bytes(), target).expect("send a probe");
+            client
+                .send_to(&(seq as u64).to_le_bytes(), target)
+                .expect("send a probe");
             let next = Instant::now() + gap;
             while Instant::now() < next {
                 receive(&client, &mut rtts, &sent_at);
@@ -89,7 +95,11 @@ fn loss_drops_its_fraction_of_frames() {
     // What survives keeps the clean link's speed.
     let mut got: Vec<Duration> = rtts.iter().flatten().copied().collect();
     got.sort();
-    assert!(got[got.len() / 2] < Duration::from_millis(20), "median round trip {:?}", got[got.len() / 2]);
+    assert!(
+        got[got.len() / 2] < Duration::from_millis(20),
+        "median round trip {:?}",
+        got[got.len() / 2]
+    );
 }
 
 /// Item 7 of the multi-host issue: through 20 ms each way and 1% loss each
@@ -106,8 +116,20 @@ fn quic_keeps_its_rate_through_delay_and_loss() {
         .args(["netns", "exec", &pair.namespace('a'), common::CHORUS])
         .args(["bench", "transport", "--json", "--paths", "quic", "--size", "16777216"])
         .args(["--iters", "1", "--rtt-iters", "5", "--rounds", "1"])
-        .args(["--bind", &HOST_A.to_string(), "--peer-bind", &HOST_B.to_string(), "--peer-prefix", &peer]);
-    let output = common::run(&mut command, 120, "chorus bench transport across the pair", common::Stop::Kill);
+        .args([
+            "--bind",
+            &HOST_A.to_string(),
+            "--peer-bind",
+            &HOST_B.to_string(),
+            "--peer-prefix",
+            &peer,
+        ]);
+    let output = common::run(
+        &mut command,
+        120,
+        "chorus bench transport across the pair",
+        common::Stop::Kill,
+    );
     assert!(output.status.success(), "{}", common::text(&output));
     let row: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON row");
     let mbps = row["gbps"].as_f64().expect("gbps") * 1000.0;

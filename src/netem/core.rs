@@ -250,11 +250,17 @@ mod tests {
                 other => panic!("no loss was set, got {other:?}"),
             })
             .collect();
-        assert!(delays.iter().all(|d| (ms(2)..=ms(18)).contains(d)), "a delay left 10 ± 8 ms");
+        assert!(
+            delays.iter().all(|d| (ms(2)..=ms(18)).contains(d)),
+            "a delay left 10 ± 8 ms"
+        );
         let short = delays.iter().filter(|d| **d < ms(6)).count();
         let long = delays.iter().filter(|d| **d > ms(14)).count();
         // A quarter of uniform draws fall in each outer 4 ms.
-        assert!((400..600).contains(&short) && (400..600).contains(&long), "{short} short, {long} long");
+        assert!(
+            (400..600).contains(&short) && (400..600).contains(&long),
+            "{short} short, {long} long"
+        );
     }
 
     #[test]
@@ -271,7 +277,10 @@ mod tests {
                 other => panic!("no loss was set, got {other:?}"),
             }
         }
-        assert!(departures.windows(2).all(|w| w[0] <= w[1]), "departures went back in time");
+        assert!(
+            departures.windows(2).all(|w| w[0] <= w[1]),
+            "departures went back in time"
+        );
         let released = drain(&mut dir, Duration::from_secs(10));
         assert_eq!(released, (0..10_000).collect::<Vec<_>>(), "order changed");
     }
@@ -301,7 +310,11 @@ mod tests {
         let released = drain(&mut dir, Duration::from_secs(1));
         assert!(released.windows(2).all(|w| w[0] < w[1]), "reordered");
         assert_eq!(released.len() as u64, dir.counts().queued);
-        assert!((600..800).contains(&released.len()), "{} of 1000 survived 30% loss", released.len());
+        assert!(
+            (600..800).contains(&released.len()),
+            "{} of 1000 survived 30% loss",
+            released.len()
+        );
     }
 
     #[test]
@@ -311,7 +324,11 @@ mod tests {
         let departures: Vec<_> = (0..3u64).map(|i| dir.offer(ms(0), 1500, i)).collect();
         assert_eq!(
             departures,
-            vec![Verdict::Queued(ms(11)), Verdict::Queued(ms(12)), Verdict::Queued(ms(13))]
+            vec![
+                Verdict::Queued(ms(11)),
+                Verdict::Queued(ms(12)),
+                Verdict::Queued(ms(13))
+            ]
         );
         // A frame after an idle line only pays its own serialization.
         assert_eq!(dir.offer(ms(100), 1500, 3), Verdict::Queued(ms(111)));

@@ -35,7 +35,9 @@ pub enum NetemError {
     #[error(transparent)]
     Setting(#[from] ImpairmentError),
     /// The interface does not exist here.
-    #[error("no interface {0} in this network namespace (run it where both interfaces are, e.g. under `ip netns exec`)")]
+    #[error(
+        "no interface {0} in this network namespace (run it where both interfaces are, e.g. under `ip netns exec`)"
+    )]
     NoInterface(String),
     /// A socket call failed.
     #[error("{what} on {iface}: {source} (raw sockets need root or CAP_NET_RAW)")]
@@ -120,11 +122,15 @@ pub fn run(options: &NetemOptions) -> Result<(), NetemError> {
         imp.delay,
         imp.jitter,
         imp.loss,
-        imp.rate_bps.map_or("unlimited".into(), |r| format!("{} Mbit/s", r / 1e6)),
+        imp.rate_bps
+            .map_or("unlimited".into(), |r| format!("{} Mbit/s", r / 1e6)),
         options.seed
     );
     wait_for(&signals)?;
-    for (name, (_, _, stats)) in [(format!("{}->{}", options.a, options.b), &ab), (format!("{}->{}", options.b, options.a), &ba)] {
+    for (name, (_, _, stats)) in [
+        (format!("{}->{}", options.a, options.b), &ab),
+        (format!("{}->{}", options.b, options.a), &ba),
+    ] {
         eprintln!(
             "netem: {name}: forwarded {} lost {} overflow {} send-failed {}",
             stats.forwarded.load(Ordering::Relaxed),
@@ -156,7 +162,11 @@ fn setsockopt(fd: &OwnedFd, level: libc::c_int, option: libc::c_int, value: libc
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
-    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// A raw socket on `iface`: receiving every frame that arrives there
@@ -285,7 +295,11 @@ fn wait_readable(fd: &OwnedFd, timeout: Duration) {
     };
     let ts = libc::timespec {
         tv_sec: timeout.as_secs().min(1) as libc::time_t,
-        tv_nsec: if timeout.as_secs() >= 1 { 0 } else { timeout.subsec_nanos() as libc::c_long },
+        tv_nsec: if timeout.as_secs() >= 1 {
+            0
+        } else {
+            timeout.subsec_nanos() as libc::c_long
+        },
     };
     // SAFETY: one valid pollfd, a valid timespec, no signal mask change.
     unsafe { libc::ppoll(&mut pollfd, 1, &ts, std::ptr::null()) };

@@ -30,7 +30,11 @@ impl NetemPair {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let name = format!("chn{}x{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let mut command = Command::new("bash");
-        command.arg(SCRIPT).args(["up", &name]).args(flags).env("CHORUS", CHORUS);
+        command
+            .arg(SCRIPT)
+            .args(["up", &name])
+            .args(flags)
+            .env("CHORUS", CHORUS);
         if let Err(e) = Command::new("ip").arg("-V").output() {
             eprintln!("SKIPPED: network namespaces need iproute2's `ip`, which does not run here: {e}");
             return None;

@@ -102,14 +102,18 @@ impl Controller for Adaptive {
     }
 
     fn on_end_acks(&mut self, now: Instant, in_flight: u64, app_limited: bool, largest_packet_num_acked: Option<u64>) {
-        self.cubic.on_end_acks(now, in_flight, app_limited, largest_packet_num_acked);
-        self.bbr.on_end_acks(now, in_flight, app_limited, largest_packet_num_acked);
+        self.cubic
+            .on_end_acks(now, in_flight, app_limited, largest_packet_num_acked);
+        self.bbr
+            .on_end_acks(now, in_flight, app_limited, largest_packet_num_acked);
     }
 
     fn on_congestion_event(&mut self, now: Instant, sent: Instant, is_persistent_congestion: bool, lost_bytes: u64) {
         self.meter.lost(lost_bytes);
-        self.cubic.on_congestion_event(now, sent, is_persistent_congestion, lost_bytes);
-        self.bbr.on_congestion_event(now, sent, is_persistent_congestion, lost_bytes);
+        self.cubic
+            .on_congestion_event(now, sent, is_persistent_congestion, lost_bytes);
+        self.bbr
+            .on_congestion_event(now, sent, is_persistent_congestion, lost_bytes);
     }
 
     fn on_mtu_update(&mut self, new_mtu: u16) {

@@ -300,7 +300,9 @@ impl std::str::FromStr for Congestion {
             "cubic" => Ok(Self::Cubic),
             "newreno" => Ok(Self::NewReno),
             "bbr" => Ok(Self::Bbr),
-            _ => Err(format!("unknown congestion controller {s:?}: use auto, cubic, newreno or bbr")),
+            _ => Err(format!(
+                "unknown congestion controller {s:?}: use auto, cubic, newreno or bbr"
+            )),
         }
     }
 }
@@ -894,7 +896,12 @@ mod tests {
         assert_eq!("Cubic".parse(), Ok(Congestion::Cubic));
         assert_eq!("newreno".parse(), Ok(Congestion::NewReno));
         assert_eq!("auto".parse(), Ok(Congestion::Auto));
-        assert!("vegas".parse::<Congestion>().unwrap_err().contains("auto, cubic, newreno or bbr"));
+        assert!(
+            "vegas"
+                .parse::<Congestion>()
+                .unwrap_err()
+                .contains("auto, cubic, newreno or bbr")
+        );
     }
 
     fn options() -> QuicOptions {
