@@ -146,6 +146,13 @@ cmd_impair() {
     ip -n "$link" link set dev a nomaster
     ip -n "$link" link set dev b nomaster
     ip -n "$link" link del dev kbr
+    # One frame per transmission on every host: a loss then drops one frame,
+    # not a 64 KB offload batch, as on a real link.
+    local h
+    for h in $(seq 1 "$(cat "$STATE/$prefix.hosts")"); do
+        [ -e "/run/netns/$(ns_host "$prefix" "$h")" ] || continue
+        ip -n "$(ns_host "$prefix" "$h")" link set dev eth0 gso_max_segs 1 2>/dev/null || true
+    done
     ip netns exec "$link" "${CHORUS:-chorus}" netem --a a --b b "$@" \
         >"$STATE/$link.netem.log" 2>&1 &
     echo $! >"$STATE/$link.netem.pid"

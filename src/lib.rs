@@ -25,6 +25,8 @@
 //! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
 //! - `terminate`: with `CHORUS_TRACE_DIR` set, SIGTERM dumps every live
 //!   group's flight recorder before the process exits.
+//! - [`netem`]: `chorus netem`, a userspace link impairer (loss, delay,
+//!   jitter, rate) between two interfaces, for tests across namespaces.
 //! - [`trace`]: `chorus trace DIR`, which compares the ranks' flight-recorder
 //!   dumps and names the rank(s) a stuck collective waits for.
 //! - [`nccl`]: the NCCL backend of `chorus-actors` ([`NcclOp`], `CudaBackend`,
@@ -44,6 +46,7 @@ pub mod group;
 pub mod launch;
 pub mod mesh;
 pub mod nccl_group;
+pub mod netem;
 pub mod selftest;
 pub mod tensor;
 mod terminate;

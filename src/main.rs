@@ -59,7 +59,7 @@ enum Commands {
         backend: chorus::selftest::SelfTestBackend,
     },
     /// Measure chorus against the peers it must beat (`chorus bench --help`).
-    Bench(BenchCommand),
+    Bench(Box<BenchCommand>),
     /// Start a node's workers as torchrun does (`chorus launch --help`).
     #[command(disable_help_flag = true)]
     Launch {
@@ -102,6 +102,8 @@ enum Commands {
         #[arg(long, default_value_t = 30)]
         kill_after: u64,
     },
+    /// Join two interfaces through a lossy, slow link (userspace netem): loss, delay, jitter, rate per direction.
+    Netem(NetemArgs),
     /// Compare the ranks' flight-recorder dumps (CHORUS_TRACE_DIR) and name the rank(s) a stuck collective waits for.
     Trace {
         /// The directory the ranks dumped into.
@@ -110,6 +112,34 @@ enum Commands {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Args)]
+struct NetemArgs {
+    /// One interface (in this network namespace).
+    #[arg(long)]
+    a: String,
+    /// The other interface.
+    #[arg(long)]
+    b: String,
+    /// Delay added to every frame, each direction, milliseconds.
+    #[arg(long, default_value_t = 0.0)]
+    delay_ms: f64,
+    /// Each frame's delay is drawn within delay ± jitter (order is kept), milliseconds.
+    #[arg(long, default_value_t = 0.0)]
+    jitter_ms: f64,
+    /// Probability that a frame is dropped, each direction: 0.01 or 1%.
+    #[arg(long, default_value = "0", value_parser = |s: &str| chorus::netem::core::parse_loss(s))]
+    loss: f64,
+    /// Seeds the losses and delays (default: random).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Line rate each direction, Mbit/s (default: as fast as frames come).
+    #[arg(long)]
+    rate_mbit: Option<f64>,
+    /// Frames held per direction; more are dropped.
+    #[arg(long, default_value_t = 100_000)]
+    limit: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -198,6 +228,21 @@ enum BenchSubcommand {
         /// Print machine-readable rows (JSON lines) instead of the table.
         #[arg(long)]
         json: bool,
+        /// The paths to measure, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "tcp,quic,shm", value_parser = ["tcp", "quic", "shm"])]
+        paths: Vec<String>,
+        /// This process's address (e.g. a host of scripts/netem-pair.sh).
+        #[arg(long, default_value = "127.0.0.1")]
+        bind: std::net::IpAddr,
+        /// The peer's address [default: --bind].
+        #[arg(long)]
+        peer_bind: Option<std::net::IpAddr>,
+        /// Command words that start the peer where --peer-bind is, e.g. "ip netns exec NAME-b".
+        #[arg(long)]
+        peer_prefix: Option<String>,
+        /// QUIC's congestion controller: auto (Cubic on loopback, BBR between hosts), cubic, newreno, bbr.
+        #[arg(long, default_value = "auto", value_parser = ["auto", "cubic", "newreno", "bbr"])]
+        quic_congestion: String,
         /// Internal: run as the peer process, using this store.
         #[arg(long, hide = true)]
         peer_store: Option<std::net::SocketAddr>,
@@ -340,8 +385,9 @@ fn main() -> ExitCode {
             .enable_all()
             .build()
             .context("starting the async runtime")
-            .and_then(|runtime| runtime.block_on(bench_command(command))),
+            .and_then(|runtime| runtime.block_on(bench_command(*command))),
         Commands::Launch { args } => return chorus::launch::main(&args),
+        Commands::Netem(args) => netem(args),
         Commands::Trace { dir, json } => return chorus::trace::main(&dir, json),
         Commands::FaultProbe { init, seconds } => run_async(fault_probe(init, Duration::from_secs(seconds))),
         Commands::ElasticProbe {
@@ -473,6 +519,25 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
 }
 
 /// A seed from the clock and the pid, for runs that name none.
+fn netem(args: NetemArgs) -> Result<ExitCode> {
+    let ms = |v: f64| Duration::try_from_secs_f64(v / 1e3).context("--delay-ms and --jitter-ms must be >= 0");
+    let impairment = chorus::netem::core::Impairment::new(
+        ms(args.delay_ms)?,
+        ms(args.jitter_ms)?,
+        args.loss,
+        args.rate_mbit.map(|r| r * 1e6),
+        args.limit,
+    )?;
+    let options = chorus::netem::NetemOptions {
+        a: args.a,
+        b: args.b,
+        impairment,
+        seed: args.seed.unwrap_or_else(rand_seed),
+    };
+    chorus::netem::run(&options)?;
+    Ok(ExitCode::SUCCESS)
+}
+
 fn rand_seed() -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -881,6 +946,11 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         rtt_iters,
         rounds,
         json,
+        paths,
+        bind,
+        peer_bind,
+        peer_prefix,
+        quic_congestion,
         peer_store,
     }) = command.command
     else {
@@ -897,6 +967,16 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         iters,
         rtt_iters,
         rounds: rounds.max(1),
+        paths: chorus::bench::transport::PATHS
+            .into_iter()
+            .filter(|p| paths.iter().any(|q| q == p))
+            .collect(),
+        bind,
+        peer_bind: peer_bind.unwrap_or(bind),
+        peer_prefix: peer_prefix
+            .map(|p| p.split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default(),
+        quic_congestion,
     };
     if let Some(store) = peer_store {
         run_peer(&bench, store).await?;
@@ -908,7 +988,7 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     if json {
         for r in &results {
             println!(
-                "{{\"path\":\"{}\",\"bytes\":{},\"gbps\":{:.3},\"rtt_us\":{:.1},\"memcpy_gbps\":{:.2}}}",
+                "{{\"path\":\"{}\",\"bytes\":{},\"gbps\":{:.6},\"rtt_us\":{:.1},\"memcpy_gbps\":{:.2}}}",
                 r.path, size, r.gbps, r.rtt_us, memcpy
             );
         }

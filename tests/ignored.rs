@@ -47,7 +47,7 @@ fn tests_that_need_more_than_the_toolchain_are_ignored_with_the_reason() {
                 ("needs PyTorch", "torch_")
             } else if body.contains("device(\"") {
                 ("needs a GPU", "gpu_")
-            } else if body.contains("Cluster::up(") {
+            } else if body.contains("Cluster::up(") || body.contains("NetemPair::up(") {
                 ("needs root for network namespaces", "netns_")
             } else if body.contains("slurm-local.sh") {
                 ("needs Slurm", "slurm_")

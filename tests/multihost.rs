@@ -385,3 +385,21 @@ fn netns_mh10_a_killed_node_leaves_a_group_that_goes_on_under_either_restart_pol
         "all policy:\n{all}"
     );
 }
+
+#[test]
+#[ignore = "needs root for network namespaces; run: cargo test --release --test multihost -- --ignored netns_"]
+fn netns_mh11_a_job_across_a_link_with_20_ms_and_1_percent_loss_forms_and_sums_right() {
+    let _one = cluster::lock();
+    let cluster = Cluster::up("mhk", 2, &[]);
+    let impaired = std::process::Command::new("bash")
+        .args([concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/sim-cluster.sh"), "impair"])
+        .args([cluster.prefix(), "2", "--delay-ms", "20", "--loss", "1%", "--seed", "3"])
+        .env("CHORUS", CHORUS)
+        .status()
+        .unwrap();
+    assert!(impaired.success(), "could not impair host 2's link");
+    let outputs = run_job(&cluster, 2, 1, &hello(), 120);
+    let all = assert_all_succeeded(&outputs);
+    assert_eq!(greetings(&all).len(), 2, "{all}");
+    assert!(all.matches("correct").count() == 2, "both ranks checked the 16 MiB all-reduce:\n{all}");
+}

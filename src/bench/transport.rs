@@ -8,16 +8,21 @@
 //! key unique to the step), measures, and closes. Rounds alternate the paths
 //! so that noise on a shared machine hits each path alike; medians are
 //! reported.
+//!
+//! Across hosts (or network namespaces), `--bind` names this process's
+//! address, `--peer-bind` the peer's, and `--peer-prefix` the command that
+//! starts the peer there (`ip netns exec B`, `ssh host`); see the
+//! impaired-link section of BENCHMARKS.md.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chorus_runtime::store::{Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
 use chorus_transports::link::Link;
-use chorus_transports::quic::{QuicEndpoint, QuicIdentity, QuicOptions, QuicPeer};
+use chorus_transports::quic::{Congestion, QuicEndpoint, QuicIdentity, QuicOptions, QuicPeer};
 use chorus_transports::shm::{ShmEndpoint, ShmOptions, ShmPeer};
 use thiserror::Error;
 
@@ -53,6 +58,16 @@ pub struct TransportBench {
     pub rtt_iters: usize,
     /// Rounds (each measures every path once).
     pub rounds: usize,
+    /// The paths to measure, in this order each round (of `tcp`, `quic`, `shm`).
+    pub paths: Vec<&'static str>,
+    /// This process's address (the store, TCP and QUIC bind there).
+    pub bind: IpAddr,
+    /// The peer's address.
+    pub peer_bind: IpAddr,
+    /// Words put before the peer's command line (e.g. `ip netns exec B`).
+    pub peer_prefix: Vec<String>,
+    /// QUIC's congestion controller (both ends), as `auto`, `cubic`, `newreno` or `bbr`.
+    pub quic_congestion: String,
 }
 
 /// One path's medians.
@@ -66,7 +81,8 @@ pub struct PathResult {
     pub rtt_us: f64,
 }
 
-const PATHS: [&str; 3] = ["tcp", "quic", "shm"];
+/// Every path, in the default order.
+pub const PATHS: [&str; 3] = ["tcp", "quic", "shm"];
 
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -79,14 +95,19 @@ pub async fn run_leader(
     bench: &TransportBench,
     chorus_exe: &std::path::Path,
 ) -> Result<(Vec<PathResult>, f64), BenchError> {
-    let server = TcpStoreServer::bind(
-        "127.0.0.1:0".parse().expect("literal address"),
-        TcpStoreServerOptions::default(),
-    )
-    .await
-    .map_err(setup)?;
+    let server = TcpStoreServer::bind(SocketAddr::new(bench.bind, 0), TcpStoreServerOptions::default())
+        .await
+        .map_err(setup)?;
     let store_addr = server.local_addr();
-    let mut child = tokio::process::Command::new(chorus_exe)
+    let mut command = match bench.peer_prefix.split_first() {
+        Some((program, args)) => {
+            let mut command = tokio::process::Command::new(program);
+            command.args(args).arg(chorus_exe);
+            command
+        }
+        None => tokio::process::Command::new(chorus_exe),
+    };
+    let mut child = command
         .args([
             "bench",
             "transport",
@@ -100,14 +121,20 @@ pub async fn run_leader(
             &bench.rounds.to_string(),
             "--peer-store",
             &store_addr.to_string(),
+            "--bind",
+            &bench.peer_bind.to_string(),
+            "--paths",
+            &bench.paths.join(","),
+            "--quic-congestion",
+            &bench.quic_congestion,
         ])
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| setup(format!("starting the peer process: {e}")))?;
     let store = connect(store_addr).await?;
-    let mut samples: Vec<(Vec<f64>, Vec<f64>)> = PATHS.iter().map(|_| (Vec::new(), Vec::new())).collect();
+    let mut samples: Vec<(Vec<f64>, Vec<f64>)> = bench.paths.iter().map(|_| (Vec::new(), Vec::new())).collect();
     for round in 0..bench.rounds {
-        for (i, path) in PATHS.iter().enumerate() {
+        for (i, path) in bench.paths.iter().enumerate() {
             let (gbps, rtt) = step(&store, bench, round, path, 0).await?;
             samples[i].0.push(gbps);
             samples[i].1.push(rtt);
@@ -117,7 +144,8 @@ pub async fn run_leader(
     if !status.success() {
         return Err(setup(format!("the peer process failed: {status}")));
     }
-    let results = PATHS
+    let results = bench
+        .paths
         .iter()
         .zip(samples.iter_mut())
         .map(|(path, (gbps, rtt))| PathResult {
@@ -133,7 +161,7 @@ pub async fn run_leader(
 pub async fn run_peer(bench: &TransportBench, store_addr: SocketAddr) -> Result<(), BenchError> {
     let store = connect(store_addr).await?;
     for round in 0..bench.rounds {
-        for path in PATHS {
+        for &path in &bench.paths {
             step(&store, bench, round, path, 1).await?;
         }
     }
@@ -162,7 +190,7 @@ async fn step(
         "tcp" => {
             let bench = bench.clone();
             if rank == 0 {
-                let listener = TcpListener::bind("127.0.0.1:0").map_err(setup)?;
+                let listener = TcpListener::bind(SocketAddr::new(bench.bind, 0)).map_err(setup)?;
                 store
                     .set(&key(0), listener.local_addr().map_err(setup)?.to_string().as_bytes())
                     .await
@@ -205,12 +233,18 @@ async fn step(
         }
         _ => {
             let identity = QuicIdentity::generate().map_err(setup)?;
-            let endpoint =
-                QuicEndpoint::bind(rank, [127, 0, 0, 1].into(), &identity, QuicOptions::default()).map_err(setup)?;
-            let mut mine = endpoint.local_addr().port().to_le_bytes().to_vec();
-            mine.extend_from_slice(&identity.fingerprint());
+            let options = QuicOptions {
+                congestion: bench.quic_congestion.parse::<Congestion>().map_err(setup)?,
+                ..QuicOptions::default()
+            };
+            let endpoint = QuicEndpoint::bind(rank, bench.bind, &identity, options).map_err(setup)?;
+            let mut mine = identity.fingerprint().to_vec();
+            mine.extend_from_slice(endpoint.local_addr().to_string().as_bytes());
             store.set(&key(rank), &mine).await.map_err(setup)?;
             let theirs = store.get(&key(1 - rank)).await.map_err(setup)?;
+            if theirs.len() < 32 {
+                return Err(setup("the peer published a short QUIC endpoint"));
+            }
             let mut peers = vec![
                 QuicPeer {
                     rank,
@@ -219,8 +253,8 @@ async fn step(
                 },
                 QuicPeer {
                     rank: 1 - rank,
-                    addr: SocketAddr::from(([127, 0, 0, 1], u16::from_le_bytes([theirs[0], theirs[1]]))),
-                    fingerprint: theirs[2..34].try_into().map_err(setup)?,
+                    addr: String::from_utf8_lossy(&theirs[32..]).parse().map_err(setup)?,
+                    fingerprint: theirs[..32].try_into().map_err(setup)?,
                 },
             ];
             peers.sort_by_key(|p| p.rank);
@@ -274,6 +308,11 @@ fn tcp_leader(listener: TcpListener, bench: &TransportBench) -> Result<(f64, f64
     stream.set_nodelay(true).map_err(io("tcp"))?;
     let buffer = vec![1u8; bench.size];
     let mut ack = [0u8; 1];
+    // One untimed sample first, as over the links (window growth).
+    for _ in 0..bench.iters {
+        stream.write_all(&buffer).map_err(io("tcp"))?;
+    }
+    stream.read_exact(&mut ack).map_err(io("tcp"))?;
     let started = Instant::now();
     for _ in 0..bench.iters {
         stream.write_all(&buffer).map_err(io("tcp"))?;
@@ -296,10 +335,12 @@ fn tcp_peer(addr: SocketAddr, bench: &TransportBench) -> Result<(), BenchError> 
     stream.set_nodelay(true).map_err(io("tcp"))?;
     // Received into one reused buffer, as a pooled receiver would.
     let mut buffer = vec![0u8; bench.size];
-    for _ in 0..bench.iters {
-        stream.read_exact(&mut buffer).map_err(io("tcp"))?;
+    for _ in 0..2 {
+        for _ in 0..bench.iters {
+            stream.read_exact(&mut buffer).map_err(io("tcp"))?;
+        }
+        stream.write_all(&[1]).map_err(io("tcp"))?;
     }
-    stream.write_all(&[1]).map_err(io("tcp"))?;
     let mut ping = [0u8; 8];
     for _ in 0..bench.rtt_iters {
         stream.read_exact(&mut ping).map_err(io("tcp"))?;

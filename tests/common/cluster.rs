@@ -68,6 +68,11 @@ impl Cluster {
         command
     }
 
+    /// The cluster's name in `sim-cluster.sh`'s commands.
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// Host `host`'s `eth0` address.
     pub(crate) fn addr(&self, host: usize) -> String {
         format!("10.77.0.{host}")

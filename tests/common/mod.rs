@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 pub(crate) mod cluster;
 pub(crate) mod launchers;
+pub(crate) mod netem;
 
 /// The `chorus` binary under test.
 pub(crate) const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");

@@ -4,6 +4,8 @@
 //! - [`link`]: the one abstraction, a [`Link`](link::Link) to a peer that
 //!   carries tagged, ordered frames on independent channels with
 //!   back-pressure; the frame header codec.
+//! - [`congestion`]: QUIC's controller between hosts, Cubic until the link
+//!   shows loss, then BBR.
 //! - [`auth`]: signing published records with the job secret (HMAC-SHA256).
 //! - [`fault`]: a link wrapper injecting drops, delays, partitions, closes,
 //!   kills and freezes, deterministic under a seed (`CHORUS_FAULTS`).
@@ -26,6 +28,7 @@
 //! (rank, address, fingerprint) and moves frames.
 
 pub mod auth;
+pub mod congestion;
 pub mod fault;
 pub mod link;
 pub mod local;
