@@ -131,6 +131,24 @@ fn an_unreachable_store_is_reported_with_address_and_time() {
 }
 
 #[test]
+fn a_store_that_never_answers_fails_init_within_its_timeout() {
+    // Accepts (the kernel does) and never answers, as a stopped rank 0 would.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let url = format!("tcp://127.0.0.1:{port}?rank=1&world_size=2");
+    let started = Instant::now();
+    let output = run(worker(&url, 2, &[]), 30);
+    let took = started.elapsed();
+    let all = joined(&output);
+    assert!(!output.status.success(), "{all}");
+    assert!(took < Duration::from_secs(4), "init gave up after {took:?}: {all}");
+    assert!(
+        all.contains(&format!("store tcp://127.0.0.1:{port} did not answer")),
+        "{all}"
+    );
+}
+
+#[test]
 fn a_duplicate_rank_names_both_processes_and_the_rest_time_out_naming_the_missing_rank() {
     let port = free_port();
     let url = |rank: usize| format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=3");

@@ -66,6 +66,25 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
+    /// The server accepted the connection but did not answer in time
+    /// (stopped, overloaded, or not a store).
+    #[error(
+        "store {location} did not answer {operation} within {waited:?}; check that the store server (rank 0 or `chorus store serve`) is running and not stopped"
+    )]
+    NoReply {
+        /// Where the store is.
+        location: String,
+        /// The operation that got no answer.
+        operation: &'static str,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// The store address is not `host:port`.
+    #[error("store address {addr:?} is not valid: expected host:port, e.g. 127.0.0.1:29500")]
+    BadAddress {
+        /// The address given.
+        addr: String,
+    },
     /// IO on an established connection or file failed.
     #[error("io error on store {location}: {source}")]
     Io {
