@@ -14,7 +14,8 @@ fn run(mut command: Command, secs: u64) -> Output {
 
 fn hello(world: usize, init: &str) {
     let mut command = Command::new(CHORUS);
-    command.args([
+    // Info events go to a pipe here: they must come without colour codes.
+    command.env("CHORUS_LOG", "info").env_remove("CHORUS_JOB_SECRET").args([
         "hello",
         "--world",
         &world.to_string(),
@@ -28,6 +29,11 @@ fn hello(world: usize, init: &str) {
     assert!(
         output.status.success(),
         "hello --world {world} --init {init} failed:\n{all}"
+    );
+    assert!(!all.contains('\x1b'), "colour codes in a pipe:\n{all}");
+    assert!(
+        !all.contains("CHORUS_JOB_SECRET is not set"),
+        "hello hands its ranks a job secret:\n{all}"
     );
     for rank in 0..world {
         let found: Vec<&str> = all
@@ -127,6 +133,25 @@ fn an_unreachable_store_is_reported_with_address_and_time() {
         started.elapsed() < Duration::from_secs(15),
         "gave up late: {:?}",
         started.elapsed()
+    );
+}
+
+#[test]
+fn hello_with_a_bad_setting_fails_fast_naming_the_rank_and_why() {
+    let mut command = Command::new(CHORUS);
+    command
+        .args(["hello", "--world", "4", "--timeout", "60"])
+        .env("CHORUS_TRANSPORT", "bogus");
+    let started = Instant::now();
+    let output = run(command, 90);
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(took < Duration::from_secs(10), "hello took {took:?}: {stderr}");
+    let summary = stderr.lines().last().unwrap_or_default();
+    assert!(
+        summary.starts_with("chorus: error: rank ") && summary.contains("CHORUS_TRANSPORT=\"bogus\""),
+        "{stderr}"
     );
 }
 

@@ -503,3 +503,82 @@ fn store_get_against_a_stopped_store_server_returns_in_time() {
     assert!(stderr.contains(&format!("127.0.0.1:{port}")), "{stderr}");
     assert!(stderr.contains("did not answer"), "{stderr}");
 }
+
+/// Runs `chorus store ARGS` to its end (20 s at most).
+fn store_cli(args: &[&str]) -> std::process::Output {
+    common::run(
+        std::process::Command::new(CHORUS).arg("store").args(args),
+        20,
+        &format!("chorus store {args:?}"),
+        common::Stop::Kill,
+    )
+}
+
+#[test]
+fn store_cli_errors_say_each_cause_once_and_a_bad_address_at_once() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let output = store_cli(&["get", "k", "--addr", &addr, "--timeout", "1"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains(&addr), "{stderr}");
+    assert_eq!(stderr.matches("refused").count(), 1, "the cause once: {stderr}");
+
+    let started = std::time::Instant::now();
+    let output = store_cli(&["get", "k", "--addr", "nonsense", "--timeout", "9"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(started.elapsed() < Duration::from_secs(2), "{stderr}");
+    assert!(stderr.contains("expected host:port"), "{stderr}");
+}
+
+#[test]
+fn store_cli_check_names_missing_keys_and_keys_raw_shows_them_as_stored() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let server = runtime.block_on(server_with(TcpStoreServerOptions::default()));
+    let addr = server.local_addr().to_string();
+    runtime.block_on(async {
+        client(server.local_addr(), Duration::from_secs(5)).await.set("a", b"1").await.unwrap();
+        let raw = TcpStore::connect(
+            addr.clone(),
+            TcpStoreOptions {
+                key_prefix: String::new(),
+                ..options(Duration::from_secs(5), Duration::from_secs(5))
+            },
+        )
+        .await
+        .unwrap();
+        raw.set("b", b"2").await.unwrap();
+    });
+    let stdout = |output: &std::process::Output| String::from_utf8_lossy(&output.stdout).into_owned();
+
+    let output = store_cli(&["check", "a", "c", "d", "--addr", &addr]);
+    assert_eq!(output.status.code(), Some(1), "{}", common::text(&output));
+    assert_eq!(stdout(&output).trim(), "not ready: missing c, d");
+
+    let keys = store_cli(&["keys", "--addr", &addr]);
+    let raw = store_cli(&["keys", "--raw", "--addr", &addr]);
+    assert!(keys.status.success() && raw.status.success());
+    let lines = |s: String| s.lines().map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(
+        lines(stdout(&keys)),
+        ["a", "b  (stored without \"/\": use --raw)", "2 keys"]
+    );
+    assert_eq!(lines(stdout(&raw)), ["/a", "b", "2 keys"]);
+    drop(server);
+}
+
+#[test]
+fn store_serve_listens_on_loopback_unless_told_otherwise() {
+    let mut server = std::process::Command::new(CHORUS)
+        .args(["store", "serve", "--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start chorus store serve");
+    let mut ready = String::new();
+    let read = std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut ready);
+    let _ = server.kill();
+    let _ = server.wait();
+    read.unwrap();
+    assert!(ready.starts_with("chorus store serving on 127.0.0.1:"), "{ready}");
+}

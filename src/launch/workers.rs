@@ -266,11 +266,15 @@ async fn relay(stream: impl AsyncRead + Unpin, stdout: bool, spec: WorkerSpec, t
         let line = String::from_utf8_lossy(&buf);
         let line = line.trim_end_matches(['\n', '\r']);
         if show {
-            // A closed console must not stop the job; the files still get the lines.
+            // One write per line: stderr is unbuffered, and a line written
+            // in pieces interleaves with the other stream under `2>&1`. A
+            // closed console must not stop the job; the files still get the lines.
+            let prefixed = format!("[{}]: {line}\n", spec.rank);
             let _ = if stdout {
-                writeln!(std::io::stdout().lock(), "[{}]: {line}", spec.rank)
+                let mut out = std::io::stdout().lock();
+                out.write_all(prefixed.as_bytes()).and_then(|()| out.flush())
             } else {
-                writeln!(std::io::stderr().lock(), "[{}]: {line}", spec.rank)
+                std::io::stderr().lock().write_all(prefixed.as_bytes())
             };
         }
         let mut tail = lock(&tail);
