@@ -712,8 +712,14 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let mut child = command.spawn().with_context(|| format!("starting rank {rank}"))?;
-        let stdout = child.stdout.take().map(|s| (false, Box::new(s) as Box<dyn std::io::Read + Send>));
-        let stderr = child.stderr.take().map(|s| (true, Box::new(s) as Box<dyn std::io::Read + Send>));
+        let stdout = child
+            .stdout
+            .take()
+            .map(|s| (false, Box::new(s) as Box<dyn std::io::Read + Send>));
+        let stderr = child
+            .stderr
+            .take()
+            .map(|s| (true, Box::new(s) as Box<dyn std::io::Read + Send>));
         for (is_stderr, stream) in [stdout, stderr].into_iter().flatten() {
             let tx = lines_tx.clone();
             std::thread::spawn(move || {

@@ -379,9 +379,12 @@ async fn a_server_that_accepts_and_never_answers_fails_the_connect_in_time() {
     within(30, "silent connect", async {
         let (_listener, addr) = silent_listener();
         let started = std::time::Instant::now();
-        let err = TcpStore::connect(addr.to_string(), options(Duration::from_secs(60), Duration::from_secs(1)))
-            .await
-            .unwrap_err();
+        let err = TcpStore::connect(
+            addr.to_string(),
+            options(Duration::from_secs(60), Duration::from_secs(1)),
+        )
+        .await
+        .unwrap_err();
         let took = started.elapsed();
         assert!(took < Duration::from_millis(1500), "connect took {took:?}");
         let message = err.to_string();
@@ -399,9 +402,12 @@ async fn a_full_backlog_fails_the_connect_in_time() {
     within(30, "full backlog", async {
         let (_listener, _held, addr) = full_backlog();
         let started = std::time::Instant::now();
-        let err = TcpStore::connect(addr.to_string(), options(Duration::from_secs(60), Duration::from_secs(1)))
-            .await
-            .unwrap_err();
+        let err = TcpStore::connect(
+            addr.to_string(),
+            options(Duration::from_secs(60), Duration::from_secs(1)),
+        )
+        .await
+        .unwrap_err();
         let took = started.elapsed();
         assert!(took < Duration::from_millis(1500), "connect took {took:?}");
         assert!(matches!(err, StoreError::Unreachable { .. }), "{err}");
@@ -489,7 +495,15 @@ fn store_get_against_a_stopped_store_server_returns_in_time() {
     unsafe { libc::kill(server.id() as i32, libc::SIGSTOP) };
     let started = std::time::Instant::now();
     let output = common::run(
-        std::process::Command::new(CHORUS).args(["store", "get", "k", "--addr", &format!("127.0.0.1:{port}"), "--timeout", "2"]),
+        std::process::Command::new(CHORUS).args([
+            "store",
+            "get",
+            "k",
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--timeout",
+            "2",
+        ]),
         20,
         "chorus store get",
         common::Stop::Kill,
@@ -499,7 +513,10 @@ fn store_get_against_a_stopped_store_server_returns_in_time() {
     let _ = server.wait();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
-    assert!(took < Duration::from_secs(4), "chorus store get took {took:?}: {stderr}");
+    assert!(
+        took < Duration::from_secs(4),
+        "chorus store get took {took:?}: {stderr}"
+    );
     assert!(stderr.contains(&format!("127.0.0.1:{port}")), "{stderr}");
     assert!(stderr.contains("did not answer"), "{stderr}");
 }
@@ -537,7 +554,11 @@ fn store_cli_check_names_missing_keys_and_keys_raw_shows_them_as_stored() {
     let server = runtime.block_on(server_with(TcpStoreServerOptions::default()));
     let addr = server.local_addr().to_string();
     runtime.block_on(async {
-        client(server.local_addr(), Duration::from_secs(5)).await.set("a", b"1").await.unwrap();
+        client(server.local_addr(), Duration::from_secs(5))
+            .await
+            .set("a", b"1")
+            .await
+            .unwrap();
         let raw = TcpStore::connect(
             addr.clone(),
             TcpStoreOptions {

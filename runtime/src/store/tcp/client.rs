@@ -181,10 +181,7 @@ impl TcpStore {
     /// Every key holding a value, exactly as stored: keys of PyTorch-style
     /// clients (this one included) start with the `/` they prefix.
     pub async fn list_keys(&self) -> Result<Vec<Bytes>, StoreError> {
-        match self
-            .call(Request::ListKeys, "list_keys", self.options.timeout)
-            .await?
-        {
+        match self.call(Request::ListKeys, "list_keys", self.options.timeout).await? {
             Reply::Keys(keys) => Ok(keys),
             other => Err(self.malformed(format!("list_keys answered {other:?}"))),
         }
@@ -323,7 +320,9 @@ impl TcpStore {
             conn.in_flight = false;
             let mut missing = Vec::new();
             for key in keys {
-                let check = Request::Check { keys: vec![self.key(key)] };
+                let check = Request::Check {
+                    keys: vec![self.key(key)],
+                };
                 if let Reply::U8(protocol::CHECK_NOT_READY) = self.exchange(conn, &check, "check").await? {
                     missing.push(*key);
                 }
@@ -464,9 +463,7 @@ impl Store for TcpStore {
     }
 
     async fn num_keys(&self) -> Result<i64, StoreError> {
-        let reply = self
-            .call(Request::GetNumKeys, "num_keys", self.options.timeout)
-            .await?;
+        let reply = self.call(Request::GetNumKeys, "num_keys", self.options.timeout).await?;
         expect_i64(self, reply, "num_keys")
     }
 
@@ -491,9 +488,7 @@ impl Store for TcpStore {
                 .map(|(k, v)| (self.key(k), Bytes::copy_from_slice(v)))
                 .collect(),
         };
-        self.call(request, "multi_set", self.options.timeout)
-            .await
-            .map(drop)
+        self.call(request, "multi_set", self.options.timeout).await.map(drop)
     }
 
     async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -502,9 +497,7 @@ impl Store for TcpStore {
             key: self.key(key),
             value: Bytes::copy_from_slice(value),
         };
-        self.call(request, "append", self.options.timeout)
-            .await
-            .map(drop)
+        self.call(request, "append", self.options.timeout).await.map(drop)
     }
 
     async fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -513,9 +506,7 @@ impl Store for TcpStore {
             key: self.key(key),
             value: Bytes::copy_from_slice(value),
         };
-        self.call(request, "queue_push", self.options.timeout)
-            .await
-            .map(drop)
+        self.call(request, "queue_push", self.options.timeout).await.map(drop)
     }
 
     async fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Bytes>, StoreError> {
