@@ -30,7 +30,8 @@ pub use hash::HashStore;
 pub use prefix::PrefixStore;
 pub use tcp::{TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
 
-/// PyTorch's default store timeout.
+/// PyTorch's default store timeout (300 s): of blocking operations, of
+/// replies and of connecting, unless a store's options say otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// PyTorch's default store port.
