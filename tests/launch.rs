@@ -587,3 +587,26 @@ fn prefixed_lines_stay_whole_when_stdout_and_stderr_share_a_pipe() {
     let broken: Vec<&&str> = prefixed.iter().filter(|l| !whole(l)).take(5).collect();
     assert!(broken.is_empty(), "garbled lines: {broken:?}");
 }
+
+#[test]
+fn a_stopped_worker_does_not_hold_up_the_end_of_a_failed_job() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 1 stops itself (SIGSTOP); rank 0 then fails.
+    let worker = script(
+        dir.path(),
+        "stop_and_fail.sh",
+        "if [ \"$RANK\" = 1 ]; then kill -STOP $$; sleep 600; fi; sleep 1; exit 3",
+    );
+    let started = Instant::now();
+    let output = run(
+        launch(&["--nproc-per-node", "2", "--shutdown-timeout", "60", worker.to_str().unwrap()]),
+        90,
+    );
+    let took = started.elapsed();
+    assert!(!output.status.success(), "{}", text(&output));
+    assert!(
+        took < Duration::from_secs(15),
+        "the launcher waited {took:?} for a stopped worker: {}",
+        text(&output)
+    );
+}

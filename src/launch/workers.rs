@@ -144,6 +144,9 @@ impl Workers {
     pub async fn stop(&mut self, signal: i32, grace: Duration) {
         for worker in self.workers.iter().filter(|w| w.running) {
             signal_group(worker.pid, signal);
+            // A stopped (SIGSTOPped) worker would keep the signal pending
+            // until the grace ran out: resume it so it acts on it now.
+            signal_group(worker.pid, libc::SIGCONT);
         }
         let _ = tokio::time::timeout(grace, async { while self.next_exit().await.is_some() {} }).await;
         // Children a worker started in its group may outlive it: no orphans.
