@@ -599,7 +599,13 @@ fn a_stopped_worker_does_not_hold_up_the_end_of_a_failed_job() {
     );
     let started = Instant::now();
     let output = run(
-        launch(&["--nproc-per-node", "2", "--shutdown-timeout", "60", worker.to_str().unwrap()]),
+        launch(&[
+            "--nproc-per-node",
+            "2",
+            "--shutdown-timeout",
+            "60",
+            worker.to_str().unwrap(),
+        ]),
         90,
     );
     let took = started.elapsed();

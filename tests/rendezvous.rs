@@ -202,10 +202,16 @@ fn a_duplicate_rank_fails_every_rank_at_once_naming_both_processes() {
         let output = wait_with_deadline(child, 30);
         let all = joined(&output);
         assert!(!output.status.success(), "{who} should fail: {all}");
-        assert!(all.contains(&message), "{who} must fail with the same message:\n{message}\n{all}");
+        assert!(
+            all.contains(&message),
+            "{who} must fail with the same message:\n{message}\n{all}"
+        );
     }
     let took = started.elapsed();
-    assert!(took < Duration::from_secs(10), "the ranks failed {took:?} after the conflict");
+    assert!(
+        took < Duration::from_secs(10),
+        "the ranks failed {took:?} after the conflict"
+    );
 }
 
 fn wait_with_deadline(child: std::process::Child, secs: u64) -> Output {
@@ -225,7 +231,10 @@ fn after_a_first_rank(first: &str, second: &str, timeout: u64) -> (Output, Outpu
     let output = run(worker(&url(second), timeout, &[]), 30);
     let first = wait_with_deadline(rank0, 30);
     let took = started.elapsed();
-    assert!(took < Duration::from_secs(10), "the ranks ended {took:?} after the second started");
+    assert!(
+        took < Duration::from_secs(10),
+        "the ranks ended {took:?} after the second started"
+    );
     (first, output)
 }
 
@@ -236,10 +245,16 @@ fn ranks_that_disagree_on_the_world_size_all_fail_at_once_and_are_told_so() {
     assert!(!second.status.success());
     assert!(all.contains("world size mismatch"), "{all}");
     assert!(all.contains("world size 3") && all.contains("world size 2"), "{all}");
-    let message = all.lines().find_map(|l| l.strip_prefix("chorus: error: ")).expect("an error line");
+    let message = all
+        .lines()
+        .find_map(|l| l.strip_prefix("chorus: error: "))
+        .expect("an error line");
     let all0 = joined(&first);
     assert!(!first.status.success(), "{all0}");
-    assert!(all0.contains(message), "rank 0 must fail with the same message:\n{message}\n{all0}");
+    assert!(
+        all0.contains(message),
+        "rank 0 must fail with the same message:\n{message}\n{all0}"
+    );
 }
 
 #[test]

@@ -515,9 +515,11 @@ pub const CONFLICT_LINGER: Duration = Duration::from_secs(2);
 
 /// The conflict a `peer/<r>` value carries, if it carries one.
 fn conflict_in(value: &[u8]) -> Option<RendezvousError> {
-    value.strip_prefix(CONFLICT_MARK).map(|message| RendezvousError::Conflict {
-        message: String::from_utf8_lossy(message).into_owned(),
-    })
+    value
+        .strip_prefix(CONFLICT_MARK)
+        .map(|message| RendezvousError::Conflict {
+            message: String::from_utf8_lossy(message).into_owned(),
+        })
 }
 
 /// Tells every rank of the generation about `error`: its message goes into
@@ -875,7 +877,9 @@ mod tests {
     }
 
     /// The task's outcome, which must come within 5 s (not at the 300 s timeout).
-    async fn soon(task: tokio::task::JoinHandle<Result<Membership, RendezvousError>>) -> Result<Membership, RendezvousError> {
+    async fn soon(
+        task: tokio::task::JoinHandle<Result<Membership, RendezvousError>>,
+    ) -> Result<Membership, RendezvousError> {
         tokio::time::timeout(Duration::from_secs(5), task)
             .await
             .expect("the rank kept waiting for the rendezvous timeout")
@@ -902,7 +906,10 @@ mod tests {
         let rank1 = start(&store, 1, 3, 2);
         store.wait(&["chorus/t/g0/rank/0", "chorus/t/g0/rank/1"]).await.unwrap();
         let found = soon(start(&store, 1, 3, 3)).await.unwrap_err();
-        assert!(matches!(found, RendezvousError::DuplicateRank { rank: 1, .. }), "{found}");
+        assert!(
+            matches!(found, RendezvousError::DuplicateRank { rank: 1, .. }),
+            "{found}"
+        );
         for waiting in [rank0, rank1] {
             match soon(waiting).await.unwrap_err() {
                 RendezvousError::Conflict { message } => assert_eq!(message, found.to_string()),
