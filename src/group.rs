@@ -79,7 +79,10 @@ pub struct InitOptions {
     pub rank: Option<usize>,
     /// The world size, when not in the URL or the environment.
     pub world_size: Option<usize>,
-    /// Limit on connecting to the store and on the whole exchange.
+    /// Limit on connecting to the store, on each store operation and on
+    /// the whole rendezvous (default 300 s, PyTorch's store default). A
+    /// conflict (another world size, a rank claimed twice) fails every rank
+    /// at once instead.
     pub timeout: Duration,
     /// Default limit on each collective (PyTorch's default for Gloo: 30 min).
     pub collective_timeout: Duration,

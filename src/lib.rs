@@ -64,3 +64,44 @@ pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError}
 pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use nccl_group::{NcclInitError, NcclProcessGroup, init_nccl_group, init_nccl_group_with};
 pub use tensor::{Element, Tensor};
+
+/// `error` and its causes on one line, each cause once: chorus's messages
+/// often quote their cause already, which `{:#}` or a "Caused by" list would
+/// print a second time.
+pub fn error_report(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut report = error.to_string();
+    let mut cause = error.source();
+    while let Some(next) = cause {
+        let text = next.to_string();
+        if !report.contains(&text) {
+            report.push_str(": ");
+            report.push_str(&text);
+        }
+        cause = next.source();
+    }
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    #[derive(Debug, thiserror::Error)]
+    #[error("reading the plan: {source}")]
+    struct Quoting {
+        source: std::io::Error,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("starting the job")]
+    struct Wrapping(#[source] Quoting);
+
+    #[test]
+    fn each_cause_is_reported_once() {
+        let error = Wrapping(Quoting {
+            source: std::io::Error::other("disk on fire"),
+        });
+        assert_eq!(
+            super::error_report(&error),
+            "starting the job: reading the plan: disk on fire"
+        );
+    }
+}

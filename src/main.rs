@@ -256,8 +256,8 @@ enum StoreCommand {
         /// Port to listen on.
         #[arg(long, default_value_t = store::DEFAULT_PORT)]
         port: u16,
-        /// Address to listen on.
-        #[arg(long, default_value = "0.0.0.0")]
+        /// Address to listen on: loopback unless told otherwise (`--host 0.0.0.0` serves every interface; anyone who reaches the port can read and write the store).
+        #[arg(long, default_value = "127.0.0.1")]
         host: String,
     },
     /// Print the value of KEY (waiting for it up to --timeout).
@@ -294,7 +294,7 @@ enum StoreCommand {
         #[arg(required = true)]
         keys: Vec<String>,
     },
-    /// Print whether every KEY exists (exit code 1 when not).
+    /// Print whether every KEY exists, naming the missing ones (exit code 1 when some are).
     Check {
         #[command(flatten)]
         client: ClientArgs,
@@ -309,7 +309,7 @@ enum StoreCommand {
         /// The key.
         key: String,
     },
-    /// List every key in the store, as stored, with the count.
+    /// List every key in the store, with the count: as `get` and `set` name them (without the "/" PyTorch's client puts in front), or with --raw exactly as stored.
     Keys {
         #[command(flatten)]
         client: ClientArgs,
@@ -324,15 +324,18 @@ struct ClientArgs {
     /// Seconds to wait for the server and for keys.
     #[arg(long, default_value_t = 10)]
     timeout: u64,
-    /// Send keys as given, without the "/" PyTorch's client puts in front.
+    /// Keys exactly as stored: send them without the "/" PyTorch's client puts in front (and `keys` lists them unchanged).
     #[arg(long)]
     raw: bool,
 }
 
 fn main() -> ExitCode {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal, not into files and pipes.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
@@ -415,7 +418,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("chorus: error: {error:#}");
+            eprintln!("chorus: error: {}", chorus::error_report(error.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -736,7 +739,10 @@ fn free_port() -> Result<u16> {
 }
 
 /// Starts `--world` worker processes, prefixes their output with their rank
-/// and fails if any fails or the job outlives `--timeout`.
+/// and fails if any fails or the job outlives `--timeout`. The first rank to
+/// fail ends the job: it is named with its last error line, and the others
+/// are killed (SIGKILL: also a stopped one) instead of waiting on a peer or a
+/// store that is gone.
 fn hello(args: &HelloArgs) -> Result<ExitCode> {
     if args.world == 0 {
         bail!("--world must be at least 1");
@@ -749,8 +755,14 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
         InitKind::File => format!("file://{}", store_file.display()),
         InitKind::Env => "env://".to_string(),
     };
+    // The ranks sign their records with one secret, as under `chorus launch`.
+    let secret = match std::env::var("CHORUS_JOB_SECRET") {
+        Ok(secret) if !secret.is_empty() => secret,
+        _ => chorus::launch::random_hex(32)?,
+    };
     println!("chorus hello: {} ranks meeting over {url}", args.world);
-    let (lines_tx, lines_rx) = mpsc::channel::<String>();
+    // (rank, from stderr, line)
+    let (lines_tx, lines_rx) = mpsc::channel::<(usize, bool, String)>();
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..args.world {
         let mut command = Command::new(&exe);
@@ -762,74 +774,92 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
             .env("LOCAL_WORLD_SIZE", args.world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env("CHORUS_JOB_SECRET", &secret)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         let mut child = command.spawn().with_context(|| format!("starting rank {rank}"))?;
-        for stream in [
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
+        let stdout = child
+            .stdout
+            .take()
+            .map(|s| (false, Box::new(s) as Box<dyn std::io::Read + Send>));
+        let stderr = child
+            .stderr
+            .take()
+            .map(|s| (true, Box::new(s) as Box<dyn std::io::Read + Send>));
+        for (is_stderr, stream) in [stdout, stderr].into_iter().flatten() {
             let tx = lines_tx.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send(format!("[{rank}]: {line}"));
+                    let _ = tx.send((rank, is_stderr, line));
                 }
             });
         }
         children.push(child);
     }
     drop(lines_tx);
+    let mut last_error: Vec<Option<String>> = vec![None; args.world];
+    let mut show = |(rank, is_stderr, line): (usize, bool, String)| {
+        if is_stderr && !line.trim().is_empty() {
+            last_error[rank] = Some(line.clone());
+        }
+        println!("[{rank}]: {line}");
+    };
     let deadline = Instant::now() + Duration::from_secs(args.timeout) + Duration::from_secs(5);
-    let mut failed = Vec::new();
+    let mut failed: Vec<(usize, String)> = Vec::new();
     let mut running: Vec<usize> = (0..children.len()).collect();
-    while !running.is_empty() {
+    while !running.is_empty() && failed.is_empty() {
         while let Ok(line) = lines_rx.try_recv() {
-            println!("{line}");
+            show(line);
         }
         running.retain(|&rank| match children[rank].try_wait() {
             Ok(Some(status)) => {
                 if !status.success() {
-                    failed.push(format!("rank {rank} exited with {status}"));
+                    failed.push((rank, format!("exited with {status}")));
                 }
                 false
             }
             Ok(None) => true,
             Err(_) => false,
         });
-        if Instant::now() > deadline {
-            for &rank in &running {
-                let _ = children[rank].kill();
-                failed.push(format!(
-                    "rank {rank} was still running after {}s and was killed",
-                    args.timeout
-                ));
-            }
-            break;
+        if failed.is_empty() && Instant::now() > deadline {
+            failed.extend(
+                running
+                    .iter()
+                    .map(|&rank| (rank, format!("was still running after {}s", args.timeout))),
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+    for &rank in &running {
+        let _ = children[rank].kill();
     }
     for child in &mut children {
         let _ = child.wait();
     }
     for line in lines_rx.iter() {
-        println!("{line}");
+        show(line);
     }
     let _ = std::fs::remove_file(&store_file);
     if failed.is_empty() {
         println!("chorus hello: all {} ranks found each other", args.world);
-        Ok(ExitCode::SUCCESS)
-    } else {
-        bail!("{}", failed.join("; "))
+        return Ok(ExitCode::SUCCESS);
     }
+    let mut why: Vec<String> = failed
+        .iter()
+        .map(|(rank, how)| match &last_error[*rank] {
+            Some(line) => format!("rank {rank} {how}: {}", line.trim_start_matches("chorus: error: ")),
+            None => format!("rank {rank} {how}"),
+        })
+        .collect();
+    let stopped: Vec<String> = running
+        .iter()
+        .filter(|r| !failed.iter().any(|(f, _)| f == *r))
+        .map(ToString::to_string)
+        .collect();
+    if !stopped.is_empty() {
+        why.push(format!("killed the other ranks still running ({})", stopped.join(", ")));
+    }
+    bail!("{}", why.join("; "))
 }
 
 fn client_options(client: &ClientArgs) -> TcpStoreOptions {
@@ -882,9 +912,17 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
         }
         StoreCommand::Check { client, keys } => {
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            let ready = connect(&client).await?.check(&keys).await?;
-            println!("{}", if ready { "ready" } else { "not ready" });
-            if !ready {
+            let store = connect(&client).await?;
+            if store.check(&keys).await? {
+                println!("ready");
+            } else {
+                let mut missing = Vec::new();
+                for key in keys {
+                    if !store.check(&[key]).await? {
+                        missing.push(key);
+                    }
+                }
+                println!("not ready: missing {}", missing.join(", "));
                 return Ok(ExitCode::from(1));
             }
         }
@@ -896,7 +934,12 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
             let mut keys = connect(&client).await?.list_keys().await?;
             keys.sort();
             for key in &keys {
-                println!("{}", show(key));
+                match key.strip_prefix(b"/") {
+                    Some(name) if !client.raw => println!("{}", show(name)),
+                    // Not reachable through the "/" prefix: only with --raw.
+                    None if !client.raw => println!("{}  (stored without \"/\": use --raw)", show(key)),
+                    _ => println!("{}", show(key)),
+                }
             }
             println!("{} keys", keys.len());
         }

@@ -303,3 +303,88 @@ fn compare_gloo_without_torch_says_so_and_still_measures_chorus() {
     assert!(out.stderr.contains("no comparison"), "{}", out.stderr);
     assert_eq!(data_rows(&out.stdout).len(), 1, "{}", out.stdout);
 }
+
+/// The pids of `parent`'s children, started by any of its threads (Linux).
+fn children(parent: u32) -> Vec<i32> {
+    let tasks = std::fs::read_dir(format!("/proc/{parent}/task"))
+        .into_iter()
+        .flatten()
+        .flatten();
+    let mut pids: Vec<i32> = tasks
+        .flat_map(|task| {
+            std::fs::read_to_string(task.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    pids.sort();
+    pids
+}
+
+#[test]
+fn a_rank_stopped_mid_run_ends_the_bench_naming_it() {
+    use std::time::{Duration, Instant};
+    let mut command = Command::new(CHORUS);
+    command
+        .args([
+            "bench",
+            "--world",
+            "3",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "-n",
+            "10000000",
+            "-w",
+            "0",
+            "--timeout",
+            "300",
+        ])
+        .env("CHORUS_LOG", "warn")
+        .env("CHORUS_HEARTBEAT_TIMEOUT", "2")
+        .stdin(Stdio::null());
+    let child = common::spawn_piped(&mut command, "chorus bench");
+    let started = Instant::now();
+    let ranks = loop {
+        let ranks = children(child.id());
+        if ranks.len() == 3 {
+            break ranks;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the bench did not start 3 ranks"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Let them form the group and start measuring.
+    std::thread::sleep(Duration::from_secs(3));
+    let rank_of = |pid: i32| {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        environ
+            .split(|&b| b == 0)
+            .find_map(|var| var.strip_prefix(b"RANK="))
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .expect("a rank process has RANK")
+    };
+    let frozen = ranks[1];
+    let frozen_rank = rank_of(frozen);
+    // SAFETY: kill only sends a signal, to a rank process of the bench this test started.
+    unsafe { libc::kill(frozen, libc::SIGSTOP) };
+    let stopped = Instant::now();
+    let output = common::finish(child, 60, "chorus bench with a stopped rank", Stop::Kill);
+    let took = stopped.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    // The heartbeat window (2 s), then the bench's grace for the frozen rank.
+    assert!(
+        took < Duration::from_secs(10),
+        "the bench ended {took:?} after the stop: {stderr}"
+    );
+    assert!(stderr.contains(&format!("rank {frozen_rank}: no answer")), "{stderr}");
+    // SAFETY: signal 0 only checks that the process exists.
+    let alive = unsafe { libc::kill(frozen, 0) } == 0;
+    assert!(!alive, "the stopped rank {frozen} was left behind");
+}

@@ -550,3 +550,69 @@ if [ "$RANK" = 3 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exit 5; fi; sl
         "{all}"
     );
 }
+
+#[test]
+fn prefixed_lines_stay_whole_when_stdout_and_stderr_share_a_pipe() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = script(
+        dir.path(),
+        "chatty.sh",
+        "i=0; while [ $i -lt 400 ]; do echo out-$i-aaaaaaaaaaaaaaaa; echo err-$i-bbbbbbbbbbbbbbbb >&2; i=$((i+1)); done",
+    );
+    // One pipe for both streams, as `2>&1` gives.
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(format!(
+            "exec {CHORUS} launch --nproc-per-node 4 {} 2>&1",
+            worker.display()
+        ))
+        .env_remove("CHORUS_JOB_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let output = run(command, 60);
+    assert!(output.status.success(), "{}", text(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let whole = |line: &str| {
+        let Some((prefix, rest)) = line.split_once("]: ") else {
+            return false;
+        };
+        prefix.strip_prefix('[').is_some_and(|r| r.parse::<usize>().is_ok())
+            && (rest.starts_with("out-") && rest.ends_with("-aaaaaaaaaaaaaaaa")
+                || rest.starts_with("err-") && rest.ends_with("-bbbbbbbbbbbbbbbb"))
+            && !rest[4..].contains(['[', 'o', 'e'])
+    };
+    let prefixed: Vec<&str> = stdout.lines().filter(|l| l.starts_with('[')).collect();
+    assert_eq!(prefixed.len(), 4 * 800, "{stdout}");
+    let broken: Vec<&&str> = prefixed.iter().filter(|l| !whole(l)).take(5).collect();
+    assert!(broken.is_empty(), "garbled lines: {broken:?}");
+}
+
+#[test]
+fn a_stopped_worker_does_not_hold_up_the_end_of_a_failed_job() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 1 stops itself (SIGSTOP); rank 0 then fails.
+    let worker = script(
+        dir.path(),
+        "stop_and_fail.sh",
+        "if [ \"$RANK\" = 1 ]; then kill -STOP $$; sleep 600; fi; sleep 1; exit 3",
+    );
+    let started = Instant::now();
+    let output = run(
+        launch(&[
+            "--nproc-per-node",
+            "2",
+            "--shutdown-timeout",
+            "60",
+            worker.to_str().unwrap(),
+        ]),
+        90,
+    );
+    let took = started.elapsed();
+    assert!(!output.status.success(), "{}", text(&output));
+    assert!(
+        took < Duration::from_secs(15),
+        "the launcher waited {took:?} for a stopped worker: {}",
+        text(&output)
+    );
+}

@@ -14,7 +14,8 @@ fn run(mut command: Command, secs: u64) -> Output {
 
 fn hello(world: usize, init: &str) {
     let mut command = Command::new(CHORUS);
-    command.args([
+    // Info events go to a pipe here: they must come without colour codes.
+    command.env("CHORUS_LOG", "info").env_remove("CHORUS_JOB_SECRET").args([
         "hello",
         "--world",
         &world.to_string(),
@@ -28,6 +29,11 @@ fn hello(world: usize, init: &str) {
     assert!(
         output.status.success(),
         "hello --world {world} --init {init} failed:\n{all}"
+    );
+    assert!(!all.contains('\x1b'), "colour codes in a pipe:\n{all}");
+    assert!(
+        !all.contains("CHORUS_JOB_SECRET is not set"),
+        "hello hands its ranks a job secret:\n{all}"
     );
     for rank in 0..world {
         let found: Vec<&str> = all
@@ -131,33 +137,80 @@ fn an_unreachable_store_is_reported_with_address_and_time() {
 }
 
 #[test]
-fn a_duplicate_rank_names_both_processes_and_the_rest_time_out_naming_the_missing_rank() {
+fn hello_with_a_bad_setting_fails_fast_naming_the_rank_and_why() {
+    let mut command = Command::new(CHORUS);
+    command
+        .args(["hello", "--world", "4", "--timeout", "60"])
+        .env("CHORUS_TRANSPORT", "bogus");
+    let started = Instant::now();
+    let output = run(command, 90);
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(took < Duration::from_secs(10), "hello took {took:?}: {stderr}");
+    let summary = stderr.lines().last().unwrap_or_default();
+    assert!(
+        summary.starts_with("chorus: error: rank ") && summary.contains("CHORUS_TRANSPORT=\"bogus\""),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_store_that_never_answers_fails_init_within_its_timeout() {
+    // Accepts (the kernel does) and never answers, as a stopped rank 0 would.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let url = format!("tcp://127.0.0.1:{port}?rank=1&world_size=2");
+    let started = Instant::now();
+    let output = run(worker(&url, 2, &[]), 30);
+    let took = started.elapsed();
+    let all = joined(&output);
+    assert!(!output.status.success(), "{all}");
+    assert!(took < Duration::from_secs(4), "init gave up after {took:?}: {all}");
+    assert!(
+        all.contains(&format!("store tcp://127.0.0.1:{port} did not answer")),
+        "{all}"
+    );
+}
+
+#[test]
+fn a_duplicate_rank_fails_every_rank_at_once_naming_both_processes() {
     let port = free_port();
     let url = |rank: usize| format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=3");
-    let spawn = |rank: usize| spawn_piped(&mut worker(&url(rank), 4, &[]), "chorus");
+    // A rendezvous timeout far beyond the test's bound: the conflict, not the timeout, must end them.
+    let spawn = |rank: usize| spawn_piped(&mut worker(&url(rank), 300, &[]), "chorus");
     let rank0 = spawn(0);
     std::thread::sleep(Duration::from_millis(300));
     let first = spawn(1);
+    let first_pid = first.id();
     std::thread::sleep(Duration::from_millis(500));
-    let second = run(worker(&url(1), 4, &[]), 30);
+    let started = Instant::now();
+    let second = run(worker(&url(1), 300, &[]), 30);
     let all = joined(&second);
     assert!(!second.status.success());
     assert!(all.contains("rank 1 is claimed twice"), "{all}");
     assert!(
-        all.contains(&format!("pid {}", first.id())),
+        all.contains(&format!("pid {first_pid}")),
         "the first claimant's pid must be named: {all}"
     );
-    let output = wait_with_deadline(rank0, 30);
-    let all = joined(&output);
-    assert!(!output.status.success(), "rank 0 should fail: rank 2 never came");
-    assert!(all.contains("missing ranks [2]"), "rank 0: {all}");
-    // Rank 1 times out too, or first sees rank 0 (the store's host) leave.
-    let output = wait_with_deadline(first, 30);
-    let all = joined(&output);
-    assert!(!output.status.success(), "rank 1 should fail: rank 2 never came");
+    let message = all
+        .lines()
+        .find_map(|l| l.strip_prefix("chorus: error: "))
+        .expect("an error line")
+        .to_string();
+    for (who, child) in [("rank 0", rank0), ("the first rank 1", first)] {
+        let output = wait_with_deadline(child, 30);
+        let all = joined(&output);
+        assert!(!output.status.success(), "{who} should fail: {all}");
+        assert!(
+            all.contains(&message),
+            "{who} must fail with the same message:\n{message}\n{all}"
+        );
+    }
+    let took = started.elapsed();
     assert!(
-        all.contains("missing ranks [2]") || all.contains("closed the connection"),
-        "rank 1: {all}"
+        took < Duration::from_secs(10),
+        "the ranks failed {took:?} after the conflict"
     );
 }
 
@@ -167,29 +220,48 @@ fn wait_with_deadline(child: std::process::Child, secs: u64) -> Output {
 }
 
 /// A rank at `tcp://127.0.0.1:PORT?{first}`, then 300 ms later one at
-/// `?{second}` (both with a 4 s timeout): the second's output, once both exited.
-fn after_a_first_rank(first: &str, second: &str) -> Output {
+/// `?{second}` (both with a `timeout` in seconds): both outputs, each within
+/// 10 s of the second's start.
+fn after_a_first_rank(first: &str, second: &str, timeout: u64) -> (Output, Output) {
     let port = free_port();
     let url = |query: &str| format!("tcp://127.0.0.1:{port}?{query}");
-    let rank0 = spawn_piped(&mut worker(&url(first), 4, &[]), "chorus");
+    let rank0 = spawn_piped(&mut worker(&url(first), timeout, &[]), "chorus");
     std::thread::sleep(Duration::from_millis(300));
-    let output = run(worker(&url(second), 4, &[]), 30);
-    let _ = wait_with_deadline(rank0, 30);
-    output
+    let started = Instant::now();
+    let output = run(worker(&url(second), timeout, &[]), 30);
+    let first = wait_with_deadline(rank0, 30);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "the ranks ended {took:?} after the second started"
+    );
+    (first, output)
 }
 
 #[test]
-fn ranks_that_disagree_on_the_world_size_are_told_so() {
-    let output = after_a_first_rank("rank=0&world_size=2", "rank=1&world_size=3");
-    let all = joined(&output);
-    assert!(!output.status.success());
+fn ranks_that_disagree_on_the_world_size_all_fail_at_once_and_are_told_so() {
+    let (first, second) = after_a_first_rank("rank=0&world_size=2", "rank=1&world_size=3", 300);
+    let all = joined(&second);
+    assert!(!second.status.success());
     assert!(all.contains("world size mismatch"), "{all}");
     assert!(all.contains("world size 3") && all.contains("world size 2"), "{all}");
+    let message = all
+        .lines()
+        .find_map(|l| l.strip_prefix("chorus: error: "))
+        .expect("an error line");
+    let all0 = joined(&first);
+    assert!(!first.status.success(), "{all0}");
+    assert!(
+        all0.contains(message),
+        "rank 0 must fail with the same message:\n{message}\n{all0}"
+    );
 }
 
 #[test]
 fn two_rank_zeros_cannot_both_serve() {
-    let output = after_a_first_rank("rank=0&world_size=2", "rank=0&world_size=2");
+    // The second cannot serve, so it never reaches the store to tell the
+    // first, which waits out its (short) timeout.
+    let (_, output) = after_a_first_rank("rank=0&world_size=2", "rank=0&world_size=2", 4);
     let all = joined(&output);
     assert!(!output.status.success());
     assert!(all.contains("port is in use") || all.contains("claimed twice"), "{all}");

@@ -340,3 +340,266 @@ async fn ten_thousand_idle_connections_do_not_starve_a_working_client() {
     })
     .await;
 }
+
+/// A listener that accepts every connection and never answers, as a stopped
+/// server looks (the kernel completes the handshake for it).
+fn silent_listener() -> (std::net::TcpListener, SocketAddr) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    (listener, addr)
+}
+
+/// A listener whose accept queue is full, so new connection attempts get no
+/// answer at all; the filling connections come back to be held.
+fn full_backlog() -> (tokio::net::TcpListener, Vec<std::net::TcpStream>, SocketAddr) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..64 {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            Ok(stream) => held.push(stream),
+            Err(_) => return (listener, held, addr),
+        }
+    }
+    panic!("64 connections fitted in a backlog of 1: cannot make a full backlog here");
+}
+
+fn options(timeout: Duration, connect_timeout: Duration) -> TcpStoreOptions {
+    TcpStoreOptions {
+        timeout,
+        connect_timeout,
+        ..TcpStoreOptions::default()
+    }
+}
+
+#[tokio::test]
+async fn a_server_that_accepts_and_never_answers_fails_the_connect_in_time() {
+    within(30, "silent connect", async {
+        let (_listener, addr) = silent_listener();
+        let started = std::time::Instant::now();
+        let err = TcpStore::connect(
+            addr.to_string(),
+            options(Duration::from_secs(60), Duration::from_secs(1)),
+        )
+        .await
+        .unwrap_err();
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1500), "connect took {took:?}");
+        let message = err.to_string();
+        assert!(
+            matches!(err, StoreError::NoReply { .. }) && message.contains("handshake"),
+            "{message}"
+        );
+        assert!(message.contains(&addr.to_string()), "{message}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_full_backlog_fails_the_connect_in_time() {
+    within(30, "full backlog", async {
+        let (_listener, _held, addr) = full_backlog();
+        let started = std::time::Instant::now();
+        let err = TcpStore::connect(
+            addr.to_string(),
+            options(Duration::from_secs(60), Duration::from_secs(1)),
+        )
+        .await
+        .unwrap_err();
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1500), "connect took {took:?}");
+        assert!(matches!(err, StoreError::Unreachable { .. }), "{err}");
+        assert!(err.to_string().contains(&addr.to_string()), "{err}");
+    })
+    .await;
+}
+
+/// A server that passes the handshake, then never answers again.
+async fn server_that_freezes_after_the_handshake() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut stream, _)) = listener.accept().await {
+            // VALIDATE (1 + 4 bytes), then PING (1 + 4): echo the nonce.
+            let mut hello = [0u8; 10];
+            if stream.read_exact(&mut hello).await.is_ok() {
+                let _ = stream.write_all(&hello[6..10]).await;
+            }
+            held.push(stream);
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn every_operation_ends_in_time_against_a_server_that_stops_answering() {
+    within(60, "frozen server", async {
+        let addr = server_that_freezes_after_the_handshake().await;
+        let timeout = Duration::from_millis(500);
+        let store = TcpStore::connect(addr.to_string(), options(timeout, Duration::from_secs(5)))
+            .await
+            .expect("the handshake is answered");
+        // SET has no reply in the protocol: only the answered operations can tell.
+        for (op, result) in [
+            ("get", store.get("k").await.map(drop)),
+            ("add", store.add("n", 1).await.map(drop)),
+            ("wait", store.wait(&["k"]).await),
+            ("check", store.check(&["k"]).await.map(drop)),
+            ("list_keys", store.list_keys().await.map(drop)),
+        ] {
+            let err = result.unwrap_err();
+            let message = err.to_string();
+            assert!(matches!(err, StoreError::NoReply { .. }), "{op}: {message}");
+            assert!(message.contains(op) || op == "list_keys", "{op}: {message}");
+            assert!(message.contains(&addr.to_string()), "{op}: {message}");
+        }
+        // Each operation, reconnecting included, within its timeout (plus
+        // the cancel grace for the waiting ones).
+        let started = std::time::Instant::now();
+        let _ = store.get_timeout("k", Duration::from_millis(300)).await.unwrap_err();
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1200), "get took {took:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_address_without_a_port_fails_at_once() {
+    within(10, "bad address", async {
+        let started = std::time::Instant::now();
+        let err = TcpStore::connect("nonsense", options(Duration::from_secs(9), Duration::from_secs(9)))
+            .await
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(err.to_string().contains("expected host:port"), "{err}");
+    })
+    .await;
+}
+
+#[test]
+fn store_get_against_a_stopped_store_server_returns_in_time() {
+    let port = free_port();
+    let mut server = std::process::Command::new(CHORUS)
+        .args(["store", "serve", "--port", &port.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start chorus store serve");
+    let mut ready = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut ready).unwrap();
+    assert!(ready.contains("serving"), "{ready}");
+    // SAFETY: kill only sends a signal, to a child this test started and has not reaped.
+    unsafe { libc::kill(server.id() as i32, libc::SIGSTOP) };
+    let started = std::time::Instant::now();
+    let output = common::run(
+        std::process::Command::new(CHORUS).args([
+            "store",
+            "get",
+            "k",
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--timeout",
+            "2",
+        ]),
+        20,
+        "chorus store get",
+        common::Stop::Kill,
+    );
+    let took = started.elapsed();
+    let _ = server.kill();
+    let _ = server.wait();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        took < Duration::from_secs(4),
+        "chorus store get took {took:?}: {stderr}"
+    );
+    assert!(stderr.contains(&format!("127.0.0.1:{port}")), "{stderr}");
+    assert!(stderr.contains("did not answer"), "{stderr}");
+}
+
+/// Runs `chorus store ARGS` to its end (20 s at most).
+fn store_cli(args: &[&str]) -> std::process::Output {
+    common::run(
+        std::process::Command::new(CHORUS).arg("store").args(args),
+        20,
+        &format!("chorus store {args:?}"),
+        common::Stop::Kill,
+    )
+}
+
+#[test]
+fn store_cli_errors_say_each_cause_once_and_a_bad_address_at_once() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let output = store_cli(&["get", "k", "--addr", &addr, "--timeout", "1"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains(&addr), "{stderr}");
+    assert_eq!(stderr.matches("refused").count(), 1, "the cause once: {stderr}");
+
+    let started = std::time::Instant::now();
+    let output = store_cli(&["get", "k", "--addr", "nonsense", "--timeout", "9"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(started.elapsed() < Duration::from_secs(2), "{stderr}");
+    assert!(stderr.contains("expected host:port"), "{stderr}");
+}
+
+#[test]
+fn store_cli_check_names_missing_keys_and_keys_raw_shows_them_as_stored() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let server = runtime.block_on(server_with(TcpStoreServerOptions::default()));
+    let addr = server.local_addr().to_string();
+    runtime.block_on(async {
+        client(server.local_addr(), Duration::from_secs(5))
+            .await
+            .set("a", b"1")
+            .await
+            .unwrap();
+        let raw = TcpStore::connect(
+            addr.clone(),
+            TcpStoreOptions {
+                key_prefix: String::new(),
+                ..options(Duration::from_secs(5), Duration::from_secs(5))
+            },
+        )
+        .await
+        .unwrap();
+        raw.set("b", b"2").await.unwrap();
+    });
+    let stdout = |output: &std::process::Output| String::from_utf8_lossy(&output.stdout).into_owned();
+
+    let output = store_cli(&["check", "a", "c", "d", "--addr", &addr]);
+    assert_eq!(output.status.code(), Some(1), "{}", common::text(&output));
+    assert_eq!(stdout(&output).trim(), "not ready: missing c, d");
+
+    let keys = store_cli(&["keys", "--addr", &addr]);
+    let raw = store_cli(&["keys", "--raw", "--addr", &addr]);
+    assert!(keys.status.success() && raw.status.success());
+    let lines = |s: String| s.lines().map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(
+        lines(stdout(&keys)),
+        ["a", "b  (stored without \"/\": use --raw)", "2 keys"]
+    );
+    assert_eq!(lines(stdout(&raw)), ["/a", "b", "2 keys"]);
+    drop(server);
+}
+
+#[test]
+fn store_serve_listens_on_loopback_unless_told_otherwise() {
+    let mut server = std::process::Command::new(CHORUS)
+        .args(["store", "serve", "--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start chorus store serve");
+    let mut ready = String::new();
+    let read = std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut ready);
+    let _ = server.kill();
+    let _ = server.wait();
+    read.unwrap();
+    assert!(ready.starts_with("chorus store serving on 127.0.0.1:"), "{ready}");
+}

@@ -786,6 +786,9 @@ trait Side {
     fn finish(&mut self);
 }
 
+/// How long the other ranks may take to answer once one answered with an error.
+const ERROR_GRACE: Duration = Duration::from_secs(2);
+
 /// Rank processes talking JSON lines over their stdin/stdout.
 struct ProcessSide {
     label: String,
@@ -883,18 +886,30 @@ impl ProcessSide {
         anyhow!(s)
     }
 
-    /// Reads one JSON line from every rank.
+    /// Reads one JSON line from every rank. Once a rank answers with an
+    /// error, the others get [`ERROR_GRACE`] to answer (a frozen one never
+    /// will), then the step fails naming every rank's error.
     fn collect(&mut self, timeout: Duration, what: &str) -> Result<Vec<Value>> {
         let deadline = Instant::now() + timeout;
         let mut got: Vec<Option<Value>> = vec![None; self.children.len()];
+        let mut first_error: Option<Instant> = None;
         while got.iter().any(Option::is_none) {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let limit = first_error.map_or(deadline, |at| (at + ERROR_GRACE).min(deadline));
+            let left = limit.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left.min(Duration::from_millis(500))) {
-                Ok((rank, line)) => match serde_json::from_str(&line) {
-                    Ok(value) => got[rank] = Some(value),
+                Ok((rank, line)) => match serde_json::from_str::<Value>(&line) {
+                    Ok(value) => {
+                        if value.get("error").is_some() {
+                            first_error.get_or_insert_with(Instant::now);
+                        }
+                        got[rank] = Some(value);
+                    }
                     Err(_) => tracing::debug!(rank, line, "ignoring a non-JSON line"),
                 },
                 Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if first_error.is_some() && Instant::now() >= limit {
+                        return Err(anyhow!(self.errors(&got, what)));
+                    }
                     let exited = self.children.iter_mut().any(|c| matches!(c.try_wait(), Ok(Some(_))));
                     if exited {
                         return Err(self.failure(&format!("stopped while {what}")));
@@ -906,7 +921,30 @@ impl ProcessSide {
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Err(self.failure(&format!("stopped while {what}"))),
             }
         }
+        if first_error.is_some() {
+            return Err(anyhow!(self.errors(&got, what)));
+        }
         Ok(got.into_iter().map(|v| v.expect("all collected")).collect())
+    }
+
+    /// Each rank's error, and the ranks that did not answer.
+    fn errors(&self, got: &[Option<Value>], what: &str) -> String {
+        let mut s = format!("{} failed while {what}:", self.label);
+        for (rank, value) in got.iter().enumerate() {
+            match value.as_ref().map(|v| v.get("error").and_then(Value::as_str)) {
+                Some(Some(error)) => {
+                    let _ = write!(s, "\n  rank {rank}: {error}");
+                }
+                Some(None) => {}
+                None => {
+                    let _ = write!(
+                        s,
+                        "\n  rank {rank}: no answer within {ERROR_GRACE:?} of the first error (frozen or stuck; killed)"
+                    );
+                }
+            }
+        }
+        s
     }
 
     fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
@@ -1267,13 +1305,19 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
         Ok(())
     })();
     bar.finish_and_clear();
+    if let Err(error) = result {
+        // A failed step may have left a rank frozen: dropping a side kills
+        // its ranks (SIGKILL) instead of asking them to quit.
+        drop(sides);
+        drop(gloo);
+        return Err(error);
+    }
     for (side, _) in &mut sides {
         side.finish();
     }
     if let Some(side) = gloo.as_mut() {
         side.finish();
     }
-    result?;
     let memcpy = super::transport::memcpy_gbps(64 << 20);
 
     let peer = peer_label.as_ref().map(|_| ("gloo", gloo_rows.as_slice()));

@@ -310,8 +310,8 @@ fn program_exists(program: &str) -> bool {
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| executable(&dir.join(program))))
 }
 
-/// `bytes` random bytes as hex.
-fn random_hex(bytes: usize) -> Result<String, LaunchError> {
+/// `bytes` random bytes from the OS, in hex: a fresh job secret.
+pub fn random_hex(bytes: usize) -> Result<String, LaunchError> {
     use std::io::Read;
     let mut buf = vec![0u8; bytes];
     std::fs::File::open("/dev/urandom")

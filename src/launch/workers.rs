@@ -144,6 +144,9 @@ impl Workers {
     pub async fn stop(&mut self, signal: i32, grace: Duration) {
         for worker in self.workers.iter().filter(|w| w.running) {
             signal_group(worker.pid, signal);
+            // A stopped (SIGSTOPped) worker would keep the signal pending
+            // until the grace ran out: resume it so it acts on it now.
+            signal_group(worker.pid, libc::SIGCONT);
         }
         let _ = tokio::time::timeout(grace, async { while self.next_exit().await.is_some() {} }).await;
         // Children a worker started in its group may outlive it: no orphans.
@@ -266,11 +269,15 @@ async fn relay(stream: impl AsyncRead + Unpin, stdout: bool, spec: WorkerSpec, t
         let line = String::from_utf8_lossy(&buf);
         let line = line.trim_end_matches(['\n', '\r']);
         if show {
-            // A closed console must not stop the job; the files still get the lines.
+            // One write per line: stderr is unbuffered, and a line written
+            // in pieces interleaves with the other stream under `2>&1`. A
+            // closed console must not stop the job; the files still get the lines.
+            let prefixed = format!("[{}]: {line}\n", spec.rank);
             let _ = if stdout {
-                writeln!(std::io::stdout().lock(), "[{}]: {line}", spec.rank)
+                let mut out = std::io::stdout().lock();
+                out.write_all(prefixed.as_bytes()).and_then(|()| out.flush())
             } else {
-                writeln!(std::io::stderr().lock(), "[{}]: {line}", spec.rank)
+                std::io::stderr().lock().write_all(prefixed.as_bytes())
             };
         }
         let mut tail = lock(&tail);

@@ -17,6 +17,19 @@
 //!      the same rank fails, naming both hosts and pids;
 //!    - `peer/<r>`: the rank's [`PeerRecord`]; every rank waits for all of them
 //!      and a timeout names the ranks that never arrived.
+//!
+//!    A rank that finds a conflict (another world size, a rank claimed
+//!    twice) writes its message into every `peer/<r>` still missing (records
+//!    are written with compare-and-set, so each key is written once): every
+//!    rank waiting on them wakes and fails at once with the same message
+//!    ([`RendezvousError::Conflict`]), instead of waiting out the timeout,
+//!    and so does a rank arriving later. The finder stays up to
+//!    [`CONFLICT_LINGER`] until the ranks that claimed a place have read it
+//!    (it may host the store they read it from).
+//!
+//! Default timeouts (each configurable; `InitOptions` in the root crate):
+//! rendezvous and store operations 300 s (PyTorch's store default), the
+//! store's connection attempts within the same 300 s.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -70,7 +83,7 @@ pub enum RendezvousError {
     },
     /// This rank was started with another world size than the first arrival.
     #[error(
-        "world size mismatch: this process ({ours_by}) has world size {ours}, but {theirs_by} registered world size {theirs}; start every rank with the same world size"
+        "world size mismatch: {ours_by} has world size {ours}, but {theirs_by} registered world size {theirs}; start every rank with the same world size"
     )]
     WorldSizeMismatch {
         /// Our world size.
@@ -83,7 +96,7 @@ pub enum RendezvousError {
         theirs_by: Claimant,
     },
     /// Two processes claim the same rank.
-    #[error("rank {rank} is claimed twice: by {first} and by this process {second}; give every process its own rank")]
+    #[error("rank {rank} is claimed twice: by {first} and by {second}; give every process its own rank")]
     DuplicateRank {
         /// The rank claimed twice.
         rank: usize,
@@ -109,6 +122,13 @@ pub enum RendezvousError {
         waited: Duration,
         /// The store.
         location: String,
+    },
+    /// Another process of this rendezvous found a conflict (a world size
+    /// mismatch, a rank claimed twice); the message is the one it reported.
+    #[error("{message}")]
+    Conflict {
+        /// The finder's error, word for word.
+        message: String,
     },
     /// A rank's published record could not be read.
     #[error("rank {rank} published an unreadable record ({reason}); is it running another chorus version?")]
@@ -500,6 +520,60 @@ fn random_nonce() -> u64 {
     u64::from_le_bytes(bytes)
 }
 
+/// Starts a `peer/<r>` value that carries a conflict's message instead of a
+/// record (0xff starts no record: it is no bincode integer prefix).
+const CONFLICT_MARK: &[u8] = b"\xffchorus conflict:";
+
+/// How long the process that found a conflict waits for the ranks that
+/// claimed a place to read it before it fails (and may stop serving the store).
+pub const CONFLICT_LINGER: Duration = Duration::from_secs(2);
+
+/// The conflict a `peer/<r>` value carries, if it carries one.
+fn conflict_in(value: &[u8]) -> Option<RendezvousError> {
+    value
+        .strip_prefix(CONFLICT_MARK)
+        .map(|message| RendezvousError::Conflict {
+            message: String::from_utf8_lossy(message).into_owned(),
+        })
+}
+
+/// Tells every rank of the generation about `error`: its message goes into
+/// every `peer/<r>` (r < `world_size`) still missing, waking the ranks that
+/// wait for them. Then waits (up to [`CONFLICT_LINGER`]) until each rank that
+/// claimed a place acknowledged it, and hands `error` back.
+async fn report_conflict(scoped: &PrefixStore, world_size: usize, error: RendezvousError) -> RendezvousError {
+    let mut value = CONFLICT_MARK.to_vec();
+    value.extend_from_slice(error.to_string().as_bytes());
+    let mut wrote = false;
+    for r in 0..world_size {
+        match scoped.compare_set(&format!("peer/{r}"), b"", &value).await {
+            Ok(current) => wrote |= current == value,
+            // The store is what failed; the rank's own error says more.
+            Err(_) => return error,
+        }
+    }
+    if !wrote {
+        // Every rank had published: that group formed without this process.
+        return error;
+    }
+    let mut acks = Vec::new();
+    for r in 0..world_size {
+        if let Ok(true) = scoped.check(&[&format!("rank/{r}")]).await {
+            acks.push(format!("conflict_seen/{r}"));
+        }
+    }
+    let acks: Vec<&str> = acks.iter().map(String::as_str).collect();
+    let _ = scoped.wait_timeout(&acks, CONFLICT_LINGER).await;
+    error
+}
+
+/// Fails this rank with the conflict another process reported, after
+/// acknowledging it (the reporter may be waiting to stop serving the store).
+async fn conflict_seen(scoped: &PrefixStore, rank: usize, conflict: RendezvousError) -> RendezvousError {
+    let _ = scoped.set(&format!("conflict_seen/{rank}"), b"").await;
+    conflict
+}
+
 fn decode_claim(rank: usize, bytes: &[u8]) -> Result<Claimant, RendezvousError> {
     crate::codec::decode(bytes).map_err(|e| RendezvousError::BadRecord {
         rank,
@@ -534,24 +608,32 @@ pub async fn rendezvous(
     let registered = scoped.compare_set("world_size", b"", &mine).await?;
     let first = decode_claim(rank, &registered)?;
     if first.world_size as usize != world_size {
-        return Err(RendezvousError::WorldSizeMismatch {
+        let theirs = first.world_size as usize;
+        let error = RendezvousError::WorldSizeMismatch {
             ours: world_size,
             ours_by: me,
-            theirs: first.world_size as usize,
+            theirs,
             theirs_by: first,
-        });
+        };
+        return Err(report_conflict(&scoped, theirs, error).await);
     }
 
     let claimed = scoped.compare_set(&format!("rank/{rank}"), b"", &mine).await?;
     if claimed != mine {
-        return Err(RendezvousError::DuplicateRank {
+        let error = RendezvousError::DuplicateRank {
             rank,
             first: decode_claim(rank, &claimed)?,
             second: me,
-        });
+        };
+        return Err(report_conflict(&scoped, world_size, error).await);
     }
 
-    scoped.set(&format!("peer/{rank}"), &record.encode()).await?;
+    // Written once: a conflict written here first stays, and fails us.
+    let published = record.encode();
+    let current = scoped.compare_set(&format!("peer/{rank}"), b"", &published).await?;
+    if let Some(conflict) = conflict_in(&current) {
+        return Err(conflict_seen(&scoped, rank, conflict).await);
+    }
     let keys: Vec<String> = (0..world_size).map(|r| format!("peer/{r}")).collect();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let started = tokio::time::Instant::now();
@@ -576,6 +658,11 @@ pub async fn rendezvous(
         Err(other) => return Err(other.into()),
     }
     let values = scoped.multi_get(&key_refs).await?;
+    // Every key exists now and is never written again: every rank sees
+    // the same values, so all of them fail on a conflict, or none.
+    if let Some(conflict) = values.iter().find_map(|v| conflict_in(v)) {
+        return Err(conflict_seen(&scoped, rank, conflict).await);
+    }
     let mut peers = Vec::with_capacity(world_size);
     for (r, bytes) in values.iter().enumerate() {
         let peer = PeerRecord::decode(bytes).map_err(|e| RendezvousError::BadRecord {
@@ -785,10 +872,83 @@ mod tests {
             matches!(err, RendezvousError::WorldSizeMismatch { ours: 3, theirs: 2, .. }),
             "{err}"
         );
-        rendezvous(shared, &config(&store, 1, 2), record(4), Duration::from_secs(10))
+        // The conflicts failed the generation: rank 0 and a late rank 1 are told.
+        let late = rendezvous(shared, &config(&store, 1, 2), record(4), Duration::from_secs(10)).await;
+        assert!(matches!(late, Err(RendezvousError::Conflict { .. })), "{late:?}");
+        let first = first.await.unwrap();
+        assert!(matches!(first, Err(RendezvousError::Conflict { .. })), "{first:?}");
+    }
+
+    /// Starts `rendezvous` for `rank` of `world` in a task, with a long timeout.
+    fn start(
+        store: &HashStore,
+        rank: usize,
+        world: usize,
+        pid: u32,
+    ) -> tokio::task::JoinHandle<Result<Membership, RendezvousError>> {
+        let cfg = config(store, rank, world);
+        let shared: Arc<dyn Store> = Arc::new(store.clone());
+        tokio::spawn(async move { rendezvous(shared, &cfg, record(pid), Duration::from_secs(300)).await })
+    }
+
+    /// The task's outcome, which must come within 5 s (not at the 300 s timeout).
+    async fn soon(
+        task: tokio::task::JoinHandle<Result<Membership, RendezvousError>>,
+    ) -> Result<Membership, RendezvousError> {
+        tokio::time::timeout(Duration::from_secs(5), task)
             .await
-            .unwrap();
-        first.await.unwrap().unwrap();
+            .expect("the rank kept waiting for the rendezvous timeout")
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_world_size_conflict_fails_every_waiting_rank_at_once_with_its_message() {
+        let store = HashStore::default();
+        let rank0 = start(&store, 0, 2, 1);
+        store.wait(&["chorus/t/g0/rank/0"]).await.unwrap();
+        let found = soon(start(&store, 1, 3, 2)).await.unwrap_err();
+        assert!(matches!(found, RendezvousError::WorldSizeMismatch { .. }), "{found}");
+        match soon(rank0).await.unwrap_err() {
+            RendezvousError::Conflict { message } => assert_eq!(message, found.to_string()),
+            other => panic!("expected the conflict, got {other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_rank_claimed_twice_fails_every_rank_at_once_and_later_arrivals_too() {
+        let store = HashStore::default();
+        let rank0 = start(&store, 0, 3, 1);
+        let rank1 = start(&store, 1, 3, 2);
+        store.wait(&["chorus/t/g0/rank/0", "chorus/t/g0/rank/1"]).await.unwrap();
+        let found = soon(start(&store, 1, 3, 3)).await.unwrap_err();
+        assert!(
+            matches!(found, RendezvousError::DuplicateRank { rank: 1, .. }),
+            "{found}"
+        );
+        for waiting in [rank0, rank1] {
+            match soon(waiting).await.unwrap_err() {
+                RendezvousError::Conflict { message } => assert_eq!(message, found.to_string()),
+                other => panic!("expected the conflict, got {other}"),
+            }
+        }
+        // Rank 2, the one nobody started, comes late: it is told too.
+        match soon(start(&store, 2, 3, 4)).await.unwrap_err() {
+            RendezvousError::Conflict { message } => assert_eq!(message, found.to_string()),
+            other => panic!("expected the conflict, got {other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_extra_process_after_the_group_formed_fails_alone() {
+        let store = HashStore::default();
+        let (rank0, rank1) = (start(&store, 0, 2, 1), start(&store, 1, 2, 2));
+        soon(rank0).await.unwrap();
+        soon(rank1).await.unwrap();
+        let extra = soon(start(&store, 1, 2, 3)).await.unwrap_err();
+        assert!(matches!(extra, RendezvousError::DuplicateRank { .. }), "{extra}");
+        // The formed group's records are untouched.
+        let peer = store.get("chorus/t/g0/peer/1").await.unwrap();
+        assert_eq!(PeerRecord::decode(&peer).unwrap().pid, 2);
     }
 
     #[tokio::test(start_paused = true)]

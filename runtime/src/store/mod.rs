@@ -30,7 +30,8 @@ pub use hash::HashStore;
 pub use prefix::PrefixStore;
 pub use tcp::{TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
 
-/// PyTorch's default store timeout.
+/// PyTorch's default store timeout (300 s): of blocking operations, of
+/// replies and of connecting, unless a store's options say otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// PyTorch's default store port.
@@ -65,6 +66,25 @@ pub enum StoreError {
         /// The last connection error.
         #[source]
         source: io::Error,
+    },
+    /// The server accepted the connection but did not answer in time
+    /// (stopped, overloaded, or not a store).
+    #[error(
+        "store {location} did not answer {operation} within {waited:?}; check that the store server (rank 0 or `chorus store serve`) is running and not stopped"
+    )]
+    NoReply {
+        /// Where the store is.
+        location: String,
+        /// The operation that got no answer.
+        operation: &'static str,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// The store address is not `host:port`.
+    #[error("store address {addr:?} is not valid: expected host:port, e.g. 127.0.0.1:29500")]
+    BadAddress {
+        /// The address given.
+        addr: String,
     },
     /// IO on an established connection or file failed.
     #[error("io error on store {location}: {source}")]

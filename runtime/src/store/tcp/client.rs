@@ -5,6 +5,11 @@
 //! flight at a time. An operation abandoned half-way (its future dropped, a
 //! timeout) leaves the connection's framing unknown, so it is marked broken and
 //! the next operation reconnects instead of reading someone else's reply.
+//!
+//! Every operation ends by its deadline, reconnecting included, also against
+//! a server that accepts and never answers (stopped, or not a store): a
+//! `connect` within `connect_timeout`, a blocking operation within its
+//! timeout plus [`CANCEL_GRACE`], any other within `timeout`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -19,12 +24,18 @@ use tokio::time::Instant;
 use super::super::protocol::{self, Limits, Reply, ReplyShape, Request};
 use super::super::{DEFAULT_TIMEOUT, Store, StoreError, check_sizes};
 
+/// How long a timed-out wait may spend after its timeout cancelling the
+/// `WAIT` (to keep the connection) and asking which keys are missing.
+const CANCEL_GRACE: Duration = Duration::from_millis(500);
+
 /// Client settings.
 #[derive(Debug, Clone)]
 pub struct TcpStoreOptions {
-    /// Default timeout of blocking operations, and of every reply.
+    /// Default timeout of blocking operations, and of every reply
+    /// (default: PyTorch's 300 s).
     pub timeout: Duration,
-    /// How long to keep retrying the first connection (the server may start later).
+    /// How long [`TcpStore::connect`] keeps retrying the first connection
+    /// (the server may start later), handshake included (default: 300 s).
     pub connect_timeout: Duration,
     /// Size limits, checked before sending and on replies.
     pub limits: Limits,
@@ -65,14 +76,17 @@ impl std::fmt::Debug for TcpStore {
 
 impl TcpStore {
     /// Connects to the server at `addr` (`host:port`), retrying until
-    /// `options.connect_timeout`, and validates it with `VALIDATE` and `PING`.
+    /// `options.connect_timeout`, and validates it with `VALIDATE` and `PING`
+    /// within the same time.
     pub async fn connect(addr: impl Into<String>, options: TcpStoreOptions) -> Result<Self, StoreError> {
+        let addr = addr.into();
+        check_addr(&addr)?;
         let store = Self {
-            addr: addr.into(),
+            addr,
             options,
             conn: Mutex::new(None),
         };
-        let conn = store.open().await?;
+        let conn = store.open(Instant::now() + store.options.connect_timeout).await?;
         *store.conn.lock().await = Some(conn);
         Ok(store)
     }
@@ -82,28 +96,24 @@ impl TcpStore {
         &self.addr
     }
 
-    async fn open(&self) -> Result<Connection, StoreError> {
+    /// Connects (retrying refused attempts) and runs the handshake, all by `deadline`.
+    async fn open(&self, deadline: Instant) -> Result<Connection, StoreError> {
         let started = Instant::now();
         let mut attempts = 0u32;
         let mut backoff = Duration::from_millis(10);
         let stream = loop {
             attempts += 1;
-            let error = match tokio::net::lookup_host(&self.addr).await {
-                Ok(addrs) => {
-                    let addrs: Vec<SocketAddr> = addrs.collect();
-                    match connect_any(&addrs).await {
-                        Ok(stream) => break stream,
-                        Err(e) => e,
-                    }
-                }
-                Err(e) => e,
+            let error = match tokio::time::timeout_at(deadline, self.connect_once()).await {
+                Ok(Ok(stream)) => break stream,
+                Ok(Err(e)) => e,
+                // A SYN nobody answers (a full backlog, a filtered port).
+                Err(_) => std::io::Error::new(std::io::ErrorKind::TimedOut, "the connection attempt got no answer"),
             };
-            let elapsed = started.elapsed();
-            if elapsed + backoff > self.options.connect_timeout {
+            if Instant::now() + backoff >= deadline {
                 return Err(StoreError::Unreachable {
                     addr: self.addr.clone(),
                     attempts,
-                    elapsed,
+                    elapsed: started.elapsed(),
                     source: error,
                 });
             }
@@ -117,17 +127,50 @@ impl TcpStore {
             in_flight: false,
         };
         let nonce = std::process::id();
-        self.exchange(
-            &mut conn,
-            &Request::Validate {
-                magic: protocol::VALIDATION_MAGIC,
-            },
-            "validate",
-        )
-        .await?;
-        match self.exchange(&mut conn, &Request::Ping { nonce }, "ping").await? {
-            Reply::U32(echo) if echo == nonce => Ok(conn),
-            other => Err(self.malformed(format!("ping answered {other:?}, not the nonce {nonce}"))),
+        let handshake = async {
+            self.exchange(
+                &mut conn,
+                &Request::Validate {
+                    magic: protocol::VALIDATION_MAGIC,
+                },
+                "validate",
+            )
+            .await?;
+            self.exchange(&mut conn, &Request::Ping { nonce }, "ping").await
+        };
+        match tokio::time::timeout_at(deadline, handshake).await {
+            Ok(Ok(Reply::U32(echo))) if echo == nonce => Ok(conn),
+            Ok(Ok(other)) => Err(self.malformed(format!("ping answered {other:?}, not the nonce {nonce}"))),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(self.no_reply("the connect handshake", started.elapsed())),
+        }
+    }
+
+    async fn connect_once(&self) -> std::io::Result<TcpStream> {
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(&self.addr).await?.collect();
+        connect_any(&addrs).await
+    }
+
+    /// The connection to use, reconnecting by `deadline` when the last
+    /// operation was abandoned or failed.
+    async fn ready<'a>(
+        &self,
+        guard: &'a mut Option<Connection>,
+        deadline: Instant,
+    ) -> Result<&'a mut Connection, StoreError> {
+        if guard.as_ref().is_none_or(|c| c.in_flight) {
+            *guard = None;
+            let by = deadline.min(Instant::now() + self.options.connect_timeout);
+            *guard = Some(self.open(by).await?);
+        }
+        Ok(guard.as_mut().expect("connection was just opened"))
+    }
+
+    fn no_reply(&self, operation: &'static str, waited: Duration) -> StoreError {
+        StoreError::NoReply {
+            location: self.location(),
+            operation,
+            waited,
         }
     }
 
@@ -138,10 +181,7 @@ impl TcpStore {
     /// Every key holding a value, exactly as stored: keys of PyTorch-style
     /// clients (this one included) start with the `/` they prefix.
     pub async fn list_keys(&self) -> Result<Vec<Bytes>, StoreError> {
-        match self
-            .call(Request::ListKeys, "list_keys", &[], self.options.timeout)
-            .await?
-        {
+        match self.call(Request::ListKeys, "list_keys", self.options.timeout).await? {
             Reply::Keys(keys) => Ok(keys),
             other => Err(self.malformed(format!("list_keys answered {other:?}"))),
         }
@@ -202,22 +242,12 @@ impl TcpStore {
     }
 
     /// Runs `request` on a healthy connection, reconnecting when the last
-    /// operation was abandoned or failed; the reply must come within `timeout`.
-    async fn call(
-        &self,
-        request: Request,
-        op: &'static str,
-        keys: &[&str],
-        timeout: Duration,
-    ) -> Result<Reply, StoreError> {
+    /// operation was abandoned or failed; all of it within `timeout`.
+    async fn call(&self, request: Request, op: &'static str, timeout: Duration) -> Result<Reply, StoreError> {
+        let deadline = Instant::now() + timeout;
         let mut guard = self.conn.lock().await;
-        if guard.as_ref().is_none_or(|c| c.in_flight) {
-            *guard = None;
-            *guard = Some(self.open().await?);
-        }
-        let conn = guard.as_mut().expect("connection was just opened");
-        let result = tokio::time::timeout(timeout, self.exchange(conn, &request, op)).await;
-        match result {
+        let conn = self.ready(&mut guard, deadline).await?;
+        match tokio::time::timeout_at(deadline, self.exchange(conn, &request, op)).await {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) => {
                 *guard = None;
@@ -225,7 +255,7 @@ impl TcpStore {
             }
             Err(_) => {
                 *guard = None;
-                Err(self.timeout_error(keys, timeout))
+                Err(self.no_reply(op, timeout))
             }
         }
     }
@@ -251,21 +281,20 @@ impl TcpStore {
     }
 
     /// `WAIT` with a client-side deadline; on expiry, `CANCEL_WAIT` and drain
-    /// its reply (a late `STOP_WAITING` may come first) to keep the connection.
-    async fn wait_keys(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+    /// its reply (a late `STOP_WAITING` may come first) to keep the
+    /// connection, and name the missing keys, within [`CANCEL_GRACE`]. A
+    /// server that answers neither is reported as not answering `op`.
+    async fn wait_keys(&self, keys: &[&str], timeout: Duration, op: &'static str) -> Result<(), StoreError> {
         for key in keys {
             self.check_key(key)?;
         }
         let request = Request::Wait {
             keys: keys.iter().map(|k| self.key(k)).collect(),
         };
+        let deadline = Instant::now() + timeout;
         let mut guard = self.conn.lock().await;
-        if guard.as_ref().is_none_or(|c| c.in_flight) {
-            *guard = None;
-            *guard = Some(self.open().await?);
-        }
-        let conn = guard.as_mut().expect("connection was just opened");
-        match tokio::time::timeout(timeout, self.exchange(conn, &request, "wait")).await {
+        let conn = self.ready(&mut guard, deadline).await?;
+        match tokio::time::timeout_at(deadline, self.exchange(conn, &request, op)).await {
             Ok(Ok(Reply::U8(protocol::WAIT_STOP_WAITING))) => return Ok(()),
             Ok(Ok(other)) => {
                 *guard = None;
@@ -277,35 +306,52 @@ impl TcpStore {
             }
             Err(_) => {}
         }
-        let cancel = async {
+        let cleanup = async {
             let mut out = BytesMut::new();
             Request::CancelWait.encode(&mut out);
             conn.stream.write_all(&out).await.map_err(|e| self.io(e))?;
             loop {
                 match self.read_reply(conn, ReplyShape::U8, "cancel wait").await? {
-                    Reply::U8(protocol::WAIT_CANCELED) => break Ok::<_, StoreError>(()),
+                    Reply::U8(protocol::WAIT_CANCELED) => break,
                     Reply::U8(protocol::WAIT_STOP_WAITING) => continue,
-                    other => break Err(self.malformed(format!("cancel wait answered {other:?}"))),
+                    other => return Err(self.malformed(format!("cancel wait answered {other:?}"))),
                 }
             }
+            conn.in_flight = false;
+            let mut missing = Vec::new();
+            for key in keys {
+                let check = Request::Check {
+                    keys: vec![self.key(key)],
+                };
+                if let Reply::U8(protocol::CHECK_NOT_READY) = self.exchange(conn, &check, "check").await? {
+                    missing.push(*key);
+                }
+            }
+            Ok::<_, StoreError>(missing)
         };
-        match tokio::time::timeout(Duration::from_secs(5), cancel).await {
-            Ok(Ok(())) => conn.in_flight = false,
-            _ => *guard = None,
-        }
-        drop(guard);
-        Err(self.missing_after_timeout(keys, timeout).await)
-    }
-
-    /// A timeout error naming the keys still missing, when the store can tell.
-    async fn missing_after_timeout(&self, keys: &[&str], waited: Duration) -> StoreError {
-        let mut missing = Vec::new();
-        for key in keys {
-            if let Ok(false) = self.check(&[key]).await {
-                missing.push(*key);
+        match tokio::time::timeout(CANCEL_GRACE, cleanup).await {
+            Ok(Ok(missing)) => Err(self.timeout_error(if missing.is_empty() { keys } else { &missing }, timeout)),
+            Ok(Err(_)) => {
+                *guard = None;
+                Err(self.timeout_error(keys, timeout))
+            }
+            Err(_) => {
+                *guard = None;
+                Err(self.no_reply(op, timeout))
             }
         }
-        self.timeout_error(if missing.is_empty() { keys } else { &missing }, waited)
+    }
+}
+
+/// Refuses what cannot be a `host:port` at once, instead of retrying it.
+fn check_addr(addr: &str) -> Result<(), StoreError> {
+    let valid = addr
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if valid {
+        Ok(())
+    } else {
+        Err(StoreError::BadAddress { addr: addr.to_string() })
     }
 }
 
@@ -343,13 +389,13 @@ impl Store for TcpStore {
             key: self.key(key),
             value: Bytes::copy_from_slice(value),
         };
-        self.call(request, "set", &[key], self.options.timeout).await.map(drop)
+        self.call(request, "set", self.options.timeout).await.map(drop)
     }
 
     async fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Bytes, StoreError> {
-        self.wait_keys(&[key], timeout).await?;
+        self.wait_keys(&[key], timeout, "get").await?;
         match self
-            .call(Request::Get { key: self.key(key) }, "get", &[key], self.options.timeout)
+            .call(Request::Get { key: self.key(key) }, "get", self.options.timeout)
             .await?
         {
             Reply::Value(v) => Ok(v),
@@ -366,7 +412,6 @@ impl Store for TcpStore {
                     delta,
                 },
                 "add",
-                &[key],
                 self.options.timeout,
             )
             .await?;
@@ -381,7 +426,7 @@ impl Store for TcpStore {
             expected: Bytes::copy_from_slice(expected),
             desired: Bytes::copy_from_slice(desired),
         };
-        match self.call(request, "compare_set", &[key], self.options.timeout).await? {
+        match self.call(request, "compare_set", self.options.timeout).await? {
             Reply::Value(v) => Ok(v),
             other => Err(self.malformed(format!("compare_set answered {other:?}"))),
         }
@@ -394,7 +439,7 @@ impl Store for TcpStore {
         let request = Request::Check {
             keys: keys.iter().map(|k| self.key(k)).collect(),
         };
-        match self.call(request, "check", keys, self.options.timeout).await? {
+        match self.call(request, "check", self.options.timeout).await? {
             Reply::U8(protocol::CHECK_READY) => Ok(true),
             Reply::U8(protocol::CHECK_NOT_READY) => Ok(false),
             other => Err(self.malformed(format!("check answered {other:?}"))),
@@ -402,7 +447,7 @@ impl Store for TcpStore {
     }
 
     async fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        self.wait_keys(keys, timeout).await
+        self.wait_keys(keys, timeout, "wait").await
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
@@ -411,7 +456,6 @@ impl Store for TcpStore {
             .call(
                 Request::DeleteKey { key: self.key(key) },
                 "delete",
-                &[key],
                 self.options.timeout,
             )
             .await?;
@@ -419,18 +463,16 @@ impl Store for TcpStore {
     }
 
     async fn num_keys(&self) -> Result<i64, StoreError> {
-        let reply = self
-            .call(Request::GetNumKeys, "num_keys", &[], self.options.timeout)
-            .await?;
+        let reply = self.call(Request::GetNumKeys, "num_keys", self.options.timeout).await?;
         expect_i64(self, reply, "num_keys")
     }
 
     async fn multi_get(&self, keys: &[&str]) -> Result<Vec<Bytes>, StoreError> {
-        self.wait_keys(keys, self.options.timeout).await?;
+        self.wait_keys(keys, self.options.timeout, "multi_get").await?;
         let request = Request::MultiGet {
             keys: keys.iter().map(|k| self.key(k)).collect(),
         };
-        match self.call(request, "multi_get", keys, self.options.timeout).await? {
+        match self.call(request, "multi_get", self.options.timeout).await? {
             Reply::Values(values) => Ok(values),
             other => Err(self.malformed(format!("multi_get answered {other:?}"))),
         }
@@ -446,10 +488,7 @@ impl Store for TcpStore {
                 .map(|(k, v)| (self.key(k), Bytes::copy_from_slice(v)))
                 .collect(),
         };
-        let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
-        self.call(request, "multi_set", &keys, self.options.timeout)
-            .await
-            .map(drop)
+        self.call(request, "multi_set", self.options.timeout).await.map(drop)
     }
 
     async fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -458,9 +497,7 @@ impl Store for TcpStore {
             key: self.key(key),
             value: Bytes::copy_from_slice(value),
         };
-        self.call(request, "append", &[key], self.options.timeout)
-            .await
-            .map(drop)
+        self.call(request, "append", self.options.timeout).await.map(drop)
     }
 
     async fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -469,9 +506,7 @@ impl Store for TcpStore {
             key: self.key(key),
             value: Bytes::copy_from_slice(value),
         };
-        self.call(request, "queue_push", &[key], self.options.timeout)
-            .await
-            .map(drop)
+        self.call(request, "queue_push", self.options.timeout).await.map(drop)
     }
 
     async fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Bytes>, StoreError> {
@@ -480,13 +515,12 @@ impl Store for TcpStore {
         loop {
             if block {
                 let left = self.options.timeout.saturating_sub(started.elapsed());
-                self.wait_keys(&[key], left).await?;
+                self.wait_keys(&[key], left, "queue_pop").await?;
             }
             let reply = self
                 .call(
                     Request::QueuePop { key: self.key(key) },
                     "queue_pop",
-                    &[key],
                     self.options.timeout,
                 )
                 .await?;
@@ -506,7 +540,6 @@ impl Store for TcpStore {
             .call(
                 Request::QueueLen { key: self.key(key) },
                 "queue_len",
-                &[key],
                 self.options.timeout,
             )
             .await?;
