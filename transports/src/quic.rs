@@ -1092,7 +1092,11 @@ mod tests {
         for (endpoint, other) in endpoints.iter().zip(peers.iter().rev()) {
             endpoint.pinned.0.write().unwrap().insert(other.fingerprint, other.rank);
         }
-        let (dialled, accepted) = tokio::join!(endpoints[0].dial(peers[1].clone()), endpoints[1].accept(1, &std::sync::Mutex::new(Vec::new())));
+        let connected = std::sync::Mutex::new(Vec::new());
+        let (dialled, accepted) = tokio::join!(
+            endpoints[0].dial(peers[1].clone()),
+            endpoints[1].accept(1, &connected)
+        );
         let (_, raw) = dialled.unwrap();
         let (rank, conn) = accepted.unwrap().pop().unwrap();
         assert_eq!(rank, 0);
