@@ -544,33 +544,48 @@ fn conflict_in(value: &[u8]) -> Option<RendezvousError> {
 async fn report_conflict(scoped: &PrefixStore, world_size: usize, error: RendezvousError) -> RendezvousError {
     let mut value = CONFLICT_MARK.to_vec();
     value.extend_from_slice(error.to_string().as_bytes());
-    let mut wrote = false;
-    for r in 0..world_size {
-        match scoped.compare_set(&format!("peer/{r}"), b"", &value).await {
-            Ok(current) => wrote |= current == value,
-            // The store is what failed; the rank's own error says more.
-            Err(_) => return error,
+    // Each phase is bounded: the ranks that read the conflict exit, and the
+    // store may go with them (rank 0 serves it); a store call would then
+    // retry the connection for its whole timeout.
+    let write = async {
+        let mut wrote = false;
+        for r in 0..world_size {
+            wrote |= scoped.compare_set(&format!("peer/{r}"), b"", &value).await? == value;
         }
-    }
-    if !wrote {
-        // Every rank had published: that group formed without this process.
+        Ok::<_, StoreError>(wrote)
+    };
+    // Nothing written: every rank had published, and that group formed
+    // without this process (or the store failed, and the rank's own error
+    // says more).
+    if !matches!(tokio::time::timeout(CONFLICT_LINGER, write).await, Ok(Ok(true))) {
         return error;
     }
-    let mut acks = Vec::new();
-    for r in 0..world_size {
-        if let Ok(true) = scoped.check(&[&format!("rank/{r}")]).await {
-            acks.push(format!("conflict_seen/{r}"));
-        }
-    }
-    let acks: Vec<&str> = acks.iter().map(String::as_str).collect();
-    let _ = scoped.wait_timeout(&acks, CONFLICT_LINGER).await;
+    await_acknowledgements(scoped, world_size).await;
     error
 }
 
+/// Waits (up to [`CONFLICT_LINGER`]) until every rank that claimed a place
+/// acknowledged the conflict: the process serving the store (rank 0) must
+/// not take it away before the others have read the message.
+async fn await_acknowledgements(scoped: &PrefixStore, world_size: usize) {
+    let acknowledged = async {
+        let mut acks = Vec::new();
+        for r in 0..world_size {
+            if let Ok(true) = scoped.check(&[&format!("rank/{r}")]).await {
+                acks.push(format!("conflict_seen/{r}"));
+            }
+        }
+        let acks: Vec<&str> = acks.iter().map(String::as_str).collect();
+        let _ = scoped.wait_timeout(&acks, CONFLICT_LINGER).await;
+    };
+    let _ = tokio::time::timeout(CONFLICT_LINGER, acknowledged).await;
+}
+
 /// Fails this rank with the conflict another process reported, after
-/// acknowledging it (the reporter may be waiting to stop serving the store).
-async fn conflict_seen(scoped: &PrefixStore, rank: usize, conflict: RendezvousError) -> RendezvousError {
-    let _ = scoped.set(&format!("conflict_seen/{rank}"), b"").await;
+/// acknowledging it and letting the other claimants read it too.
+async fn conflict_seen(scoped: &PrefixStore, rank: usize, world_size: usize, conflict: RendezvousError) -> RendezvousError {
+    let _ = tokio::time::timeout(CONFLICT_LINGER, scoped.set(&format!("conflict_seen/{rank}"), b"")).await;
+    await_acknowledgements(scoped, world_size).await;
     conflict
 }
 
@@ -632,7 +647,7 @@ pub async fn rendezvous(
     let published = record.encode();
     let current = scoped.compare_set(&format!("peer/{rank}"), b"", &published).await?;
     if let Some(conflict) = conflict_in(&current) {
-        return Err(conflict_seen(&scoped, rank, conflict).await);
+        return Err(conflict_seen(&scoped, rank, world_size, conflict).await);
     }
     let keys: Vec<String> = (0..world_size).map(|r| format!("peer/{r}")).collect();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -661,7 +676,7 @@ pub async fn rendezvous(
     // Every key exists now and is never written again: every rank sees
     // the same values, so all of them fail on a conflict, or none.
     if let Some(conflict) = values.iter().find_map(|v| conflict_in(v)) {
-        return Err(conflict_seen(&scoped, rank, conflict).await);
+        return Err(conflict_seen(&scoped, rank, world_size, conflict).await);
     }
     let mut peers = Vec::with_capacity(world_size);
     for (r, bytes) in values.iter().enumerate() {
