@@ -36,7 +36,7 @@ pub struct BucketInfo {
 /// its `Work` at once and the rank's actor starts it), and return the
 /// post-processing as the future. Every rank calls it for the same buckets
 /// in the same order.
-pub trait CommHook: Send {
+pub trait CommHook: Send + Sync {
     /// Reduces `data` (the bucket's storage, moved in without a copy).
     fn reduce(&mut self, group: &ProcessGroup, bucket: BucketInfo, data: Tensor) -> HookFuture;
 }

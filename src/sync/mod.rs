@@ -234,7 +234,7 @@ fn describe_diverged(ranks: &[Diverged]) -> String {
 }
 
 /// Calls `f(index, buffer)` for every parameter, then every buffer.
-fn for_each_entry(model: &mut dyn Parameters, mut f: impl FnMut(usize, &str, &mut dyn ParamBuffer)) {
+fn for_each_entry(model: &mut (dyn Parameters + Send), mut f: impl FnMut(usize, &str, &mut dyn ParamBuffer)) {
     let mut index = 0;
     let mut visit = |name: &str, buffer: &mut dyn ParamBuffer| {
         f(index, name, buffer);
@@ -245,7 +245,7 @@ fn for_each_entry(model: &mut dyn Parameters, mut f: impl FnMut(usize, &str, &mu
 }
 
 /// The specs of `model`'s parameters and of all its entries (buffers after).
-fn describe(model: &mut dyn Parameters) -> (Vec<ParamSpec>, Vec<ParamSpec>) {
+fn describe(model: &mut (dyn Parameters + Send)) -> (Vec<ParamSpec>, Vec<ParamSpec>) {
     let spec = |name: &str, b: &mut dyn ParamBuffer| ParamSpec {
         name: name.to_owned(),
         dtype: b.dtype(),
@@ -311,7 +311,7 @@ async fn check_same_everywhere(group: &ProcessGroup, specs: &[ParamSpec]) -> Res
 /// Every entry of `model` gets rank 0's values, `chunk` bytes per broadcast.
 async fn broadcast_entries(
     group: &ProcessGroup,
-    model: &mut dyn Parameters,
+    model: &mut (dyn Parameters + Send),
     specs: &[ParamSpec],
     chunk: usize,
 ) -> Result<(), SyncError> {
@@ -387,7 +387,7 @@ impl<'g> DistributedSync<'g> {
     /// gradients in buckets, last parameter first.
     pub async fn new(
         group: &'g ProcessGroup,
-        model: &mut dyn Parameters,
+        model: &mut (dyn Parameters + Send),
         options: SyncOptions,
     ) -> Result<Self, SyncError> {
         let (specs, entries) = describe(model);
@@ -595,15 +595,16 @@ impl<'g> DistributedSync<'g> {
         let step = self.step;
         self.step += 1;
         result?;
+        // Before the unmarked check: every rank must take part in the rebuild.
+        if self.options.rebuild_buckets && !self.rebuilt {
+            self.rebuilt = true;
+            self.rebuild(order).await?;
+        }
         if !unmarked.is_empty() && !self.options.find_unused_parameters {
             return Err(SyncError::Unmarked {
                 step,
                 names: unmarked.iter().map(|&p| self.specs[p].name.clone()).collect(),
             });
-        }
-        if self.options.rebuild_buckets && !self.rebuilt {
-            self.rebuilt = true;
-            self.rebuild(order).await?;
         }
         Ok(())
     }
@@ -655,7 +656,7 @@ impl<'g> DistributedSync<'g> {
     /// Compares a checksum of every parameter and buffer of `model` across
     /// ranks: an error on every rank names each rank that differs from
     /// rank 0 and its first differing entry.
-    pub async fn verify(&self, model: &mut dyn Parameters) -> Result<(), SyncError> {
+    pub async fn verify(&self, model: &mut (dyn Parameters + Send)) -> Result<(), SyncError> {
         let (_, entries) = describe(model);
         if let Some(d) = plan::first_difference(&self.entries, &entries) {
             let show = |s: Option<ParamSpec>| s.map_or_else(|| "nothing".to_owned(), |s| s.to_string());
