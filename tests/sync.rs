@@ -482,3 +482,29 @@ async fn gradients_are_views_and_busy_while_their_bucket_is_reduced() {
     })
     .await;
 }
+
+#[test]
+fn bench_ddp_over_real_processes_reports_buckets_started_during_the_backward_pass() {
+    let mut command = std::process::Command::new(common::CHORUS);
+    command
+        .args(["bench", "ddp", "--world", "3", "--params", "3M", "--steps", "2", "--warmup", "1"])
+        .args(["--bucket-cap-mb", "4", "--json", "--timeout", "60"])
+        .env("CHORUS_LOG", "warn")
+        .stdin(std::process::Stdio::null());
+    let output = common::run(&mut command, 120, "chorus bench ddp", common::Stop::Kill);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    let row: serde_json::Value = stdout
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON line in {stdout}"));
+    assert_eq!((row["library"].as_str(), row["world"].as_u64()), (Some("chorus"), Some(3)));
+    let buckets = row["buckets"].as_u64().unwrap() as usize;
+    let timeline = row["timeline"].as_array().unwrap();
+    // 12 MB: a 1 MiB bucket, then 4 MiB ones.
+    assert!(buckets >= 3, "{row}");
+    assert_eq!(timeline.len(), buckets, "{row}");
+    let first_start = timeline[0]["start_ms"].as_f64().unwrap();
+    assert!(first_start < row["backward_ms"].as_f64().unwrap(), "{row}");
+    assert!(row["exposed_sync_ms"].as_f64().unwrap() >= 0.0 && row["no_sync_ms"].as_f64().unwrap() > 0.0);
+}

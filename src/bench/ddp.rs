@@ -228,10 +228,13 @@ pub async fn run_worker(args: &DdpArgs) -> Result<()> {
     }));
     let (mut with_sync, mut without) = (vec![], vec![]);
     let mut backward_ms = 0.0;
+    let mut timeline = vec![];
     for i in 0..args.warmup + args.steps {
         for sync in [true, false] {
             group.barrier().await?;
-            spans.lock().expect("spans").clear();
+            if sync {
+                spans.lock().expect("spans").clear();
+            }
             let start = Instant::now();
             *step_start.lock().expect("step start") = start;
             let scale = 1.0 + i as f32 * 1e-3;
@@ -255,6 +258,7 @@ pub async fn run_worker(args: &DdpArgs) -> Result<()> {
                 if sync {
                     with_sync.push(took);
                     backward_ms = marked;
+                    timeline = spans.lock().expect("spans").clone();
                 } else {
                     without.push(took);
                 }
@@ -263,8 +267,7 @@ pub async fn run_worker(args: &DdpArgs) -> Result<()> {
     }
     if group.rank() == 0 {
         let (step_ms, no_sync_ms) = (median(with_sync), median(without));
-        let mut timeline = spans.lock().expect("spans").clone();
-        timeline.sort_by_key(|s| s.index);
+        timeline.sort_by_key(|s: &BucketSpan| s.index);
         let line = ChorusLine {
             library: "chorus",
             transport: args.transport.clone(),
@@ -388,7 +391,10 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
         &exe,
         &worker_args,
         args.world,
-        &[("CHORUS_TRANSPORT", args.transport.clone())],
+        &[
+            ("CHORUS_TRANSPORT", args.transport.clone()),
+            ("CHORUS_JOB_SECRET", super::collective::job_secret()),
+        ],
         timeout,
     )?);
     if args.compare == Some(DdpPeer::Torch) {
