@@ -844,11 +844,11 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
 async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     use chorus::bench::transport::{TransportBench, run_leader, run_peer};
     if let Some(BenchSubcommand::Ddp(args)) = command.command {
-        if args.worker {
-            chorus::bench::ddp::run_worker(&args).await?;
-            return Ok(ExitCode::SUCCESS);
-        }
-        return tokio::task::spawn_blocking(move || chorus::bench::ddp::run(&args)).await?;
+        return tokio::task::spawn_blocking(move || match args.worker {
+            true => chorus::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+            false => chorus::bench::ddp::run(&args),
+        })
+        .await?;
     }
     if let Some(BenchSubcommand::Recovery {
         world,

@@ -202,6 +202,18 @@ fn median(mut values: Vec<f64>) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// [`run_worker`] on a runtime of its own with two worker threads, so
+/// that hooks' futures (and the timeline's end times) complete while the
+/// backward pass holds the calling thread, as in a training program on
+/// tokio's default runtime. Call it outside any runtime.
+pub fn run_worker_blocking(args: &DdpArgs) -> Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(run_worker(args))
+}
+
 /// One rank process (`chorus bench ddp --worker`): joins over env://,
 /// measures, and rank 0 prints one JSON line.
 pub async fn run_worker(args: &DdpArgs) -> Result<()> {
