@@ -9,6 +9,7 @@ use std::pin::Pin;
 
 use chorus_actors::driver::CollectiveError;
 use chorus_runtime::collective::{DType, ReduceOp};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::group::ProcessGroup;
@@ -74,49 +75,91 @@ impl Compress {
     }
 }
 
-/// Float types a bucket can hold and be compressed from.
+/// Float types a bucket can hold and be compressed from (vectorized slice
+/// conversions of `half`, hardware F16C where the CPU has it).
 trait Wide: bytemuck::Pod {
-    fn to_f16(self) -> f16;
-    fn to_bf16(self) -> bf16;
-    fn from_f16(h: f16) -> Self;
-    fn from_bf16(h: bf16) -> Self;
-    fn scaled(self, by: f64) -> Self;
+    fn to_f16(src: &[Self], dst: &mut [f16]);
+    fn to_bf16(src: &[Self], dst: &mut [bf16]);
+    fn from_f16(src: &[f16], dst: &mut [Self]);
+    fn from_bf16(src: &[bf16], dst: &mut [Self]);
+    fn scale(values: &mut [Self], by: f64);
 }
 
 impl Wide for f32 {
-    fn to_f16(self) -> f16 {
-        f16::from_f32(self)
+    fn to_f16(src: &[Self], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src)
     }
-    fn to_bf16(self) -> bf16 {
-        bf16::from_f32(self)
+    fn to_bf16(src: &[Self], dst: &mut [bf16]) {
+        dst.convert_from_f32_slice(src)
     }
-    fn from_f16(h: f16) -> Self {
-        h.to_f32()
+    fn from_f16(src: &[f16], dst: &mut [Self]) {
+        src.convert_to_f32_slice(dst)
     }
-    fn from_bf16(h: bf16) -> Self {
-        h.to_f32()
+    fn from_bf16(src: &[bf16], dst: &mut [Self]) {
+        src.convert_to_f32_slice(dst)
     }
-    fn scaled(self, by: f64) -> Self {
-        self * by as f32
+    fn scale(values: &mut [Self], by: f64) {
+        values.iter_mut().for_each(|v| *v *= by as f32)
     }
 }
 
 impl Wide for f64 {
-    fn to_f16(self) -> f16 {
-        f16::from_f64(self)
+    fn to_f16(src: &[Self], dst: &mut [f16]) {
+        dst.convert_from_f64_slice(src)
     }
-    fn to_bf16(self) -> bf16 {
-        bf16::from_f64(self)
+    fn to_bf16(src: &[Self], dst: &mut [bf16]) {
+        dst.convert_from_f64_slice(src)
     }
-    fn from_f16(h: f16) -> Self {
-        h.to_f64()
+    fn from_f16(src: &[f16], dst: &mut [Self]) {
+        src.convert_to_f64_slice(dst)
     }
-    fn from_bf16(h: bf16) -> Self {
-        h.to_f64()
+    fn from_bf16(src: &[bf16], dst: &mut [Self]) {
+        src.convert_to_f64_slice(dst)
     }
-    fn scaled(self, by: f64) -> Self {
-        self * by
+    fn scale(values: &mut [Self], by: f64) {
+        values.iter_mut().for_each(|v| *v *= by)
     }
+}
+
+/// Runs `f` on `bytes` as `T`s: in place when aligned, through a copy when not.
+fn with_elements<T: bytemuck::Pod, R>(bytes: &mut [u8], f: impl FnOnce(&mut [T]) -> R) -> R {
+    match bytemuck::try_cast_slice_mut(bytes) {
+        Ok(slice) => f(slice),
+        Err(_) => {
+            let mut copy: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
+            let out = f(&mut copy);
+            bytes.copy_from_slice(bytemuck::cast_slice(&copy));
+            out
+        }
+    }
+}
+
+/// Scales the bucket in place (it is overwritten by the result anyway) and
+/// rounds it into a new half-precision tensor.
+fn compress<T: Wide>(bytes: &mut [u8], to: DType, scale: f64) -> Tensor {
+    with_elements::<T, _>(bytes, |wide| {
+        T::scale(wide, scale);
+        match to {
+            DType::BFloat16 => {
+                let mut halves = vec![bf16::ZERO; wide.len()];
+                T::to_bf16(wide, &mut halves);
+                Tensor::from_slice(&halves)
+            }
+            _ => {
+                let mut halves = vec![f16::ZERO; wide.len()];
+                T::to_f16(wide, &mut halves);
+                Tensor::from_slice(&halves)
+            }
+        }
+    })
+}
+
+/// Widens the summed halves in `sum` back into the bucket's bytes.
+fn decompress<T: Wide>(bytes: &mut [u8], sum: &Tensor) {
+    with_elements::<T, _>(bytes, |wide| match sum.dtype() {
+        DType::BFloat16 => T::from_bf16(&elements(sum.as_bytes()), wide),
+        _ => T::from_f16(&elements(sum.as_bytes()), wide),
+    })
 }
 
 /// `bytes` as `T`s, borrowed when aligned, copied when not.
@@ -127,43 +170,33 @@ fn elements<T: bytemuck::Pod>(bytes: &[u8]) -> std::borrow::Cow<'_, [T]> {
     }
 }
 
-fn compress<T: Wide>(data: &Tensor, to: DType, scale: f64) -> Tensor {
-    let wide = elements::<T>(data.as_bytes());
-    match to {
-        DType::BFloat16 => Tensor::from_slice(&wide.iter().map(|x| x.scaled(scale).to_bf16()).collect::<Vec<_>>()),
-        _ => Tensor::from_slice(&wide.iter().map(|x| x.scaled(scale).to_f16()).collect::<Vec<_>>()),
-    }
-}
-
-/// Widens the summed halves in `sum` back into `data`'s buffer.
-fn decompress<T: Wide>(data: Tensor, sum: &Tensor) -> Tensor {
-    let dtype = data.dtype();
-    let mut bytes = data.into_bytes();
-    let out: Vec<T> = match sum.dtype() {
-        DType::BFloat16 => elements::<bf16>(sum.as_bytes()).iter().map(|&h| T::from_bf16(h)).collect(),
-        _ => elements::<f16>(sum.as_bytes()).iter().map(|&h| T::from_f16(h)).collect(),
-    };
-    bytes.copy_from_slice(bytemuck::cast_slice(&out));
-    Tensor::from_bytes(dtype, bytes)
-}
-
 impl CommHook for Compress {
     fn reduce(&mut self, group: &ProcessGroup, bucket: BucketInfo, data: Tensor) -> HookFuture {
         // Dividing before rounding keeps the sum of halves in range.
         let scale = 1.0 / group.world_size() as f64;
         let wide = data.dtype();
+        if !matches!(wide, DType::Float32 | DType::Float64) {
+            return Average.reduce(group, bucket, data);
+        }
+        let mut bytes = data.into_bytes();
         let halves = match wide {
-            DType::Float32 => compress::<f32>(&data, self.to, scale),
-            DType::Float64 => compress::<f64>(&data, self.to, scale),
-            _ => return Average.reduce(group, bucket, data),
+            DType::Float64 => compress::<f64>(&mut bytes, self.to, scale),
+            _ => compress::<f32>(&mut bytes, self.to, scale),
         };
         let work = group.all_reduce(halves, ReduceOp::Sum);
         Box::pin(async move {
             let sum = work.await?;
-            Ok(match wide {
-                DType::Float64 => decompress::<f64>(data, &sum),
-                _ => decompress::<f32>(data, &sum),
-            })
+            if sum.len() * wide.size() != bytes.len() {
+                return Err(CollectiveError::Protocol {
+                    peer: usize::MAX,
+                    reason: format!("compressed all_reduce returned {} elements for {}", sum.len(), bytes.len() / wide.size()),
+                });
+            }
+            match wide {
+                DType::Float64 => decompress::<f64>(&mut bytes, &sum),
+                _ => decompress::<f32>(&mut bytes, &sum),
+            }
+            Ok(Tensor::from_bytes(wide, bytes))
         })
     }
 }
