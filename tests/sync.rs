@@ -4,8 +4,8 @@
 //! small model trained on N ranks against one rank with the whole batch,
 //! the errors, no_sync and the half-precision hooks.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use chorus::sync::{Average, BucketInfo, CommHook, Compress, HookFuture};
@@ -37,11 +37,17 @@ async fn buckets_start_reversed_then_follow_rank_0s_ready_order() {
         let layouts = spawn(3, |pg| async move {
             // 6 parameters of 16 floats (64 B): first bucket 64 B, then 128 B.
             let mut model = named(&[16; 6], |_, _| 0.0);
-            let mut ddp = DistributedSync::new(&pg, &mut model, small_buckets(64, 128)).await.unwrap();
+            let mut ddp = DistributedSync::new(&pg, &mut model, small_buckets(64, 128))
+                .await
+                .unwrap();
             let initial: Vec<Vec<usize>> = ddp.layout().buckets.iter().map(|b| b.params.clone()).collect();
             // Rank 0 produces gradients first-to-last; the others in yet
             // another order: every rank must adopt rank 0's.
-            let order: Vec<usize> = if pg.rank() == 0 { vec![0, 1, 2, 3, 4, 5] } else { vec![5, 3, 4, 1, 2, 0] };
+            let order: Vec<usize> = if pg.rank() == 0 {
+                vec![0, 1, 2, 3, 4, 5]
+            } else {
+                vec![5, 3, 4, 1, 2, 0]
+            };
             for p in order {
                 ddp.mark_ready(p).unwrap();
             }
@@ -71,7 +77,7 @@ fn default_buckets_are_one_mib_then_twenty_five() {
         })
         .collect();
     let layout = assign_buckets(&specs, &reverse_order(16), BucketCaps::default());
-    let mib: Vec<usize> = layout.buckets.iter().map(|b| b.len * 4 >> 20).collect();
+    let mib: Vec<usize> = layout.buckets.iter().map(|b| (b.len * 4) >> 20).collect();
     assert_eq!(mib, vec![4, 28, 28, 4]);
     assert_eq!(layout.buckets[0].params, vec![15]);
 }
@@ -129,7 +135,10 @@ async fn a_bucket_is_reduced_before_the_last_gradient_is_ready() {
         .await
         .unwrap();
         for (rank, (early, value)) in seen.into_iter().enumerate() {
-            assert!(early, "rank {rank}: bucket 0 was not reduced before the last mark_ready");
+            assert!(
+                early,
+                "rank {rank}: bucket 0 was not reduced before the last mark_ready"
+            );
             assert_eq!(value, 0.5, "rank {rank}");
         }
     })
@@ -143,7 +152,9 @@ async fn averaged_gradients_equal_a_naive_per_tensor_all_reduce() {
             spawn(world, |pg| async move {
                 let sizes = [1, 7, 1001, 33_333, 3, 0, 129];
                 let mut model = named(&sizes, |_, _| 0.0);
-                let mut ddp = DistributedSync::new(&pg, &mut model, small_buckets(1000, 40_000)).await.unwrap();
+                let mut ddp = DistributedSync::new(&pg, &mut model, small_buckets(1000, 40_000))
+                    .await
+                    .unwrap();
                 for step in 0..2 {
                     // Small integers: every summation order gives the same sum.
                     let value = |p: usize, i: usize| ((pg.rank() * 7 + p * 3 + i + step) % 13) as f32;
@@ -188,7 +199,9 @@ impl Mlp {
     fn new(seed: u64) -> Self {
         let mut state = seed;
         let mut next = move || {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 11) as f64 / (1u64 << 53) as f64) - 0.5
         };
         let mut layer = |n: usize| (0..n).map(|_| next()).collect::<Vec<f64>>();
@@ -261,7 +274,9 @@ async fn three_ranks_with_batch_b_train_like_one_rank_with_batch_3b() {
         let trained = spawn(WORLD, |pg| async move {
             // Every rank starts from its own weights: rank 0's win at construction.
             let mut model = Mlp::new(7 + pg.rank() as u64 * 1000);
-            let mut ddp = DistributedSync::new(&pg, &mut model.params, SyncOptions::default()).await.unwrap();
+            let mut ddp = DistributedSync::new(&pg, &mut model.params, SyncOptions::default())
+                .await
+                .unwrap();
             for step in 0..STEPS {
                 let mine: Vec<_> = (0..B).map(|i| sample(step * WORLD * B + pg.rank() * B + i)).collect();
                 let grads = model.grads(&mine);
@@ -308,7 +323,9 @@ async fn a_mismatched_parameter_fails_every_rank_naming_it_and_both_values() {
         .unwrap();
         for (rank, text) in errors.iter().enumerate() {
             assert!(
-                text.contains("rank 2") && text.contains("'fc.weight' float32 x 12") && text.contains("'fc.weight' float32 x 11"),
+                text.contains("rank 2")
+                    && text.contains("'fc.weight' float32 x 12")
+                    && text.contains("'fc.weight' float32 x 11"),
                 "rank {rank}: {text}"
             );
         }
@@ -324,7 +341,10 @@ async fn a_mismatched_parameter_fails_every_rank_naming_it_and_both_values() {
         })
         .await
         .unwrap();
-        assert!(errors.iter().all(|t| t.contains("'b'") && t.contains("nothing")), "{errors:?}");
+        assert!(
+            errors.iter().all(|t| t.contains("'b'") && t.contains("nothing")),
+            "{errors:?}"
+        );
     })
     .await;
 }
@@ -334,7 +354,9 @@ async fn an_unmarked_gradient_is_named_or_counts_as_zero() {
     within(60, "unmarked", async {
         let results = spawn(2, |pg| async move {
             let mut model = named(&[4, 4], |_, _| 0.0);
-            let mut strict = DistributedSync::new(&pg, &mut model, SyncOptions::default()).await.unwrap();
+            let mut strict = DistributedSync::new(&pg, &mut model, SyncOptions::default())
+                .await
+                .unwrap();
             strict.mark_ready(1).unwrap();
             let twice = strict.mark_ready(1).expect_err("twice").to_string();
             if pg.rank() == 0 {
@@ -354,7 +376,12 @@ async fn an_unmarked_gradient_is_named_or_counts_as_zero() {
                 lenient.mark_ready(0).unwrap();
             }
             lenient.finish().await.unwrap();
-            (twice, strict_result, lenient.grad::<f32>(0).unwrap().to_vec(), lenient.grad::<f32>(1).unwrap()[0])
+            (
+                twice,
+                strict_result,
+                lenient.grad::<f32>(0).unwrap().to_vec(),
+                lenient.grad::<f32>(1).unwrap()[0],
+            )
         })
         .await
         .unwrap();
@@ -375,7 +402,9 @@ async fn verify_names_the_rank_whose_parameters_diverged() {
     within(60, "verify", async {
         let errors = spawn(3, |pg| async move {
             let mut model = named(&[5, 9], |p, i| (p * 10 + i + pg.rank() * 100) as f32);
-            let ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default()).await.unwrap();
+            let ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default())
+                .await
+                .unwrap();
             // The broadcast made every rank equal to rank 0.
             assert_eq!(model[1].1[0], 10.0);
             ddp.verify(&mut model).await.unwrap();
@@ -401,7 +430,9 @@ async fn no_sync_accumulates_and_the_next_step_reduces_the_sum() {
     within(60, "no_sync", async {
         let grads = spawn(2, |pg| async move {
             let mut model = named(&[3, 5], |_, _| 0.0);
-            let mut ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default()).await.unwrap();
+            let mut ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default())
+                .await
+                .unwrap();
             let add = |ddp: &mut DistributedSync<'_>, by: f32| {
                 for p in 0..2 {
                     ddp.grad_mut::<f32>(p).unwrap().iter_mut().for_each(|g| *g += by);
@@ -437,8 +468,14 @@ async fn fp16_and_bf16_hooks_average_within_their_precision() {
             let value = |rank: usize, i: usize| (((rank * 31 + i * 17) % 1000) as f32 / 500.0) - 1.0;
             let results = spawn(3, move |pg| async move {
                 let mut model = named(&[2000, 333], |_, _| 0.0);
-                let mut ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default()).await.unwrap();
-                ddp.register_comm_hook(Box::new(if hook == "fp16" { Compress::fp16() } else { Compress::bf16() }));
+                let mut ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default())
+                    .await
+                    .unwrap();
+                ddp.register_comm_hook(Box::new(if hook == "fp16" {
+                    Compress::fp16()
+                } else {
+                    Compress::bf16()
+                }));
                 for p in [1, 0] {
                     for (i, g) in ddp.grad_mut::<f32>(p).unwrap().iter_mut().enumerate() {
                         *g = value(pg.rank(), i);
@@ -450,7 +487,9 @@ async fn fp16_and_bf16_hooks_average_within_their_precision() {
             })
             .await
             .unwrap();
-            let exact: Vec<f32> = (0..2000).map(|i| (0..3).map(|r| value(r, i)).sum::<f32>() / 3.0).collect();
+            let exact: Vec<f32> = (0..2000)
+                .map(|i| (0..3).map(|r| value(r, i)).sum::<f32>() / 3.0)
+                .collect();
             for (rank, got) in results.iter().enumerate() {
                 let worst = got.iter().zip(&exact).map(|(g, e)| (g - e).abs()).fold(0.0, f32::max);
                 assert!(worst <= tolerance, "{hook} rank {rank}: error {worst} > {tolerance}");
@@ -467,7 +506,9 @@ async fn gradients_are_views_and_busy_while_their_bucket_is_reduced() {
     within(60, "views", async {
         let checks = spawn(2, |pg| async move {
             let mut model = named(&[4, 4], |_, _| 0.0);
-            let mut ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default()).await.unwrap();
+            let mut ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default())
+                .await
+                .unwrap();
             let wrong = matches!(ddp.grad::<f64>(0), Err(SyncError::WrongType { .. }));
             let unknown = matches!(ddp.mark_ready(7), Err(SyncError::Unknown(_)));
             ddp.mark_ready(1).unwrap();
@@ -487,18 +528,27 @@ async fn gradients_are_views_and_busy_while_their_bucket_is_reduced() {
 fn bench_ddp_over_real_processes_reports_buckets_started_during_the_backward_pass() {
     let mut command = std::process::Command::new(common::CHORUS);
     command
-        .args(["bench", "ddp", "--world", "3", "--params", "3M", "--steps", "2", "--warmup", "1"])
+        .args([
+            "bench", "ddp", "--world", "3", "--params", "3M", "--steps", "2", "--warmup", "1",
+        ])
         .args(["--bucket-cap-mb", "4", "--json", "--timeout", "60"])
         .env("CHORUS_LOG", "warn")
         .stdin(std::process::Stdio::null());
     let output = common::run(&mut command, 120, "chorus bench ddp", common::Stop::Kill);
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let row: serde_json::Value = stdout
         .lines()
         .find_map(|l| serde_json::from_str(l).ok())
         .unwrap_or_else(|| panic!("no JSON line in {stdout}"));
-    assert_eq!((row["library"].as_str(), row["world"].as_u64()), (Some("chorus"), Some(3)));
+    assert_eq!(
+        (row["library"].as_str(), row["world"].as_u64()),
+        (Some("chorus"), Some(3))
+    );
     let buckets = row["buckets"].as_u64().unwrap() as usize;
     let timeline = row["timeline"].as_array().unwrap();
     // 12 MB: a 1 MiB bucket, then 4 MiB ones.

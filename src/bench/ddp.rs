@@ -324,7 +324,11 @@ fn run_ranks(program: &str, args: &[String], world: usize, env: &[(&str, String)
         for (k, v) in env {
             command.env(k, v);
         }
-        children.push(command.spawn().with_context(|| format!("starting rank {rank}: {program}"))?);
+        children.push(
+            command
+                .spawn()
+                .with_context(|| format!("starting rank {rank}: {program}"))?,
+        );
     }
     let out = children[0].stdout.take().context("rank 0's stdout")?;
     let (tx, rx) = std::sync::mpsc::channel();
@@ -411,7 +415,10 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
     )?);
     if args.compare == Some(DdpPeer::Torch) {
         match super::collective::torch_version(&args.python) {
-            Err(why) => eprintln!("# skipping --compare torch: {} cannot import torch ({why})", args.python),
+            Err(why) => eprintln!(
+                "# skipping --compare torch: {} cannot import torch ({why})",
+                args.python
+            ),
             Ok(_) => {
                 let dir = tempfile_dir()?;
                 let script = dir.join("ddp_bench.py");
@@ -424,7 +431,13 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
                     args.warmup.to_string(),
                     args.bucket_cap_mb.to_string(),
                 ];
-                let row = run_ranks(&args.python, &torch_args, args.world, &[("OMP_NUM_THREADS", "1".into())], timeout);
+                let row = run_ranks(
+                    &args.python,
+                    &torch_args,
+                    args.world,
+                    &[("OMP_NUM_THREADS", "1".into())],
+                    timeout,
+                );
                 let _ = std::fs::remove_dir_all(&dir);
                 rows.push(row?);
             }
@@ -443,10 +456,17 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
         args.world,
         args.steps
     );
-    println!("{:<24} {:>10} {:>12} {:>16}", "library", "step_ms", "no_sync_ms", "exposed_sync_ms");
+    println!(
+        "{:<24} {:>10} {:>12} {:>16}",
+        "library", "step_ms", "no_sync_ms", "exposed_sync_ms"
+    );
     for row in &rows {
         let label = match row["library"].as_str() {
-            Some("chorus") => format!("chorus ({}, {})", row["transport"].as_str().unwrap_or("?"), row["hook"].as_str().unwrap_or("?")),
+            Some("chorus") => format!(
+                "chorus ({}, {})",
+                row["transport"].as_str().unwrap_or("?"),
+                row["hook"].as_str().unwrap_or("?")
+            ),
             _ => format!("torch {} gloo", row["version"].as_str().unwrap_or("?")),
         };
         let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);

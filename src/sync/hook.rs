@@ -189,7 +189,11 @@ impl CommHook for Compress {
             if sum.len() * wide.size() != bytes.len() {
                 return Err(CollectiveError::Protocol {
                     peer: usize::MAX,
-                    reason: format!("compressed all_reduce returned {} elements for {}", sum.len(), bytes.len() / wide.size()),
+                    reason: format!(
+                        "compressed all_reduce returned {} elements for {}",
+                        sum.len(),
+                        bytes.len() / wide.size()
+                    ),
                 });
             }
             match wide {

@@ -209,7 +209,9 @@ pub enum SyncError {
         reason: String,
     },
     /// Rank 0 sent a bucket order that is not a permutation of the parameters.
-    #[error("rank 0's bucket order is not a permutation of the {0} parameters; the ranks run different chorus versions?")]
+    #[error(
+        "rank 0's bucket order is not a permutation of the {0} parameters; the ranks run different chorus versions?"
+    )]
     BadOrder(usize),
     /// `mark_ready` or `finish` was called outside a tokio runtime.
     #[error("gradient sync needs a tokio runtime: call mark_ready inside one")]
@@ -490,7 +492,9 @@ impl<'g> DistributedSync<'g> {
     /// Sets every gradient to zero (PyTorch's `optimizer.zero_grad()`).
     pub fn zero_grad(&mut self) -> Result<(), SyncError> {
         if let Some(b) = self.storage.iter().position(Option::is_none) {
-            return Err(SyncError::InFlight(self.specs[self.layout.buckets[b].params[0]].name.clone()));
+            return Err(SyncError::InFlight(
+                self.specs[self.layout.buckets[b].params[0]].name.clone(),
+            ));
         }
         self.storage.iter_mut().flatten().for_each(|s| s.fill(0));
         Ok(())

@@ -370,7 +370,9 @@ mod tests {
     fn buckets_go_in_reverse_order_first_one_mib_then_the_cap() {
         // 10 parameters of 512 KiB (f32): the first bucket closes at 1 MiB,
         // then buckets hold 3 MiB (a 3 MiB cap here).
-        let specs: Vec<_> = (0..10).map(|i| spec(&format!("p{i}"), DType::Float32, 128 << 10)).collect();
+        let specs: Vec<_> = (0..10)
+            .map(|i| spec(&format!("p{i}"), DType::Float32, 128 << 10))
+            .collect();
         let caps = BucketCaps {
             first: 1 << 20,
             rest: 3 << 20,
@@ -380,7 +382,13 @@ mod tests {
         assert_eq!(params, vec![vec![9, 8], vec![7, 6, 5, 4, 3, 2], vec![1, 0]]);
         assert_eq!(layout.place[8], (0, 128 << 10));
         assert_eq!(layout.place[0], (2, 128 << 10));
-        assert_eq!(BucketCaps::default(), BucketCaps { first: 1 << 20, rest: 25 << 20 });
+        assert_eq!(
+            BucketCaps::default(),
+            BucketCaps {
+                first: 1 << 20,
+                rest: 25 << 20
+            }
+        );
     }
 
     #[test]
@@ -416,7 +424,11 @@ mod tests {
     fn broadcast_chunks_cover_every_byte_once_and_respect_the_cap() {
         let sizes = [5, 0, 12, 3, 1];
         let chunks = broadcast_chunks(&sizes, 4);
-        assert!(chunks.iter().all(|c| c.iter().map(|p| p.end - p.start).sum::<usize>() <= 4));
+        assert!(
+            chunks
+                .iter()
+                .all(|c| c.iter().map(|p| p.end - p.start).sum::<usize>() <= 4)
+        );
         let mut covered: Vec<Vec<(usize, usize)>> = vec![vec![]; sizes.len()];
         for piece in chunks.iter().flatten() {
             covered[piece.param].push((piece.start, piece.end));
@@ -435,7 +447,9 @@ mod tests {
 
     #[test]
     fn buckets_start_in_layout_order_when_complete() {
-        let specs: Vec<_> = (0..4).map(|i| spec(&format!("p{i}"), DType::Float32, 1 << 18)).collect();
+        let specs: Vec<_> = (0..4)
+            .map(|i| spec(&format!("p{i}"), DType::Float32, 1 << 18))
+            .collect();
         // Buckets: [3], [2], [1], [0] (each 1 MiB reaches a 1 MiB cap).
         let caps = BucketCaps {
             first: 1 << 20,
