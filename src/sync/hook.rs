@@ -36,7 +36,11 @@ pub struct BucketInfo {
 /// complete: submit the collectives there (a [`ProcessGroup`] call returns
 /// its `Work` at once and the rank's actor starts it), and return the
 /// post-processing as the future. Every rank calls it for the same buckets
-/// in the same order.
+/// in the same order, so collectives submitted inside `reduce` line up
+/// across ranks; a collective submitted later, from the future, could
+/// interleave with other buckets' differently on each rank (a desync), so
+/// a two-round scheme such as PowerSGD needs its second round ordered by
+/// bucket, e.g. on a subgroup of its own awaited in bucket order.
 pub trait CommHook: Send + Sync {
     /// Reduces `data` (the bucket's storage, moved in without a copy).
     fn reduce(&mut self, group: &ProcessGroup, bucket: BucketInfo, data: Tensor) -> HookFuture;
