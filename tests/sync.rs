@@ -558,3 +558,109 @@ fn bench_ddp_over_real_processes_reports_buckets_started_during_the_backward_pas
     assert!(first_start < row["backward_ms"].as_f64().unwrap(), "{row}");
     assert!(row["exposed_sync_ms"].as_f64().unwrap() >= 0.0 && row["no_sync_ms"].as_f64().unwrap() > 0.0);
 }
+
+fn powersgd_now() -> chorus::sync::PowerSgdOptions {
+    chorus::sync::PowerSgdOptions {
+        start_iter: 0,
+        ..chorus::sync::PowerSgdOptions::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn powersgd_sends_two_thin_factors_and_recovers_a_rank_one_average() {
+    within(60, "powersgd rank one", async {
+        let results = spawn(3, |pg| async move {
+            let mut model = named(&[400], |_, _| 0.0);
+            let mut ddp = DistributedSync::new(&pg, &mut model, SyncOptions::default())
+                .await
+                .unwrap();
+            let hook = chorus::sync::PowerSgd::new(&pg, powersgd_now()).await.unwrap();
+            let probe = Arc::new(std::sync::Mutex::new(None::<u64>));
+            // Reads the hook's traffic counter after each bucket.
+            struct Counting(chorus::sync::PowerSgd, Arc<std::sync::Mutex<Option<u64>>>);
+            impl CommHook for Counting {
+                fn reduce(&mut self, group: &ProcessGroup, bucket: BucketInfo, data: Tensor) -> HookFuture {
+                    let out = self.0.reduce(group, bucket, data);
+                    *self.1.lock().unwrap() = Some(self.0.sent_elements());
+                    out
+                }
+            }
+            ddp.register_comm_hook(Box::new(Counting(hook, probe.clone())));
+            let (u, v) = (
+                |i: usize| (i as f32 * 0.3).sin(),
+                |j: usize| (j as f32 * 0.7).cos() + 0.1,
+            );
+            for (k, g) in ddp.grad_mut::<f32>(0).unwrap().iter_mut().enumerate() {
+                *g = (pg.rank() + 1) as f32 * u(k / 20) * v(k % 20);
+            }
+            ddp.mark_ready(0).unwrap();
+            ddp.finish().await.unwrap();
+            let worst = ddp
+                .grad::<f32>(0)
+                .unwrap()
+                .iter()
+                .enumerate()
+                .map(|(k, g)| (g - 2.0 * u(k / 20) * v(k % 20)).abs())
+                .fold(0.0, f32::max);
+            let sent = probe.lock().unwrap().unwrap();
+            (worst, sent)
+        })
+        .await
+        .unwrap();
+        for (rank, (worst, sent)) in results.into_iter().enumerate() {
+            assert!(worst < 1e-4, "rank {rank}: error {worst}");
+            // A 20 x 20 bucket as two 20 x 1 factors: 40 elements, not 400.
+            assert_eq!(sent, 40, "rank {rank}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn powersgd_with_error_feedback_still_trains() {
+    within(60, "powersgd training", async {
+        let losses = spawn(3, |pg| async move {
+            // Least squares on 4 x 64 weights, one bucket each (so the second
+            // rounds of four buckets queue behind each other): w* = (i % 5) - 2.
+            let target = |i: usize| (i % 5) as f32 - 2.0;
+            let mut model = named(&[64; 4], |_, _| 0.0);
+            let mut ddp = DistributedSync::new(&pg, &mut model, small_buckets(256, 256))
+                .await
+                .unwrap();
+            assert_eq!(ddp.layout().buckets.len(), 4);
+            ddp.register_comm_hook(Box::new(
+                chorus::sync::PowerSgd::new(&pg, powersgd_now()).await.unwrap(),
+            ));
+            let loss = |model: &[(String, Vec<f32>)]| {
+                model
+                    .iter()
+                    .flat_map(|(_, w)| w.iter().enumerate().map(|(i, x)| (x - target(i)).powi(2)))
+                    .sum::<f32>()
+            };
+            let first = loss(&model);
+            for step in 0..300 {
+                for p in (0..4).rev() {
+                    // Each rank sees a noisy, rank-dependent gradient of the same loss.
+                    let w = model[p].1.clone();
+                    for (i, g) in ddp.grad_mut::<f32>(p).unwrap().iter_mut().enumerate() {
+                        let noise = (((i * 7 + pg.rank() * 13 + step + p) % 11) as f32 - 5.0) * 0.01;
+                        *g = 2.0 * (w[i] - target(i)) + noise;
+                    }
+                    ddp.mark_ready(p).unwrap();
+                }
+                ddp.finish().await.unwrap();
+                for (p, (_, w)) in model.iter_mut().enumerate() {
+                    let g = ddp.grad::<f32>(p).unwrap();
+                    w.iter_mut().zip(g).for_each(|(x, g)| *x -= 0.1 * g);
+                }
+            }
+            (first, loss(&model))
+        })
+        .await
+        .unwrap();
+        for (rank, (first, last)) in losses.into_iter().enumerate() {
+            assert!(last < first * 0.01, "rank {rank}: loss {first} -> {last}");
+        }
+    })
+    .await;
+}

@@ -13,10 +13,12 @@
 //!
 //! - [`plan`]: the decisions, sans IO (bucket assignment, ready tracking,
 //!   list comparison, broadcast chunks, divergence).
-//! - [`hook`]: what reduces a bucket ([`Average`], [`Compress`], or yours).
+//! - [`hook`]: what reduces a bucket ([`Average`], [`Compress`], or yours);
+//!   [`powersgd`]: [`PowerSgd`], low-rank compression with error feedback.
 
 pub mod hook;
 pub mod plan;
+pub mod powersgd;
 
 use chorus_actors::driver::CollectiveError;
 use chorus_runtime::collective::DType;
@@ -25,6 +27,7 @@ use tokio::task::JoinHandle;
 
 pub use hook::{Average, BucketInfo, CommHook, Compress, HookFuture};
 pub use plan::{BucketCaps, Layout, ParamSpec};
+pub use powersgd::{PowerSgd, PowerSgdOptions};
 
 use crate::group::ProcessGroup;
 use crate::tensor::{Element, Tensor};
