@@ -21,7 +21,9 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::group::ProcessGroup;
-use crate::sync::{Average, BucketInfo, CommHook, Compress, DistributedSync, HookFuture, SyncOptions};
+use crate::sync::{
+    Average, BucketInfo, CommHook, Compress, DistributedSync, HookFuture, PowerSgd, PowerSgdOptions, SyncOptions,
+};
 use crate::tensor::Tensor;
 
 /// PyTorch DDP's side, embedded so that the binary works from anywhere.
@@ -43,6 +45,8 @@ pub enum HookChoice {
     Fp16,
     /// Send bfloat16.
     Bf16,
+    /// PowerSGD, rank 1, from the first step.
+    Powersgd,
 }
 
 /// `chorus bench ddp`'s flags.
@@ -232,6 +236,16 @@ pub async fn run_worker(args: &DdpArgs) -> Result<()> {
         HookChoice::Avg => Box::new(Average),
         HookChoice::Fp16 => Box::new(Compress::fp16()),
         HookChoice::Bf16 => Box::new(Compress::bf16()),
+        HookChoice::Powersgd => Box::new(
+            PowerSgd::new(
+                &group,
+                PowerSgdOptions {
+                    start_iter: 0,
+                    ..PowerSgdOptions::default()
+                },
+            )
+            .await?,
+        ),
     };
     ddp.register_comm_hook(Box::new(Timeline {
         inner,

@@ -173,9 +173,12 @@ impl CommHook for PowerSgd {
             orthogonalize(&mut p, side, r);
             // Q = M^T P, summed over the ranks, after the previous bucket's.
             let mut q = vec![0f32; side * r];
-            for j in 0..side {
+            // Row by row: M is row-major, so this reads it in order.
+            for i in 0..side {
+                let row = &m[i * side..(i + 1) * side];
                 for c in 0..r {
-                    q[j * r + c] = (0..side).map(|i| m[i * side + j] * p[i * r + c]).sum();
+                    let pic = p[i * r + c];
+                    row.iter().enumerate().for_each(|(j, x)| q[j * r + c] += x * pic);
                 }
             }
             if let Some(previous) = previous {
@@ -204,5 +207,25 @@ impl CommHook for PowerSgd {
             approx.truncate(n);
             Ok(Tensor::from_slice(&approx))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn columns_come_out_orthonormal_and_q_is_the_same_for_a_seed() {
+        let (side, r) = (5, 2);
+        let mut p: Vec<f32> = (0..side * r).map(|i| (i as f32 * 1.7).sin() + 0.2).collect();
+        orthogonalize(&mut p, side, r);
+        let dot = |a: usize, b: usize| (0..side).map(|i| p[i * r + a] * p[i * r + b]).sum::<f32>();
+        assert!((dot(0, 0) - 1.0).abs() < 1e-5 && (dot(1, 1) - 1.0).abs() < 1e-5);
+        assert!(dot(0, 1).abs() < 1e-5);
+        let mut zero = vec![0f32; side];
+        orthogonalize(&mut zero, side, 1);
+        assert!(zero.iter().all(|x| x.is_finite()));
+        assert_eq!(initial_q(7, 3), initial_q(7, 3));
+        assert_ne!(initial_q(7, 3), initial_q(7, 4));
     }
 }
