@@ -16,6 +16,9 @@
 //!   same rendezvous.
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).
+//! - [`sync`](mod@sync): [`DistributedSync`], PyTorch's `DistributedDataParallel`
+//!   for a Rust model: checked registration, start-up broadcast, gradient
+//!   buckets reduced while the backward pass runs, communication hooks.
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
 //! - [`bench`](mod@bench): `chorus bench` measurements.
@@ -48,6 +51,7 @@ pub mod mesh;
 pub mod nccl_group;
 pub mod netem;
 pub mod selftest;
+pub mod sync;
 pub mod tensor;
 mod terminate;
 pub mod trace;
@@ -63,6 +67,7 @@ pub use collectives::Work;
 pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
 pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use nccl_group::{NcclInitError, NcclProcessGroup, init_nccl_group, init_nccl_group_with};
+pub use sync::{DistributedSync, ParamBuffer, Parameters, SyncError, SyncOptions};
 pub use tensor::{Element, Tensor};
 
 /// `error` and its causes on one line, each cause once: chorus's messages

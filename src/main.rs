@@ -178,6 +178,8 @@ struct BenchCommand {
 
 #[derive(Subcommand)]
 enum BenchSubcommand {
+    /// Data-parallel gradient sync (DistributedSync) on a 25M-parameter model: step time with and without sync.
+    Ddp(chorus::bench::ddp::DdpArgs),
     /// Recovery time of an elastic group: SIGKILL a random rank, time until the survivors' next collective.
     Recovery {
         /// Ranks per trial (one is killed; the survivors form the next generation).
@@ -949,6 +951,13 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
 
 async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     use chorus::bench::transport::{TransportBench, run_leader, run_peer};
+    if let Some(BenchSubcommand::Ddp(args)) = command.command {
+        return tokio::task::spawn_blocking(move || match args.worker {
+            true => chorus::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+            false => chorus::bench::ddp::run(&args),
+        })
+        .await?;
+    }
     if let Some(BenchSubcommand::Recovery {
         world,
         trials,

@@ -1096,7 +1096,7 @@ impl Side for InProcessSide {
 // ----------------------------------------------------------------- driver
 
 /// A random job secret for the rank processes, as `chorus launch` hands out.
-fn job_secret() -> String {
+pub(crate) fn job_secret() -> String {
     let mut bytes = [0u8; 16];
     if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
         let _ = std::io::Read::read_exact(&mut f, &mut bytes);

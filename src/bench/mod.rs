@@ -5,12 +5,15 @@
 //! - [`collective`]: `chorus bench --op ...`, the nccl-tests table for one
 //!   collective over a sweep of sizes, with `--compare gloo` (PyTorch's Gloo
 //!   in the same invocation, alternating per size), `--json` and `--plot`.
+//! - [`ddp`]: `chorus bench ddp`, gradient sync step time with and without
+//!   sync on a 25M-parameter model, with `--compare torch` (PyTorch DDP, Gloo).
 //! - [`plot`]: the `--plot` PNG (busbw against size).
 //! - [`recovery`]: `chorus bench recovery`, the time an elastic group takes
 //!   from the SIGKILL of a rank to its next successful collective.
 //! - [`transport`]: throughput and round trip per transport path, against raw TCP.
 
 pub mod collective;
+pub mod ddp;
 pub mod plot;
 pub mod recovery;
 pub mod transport;

@@ -1,0 +1,524 @@
+//! `chorus bench ddp`: the cost of data-parallel gradient sync
+//! ([`DistributedSync`](crate::DistributedSync)) on a model of `--params`
+//! float32 parameters in layers of a transformer's sizes, `--world` rank
+//! processes: the step time with sync, without (`no_sync`), and their
+//! difference, the communication the backward pass did not hide
+//! (`exposed_sync_ms`). With `--compare torch`, PyTorch DDP over Gloo on the
+//! same shapes (`tests/python/ddp_bench.py`, embedded) in the same run.
+//!
+//! The backward pass writes each gradient (`p * scale`, one pass over the
+//! layer) into its bucket and marks it ready, last layer first; every step
+//! starts after a barrier; sync and no_sync steps alternate.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::group::ProcessGroup;
+use crate::sync::{
+    Average, BucketInfo, CommHook, Compress, DistributedSync, HookFuture, PowerSgd, PowerSgdOptions, SyncOptions,
+};
+use crate::tensor::Tensor;
+
+/// PyTorch DDP's side, embedded so that the binary works from anywhere.
+const TORCH_SCRIPT: &str = include_str!("../../tests/python/ddp_bench.py");
+
+/// The peer `--compare` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DdpPeer {
+    /// PyTorch's DistributedDataParallel with the Gloo backend.
+    Torch,
+}
+
+/// The bucket hook chorus's side uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HookChoice {
+    /// Average (the default).
+    Avg,
+    /// Send float16.
+    Fp16,
+    /// Send bfloat16.
+    Bf16,
+    /// PowerSGD, rank 1, from the first step.
+    Powersgd,
+}
+
+/// `chorus bench ddp`'s flags.
+#[derive(Debug, Clone, Args)]
+pub struct DdpArgs {
+    /// Number of rank processes.
+    #[arg(long, default_value_t = 2)]
+    pub world: usize,
+    /// CHORUS_TRANSPORT for the rank processes (auto, quic, shm).
+    #[arg(long, default_value = "auto")]
+    pub transport: String,
+    /// Float32 parameters in the model (K, M suffixes: thousands, millions).
+    #[arg(long, default_value = "25M", value_parser = parse_count)]
+    pub params: usize,
+    /// Timed steps of each kind (with sync, without).
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    /// Untimed steps of each kind before them.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Cap of every bucket after the first, MiB (DDP's bucket_cap_mb).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_cap_mb: f64,
+    /// How chorus reduces a bucket.
+    #[arg(long, value_enum, default_value = "avg")]
+    pub hook: HookChoice,
+    /// Also measure this peer on the same shapes.
+    #[arg(long, value_enum)]
+    pub compare: Option<DdpPeer>,
+    /// Print one JSON object per library instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds allowed for each side.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    /// Python interpreter for --compare torch.
+    #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
+    pub python: String,
+    /// Internal: run as one rank process.
+    #[arg(long, hide = true)]
+    pub worker: bool,
+}
+
+/// A parameter count: digits with an optional K or M (powers of 1000).
+pub fn parse_count(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let (digits, factor) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1_000),
+        Some('M') => (&t[..t.len() - 1], 1_000_000),
+        _ => (t, 1),
+    };
+    digits
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(factor))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{text:?} is not a parameter count (a positive number, optional K or M suffix)"))
+}
+
+/// `total` parameters as a GPT-style stack of width 512 (per block: two
+/// layer norms, attention in and out projections, a 4x MLP, with biases),
+/// registered in forward order; the last block is cut where the total is
+/// reached.
+pub fn layer_shapes(total: usize) -> Vec<(String, usize)> {
+    const D: usize = 512;
+    let block = [
+        ("ln1.weight", D),
+        ("ln1.bias", D),
+        ("attn.qkv.weight", D * 3 * D),
+        ("attn.qkv.bias", 3 * D),
+        ("attn.proj.weight", D * D),
+        ("attn.proj.bias", D),
+        ("ln2.weight", D),
+        ("ln2.bias", D),
+        ("mlp.fc1.weight", D * 4 * D),
+        ("mlp.fc1.bias", 4 * D),
+        ("mlp.fc2.weight", 4 * D * D),
+        ("mlp.fc2.bias", D),
+    ];
+    let mut shapes = Vec::new();
+    let mut left = total;
+    for b in 0.. {
+        for (name, n) in block {
+            if left == 0 {
+                return shapes;
+            }
+            let n = n.min(left);
+            shapes.push((format!("h.{b}.{name}"), n));
+            left -= n;
+        }
+    }
+    shapes
+}
+
+/// When each bucket's reduction started and ended in one step, relative to
+/// the step's start.
+#[derive(Debug, Clone, Serialize)]
+pub struct BucketSpan {
+    /// Bucket index (launch order).
+    pub index: usize,
+    /// Its size in bytes.
+    pub bytes: usize,
+    /// Handed to the hook, ms after the step started.
+    pub start_ms: f64,
+    /// Reduced, ms after the step started.
+    pub end_ms: f64,
+}
+
+/// Records [`BucketSpan`]s around another hook.
+struct Timeline {
+    inner: Box<dyn CommHook>,
+    step_start: Arc<Mutex<Instant>>,
+    spans: Arc<Mutex<Vec<BucketSpan>>>,
+}
+
+impl CommHook for Timeline {
+    fn reduce(&mut self, group: &ProcessGroup, bucket: BucketInfo, data: Tensor) -> HookFuture {
+        let origin = *self.step_start.lock().expect("step start");
+        let bytes = data.as_bytes().len();
+        let start_ms = origin.elapsed().as_secs_f64() * 1e3;
+        let work = self.inner.reduce(group, bucket, data);
+        let spans = self.spans.clone();
+        Box::pin(async move {
+            let out = work.await;
+            spans.lock().expect("spans").push(BucketSpan {
+                index: bucket.index,
+                bytes,
+                start_ms,
+                end_ms: origin.elapsed().as_secs_f64() * 1e3,
+            });
+            out
+        })
+    }
+}
+
+/// Rank 0's answer for chorus's side.
+#[derive(Debug, Serialize)]
+struct ChorusLine {
+    library: &'static str,
+    transport: String,
+    hook: String,
+    world: usize,
+    params: usize,
+    layers: usize,
+    buckets: usize,
+    steps: usize,
+    step_ms: f64,
+    no_sync_ms: f64,
+    exposed_sync_ms: f64,
+    /// When the last gradient of the last timed sync step was marked ready.
+    backward_ms: f64,
+    timeline: Vec<BucketSpan>,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// [`run_worker`] on a runtime of its own with two worker threads, so
+/// that hooks' futures (and the timeline's end times) complete while the
+/// backward pass holds the calling thread, as in a training program on
+/// tokio's default runtime. Call it outside any runtime.
+pub fn run_worker_blocking(args: &DdpArgs) -> Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(run_worker(args))
+}
+
+/// One rank process (`chorus bench ddp --worker`): joins over env://,
+/// measures, and rank 0 prints one JSON line.
+pub async fn run_worker(args: &DdpArgs) -> Result<()> {
+    let options = crate::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    let group = crate::init_process_group(options).await.context("forming the group")?;
+    let shapes = layer_shapes(args.params);
+    let mut model: Vec<(String, Vec<f32>)> = shapes.iter().map(|(name, n)| (name.clone(), vec![0.01; *n])).collect();
+    let sync_options = SyncOptions {
+        bucket_cap_mb: args.bucket_cap_mb,
+        ..SyncOptions::default()
+    };
+    let mut ddp = DistributedSync::new(&group, &mut model, sync_options).await?;
+    let step_start = Arc::new(Mutex::new(Instant::now()));
+    let spans = Arc::new(Mutex::new(Vec::new()));
+    let inner: Box<dyn CommHook> = match args.hook {
+        HookChoice::Avg => Box::new(Average),
+        HookChoice::Fp16 => Box::new(Compress::fp16()),
+        HookChoice::Bf16 => Box::new(Compress::bf16()),
+        HookChoice::Powersgd => Box::new(
+            PowerSgd::new(
+                &group,
+                PowerSgdOptions {
+                    start_iter: 0,
+                    ..PowerSgdOptions::default()
+                },
+            )
+            .await?,
+        ),
+    };
+    ddp.register_comm_hook(Box::new(Timeline {
+        inner,
+        step_start: step_start.clone(),
+        spans: spans.clone(),
+    }));
+    let (mut with_sync, mut without) = (vec![], vec![]);
+    let mut backward_ms = 0.0;
+    let mut timeline = vec![];
+    for i in 0..args.warmup + args.steps {
+        for sync in [true, false] {
+            group.barrier().await?;
+            if sync {
+                spans.lock().expect("spans").clear();
+            }
+            let start = Instant::now();
+            *step_start.lock().expect("step start") = start;
+            let scale = 1.0 + i as f32 * 1e-3;
+            let mut guard;
+            let d: &mut DistributedSync<'_> = if sync {
+                &mut ddp
+            } else {
+                guard = ddp.no_sync();
+                &mut guard
+            };
+            for p in (0..model.len()).rev() {
+                for (g, w) in d.grad_mut::<f32>(p)?.iter_mut().zip(&model[p].1) {
+                    *g = w * scale;
+                }
+                d.mark_ready(p)?;
+            }
+            let marked = start.elapsed().as_secs_f64() * 1e3;
+            d.finish().await?;
+            let took = start.elapsed().as_secs_f64() * 1e3;
+            if i >= args.warmup {
+                if sync {
+                    with_sync.push(took);
+                    backward_ms = marked;
+                    timeline = spans.lock().expect("spans").clone();
+                } else {
+                    without.push(took);
+                }
+            }
+        }
+    }
+    if group.rank() == 0 {
+        let (step_ms, no_sync_ms) = (median(with_sync), median(without));
+        timeline.sort_by_key(|s: &BucketSpan| s.index);
+        let line = ChorusLine {
+            library: "chorus",
+            transport: args.transport.clone(),
+            hook: format!("{:?}", args.hook).to_lowercase(),
+            world: group.world_size(),
+            params: args.params,
+            layers: shapes.len(),
+            buckets: ddp.layout().buckets.len(),
+            steps: args.steps,
+            step_ms,
+            no_sync_ms,
+            exposed_sync_ms: (step_ms - no_sync_ms).max(0.0),
+            backward_ms,
+            timeline,
+        };
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", serde_json::to_string(&line)?)?;
+        out.flush()?;
+    }
+    group.destroy().await?;
+    Ok(())
+}
+
+/// Runs `world` copies of `program args` as env:// ranks and returns rank
+/// 0's last JSON line.
+fn run_ranks(program: &str, args: &[String], world: usize, env: &[(&str, String)], timeout: Duration) -> Result<Value> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..world {
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .stdin(Stdio::null())
+            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        children.push(
+            command
+                .spawn()
+                .with_context(|| format!("starting rank {rank}: {program}"))?,
+        );
+    }
+    let out = children[0].stdout.take().context("rank 0's stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let last = BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|l| serde_json::from_str::<Value>(&l).ok())
+            .last();
+        let _ = tx.send(last);
+    });
+    let deadline = Instant::now() + timeout;
+    let mut failed = None;
+    for (rank, child) in children.iter_mut().enumerate() {
+        loop {
+            match child.try_wait()? {
+                Some(status) if !status.success() => {
+                    failed.get_or_insert(format!("rank {rank} exited with {status}"));
+                    break;
+                }
+                Some(_) => break,
+                None if Instant::now() >= deadline => {
+                    failed.get_or_insert(format!("rank {rank} did not finish within {timeout:?}"));
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+    if let Some(why) = failed {
+        for child in &mut children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        bail!("{program}: {why}");
+    }
+    rx.recv_timeout(Duration::from_secs(5))
+        .ok()
+        .flatten()
+        .ok_or_else(|| anyhow!("{program}: rank 0 printed no result"))
+}
+
+/// The parent: measures chorus, then the peer, and prints the table or JSON.
+pub fn run(args: &DdpArgs) -> Result<ExitCode> {
+    if args.world < 1 || args.steps < 1 {
+        bail!("--world and --steps must be at least 1");
+    }
+    let exe = std::env::current_exe()?.to_string_lossy().into_owned();
+    let timeout = Duration::from_secs(args.timeout);
+    let shapes = layer_shapes(args.params);
+    let mut rows = vec![];
+    let worker_args: Vec<String> = [
+        "bench",
+        "ddp",
+        "--worker",
+        "--params",
+        &args.params.to_string(),
+        "--steps",
+        &args.steps.to_string(),
+        "--warmup",
+        &args.warmup.to_string(),
+        "--bucket-cap-mb",
+        &args.bucket_cap_mb.to_string(),
+        "--hook",
+        &format!("{:?}", args.hook).to_lowercase(),
+        "--transport",
+        &args.transport,
+        "--timeout",
+        &args.timeout.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    rows.push(run_ranks(
+        &exe,
+        &worker_args,
+        args.world,
+        &[
+            ("CHORUS_TRANSPORT", args.transport.clone()),
+            ("CHORUS_JOB_SECRET", super::collective::job_secret()),
+        ],
+        timeout,
+    )?);
+    if args.compare == Some(DdpPeer::Torch) {
+        match super::collective::torch_version(&args.python) {
+            Err(why) => eprintln!(
+                "# skipping --compare torch: {} cannot import torch ({why})",
+                args.python
+            ),
+            Ok(_) => {
+                let dir = tempfile_dir()?;
+                let script = dir.join("ddp_bench.py");
+                std::fs::write(&script, TORCH_SCRIPT)?;
+                let sizes: Vec<String> = shapes.iter().map(|(_, n)| n.to_string()).collect();
+                let torch_args = vec![
+                    script.to_string_lossy().into_owned(),
+                    sizes.join(","),
+                    args.steps.to_string(),
+                    args.warmup.to_string(),
+                    args.bucket_cap_mb.to_string(),
+                ];
+                let row = run_ranks(
+                    &args.python,
+                    &torch_args,
+                    args.world,
+                    &[("OMP_NUM_THREADS", "1".into())],
+                    timeout,
+                );
+                let _ = std::fs::remove_dir_all(&dir);
+                rows.push(row?);
+            }
+        }
+    }
+    if args.json {
+        for row in &rows {
+            println!("{row}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "# chorus bench ddp: {} float32 parameters in {} layers, world {}, median of {} steps",
+        args.params,
+        shapes.len(),
+        args.world,
+        args.steps
+    );
+    println!(
+        "{:<24} {:>10} {:>12} {:>16}",
+        "library", "step_ms", "no_sync_ms", "exposed_sync_ms"
+    );
+    for row in &rows {
+        let label = match row["library"].as_str() {
+            Some("chorus") => format!(
+                "chorus ({}, {})",
+                row["transport"].as_str().unwrap_or("?"),
+                row["hook"].as_str().unwrap_or("?")
+            ),
+            _ => format!("torch {} gloo", row["version"].as_str().unwrap_or("?")),
+        };
+        let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "{label:<24} {:>10.2} {:>12.2} {:>16.2}",
+            f("step_ms"),
+            f("no_sync_ms"),
+            f("exposed_sync_ms")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A fresh private directory for the embedded script.
+fn tempfile_dir() -> Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("chorus-bench-ddp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_add_up_and_look_like_a_transformer() {
+        let shapes = layer_shapes(25_000_000);
+        assert_eq!(shapes.iter().map(|(_, n)| n).sum::<usize>(), 25_000_000);
+        assert_eq!(shapes[2], ("h.0.attn.qkv.weight".to_string(), 512 * 1536));
+        assert!(shapes.len() > 90, "{}", shapes.len());
+        assert_eq!(layer_shapes(10), vec![("h.0.ln1.weight".to_string(), 10)]);
+    }
+
+    #[test]
+    fn counts_parse_with_decimal_suffixes() {
+        assert_eq!(parse_count("25M"), Ok(25_000_000));
+        assert_eq!(parse_count("3k"), Ok(3_000));
+        assert_eq!(parse_count("17"), Ok(17));
+        assert!(parse_count("0").is_err() && parse_count("x").is_err());
+    }
+}
