@@ -151,7 +151,7 @@ pub enum LaunchError {
     },
     /// The launcher serving the store is gone.
     #[error(
-        "lost the job's store at {addr} ({source}): the launcher serving it has left, and the job cannot go on without it (as with torchrun's c10d store host); start the job again"
+        "lost the job's store at {addr} ({source}): the launcher serving it has left (or etcd, with --rdzv-backend etcd, is down), and the job cannot go on without it (as with torchrun's c10d store host); start the job again"
     )]
     StoreLost {
         /// Where the store was.
@@ -484,7 +484,7 @@ async fn job_secret(config: &LaunchConfig, store: &JobStore, keys: &Keys) -> Res
     if config.max_nodes == 1 {
         return Ok(fresh);
     }
-    let hosting = store.server.is_some();
+    let hosting = store.server.is_some() || store.replicated();
     if hosting {
         say(
             "warning: no CHORUS_JOB_SECRET or --job-secret-file; publishing a generated job secret in the store, where anyone who can reach it can read it",
@@ -505,7 +505,7 @@ async fn bounded<T>(
     match tokio::time::timeout(waited, call).await {
         Ok(result) => Ok(result?),
         Err(_) => Err(LaunchError::StoreUnreachable {
-            addr: format!("{}:{}", job.store.host, job.store.port),
+            addr: job.store.addr(),
             waited,
         }),
     }
@@ -528,7 +528,7 @@ async fn run(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
     // After the store was reached, a store error means its host is gone.
     run_rounds(job, signals).await.map_err(|error| match error {
         LaunchError::Store(source) => LaunchError::StoreLost {
-            addr: format!("{}:{}", job.store.host, job.store.port),
+            addr: job.store.addr(),
             source,
         },
         error => error,
@@ -582,6 +582,7 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             nnodes: formed.nnodes,
             master_addr: job.store.host.clone(),
             master_port: job.store.port,
+            store_url: job.store.url.clone(),
             // Every round restarts the workers, so each gets its own count:
             // chorus workers take it as their rendezvous generation.
             restart_count: round,
@@ -692,7 +693,7 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             Outcome::StoreUnreachable(waited) => {
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 return Err(LaunchError::StoreUnreachable {
-                    addr: format!("{}:{}", job.store.host, job.store.port),
+                    addr: job.store.addr(),
                     waited,
                 });
             }
@@ -860,7 +861,7 @@ async fn run_elastic_round(
             Outcome::StoreUnreachable(waited) => {
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 return Err(LaunchError::StoreUnreachable {
-                    addr: format!("{}:{}", job.store.host, job.store.port),
+                    addr: job.store.addr(),
                     waited,
                 });
             }
