@@ -337,18 +337,19 @@ fn etcd_launch_goes_on_when_the_first_launcher_is_killed() {
         let mut command = job.command(tag, &flags);
         command
             .arg(job.worker())
-            .args(["--iterations", "600"])
+            .args(["--iterations", "2000"])
             .env_remove("CHORUS_MIN_WORLD")
             .env_remove("CHORUS_MAX_WORLD")
             .env_remove("CHORUS_STORE");
         job.spawn(tag, command);
     };
+    // Both join round 0 within its last call: one group of two.
     start(&mut job, "a");
-    job.wait_until(20, "launcher a never joined", |job| job.stderr("a").contains("round 0"));
     start(&mut job, "b");
     for tag in ["a", "b"] {
-        job.wait_until(30, &format!("{tag}'s worker never ran"), |job| {
-            job.stdout(tag).contains("event=running")
+        job.wait_until(30, &format!("{tag}'s worker never ran in a world of two"), |job| {
+            job.stdout(tag).contains("gen=0 world=2")
+                && job.stdout(tag).contains("event=running")
         });
     }
     let first_worker: i32 = job
@@ -368,7 +369,7 @@ fn etcd_launch_goes_on_when_the_first_launcher_is_killed() {
     assert!(status.success(), "{status}\n{all}\n--- etcd:\n{}", etcd.log());
     let stdout = job.stdout("b");
     assert!(
-        stdout.lines().any(|l| l.contains("world=1 event=done iterations=600")),
+        stdout.lines().any(|l| l.contains("world=1 event=done iterations=2000")),
         "b's worker finished alone\n{all}"
     );
     assert_eq!(
