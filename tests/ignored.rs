@@ -1,7 +1,7 @@
 //! Tests that need something the Rust toolchain does not bring (PyTorch, a
-//! GPU, root for network namespaces) must be `#[ignore = "needs ..."]`,
-//! named so the commands that run them select them (`torch_*`, `gpu_*`,
-//! `netns_*`), and fail rather than pass when run
+//! GPU, root for network namespaces, an etcd server) must be
+//! `#[ignore = "needs ..."]`, named so the commands that run them select
+//! them (`torch_*`, `gpu_*`, `netns_*`, `etcd_*`), and fail rather than pass when run
 //! without it: a green `cargo test` then lists them as ignored instead of
 //! reporting "ok" for a test that checked nothing. Checked on the sources.
 
@@ -49,6 +49,8 @@ fn tests_that_need_torch_a_gpu_or_root_are_ignored_with_the_reason() {
                 ("needs a GPU", "gpu_")
             } else if body.contains("Cluster::up(") {
                 ("needs root for network namespaces", "netns_")
+            } else if body.contains("Etcd::start(") {
+                ("needs etcd-server", "etcd_")
             } else {
                 continue;
             };
@@ -66,10 +68,10 @@ fn tests_that_need_torch_a_gpu_or_root_are_ignored_with_the_reason() {
     assert!(checked.len() >= 7, "the torch and GPU tests were found: {checked:?}");
 }
 
-/// `.ci/run` runs the README's test command, then the torch and netns
-/// tests by the filters the reasons name.
+/// `.ci/run` runs the README's test command, then the torch, netns and
+/// etcd tests by the filters the reasons name.
 #[test]
-fn ci_runs_the_readme_test_command_and_the_ignored_torch_and_netns_tests() {
+fn ci_runs_the_readme_test_command_and_the_ignored_torch_netns_and_etcd_tests() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
     let ci = std::fs::read_to_string(root.join(".ci/run")).unwrap();
@@ -79,7 +81,7 @@ fn ci_runs_the_readme_test_command_and_the_ignored_torch_and_netns_tests() {
         .and_then(|rest| rest.lines().next())
         .expect("the README's test command");
     assert!(ci.lines().any(|l| l.trim() == command), ".ci/run must run {command:?}");
-    for filter in ["torch_", "netns_"] {
+    for filter in ["torch_", "netns_", "etcd_"] {
         let ignored = format!("{command} -- --ignored {filter}");
         assert!(ci.lines().any(|l| l.trim() == ignored), ".ci/run must run {ignored:?}");
         assert!(readme.contains(&ignored), "the README must say {ignored:?}");
