@@ -47,8 +47,14 @@ async fn suite(store: &dyn Store) {
     store.append("ap", b"cd").await.unwrap();
     assert_eq!(store.get("ap").await.unwrap(), b("abcd"));
 
-    store.multi_set(&[("m1", b"x"), ("m2", b""), ("m1", b"last")]).await.unwrap();
-    assert_eq!(store.multi_get(&["m1", "m2"]).await.unwrap(), vec![b("last"), Bytes::new()]);
+    store
+        .multi_set(&[("m1", b"x"), ("m2", b""), ("m1", b"last")])
+        .await
+        .unwrap();
+    assert_eq!(
+        store.multi_get(&["m1", "m2"]).await.unwrap(),
+        vec![b("last"), Bytes::new()]
+    );
     assert!(store.check(&["a", "n", "cs", "m2"]).await.unwrap());
     assert!(!store.check(&["a", "absent"]).await.unwrap());
     // a, n, t, cs, ap, m1, m2.
@@ -82,7 +88,10 @@ async fn suite(store: &dyn Store) {
 
     // Blocking reads time out naming the missing key, within their timeout.
     let started = Instant::now();
-    let err = store.wait_timeout(&["n", "never"], Duration::from_millis(200)).await.unwrap_err();
+    let err = store
+        .wait_timeout(&["n", "never"], Duration::from_millis(200))
+        .await
+        .unwrap_err();
     assert!(
         matches!(&err, StoreError::Timeout { keys, .. } if keys == &["never".to_string()]),
         "{err}"
@@ -156,7 +165,11 @@ async fn etcd_waits_wake_on_another_clients_writes() {
         assert!(!wait.is_finished(), "one of two keys is not enough");
         writer.set("y", b"2").await.unwrap();
         wait.await.unwrap().unwrap();
-        assert!(started.elapsed() < Duration::from_secs(2), "woken late: {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "woken late: {:?}",
+            started.elapsed()
+        );
     })
     .await;
 }
@@ -173,7 +186,10 @@ async fn etcd_eight_clients_add_and_compare_set_exactly_once() {
                 for _ in 0..25 {
                     store.add("sum", 1).await.unwrap();
                 }
-                store.compare_set("winner", b"", i.to_string().as_bytes()).await.unwrap()
+                store
+                    .compare_set("winner", b"", i.to_string().as_bytes())
+                    .await
+                    .unwrap()
             }));
         }
         let mut winners = Vec::new();
@@ -220,7 +236,11 @@ async fn an_etcd_endpoint_that_refuses_or_answers_nothing_costs_only_the_timeout
             let started = Instant::now();
             let err = EtcdStore::connect(endpoints.clone(), options).await.unwrap_err();
             let message = err.to_string();
-            assert!(started.elapsed() < Duration::from_secs(3), "{:?}: {message}", started.elapsed());
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "{:?}: {message}",
+                started.elapsed()
+            );
             assert!(
                 message.contains(&endpoints[0]) || matches!(err, StoreError::Timeout { .. }),
                 "{message}"
@@ -257,8 +277,9 @@ fn etcd_ranks_meet_over_an_etcd_url() {
     for rank in 0..world {
         for peer in (0..world).filter(|&p| p != rank) {
             assert!(
-                log.lines().any(|l| l.starts_with(&format!("[{rank}] "))
-                    && l.contains(&format!("said \"hello from rank {peer}\""))),
+                log.lines()
+                    .any(|l| l.starts_with(&format!("[{rank}] "))
+                        && l.contains(&format!("said \"hello from rank {peer}\""))),
                 "rank {rank} never heard rank {peer}:\n{log}"
             );
         }
@@ -286,7 +307,8 @@ fn etcd_an_elastic_group_re_forms_after_a_sigkill() {
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     let has = |log: &[String], r: usize, needle: &str| {
-        log.iter().any(|l| l.starts_with(&format!("[{r}] ")) && l.contains(needle))
+        log.iter()
+            .any(|l| l.starts_with(&format!("[{r}] ")) && l.contains(needle))
     };
     ranks.until("every rank running", deadline, |log| {
         (0..3).all(|r| has(log, r, "event=running"))
@@ -302,7 +324,9 @@ fn etcd_an_elastic_group_re_forms_after_a_sigkill() {
     let log = ranks.output();
     for (old, new) in [(0, 0), (2, 1)] {
         assert!(
-            log.contains(&format!("[{old}] probe rank={new} gen=1 world=2 event=done iterations=300")),
+            log.contains(&format!(
+                "[{old}] probe rank={new} gen=1 world=2 event=done iterations=300"
+            )),
             "{log}"
         );
     }
@@ -348,8 +372,7 @@ fn etcd_launch_goes_on_when_the_first_launcher_is_killed() {
     start(&mut job, "b");
     for tag in ["a", "b"] {
         job.wait_until(30, &format!("{tag}'s worker never ran in a world of two"), |job| {
-            job.stdout(tag).contains("gen=0 world=2")
-                && job.stdout(tag).contains("event=running")
+            job.stdout(tag).contains("gen=0 world=2") && job.stdout(tag).contains("event=running")
         });
     }
     let first_worker: i32 = job

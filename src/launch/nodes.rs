@@ -111,7 +111,9 @@ pub struct JobStore {
 impl JobStore {
     /// Where the store is, for messages.
     pub fn addr(&self) -> String {
-        self.url.clone().unwrap_or_else(|| format!("{}:{}", self.host, self.port))
+        self.url
+            .clone()
+            .unwrap_or_else(|| format!("{}:{}", self.host, self.port))
     }
 
     /// Whether no launcher serves the store (it is in etcd), so any

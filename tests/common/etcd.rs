@@ -35,8 +35,18 @@ impl Etcd {
         let child = Command::new(ETCD)
             .args(["--name", "test", "--data-dir"])
             .arg(dir.path().join("data"))
-            .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
-            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args([
+                "--listen-client-urls",
+                &client_url,
+                "--advertise-client-urls",
+                &client_url,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+            ])
             .args(["--initial-cluster", &format!("test={peer_url}")])
             .args(["--logger", "zap", "--log-level", "error"])
             .stdin(Stdio::null())
@@ -50,7 +60,11 @@ impl Etcd {
             if let Some(status) = etcd.child.try_wait().unwrap() {
                 panic!("etcd exited with {status}:\n{}", etcd.log());
             }
-            assert!(Instant::now() < deadline, "etcd did not answer within 20s:\n{}", etcd.log());
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not answer within 20s:\n{}",
+                etcd.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         etcd

@@ -28,8 +28,8 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::store::{
-    DEFAULT_PORT, EtcdStore, EtcdStoreOptions, FileStore, FileStoreOptions, PrefixStore, Store, StoreError, TcpStore, TcpStoreOptions,
-    TcpStoreServer, TcpStoreServerOptions,
+    DEFAULT_PORT, EtcdStore, EtcdStoreOptions, FileStore, FileStoreOptions, PrefixStore, Store, StoreError, TcpStore,
+    TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions,
 };
 
 pub mod elastic;
@@ -792,7 +792,9 @@ mod tests {
             (STORE_ENV, "etcd://[::1]:7/p"),
         ];
         let config = resolve(InitMethod::Env, None, None, &lookup(&vars)).unwrap();
-        assert!(matches!(&config.store, StoreSpec::Etcd { endpoints, prefix } if endpoints == &["[::1]:7"] && prefix == "/p"));
+        assert!(
+            matches!(&config.store, StoreSpec::Etcd { endpoints, prefix } if endpoints == &["[::1]:7"] && prefix == "/p")
+        );
         assert_eq!(config.master_host(), Some("::1"));
         vars.push((STORE_ENV, "etcd://h:7?rank=1"));
         vars.swap_remove(4);

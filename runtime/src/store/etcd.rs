@@ -85,7 +85,10 @@ const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 pub(crate) fn b64_encode(data: &[u8]) -> String {
     let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
     for chunk in data.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
         for i in 0..4 {
             if i <= chunk.len() {
                 out.push(B64[(n >> (18 - 6 * i) & 63) as usize] as char);
@@ -304,7 +307,10 @@ pub(crate) fn parse_txn(v: &Value) -> Result<(bool, Vec<Value>), String> {
 /// event, a cancel, a compaction: either way, look again).
 pub(crate) fn watch_fired(message: &Value) -> bool {
     let result = message.get("result").unwrap_or(message);
-    result.get("events").and_then(Value::as_array).is_some_and(|e| !e.is_empty())
+    result
+        .get("events")
+        .and_then(Value::as_array)
+        .is_some_and(|e| !e.is_empty())
         || result.get("canceled").and_then(Value::as_bool).unwrap_or(false)
         || int(result, "compact_revision").unwrap_or(0) > 0
         || message.get("error").is_some()
@@ -341,8 +347,11 @@ pub(crate) fn apply(key: &str, current: Option<Bytes>, op: &Rmw<'_>) -> Result<A
             Bytes::new()
         }
         Rmw::CompareSet { expected, desired } => {
-            let (reply, _) =
-                state.compare_set(k.clone(), Bytes::copy_from_slice(expected), Bytes::copy_from_slice(desired));
+            let (reply, _) = state.compare_set(
+                k.clone(),
+                Bytes::copy_from_slice(expected),
+                Bytes::copy_from_slice(desired),
+            );
             reply
         }
     };
@@ -484,7 +493,13 @@ impl EtcdStore {
         };
         let deadline = Instant::now() + store.options.connect_timeout;
         store
-            .post("/v3/kv/range", &req::count(&store.layout.all()), deadline, Retry::Resend, &[])
+            .post(
+                "/v3/kv/range",
+                &req::count(&store.layout.all()),
+                deadline,
+                Retry::Resend,
+                &[],
+            )
             .await?;
         Ok(store)
     }
@@ -561,7 +576,9 @@ impl EtcdStore {
         let mut buf = Vec::new();
         loop {
             if buf.len() > MAX_REPLY {
-                return Err(Failure::Failed(self.malformed(format!("a reply over {MAX_REPLY} bytes"))));
+                return Err(Failure::Failed(
+                    self.malformed(format!("a reply over {MAX_REPLY} bytes")),
+                ));
             }
             match stream.read_buf(&mut buf).await {
                 Ok(0) => break,
@@ -639,7 +656,9 @@ impl EtcdStore {
     }
 
     async fn txn(&self, body: Value, deadline: Instant) -> Result<(bool, Vec<Value>), StoreError> {
-        let reply = self.post("/v3/kv/txn", &body, deadline, Retry::BeforeSending, &[]).await?;
+        let reply = self
+            .post("/v3/kv/txn", &body, deadline, Retry::BeforeSending, &[])
+            .await?;
         parse_txn(&reply).map_err(|e| self.malformed(format!("txn: {e}")))
     }
 
@@ -648,8 +667,13 @@ impl EtcdStore {
         let mut missing = Vec::new();
         let mut revision = i64::MAX;
         for chunk in keys.chunks(MAX_TXN_OPS) {
-            let ops = chunk.iter().map(|k| req::op_range(req::count(&self.layout.dir(k)))).collect();
-            let reply = self.post("/v3/kv/txn", &req::batch(ops), deadline, Retry::Resend, keys).await?;
+            let ops = chunk
+                .iter()
+                .map(|k| req::op_range(req::count(&self.layout.dir(k))))
+                .collect();
+            let reply = self
+                .post("/v3/kv/txn", &req::batch(ops), deadline, Retry::Resend, keys)
+                .await?;
             let (_, responses) = parse_txn(&reply).map_err(|e| self.malformed(format!("txn: {e}")))?;
             revision = revision.min(reply.get("header").and_then(|h| int(h, "revision")).unwrap_or(0));
             if responses.len() != chunk.len() {
@@ -802,7 +826,9 @@ impl Store for EtcdStore {
                 e => e,
             })?;
             let deadline = Instant::now() + left.max(Duration::from_millis(1));
-            let reply = self.range(req::range(&self.layout.value(key)), deadline, &[key]).await?;
+            let reply = self
+                .range(req::range(&self.layout.value(key)), deadline, &[key])
+                .await?;
             if let Some(kv) = reply.kvs.into_iter().next() {
                 return Ok(kv.value);
             }
@@ -811,7 +837,10 @@ impl Store for EtcdStore {
                 return Err(self.timeout_error(&[key], started.elapsed()));
             }
             let deadline = started + timeout;
-            if !self.watch(&self.layout.value(key), reply.revision + 1, deadline).await? {
+            if !self
+                .watch(&self.layout.value(key), reply.revision + 1, deadline)
+                .await?
+            {
                 return Err(self.timeout_error(&[key], started.elapsed()));
             }
         }
@@ -845,7 +874,13 @@ impl Store for EtcdStore {
         self.check_key(key)?;
         let body = json!({ "key": b64_encode(&self.layout.value(key)) });
         let reply = self
-            .post("/v3/kv/deleterange", &body, self.deadline(), Retry::BeforeSending, &[key])
+            .post(
+                "/v3/kv/deleterange",
+                &body,
+                self.deadline(),
+                Retry::BeforeSending,
+                &[key],
+            )
             .await?;
         Ok(int(&reply, "deleted").unwrap_or(0) > 0)
     }
@@ -863,7 +898,10 @@ impl Store for EtcdStore {
             let deadline = Instant::now() + left.max(Duration::from_millis(1));
             let mut values = Vec::with_capacity(keys.len());
             for chunk in keys.chunks(MAX_TXN_OPS) {
-                let ops = chunk.iter().map(|k| req::op_range(req::range(&self.layout.value(k)))).collect();
+                let ops = chunk
+                    .iter()
+                    .map(|k| req::op_range(req::range(&self.layout.value(k))))
+                    .collect();
                 let (_, responses) = self.txn(req::batch(ops), deadline).await?;
                 for response in &responses {
                     let range = response.get("response_range").unwrap_or(&Value::Null);
@@ -896,7 +934,10 @@ impl Store for EtcdStore {
         last.reverse();
         let deadline = self.deadline();
         for chunk in last.chunks(MAX_TXN_OPS) {
-            let ops = chunk.iter().map(|(k, v)| req::op_put(&self.layout.value(k), v)).collect();
+            let ops = chunk
+                .iter()
+                .map(|(k, v)| req::op_put(&self.layout.value(k), v))
+                .collect();
             self.txn(req::batch(ops), deadline).await?;
         }
         Ok(())
@@ -947,7 +988,10 @@ impl Store for EtcdStore {
 
     async fn queue_len(&self, key: &str) -> Result<i64, StoreError> {
         self.check_key(key)?;
-        Ok(self.range(req::count(&self.layout.queue(key)), self.deadline(), &[key]).await?.count)
+        Ok(self
+            .range(req::count(&self.layout.queue(key)), self.deadline(), &[key])
+            .await?
+            .count)
     }
 }
 
@@ -1003,7 +1047,10 @@ mod tests {
         let b = |s: &str| Bytes::copy_from_slice(s.as_bytes());
         let add = apply("n", None, &Rmw::Add(5)).unwrap();
         assert_eq!((add.reply.clone(), add.write), (b("5"), Some(b("5"))));
-        assert!(matches!(apply("t", Some(b("x")), &Rmw::Add(1)), Err(StateError::NotANumber { .. })));
+        assert!(matches!(
+            apply("t", Some(b("x")), &Rmw::Add(1)),
+            Err(StateError::NotANumber { .. })
+        ));
         let cs = |cur: Option<&str>, exp: &str, des: &str| {
             apply(
                 "k",
@@ -1016,12 +1063,36 @@ mod tests {
             .unwrap()
         };
         // Missing, empty expected: created.
-        assert_eq!(cs(None, "", "d"), Applied { reply: b("d"), write: Some(b("d")) });
+        assert_eq!(
+            cs(None, "", "d"),
+            Applied {
+                reply: b("d"),
+                write: Some(b("d"))
+            }
+        );
         // Missing, non-empty expected: expected returned, nothing written.
-        assert_eq!(cs(None, "x", "d"), Applied { reply: b("x"), write: None });
+        assert_eq!(
+            cs(None, "x", "d"),
+            Applied {
+                reply: b("x"),
+                write: None
+            }
+        );
         // Present and equal: swapped; present and different: current returned.
-        assert_eq!(cs(Some("x"), "x", "d"), Applied { reply: b("d"), write: Some(b("d")) });
-        assert_eq!(cs(Some("y"), "x", "d"), Applied { reply: b("y"), write: None });
+        assert_eq!(
+            cs(Some("x"), "x", "d"),
+            Applied {
+                reply: b("d"),
+                write: Some(b("d"))
+            }
+        );
+        assert_eq!(
+            cs(Some("y"), "x", "d"),
+            Applied {
+                reply: b("y"),
+                write: None
+            }
+        );
         let appended = apply("a", Some(b("ab")), &Rmw::Append(b"c")).unwrap();
         assert_eq!(appended.write, Some(b("abc")));
         let big = vec![0u8; MAX_ETCD_VALUE];

@@ -116,7 +116,9 @@ pub enum StoreError {
         limit: usize,
     },
     /// The server answered the request with an error.
-    #[error("store {location} refused the request ({message}); check that it is an etcd v3 server the job may write to")]
+    #[error(
+        "store {location} refused the request ({message}); check that it is an etcd v3 server the job may write to"
+    )]
     Refused {
         /// Where the store is.
         location: String,
