@@ -53,6 +53,9 @@ pub(crate) const MAX_ETCD_VALUE: usize = 1024 * 1024;
 /// Most operations etcd takes in one transaction (its `--max-txn-ops` default).
 const MAX_TXN_OPS: usize = 128;
 
+/// The pause before looking again after a watch ended without news.
+const WATCH_RETRY: Duration = Duration::from_millis(50);
+
 /// Largest reply read, so a confused server cannot exhaust memory.
 const MAX_REPLY: usize = 256 * 1024 * 1024;
 
@@ -572,7 +575,7 @@ impl EtcdStore {
         stream
             .write_all(&http_request(host, path, body))
             .await
-            .map_err(|e| Failure::NotSent(e))?;
+            .map_err(Failure::NotSent)?;
         let mut buf = Vec::new();
         loop {
             if buf.len() > MAX_REPLY {
@@ -711,8 +714,12 @@ impl EtcdStore {
             let mut body_at = None;
             loop {
                 match stream.read_buf(&mut buf).await {
-                    // The server ended the watch: look again.
-                    Ok(0) | Err(_) => return Ok(()),
+                    // The server ended the watch: look again, after a pause
+                    // so a server that ends every watch is not spun on.
+                    Ok(0) | Err(_) => {
+                        tokio::time::sleep(WATCH_RETRY).await;
+                        return Ok(());
+                    }
                     Ok(_) => {}
                 }
                 if buf.len() > MAX_REPLY {
@@ -721,7 +728,10 @@ impl EtcdStore {
                 if body_at.is_none() {
                     match http_head(&buf).map_err(|e| self.malformed(e))? {
                         Some((200, at)) => body_at = Some(at),
-                        Some(_) => return Ok(()),
+                        Some(_) => {
+                            tokio::time::sleep(WATCH_RETRY).await;
+                            return Ok(());
+                        }
                         None => continue,
                     }
                 }
