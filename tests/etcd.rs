@@ -219,6 +219,31 @@ async fn etcd_a_dead_endpoint_in_the_list_is_skipped() {
     .await;
 }
 
+/// A store on a three-member etcd cluster outlives the member it talked
+/// to: after that member is SIGKILLed, reads, writes and waits go to the
+/// others, and what was written before is still there.
+#[tokio::test]
+#[ignore = "needs etcd-server (/usr/bin/etcd): apt-get install -y etcd-server"]
+async fn etcd_the_store_outlives_an_etcd_member() {
+    let mut members = Etcd::cluster(3);
+    let endpoints: Vec<String> = members.iter().map(Etcd::endpoint).collect();
+    within(60, "a store across a member's loss", async {
+        let store = etcd_store(endpoints.clone(), "/r", Duration::from_secs(10)).await;
+        assert_eq!(store.add("n", 1).await.unwrap(), 1);
+        store.set("before", b"1").await.unwrap();
+        // The first endpoint is the one it talks to: kill it.
+        members[0].kill();
+        assert_eq!(store.get("before").await.unwrap(), b("1"));
+        assert_eq!(store.add("n", 1).await.unwrap(), 2);
+        let waiter = etcd_store(endpoints.clone(), "/r", Duration::from_secs(10)).await;
+        let wait = tokio::spawn(async move { waiter.get("after").await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        store.set("after", b"2").await.unwrap();
+        assert_eq!(wait.await.unwrap().unwrap(), b("2"));
+    })
+    .await;
+}
+
 /// Against endpoints that refuse connections or accept and answer nothing,
 /// connecting gives up within its timeout and says where it tried.
 #[tokio::test]

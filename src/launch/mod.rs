@@ -151,11 +151,15 @@ pub enum LaunchError {
     },
     /// The launcher serving the store is gone.
     #[error(
-        "lost the job's store at {addr} ({source}): the launcher serving it has left (or etcd, with --rdzv-backend etcd, is down), and the job cannot go on without it (as with torchrun's c10d store host); start the job again"
+        "lost the job's store at {addr} ({source}): {why}, and the job cannot go on without it{like}; start the job again"
     )]
     StoreLost {
         /// Where the store was.
         addr: String,
+        /// Who is gone: the launcher serving it, or etcd.
+        why: &'static str,
+        /// What it is like.
+        like: &'static str,
         /// What failed.
         #[source]
         source: StoreError,
@@ -530,6 +534,16 @@ async fn run(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
         LaunchError::Store(source) => LaunchError::StoreLost {
             addr: job.store.addr(),
             source,
+            why: if job.store.replicated() {
+                "etcd does not answer at any endpoint"
+            } else {
+                "the launcher serving it has left"
+            },
+            like: if job.store.replicated() {
+                ""
+            } else {
+                " (as with torchrun's c10d store host)"
+            },
         },
         error => error,
     })

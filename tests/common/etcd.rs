@@ -23,51 +23,65 @@ pub(crate) struct Etcd {
 impl Etcd {
     /// Starts etcd and waits (up to 20 s) until it answers.
     pub(crate) fn start() -> Etcd {
+        Etcd::cluster(1).pop().unwrap()
+    }
+
+    /// Starts `members` etcd servers forming one cluster and waits (up to
+    /// 20 s) until each answers.
+    pub(crate) fn cluster(members: usize) -> Vec<Etcd> {
         assert!(
             Path::new(ETCD).exists(),
             "this test needs etcd-server ({ETCD}): `apt-get install -y etcd-server`"
         );
-        let dir = tempfile::tempdir().unwrap();
-        let (port, peer) = (free_port(), free_port());
-        let client_url = format!("http://127.0.0.1:{port}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
-        let child = Command::new(ETCD)
-            .args(["--name", "test", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args([
-                "--listen-client-urls",
-                &client_url,
-                "--advertise-client-urls",
-                &client_url,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer_url,
-                "--initial-advertise-peer-urls",
-                &peer_url,
-            ])
-            .args(["--initial-cluster", &format!("test={peer_url}")])
-            .args(["--logger", "zap", "--log-level", "error"])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {ETCD}: {e}"));
-        let mut etcd = Etcd { child, dir, port };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !etcd.answers() {
-            if let Some(status) = etcd.child.try_wait().unwrap() {
-                panic!("etcd exited with {status}:\n{}", etcd.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "etcd did not answer within 20s:\n{}",
-                etcd.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
+        let ports: Vec<(u16, u16)> = (0..members).map(|_| (free_port(), free_port())).collect();
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let mut started = Vec::new();
+        for (i, &(port, peer)) in ports.iter().enumerate() {
+            let dir = tempfile::tempdir().unwrap();
+            let client_url = format!("http://127.0.0.1:{port}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
+            let child = Command::new(ETCD)
+                .args(["--name", &format!("m{i}"), "--data-dir"])
+                .arg(dir.path().join("data"))
+                .args(["--listen-client-urls", &client_url])
+                .args(["--advertise-client-urls", &client_url])
+                .args(["--listen-peer-urls", &peer_url])
+                .args(["--initial-advertise-peer-urls", &peer_url])
+                .args(["--initial-cluster", &initial.join(",")])
+                .args(["--logger", "zap", "--log-level", "error"])
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap_or_else(|e| panic!("start {ETCD}: {e}"));
+            started.push(Etcd { child, dir, port });
         }
-        etcd
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for etcd in &mut started {
+            while !etcd.answers() {
+                if let Some(status) = etcd.child.try_wait().unwrap() {
+                    panic!("etcd exited with {status}:\n{}", etcd.log());
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "etcd did not answer within 20s:\n{}",
+                    etcd.log()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        started
+    }
+
+    /// SIGKILLs this member.
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// `127.0.0.1:port`.

@@ -481,6 +481,9 @@ enum Retry {
 enum Failure {
     NotSent(std::io::Error),
     Failed(StoreError),
+    /// HTTP 503 (etcd's Unavailable: no leader, a leader change); whether
+    /// the request certainly was not applied (the member had no leader).
+    Unavailable(StoreError, bool),
 }
 
 impl EtcdStore {
@@ -608,10 +611,16 @@ impl EtcdStore {
                 .and_then(Value::as_str)
                 .unwrap_or("no message")
                 .to_string();
-            return Err(Failure::Failed(StoreError::Refused {
+            let refused = StoreError::Refused {
                 location: self.location(),
                 message: format!("{path}: HTTP {status}: {message}"),
-            }));
+            };
+            return Err(if status == 503 {
+                let not_applied = message.contains("no leader");
+                Failure::Unavailable(refused, not_applied)
+            } else {
+                Failure::Failed(refused)
+            });
         }
         Ok(value)
     }
@@ -628,19 +637,30 @@ impl EtcdStore {
         let started = Instant::now();
         let mut attempts = 0u32;
         let mut backoff = Duration::from_millis(10);
+        let mut unavailable = None;
         loop {
             attempts += 1;
             let error = match tokio::time::timeout_at(deadline, self.exchange(path, body, deadline)).await {
-                Err(_) => return Err(self.timeout_error(keys, started.elapsed())),
+                Err(_) => return Err(unavailable.unwrap_or_else(|| self.timeout_error(keys, started.elapsed()))),
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(Failure::NotSent(e))) => e,
                 Ok(Err(Failure::Failed(StoreError::Io { source, .. }))) if retry == Retry::Resend => source,
-                Ok(Err(Failure::Failed(e))) => return Err(e),
+                // During an election: reads and puts are safe to repeat, and
+                // a member without a leader applied nothing.
+                Ok(Err(Failure::Unavailable(e, not_applied))) if retry == Retry::Resend || not_applied => {
+                    let source = std::io::Error::other(e.to_string());
+                    unavailable = Some(e);
+                    source
+                }
+                Ok(Err(Failure::Failed(e) | Failure::Unavailable(e, _))) => return Err(e),
             };
             // The next endpoint is tried first next time.
             let next = (self.current.load(Ordering::Relaxed) + 1) % self.endpoints.len();
             self.current.store(next, Ordering::Relaxed);
             if Instant::now() + backoff >= deadline {
+                if let Some(e) = unavailable {
+                    return Err(e);
+                }
                 return Err(StoreError::Unreachable {
                     addr: self.endpoints.join(","),
                     attempts,
