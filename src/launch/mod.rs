@@ -4,7 +4,10 @@
 //! The launcher of a job serves the job's store at `MASTER_ADDR:MASTER_PORT`
 //! and tells the workers so (`TORCHELASTIC_USE_AGENT_STORE=True`): rank 0
 //! connects to it instead of serving its own, and the store outlives any
-//! worker. With several nodes the launchers meet on that store in rounds,
+//! worker. With `--rdzv-backend etcd` the store is in etcd instead: no
+//! launcher serves it, and the workers get its URL (`CHORUS_STORE`), so
+//! losing any launcher's host leaves it to the others. With several nodes
+//! the launchers meet on that store in rounds,
 //! agree on each round's nodes, dense node ranks and `--nproc-per-node`, and
 //! restart together: a failure anywhere, a hung launcher, or a launcher
 //! waiting to join (`--nnodes MIN:MAX`) advances the store's round counter,

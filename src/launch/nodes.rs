@@ -1,4 +1,5 @@
-//! The launchers of one job meeting on the job's store: who serves it, the
+//! The launchers of one job meeting on the job's store (a launcher's TCP
+//! store, or etcd with `--rdzv-backend etcd`): who serves it, the
 //! rounds in which they form a node group (node ranks, node count, an
 //! agreed `--nproc-per-node`), the job secret, and how a round ends: a
 //! failure anywhere, or a launcher waiting to join, moves every node to the
