@@ -497,17 +497,20 @@ impl EtcdStore {
             options,
             current: AtomicUsize::new(0),
         };
-        let deadline = Instant::now() + store.options.connect_timeout;
-        store
-            .post(
-                "/v3/kv/range",
-                &req::count(&store.layout.all()),
-                deadline,
-                Retry::Resend,
-                &[],
-            )
-            .await?;
-        Ok(store)
+        let started = Instant::now();
+        let deadline = started + store.options.connect_timeout;
+        let body = req::count(&store.layout.all());
+        match store.post("/v3/kv/range", &body, deadline, Retry::Resend, &[]).await {
+            Ok(_) => Ok(store),
+            // Connected, but nothing answered: say so, not "waiting for keys".
+            Err(StoreError::Timeout { .. }) => Err(StoreError::Unreachable {
+                addr: store.endpoints.join(","),
+                attempts: 1,
+                elapsed: started.elapsed(),
+                source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connected, but no reply came"),
+            }),
+            Err(e) => Err(e),
+        }
     }
 
     /// The endpoints, as given.
