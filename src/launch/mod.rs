@@ -154,15 +154,12 @@ pub enum LaunchError {
     },
     /// The launcher serving the store is gone.
     #[error(
-        "lost the job's store at {addr} ({source}): {why}, and the job cannot go on without it{like}; start the job again"
+        "lost the job's store at {addr} ({source}): {}; start the job again",
+        who_is_gone(addr)
     )]
     StoreLost {
-        /// Where the store was.
+        /// Where the store was (`etcd://...` when it is in etcd).
         addr: String,
-        /// Who is gone: the launcher serving it, or etcd.
-        why: &'static str,
-        /// What it is like.
-        like: &'static str,
         /// What failed.
         #[source]
         source: StoreError,
@@ -467,6 +464,15 @@ async fn launch(config: LaunchConfig) -> Result<i32, LaunchError> {
     result
 }
 
+/// Who took the job's store along, by its address.
+fn who_is_gone(addr: &str) -> &'static str {
+    if addr.starts_with("etcd://") {
+        "etcd does not answer at any endpoint, and the job cannot go on without it"
+    } else {
+        "the launcher serving it has left, and the job cannot go on without it (as with torchrun's c10d store host)"
+    }
+}
+
 /// The job secret: CHORUS_JOB_SECRET, else `--job-secret-file`, else a fresh
 /// one (single node), else one the store's host publishes (multi-node).
 async fn job_secret(config: &LaunchConfig, store: &JobStore, keys: &Keys) -> Result<String, LaunchError> {
@@ -537,16 +543,6 @@ async fn run(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
         LaunchError::Store(source) => LaunchError::StoreLost {
             addr: job.store.addr(),
             source,
-            why: if job.store.replicated() {
-                "etcd does not answer at any endpoint"
-            } else {
-                "the launcher serving it has left"
-            },
-            like: if job.store.replicated() {
-                ""
-            } else {
-                " (as with torchrun's c10d store host)"
-            },
         },
         error => error,
     })
