@@ -249,6 +249,19 @@ mod tests {
     }
 
     #[test]
+    fn a_store_in_etcd_is_named_in_chorus_store() {
+        assert_eq!(get(&job().for_worker(0, &|_| None), "CHORUS_STORE"), None);
+        let etcd = JobEnv {
+            store_url: Some("etcd://e1:2379/p".into()),
+            ..job()
+        };
+        assert_eq!(
+            get(&etcd.for_worker(0, &|_| None), "CHORUS_STORE"),
+            Some("etcd://e1:2379/p")
+        );
+    }
+
+    #[test]
     fn elastic_bounds_only_when_given() {
         let plain = job().for_worker(0, &|_| None);
         assert_eq!(get(&plain, MIN_WORLD_ENV), None, "torchrun's variables only");
