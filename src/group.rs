@@ -26,7 +26,7 @@ use chorus_actors::system::{self, SystemError};
 use chorus_runtime::collective::Overrides;
 use chorus_runtime::flight::{self, FlightRecorder};
 use chorus_runtime::rendezvous::{
-    self, HostId, elastic, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError, StoreSpec,
+    self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError, StoreSpec, elastic,
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use chorus_runtime::store::{HashStore, PrefixStore};
@@ -337,8 +337,11 @@ pub(crate) async fn form(
     let (membership, endpoint, links) = match source {
         LinkSource::Mesh { single_host, world } => {
             let (rank, timeout) = (config.rank, options.timeout);
-            let plan =
-                on_arbiter(&arbiter, async move { MeshPlan::prepare(rank, world, single_host, timeout) }).await??;
+            let plan = on_arbiter(
+                &arbiter,
+                async move { MeshPlan::prepare(rank, world, single_host, timeout) },
+            )
+            .await??;
             plan.publish(&mut record, &config.run_id, config.generation);
             let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
             let (known, run_id, timeout) = (membership.clone(), config.run_id.clone(), options.timeout);

@@ -158,12 +158,7 @@ impl MeshPlan {
     /// the whole job is on this host, on every interface otherwise; ranks
     /// are below `world` (the fault plan is checked against it); the mesh
     /// must form within `timeout`.
-    pub(crate) fn prepare(
-        rank: usize,
-        world: usize,
-        single_host: bool,
-        timeout: Duration,
-    ) -> Result<Self, MeshError> {
+    pub(crate) fn prepare(rank: usize, world: usize, single_host: bool, timeout: Duration) -> Result<Self, MeshError> {
         let choice = TransportChoice::from_env()?;
         let faults = faults_from_env(world)?;
         let secret = JobSecret::from_env();
@@ -262,9 +257,11 @@ impl MeshPlan {
                 rank,
                 what: "QUIC endpoint",
             })?;
-            let ip = netif::peer_address(&peer.addrs, peer.host.same_network(&me.host)).ok_or_else(|| MeshError::Unreachable {
-                rank,
-                host: peer.host.hostname.clone(),
+            let ip = netif::peer_address(&peer.addrs, peer.host.same_network(&me.host)).ok_or_else(|| {
+                MeshError::Unreachable {
+                    rank,
+                    host: peer.host.hostname.clone(),
+                }
             })?;
             quic_peers.push(QuicPeer {
                 rank,

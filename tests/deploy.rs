@@ -73,7 +73,12 @@ fn slurm_the_sbatch_script_forms_a_job_from_slurms_variables_alone() {
     let dir = tempfile::tempdir().unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/slurm-local.sh");
     let conf = dir.path().join("slurm.conf");
-    let cluster = Command::new("bash").arg(script).arg("up").arg(dir.path()).output().unwrap();
+    let cluster = Command::new("bash")
+        .arg(script)
+        .arg("up")
+        .arg(dir.path())
+        .output()
+        .unwrap();
     assert!(cluster.status.success(), "cannot start Slurm: {}", joined(&cluster));
     let out = dir.path().join("job.out");
     let mut sbatch = Command::new("sbatch");
@@ -85,7 +90,12 @@ fn slurm_the_sbatch_script_forms_a_job_from_slurms_variables_alone() {
         .env("CHORUS", CHORUS);
     let submitted = finish(spawn_piped(&mut sbatch, "sbatch"), 180, "sbatch --wait", Stop::Kill);
     let job = std::fs::read_to_string(&out).unwrap_or_default();
-    Command::new("bash").arg(script).arg("down").arg(dir.path()).status().unwrap();
+    Command::new("bash")
+        .arg(script)
+        .arg("down")
+        .arg(dir.path())
+        .status()
+        .unwrap();
     assert!(submitted.status.success(), "{}\njob output:\n{job}", joined(&submitted));
     for rank in 0..4 {
         assert!(

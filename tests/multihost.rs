@@ -19,7 +19,13 @@ use common::{CHORUS, LAUNCHER, finish, joined, spawn_piped};
 fn launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, flags: &[&str], program: &[&str]) -> Command {
     let mut command = cluster.command(host, CHORUS);
     command
-        .args(["launch", "--nnodes", &nnodes.to_string(), "--nproc-per-node", &nproc.to_string()])
+        .args([
+            "launch",
+            "--nnodes",
+            &nnodes.to_string(),
+            "--nproc-per-node",
+            &nproc.to_string(),
+        ])
         .args(["--master-addr", &cluster.addr(1), "--master-port", "29500"])
         .args(flags)
         .arg("--")
@@ -48,7 +54,11 @@ fn hello() -> Vec<&'static str> {
 fn assert_all_succeeded(outputs: &[Output]) -> String {
     let all: String = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
     for (host, output) in outputs.iter().enumerate() {
-        assert!(output.status.success(), "the launcher on host {} failed:\n{all}", host + 1);
+        assert!(
+            output.status.success(),
+            "the launcher on host {} failed:\n{all}",
+            host + 1
+        );
     }
     assert!(!all.contains("172.17."), "a rank used the decoy docker0:\n{all}");
     all
@@ -111,7 +121,10 @@ fn netns_mh3_containers_with_one_host_name_use_neither_loopback_nor_shm_between_
     for line in &said {
         let (me, peer) = ranks_of(line);
         if me / 2 == peer / 2 {
-            assert!(line.contains("shm said"), "same container, shared memory expected: {line}\n{all}");
+            assert!(
+                line.contains("shm said"),
+                "same container, shared memory expected: {line}\n{all}"
+            );
         } else {
             assert!(
                 line.contains("quic said") && line.contains("via 10.77.0."),
@@ -186,11 +199,31 @@ fn elastic_launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize,
     let mut command = cluster.command(host, CHORUS);
     command
         .args(["launch", "--restart-policy", "worker", "--max-restarts", "2"])
-        .args(["--nnodes", &format!("1:{nnodes}"), "--nproc-per-node", &nproc.to_string()])
-        .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &format!("{}:29400", cluster.addr(1))])
-        .args(["--rdzv-id", "mh", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"])
+        .args([
+            "--nnodes",
+            &format!("1:{nnodes}"),
+            "--nproc-per-node",
+            &nproc.to_string(),
+        ])
+        .args([
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &format!("{}:29400", cluster.addr(1)),
+        ])
+        .args([
+            "--rdzv-id",
+            "mh",
+            "--rdzv-conf",
+            "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+        ])
         .arg("--")
-        .args(["sh", "-c", r#"exec "$0" elastic-probe --min-world "$CHORUS_MIN_WORLD" --max-world "$CHORUS_MAX_WORLD" "$@""#, CHORUS])
+        .args([
+            "sh",
+            "-c",
+            r#"exec "$0" elastic-probe --min-world "$CHORUS_MIN_WORLD" --max-world "$CHORUS_MAX_WORLD" "$@""#,
+            CHORUS,
+        ])
         .args(probe)
         .env("CHORUS_JOB_SECRET", "multihost-test");
     command
@@ -217,7 +250,12 @@ fn netns_mh6_an_elastic_job_that_loses_a_rank_stays_one_job() {
     let cluster = Cluster::up("mhf", 2, &[]);
     let probe = ["--iterations", "150", "--kill-rank", "3", "--kill-after", "30"];
     let children: Vec<Child> = (1..=2)
-        .map(|host| spawn_piped(&mut elastic_launcher(&cluster, host, 2, 2, &probe), "an elastic launcher"))
+        .map(|host| {
+            spawn_piped(
+                &mut elastic_launcher(&cluster, host, 2, 2, &probe),
+                "an elastic launcher",
+            )
+        })
         .collect();
     let outputs: Vec<Output> = children
         .into_iter()
@@ -230,10 +268,18 @@ fn netns_mh6_an_elastic_job_that_loses_a_rank_stays_one_job() {
     // Every process that finished, on both hosts, finished in one generation
     // of one group: never two groups each re-running the steps.
     let done = probe_events(&all, "done");
-    assert_eq!(done.len(), 4, "the three survivors and the relaunched rank finish:\n{all}");
+    assert_eq!(
+        done.len(),
+        4,
+        "the three survivors and the relaunched rank finish:\n{all}"
+    );
     let last = (probe_field(done[0], "gen"), probe_field(done[0], "world"));
     for line in &done {
-        assert_eq!((probe_field(line, "gen"), probe_field(line, "world")), last, "the job split:\n{all}");
+        assert_eq!(
+            (probe_field(line, "gen"), probe_field(line, "world")),
+            last,
+            "the job split:\n{all}"
+        );
     }
     assert_eq!(last.1, "4", "{all}");
 }
@@ -247,7 +293,12 @@ fn netns_mh7_a_killed_rank_on_another_host_is_detected_within_a_second() {
     // it; without the launcher's word it would wait out the 5 s window.
     let probe = ["--iterations", "120", "--kill-rank", "1", "--kill-after", "30"];
     let children: Vec<Child> = (1..=2)
-        .map(|host| spawn_piped(&mut elastic_launcher(&cluster, host, 2, 1, &probe), "an elastic launcher"))
+        .map(|host| {
+            spawn_piped(
+                &mut elastic_launcher(&cluster, host, 2, 1, &probe),
+                "an elastic launcher",
+            )
+        })
         .collect();
     let outputs: Vec<Output> = children
         .into_iter()
@@ -256,7 +307,9 @@ fn netns_mh7_a_killed_rank_on_another_host_is_detected_within_a_second() {
         .collect();
     let all = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
     assert!(outputs.iter().all(|o| o.status.success()), "{all}");
-    let killed: u64 = probe_field(probe_events(&all, "killing-self")[0], "at_us").parse().unwrap();
+    let killed: u64 = probe_field(probe_events(&all, "killing-self")[0], "at_us")
+        .parse()
+        .unwrap();
     let noticed = probe_events(&all, "error")
         .iter()
         .filter(|l| probe_field(l, "rank") == "0")
@@ -292,7 +345,10 @@ fn netns_mh8_a_cut_off_node_reports_at_once_and_gives_up_on_the_store_within_the
     let all = format!("host 1:\n{}\nhost 2:\n{}", joined(&first), joined(&second));
     assert!(!second.status.success(), "{all}");
     let text = joined(&second);
-    assert!(text.contains("rank 1 (local rank 0 on node 1"), "it reports its worker's failure:\n{all}");
+    assert!(
+        text.contains("rank 1 (local rank 0 on node 1"),
+        "it reports its worker's failure:\n{all}"
+    );
     assert!(text.contains("could not reach the job's store"), "{all}");
     // Heartbeat window (2 s), keep-alive window (2 s), stopping: well under join_timeout (600 s).
     assert!(took < std::time::Duration::from_secs(20), "took {took:?}:\n{all}");
@@ -334,7 +390,10 @@ fn netns_mh9_a_partitioned_host_is_left_behind_and_the_majority_goes_on() {
     let cut_off = finish(cut_off, 60, "the cut-off launcher on host 3", LAUNCHER);
     let all = format!("{all}\nhost 3:\n{}", joined(&cut_off));
     assert!(outputs.iter().all(|o| o.status.success()), "{all}");
-    assert!(!cut_off.status.success(), "the cut-off host cannot finish alone:\n{all}");
+    assert!(
+        !cut_off.status.success(),
+        "the cut-off host cannot finish alone:\n{all}"
+    );
     let done = probe_events(&all, "done");
     assert_eq!(done.len(), 2, "{all}");
     assert!(done.iter().all(|l| probe_field(l, "world") == "2"), "{all}");
@@ -361,11 +420,29 @@ fn netns_mh10_a_killed_node_leaves_a_group_that_goes_on_under_either_restart_pol
     );
     // --restart-policy all: the launchers restart every worker without it.
     let start = |host: usize| {
-        let flags = ["--max-restarts", "2", "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2"];
+        let flags = [
+            "--max-restarts",
+            "2",
+            "--rdzv-conf",
+            "keep_alive_interval=1,keep_alive_max_attempt=2",
+        ];
         let mut command = cluster.command(host, CHORUS);
         command
-            .args(["launch", "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d"])
-            .args(["--rdzv-endpoint", &format!("{}:29401", cluster.addr(1)), "--rdzv-id", "mh10"])
+            .args([
+                "launch",
+                "--nnodes",
+                "2:3",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+            ])
+            .args([
+                "--rdzv-endpoint",
+                &format!("{}:29401", cluster.addr(1)),
+                "--rdzv-id",
+                "mh10",
+            ])
             .args(flags)
             .args(["--", CHORUS, "elastic-probe", "--iterations", "2500"])
             .env("CHORUS_JOB_SECRET", "multihost-test");
@@ -401,5 +478,8 @@ fn netns_mh11_a_job_across_a_link_with_20_ms_and_1_percent_loss_forms_and_sums_r
     let outputs = run_job(&cluster, 2, 1, &hello(), 120);
     let all = assert_all_succeeded(&outputs);
     assert_eq!(greetings(&all).len(), 2, "{all}");
-    assert!(all.matches("correct").count() == 2, "both ranks checked the 16 MiB all-reduce:\n{all}");
+    assert!(
+        all.matches("correct").count() == 2,
+        "both ranks checked the 16 MiB all-reduce:\n{all}"
+    );
 }

@@ -82,14 +82,18 @@ impl Streams {
     }
 }
 
-/// The rendezvous backend named by `--rdzv-backend`; chorus serves both
-/// with its own store, so they differ only in defaults (see [`LaunchConfig::store_plan`]).
+/// The rendezvous backend named by `--rdzv-backend`; chorus serves static
+/// and c10d with its own store, so they differ only in defaults (see
+/// [`LaunchConfig::store_plan`]); etcd is served by etcd.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
     /// torchrun's default: node 0 serves the store at the master address.
     Static,
     /// The first launcher to bind the endpoint serves the store.
     C10d,
+    /// The store is in etcd at the endpoint: no launcher serves it, so no
+    /// launcher's loss takes it away.
+    Etcd,
 }
 
 /// What `--restart-policy` restarts after a worker fails.
@@ -128,6 +132,8 @@ pub struct StorePlan {
     pub port: u16,
     /// Who serves it.
     pub role: StoreRole,
+    /// The `etcd://` URL of the store, when it is in etcd (then nobody serves it).
+    pub etcd: Option<String>,
 }
 
 /// The number of CPUs and GPUs, for `--nproc-per-node auto|cpu|gpu`.
@@ -156,8 +162,11 @@ pub struct LaunchConfig {
     pub master_port: Option<u16>,
     /// `--rdzv-backend`.
     pub backend: Backend,
-    /// `--rdzv-endpoint` as host and port.
+    /// `--rdzv-endpoint` as host and port (its first endpoint, for etcd).
     pub rdzv_endpoint: Option<(String, u16)>,
+    /// With `--rdzv-backend etcd`, the store's `etcd://` URL (every endpoint
+    /// of `--rdzv-endpoint`, and its prefix).
+    pub etcd_url: Option<String>,
     /// `--rdzv-id`, when given.
     pub rdzv_id: Option<String>,
     /// `--standalone`.
@@ -226,8 +235,10 @@ is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
   --master-addr HOST               store address (default 127.0.0.1)
   --master-port PORT               store port (default 29500; a free one on one node)
   --standalone                     one node, free port on localhost
-  --rdzv-backend static|c10d       who serves the store (default static)
-  --rdzv-endpoint HOST[:PORT]      store address (port default 29400)
+  --rdzv-backend static|c10d|etcd  who serves the store (default static); etcd:
+                                   the store is in etcd, no launcher serves it
+  --rdzv-endpoint HOST[:PORT]      store address (port default 29400); for etcd
+                                   HOST[:PORT][,HOST[:PORT]...][/PREFIX] (port 2379)
   --rdzv-id ID                     run id (TORCHELASTIC_RUN_ID)
   --rdzv-conf join_timeout=S,last_call_timeout=S,keep_alive_interval=S,keep_alive_max_attempt=N
                                    waits for nodes (600, 30 s); a launcher whose
@@ -469,20 +480,34 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         Some((spelled, value)) => match value.trim() {
             "static" => Backend::Static,
             "c10d" => Backend::C10d,
+            "etcd" => Backend::Etcd,
             _ => {
-                return Err(invalid(
-                    &spelled,
-                    &value,
-                    "chorus serves static and c10d; give one of them",
-                ));
+                return Err(invalid(&spelled, &value, "give static, c10d or etcd"));
             }
         },
     };
-    let rdzv_endpoint = given
-        .get("rdzv-endpoint")
-        .filter(|(_, v)| !v.trim().is_empty())
-        .map(|(spelled, value)| host_port(&spelled, value.trim(), DEFAULT_RDZV_PORT))
-        .transpose()?;
+    let endpoint = given.get("rdzv-endpoint").filter(|(_, v)| !v.trim().is_empty());
+    let (rdzv_endpoint, etcd_url) = match (backend, endpoint) {
+        (Backend::Etcd, None) => {
+            return Err(invalid(
+                "--rdzv-backend",
+                "etcd",
+                "give etcd's address with --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...][/PREFIX]",
+            ));
+        }
+        (Backend::Etcd, Some((spelled, value))) => {
+            let (endpoints, prefix) = chorus_runtime::store::parse_endpoints(value.trim())
+                .map_err(|hint| invalid(&spelled, &value, &hint))?;
+            let first = host_port(&spelled, &endpoints[0], chorus_runtime::store::DEFAULT_ETCD_PORT)?;
+            (Some(first), Some(format!("etcd://{}{prefix}", endpoints.join(","))))
+        }
+        (_, endpoint) => (
+            endpoint
+                .map(|(spelled, value)| host_port(&spelled, value.trim(), DEFAULT_RDZV_PORT))
+                .transpose()?,
+            None,
+        ),
+    };
 
     let mut join_timeout = Duration::from_secs(600);
     let mut last_call_timeout = Duration::from_secs(30);
@@ -592,6 +617,7 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         master_port: given.number("master-port", "give a port number, 1..65535")?,
         backend,
         rdzv_endpoint,
+        etcd_url,
         rdzv_id: given.get("rdzv-id").map(|(_, v)| v),
         standalone,
         join_timeout,
@@ -627,11 +653,20 @@ impl LaunchConfig {
     /// 0 at the master address; c10d (and static without `--node-rank`) by
     /// the first launcher that binds the endpoint.
     pub fn store_plan(&self) -> StorePlan {
+        if let (Some(url), Some((host, port))) = (&self.etcd_url, &self.rdzv_endpoint) {
+            return StorePlan {
+                host: host.clone(),
+                port: *port,
+                role: StoreRole::Client,
+                etcd: Some(url.clone()),
+            };
+        }
         if self.standalone || (self.max_nodes == 1 && self.master_port.is_none() && self.rdzv_endpoint.is_none()) {
             return StorePlan {
                 host: "127.0.0.1".to_string(),
                 port: 0,
                 role: StoreRole::Host,
+                etcd: None,
             };
         }
         let (host, port) = match &self.rdzv_endpoint {
@@ -647,7 +682,12 @@ impl LaunchConfig {
             (_, Backend::Static, Some(_)) => StoreRole::Client,
             _ => StoreRole::FirstToBind,
         };
-        StorePlan { host, port, role }
+        StorePlan {
+            host,
+            port,
+            role,
+            etcd: None,
+        }
     }
 
     /// The run id (`TORCHELASTIC_RUN_ID`): `--rdzv-id`, else torchrun's
@@ -740,6 +780,7 @@ mod tests {
         let error = parse_with("--node-rank 0 --nnodes 1:2 p", &[]).unwrap_err().to_string();
         assert!(error.contains("drop --node-rank, or give --nnodes N"), "{error}");
         assert!(parse_with("--rdzv-backend etcd p", &[]).is_err());
+        assert!(parse_with("--rdzv-backend zookeeper p", &[]).is_err());
         let error = parse_with("p", &[("PET_NNODES", "x")]).unwrap_err().to_string();
         assert!(error.starts_with("PET_NNODES x"), "{error}");
     }
@@ -781,6 +822,13 @@ mod tests {
             (plan.host.as_str(), plan.port, plan.role),
             ("::1", 29400, StoreRole::FirstToBind)
         );
+        let plan = config("--nnodes 1:2 --rdzv-backend etcd --rdzv-endpoint e1,e2:7/jobs p", &[]).store_plan();
+        assert_eq!(
+            (plan.host.as_str(), plan.port, plan.role),
+            ("e1", 2379, StoreRole::Client)
+        );
+        assert_eq!(plan.etcd.as_deref(), Some("etcd://e1:2379,e2:7/jobs"));
+        assert!(parse_with("--rdzv-backend etcd --rdzv-endpoint e1:x p", &[]).is_err());
     }
 
     #[test]

@@ -19,6 +19,9 @@ pub struct JobEnv {
     pub master_addr: String,
     /// Its port.
     pub master_port: u16,
+    /// `CHORUS_STORE`: the store's URL when no launcher serves it (etcd);
+    /// chorus workers meet there instead of at `MASTER_ADDR:MASTER_PORT`.
+    pub store_url: Option<String>,
     /// `TORCHELASTIC_RESTART_COUNT`.
     pub restart_count: u64,
     /// `TORCHELASTIC_MAX_RESTARTS`.
@@ -116,6 +119,9 @@ impl JobEnv {
             ),
             ("CHORUS_JOB_SECRET", self.secret.clone()),
         ];
+        if let Some(url) = &self.store_url {
+            vars.push((chorus_runtime::rendezvous::STORE_ENV, url.clone()));
+        }
         if let Some((min, max)) = self.elastic_world {
             vars.push((MIN_WORLD_ENV, min.to_string()));
             vars.push((MAX_WORLD_ENV, max.to_string()));
@@ -172,6 +178,7 @@ mod tests {
             nnodes: 2,
             master_addr: "n0".into(),
             master_port: 29500,
+            store_url: None,
             restart_count: 2,
             max_restarts: 5,
             run_id: "job".into(),
@@ -238,6 +245,19 @@ mod tests {
                 "TORCHELASTIC_ERROR_FILE",
                 "CHORUS_ELASTIC_SCOPE"
             ]
+        );
+    }
+
+    #[test]
+    fn a_store_in_etcd_is_named_in_chorus_store() {
+        assert_eq!(get(&job().for_worker(0, &|_| None), "CHORUS_STORE"), None);
+        let etcd = JobEnv {
+            store_url: Some("etcd://e1:2379/p".into()),
+            ..job()
+        };
+        assert_eq!(
+            get(&etcd.for_worker(0, &|_| None), "CHORUS_STORE"),
+            Some("etcd://e1:2379/p")
         );
     }
 

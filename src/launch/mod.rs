@@ -4,7 +4,10 @@
 //! The launcher of a job serves the job's store at `MASTER_ADDR:MASTER_PORT`
 //! and tells the workers so (`TORCHELASTIC_USE_AGENT_STORE=True`): rank 0
 //! connects to it instead of serving its own, and the store outlives any
-//! worker. With several nodes the launchers meet on that store in rounds,
+//! worker. With `--rdzv-backend etcd` the store is in etcd instead: no
+//! launcher serves it, and the workers get its URL (`CHORUS_STORE`), so
+//! losing any launcher's host leaves it to the others. With several nodes
+//! the launchers meet on that store in rounds,
 //! agree on each round's nodes, dense node ranks and `--nproc-per-node`, and
 //! restart together: a failure anywhere, a hung launcher, or a launcher
 //! waiting to join (`--nnodes MIN:MAX`) advances the store's round counter,
@@ -151,10 +154,11 @@ pub enum LaunchError {
     },
     /// The launcher serving the store is gone.
     #[error(
-        "lost the job's store at {addr} ({source}): the launcher serving it has left, and the job cannot go on without it (as with torchrun's c10d store host); start the job again"
+        "lost the job's store at {addr} ({source}): {}; start the job again",
+        who_is_gone(addr)
     )]
     StoreLost {
-        /// Where the store was.
+        /// Where the store was (`etcd://...` when it is in etcd).
         addr: String,
         /// What failed.
         #[source]
@@ -460,6 +464,15 @@ async fn launch(config: LaunchConfig) -> Result<i32, LaunchError> {
     result
 }
 
+/// Who took the job's store along, by its address.
+fn who_is_gone(addr: &str) -> &'static str {
+    if addr.starts_with("etcd://") {
+        "etcd does not answer at any endpoint, and the job cannot go on without it"
+    } else {
+        "the launcher serving it has left, and the job cannot go on without it (as with torchrun's c10d store host)"
+    }
+}
+
 /// The job secret: CHORUS_JOB_SECRET, else `--job-secret-file`, else a fresh
 /// one (single node), else one the store's host publishes (multi-node).
 async fn job_secret(config: &LaunchConfig, store: &JobStore, keys: &Keys) -> Result<String, LaunchError> {
@@ -484,7 +497,7 @@ async fn job_secret(config: &LaunchConfig, store: &JobStore, keys: &Keys) -> Res
     if config.max_nodes == 1 {
         return Ok(fresh);
     }
-    let hosting = store.server.is_some();
+    let hosting = store.server.is_some() || store.replicated();
     if hosting {
         say(
             "warning: no CHORUS_JOB_SECRET or --job-secret-file; publishing a generated job secret in the store, where anyone who can reach it can read it",
@@ -505,7 +518,7 @@ async fn bounded<T>(
     match tokio::time::timeout(waited, call).await {
         Ok(result) => Ok(result?),
         Err(_) => Err(LaunchError::StoreUnreachable {
-            addr: format!("{}:{}", job.store.host, job.store.port),
+            addr: job.store.addr(),
             waited,
         }),
     }
@@ -528,7 +541,7 @@ async fn run(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
     // After the store was reached, a store error means its host is gone.
     run_rounds(job, signals).await.map_err(|error| match error {
         LaunchError::Store(source) => LaunchError::StoreLost {
-            addr: format!("{}:{}", job.store.host, job.store.port),
+            addr: job.store.addr(),
             source,
         },
         error => error,
@@ -582,6 +595,7 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             nnodes: formed.nnodes,
             master_addr: job.store.host.clone(),
             master_port: job.store.port,
+            store_url: job.store.url.clone(),
             // Every round restarts the workers, so each gets its own count:
             // chorus workers take it as their rendezvous generation.
             restart_count: round,
@@ -692,7 +706,7 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             Outcome::StoreUnreachable(waited) => {
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 return Err(LaunchError::StoreUnreachable {
-                    addr: format!("{}:{}", job.store.host, job.store.port),
+                    addr: job.store.addr(),
                     waited,
                 });
             }
@@ -860,7 +874,7 @@ async fn run_elastic_round(
             Outcome::StoreUnreachable(waited) => {
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 return Err(LaunchError::StoreUnreachable {
-                    addr: format!("{}:{}", job.store.host, job.store.port),
+                    addr: job.store.addr(),
                     waited,
                 });
             }

@@ -1,4 +1,5 @@
-//! The launchers of one job meeting on the job's store: who serves it, the
+//! The launchers of one job meeting on the job's store (a launcher's TCP
+//! store, or etcd with `--rdzv-backend etcd`): who serves it, the
 //! rounds in which they form a node group (node ranks, node count, an
 //! agreed `--nproc-per-node`), the job secret, and how a round ends: a
 //! failure anywhere, or a launcher waiting to join, moves every node to the
@@ -83,7 +84,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus_runtime::store::{Store, StoreError, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
+use chorus_runtime::store::{
+    EtcdStore, EtcdStoreOptions, Store, StoreError, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions,
+    parse_endpoints,
+};
 
 use super::LaunchError;
 use super::config::{StorePlan, StoreRole};
@@ -93,13 +97,54 @@ use super::plan;
 #[derive(Debug)]
 pub struct JobStore {
     /// A client of the store (also when this launcher serves it).
-    pub store: Arc<TcpStore>,
+    pub store: Arc<dyn Store>,
     /// The server, when this launcher hosts it.
     pub server: Option<TcpStoreServer>,
     /// `MASTER_ADDR` for the workers.
     pub host: String,
     /// `MASTER_PORT` for the workers.
     pub port: u16,
+    /// The store's URL when it is not served by a launcher (`etcd://...`),
+    /// given to the workers as `CHORUS_STORE`.
+    pub url: Option<String>,
+}
+
+impl JobStore {
+    /// Where the store is, for messages.
+    pub fn addr(&self) -> String {
+        self.url
+            .clone()
+            .unwrap_or_else(|| format!("{}:{}", self.host, self.port))
+    }
+
+    /// Whether no launcher serves the store (it is in etcd), so any
+    /// launcher may publish the job secret, the first one winning.
+    pub fn replicated(&self) -> bool {
+        self.url.is_some()
+    }
+}
+
+/// Connects to the job's store in etcd.
+async fn open_etcd(plan: &StorePlan, url: &str, timeout: Duration) -> Result<JobStore, LaunchError> {
+    let (endpoints, prefix) = parse_endpoints(url.trim_start_matches("etcd://")).map_err(|message| {
+        LaunchError::Store(StoreError::Refused {
+            location: url.to_string(),
+            message,
+        })
+    })?;
+    let options = EtcdStoreOptions {
+        timeout,
+        connect_timeout: timeout,
+        prefix,
+    };
+    let store = EtcdStore::connect(endpoints, options).await?;
+    Ok(JobStore {
+        store: Arc::new(store),
+        server: None,
+        host: plan.host.clone(),
+        port: plan.port,
+        url: Some(url.to_string()),
+    })
 }
 
 /// The address to bind for serving `host`, or `None` when `host` is not an
@@ -128,6 +173,9 @@ async fn local_bind_ip(host: &str) -> Result<Option<IpAddr>, LaunchError> {
 
 /// Serves or connects to the store as `plan` says.
 pub async fn open(plan: &StorePlan, timeout: Duration) -> Result<JobStore, LaunchError> {
+    if let Some(url) = &plan.etcd {
+        return open_etcd(plan, url, timeout).await;
+    }
     let mut server = None;
     if plan.role != StoreRole::Client {
         match local_bind_ip(&plan.host).await? {
@@ -166,6 +214,7 @@ pub async fn open(plan: &StorePlan, timeout: Duration) -> Result<JobStore, Launc
         server,
         host: plan.host.clone(),
         port,
+        url: None,
     })
 }
 

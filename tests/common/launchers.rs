@@ -34,6 +34,8 @@ pub(crate) struct Job {
     port: u16,
     run_id: &'static str,
     secret: &'static str,
+    /// The store's `etcd://` URL, when the launchers meet in etcd.
+    etcd: Option<String>,
     launchers: Vec<(String, Child)>,
 }
 
@@ -51,8 +53,15 @@ impl Job {
             port: free_port(),
             run_id,
             secret,
+            etcd: None,
             launchers: Vec::new(),
         }
+    }
+
+    /// The same job meeting in etcd (`--rdzv-backend etcd`) at `url`.
+    pub(crate) fn in_etcd(mut self, url: &str) -> Job {
+        self.etcd = Some(url.to_string());
+        self
     }
 
     /// The job's directory: worker.sh and each launcher's `{tag}.stdout`
@@ -71,14 +80,17 @@ impl Job {
     /// stdout and stderr go to `{tag}.stdout` and `{tag}.stderr`. The
     /// caller adds the program (and any environment) and [`Job::spawn`]s it.
     pub(crate) fn command(&self, tag: &str, flags: &[&str]) -> Command {
-        let endpoint = format!("127.0.0.1:{}", self.port);
+        let (backend, endpoint) = match &self.etcd {
+            Some(url) => ("etcd", url.trim_start_matches("etcd://").to_string()),
+            None => ("c10d", format!("127.0.0.1:{}", self.port)),
+        };
         let log = |stream: &str| std::fs::File::create(self.out().join(format!("{tag}.{stream}"))).unwrap();
         let mut command = Command::new(CHORUS);
         command
             .arg("launch")
             .args([
                 "--rdzv-backend",
-                "c10d",
+                backend,
                 "--rdzv-endpoint",
                 &endpoint,
                 "--rdzv-id",

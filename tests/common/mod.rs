@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub(crate) mod cluster;
+pub(crate) mod etcd;
 pub(crate) mod launchers;
 pub(crate) mod netem;
 

@@ -575,7 +575,12 @@ impl QuicEndpoint {
                                 crate::netif::describe_route(p.addr.ip())
                             )
                         } else {
-                            format!("rank {} (at {}: it has not dialled this rank on port {})", p.rank, p.addr, self.local_addr().port())
+                            format!(
+                                "rank {} (at {}: it has not dialled this rank on port {})",
+                                p.rank,
+                                p.addr,
+                                self.local_addr().port()
+                            )
                         }
                     })
                     .collect();
@@ -1093,10 +1098,7 @@ mod tests {
             endpoint.pinned.0.write().unwrap().insert(other.fingerprint, other.rank);
         }
         let connected = std::sync::Mutex::new(Vec::new());
-        let (dialled, accepted) = tokio::join!(
-            endpoints[0].dial(peers[1].clone()),
-            endpoints[1].accept(1, &connected)
-        );
+        let (dialled, accepted) = tokio::join!(endpoints[0].dial(peers[1].clone()), endpoints[1].accept(1, &connected));
         let (_, raw) = dialled.unwrap();
         let (rank, conn) = accepted.unwrap().pop().unwrap();
         assert_eq!(rank, 0);

@@ -197,7 +197,11 @@ pub fn decide(
         return Step::TooFew;
     }
     if !quorate {
-        return if waited >= config.timeout { Step::NoQuorum } else { Step::Wait };
+        return if waited >= config.timeout {
+            Step::NoQuorum
+        } else {
+            Step::Wait
+        };
     }
     if joined >= config.max_world {
         return Step::Close(config.max_world);
@@ -622,7 +626,9 @@ mod tests {
     fn reference(generation: u64, world: u32) -> Reference {
         Reference {
             generation,
-            members: (0..world).map(|r| member(generation.saturating_sub(1), r, world, &[])).collect(),
+            members: (0..world)
+                .map(|r| member(generation.saturating_sub(1), r, world, &[]))
+                .collect(),
         }
     }
 
@@ -653,9 +659,15 @@ mod tests {
         let scoped = scoped(store, c);
         for (i, m) in members.iter().enumerate() {
             scoped.add("count", 1).await.unwrap();
-            scoped.set(&format!("joiner/{i}"), &crate::codec::encode(m)).await.unwrap();
+            scoped
+                .set(&format!("joiner/{i}"), &crate::codec::encode(m))
+                .await
+                .unwrap();
         }
-        scoped.set("closed", members.len().to_string().as_bytes()).await.unwrap();
+        scoped
+            .set("closed", members.len().to_string().as_bytes())
+            .await
+            .unwrap();
     }
 
     #[tokio::test]
@@ -681,7 +693,10 @@ mod tests {
         assert!(!early.is_finished(), "two of four closed a generation without rank 2");
         let last = join(Arc::new(store.clone()), &c, member(1, 2, 4, &[])).await.unwrap();
         let (a, b) = early.await.unwrap();
-        assert_eq!((a.unwrap().world_size(), b.unwrap().world_size(), last.world_size()), (3, 3, 3));
+        assert_eq!(
+            (a.unwrap().world_size(), b.unwrap().world_size(), last.world_size()),
+            (3, 3, 3)
+        );
         assert_eq!(last.rank, 2);
     }
 

@@ -1,13 +1,16 @@
 //! Rendezvous: from "how was I started" to "who are my peers".
 //!
 //! 1. [`InitMethod::parse`] reads PyTorch's init URLs (`tcp://`, `file://`,
-//!    `env://`); [`resolve`] combines one with explicit arguments and the
+//!    `env://`) and `etcd://host:port[,host:port...][/prefix]`; [`resolve`] combines one with explicit arguments and the
 //!    launcher's environment ([`env`](mod@env)) into a [`RendezvousConfig`]: store,
 //!    rank, world size, generation. Explicit arguments win over URL queries,
 //!    which win over the environment.
 //! 2. [`open_store`] opens that store (rank 0 hosts the TCP server for
 //!    `tcp://` and `env://`, as in PyTorch, unless the launcher already
-//!    does: `TORCHELASTIC_USE_AGENT_STORE`).
+//!    does: `TORCHELASTIC_USE_AGENT_STORE`); `etcd://` connects to etcd,
+//!    which nobody in the job serves. A launcher whose store is not its own
+//!    TCP store names it in `CHORUS_STORE`, which `env://` prefers to
+//!    `MASTER_ADDR` / `MASTER_PORT`.
 //! 3. [`rendezvous`] runs the exchange on the store, under
 //!    `chorus/<run id>/g<generation>/`, so an elastic restart re-runs it as
 //!    a new generation without seeing the old one's keys:
@@ -38,8 +41,8 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::store::{
-    DEFAULT_PORT, FileStore, FileStoreOptions, PrefixStore, Store, StoreError, TcpStore, TcpStoreOptions,
-    TcpStoreServer, TcpStoreServerOptions,
+    DEFAULT_PORT, EtcdStore, EtcdStoreOptions, FileStore, FileStoreOptions, PrefixStore, Store, StoreError, TcpStore,
+    TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions,
 };
 
 pub mod elastic;
@@ -177,8 +180,22 @@ pub enum InitMethod {
         /// `world_size` from the URL query.
         world_size: Option<usize>,
     },
+    /// `etcd://host:port[,host:port...][/prefix][?rank=R&world_size=N]`:
+    /// an [`EtcdStore`] on those endpoints (port 2379 when left out), its
+    /// keys under `prefix` (`/chorus` when left out).
+    Etcd {
+        /// `host:port` of each etcd endpoint, tried in turn.
+        endpoints: Vec<String>,
+        /// Prefix of every key.
+        prefix: String,
+        /// `rank` from the URL query.
+        rank: Option<usize>,
+        /// `world_size` from the URL query.
+        world_size: Option<usize>,
+    },
     /// `env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, or the variables
-    /// of torchrun, Slurm, Open MPI, MPICH or Kubeflow.
+    /// of torchrun, Slurm, Open MPI, MPICH or Kubeflow; the store is
+    /// `CHORUS_STORE` (a store URL, e.g. `etcd://...`) when set.
     Env,
     /// A store the caller made; rank and world size must be given.
     Store(Arc<dyn Store>),
@@ -198,20 +215,24 @@ impl InitMethod {
             url: text.to_string(),
             reason: reason.to_string(),
         };
-        let url = url::Url::parse(text)
-            .map_err(|e| bad(&format!("{e}; expected tcp://host:port, file:///path or env://")))?;
-        let (mut rank, mut world_size) = (None, None);
-        for (name, value) in url.query_pairs() {
-            match name.as_ref() {
-                "rank" => rank = Some(parse_count(text, "rank", &value)?),
-                "world_size" => world_size = Some(parse_count(text, "world_size", &value)?),
-                other => {
-                    return Err(bad(&format!(
-                        "unknown query parameter {other:?}; only rank and world_size are understood"
-                    )));
-                }
-            }
+        if let Some(rest) = text.strip_prefix("etcd://") {
+            // Not a URL the url crate takes: the authority is a list.
+            let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
+            let (rank, world_size) = parse_query(text, url::form_urlencoded::parse(query.as_bytes()))?;
+            let (endpoints, prefix) = crate::store::parse_endpoints(location).map_err(|e| bad(&e))?;
+            return Ok(InitMethod::Etcd {
+                endpoints,
+                prefix,
+                rank,
+                world_size,
+            });
         }
+        let url = url::Url::parse(text).map_err(|e| {
+            bad(&format!(
+                "{e}; expected tcp://host:port, file:///path, etcd://host:port or env://"
+            ))
+        })?;
+        let (rank, world_size) = parse_query(text, url.query_pairs())?;
         match url.scheme() {
             "tcp" => {
                 let host = url
@@ -241,9 +262,32 @@ impl InitMethod {
                 }
                 Ok(InitMethod::Env)
             }
-            other => Err(bad(&format!("unknown scheme {other:?}; use tcp://, file:// or env://"))),
+            other => Err(bad(&format!(
+                "unknown scheme {other:?}; use tcp://, file://, etcd:// or env://"
+            ))),
         }
     }
+}
+
+/// `rank` and `world_size` from a URL query; anything else is an error.
+fn parse_query<'a>(
+    text: &str,
+    pairs: impl Iterator<Item = (std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>)>,
+) -> Result<(Option<usize>, Option<usize>), RendezvousError> {
+    let (mut rank, mut world_size) = (None, None);
+    for (name, value) in pairs {
+        match name.as_ref() {
+            "rank" => rank = Some(parse_count(text, "rank", &value)?),
+            "world_size" => world_size = Some(parse_count(text, "world_size", &value)?),
+            other => {
+                return Err(RendezvousError::BadUrl {
+                    url: text.to_string(),
+                    reason: format!("unknown query parameter {other:?}; only rank and world_size are understood"),
+                });
+            }
+        }
+    }
+    Ok((rank, world_size))
 }
 
 /// Where the store is, once resolved.
@@ -261,9 +305,20 @@ pub enum StoreSpec {
         /// The store file.
         path: PathBuf,
     },
+    /// An etcd store; nobody in the job serves it.
+    Etcd {
+        /// `host:port` of each endpoint.
+        endpoints: Vec<String>,
+        /// Prefix of every key.
+        prefix: String,
+    },
     /// A store given by the caller.
     Given(Arc<dyn Store>),
 }
+
+/// The store variable a launcher sets when its workers should meet on
+/// another store than `MASTER_ADDR:MASTER_PORT` (an `etcd://` URL).
+pub const STORE_ENV: &str = "CHORUS_STORE";
 
 /// Everything rendezvous needs, resolved from the init method, explicit
 /// arguments and the environment.
@@ -295,6 +350,11 @@ impl RendezvousConfig {
     pub fn master_host(&self) -> Option<&str> {
         match &self.store {
             StoreSpec::Tcp { host, .. } => Some(host),
+            // Any endpoint will do: the local address that routes to it routes to the job.
+            StoreSpec::Etcd { endpoints, .. } => endpoints.first().map(|e| {
+                let host = e.rsplit_once(':').map_or(e.as_str(), |(host, _)| host);
+                host.trim_start_matches('[').trim_end_matches(']')
+            }),
             _ => None,
         }
     }
@@ -317,7 +377,44 @@ pub fn resolve(
             world_size,
         } => (StoreSpec::Tcp { host, port }, rank, world_size),
         InitMethod::File { path, rank, world_size } => (StoreSpec::File { path }, rank, world_size),
+        InitMethod::Etcd {
+            endpoints,
+            prefix,
+            rank,
+            world_size,
+        } => (StoreSpec::Etcd { endpoints, prefix }, rank, world_size),
         InitMethod::Store(store) => (StoreSpec::Given(store), None, None),
+        InitMethod::Env if lookup(STORE_ENV).is_some_and(|v| !v.trim().is_empty()) => {
+            let text = lookup(STORE_ENV).unwrap_or_default();
+            let store = match InitMethod::parse(text.trim())? {
+                InitMethod::Etcd {
+                    endpoints,
+                    prefix,
+                    rank: None,
+                    world_size: None,
+                } => StoreSpec::Etcd { endpoints, prefix },
+                InitMethod::Tcp {
+                    host,
+                    port,
+                    rank: None,
+                    world_size: None,
+                } => StoreSpec::Tcp { host, port },
+                InitMethod::File {
+                    path,
+                    rank: None,
+                    world_size: None,
+                } => StoreSpec::File { path },
+                _ => {
+                    return Err(RendezvousError::BadUrl {
+                        url: text,
+                        reason: format!(
+                            "{STORE_ENV} names the store only: etcd://, tcp:// or file:// without rank or world_size"
+                        ),
+                    });
+                }
+            };
+            (store, None, None)
+        }
         InitMethod::Env => {
             let launch = launch.as_ref().ok_or(EnvError::Missing {
                 var: "MASTER_ADDR",
@@ -397,6 +494,18 @@ pub async fn open_store(config: &RendezvousConfig, timeout: Duration) -> Result<
                 ..FileStoreOptions::default()
             };
             let store = FileStore::open(path, options).await?;
+            Ok(OpenedStore {
+                store: Arc::new(store),
+                server: None,
+            })
+        }
+        StoreSpec::Etcd { endpoints, prefix } => {
+            let options = EtcdStoreOptions {
+                timeout,
+                connect_timeout: timeout,
+                prefix: prefix.clone(),
+            };
+            let store = EtcdStore::connect(endpoints.clone(), options).await?;
             Ok(OpenedStore {
                 store: Arc::new(store),
                 server: None,
@@ -583,7 +692,12 @@ async fn await_acknowledgements(scoped: &PrefixStore, world_size: usize) {
 
 /// Fails this rank with the conflict another process reported, after
 /// acknowledging it and letting the other claimants read it too.
-async fn conflict_seen(scoped: &PrefixStore, rank: usize, world_size: usize, conflict: RendezvousError) -> RendezvousError {
+async fn conflict_seen(
+    scoped: &PrefixStore,
+    rank: usize,
+    world_size: usize,
+    conflict: RendezvousError,
+) -> RendezvousError {
     let _ = tokio::time::timeout(CONFLICT_LINGER, scoped.set(&format!("conflict_seen/{rank}"), b"")).await;
     await_acknowledgements(scoped, world_size).await;
     conflict
@@ -763,6 +877,50 @@ mod tests {
         assert_eq!((c.rank, c.world_size), (1, 4));
         let c = resolve(InitMethod::Env, None, None, &env).unwrap();
         assert_eq!((c.rank, c.world_size), (2, 8));
+    }
+
+    #[test]
+    fn etcd_urls_take_endpoint_lists_and_a_prefix() {
+        match InitMethod::parse("etcd://h1:1,h2/jobs/a?rank=1&world_size=2").unwrap() {
+            InitMethod::Etcd {
+                endpoints,
+                prefix,
+                rank,
+                world_size,
+            } => {
+                assert_eq!(endpoints, ["h1:1", "h2:2379"]);
+                assert_eq!((prefix.as_str(), rank, world_size), ("/jobs/a", Some(1), Some(2)));
+            }
+            other => panic!("{other:?}"),
+        }
+        for bad in ["etcd://", "etcd://h:x", "etcd://h?colour=red"] {
+            assert!(
+                matches!(InitMethod::parse(bad), Err(RendezvousError::BadUrl { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn env_meets_on_chorus_store_when_the_launcher_names_one() {
+        let mut vars = vec![
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+            (STORE_ENV, "etcd://[::1]:7/p"),
+        ];
+        let config = resolve(InitMethod::Env, None, None, &lookup(&vars)).unwrap();
+        assert!(
+            matches!(&config.store, StoreSpec::Etcd { endpoints, prefix } if endpoints == &["[::1]:7"] && prefix == "/p")
+        );
+        assert_eq!(config.master_host(), Some("::1"));
+        vars.push((STORE_ENV, "etcd://h:7?rank=1"));
+        vars.swap_remove(4);
+        assert!(matches!(
+            resolve(InitMethod::Env, None, None, &lookup(&vars)),
+            Err(RendezvousError::BadUrl { .. })
+        ));
     }
 
     #[test]

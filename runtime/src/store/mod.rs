@@ -6,6 +6,7 @@
 //! - [`TcpStore`] / [`TcpStoreServer`]: PyTorch's TCPStore wire protocol, so
 //!   chorus and PyTorch clients and servers talk to each other;
 //! - [`FileStore`]: a file on a (shared) file system, for `file://`;
+//! - [`EtcdStore`]: kept in etcd, replicated, for `etcd://`;
 //! - [`PrefixStore`]: a namespace inside another store.
 
 use std::fmt;
@@ -18,6 +19,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use thiserror::Error;
 
+mod etcd;
 mod file;
 mod hash;
 mod prefix;
@@ -25,6 +27,7 @@ pub mod protocol;
 pub mod state;
 mod tcp;
 
+pub use etcd::{DEFAULT_ETCD_PORT, DEFAULT_ETCD_PREFIX, EtcdStore, EtcdStoreOptions, parse_endpoints};
 pub use file::{FileStore, FileStoreOptions};
 pub use hash::HashStore;
 pub use prefix::PrefixStore;
@@ -131,6 +134,16 @@ pub enum StoreError {
         len: usize,
         /// The limit.
         limit: usize,
+    },
+    /// The server answered the request with an error.
+    #[error(
+        "store {location} refused the request ({message}); check that it is an etcd v3 server the job may write to"
+    )]
+    Refused {
+        /// Where the store is.
+        location: String,
+        /// What it said.
+        message: String,
     },
     /// A file store's file is not one chorus wrote, or is damaged.
     #[error("file store {path} is unreadable: {reason}; remove the file if no job uses it")]
