@@ -1,5 +1,5 @@
 //! `chorus bench ddp`: the cost of data-parallel gradient sync
-//! ([`DistributedSync`](crate::DistributedSync)) on a model of `--params`
+//! ([`DistributedSync`]) on a model of `--params`
 //! float32 parameters in layers of a transformer's sizes, `--world` rank
 //! processes: the step time with sync, without (`no_sync`), and their
 //! difference, the communication the backward pass did not hide
