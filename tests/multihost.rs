@@ -39,11 +39,7 @@ fn run_job(cluster: &Cluster, hosts: usize, nproc: usize, program: &[&str], secs
     let children: Vec<Child> = (1..=hosts)
         .map(|host| spawn_piped(&mut launcher(cluster, host, hosts, nproc, &[], program), "a launcher"))
         .collect();
-    children
-        .into_iter()
-        .enumerate()
-        .map(|(i, child)| finish(child, secs, &format!("the launcher on host {}", i + 1), LAUNCHER))
-        .collect()
+    finish_all(children, secs)
 }
 
 fn hello() -> Vec<&'static str> {
@@ -249,19 +245,7 @@ fn netns_mh6_an_elastic_job_that_loses_a_rank_stays_one_job() {
     let _one = cluster::lock();
     let cluster = Cluster::up("mhf", 2, &[]);
     let probe = ["--iterations", "150", "--kill-rank", "3", "--kill-after", "30"];
-    let children: Vec<Child> = (1..=2)
-        .map(|host| {
-            spawn_piped(
-                &mut elastic_launcher(&cluster, host, 2, 2, &probe),
-                "an elastic launcher",
-            )
-        })
-        .collect();
-    let outputs: Vec<Output> = children
-        .into_iter()
-        .enumerate()
-        .map(|(i, child)| finish(child, 150, &format!("the launcher on host {}", i + 1), LAUNCHER))
-        .collect();
+    let outputs = finish_all(start_elastic(&cluster, 2, 2, &probe, &[]), 150);
     let all = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
     assert!(outputs.iter().all(|o| o.status.success()), "{all}");
     assert_eq!(probe_events(&all, "killing-self").len(), 1, "{all}");
@@ -292,19 +276,7 @@ fn netns_mh7_a_killed_rank_on_another_host_is_detected_within_a_second() {
     // One rank per host: rank 0 has no neighbour of rank 1 that could tell
     // it; without the launcher's word it would wait out the 5 s window.
     let probe = ["--iterations", "120", "--kill-rank", "1", "--kill-after", "30"];
-    let children: Vec<Child> = (1..=2)
-        .map(|host| {
-            spawn_piped(
-                &mut elastic_launcher(&cluster, host, 2, 1, &probe),
-                "an elastic launcher",
-            )
-        })
-        .collect();
-    let outputs: Vec<Output> = children
-        .into_iter()
-        .enumerate()
-        .map(|(i, child)| finish(child, 120, &format!("the launcher on host {}", i + 1), LAUNCHER))
-        .collect();
+    let outputs = finish_all(start_elastic(&cluster, 2, 1, &probe, &[]), 120);
     let all = outputs.iter().map(joined).collect::<Vec<_>>().join("\n");
     assert!(outputs.iter().all(|o| o.status.success()), "{all}");
     let killed: u64 = probe_field(probe_events(&all, "killing-self")[0], "at_us")
@@ -354,12 +326,12 @@ fn netns_mh8_a_cut_off_node_reports_at_once_and_gives_up_on_the_store_within_the
     assert!(took < std::time::Duration::from_secs(20), "took {took:?}:\n{all}");
 }
 
-/// Starts an elastic launcher per host (1..=hosts, one rank each) running
-/// `probe`, returning them in host order.
-fn start_elastic(cluster: &Cluster, hosts: usize, probe: &[&str], env: &[(&str, &str)]) -> Vec<Child> {
+/// Starts an elastic launcher per host (1..=hosts, `nproc` ranks each)
+/// running `probe`, returning them in host order.
+fn start_elastic(cluster: &Cluster, hosts: usize, nproc: usize, probe: &[&str], env: &[(&str, &str)]) -> Vec<Child> {
     (1..=hosts)
         .map(|host| {
-            let mut command = elastic_launcher(cluster, host, hosts, 1, probe);
+            let mut command = elastic_launcher(cluster, host, hosts, nproc, probe);
             command.envs(env.iter().copied());
             spawn_piped(&mut command, "an elastic launcher")
         })
@@ -381,7 +353,7 @@ fn netns_mh9_a_partitioned_host_is_left_behind_and_the_majority_goes_on() {
     let _one = cluster::lock();
     let cluster = Cluster::up("mhi", 3, &[]);
     let env = [("CHORUS_HEARTBEAT_TIMEOUT", "2")];
-    let mut children = start_elastic(&cluster, 3, &["--iterations", "1500"], &env);
+    let mut children = start_elastic(&cluster, 3, 1, &["--iterations", "1500"], &env);
     std::thread::sleep(std::time::Duration::from_secs(3));
     cluster.cut(3);
     let cut_off = children.pop().unwrap();
@@ -405,7 +377,7 @@ fn netns_mh10_a_killed_node_leaves_a_group_that_goes_on_under_either_restart_pol
     let _one = cluster::lock();
     let cluster = Cluster::up("mhj", 3, &[]);
     // --restart-policy worker: the survivors' group re-forms without the node.
-    let mut children = start_elastic(&cluster, 3, &["--iterations", "2500"], &[]);
+    let mut children = start_elastic(&cluster, 3, 1, &["--iterations", "2500"], &[]);
     std::thread::sleep(std::time::Duration::from_secs(3));
     let mut killed = children.pop().unwrap();
     killed.kill().unwrap();
