@@ -27,6 +27,8 @@ fn launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, flags: 
             &nproc.to_string(),
         ])
         .args(["--master-addr", &cluster.addr(1), "--master-port", "29500"])
+        // Node ranks in host order: the tests name ranks by host.
+        .args(["--node-rank", &(host - 1).to_string()])
         .args(flags)
         .arg("--")
         .args(program)
