@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::free_port;
+use super::free_ports;
 
 const ETCD: &str = "/usr/bin/etcd";
 
@@ -33,7 +33,10 @@ impl Etcd {
             Path::new(ETCD).exists(),
             "this test needs etcd-server ({ETCD}): `apt-get install -y etcd-server`"
         );
-        let ports: Vec<(u16, u16)> = (0..members).map(|_| (free_port(), free_port())).collect();
+        let ports: Vec<(u16, u16)> = free_ports(2 * members)
+            .chunks(2)
+            .map(|pair| (pair[0], pair[1]))
+            .collect();
         let initial: Vec<String> = ports
             .iter()
             .enumerate()

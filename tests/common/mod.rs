@@ -49,11 +49,16 @@ pub(crate) async fn within<T>(secs: u64, what: &str, future: impl std::future::F
 
 /// A free TCP port on 127.0.0.1 (free when asked; nothing holds it).
 pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    free_ports(1)[0]
+}
+
+/// `n` distinct free loopback ports: every listener is held until all are
+/// picked, since the kernel may hand a just-released port out again.
+pub(crate) fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    listeners.iter().map(|l| l.local_addr().unwrap().port()).collect()
 }
 
 /// The value of `key=` in a `key=value ...` probe line.
