@@ -20,6 +20,8 @@ pub mod hook;
 pub mod plan;
 pub mod powersgd;
 
+use std::sync::Arc;
+
 use chorus_actors::driver::CollectiveError;
 use chorus_runtime::collective::DType;
 use thiserror::Error;
@@ -353,11 +355,44 @@ async fn broadcast_entries(
     Ok(())
 }
 
+/// The group a [`DistributedSync`] runs on: borrowed for the group's
+/// lifetime, or shared (an [`ElasticGroup`](crate::ElasticGroup)'s
+/// `current()`), which makes the sync `'static`.
+#[derive(Debug, Clone)]
+pub enum GroupRef<'g> {
+    /// A group the caller keeps.
+    Borrowed(&'g ProcessGroup),
+    /// A group held by reference count.
+    Shared(Arc<ProcessGroup>),
+}
+
+impl std::ops::Deref for GroupRef<'_> {
+    type Target = ProcessGroup;
+    fn deref(&self) -> &ProcessGroup {
+        match self {
+            GroupRef::Borrowed(group) => group,
+            GroupRef::Shared(group) => group,
+        }
+    }
+}
+
+impl<'g> From<&'g ProcessGroup> for GroupRef<'g> {
+    fn from(group: &'g ProcessGroup) -> Self {
+        GroupRef::Borrowed(group)
+    }
+}
+
+impl From<Arc<ProcessGroup>> for GroupRef<'static> {
+    fn from(group: Arc<ProcessGroup>) -> Self {
+        GroupRef::Shared(group)
+    }
+}
+
 /// The data-parallel gradient sync of one model on one group (PyTorch's
 /// `DistributedDataParallel`, without the forward pass: the model is
 /// yours, the gradients live here).
 pub struct DistributedSync<'g> {
-    group: &'g ProcessGroup,
+    group: GroupRef<'g>,
     options: SyncOptions,
     /// Trainable parameters, in registration order.
     specs: Vec<ParamSpec>,
@@ -391,14 +426,16 @@ impl<'g> DistributedSync<'g> {
     /// parameters and buffers (with `init_sync`), and lays out zeroed
     /// gradients in buckets, last parameter first.
     pub async fn new(
-        group: &'g ProcessGroup,
+        group: impl Into<GroupRef<'g>>,
         model: &mut (dyn Parameters + Send),
         options: SyncOptions,
     ) -> Result<Self, SyncError> {
+        let group = group.into();
+        let group_ref: &ProcessGroup = &group;
         let (specs, entries) = describe(model);
-        check_same_everywhere(group, &entries).await?;
-        if options.init_sync && group.world_size() > 1 {
-            broadcast_entries(group, model, &entries, options.broadcast_chunk_mb.max(1) << 20).await?;
+        check_same_everywhere(group_ref, &entries).await?;
+        if options.init_sync && group_ref.world_size() > 1 {
+            broadcast_entries(group_ref, model, &entries, options.broadcast_chunk_mb.max(1) << 20).await?;
         }
         let layout = plan::assign_buckets(&specs, &plan::reverse_order(specs.len()), options.caps());
         Ok(Self {
@@ -536,7 +573,7 @@ impl<'g> DistributedSync<'g> {
         let data = Tensor::from_bytes(self.layout.buckets[bucket].dtype, bytes);
         // Spawned so the post-processing (a hook's decompression) also runs
         // while the caller computes, not only at finish().
-        self.in_flight[bucket] = Some(runtime.spawn(self.hook.reduce(self.group, info, data)));
+        self.in_flight[bucket] = Some(runtime.spawn(self.hook.reduce(&self.group, info, data)));
         Ok(())
     }
 
