@@ -19,6 +19,8 @@
 //! - [`sync`](mod@sync): [`DistributedSync`], PyTorch's `DistributedDataParallel`
 //!   for a Rust model: checked registration, start-up broadcast, gradient
 //!   buckets reduced while the backward pass runs, communication hooks.
+//! - [`train`]: elastic training on top of it: [`TrainState`] (what
+//!   survivors hand to joiners).
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
 //! - [`bench`](mod@bench): `chorus bench` measurements.
@@ -55,6 +57,7 @@ pub mod sync;
 pub mod tensor;
 mod terminate;
 pub mod trace;
+pub mod train;
 
 pub use chorus_actors::driver::CollectiveError;
 pub use chorus_actors::nccl;
@@ -68,6 +71,7 @@ pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError}
 pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use nccl_group::{NcclInitError, NcclProcessGroup, init_nccl_group, init_nccl_group_with};
 pub use sync::{DistributedSync, ParamBuffer, Parameters, SyncError, SyncOptions};
+pub use train::{NamedState, TrainState};
 pub use tensor::{Element, Tensor};
 
 /// `error` and its causes on one line, each cause once: chorus's messages
