@@ -7,9 +7,12 @@
 //!    rank reads every signature, so when ranks disagree each of them fails
 //!    naming the ranks and both signatures, instead of one hanging or
 //!    reducing garbage. A send carries its signature to its receiver only.
-//! 2. A step runs once its dependencies have: a copy at once; a send copies
-//!    its region into a frame and hands it to a task (it counts as done once
-//!    copied, rule 2 of the plan); a receive once its frame has arrived.
+//! 2. A step runs once its dependencies have: a copy at once; a send of
+//!    output bytes goes straight into the link when it has room
+//!    ([`Link::try_send_copy`]), otherwise it copies its region into a frame
+//!    and hands it to a task (it counts as done once copied, rule 2 of the
+//!    plan); a receive once its frame has arrived. An average divides at
+//!    the plan's completing receives when it has them.
 //! 3. One reader task per peer reads that peer's frames in order from the
 //!    channel and hands them over by tag, so receives may complete in any
 //!    order the plan allows.
@@ -25,7 +28,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use chorus_runtime::collective::{
     Action, Combine, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId, Tag,
-    finalize_avg, reduce_into,
+    finalize_avg, reduce_complete_into, reduce_into,
 };
 use chorus_transports::link::{ChannelId, Link, TransportError};
 
@@ -317,11 +320,23 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                             true
                         }
                         Action::Send { to, tag, src } => {
+                            let link = link(links, rank, *to)?;
+                            // Straight into the transport when it has room
+                            // now (one copy, none into a frame); when it has
+                            // none, or failed, the ordinary send below waits
+                            // or reports the failure.
+                            if let Region::Output(r) = src
+                                && let Ok(true) = link.try_send_copy(channel, data_tag(*tag), &output[element(r)])
+                            {
+                                done[index] = true;
+                                remaining -= 1;
+                                progressed = true;
+                                continue;
+                            }
                             let payload = match src {
                                 Region::Input(r) => input.slice(element(r)),
                                 Region::Output(r) => pool.frame(&output[element(r)]),
                             };
-                            let link = link(links, rank, *to)?;
                             let (events, tag) = (events.clone(), data_tag(*tag));
                             tasks.spawn(async move {
                                 if let Err(e) = link.send(channel, tag, payload).await {
@@ -343,11 +358,12 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                         ),
                                     });
                                 }
+                                let op = signature.reduce_op.unwrap_or(ReduceOp::Sum);
                                 match then {
                                     Combine::Copy => target.copy_from_slice(&payload),
-                                    Combine::Reduce => {
-                                        let op = signature.reduce_op.unwrap_or(ReduceOp::Sum);
-                                        reduce_into(op, signature.dtype, target, &payload)?;
+                                    Combine::Reduce => reduce_into(op, signature.dtype, target, &payload)?,
+                                    Combine::ReduceComplete => {
+                                        reduce_complete_into(op, signature.dtype, target, &payload, plan.world())?
                                     }
                                 }
                                 true
@@ -435,7 +451,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             return Err(e);
         }
     }
-    if signature.reduce_op == Some(ReduceOp::Avg) {
+    if signature.reduce_op == Some(ReduceOp::Avg) && !plan.averages_in_steps() {
         finalize_avg(signature.dtype, output, plan.world())?;
     }
     Ok(())

@@ -82,6 +82,11 @@ pub struct DdpArgs {
     /// Seconds allowed for each side.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// --compare torch with DDP's gradient_as_bucket_view (true: autograd
+    /// writes gradients into the buckets, as chorus's side does; false:
+    /// PyTorch's default, DDP copies each gradient into its bucket).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub torch_bucket_view: bool,
     /// Python interpreter for --compare torch.
     #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
     pub python: String,
@@ -444,6 +449,7 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
                     args.steps.to_string(),
                     args.warmup.to_string(),
                     args.bucket_cap_mb.to_string(),
+                    u8::from(args.torch_bucket_view).to_string(),
                 ];
                 let row = run_ranks(
                     &args.python,

@@ -11,6 +11,8 @@
 //!   room (a bounded queue, a flow-control window), so a fast sender cannot
 //!   grow a slow receiver's memory without bound.
 //! - A failed send hands the payload back ([`SendError`]), as tokio's do.
+//! - A transport that copies every payload anyway (shared memory) may take
+//!   a borrowed one ([`Link::try_send_copy`]) when it has room at once.
 
 use std::fmt;
 
@@ -210,6 +212,16 @@ pub trait Link: Send + Sync + fmt::Debug {
 
     /// Sends one frame on `channel`, waiting while the transport has no room.
     async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError>;
+
+    /// Sends a copy of `payload` as one frame now if the transport has room
+    /// for it without waiting and nothing else is being written: `Ok(true)`
+    /// when sent, `Ok(false)` when the caller must [`send`](Self::send)
+    /// instead. Saves the copy into an owned frame where the transport
+    /// copies anyway (shared memory); transports that keep the `Bytes`
+    /// never take this path.
+    fn try_send_copy(&self, _channel: ChannelId, _tag: u64, _payload: &[u8]) -> Result<bool, TransportError> {
+        Ok(false)
+    }
 
     /// Receives the next frame of `channel`.
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError>;

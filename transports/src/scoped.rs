@@ -79,6 +79,12 @@ impl Link for ScopedLink {
             })
     }
 
+    fn try_send_copy(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
+        self.inner
+            .try_send_copy(self.channel(channel), tag, payload)
+            .map_err(|e| self.renamed(e))
+    }
+
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
         self.inner
             .recv(self.channel(channel))

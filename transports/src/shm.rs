@@ -77,7 +77,9 @@
 //!    there, which reads as no notice.
 //!
 //! # Copies and costs
-//! A frame that fits the ring is copied once (sender into the ring). The
+//! A frame that fits the ring is copied once (sender into the ring);
+//! [`Link::try_send_copy`] copies a borrowed payload straight in when the
+//! ring has room, so a caller needs no owned frame either. The
 //! receiver must drop received payloads promptly: a payload held forever
 //! pins its bytes of the ring, and the sender waits once the ring is full
 //! (the collectives reduce from a payload, then drop it). Per link there is
@@ -1304,6 +1306,17 @@ impl Link for ShmLink {
                 payload,
             }),
         }
+    }
+
+    fn try_send_copy(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
+        if let Some(error) = self.shared.failure() {
+            return Err(error);
+        }
+        // A send holding the lock may be mid-frame (pieces): wait behind it.
+        let Ok(_guard) = self.shared.writing.try_lock() else {
+            return Ok(false);
+        };
+        self.shared.try_write(channel, tag, payload)
     }
 
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {

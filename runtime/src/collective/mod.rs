@@ -45,7 +45,7 @@ mod tests;
 
 pub use dtype::{DType, ParseError, ReduceOp};
 pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
-pub use reduce::{ReduceError, finalize_avg, reduce_into};
+pub use reduce::{ReduceError, finalize_avg, reduce_complete_into, reduce_into};
 pub use schedule::{
     Algorithm, CollectiveKind, HALVING_DOUBLING_MAX_BYTES, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_WORLD,
     MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, Spec, choose_algorithm,

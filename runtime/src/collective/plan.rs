@@ -79,6 +79,11 @@ pub enum Combine {
     /// Reduce into the region with the collective's operator: receive into
     /// scratch, then `reduce_into(op, dtype, region, scratch)`.
     Reduce,
+    /// As [`Reduce`](Self::Reduce), after which the region holds the
+    /// reduction over every rank: an average divides it here (while it is
+    /// in cache), and a plan with such steps is never divided as a whole
+    /// ([`Plan::averages_in_steps`]).
+    ReduceComplete,
 }
 
 /// One step's action.
@@ -178,6 +183,22 @@ impl Plan {
     /// The steps, in a valid execution order.
     pub fn steps(&self) -> &[Step] {
         &self.steps
+    }
+
+    /// Whether [`ReduceOp::Avg`](super::ReduceOp::Avg) divides at its
+    /// [`Combine::ReduceComplete`] receives (every element of the result
+    /// passes through one, or is copied from a rank where it did) instead
+    /// of over the whole result at the end (`finalize_avg`).
+    pub fn averages_in_steps(&self) -> bool {
+        self.steps.iter().any(|s| {
+            matches!(
+                s.action,
+                Action::Recv {
+                    then: Combine::ReduceComplete,
+                    ..
+                }
+            )
+        })
     }
 
     /// The steps `id` waits for; each is earlier in [`steps`](Self::steps).

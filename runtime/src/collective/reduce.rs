@@ -122,6 +122,46 @@ pub fn reduce_into(op: ReduceOp, dtype: DType, dst: &mut [u8], src: &[u8]) -> Re
     Ok(())
 }
 
+/// [`reduce_into`] with `op`, then, for [`ReduceOp::Avg`], [`finalize_avg`]
+/// over `dst`: the combine that completes a region of an average. For
+/// `f32` and `f64` both happen in one pass (the same sum and division,
+/// so the same result).
+pub fn reduce_complete_into(
+    op: ReduceOp,
+    dtype: DType,
+    dst: &mut [u8],
+    src: &[u8],
+    world: usize,
+) -> Result<(), ReduceError> {
+    if op != ReduceOp::Avg {
+        return reduce_into(op, dtype, dst, src);
+    }
+    if world == 0 {
+        return Err(ReduceError::EmptyWorld);
+    }
+    if dst.len() == src.len() {
+        match dtype {
+            DType::Float32 => {
+                if let (Ok(d), Ok(s)) = (bytemuck::try_cast_slice_mut(dst), bytemuck::try_cast_slice(src)) {
+                    let w = world as f32;
+                    zip_with(d, s, |a: f32, b| (a + b) / w);
+                    return Ok(());
+                }
+            }
+            DType::Float64 => {
+                if let (Ok(d), Ok(s)) = (bytemuck::try_cast_slice_mut(dst), bytemuck::try_cast_slice(src)) {
+                    let w = world as f64;
+                    zip_with(d, s, |a: f64, b| (a + b) / w);
+                    return Ok(());
+                }
+            }
+            _ => {}
+        }
+    }
+    reduce_into(op, dtype, dst, src)?;
+    finalize_avg(dtype, dst, world)
+}
+
 /// Divides every element of `buf` by `world`: the last step of
 /// [`ReduceOp::Avg`], on the fully summed result.
 ///
@@ -334,6 +374,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_completing_combine_equals_reduce_then_finalize_for_every_dtype() {
+        let n = CHUNK + 37;
+        let a: Vec<i64> = (0..n as i64).map(|i| (i * 7) % 11 + 1).collect();
+        let b: Vec<i64> = (0..n as i64).map(|i| (i * 5) % 9 + 3).collect();
+        for dtype in DType::ALL {
+            for op in [ReduceOp::Avg, ReduceOp::Sum, ReduceOp::Max] {
+                for offset in [0, 1] {
+                    let mut want = buffer(dtype, &a);
+                    reduce_into(op, dtype, &mut want, &buffer(dtype, &b)).unwrap();
+                    if op == ReduceOp::Avg {
+                        finalize_avg(dtype, &mut want, 3).unwrap();
+                    }
+                    let mut dst = vec![0u8; offset];
+                    dst.extend(buffer(dtype, &a));
+                    reduce_complete_into(op, dtype, &mut dst[offset..], &buffer(dtype, &b), 3).unwrap();
+                    assert!(dst[offset..] == want[..], "{dtype} {op} offset {offset}");
+                }
+            }
+        }
+        let mut one = 1.0f32.to_ne_bytes().to_vec();
+        assert_eq!(
+            reduce_complete_into(ReduceOp::Avg, DType::Float32, &mut one, &[0; 4], 0),
+            Err(ReduceError::EmptyWorld)
+        );
     }
 
     #[test]

@@ -56,9 +56,15 @@ impl Ring<'_> {
     }
 
     /// `P - 1` steps, tagged from round `round0`, after which this rank holds
-    /// chunk `rank` reduced over all ranks.
-    fn reduce_scatter(&self, b: &mut Builder, round0: usize) {
+    /// chunk `rank` reduced over all ranks; with `mark_complete` its last
+    /// round says so ([`Combine::ReduceComplete`]).
+    fn reduce_scatter(&self, b: &mut Builder, round0: usize, mark_complete: bool) {
         for t in 0..self.world - 1 {
+            let then = if mark_complete && t + 2 == self.world {
+                Combine::ReduceComplete
+            } else {
+                Combine::Reduce
+            };
             for s in 0..self.segments {
                 let tag = Tag::new(round0 + t, s);
                 b.send(
@@ -70,7 +76,7 @@ impl Ring<'_> {
                     self.left(),
                     tag,
                     part(self.chunk(t + 2), self.segments, s),
-                    Combine::Reduce,
+                    then,
                 );
             }
         }
@@ -104,7 +110,10 @@ pub(crate) fn all_reduce(b: &mut Builder, rank: usize, world: usize, count: usiz
         segments: segments(count.div_ceil(world), elem_size, MIN_SEGMENTS_PER_CHUNK),
         chunks: &chunks,
     };
-    ring.reduce_scatter(b, 0);
+    // Chunk `rank` is complete after the reduce-scatter, and the all-gather
+    // only copies complete chunks: an average divides each chunk once, on
+    // its owner, and ships it divided.
+    ring.reduce_scatter(b, 0, true);
     ring.all_gather(b, world - 1);
 }
 
@@ -124,7 +133,7 @@ pub(crate) fn reduce_scatter(b: &mut Builder, rank: usize, world: usize, count: 
         chunks: &chunks,
         segments,
     }
-    .reduce_scatter(b, 0);
+    .reduce_scatter(b, 0, false);
 }
 
 /// Ring all-gather of every rank's `input[0..count]` into block `i` of
@@ -145,6 +154,7 @@ pub(crate) fn all_gather(b: &mut Builder, rank: usize, world: usize, count: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collective::plan::Action;
 
     #[test]
     fn parts_cover_the_range_in_order() {
@@ -160,6 +170,38 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn only_the_all_reduces_last_reduce_round_completes_its_chunk() {
+        for world in [2, 3, 5] {
+            for rank in 0..world {
+                let mut b = Builder::new(rank, world, 0, 1000);
+                all_reduce(&mut b, rank, world, 1000, 4);
+                let plan = b.finish();
+                assert!(plan.averages_in_steps());
+                let completing: Vec<Range<usize>> = plan
+                    .steps()
+                    .iter()
+                    .filter_map(|s| match &s.action {
+                        Action::Recv {
+                            dst,
+                            then: Combine::ReduceComplete,
+                            ..
+                        } => Some(dst.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                // Exactly this rank's chunk, in its segments.
+                let chunk = part(&(0..1000), world, rank);
+                assert_eq!(completing.first().map(|r| r.start), Some(chunk.start));
+                assert_eq!(completing.last().map(|r| r.end), Some(chunk.end));
+                assert!(completing.windows(2).all(|w| w[0].end == w[1].start));
+            }
+        }
+        let mut b = Builder::new(0, 3, 0, 3000);
+        reduce_scatter(&mut b, 0, 3, 1000, 4);
+        assert!(!b.finish().averages_in_steps());
     }
 
     #[test]

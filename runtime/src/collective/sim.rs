@@ -11,7 +11,7 @@ use half::{bf16, f16};
 
 use super::dtype::{DType, ReduceOp};
 use super::plan::{Action, Combine, Plan, Region, StepId, Tag};
-use super::reduce::reduce_into;
+use super::reduce::{reduce_complete_into, reduce_into};
 
 /// The small integer `v` as one element of `dtype` (wrapping for integers).
 pub(crate) fn encode(dtype: DType, v: i64) -> Vec<u8> {
@@ -146,6 +146,9 @@ pub(crate) fn run(
                 match then {
                     Combine::Copy => dst_bytes.copy_from_slice(&payload),
                     Combine::Reduce => reduce_into(op, dtype, dst_bytes, &payload).map_err(|e| e.to_string())?,
+                    Combine::ReduceComplete => {
+                        reduce_complete_into(op, dtype, dst_bytes, &payload, world).map_err(|e| e.to_string())?
+                    }
                 }
             }
             Action::Copy { src, dst } => {
