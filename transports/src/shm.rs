@@ -1475,6 +1475,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_borrowed_payload_goes_straight_in_only_when_the_ring_has_room() {
+        within(async {
+            let (a, b) = pair(64 << 10).await;
+            let piece = pattern((16 << 10) - RECORD_HEADER, 3);
+            // 4 records fill the ring; the fifth finds no room, and one
+            // larger than the ring never goes this way.
+            for tag in 0..4 {
+                assert_eq!(a.try_send_copy(0, tag, &piece), Ok(true));
+            }
+            assert_eq!(a.try_send_copy(0, 4, &piece), Ok(false));
+            assert_eq!(a.try_send_copy(0, 5, &pattern(128 << 10, 0)), Ok(false));
+            for tag in 0..4 {
+                let frame = b.recv(0).await.unwrap();
+                assert_eq!((frame.tag, &frame.payload), (tag, &piece));
+            }
+            // Released: room again.
+            assert_eq!(a.try_send_copy(0, 6, b"again"), Ok(true));
+            assert_eq!(&b.recv(0).await.unwrap().payload[..], b"again");
+            b.close("done");
+            assert!(matches!(
+                a.try_send_copy(0, 7, b"late"),
+                Err(TransportError::PeerClosed { .. })
+            ));
+        })
+        .await;
+    }
+
+    #[tokio::test]
     async fn a_receiver_holding_payloads_makes_the_sender_wait() {
         within(async {
             let (a, b) = pair(64 << 10).await;
