@@ -79,6 +79,10 @@ pub struct DdpArgs {
     /// Print one JSON object per library instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Also draw chorus's per-bucket timeline of the last timed synced step
+    /// (each bucket's all-reduce against the backward pass) into this PNG.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<std::path::PathBuf>,
     /// Seconds allowed for each side.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
@@ -463,6 +467,16 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
             }
         }
     }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "chorus bench ddp: {}M float32 parameters, world {}, {} transport, {} hook",
+            args.params / 1_000_000,
+            args.world,
+            args.transport,
+            format!("{:?}", args.hook).to_lowercase()
+        );
+        draw_timeline(path, &title, &rows[0]).map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
+    }
     if args.json {
         for row in &rows {
             println!("{row}");
@@ -500,6 +514,110 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Draws chorus's row (its `timeline`, `backward_ms` and `step_ms`) as a
+/// Gantt chart: the backward pass on the top row, one bar per bucket's
+/// all-reduce below it, ms since the step started.
+pub fn draw_timeline(path: &std::path::Path, title: &str, row: &Value) -> Result<(), String> {
+    use plotters::prelude::*;
+    super::plot::register_font();
+    let spans: Vec<BucketSpanRow> = row["timeline"]
+        .as_array()
+        .ok_or("the result has no timeline")?
+        .iter()
+        .map(|s| BucketSpanRow {
+            index: s["index"].as_u64().unwrap_or(0) as usize,
+            mb: s["bytes"].as_f64().unwrap_or(0.0) / 1e6,
+            start: s["start_ms"].as_f64().unwrap_or(0.0),
+            end: s["end_ms"].as_f64().unwrap_or(0.0),
+        })
+        .collect();
+    let backward = row["backward_ms"].as_f64().unwrap_or(0.0);
+    let step = row["step_ms"].as_f64().unwrap_or(0.0);
+    let no_sync = row["no_sync_ms"].as_f64().unwrap_or(0.0);
+    let last = spans.iter().map(|s| s.end).fold(backward.max(step), f64::max);
+    let rows = spans.len() as f64 + 1.0;
+    // Room under the bars for the legend.
+    let legend_rows = 1.8;
+    let root = BitMapBackend::new(path, (900, 200 + 45 * (spans.len() as u32 + 1))).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(10)
+        .build_cartesian_2d(0f64..last * 1.25, -legend_rows..rows)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .disable_y_axis()
+        .x_desc("ms since the step started")
+        .label_style(("sans-serif", 14))
+        .axis_desc_style(("sans-serif", 15))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    let bar = |row: f64, from: f64, to: f64, color: RGBColor| {
+        Rectangle::new([(from, rows - row - 0.8), (to.max(from + last * 0.002), rows - row - 0.2)], color.filled())
+    };
+    let gray = RGBColor(127, 127, 127);
+    let blue = RGBColor(31, 119, 180);
+    chart
+        .draw_series(std::iter::once(bar(0.0, 0.0, backward, gray)))
+        .map_err(|e| e.to_string())?
+        .label(format!("this step's backward pass: last gradient ready at {backward:.1} ms"))
+        .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], gray.filled()));
+    chart
+        .draw_series(
+            spans
+                .iter()
+                .enumerate()
+                .map(|(i, s)| bar(i as f64 + 1.0, s.start, s.end, blue)),
+        )
+        .map_err(|e| e.to_string())?
+        .label("a bucket's all-reduce: handed to the hook .. averaged")
+        .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], blue.filled()));
+    // Each bar named at its right end.
+    let names = std::iter::once((0.0, backward, "backward".to_owned())).chain(
+        spans
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i as f64 + 1.0, s.end, format!("bucket {} ({:.1} MB)", s.index, s.mb))),
+    );
+    chart
+        .draw_series(names.map(|(row, end, name)| {
+            Text::new(name, (end + last * 0.01, rows - row - 0.35), ("sans-serif", 13))
+        }))
+        .map_err(|e| e.to_string())?;
+    let red = RGBColor(214, 39, 40);
+    chart
+        .draw_series(std::iter::once(PathElement::new(
+            vec![(no_sync, -legend_rows), (no_sync, rows)],
+            red.stroke_width(2),
+        )))
+        .map_err(|e| e.to_string())?
+        .label(format!(
+            "median step without sync: {no_sync:.1} ms (with: {step:.1} ms)"
+        ))
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], red.stroke_width(2)));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerLeft)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
+}
+
+/// One bar of [`draw_timeline`].
+struct BucketSpanRow {
+    index: usize,
+    mb: f64,
+    start: f64,
+    end: f64,
+}
+
 /// A fresh private directory for the embedded script.
 fn tempfile_dir() -> Result<std::path::PathBuf> {
     let dir = std::env::temp_dir().join(format!("chorus-bench-ddp-{}", std::process::id()));
@@ -518,6 +636,24 @@ mod tests {
         assert_eq!(shapes[2], ("h.0.attn.qkv.weight".to_string(), 512 * 1536));
         assert!(shapes.len() > 90, "{}", shapes.len());
         assert_eq!(layer_shapes(10), vec![("h.0.ln1.weight".to_string(), 10)]);
+    }
+
+    #[test]
+    fn a_timeline_draws_into_a_png() {
+        let dir = tempfile_dir().unwrap();
+        let path = dir.join("timeline.png");
+        let row = serde_json::json!({
+            "library": "chorus", "backward_ms": 12.0, "step_ms": 40.0, "no_sync_ms": 13.0,
+            "timeline": [
+                {"index": 0, "bytes": 3_000_000, "start_ms": 0.5, "end_ms": 5.0},
+                {"index": 1, "bytes": 29_000_000, "start_ms": 6.0, "end_ms": 30.0},
+            ],
+        });
+        draw_timeline(&path, "test", &row).unwrap();
+        let png = std::fs::read(&path).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+        assert!(draw_timeline(&path, "test", &serde_json::json!({})).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

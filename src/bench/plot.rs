@@ -30,12 +30,17 @@ pub fn human_bytes(bytes: f64) -> String {
     b.to_string()
 }
 
-/// Draws `series` into the PNG at `path`.
-pub fn draw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
+/// Makes the embedded font plotters' "sans-serif" (once per process).
+pub fn register_font() {
     static FONT_ONCE: Once = Once::new();
     FONT_ONCE.call_once(|| {
         let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
     });
+}
+
+/// Draws `series` into the PNG at `path`.
+pub fn draw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
+    register_font();
     let points = || {
         series
             .iter()
