@@ -2,7 +2,8 @@
 //! (`chorus::spawn`, one actor thread per rank): bucket layout and rebuild,
 //! overlap observed, averages against a naive per-tensor all-reduce, a
 //! small model trained on N ranks against one rank with the whole batch,
-//! the errors, no_sync and the half-precision hooks.
+//! the errors, no_sync, the half-precision hooks, and an elastic job that
+//! loses a rank mid-step and goes on after `rebind`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -663,4 +664,80 @@ async fn powersgd_with_error_feedback_still_trains() {
         }
     })
     .await;
+}
+
+/// Fills every gradient with `value` and marks it ready, last parameter first.
+fn backward(ddp: &mut DistributedSync<'_>, value: f32) -> Result<(), SyncError> {
+    for p in (0..ddp.params().len()).rev() {
+        ddp.grad_mut::<f32>(p)?.fill(value);
+        ddp.mark_ready(p)?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_dying_mid_step_aborts_the_step_and_rebind_goes_on_in_the_next_generation() {
+    use chorus::ElasticGroup;
+    use chorus::store::{HashStore, Store};
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    // Rank 2 dies only once every rank has its step-0 result (a crash
+    // earlier could take frames still in flight with it).
+    let step_0_done = Arc::new(tokio::sync::Barrier::new(3));
+    let mut ranks = Vec::new();
+    for rank in 0..3 {
+        let options = common::elastic_options(&store, rank, 3).elastic_world(2, 3);
+        let step_0_done = step_0_done.clone();
+        ranks.push(tokio::spawn(async move {
+            let group = ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}"))
+                .await
+                .unwrap();
+            let mut model = named(&[10, 7, 5, 3], |_, _| 0.0);
+            let mut ddp = DistributedSync::new(group.current(), &mut model, small_buckets(16, 32))
+                .await
+                .unwrap();
+            backward(&mut ddp, rank as f32 + 1.0).unwrap();
+            ddp.finish().await.unwrap();
+            assert!(ddp.grad::<f32>(0).unwrap().iter().all(|&g| g == 2.0), "(1 + 2 + 3) / 3");
+            step_0_done.wait().await;
+            if rank == 2 {
+                // Dies between steps: its links are lost (cut, as a crash).
+                let links: Vec<_> = (0..3).filter_map(|r| group.current().link(r).cloned()).collect();
+                drop(ddp);
+                drop(group);
+                for link in links {
+                    link.cut("rank 2 died");
+                }
+                return None;
+            }
+            // The survivors' next step cannot complete: the abort, typed.
+            backward(&mut ddp, 5.0).unwrap();
+            let generation = ddp.group().generation();
+            let aborted = match ddp.finish().await {
+                Err(SyncError::Aborted { step: 1, aborted }) => aborted,
+                other => panic!("rank {rank}: expected the group's abort at step 1, got {other:?}"),
+            };
+            assert_eq!(aborted.generation, generation);
+            assert!(ddp.grad::<f32>(1).unwrap().iter().all(|&g| g == 0.0), "zeroed after an abort");
+            let next = group.next_generation(generation).await.unwrap();
+            ddp.rebind(next.clone()).await.unwrap();
+            // The redone step averages over the new world of 2.
+            backward(&mut ddp, next.rank() as f32 + 1.0).unwrap();
+            ddp.finish().await.unwrap();
+            let grads: Vec<Vec<f32>> = (0..4).map(|p| ddp.grad::<f32>(p).unwrap().to_vec()).collect();
+            let world = next.world_size();
+            drop(ddp);
+            drop(next);
+            group.destroy().await.unwrap();
+            Some((world, grads))
+        }));
+    }
+    let mut survivors = 0;
+    for task in ranks {
+        if let Some((world, grads)) = within(60, "an elastic job losing a rank mid-step", task).await.unwrap() {
+            assert_eq!(world, 2);
+            assert!(grads.iter().flatten().all(|&g| g == 1.5), "(1 + 2) / 2: {grads:?}");
+            survivors += 1;
+        }
+    }
+    assert_eq!(survivors, 2);
 }

@@ -23,6 +23,7 @@ pub mod powersgd;
 use std::sync::Arc;
 
 use chorus_actors::driver::CollectiveError;
+use chorus_actors::supervision::GroupAborted;
 use chorus_runtime::collective::DType;
 use thiserror::Error;
 use tokio::task::JoinHandle;
@@ -34,6 +35,9 @@ pub use powersgd::{PowerSgd, PowerSgdOptions};
 use crate::group::ProcessGroup;
 use crate::tensor::{Element, Tensor};
 use plan::{MarkError, ReadyTracker};
+
+/// How long a failed step waits for the group's abort to explain it.
+const ABORT_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// A parameter's storage, wherever it lives: the sync layer only copies
 /// byte ranges in and out of it (the start-up broadcast and checksums), so
@@ -218,6 +222,19 @@ pub enum SyncError {
         "rank 0's bucket order is not a permutation of the {0} parameters; the ranks run different chorus versions?"
     )]
     BadOrder(usize),
+    /// The group was aborted (a peer failed, a collective timed out) while
+    /// this step's buckets were reduced: the gradients are zeroed, and the
+    /// step must be redone on the group's next generation
+    /// ([`DistributedSync::rebind`]).
+    #[error(
+        "the process group was aborted during synced step {step}: {aborted}; rebind to the next generation and redo the step"
+    )]
+    Aborted {
+        /// The synced step (from 0) that failed.
+        step: u64,
+        /// The group's abort.
+        aborted: GroupAborted,
+    },
     /// `mark_ready` or `finish` was called outside a tokio runtime.
     #[error("gradient sync needs a tokio runtime: call mark_ready inside one")]
     NoRuntime,
@@ -638,7 +655,9 @@ impl<'g> DistributedSync<'g> {
         self.tracker = ReadyTracker::new(&self.layout);
         let step = self.step;
         self.step += 1;
-        result?;
+        if let Err(e) = result {
+            return Err(self.aborted(step, e).await);
+        }
         // Before the unmarked check: every rank must take part in the rebuild.
         if self.options.rebuild_buckets && !self.rebuilt {
             self.rebuilt = true;
@@ -651,6 +670,60 @@ impl<'g> DistributedSync<'g> {
             });
         }
         Ok(())
+    }
+
+    /// A failed bucket's error, as the group's abort when the group was
+    /// aborted (the collective may have failed on a lost link just before
+    /// supervision aborted the group): the gradients are zeroed then, since
+    /// the other buckets' averages are of no use without this one.
+    async fn aborted(&mut self, step: u64, error: SyncError) -> SyncError {
+        let aborted = match error {
+            SyncError::Collective(CollectiveError::GroupAborted(ref aborted)) => Some(aborted.clone()),
+            SyncError::Collective(_) => {
+                let mut failures = self.group.failures();
+                // A short grace: supervision aborts the group right after
+                // the link failure this collective saw first.
+                let waited = tokio::time::timeout(ABORT_GRACE, failures.wait_for(Option::is_some)).await;
+                waited.ok().and_then(|r| r.ok()).and_then(|a| a.clone())
+            }
+            _ => None,
+        };
+        match aborted {
+            Some(aborted) => {
+                self.storage.iter_mut().flatten().for_each(|s| s.fill(0));
+                SyncError::Aborted { step, aborted }
+            }
+            None => error,
+        }
+    }
+
+    /// Moves the sync to another group, typically an `ElasticGroup`'s next
+    /// generation after [`finish`](Self::finish) returned
+    /// [`SyncError::Aborted`] (every rank of the new group calls it, or
+    /// [`new`](Self::new) with `init_sync: false` on a rank that joins):
+    /// drops the buckets in flight, zeroes the gradients, forgets the
+    /// step's ready marks, goes back to the registration-order buckets (so
+    /// that the next step rebuilds them in agreement with the new rank 0),
+    /// and checks that every rank of the new group registered the same
+    /// parameters. Broadcasts nothing: the survivors' parameters are equal
+    /// already. A hook that holds a group (PowerSGD) must be registered
+    /// anew.
+    pub async fn rebind(&mut self, group: impl Into<GroupRef<'g>>) -> Result<(), SyncError> {
+        for handle in self.in_flight.iter_mut().filter_map(Option::take) {
+            handle.abort();
+        }
+        self.layout = plan::assign_buckets(&self.specs, &plan::reverse_order(self.specs.len()), self.options.caps());
+        self.storage = zeroed(&self.layout);
+        self.in_flight = self.layout.buckets.iter().map(|_| None).collect();
+        self.tracker = ReadyTracker::new(&self.layout);
+        self.rebuilt = false;
+        self.group = group.into();
+        check_same_everywhere(&self.group, &self.entries).await
+    }
+
+    /// The group the buckets are reduced on.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
     }
 
     /// Adopts rank 0's ready order as the bucket layout, moving the
