@@ -3,7 +3,8 @@
 //! overlap observed, averages against a naive per-tensor all-reduce, a
 //! small model trained on N ranks against one rank with the whole batch,
 //! the errors, no_sync, the half-precision hooks, and an elastic job that
-//! loses a rank mid-step and goes on after `rebind`.
+//! loses a rank mid-step and goes on after `rebind`, and uneven inputs
+//! finished with `join`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -740,4 +741,79 @@ async fn a_rank_dying_mid_step_aborts_the_step_and_rebind_goes_on_in_the_next_ge
         }
     }
     assert_eq!(survivors, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_with_5_3_and_4_batches_join_without_hanging_and_average_over_the_active() {
+    within(60, "uneven inputs with join", async {
+        let batches = [5usize, 3, 4];
+        let seen = spawn(3, move |pg| async move {
+            let rank = pg.rank();
+            let mut model = named(&[10, 7, 5, 3], |_, _| 0.0);
+            let options = SyncOptions {
+                join: true,
+                divide_by_initial_world_size: false,
+                ..small_buckets(16, 32)
+            };
+            let mut ddp = DistributedSync::new(&pg, &mut model, options).await.unwrap();
+            let mut averages = Vec::new();
+            for batch in 0..batches[rank] {
+                backward(&mut ddp, (rank as f32 + 1.0) * 10.0 + batch as f32).unwrap();
+                ddp.finish().await.unwrap();
+                let grads: Vec<f32> = (0..4).flat_map(|p| ddp.grad::<f32>(p).unwrap().to_vec()).collect();
+                averages.push(grads);
+            }
+            ddp.join().await.unwrap();
+            assert!(ddp.grad::<f32>(0).unwrap().iter().all(|&g| g == 0.0), "zeroed after join");
+            averages
+        })
+        .await
+        .unwrap();
+        for (rank, averages) in seen.iter().enumerate() {
+            for (batch, grads) in averages.iter().enumerate() {
+                let active: Vec<f32> = (0..3)
+                    .filter(|&r| batches[r] > batch)
+                    .map(|r| (r as f32 + 1.0) * 10.0 + batch as f32)
+                    .collect();
+                let want = active.iter().sum::<f32>() / active.len() as f32;
+                assert!(
+                    grads.iter().all(|&g| (g - want).abs() < 1e-4),
+                    "rank {rank} batch {batch}: want {want} over {} active ranks, got {:?}",
+                    active.len(),
+                    &grads[..3]
+                );
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_without_the_option_is_refused_and_by_default_divides_by_the_world() {
+    within(60, "join defaults", async {
+        let seen = spawn(2, |pg| async move {
+            let mut model = named(&[4], |_, _| 0.0);
+            let mut plain = DistributedSync::new(&pg, &mut model, SyncOptions::default()).await.unwrap();
+            assert!(matches!(plain.join().await, Err(SyncError::JoinOff)));
+            let options = SyncOptions {
+                join: true,
+                ..SyncOptions::default()
+            };
+            let mut ddp = DistributedSync::new(&pg, &mut model, options).await.unwrap();
+            if pg.rank() == 0 {
+                backward(&mut ddp, 6.0).unwrap();
+                ddp.finish().await.unwrap();
+                let got = ddp.grad::<f32>(0).unwrap()[0];
+                ddp.join().await.unwrap();
+                got
+            } else {
+                ddp.join().await.unwrap();
+                0.0
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(seen[0], 3.0, "PyTorch's default: 6 / the initial world of 2");
+    })
+    .await;
 }

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use chorus_actors::driver::CollectiveError;
 use chorus_actors::supervision::GroupAborted;
-use chorus_runtime::collective::DType;
+use chorus_runtime::collective::{DType, ReduceOp};
 use thiserror::Error;
 use tokio::task::JoinHandle;
 
@@ -126,6 +126,15 @@ pub struct SyncOptions {
     /// Rebuild the buckets once, after the first synced step, in the order
     /// gradients became ready on rank 0 (DDP does: true).
     pub rebuild_buckets: bool,
+    /// Uneven inputs (PyTorch's `with ddp.join():`): every synced step
+    /// starts with an all-reduce of one "still have data" flag, so a rank
+    /// out of data can shadow the others' steps with
+    /// [`DistributedSync::join`]. Every rank sets the same (default false).
+    pub join: bool,
+    /// With `join`, whether the average divides by the whole world (joined
+    /// ranks counting as zeros, PyTorch's default: true) or by the ranks
+    /// that still had data in the step (false).
+    pub divide_by_initial_world_size: bool,
 }
 
 impl Default for SyncOptions {
@@ -137,6 +146,8 @@ impl Default for SyncOptions {
             init_sync: true,
             find_unused_parameters: false,
             rebuild_buckets: true,
+            join: false,
+            divide_by_initial_world_size: true,
         }
     }
 }
@@ -235,6 +246,9 @@ pub enum SyncError {
         /// The group's abort.
         aborted: GroupAborted,
     },
+    /// `join` without [`SyncOptions::join`].
+    #[error("join needs SyncOptions::join set on every rank (each step then starts with a flag all-reduce)")]
+    JoinOff,
     /// `mark_ready` or `finish` was called outside a tokio runtime.
     #[error("gradient sync needs a tokio runtime: call mark_ready inside one")]
     NoRuntime,
@@ -280,6 +294,17 @@ fn describe(model: &mut (dyn Parameters + Send)) -> (Vec<ParamSpec>, Vec<ParamSp
     let mut all = params.clone();
     model.visit_buffers(&mut |name, b| all.push(spec(name, b)));
     (params, all)
+}
+
+/// The one `u32` of a flag all-reduce, widened.
+fn u64s_of_u32(t: &Tensor) -> Result<u64, SyncError> {
+    match t.to_vec::<u32>().ok().as_deref() {
+        Some([n]) => Ok(u64::from(*n)),
+        _ => Err(SyncError::Collective(CollectiveError::Protocol {
+            peer: usize::MAX,
+            reason: "a join flag all-reduce returned other than one u32".into(),
+        })),
+    }
 }
 
 fn u64s(t: Tensor) -> Result<Vec<u64>, SyncError> {
@@ -424,6 +449,12 @@ pub struct DistributedSync<'g> {
     require_sync: bool,
     rebuilt: bool,
     step: u64,
+    /// With `join`: this step's flag all-reduce, once submitted (active
+    /// ranks submit 1 before their first bucket; joined ranks 0).
+    flag: Option<JoinHandle<Result<Tensor, CollectiveError>>>,
+    flag_sent: bool,
+    /// Inside [`join`](DistributedSync::join): shadowing, gradients are zeros.
+    joined: bool,
 }
 
 impl std::fmt::Debug for DistributedSync<'_> {
@@ -468,6 +499,9 @@ impl<'g> DistributedSync<'g> {
             require_sync: true,
             rebuilt: false,
             step: 0,
+            flag: None,
+            flag_sent: false,
+            joined: false,
         })
     }
 
@@ -577,8 +611,21 @@ impl<'g> DistributedSync<'g> {
         Ok(())
     }
 
+    /// With `join`, submits this step's "I have data" flag ahead of its
+    /// first bucket, so that it lines up with joined ranks' flags.
+    fn send_flag(&mut self) -> Result<(), SyncError> {
+        if self.options.join && !self.flag_sent {
+            let runtime = tokio::runtime::Handle::try_current().map_err(|_| SyncError::NoRuntime)?;
+            self.flag_sent = true;
+            // A task, so that the sync stays `Sync` (a `Work` is not).
+            self.flag = Some(runtime.spawn(self.group.all_reduce(Tensor::from_slice(&[1u32]), ReduceOp::Sum)));
+        }
+        Ok(())
+    }
+
     fn launch(&mut self, bucket: usize) -> Result<(), SyncError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| SyncError::NoRuntime)?;
+        self.send_flag()?;
         let Some(bytes) = self.storage[bucket].take() else {
             return Ok(());
         };
@@ -614,7 +661,7 @@ impl<'g> DistributedSync<'g> {
                 storage[offset * size..(offset + self.specs[p].len) * size].fill(0);
             }
         }
-        let mut result = Ok(());
+        let mut result = self.send_flag();
         if let Err(e) = self.tracker.mark_rest().try_for_each(|b| self.launch(b)) {
             result = Err(e);
         }
@@ -651,6 +698,16 @@ impl<'g> DistributedSync<'g> {
                 }
             });
         }
+        self.flag_sent = false;
+        if let (Some(flag), true) = (self.flag.take(), result.is_ok()) {
+            let joined = flag
+                .await
+                .map_err(|e| SyncError::Collective(CollectiveError::Broken(format!("the join flag's task: {e}"))));
+            match joined.and_then(|r| Ok(r?)).and_then(|t| u64s_of_u32(&t)) {
+                Ok(active) => self.divide_for_join(active),
+                Err(e) => result = Err(e),
+            }
+        }
         let order = self.tracker.ready_order();
         self.tracker = ReadyTracker::new(&self.layout);
         let step = self.step;
@@ -663,13 +720,72 @@ impl<'g> DistributedSync<'g> {
             self.rebuilt = true;
             self.rebuild(order).await?;
         }
-        if !unmarked.is_empty() && !self.options.find_unused_parameters {
+        if !unmarked.is_empty() && !self.options.find_unused_parameters && !self.joined {
             return Err(SyncError::Unmarked {
                 step,
                 names: unmarked.iter().map(|&p| self.specs[p].name.clone()).collect(),
             });
         }
         Ok(())
+    }
+
+    /// With `divide_by_initial_world_size` off, turns the average over the
+    /// world into one over the `active` ranks that had data (floats only:
+    /// an integer average cannot be rescaled exactly).
+    fn divide_for_join(&mut self, active: u64) {
+        let world = self.group.world_size() as u64;
+        if self.options.divide_by_initial_world_size || active == 0 || active >= world {
+            return;
+        }
+        let by = world as f64 / active as f64;
+        for (bucket, storage) in self.layout.buckets.iter().zip(self.storage.iter_mut().flatten()) {
+            match bucket.dtype {
+                DType::Float32 => {
+                    if let Ok(v) = bytemuck::try_cast_slice_mut::<u8, f32>(storage) {
+                        v.iter_mut().for_each(|x| *x *= by as f32);
+                    }
+                }
+                DType::Float64 => {
+                    if let Ok(v) = bytemuck::try_cast_slice_mut::<u8, f64>(storage) {
+                        v.iter_mut().for_each(|x| *x *= by);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Called by a rank that ran out of data, with `join` set (PyTorch's
+    /// `join()` context manager around the loop): shadows the other
+    /// ranks' synced steps, contributing zero gradients to every bucket,
+    /// until every rank has joined; then returns with the gradients
+    /// zeroed. Every rank calls it once its data ends, so nobody waits
+    /// forever at the end of an epoch.
+    pub async fn join(&mut self) -> Result<(), SyncError> {
+        if !self.options.join {
+            return Err(SyncError::JoinOff);
+        }
+        if !self.require_sync {
+            return Ok(());
+        }
+        self.joined = true;
+        let result: Result<(), SyncError> = async {
+            loop {
+                self.zero_grad()?;
+                self.flag_sent = true;
+                let flag = self.group.all_reduce(Tensor::from_slice(&[0u32]), ReduceOp::Sum);
+                let active = u64s_of_u32(&flag.await?)?;
+                if active == 0 {
+                    return Ok(());
+                }
+                self.finish().await?;
+            }
+        }
+        .await;
+        self.joined = false;
+        self.flag_sent = false;
+        result?;
+        self.zero_grad()
     }
 
     /// A failed bucket's error, as the group's abort when the group was
@@ -709,7 +825,7 @@ impl<'g> DistributedSync<'g> {
     /// already. A hook that holds a group (PowerSGD) must be registered
     /// anew.
     pub async fn rebind(&mut self, group: impl Into<GroupRef<'g>>) -> Result<(), SyncError> {
-        for handle in self.in_flight.iter_mut().filter_map(Option::take) {
+        for handle in self.in_flight.iter_mut().filter_map(Option::take).chain(self.flag.take()) {
             handle.abort();
         }
         self.layout = plan::assign_buckets(&self.specs, &plan::reverse_order(self.specs.len()), self.options.caps());
@@ -717,6 +833,7 @@ impl<'g> DistributedSync<'g> {
         self.in_flight = self.layout.buckets.iter().map(|_| None).collect();
         self.tracker = ReadyTracker::new(&self.layout);
         self.rebuilt = false;
+        self.flag_sent = false;
         self.group = group.into();
         check_same_everywhere(&self.group, &self.entries).await
     }
