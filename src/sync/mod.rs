@@ -9,7 +9,11 @@
 //! and calls [`DistributedSync::mark_ready`]; a bucket's all-reduce starts
 //! on the rank's actor as soon as its last gradient is ready, while the
 //! caller computes the next ones. [`DistributedSync::finish`] waits for the
-//! rest and leaves the averaged gradients in place.
+//! rest and leaves the averaged gradients in place. On an elastic group a
+//! step the abort interrupted is [`SyncError::Aborted`], and
+//! [`DistributedSync::rebind`] goes on in the next generation;
+//! [`DistributedSync::join`] lets a rank out of data shadow the others
+//! (with [`SyncOptions::join`]).
 //!
 //! - [`plan`]: the decisions, sans IO (bucket assignment, ready tracking,
 //!   list comparison, broadcast chunks, divergence).
