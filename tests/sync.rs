@@ -718,7 +718,10 @@ async fn a_rank_dying_mid_step_aborts_the_step_and_rebind_goes_on_in_the_next_ge
                 other => panic!("rank {rank}: expected the group's abort at step 1, got {other:?}"),
             };
             assert_eq!(aborted.generation, generation);
-            assert!(ddp.grad::<f32>(1).unwrap().iter().all(|&g| g == 0.0), "zeroed after an abort");
+            assert!(
+                ddp.grad::<f32>(1).unwrap().iter().all(|&g| g == 0.0),
+                "zeroed after an abort"
+            );
             let next = group.next_generation(generation).await.unwrap();
             ddp.rebind(next.clone()).await.unwrap();
             // The redone step averages over the new world of 2.
@@ -764,7 +767,10 @@ async fn ranks_with_5_3_and_4_batches_join_without_hanging_and_average_over_the_
                 averages.push(grads);
             }
             ddp.join().await.unwrap();
-            assert!(ddp.grad::<f32>(0).unwrap().iter().all(|&g| g == 0.0), "zeroed after join");
+            assert!(
+                ddp.grad::<f32>(0).unwrap().iter().all(|&g| g == 0.0),
+                "zeroed after join"
+            );
             averages
         })
         .await
@@ -793,7 +799,9 @@ async fn join_without_the_option_is_refused_and_by_default_divides_by_the_world(
     within(60, "join defaults", async {
         let seen = spawn(2, |pg| async move {
             let mut model = named(&[4], |_, _| 0.0);
-            let mut plain = DistributedSync::new(&pg, &mut model, SyncOptions::default()).await.unwrap();
+            let mut plain = DistributedSync::new(&pg, &mut model, SyncOptions::default())
+                .await
+                .unwrap();
             assert!(matches!(plain.join().await, Err(SyncError::JoinOff)));
             let options = SyncOptions {
                 join: true,

@@ -557,14 +557,22 @@ pub fn draw_timeline(path: &std::path::Path, title: &str, row: &Value) -> Result
         .draw()
         .map_err(|e| e.to_string())?;
     let bar = |row: f64, from: f64, to: f64, color: RGBColor| {
-        Rectangle::new([(from, rows - row - 0.8), (to.max(from + last * 0.002), rows - row - 0.2)], color.filled())
+        Rectangle::new(
+            [
+                (from, rows - row - 0.8),
+                (to.max(from + last * 0.002), rows - row - 0.2),
+            ],
+            color.filled(),
+        )
     };
     let gray = RGBColor(127, 127, 127);
     let blue = RGBColor(31, 119, 180);
     chart
         .draw_series(std::iter::once(bar(0.0, 0.0, backward, gray)))
         .map_err(|e| e.to_string())?
-        .label(format!("this step's backward pass: last gradient ready at {backward:.1} ms"))
+        .label(format!(
+            "this step's backward pass: last gradient ready at {backward:.1} ms"
+        ))
         .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], gray.filled()));
     chart
         .draw_series(
@@ -584,9 +592,9 @@ pub fn draw_timeline(path: &std::path::Path, title: &str, row: &Value) -> Result
             .map(|(i, s)| (i as f64 + 1.0, s.end, format!("bucket {} ({:.1} MB)", s.index, s.mb))),
     );
     chart
-        .draw_series(names.map(|(row, end, name)| {
-            Text::new(name, (end + last * 0.01, rows - row - 0.35), ("sans-serif", 13))
-        }))
+        .draw_series(
+            names.map(|(row, end, name)| Text::new(name, (end + last * 0.01, rows - row - 0.35), ("sans-serif", 13))),
+        )
         .map_err(|e| e.to_string())?;
     let red = RGBColor(214, 39, 40);
     chart

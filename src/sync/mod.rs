@@ -829,7 +829,12 @@ impl<'g> DistributedSync<'g> {
     /// already. A hook that holds a group (PowerSGD) must be registered
     /// anew.
     pub async fn rebind(&mut self, group: impl Into<GroupRef<'g>>) -> Result<(), SyncError> {
-        for handle in self.in_flight.iter_mut().filter_map(Option::take).chain(self.flag.take()) {
+        for handle in self
+            .in_flight
+            .iter_mut()
+            .filter_map(Option::take)
+            .chain(self.flag.take())
+        {
             handle.abort();
         }
         self.layout = plan::assign_buckets(&self.specs, &plan::reverse_order(self.specs.len()), self.options.caps());

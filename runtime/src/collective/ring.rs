@@ -72,12 +72,7 @@ impl Ring<'_> {
                     tag,
                     Region::Output(part(self.chunk(t + 1), self.segments, s)),
                 );
-                b.recv(
-                    self.left(),
-                    tag,
-                    part(self.chunk(t + 2), self.segments, s),
-                    then,
-                );
+                b.recv(self.left(), tag, part(self.chunk(t + 2), self.segments, s), then);
             }
         }
     }
