@@ -71,8 +71,8 @@ pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError}
 pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use nccl_group::{NcclInitError, NcclProcessGroup, init_nccl_group, init_nccl_group_with};
 pub use sync::{DistributedSync, ParamBuffer, Parameters, SyncError, SyncOptions};
-pub use train::{NamedState, TrainState};
 pub use tensor::{Element, Tensor};
+pub use train::{NamedState, TrainState};
 
 /// `error` and its causes on one line, each cause once: chorus's messages
 /// often quote their cause already, which `{:#}` or a "Caused by" list would
