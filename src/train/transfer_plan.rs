@@ -563,11 +563,17 @@ mod tests {
             }]
         );
         assert_eq!(schedule.refetched(), 1);
-        assert_eq!(schedule.finish_round(&[(0, 4)]), Err(Exhausted {
-            chunk: 4,
-            receiver: 0,
-            tried: vec![2, 3]
-        }));
+        assert_eq!(schedule.finish_round(&[(0, 4)]), Ok(false));
+        assert_eq!(schedule.pending()[0].source, 1, "then the one not tried yet");
+        assert_eq!(
+            schedule.finish_round(&[(0, 4)]),
+            Err(Exhausted {
+                chunk: 4,
+                receiver: 0,
+                tried: vec![2, 3, 1]
+            }),
+            "three rounds in all"
+        );
 
         let mut single = Schedule::new(&[5], &[0, 1], 2, 4);
         assert_eq!(single.finish_round(&[(1, 0)]), Ok(false));
@@ -577,12 +583,12 @@ mod tests {
 
         // Once every source was tried, the rotation goes on.
         let mut two = Schedule::new(&[0, 1], &[2], 2, 5);
-        for expected in [1, 0, 1] {
+        for expected in [1, 0, 1, 0] {
             assert_eq!(two.finish_round(&[(2, 0)]), Ok(false));
             assert_eq!(two.pending()[0].source, expected);
         }
         let exhausted = two.finish_round(&[(2, 0)]).unwrap_err();
-        assert_eq!(exhausted.tried, [0, 1, 0, 1]);
+        assert_eq!(exhausted.tried, [0, 1, 0, 1, 0]);
     }
 
     #[test]
