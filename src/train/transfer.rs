@@ -51,7 +51,10 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::state::{StateEntry, TrainState, entries, for_each_entry};
-use super::transfer_plan::{Chunks, HEADER, Header, Hello, Schedule, checksum, decode_bad, encode_bad, roles};
+use super::transfer_plan::{
+    BLOCK, Chunks, HEADER, Header, Hello, Schedule, block_checksum, checksum, chunk_checksum, combine, decode_bad,
+    encode_bad, roles,
+};
 use crate::group::ProcessGroup;
 use crate::sync::plan::{self as sync_plan, ParamSpec};
 use crate::sync::{Diverged, ParamBuffer};
@@ -468,9 +471,10 @@ async fn send_round(
             Ok(())
         });
     }
+    let pool = Pool::default();
     let work = async {
         for (chunk, receivers) in sends {
-            let frame = read_chunk(state, extra, chunks, *chunk, round);
+            let frame = read_chunk(state, extra, chunks, *chunk, round, &pool);
             for receiver in receivers {
                 // A closed queue means its task failed: its error comes below.
                 if queues[receiver].send(frame.clone()).await.is_err() {
@@ -487,31 +491,94 @@ async fn send_round(
     unless_aborted(group, work).await.map_err(|e| fail(group, e))
 }
 
-/// One chunk's frame: header, then the bytes read from the state.
-fn read_chunk(state: &mut dyn TrainState, extra: &[u8], chunks: &Chunks, chunk: usize, round: u32) -> Bytes {
+/// Frame buffers of one round, reused once the transports drop them: a
+/// fresh 8 MiB buffer pays a page fault per 4 KiB on first touch.
+#[derive(Default, Clone)]
+struct Pool(Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+
+struct Pooled {
+    buffer: Vec<u8>,
+    pool: Pool,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let mut free = self.pool.0.lock().unwrap_or_else(|p| p.into_inner());
+        free.push(std::mem::take(&mut self.buffer));
+    }
+}
+
+impl Pool {
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut buffer = self.0.lock().unwrap_or_else(|p| p.into_inner()).pop().unwrap_or_default();
+        // Its old bytes are all overwritten: resize only zeroes what it adds.
+        buffer.resize(len, 0);
+        buffer
+    }
+
+    fn frame(&self, buffer: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Pooled {
+            buffer,
+            pool: self.clone(),
+        })
+    }
+}
+
+/// One chunk's frame: header, then the bytes read from the state, each
+/// block checksummed right after it is read (while it is in the cache).
+fn read_chunk(
+    state: &mut dyn TrainState,
+    extra: &[u8],
+    chunks: &Chunks,
+    chunk: usize,
+    round: u32,
+    pool: &Pool,
+) -> Bytes {
+    let seed = chunk as u64;
+    let sum;
     let mut frame;
     if chunk == chunks.extra() {
-        frame = vec![0u8; HEADER + extra.len()];
+        frame = pool.take(HEADER + extra.len());
         frame[HEADER..].copy_from_slice(extra);
+        sum = chunk_checksum(seed, extra);
     } else {
         let pieces = chunks.pieces(chunk);
-        frame = vec![0u8; HEADER + chunks.range(chunk).len()];
+        let len = chunks.range(chunk).len();
+        frame = pool.take(HEADER + len);
         let payload = &mut frame[HEADER..];
+        let mut blocks = Vec::with_capacity(len.div_ceil(BLOCK));
         let mut next = 0;
         for_each_entry(state, |i, _, buffer| {
             while let Some(p) = pieces.get(next).filter(|p| p.entry == i) {
-                buffer.read_bytes(p.bytes.start, &mut payload[p.at..p.at + p.bytes.len()]);
+                let (mut at, end, mut from) = (p.at, p.at + p.bytes.len(), p.bytes.start);
+                while at < end {
+                    let stop = ((at / BLOCK + 1) * BLOCK).min(end);
+                    buffer.read_bytes(from, &mut payload[at..stop]);
+                    from += stop - at;
+                    at = stop;
+                    if at % BLOCK == 0 || at == len {
+                        let index = (at - 1) / BLOCK;
+                        blocks.push(block_checksum(seed, index, &payload[index * BLOCK..at]));
+                    }
+                }
                 next += 1;
             }
         });
+        sum = combine(seed, &blocks);
     }
-    let header = Header {
+    Header {
         chunk: chunk as u32,
         round,
-        checksum: checksum(chunk as u64, &frame[HEADER..]),
-    };
-    header.write(&mut frame);
-    Bytes::from(frame)
+        checksum: sum,
+    }
+    .write(&mut frame);
+    pool.frame(frame)
 }
 
 /// What a receiver's round works on.
@@ -591,25 +658,41 @@ fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, frame: &[u8]) ->
     }
     let header = Header::read(frame).expect("length checked");
     let payload = &frame[HEADER..];
-    let intact = header.chunk as usize == chunk
-        && header.round == ctx.round
-        && header.checksum == checksum(chunk as u64, payload);
+    let seed = chunk as u64;
+    let sum = if is_extra {
+        chunk_checksum(seed, payload)
+    } else {
+        // Written as it is checked, block by block (each hashed just before
+        // its bytes are copied out): a damaged chunk is fetched again and
+        // overwritten.
+        let pieces = ctx.chunks.pieces(chunk);
+        let mut blocks = Vec::with_capacity(len.div_ceil(BLOCK));
+        let mut next = 0;
+        for_each_entry(ctx.state, |i, _, buffer: &mut dyn ParamBuffer| {
+            while let Some(p) = pieces.get(next).filter(|p| p.entry == i) {
+                let (mut at, end, mut to) = (p.at, p.at + p.bytes.len(), p.bytes.start);
+                while at < end {
+                    let index = at / BLOCK;
+                    if blocks.len() == index {
+                        let block = &payload[index * BLOCK..((index + 1) * BLOCK).min(len)];
+                        blocks.push(block_checksum(seed, index, block));
+                    }
+                    let stop = ((index + 1) * BLOCK).min(end);
+                    buffer.write_bytes(to, &payload[at..stop]);
+                    to += stop - at;
+                    at = stop;
+                }
+                next += 1;
+            }
+        });
+        combine(seed, &blocks)
+    };
+    let intact = header.chunk as usize == chunk && header.round == ctx.round && header.checksum == sum;
     if !intact {
         tracing::warn!(source, chunk, round = ctx.round, "state transfer: a chunk failed its checksum");
         ctx.bad.push(chunk);
-        return Ok(());
-    }
-    if is_extra {
+    } else if is_extra {
         *ctx.extra = Some(payload.to_vec());
-        return Ok(());
     }
-    let pieces = ctx.chunks.pieces(chunk);
-    let mut next = 0;
-    for_each_entry(ctx.state, |i, _, buffer: &mut dyn ParamBuffer| {
-        while let Some(p) = pieces.get(next).filter(|p| p.entry == i) {
-            buffer.write_bytes(p.bytes.start, &payload[p.at..p.at + p.bytes.len()]);
-            next += 1;
-        }
-    });
     Ok(())
 }
