@@ -66,7 +66,7 @@ use crate::tensor::Tensor;
 pub const TRANSFER_CHANNEL: ChannelId = 0xFFFF_FF00;
 
 /// Frames a source keeps queued per receiver while it reads the next chunk.
-const QUEUED_PER_RECEIVER: usize = 2;
+const QUEUED_PER_RECEIVER: usize = 4;
 
 /// How [`sync_state`] moves the state.
 #[derive(Debug, Clone)]
@@ -81,9 +81,11 @@ pub struct TransferOptions {
 impl Default for TransferOptions {
     fn default() -> Self {
         Self {
-            // Measured (BENCHMARKS.md, issue 14): 8 MiB runs as fast as
-            // larger chunks and fits a shared-memory ring 8 times over.
-            chunk_bytes: 8 << 20,
+            // Measured (BENCHMARKS.md, issue 14): on shm 1-2 MiB chunks ran
+            // 1.5-3x faster than 8-32 MiB (a chunk stays in the L2/L3 cache
+            // between its read, checksum and copy into the ring), and on
+            // QUIC no slower.
+            chunk_bytes: 2 << 20,
             max_rounds: 3,
         }
     }
