@@ -475,12 +475,12 @@ async fn send_round(
     }
     let pool = Pool::default();
     let work = async {
-        for (chunk, receivers) in sends {
+        'chunks: for (chunk, receivers) in sends {
             let frame = read_chunk(state, extra, chunks, *chunk, round, &pool);
             for receiver in receivers {
                 // A closed queue means its task failed: its error comes below.
                 if queues[receiver].send(frame.clone()).await.is_err() {
-                    break;
+                    break 'chunks;
                 }
             }
         }

@@ -16,7 +16,7 @@ pub const HEADER: usize = 16;
 pub struct Hello {
     /// Fingerprint of its list of entries.
     pub fingerprint: u64,
-    /// How many entries it lists.
+    /// Bytes of its encoded entry list (broadcast on a mismatch).
     pub entries: u64,
     /// The step its state is at, if it has one.
     pub step: Option<u64>,
