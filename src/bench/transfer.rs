@@ -201,7 +201,7 @@ async fn link_throughput(group: &ProcessGroup, size: usize, chunk: usize, joiner
 
 /// The parent: one set of rank processes per configuration, then the table.
 pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
-    if args.rounds == 0 || args.sources.iter().any(|&s| s == 0) {
+    if args.rounds == 0 || args.sources.contains(&0) {
         bail!("--rounds and every --sources must be at least 1");
     }
     let exe = std::env::current_exe()?.to_string_lossy().into_owned();
