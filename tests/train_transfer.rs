@@ -416,3 +416,29 @@ fn after_a_source_dies_mid_transfer_the_next_generation_completes_it() {
         assert_eq!(bits, expected, "rank {rank}");
     }
 }
+
+#[test]
+fn rank_processes_transfer_over_shm_and_quic() {
+    // `chorus bench transfer`: 2 source processes and a joiner, which ends
+    // with verify_state (a rank whose state differs exits with an error).
+    let _serial = one_at_a_time();
+    let output = common::run(
+        std::process::Command::new(common::CHORUS).args([
+            "bench", "transfer", "--size", "3M", "--sources", "2", "--transport", "shm,quic", "--rounds", "1",
+            "--chunk", "256K", "--json", "--timeout", "60",
+        ]),
+        90,
+        "chorus bench transfer",
+        common::Stop::Kill,
+    );
+    let text = common::joined(&output);
+    assert!(output.status.success(), "{text}");
+    let rows: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    for (row, link) in rows.iter().zip(["shm", "quic"]) {
+        assert_eq!(row["link"], link, "{row}");
+        assert_eq!(row["bytes"], (3 << 20) + 64, "{row}");
+        assert_eq!(row["sources"], 2, "{row}");
+        assert!(row["transfer_gbps"].as_f64().is_some_and(|g| g > 0.0), "{row}");
+    }
+}
