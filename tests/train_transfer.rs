@@ -64,7 +64,10 @@ fn state(seed: u32) -> NamedState {
             ("empty".into(), values(0, 3)),
             ("head".into(), values(77_777, 4)),
         ],
-        buffers: vec![("running_mean".into(), values(5, 5)), ("running_var".into(), values(13, 6))],
+        buffers: vec![
+            ("running_mean".into(), values(5, 5)),
+            ("running_var".into(), values(13, 6)),
+        ],
         optimizer: vec![
             ("embed.exp_avg".into(), values(10_007, 7)),
             ("head.exp_avg".into(), values(77_777, 8)),
@@ -127,23 +130,26 @@ fn joiner(sources: usize) -> usize {
 fn a_joiner_gets_the_survivors_state_byte_for_byte_from_one_two_and_three_sources() {
     for sources in 1..=3 {
         let world = sources + 1;
-        let results = run(None, within(60, "state transfer to a joiner", async move {
-            chorus::spawn_with(world, options(), move |pg| async move {
-                let joiner = joiner(world - 1);
-                let (step, mut state) = if pg.rank() == joiner {
-                    let mut blank = state(99);
-                    blank.extra.clear();
-                    (None, blank)
-                } else {
-                    (Some(41), state(7))
-                };
-                let report = sync_state(&pg, &mut state, step, &small_chunks()).await;
-                let verified = verify_state(&pg, &mut state).await;
-                (report, verified, state)
-            })
-            .await
-            .expect("the group forms")
-        }));
+        let results = run(
+            None,
+            within(60, "state transfer to a joiner", async move {
+                chorus::spawn_with(world, options(), move |pg| async move {
+                    let joiner = joiner(world - 1);
+                    let (step, mut state) = if pg.rank() == joiner {
+                        let mut blank = state(99);
+                        blank.extra.clear();
+                        (None, blank)
+                    } else {
+                        (Some(41), state(7))
+                    };
+                    let report = sync_state(&pg, &mut state, step, &small_chunks()).await;
+                    let verified = verify_state(&pg, &mut state).await;
+                    (report, verified, state)
+                })
+                .await
+                .expect("the group forms")
+            }),
+        );
         let joiner = joiner(sources);
         let expected = bits(&state(7));
         for (rank, (report, verified, state)) in results.into_iter().enumerate() {
@@ -162,38 +168,53 @@ fn a_joiner_gets_the_survivors_state_byte_for_byte_from_one_two_and_three_source
 
 #[test]
 fn a_lagging_member_is_brought_forward_and_equal_members_move_nothing() {
-    let results = run(None, within(60, "a lagging member", async {
-        transfer(
-            3,
-            |rank| match rank {
-                2 => (Some(4), state(4)),
-                _ => (Some(9), state(9)),
-            },
-            small_chunks(),
-        )
-        .await
-    }));
+    let results = run(
+        None,
+        within(60, "a lagging member", async {
+            transfer(
+                3,
+                |rank| match rank {
+                    2 => (Some(4), state(4)),
+                    _ => (Some(9), state(9)),
+                },
+                small_chunks(),
+            )
+            .await
+        }),
+    );
     for (rank, (report, state)) in results.iter().enumerate() {
         let report = report.as_ref().unwrap();
-        assert_eq!((report.step, &report.sources[..], &report.receivers[..]), (9, &[0, 1][..], &[2][..]));
+        assert_eq!(
+            (report.step, &report.sources[..], &report.receivers[..]),
+            (9, &[0, 1][..], &[2][..])
+        );
         assert_eq!(bits(state), bits(&self::state(9)), "rank {rank}");
     }
 
-    let results = run(None, within(60, "equal members", async {
-        transfer(2, |_| (Some(3), state(3)), small_chunks()).await
-    }));
+    let results = run(
+        None,
+        within(60, "equal members", async {
+            transfer(2, |_| (Some(3), state(3)), small_chunks()).await
+        }),
+    );
     for (report, _) in &results {
         let report = report.as_ref().unwrap();
         assert!(report.receivers.is_empty() && report.bytes == 0, "{report:?}");
     }
 
     // Nobody has state: rank 0's is everyone's, at step 0.
-    let results = run(None, within(60, "no state anywhere", async {
-        transfer(3, |rank| (None, state(rank as u32 + 1)), small_chunks()).await
-    }));
+    let results = run(
+        None,
+        within(60, "no state anywhere", async {
+            transfer(3, |rank| (None, state(rank as u32 + 1)), small_chunks()).await
+        }),
+    );
     for (report, state) in &results {
         let report = report.as_ref().unwrap();
-        assert_eq!((report.step, &report.sources[..], &report.receivers[..]), (0, &[0][..], &[1, 2][..]));
+        assert_eq!(
+            (report.step, &report.sources[..], &report.receivers[..]),
+            (0, &[0][..], &[1, 2][..])
+        );
         assert_eq!(bits(state), bits(&self::state(1)));
     }
 }
@@ -202,17 +223,26 @@ fn a_lagging_member_is_brought_forward_and_equal_members_move_nothing() {
 fn a_corrupted_chunk_is_fetched_again_from_another_source() {
     // Rank 1's 12th frame to rank 0 is a chunk (the hello takes a few):
     // one bit of it flips on the wire.
-    let results = run(Some("corrupt(1->0, p=1, after_frames=12, times=1)"), within(60, "a corrupted chunk", async {
-        transfer(
-            3,
-            |rank| match rank {
-                0 => (None, NamedState { extra: Vec::new(), ..state(5) }),
-                _ => (Some(12), state(12)),
-            },
-            small_chunks(),
-        )
-        .await
-    }));
+    let results = run(
+        Some("corrupt(1->0, p=1, after_frames=12, times=1)"),
+        within(60, "a corrupted chunk", async {
+            transfer(
+                3,
+                |rank| match rank {
+                    0 => (
+                        None,
+                        NamedState {
+                            extra: Vec::new(),
+                            ..state(5)
+                        },
+                    ),
+                    _ => (Some(12), state(12)),
+                },
+                small_chunks(),
+            )
+            .await
+        }),
+    );
     for (rank, (report, state)) in results.iter().enumerate() {
         let report = report.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!(report.refetched, 1, "rank {rank}: one chunk fetched again");
@@ -222,23 +252,33 @@ fn a_corrupted_chunk_is_fetched_again_from_another_source() {
 
 #[test]
 fn a_chunk_damaged_in_every_round_is_an_error_naming_it_on_every_rank() {
-    let results = run(Some("corrupt(1->0, p=1, after_frames=12, times=1)"), within(60, "one round only", async {
-        transfer(
-            2,
-            |rank| match rank {
-                0 => (None, state(5)),
-                _ => (Some(12), state(12)),
-            },
-            TransferOptions {
-                max_rounds: 1,
-                ..small_chunks()
-            },
-        )
-        .await
-    }));
+    let results = run(
+        Some("corrupt(1->0, p=1, after_frames=12, times=1)"),
+        within(60, "one round only", async {
+            transfer(
+                2,
+                |rank| match rank {
+                    0 => (None, state(5)),
+                    _ => (Some(12), state(12)),
+                },
+                TransferOptions {
+                    max_rounds: 1,
+                    ..small_chunks()
+                },
+            )
+            .await
+        }),
+    );
     for (rank, (report, _)) in results.iter().enumerate() {
         match report {
-            Err(e @ TransferError::Corrupt { receiver: 0, sources, rounds: 1, .. }) => {
+            Err(
+                e @ TransferError::Corrupt {
+                    receiver: 0,
+                    sources,
+                    rounds: 1,
+                    ..
+                },
+            ) => {
                 assert_eq!(sources, &[1], "rank {rank}");
                 assert!(e.to_string().contains("raise max_rounds"), "{e}");
             }
@@ -249,25 +289,31 @@ fn a_chunk_damaged_in_every_round_is_an_error_naming_it_on_every_rank() {
 
 #[test]
 fn mismatched_lists_are_a_typed_error_on_every_rank() {
-    let results = run(None, within(30, "mismatched lists", async {
-        transfer(
-            3,
-            |rank| {
-                let mut s = state(1);
-                if rank == 2 {
-                    s.optimizer[1].1.pop();
-                }
-                (if rank == 1 { None } else { Some(1) }, s)
-            },
-            small_chunks(),
-        )
-        .await
-    }));
+    let results = run(
+        None,
+        within(30, "mismatched lists", async {
+            transfer(
+                3,
+                |rank| {
+                    let mut s = state(1);
+                    if rank == 2 {
+                        s.optimizer[1].1.pop();
+                    }
+                    (if rank == 1 { None } else { Some(1) }, s)
+                },
+                small_chunks(),
+            )
+            .await
+        }),
+    );
     for (rank, (report, _)) in results.iter().enumerate() {
         match report {
             Err(e @ TransferError::Mismatch { rank: 2, index: 7, .. }) => {
                 let text = e.to_string();
-                assert!(text.contains("'head.exp_avg' float32 x 77777") && text.contains("77776"), "{text}");
+                assert!(
+                    text.contains("'head.exp_avg' float32 x 77777") && text.contains("77776"),
+                    "{text}"
+                );
             }
             other => panic!("rank {rank}: expected Mismatch at #7 naming rank 2, got {other:?}"),
         }
@@ -277,17 +323,20 @@ fn mismatched_lists_are_a_typed_error_on_every_rank() {
 #[test]
 fn a_source_dying_mid_transfer_fails_every_rank_instead_of_hanging() {
     // Rank 1 (a source) dies after 15 frames: a few chunks in.
-    let results = run(Some("kill(rank=1, after_frames=15)"), within(30, "a dying source", async {
-        transfer(
-            3,
-            |rank| match rank {
-                0 => (None, state(5)),
-                _ => (Some(3), state(3)),
-            },
-            small_chunks(),
-        )
-        .await
-    }));
+    let results = run(
+        Some("kill(rank=1, after_frames=15)"),
+        within(30, "a dying source", async {
+            transfer(
+                3,
+                |rank| match rank {
+                    0 => (None, state(5)),
+                    _ => (Some(3), state(3)),
+                },
+                small_chunks(),
+            )
+            .await
+        }),
+    );
     for (rank, (report, _)) in results.iter().enumerate() {
         match report {
             Err(TransferError::Collective(_)) => {}
@@ -297,25 +346,30 @@ fn a_source_dying_mid_transfer_fails_every_rank_instead_of_hanging() {
     // The survivors saw the group aborted (what an ElasticGroup restarts on).
     assert!(matches!(
         &results[0].0,
-        Err(TransferError::Collective(CollectiveError::GroupAborted(_) | CollectiveError::Transport(_)))
+        Err(TransferError::Collective(
+            CollectiveError::GroupAborted(_) | CollectiveError::Transport(_)
+        ))
     ));
 }
 
 #[test]
 fn verify_state_names_the_diverged_ranks_and_their_first_entry() {
-    let results = run(None, within(30, "verify_state", async {
-        chorus::spawn_with(3, options(), |pg| async move {
-            let mut s = state(2);
-            match pg.rank() {
-                1 => s.buffers[1].1[12] = f32::from_bits(s.buffers[1].1[12].to_bits() ^ 1),
-                2 => s.extra.push(0),
-                _ => {}
-            }
-            verify_state(&pg, &mut s).await
-        })
-        .await
-        .unwrap()
-    }));
+    let results = run(
+        None,
+        within(30, "verify_state", async {
+            chorus::spawn_with(3, options(), |pg| async move {
+                let mut s = state(2);
+                match pg.rank() {
+                    1 => s.buffers[1].1[12] = f32::from_bits(s.buffers[1].1[12].to_bits() ^ 1),
+                    2 => s.extra.push(0),
+                    _ => {}
+                }
+                verify_state(&pg, &mut s).await
+            })
+            .await
+            .unwrap()
+        }),
+    );
     for (rank, verified) in results.iter().enumerate() {
         match verified {
             Err(TransferError::Diverged(ranks)) => {
@@ -365,54 +419,69 @@ impl TrainState for Dying {
 
 #[test]
 fn after_a_source_dies_mid_transfer_the_next_generation_completes_it() {
-    let results = run(None, within(60, "transfer across a restart", async {
-        let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(HashStore::default());
-        let ranks: Vec<_> = (0..4)
-            .map(|rank| {
-                let options = elastic_options(&store, rank, 4).elastic_world(3, 4);
-                tokio::spawn(async move {
-                    let group = ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}")).await.unwrap();
-                    let pg = group.current();
-                    // Rank 0 joins; rank 3 dies while reading its 6th chunk.
-                    let (step, state) = match rank {
-                        0 => (None, NamedState { extra: Vec::new(), ..state(1) }),
-                        _ => (Some(5), state(5)),
-                    };
-                    let mut state = Dying {
-                        state,
-                        visits: 0,
-                        die_at: (rank == 3).then_some(7),
-                        links: (0..4).filter_map(|r| pg.link(r).cloned()).collect(),
-                    };
-                    let first = sync_state(&pg, &mut state, step, &small_chunks()).await;
-                    if rank == 3 {
-                        drop(pg);
-                        drop(group);
-                        return None;
-                    }
-                    assert!(first.is_err(), "rank {rank}: the transfer cannot finish without rank 3");
-                    // The caller's step is unchanged: the joiner stays a joiner.
-                    let next = group.next_generation(pg.generation()).await.unwrap();
-                    let report = sync_state(&next, &mut state, step, &small_chunks()).await.unwrap();
-                    verify_state(&next, &mut state).await.unwrap();
-                    let result = (next.generation(), next.world_size(), report, bits(&state.state));
-                    drop((pg, next));
-                    group.destroy().await.unwrap();
-                    Some(result)
+    let results = run(
+        None,
+        within(60, "transfer across a restart", async {
+            let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(HashStore::default());
+            let ranks: Vec<_> = (0..4)
+                .map(|rank| {
+                    let options = elastic_options(&store, rank, 4).elastic_world(3, 4);
+                    tokio::spawn(async move {
+                        let group = ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}"))
+                            .await
+                            .unwrap();
+                        let pg = group.current();
+                        // Rank 0 joins; rank 3 dies while reading its 6th chunk.
+                        let (step, state) = match rank {
+                            0 => (
+                                None,
+                                NamedState {
+                                    extra: Vec::new(),
+                                    ..state(1)
+                                },
+                            ),
+                            _ => (Some(5), state(5)),
+                        };
+                        let mut state = Dying {
+                            state,
+                            visits: 0,
+                            die_at: (rank == 3).then_some(7),
+                            links: (0..4).filter_map(|r| pg.link(r).cloned()).collect(),
+                        };
+                        let first = sync_state(&pg, &mut state, step, &small_chunks()).await;
+                        if rank == 3 {
+                            drop(pg);
+                            drop(group);
+                            return None;
+                        }
+                        assert!(first.is_err(), "rank {rank}: the transfer cannot finish without rank 3");
+                        // The caller's step is unchanged: the joiner stays a joiner.
+                        let next = group.next_generation(pg.generation()).await.unwrap();
+                        let report = sync_state(&next, &mut state, step, &small_chunks()).await.unwrap();
+                        verify_state(&next, &mut state).await.unwrap();
+                        let result = (next.generation(), next.world_size(), report, bits(&state.state));
+                        drop((pg, next));
+                        group.destroy().await.unwrap();
+                        Some(result)
+                    })
                 })
-            })
-            .collect();
-        let mut results = Vec::new();
-        for task in ranks {
-            results.push(task.await.unwrap());
-        }
-        results
-    }));
+                .collect();
+            let mut results = Vec::new();
+            for task in ranks {
+                results.push(task.await.unwrap());
+            }
+            results
+        }),
+    );
     let expected = bits(&state(5));
     for (rank, result) in results.into_iter().take(3).enumerate() {
         let (generation, world, report, bits) = result.unwrap_or_else(|| panic!("rank {rank} survived"));
         assert_eq!((generation, world), (1, 3), "rank {rank}");
-        assert_eq!((&report.sources[..], &report.receivers[..]), (&[1, 2][..], &[0][..]), "rank {rank}");
+        assert_eq!(
+            (&report.sources[..], &report.receivers[..]),
+            (&[1, 2][..], &[0][..]),
+            "rank {rank}"
+        );
         assert_eq!(bits, expected, "rank {rank}");
     }
 }
@@ -424,8 +493,21 @@ fn rank_processes_transfer_over_shm_and_quic() {
     let _serial = one_at_a_time();
     let output = common::run(
         std::process::Command::new(common::CHORUS).args([
-            "bench", "transfer", "--size", "3M", "--sources", "2", "--transport", "shm,quic", "--rounds", "1",
-            "--chunk", "256K", "--json", "--timeout", "60",
+            "bench",
+            "transfer",
+            "--size",
+            "3M",
+            "--sources",
+            "2",
+            "--transport",
+            "shm,quic",
+            "--rounds",
+            "1",
+            "--chunk",
+            "256K",
+            "--json",
+            "--timeout",
+            "60",
         ]),
         90,
         "chorus bench transfer",

@@ -148,7 +148,9 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
             links.push(link);
         }
     }
-    verify_state(&group, &mut state).await.context("the joiner's state differs")?;
+    verify_state(&group, &mut state)
+        .await
+        .context("the joiner's state differs")?;
     if me == 0 {
         let seconds = median(transfers);
         let link_gbps = median(links);
@@ -210,9 +212,7 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
     for transport in &args.transport {
         for &size in &args.size {
             for &sources in &args.sources {
-                let mut worker: Vec<String> = ["bench", "transfer", "--worker", "--size"]
-                    .map(String::from)
-                    .to_vec();
+                let mut worker: Vec<String> = ["bench", "transfer", "--worker", "--size"].map(String::from).to_vec();
                 worker.push(size.to_string());
                 worker.extend(["--rounds".into(), args.rounds.to_string()]);
                 worker.extend(["--timeout".into(), args.timeout.to_string()]);

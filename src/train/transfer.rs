@@ -195,7 +195,10 @@ pub async fn sync_state(
     let extra = state.save_extra();
     let hellos = hello(group, &list, step, extra.len()).await?;
     let roles = roles(&hellos.iter().map(|h| h.step).collect::<Vec<_>>());
-    let chunks = Chunks::new(&list.iter().map(StateEntry::bytes).collect::<Vec<_>>(), options.chunk_bytes);
+    let chunks = Chunks::new(
+        &list.iter().map(StateEntry::bytes).collect::<Vec<_>>(),
+        options.chunk_bytes,
+    );
     let mut report = TransferReport {
         step: roles.step,
         bytes: (chunks.total() + hellos[roles.sources[0]].extra_len as usize) as u64,
@@ -234,8 +237,11 @@ pub async fn sync_state(
             };
             receive_round(group, &mut ctx, &receives).await?;
         }
-        let words = u64s(group.all_gather(Tensor::from_slice(&encode_bad(chunks.count(), &bad))).await?)
-            ?;
+        let words = u64s(
+            group
+                .all_gather(Tensor::from_slice(&encode_bad(chunks.count(), &bad)))
+                .await?,
+        )?;
         let per_rank = words.len() / group.world_size();
         let all_bad: Vec<(usize, usize)> = roles
             .receivers
@@ -249,7 +255,12 @@ pub async fn sync_state(
         match schedule.finish_round(&all_bad) {
             Ok(true) => break,
             Ok(false) => {
-                tracing::warn!(rank = me, round, chunks = all_bad.len(), "state transfer: fetching damaged chunks again");
+                tracing::warn!(
+                    rank = me,
+                    round,
+                    chunks = all_bad.len(),
+                    "state transfer: fetching damaged chunks again"
+                );
             }
             Err(exhausted) => {
                 return Err(TransferError::Corrupt {
@@ -361,7 +372,11 @@ async fn hello(
     if hellos.len() != group.world_size() {
         return Err(CollectiveError::Protocol {
             peer: usize::MAX,
-            reason: format!("state transfer: {} hello words from {} ranks", all.len(), group.world_size()),
+            reason: format!(
+                "state transfer: {} hello words from {} ranks",
+                all.len(),
+                group.world_size()
+            ),
         }
         .into());
     }
@@ -518,7 +533,12 @@ impl Drop for Pooled {
 
 impl Pool {
     fn take(&self, len: usize) -> Vec<u8> {
-        let mut buffer = self.0.lock().unwrap_or_else(|p| p.into_inner()).pop().unwrap_or_default();
+        let mut buffer = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default();
         // Its old bytes are all overwritten: resize only zeroes what it adds.
         buffer.resize(len, 0);
         buffer
@@ -631,7 +651,11 @@ async fn receive_round(
     drop(tx);
     let work = async {
         while let Some((source, index, frame)) = rx.recv().await {
-            let chunk = receives.iter().find(|(s, _)| *s == source).expect("a reader per source").1[index];
+            let chunk = receives
+                .iter()
+                .find(|(s, _)| *s == source)
+                .expect("a reader per source")
+                .1[index];
             accept(ctx, source, chunk, &frame?)?;
         }
         Ok(())
@@ -691,7 +715,12 @@ fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, frame: &[u8]) ->
     };
     let intact = header.chunk as usize == chunk && header.round == ctx.round && header.checksum == sum;
     if !intact {
-        tracing::warn!(source, chunk, round = ctx.round, "state transfer: a chunk failed its checksum");
+        tracing::warn!(
+            source,
+            chunk,
+            round = ctx.round,
+            "state transfer: a chunk failed its checksum"
+        );
         ctx.bad.push(chunk);
     } else if is_extra {
         *ctx.extra = Some(payload.to_vec());

@@ -228,7 +228,10 @@ impl Schedule {
             })
             .collect();
         pending.sort_unstable();
-        let tried = pending.iter().map(|t| ((t.receiver, t.chunk), vec![t.source])).collect();
+        let tried = pending
+            .iter()
+            .map(|t| ((t.receiver, t.chunk), vec![t.source]))
+            .collect();
         Self {
             sources: sources.to_vec(),
             round: 0,
@@ -301,7 +304,10 @@ impl Schedule {
         let mut next = Vec::with_capacity(bad.len());
         for &(receiver, chunk) in bad {
             let tried = self.tried.entry((receiver, chunk)).or_default();
-            let last = tried.last().and_then(|s| self.sources.iter().position(|x| x == s)).unwrap_or(0);
+            let last = tried
+                .last()
+                .and_then(|s| self.sources.iter().position(|x| x == s))
+                .unwrap_or(0);
             let n = self.sources.len();
             // The next source after the last one tried that was not tried
             // yet; once all were, simply the next one.
@@ -453,16 +459,24 @@ pub fn checksum(seed: u64, data: &[u8]) -> u64 {
     acc = acc.wrapping_add(data.len() as u64);
     let mut rest = stripes.remainder();
     while rest.len() >= 8 {
-        acc = (acc ^ round(0, word(&rest[..8]))).rotate_left(27).wrapping_mul(P1).wrapping_add(P4);
+        acc = (acc ^ round(0, word(&rest[..8])))
+            .rotate_left(27)
+            .wrapping_mul(P1)
+            .wrapping_add(P4);
         rest = &rest[8..];
     }
     if rest.len() >= 4 {
         let half = u64::from(u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")));
-        acc = (acc ^ half.wrapping_mul(P1)).rotate_left(23).wrapping_mul(P2).wrapping_add(P3);
+        acc = (acc ^ half.wrapping_mul(P1))
+            .rotate_left(23)
+            .wrapping_mul(P2)
+            .wrapping_add(P3);
         rest = &rest[4..];
     }
     for &byte in rest {
-        acc = (acc ^ u64::from(byte).wrapping_mul(P5)).rotate_left(11).wrapping_mul(P1);
+        acc = (acc ^ u64::from(byte).wrapping_mul(P5))
+            .rotate_left(11)
+            .wrapping_mul(P1);
     }
     acc ^= acc >> 33;
     acc = acc.wrapping_mul(P2);
@@ -489,7 +503,11 @@ mod tests {
         let mut flipped = data.clone();
         flipped[517] ^= 0x10;
         assert_ne!(checksum(5, &data), checksum(5, &flipped), "one bit changes it");
-        assert_ne!(checksum(5, &data), checksum(6, &data), "the seed (chunk index) changes it");
+        assert_ne!(
+            checksum(5, &data),
+            checksum(6, &data),
+            "the seed (chunk index) changes it"
+        );
         // Blocks: a flip anywhere, and swapping two blocks, change a chunk's sum.
         let big: Vec<u8> = (0..3 * BLOCK + 100).map(|i| (i * 13 % 251) as u8).collect();
         let sum = chunk_checksum(9, &big);
@@ -557,7 +575,10 @@ mod tests {
         assert_eq!(chunks.range(4), 32..33);
         let piece = |entry, bytes: Range<usize>, at| Piece { entry, bytes, at };
         assert_eq!(chunks.pieces(0), [piece(0, 0..8, 0)]);
-        assert_eq!(chunks.pieces(1), [piece(0, 8..10, 0), piece(2, 0..3, 2), piece(3, 0..3, 5)]);
+        assert_eq!(
+            chunks.pieces(1),
+            [piece(0, 8..10, 0), piece(2, 0..3, 2), piece(3, 0..3, 5)]
+        );
         assert_eq!(chunks.pieces(4), [piece(3, 19..20, 0)]);
         // Every byte is covered exactly once.
         let mut covered = [0u8; 33];

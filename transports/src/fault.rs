@@ -438,7 +438,9 @@ impl FaultyLink {
         if channel == HEARTBEAT_CHANNEL || tag == u64::MAX || payload.is_empty() {
             return payload;
         }
-        let done = self.corrupted.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < times).then_some(n + 1));
+        let done = self
+            .corrupted
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < times).then_some(n + 1));
         if done.is_err() {
             return payload;
         }
@@ -447,7 +449,13 @@ impl FaultyLink {
             let at = ((random.next_f64() * payload.len() as f64) as usize).min(payload.len() - 1);
             (at, (random.next_f64() * 8.0) as u32 % 8)
         };
-        tracing::warn!(rank = self.me, peer = self.peer(), at, bit, "fault injection: corrupting a frame");
+        tracing::warn!(
+            rank = self.me,
+            peer = self.peer(),
+            at,
+            bit,
+            "fault injection: corrupting a frame"
+        );
         let mut bytes = payload.to_vec();
         bytes[at] ^= 1 << bit;
         Bytes::from(bytes)
