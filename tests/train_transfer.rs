@@ -3,19 +3,18 @@
 //! byte-equal to the survivors' from 1, 2 and 3 sources; a lagging member
 //! is brought forward; a chunk corrupted on the wire (`corrupt` fault) is
 //! fetched again from another source; mismatched lists and a dying source
-//! are errors on every rank, never a hang, and the next generation of an
-//! `ElasticGroup` completes the transfer; `verify_state` names a diverged
-//! rank.
+//! are errors on every rank, never a hang (also a silent one, at the
+//! collective timeout); rank processes over shm and QUIC; `verify_state`
+//! names a diverged rank.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use chorus::store::{HashStore, Store};
 use chorus::train::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
-use chorus::{CollectiveError, ElasticGroup, InitOptions, NamedState, ParamBuffer, Parameters, TrainState};
+use chorus::{CollectiveError, InitOptions, NamedState};
 
 mod common;
-use common::{elastic_options, within};
+use common::within;
 
 /// The tests set `CHORUS_FAULTS`, which `chorus::spawn` reads: one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -381,111 +380,6 @@ fn verify_state_names_the_diverged_ranks_and_their_first_entry() {
     }
 }
 
-/// A source that dies (its links cut, as when its process is killed) while
-/// reading its `die_at`-th chunk.
-struct Dying {
-    state: NamedState,
-    visits: usize,
-    die_at: Option<usize>,
-    links: Vec<std::sync::Arc<dyn chorus::link::Link>>,
-}
-
-impl Parameters for Dying {
-    fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
-        self.visits += 1;
-        if Some(self.visits) == self.die_at {
-            for link in &self.links {
-                link.cut("the source died mid-transfer");
-            }
-        }
-        self.state.visit_parameters(visit)
-    }
-    fn visit_buffers(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
-        self.state.visit_buffers(visit)
-    }
-}
-
-impl TrainState for Dying {
-    fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
-        self.state.visit_optimizer(visit)
-    }
-    fn save_extra(&self) -> Vec<u8> {
-        self.state.save_extra()
-    }
-    fn load_extra(&mut self, bytes: &[u8]) -> Result<(), String> {
-        self.state.load_extra(bytes)
-    }
-}
-
-#[test]
-fn after_a_source_dies_mid_transfer_the_next_generation_completes_it() {
-    let results = run(
-        None,
-        within(60, "transfer across a restart", async {
-            let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(HashStore::default());
-            let ranks: Vec<_> = (0..4)
-                .map(|rank| {
-                    let options = elastic_options(&store, rank, 4).elastic_world(3, 4);
-                    tokio::spawn(async move {
-                        let group = ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}"))
-                            .await
-                            .unwrap();
-                        let pg = group.current();
-                        // Rank 0 joins; rank 3 dies while reading its 6th chunk.
-                        let (step, state) = match rank {
-                            0 => (
-                                None,
-                                NamedState {
-                                    extra: Vec::new(),
-                                    ..state(1)
-                                },
-                            ),
-                            _ => (Some(5), state(5)),
-                        };
-                        let mut state = Dying {
-                            state,
-                            visits: 0,
-                            die_at: (rank == 3).then_some(7),
-                            links: (0..4).filter_map(|r| pg.link(r).cloned()).collect(),
-                        };
-                        let first = sync_state(&pg, &mut state, step, &small_chunks()).await;
-                        if rank == 3 {
-                            drop(pg);
-                            drop(group);
-                            return None;
-                        }
-                        assert!(first.is_err(), "rank {rank}: the transfer cannot finish without rank 3");
-                        // The caller's step is unchanged: the joiner stays a joiner.
-                        let next = group.next_generation(pg.generation()).await.unwrap();
-                        let report = sync_state(&next, &mut state, step, &small_chunks()).await.unwrap();
-                        verify_state(&next, &mut state).await.unwrap();
-                        let result = (next.generation(), next.world_size(), report, bits(&state.state));
-                        drop((pg, next));
-                        group.destroy().await.unwrap();
-                        Some(result)
-                    })
-                })
-                .collect();
-            let mut results = Vec::new();
-            for task in ranks {
-                results.push(task.await.unwrap());
-            }
-            results
-        }),
-    );
-    let expected = bits(&state(5));
-    for (rank, result) in results.into_iter().take(3).enumerate() {
-        let (generation, world, report, bits) = result.unwrap_or_else(|| panic!("rank {rank} survived"));
-        assert_eq!((generation, world), (1, 3), "rank {rank}");
-        assert_eq!(
-            (&report.sources[..], &report.receivers[..]),
-            (&[1, 2][..], &[0][..]),
-            "rank {rank}"
-        );
-        assert_eq!(bits, expected, "rank {rank}");
-    }
-}
-
 #[test]
 fn rank_processes_transfer_over_shm_and_quic() {
     // `chorus bench transfer`: 2 source processes and a joiner, which ends
@@ -523,4 +417,41 @@ fn rank_processes_transfer_over_shm_and_quic() {
         assert_eq!(row["sources"], 2, "{row}");
         assert!(row["transfer_gbps"].as_f64().is_some_and(|g| g > 0.0), "{row}");
     }
+}
+
+#[test]
+fn a_silent_source_is_a_timeout_at_the_collective_timeout() {
+    // Rank 1 freezes after 15 frames; heartbeats would take 60 s to notice,
+    // so the deadlines (the collective timeout, 2 s) must.
+    let started = std::time::Instant::now();
+    let results = run(
+        Some("freeze(rank=1, after_frames=15)"),
+        within(30, "a frozen source", async {
+            let options = InitOptions::default()
+                .heartbeat_timeout(Duration::from_secs(60))
+                .collective_timeout(Duration::from_secs(2));
+            chorus::spawn_with(3, options, |pg| async move {
+                let (step, mut state) = match pg.rank() {
+                    0 => (None, state(5)),
+                    _ => (Some(3), state(3)),
+                };
+                sync_state(&pg, &mut state, step, &small_chunks()).await
+            })
+            .await
+            .expect("the group forms")
+        }),
+    );
+    // The joiner's frame deadline, the other source's all-gather deadline
+    // or the frozen rank's own send deadline fires first (all 2 s): every
+    // rank fails, well before the heartbeat window.
+    assert!(
+        matches!(
+            &results[0],
+            Err(TransferError::Timeout { .. } | TransferError::Collective(_))
+        ),
+        "{:?}",
+        results[0]
+    );
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
 }

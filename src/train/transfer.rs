@@ -154,12 +154,12 @@ pub enum TransferError {
         /// What was wrong.
         reason: String,
     },
-    /// A source sent nothing within the group's collective timeout.
+    /// A chunk did not move to or from a rank within the group's collective timeout.
     #[error(
-        "state transfer: no chunk from rank {peer} within {waited:?} (the collective timeout); the group is aborted, sync again on the next generation"
+        "state transfer: no chunk moved to or from rank {peer} within {waited:?} (the collective timeout); the group is aborted, sync again on the next generation"
     )]
     Timeout {
-        /// The silent source.
+        /// The silent peer.
         peer: usize,
         /// How long this rank waited.
         waited: Duration,
