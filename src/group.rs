@@ -769,6 +769,12 @@ impl ProcessGroup {
         self.supervision.subscribe()
     }
 
+    /// The default timeout of each collective, which the state transfer
+    /// (`train::transfer`) also applies to each frame it waits for.
+    pub(crate) fn collective_timeout(&self) -> Duration {
+        self.options.collective_timeout
+    }
+
     /// The error-handling mode this group runs under.
     pub fn error_handling(&self) -> ErrorHandling {
         self.supervision.mode()

@@ -20,7 +20,8 @@
 //!   for a Rust model: checked registration, start-up broadcast, gradient
 //!   buckets reduced while the backward pass runs, communication hooks.
 //! - [`train`]: elastic training on top of it: [`TrainState`] (what
-//!   survivors hand to joiners).
+//!   survivors hand to joiners) and [`train::sync_state`], live state
+//!   transfer to them (chunked, striped, checksummed).
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
 //! - [`bench`](mod@bench): `chorus bench` measurements.

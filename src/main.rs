@@ -180,6 +180,8 @@ struct BenchCommand {
 enum BenchSubcommand {
     /// Data-parallel gradient sync (DistributedSync) on a 25M-parameter model: step time with and without sync.
     Ddp(chorus::bench::ddp::DdpArgs),
+    /// Live state transfer (sync_state) from S sources to one joiner, next to the link's own throughput.
+    Transfer(chorus::bench::transfer::TransferArgs),
     /// Recovery time of an elastic group: SIGKILL a random rank, time until the survivors' next collective.
     Recovery {
         /// Ranks per trial (one is killed; the survivors form the next generation).
@@ -955,6 +957,14 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         return tokio::task::spawn_blocking(move || match args.worker {
             true => chorus::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
             false => chorus::bench::ddp::run(&args),
+        })
+        .await?;
+    }
+    if let Some(BenchSubcommand::Transfer(args)) = command.command {
+        // The parent only waits on its ranks; a rank runs on a runtime of its own.
+        return tokio::task::spawn_blocking(move || match args.worker {
+            true => chorus::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+            false => chorus::bench::transfer::run(&args),
         })
         .await?;
     }

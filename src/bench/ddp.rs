@@ -328,7 +328,13 @@ pub async fn run_worker(args: &DdpArgs) -> Result<()> {
 
 /// Runs `world` copies of `program args` as env:// ranks and returns rank
 /// 0's last JSON line.
-fn run_ranks(program: &str, args: &[String], world: usize, env: &[(&str, String)], timeout: Duration) -> Result<Value> {
+pub(super) fn run_ranks(
+    program: &str,
+    args: &[String],
+    world: usize,
+    env: &[(&str, String)],
+    timeout: Duration,
+) -> Result<Value> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..world {

@@ -10,10 +10,14 @@
 //! - [`plot`]: the `--plot` PNG (busbw against size).
 //! - [`recovery`]: `chorus bench recovery`, the time an elastic group takes
 //!   from the SIGKILL of a rank to its next successful collective.
+//! - [`transfer`]: `chorus bench transfer`, live state transfer
+//!   (`train::sync_state`) from S sources to a joiner, against the link's
+//!   own throughput in the same group.
 //! - [`transport`]: throughput and round trip per transport path, against raw TCP.
 
 pub mod collective;
 pub mod ddp;
 pub mod plot;
 pub mod recovery;
+pub mod transfer;
 pub mod transport;

@@ -7,7 +7,14 @@
 //!   (parameters, buffers, optimizer state, small extras such as the data
 //!   position and RNG), and [`NamedState`], a ready implementation over
 //!   named `f32` vectors.
+//! - [`transfer`]: [`sync_state`], live state transfer from the most
+//!   advanced members to those behind (chunked, striped over every source,
+//!   checksummed, damaged chunks fetched again), and [`verify_state`];
+//!   [`transfer_plan`]: its decisions, sans IO.
 
 pub mod state;
+pub mod transfer;
+pub mod transfer_plan;
 
 pub use state::{NamedState, StateEntry, TrainState, entries, for_each_entry};
+pub use transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};

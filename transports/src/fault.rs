@@ -1,5 +1,5 @@
-//! Fault injection: a [`Link`] wrapper that drops, delays, partitions,
-//! closes, kills or freezes, deterministically under a seed.
+//! Fault injection: a [`Link`] wrapper that drops, delays, corrupts,
+//! partitions, closes, kills or freezes, deterministically under a seed.
 //!
 //! Driven by an API ([`FaultPlan::parse`], [`wrap_links`]) or by the
 //! `CHORUS_FAULTS` environment variable, same grammar: rules separated by
@@ -8,7 +8,8 @@
 //! ```text
 //! seed=7; drop(0->1, p=0.25); delay(*->2, ms=40, jitter_ms=10);
 //! partition(0,1|2,3, after=500ms); close(1<->2, after_frames=100);
-//! kill(rank=3, after=2s); freeze(rank=1, after_frames=20)
+//! kill(rank=3, after=2s); freeze(rank=1, after_frames=20);
+//! corrupt(1->0, p=1, after_frames=30, times=1)
 //! ```
 //!
 //! - Links: `A->B` (frames A sends to B), `A<->B` (both ways), `*` for any rank.
@@ -17,6 +18,11 @@
 //!   link, as on a real connection: it closes as lost
 //!   ([`TransportError::Closed`] on both sides) and supervision acts at once.
 //! - `delay(link, ms=D[, jitter_ms=J])`: holds each frame D..D+J ms.
+//! - `corrupt(link, p=P[, times=K])`: flips one bit of a data frame's payload
+//!   with probability P (default 1), at most K times on each link (default:
+//!   no limit). Heartbeats, empty frames and frames tagged `u64::MAX` (the
+//!   collectives' signatures) pass untouched, so the protocol's framing
+//!   holds and only tensor bytes change: what a checksum must catch.
 //! - `partition(ranks|ranks)`: frames between the two sides are lost,
 //!   heartbeats too, so each side takes the other for failed within the
 //!   heartbeat window (the links stay open, as across a real partition).
@@ -86,6 +92,9 @@ pub enum FaultKind {
     Drop(f64),
     /// Hold frames for a base time plus up to a jitter.
     Delay(Duration, Duration),
+    /// Flip one payload bit of data frames with this probability, at most
+    /// this many times per link.
+    Corrupt(f64, u64),
     /// Lose every frame (a partition).
     Partition,
     /// Close the connection.
@@ -123,6 +132,9 @@ pub enum Action {
     Break,
     /// Deliver it after this long.
     Delay(Duration),
+    /// Deliver it with one payload bit flipped, unless the link already
+    /// corrupted this many frames.
+    Corrupt(u64),
     /// Close the link instead.
     Close,
     /// The sending rank dies.
@@ -216,16 +228,24 @@ impl FaultPlan {
                 None => positional.push(arg),
             }
         }
+        let probability = |named: &mut std::collections::HashMap<&str, &str>| match named.remove("p") {
+            Some(p) => p
+                .parse::<f64>()
+                .ok()
+                .filter(|p| (0.0..=1.0).contains(p))
+                .ok_or_else(|| bad("p must be between 0 and 1")),
+            None => Ok(1.0),
+        };
         let mut link = None;
         let kind = match name.trim() {
-            "drop" => FaultKind::Drop(match named.remove("p") {
-                Some(p) => p
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|p| (0.0..=1.0).contains(p))
-                    .ok_or_else(|| bad("p must be between 0 and 1"))?,
-                None => 1.0,
-            }),
+            "drop" => FaultKind::Drop(probability(&mut named)?),
+            "corrupt" => {
+                let p = probability(&mut named)?;
+                let times = named
+                    .remove("times")
+                    .map_or(Ok(u64::MAX), |n| n.parse().map_err(|_| bad("times must be an integer")))?;
+                FaultKind::Corrupt(p, times)
+            }
             "delay" => {
                 let ms = named.remove("ms").ok_or_else(|| bad("delay needs ms=D"))?;
                 let ms = ms.parse().map_err(|_| bad("ms must be an integer"))?;
@@ -261,7 +281,7 @@ impl FaultPlan {
             }
             other => {
                 return Err(bad(&format!(
-                    "unknown kind {other:?}; use drop, delay, partition, close, kill or freeze"
+                    "unknown kind {other:?}; use drop, delay, corrupt, partition, close, kill or freeze"
                 )));
             }
         };
@@ -334,6 +354,8 @@ impl FaultPlan {
                 FaultKind::Drop(p) if random < p => Action::Break,
                 FaultKind::Drop(_) => continue,
                 FaultKind::Delay(base, jitter) => Action::Delay(base + jitter.mul_f64(random)),
+                FaultKind::Corrupt(p, times) if random < p => Action::Corrupt(times),
+                FaultKind::Corrupt(..) => continue,
                 FaultKind::Partition => Action::Drop,
                 FaultKind::Close => Action::Close,
                 FaultKind::Kill => Action::Kill,
@@ -380,6 +402,8 @@ pub struct FaultyLink {
     inner: Arc<dyn Link>,
     rank: Arc<RankState>,
     frames: AtomicU64,
+    /// Frames corrupted so far (for `corrupt`'s `times`).
+    corrupted: AtomicU64,
     random: Mutex<SplitMix>,
 }
 
@@ -405,6 +429,36 @@ impl FaultyLink {
         for link in self.rank.links.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             link.cut("rank killed by fault injection");
         }
+    }
+
+    /// `payload` with one bit flipped at a seeded position, or as it is
+    /// when it is no data frame or the link used up its `times`.
+    fn corrupt(&self, channel: ChannelId, tag: u64, payload: Bytes, times: u64) -> Bytes {
+        // u64::MAX tags the collectives' signatures: their framing, not data.
+        if channel == HEARTBEAT_CHANNEL || tag == u64::MAX || payload.is_empty() {
+            return payload;
+        }
+        let done = self
+            .corrupted
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < times).then_some(n + 1));
+        if done.is_err() {
+            return payload;
+        }
+        let (at, bit) = {
+            let mut random = self.random.lock().unwrap_or_else(|p| p.into_inner());
+            let at = ((random.next_f64() * payload.len() as f64) as usize).min(payload.len() - 1);
+            (at, (random.next_f64() * 8.0) as u32 % 8)
+        };
+        tracing::warn!(
+            rank = self.me,
+            peer = self.peer(),
+            at,
+            bit,
+            "fault injection: corrupting a frame"
+        );
+        let mut bytes = payload.to_vec();
+        bytes[at] ^= 1 << bit;
+        Bytes::from(bytes)
     }
 
     fn dead(&self) -> TransportError {
@@ -434,6 +488,7 @@ pub fn wrap_links(me: usize, links: Vec<Option<Arc<dyn Link>>>, plan: FaultPlan)
                     inner,
                     rank: rank.clone(),
                     frames: AtomicU64::new(0),
+                    corrupted: AtomicU64::new(0),
                     random: Mutex::new(random),
                 }) as Arc<dyn Link>
             })
@@ -489,6 +544,10 @@ impl Link for FaultyLink {
                 tokio::time::sleep(d).await;
                 self.inner.send(channel, tag, payload).await
             }
+            Action::Corrupt(times) => {
+                let payload = self.corrupt(channel, tag, payload, times);
+                self.inner.send(channel, tag, payload).await
+            }
             Action::Close => {
                 self.inner.cut("closed by fault injection");
                 self.inner.send(channel, tag, payload).await
@@ -537,11 +596,15 @@ mod tests {
     fn the_grammar_parses_every_kind() {
         let plan = FaultPlan::parse(
             "seed=7; drop(0->1, p=0.25); delay(*->2, ms=40, jitter_ms=10); partition(0,1|2,3, after=500ms); \
-             close(1<->2, after_frames=100); kill(rank=3, after=2s); freeze(rank=1, after_frames=20)",
+             close(1<->2, after_frames=100); kill(rank=3, after=2s); freeze(rank=1, after_frames=20); \
+             corrupt(1->0, p=0.5, after_frames=30, times=2); corrupt(*->1)",
         )
         .unwrap();
         assert_eq!(plan.seed, 7);
-        assert_eq!(plan.rules.len(), 6);
+        assert_eq!(plan.rules.len(), 8);
+        assert_eq!(plan.rules[6].kind, FaultKind::Corrupt(0.5, 2));
+        assert_eq!(plan.rules[6].after_frames, 30);
+        assert_eq!(plan.rules[7].kind, FaultKind::Corrupt(1.0, u64::MAX));
         assert_eq!(plan.rules[0].kind, FaultKind::Drop(0.25));
         assert_eq!(plan.rules[1].link, LinkMatch::Directed(None, Some(2)));
         assert_eq!(plan.rules[2].link, LinkMatch::Partition(vec![0, 1], vec![2, 3]));
@@ -555,6 +618,8 @@ mod tests {
     fn bad_rules_say_what_is_wrong() {
         for (spec, needle) in [
             ("drop(0->1, p=2)", "between 0 and 1"),
+            ("corrupt(0->1, p=-1)", "between 0 and 1"),
+            ("corrupt(0->1, times=once)", "times must be an integer"),
             ("explode(0->1)", "unknown kind"),
             ("drop(0-1)", "name one link"),
             ("delay(0->1)", "needs ms"),
@@ -623,6 +688,28 @@ mod tests {
             };
             let first = broken_at(11).await;
             assert_eq!(first, broken_at(11).await, "the same seed drops the same frame");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn corrupt_flips_one_bit_of_data_frames_only() {
+        within(async {
+            let mesh = wrapped(2, "seed=3; corrupt(0->1, after_frames=2, times=1)");
+            let (tx, rx) = (mesh[0][1].as_ref().unwrap(), mesh[1][0].as_ref().unwrap());
+            let data = Bytes::from(vec![0u8; 4096]);
+            // Before the trigger, then a signature and a heartbeat: untouched.
+            for (channel, tag) in [(0, 0), (0, 1), (0, u64::MAX), (HEARTBEAT_CHANNEL, 5), (0, 2), (0, 3)] {
+                tx.send(channel, tag, data.clone()).await.unwrap();
+            }
+            let mut flipped = Vec::new();
+            for channel in [0, 0, 0, HEARTBEAT_CHANNEL, 0, 0] {
+                let frame = rx.recv(channel).await.unwrap();
+                let ones: u32 = frame.payload.iter().map(|b| b.count_ones()).sum();
+                flipped.push((frame.tag, ones));
+            }
+            // Only the first data frame after the trigger, and only once (times=1).
+            assert_eq!(flipped, [(0, 0), (1, 0), (u64::MAX, 0), (5, 0), (2, 1), (3, 0)]);
         })
         .await;
     }

@@ -1,0 +1,729 @@
+//! Live state transfer: members behind (a relaunched worker, a new node, a
+//! lagging rank) receive the most advanced members' [`TrainState`] over the
+//! group's own links, chunked, striped over every source, each chunk
+//! checksummed and fetched again from another source when it arrives
+//! damaged. Nothing is serialized: chunks are raw bytes read with
+//! [`ParamBuffer::read_bytes`] and written with
+//! [`ParamBuffer::write_bytes`] straight from the received frame.
+//!
+//! # Data flow of [`sync_state`]
+//! 1. One all-gather of a [`Hello`] per rank: its step (or none), a
+//!    fingerprint of its entry list, its extras' length, a nonce. A list
+//!    that differs from rank 0's is [`TransferError::Mismatch`] on every
+//!    rank (both lists are broadcast so every rank names the same entry).
+//! 2. [`roles`]: sources are the ranks at the highest step, receivers
+//!    everyone behind; nobody behind, nothing moves.
+//! 3. Rounds ([`Schedule`]): in round 0 chunk `i` comes from source
+//!    `i mod S`; a source reads each of its chunks once and sends the same
+//!    frame (16-byte [`Header`] + payload) to every receiver, one sender
+//!    task per receiver link. A receiver reads from all its sources at once
+//!    (a reader task per link on [`TRANSFER_CHANNEL`]), checks each chunk's
+//!    [`checksum`] and writes it into its state. After each round all ranks
+//!    all-gather a bitmap of the chunks that failed, so they agree on the
+//!    next round: each bad chunk from another source, up to `max_rounds`.
+//! 4. The extras travel as the last chunk; receivers [`load_extra`] them.
+//!
+//! The chunks move on the raw links of the group, beside its actor (whose
+//! operations run one at a time, RA-1, which would serialize the sources):
+//! a link failure or a source that sends nothing within the group's
+//! collective timeout aborts the group, as a failed collective does (RA-4),
+//! and `sync_state` returns the error on every rank.
+//!
+//! # After a failure
+//! An [`ElasticGroup`](crate::ElasticGroup) re-forms the group; every member
+//! calls `sync_state` again on the new generation with **the step it passed
+//! before**. A receiver whose state was half written passed an older step
+//! (or `None`), so it is behind again and receives again, as long as one
+//! member at the newest step survived. (If every such member died, the
+//! half-written receiver must pass `None`: its state is no step's.)
+//!
+//! [`load_extra`]: TrainState::load_extra
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use chorus_actors::driver::CollectiveError;
+use chorus_runtime::collective::DType;
+use chorus_transports::link::{ChannelId, Link, TransportError};
+use thiserror::Error;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use super::state::{StateEntry, TrainState, entries, for_each_entry};
+use super::transfer_plan::{
+    BLOCK, Chunks, HEADER, Header, Hello, Schedule, block_checksum, checksum, chunk_checksum, combine, decode_bad,
+    encode_bad, roles,
+};
+use crate::group::ProcessGroup;
+use crate::sync::plan::{self as sync_plan, ParamSpec};
+use crate::sync::{Diverged, ParamBuffer};
+use crate::tensor::Tensor;
+
+/// The channel chunks travel on: past the collectives' (RA-2), the
+/// point-to-point one (RA-3) and the subgroups' (`base + channel`, bases up
+/// to `0xfffe << 16`), below the heartbeats'.
+pub const TRANSFER_CHANNEL: ChannelId = 0xFFFF_FF00;
+
+/// Frames a source keeps queued per receiver while it reads the next chunk.
+const QUEUED_PER_RECEIVER: usize = 4;
+
+/// How [`sync_state`] moves the state.
+#[derive(Debug, Clone)]
+pub struct TransferOptions {
+    /// Bytes per chunk (each one frame, checksummed on its own).
+    pub chunk_bytes: usize,
+    /// Rounds in all, the first included: a chunk that fails its checksum
+    /// is fetched again from another source in the next round, up to here.
+    pub max_rounds: u32,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        Self {
+            // Measured (BENCHMARKS.md, issue 14): on shm 1-2 MiB chunks ran
+            // 1.5-3x faster than 8-32 MiB (a chunk stays in the L2/L3 cache
+            // between its read, checksum and copy into the ring), and on
+            // QUIC no slower.
+            chunk_bytes: 2 << 20,
+            max_rounds: 3,
+        }
+    }
+}
+
+/// What [`sync_state`] did; the same on every rank (but `elapsed`).
+#[derive(Debug, Clone, Default)]
+pub struct TransferReport {
+    /// The agreed step: the most advanced members' step (0 when no member had state).
+    pub step: u64,
+    /// Ranks that sent.
+    pub sources: Vec<usize>,
+    /// Ranks that received (empty: all were equal, nothing moved).
+    pub receivers: Vec<usize>,
+    /// State bytes (entries and extras) each receiver got.
+    pub bytes: u64,
+    /// Chunks fetched again after a bad checksum.
+    pub refetched: usize,
+    /// Time the call took on this rank.
+    pub elapsed: Duration,
+}
+
+/// Why the state could not be synced; every message says what to do.
+#[derive(Debug, Error)]
+pub enum TransferError {
+    /// A collective failed, or the group was aborted (a member died).
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// Ranks list different state.
+    #[error(
+        "rank {rank} lists different state than rank 0: at #{index} rank 0 has {reference}, rank {rank} has {other}; build the same model and optimizer on every rank"
+    )]
+    Mismatch {
+        /// The first rank whose list differs from rank 0's.
+        rank: usize,
+        /// Position of the first difference.
+        index: usize,
+        /// Rank 0's entry there.
+        reference: String,
+        /// That rank's entry there.
+        other: String,
+    },
+    /// A chunk failed its checksum from every source tried, in every round.
+    #[error(
+        "chunk {chunk} of the state reached rank {receiver} damaged from every source tried (ranks {}) in {rounds} rounds; check the links, or raise max_rounds",
+        .sources.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    Corrupt {
+        /// The chunk.
+        chunk: usize,
+        /// The rank that could not get it.
+        receiver: usize,
+        /// The sources tried, one per round.
+        sources: Vec<usize>,
+        /// Rounds run.
+        rounds: u32,
+    },
+    /// `load_extra` refused the sources' extras.
+    #[error("load_extra refused the extras received from the survivors: {0}")]
+    Extra(String),
+    /// A source sent a frame that does not belong to this transfer.
+    #[error("state transfer: rank {peer} sent {reason}; the group is aborted, sync again on the next generation")]
+    Protocol {
+        /// The sender.
+        peer: usize,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A chunk did not move to or from a rank within the group's collective timeout.
+    #[error(
+        "state transfer: no chunk moved to or from rank {peer} within {waited:?} (the collective timeout); the group is aborted, sync again on the next generation"
+    )]
+    Timeout {
+        /// The silent peer.
+        peer: usize,
+        /// How long this rank waited.
+        waited: Duration,
+    },
+    /// The state no longer agrees across ranks ([`verify_state`]).
+    #[error("state diverged from rank 0 on {}", describe(.0))]
+    Diverged(Vec<Diverged>),
+}
+
+fn describe(ranks: &[Diverged]) -> String {
+    ranks
+        .iter()
+        .map(|d| format!("rank {} (first at '{}')", d.rank, d.first))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Collective: every member of `group` calls it, with the step its state is
+/// at (`None`: it has none yet, a fresh joiner). Members behind the most
+/// advanced step (or with `None`) receive that step's state from the most
+/// advanced members; when no member has a step, rank 0 is the source and
+/// the step is 0. Returns the same report on every rank. After an error,
+/// call it again on the next generation with the same `step` (see the
+/// module docs).
+pub async fn sync_state(
+    group: &ProcessGroup,
+    state: &mut dyn TrainState,
+    step: Option<u64>,
+    options: &TransferOptions,
+) -> Result<TransferReport, TransferError> {
+    let started = Instant::now();
+    let list = entries(state);
+    let extra = state.save_extra();
+    let hellos = hello(group, &list, step, extra.len()).await?;
+    let roles = roles(&hellos.iter().map(|h| h.step).collect::<Vec<_>>());
+    let chunks = Chunks::new(
+        &list.iter().map(StateEntry::bytes).collect::<Vec<_>>(),
+        options.chunk_bytes,
+    );
+    let mut report = TransferReport {
+        step: roles.step,
+        bytes: (chunks.total() + hellos[roles.sources[0]].extra_len as usize) as u64,
+        sources: roles.sources.clone(),
+        receivers: roles.receivers.clone(),
+        ..TransferReport::default()
+    };
+    if roles.receivers.is_empty() {
+        report.bytes = 0;
+        report.sources.clear();
+        report.elapsed = started.elapsed();
+        return Ok(report);
+    }
+    let me = group.rank();
+    let extra_lens: Vec<usize> = hellos.iter().map(|h| h.extra_len as usize).collect();
+    // Rank 0's nonce names this call's frames; never u64::MAX (a signature's tag).
+    let tag = |round: u32| (hellos[0].nonce >> 1).wrapping_add(u64::from(round));
+    let mut schedule = Schedule::new(&roles.sources, &roles.receivers, chunks.count(), options.max_rounds);
+    let mut received_extra = None;
+    loop {
+        let round = schedule.round();
+        let mut bad = Vec::new();
+        if roles.sources.contains(&me) {
+            let sends = schedule.sends(me);
+            send_round(group, state, &extra, &chunks, &sends, round, tag(round)).await?;
+        } else {
+            let receives = schedule.receives(me);
+            let mut ctx = Receiving {
+                state: &mut *state,
+                chunks: &chunks,
+                extra_lens: &extra_lens,
+                round,
+                tag: tag(round),
+                extra: &mut received_extra,
+                bad: &mut bad,
+            };
+            receive_round(group, &mut ctx, &receives).await?;
+        }
+        let words = u64s(
+            group
+                .all_gather(Tensor::from_slice(&encode_bad(chunks.count(), &bad)))
+                .await?,
+        )?;
+        let per_rank = words.len() / group.world_size();
+        let all_bad: Vec<(usize, usize)> = roles
+            .receivers
+            .iter()
+            .flat_map(|&r| {
+                decode_bad(chunks.count(), &words[r * per_rank..(r + 1) * per_rank])
+                    .into_iter()
+                    .map(move |c| (r, c))
+            })
+            .collect();
+        match schedule.finish_round(&all_bad) {
+            Ok(true) => break,
+            Ok(false) => {
+                tracing::warn!(
+                    rank = me,
+                    round,
+                    chunks = all_bad.len(),
+                    "state transfer: fetching damaged chunks again"
+                );
+            }
+            Err(exhausted) => {
+                return Err(TransferError::Corrupt {
+                    chunk: exhausted.chunk,
+                    receiver: exhausted.receiver,
+                    sources: exhausted.tried,
+                    rounds: round + 1,
+                });
+            }
+        }
+    }
+    if let Some(extra) = received_extra {
+        state.load_extra(&extra).map_err(TransferError::Extra)?;
+    }
+    report.refetched = schedule.refetched();
+    report.elapsed = started.elapsed();
+    tracing::info!(
+        rank = me,
+        step = report.step,
+        bytes = report.bytes,
+        sources = ?report.sources,
+        receivers = ?report.receivers,
+        refetched = report.refetched,
+        elapsed_ms = report.elapsed.as_millis() as u64,
+        "state transfer done"
+    );
+    Ok(report)
+}
+
+/// Checksums of every entry (and the extras) compared across ranks: an
+/// error on every rank naming each rank that differs from rank 0 and its
+/// first differing entry.
+pub async fn verify_state(group: &ProcessGroup, state: &mut dyn TrainState) -> Result<(), TransferError> {
+    let list = entries(state);
+    let extra = state.save_extra();
+    hello(group, &list, None, extra.len()).await?;
+    let mut sums = vec![0u64; list.len() + 1];
+    let mut scratch = vec![0u8; 4 << 20];
+    for_each_entry(state, |i, _, buffer| {
+        // Chained over pieces, so a large entry needs no copy of its size.
+        let total = buffer.len() * buffer.dtype().size();
+        let (mut at, mut sum) = (0, i as u64);
+        while at < total {
+            let n = (total - at).min(scratch.len());
+            buffer.read_bytes(at, &mut scratch[..n]);
+            sum = checksum(sum, &scratch[..n]);
+            at += n;
+        }
+        sums[i] = sum;
+    });
+    sums[list.len()] = checksum(u64::MAX, &extra);
+    let all = u64s(group.all_gather(Tensor::from_slice(&sums)).await?)?;
+    let rows: Vec<Vec<u64>> = all.chunks(sums.len()).map(<[u64]>::to_vec).collect();
+    let diverged = sync_plan::diverged(&rows);
+    if diverged.is_empty() {
+        return Ok(());
+    }
+    let name = |i: usize| list.get(i).map_or_else(|| "extras".to_owned(), |e| e.name.clone());
+    Err(TransferError::Diverged(
+        diverged
+            .into_iter()
+            .map(|(rank, i)| Diverged { rank, first: name(i) })
+            .collect(),
+    ))
+}
+
+fn specs(list: &[StateEntry]) -> Vec<ParamSpec> {
+    list.iter()
+        .map(|e| ParamSpec {
+            name: e.name.clone(),
+            dtype: e.dtype,
+            len: e.len,
+        })
+        .collect()
+}
+
+/// A fresh random number: it only tells this call's frames from an
+/// earlier, failed call's, so the standard library's hash keys suffice.
+fn random_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
+}
+
+fn u64s(t: Tensor) -> Result<Vec<u64>, CollectiveError> {
+    t.to_vec::<u64>().map_err(|e| CollectiveError::Protocol {
+        peer: usize::MAX,
+        reason: e.to_string(),
+    })
+}
+
+/// Step 1: every rank's [`Hello`]; a list that differs from rank 0's is a
+/// [`TransferError::Mismatch`] on every rank.
+async fn hello(
+    group: &ProcessGroup,
+    list: &[StateEntry],
+    step: Option<u64>,
+    extra_len: usize,
+) -> Result<Vec<Hello>, TransferError> {
+    let encoded = sync_plan::encode_specs(&specs(list));
+    let mine = Hello {
+        fingerprint: sync_plan::fnv1a(sync_plan::FNV_OFFSET, &encoded),
+        entries: encoded.len() as u64,
+        step,
+        extra_len: extra_len as u64,
+        nonce: random_nonce(),
+    };
+    let all = u64s(group.all_gather(Tensor::from_slice(&mine.encode())).await?)?;
+    let hellos: Vec<Hello> = all.chunks(Hello::WORDS).filter_map(Hello::decode).collect();
+    if hellos.len() != group.world_size() {
+        return Err(CollectiveError::Protocol {
+            peer: usize::MAX,
+            reason: format!(
+                "state transfer: {} hello words from {} ranks",
+                all.len(),
+                group.world_size()
+            ),
+        }
+        .into());
+    }
+    let same = |h: &Hello| (h.fingerprint, h.entries) == (hellos[0].fingerprint, hellos[0].entries);
+    let Some(rank) = hellos.iter().position(|h| !same(h)) else {
+        return Ok(hellos);
+    };
+    // Both lists go to every rank, so each names the same first difference.
+    let mut lists = Vec::new();
+    for root in [0, rank] {
+        let payload = if group.rank() == root {
+            encoded.clone()
+        } else {
+            vec![0; hellos[root].entries as usize]
+        };
+        let got = group.broadcast(Tensor::from_bytes(DType::UInt8, payload), root).await?;
+        lists.push(sync_plan::decode_specs(got.as_bytes()).unwrap_or_default());
+    }
+    let show = |s: Option<ParamSpec>| s.map_or_else(|| "nothing (its list ends there)".to_owned(), |s| s.to_string());
+    Err(match sync_plan::first_difference(&lists[0], &lists[1]) {
+        Some(d) => TransferError::Mismatch {
+            rank,
+            index: d.index,
+            reference: show(d.reference),
+            other: show(d.other),
+        },
+        None => TransferError::Mismatch {
+            rank,
+            index: 0,
+            reference: format!("fingerprint {:#x}", hellos[0].fingerprint),
+            other: format!("fingerprint {:#x}", hellos[rank].fingerprint),
+        },
+    })
+}
+
+/// A link failure or silence mid-transfer may leave frames in flight: the
+/// group is aborted (RA-4). An abort that came first (supervision saw a
+/// rank die) is the better error: it names the failed ranks.
+fn fail(group: &ProcessGroup, error: TransferError) -> TransferError {
+    let earlier = group.failures().borrow().clone();
+    if let Some(aborted) = earlier {
+        tracing::debug!(%error, "state transfer failed under an abort");
+        return TransferError::Collective(aborted.into());
+    }
+    group.abort(format!("state transfer failed: {error}"));
+    error
+}
+
+fn link(group: &ProcessGroup, peer: usize) -> Result<Arc<dyn Link>, TransferError> {
+    group.link(peer).cloned().ok_or_else(|| TransferError::Protocol {
+        peer,
+        reason: format!("nothing: rank {} has no link to it", group.rank()),
+    })
+}
+
+/// Waits for `future` unless the group is aborted first.
+async fn unless_aborted<T>(
+    group: &ProcessGroup,
+    future: impl std::future::Future<Output = Result<T, TransferError>>,
+) -> Result<T, TransferError> {
+    let mut failures = group.failures();
+    if let Some(aborted) = failures.borrow_and_update().clone() {
+        return Err(CollectiveError::from(aborted).into());
+    }
+    tokio::select! {
+        biased;
+        aborted = failures.wait_for(Option::is_some) => match aborted {
+            Ok(aborted) => Err(CollectiveError::from(aborted.clone().expect("waited for Some")).into()),
+            Err(_) => Err(CollectiveError::Broken("the group's supervision stopped".into()).into()),
+        },
+        result = future => result,
+    }
+}
+
+/// A source's round: each chunk read once, checksummed, and handed to a
+/// sender task per receiver link (which keeps each link's frames in order).
+async fn send_round(
+    group: &ProcessGroup,
+    state: &mut dyn TrainState,
+    extra: &[u8],
+    chunks: &Chunks,
+    sends: &[(usize, Vec<usize>)],
+    round: u32,
+    tag: u64,
+) -> Result<(), TransferError> {
+    let timeout = group.collective_timeout();
+    let mut queues = std::collections::HashMap::new();
+    let mut tasks = JoinSet::new();
+    for receiver in sends.iter().flat_map(|(_, r)| r.iter().copied()) {
+        if queues.contains_key(&receiver) {
+            continue;
+        }
+        let link = link(group, receiver)?;
+        let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_PER_RECEIVER);
+        queues.insert(receiver, tx);
+        tasks.spawn(async move {
+            while let Some(frame) = rx.recv().await {
+                match tokio::time::timeout(timeout, link.send(TRANSFER_CHANNEL, tag, frame)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(TransferError::Collective(e.error.into())),
+                    Err(_) => {
+                        return Err(TransferError::Timeout {
+                            peer: receiver,
+                            waited: timeout,
+                        });
+                    }
+                }
+            }
+            Ok(())
+        });
+    }
+    let pool = Pool::default();
+    let work = async {
+        'chunks: for (chunk, receivers) in sends {
+            let frame = read_chunk(state, extra, chunks, *chunk, round, &pool);
+            for receiver in receivers {
+                // A closed queue means its task failed: its error comes below.
+                if queues[receiver].send(frame.clone()).await.is_err() {
+                    break 'chunks;
+                }
+            }
+        }
+        queues.clear();
+        while let Some(joined) = tasks.join_next().await {
+            joined.map_err(|e| CollectiveError::Broken(format!("a state transfer task failed: {e}")))??;
+        }
+        Ok(())
+    };
+    unless_aborted(group, work).await.map_err(|e| fail(group, e))
+}
+
+/// Frame buffers of one round, reused once the transports drop them: a
+/// fresh 8 MiB buffer pays a page fault per 4 KiB on first touch.
+#[derive(Default, Clone)]
+struct Pool(Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+
+struct Pooled {
+    buffer: Vec<u8>,
+    pool: Pool,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let mut free = self.pool.0.lock().unwrap_or_else(|p| p.into_inner());
+        free.push(std::mem::take(&mut self.buffer));
+    }
+}
+
+impl Pool {
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut buffer = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default();
+        // Its old bytes are all overwritten: resize only zeroes what it adds.
+        buffer.resize(len, 0);
+        buffer
+    }
+
+    fn frame(&self, buffer: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Pooled {
+            buffer,
+            pool: self.clone(),
+        })
+    }
+}
+
+/// One chunk's frame: header, then the bytes read from the state, each
+/// block checksummed right after it is read (while it is in the cache).
+fn read_chunk(
+    state: &mut dyn TrainState,
+    extra: &[u8],
+    chunks: &Chunks,
+    chunk: usize,
+    round: u32,
+    pool: &Pool,
+) -> Bytes {
+    let seed = chunk as u64;
+    let sum;
+    let mut frame;
+    if chunk == chunks.extra() {
+        frame = pool.take(HEADER + extra.len());
+        frame[HEADER..].copy_from_slice(extra);
+        sum = chunk_checksum(seed, extra);
+    } else {
+        let pieces = chunks.pieces(chunk);
+        let len = chunks.range(chunk).len();
+        frame = pool.take(HEADER + len);
+        let payload = &mut frame[HEADER..];
+        let mut blocks = Vec::with_capacity(len.div_ceil(BLOCK));
+        let mut next = 0;
+        for_each_entry(state, |i, _, buffer| {
+            while let Some(p) = pieces.get(next).filter(|p| p.entry == i) {
+                let (mut at, end, mut from) = (p.at, p.at + p.bytes.len(), p.bytes.start);
+                while at < end {
+                    let stop = ((at / BLOCK + 1) * BLOCK).min(end);
+                    buffer.read_bytes(from, &mut payload[at..stop]);
+                    from += stop - at;
+                    at = stop;
+                    if at % BLOCK == 0 || at == len {
+                        let index = (at - 1) / BLOCK;
+                        blocks.push(block_checksum(seed, index, &payload[index * BLOCK..at]));
+                    }
+                }
+                next += 1;
+            }
+        });
+        sum = combine(seed, &blocks);
+    }
+    Header {
+        chunk: chunk as u32,
+        round,
+        checksum: sum,
+    }
+    .write(&mut frame);
+    pool.frame(frame)
+}
+
+/// What a receiver's round works on.
+struct Receiving<'a> {
+    state: &'a mut dyn TrainState,
+    chunks: &'a Chunks,
+    extra_lens: &'a [usize],
+    round: u32,
+    tag: u64,
+    extra: &'a mut Option<Vec<u8>>,
+    bad: &'a mut Vec<usize>,
+}
+
+/// A receiver's round: a reader task per source link; each frame is
+/// checked and written into the state as it comes.
+async fn receive_round(
+    group: &ProcessGroup,
+    ctx: &mut Receiving<'_>,
+    receives: &[(usize, Vec<usize>)],
+) -> Result<(), TransferError> {
+    let timeout = group.collective_timeout();
+    let (tx, mut rx) = mpsc::channel::<(usize, usize, Result<Bytes, TransferError>)>(2 * receives.len().max(1));
+    let mut readers = JoinSet::new();
+    for (source, list) in receives {
+        let (source, count, tx, link) = (*source, list.len(), tx.clone(), link(group, *source)?);
+        let expected_tag = ctx.tag;
+        readers.spawn(async move {
+            for index in 0..count {
+                let frame = match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
+                    Ok(Ok(frame)) if frame.tag == expected_tag => Ok(frame.payload),
+                    Ok(Ok(frame)) => Err(TransferError::Protocol {
+                        peer: source,
+                        reason: format!("a frame tagged {:#x}, not this transfer's {expected_tag:#x}", frame.tag),
+                    }),
+                    Ok(Err(e)) => Err(transport(e)),
+                    Err(_) => Err(TransferError::Timeout {
+                        peer: source,
+                        waited: timeout,
+                    }),
+                };
+                let failed = frame.is_err();
+                if tx.send((source, index, frame)).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+    }
+    drop(tx);
+    let work = async {
+        while let Some((source, index, frame)) = rx.recv().await {
+            let chunk = receives
+                .iter()
+                .find(|(s, _)| *s == source)
+                .expect("a reader per source")
+                .1[index];
+            accept(ctx, source, chunk, &frame?)?;
+        }
+        Ok(())
+    };
+    unless_aborted(group, work).await.map_err(|e| fail(group, e))
+}
+
+fn transport(e: TransportError) -> TransferError {
+    TransferError::Collective(e.into())
+}
+
+/// Checks one chunk and writes it where it belongs; a damaged one goes on
+/// the bad list (its bytes may already be written: the refetch overwrites them).
+fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, frame: &[u8]) -> Result<(), TransferError> {
+    let is_extra = chunk == ctx.chunks.extra();
+    let len = if is_extra {
+        ctx.extra_lens[source]
+    } else {
+        ctx.chunks.range(chunk).len()
+    };
+    if frame.len() != HEADER + len {
+        return Err(TransferError::Protocol {
+            peer: source,
+            reason: format!("{} bytes for chunk {chunk}, which takes {}", frame.len(), HEADER + len),
+        });
+    }
+    let header = Header::read(frame).expect("length checked");
+    let payload = &frame[HEADER..];
+    let seed = chunk as u64;
+    let sum = if is_extra {
+        chunk_checksum(seed, payload)
+    } else {
+        // Written as it is checked, block by block (each hashed just before
+        // its bytes are copied out): a damaged chunk is fetched again and
+        // overwritten.
+        let pieces = ctx.chunks.pieces(chunk);
+        let mut blocks = Vec::with_capacity(len.div_ceil(BLOCK));
+        let mut next = 0;
+        for_each_entry(ctx.state, |i, _, buffer: &mut dyn ParamBuffer| {
+            while let Some(p) = pieces.get(next).filter(|p| p.entry == i) {
+                let (mut at, end, mut to) = (p.at, p.at + p.bytes.len(), p.bytes.start);
+                while at < end {
+                    let index = at / BLOCK;
+                    if blocks.len() == index {
+                        let block = &payload[index * BLOCK..((index + 1) * BLOCK).min(len)];
+                        blocks.push(block_checksum(seed, index, block));
+                    }
+                    let stop = ((index + 1) * BLOCK).min(end);
+                    buffer.write_bytes(to, &payload[at..stop]);
+                    to += stop - at;
+                    at = stop;
+                }
+                next += 1;
+            }
+        });
+        combine(seed, &blocks)
+    };
+    let intact = header.chunk as usize == chunk && header.round == ctx.round && header.checksum == sum;
+    if !intact {
+        tracing::warn!(
+            source,
+            chunk,
+            round = ctx.round,
+            "state transfer: a chunk failed its checksum"
+        );
+        ctx.bad.push(chunk);
+    } else if is_extra {
+        *ctx.extra = Some(payload.to_vec());
+    }
+    Ok(())
+}

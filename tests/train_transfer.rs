@@ -1,0 +1,457 @@
+//! Live state transfer (`chorus::train::sync_state`, issue 14) on real
+//! ranks (`chorus::spawn`, one actor thread per rank): joiners get state
+//! byte-equal to the survivors' from 1, 2 and 3 sources; a lagging member
+//! is brought forward; a chunk corrupted on the wire (`corrupt` fault) is
+//! fetched again from another source; mismatched lists and a dying source
+//! are errors on every rank, never a hang (also a silent one, at the
+//! collective timeout); rank processes over shm and QUIC; `verify_state`
+//! names a diverged rank.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use chorus::train::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
+use chorus::{CollectiveError, InitOptions, NamedState};
+
+mod common;
+use common::within;
+
+/// The tests set `CHORUS_FAULTS`, which `chorus::spawn` reads: one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs `body` on a fresh runtime with `CHORUS_FAULTS` set to `faults`
+/// (`None`: unset), restoring it after.
+fn run<T>(faults: Option<&str>, body: impl std::future::Future<Output = T>) -> T {
+    let _serial = one_at_a_time();
+    let saved = std::env::var("CHORUS_FAULTS").ok();
+    let set = |value: Option<&str>| {
+        // SAFETY: every test of this binary holds ONE_AT_A_TIME while it
+        // sets the variable and while chorus::spawn reads it.
+        unsafe {
+            match value {
+                Some(value) => std::env::set_var("CHORUS_FAULTS", value),
+                None => std::env::remove_var("CHORUS_FAULTS"),
+            }
+        }
+    };
+    set(faults);
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(body);
+    set(saved.as_deref());
+    result
+}
+
+/// Odd sizes (entries cut across chunks, an empty one), buffers, optimizer
+/// state and extras; `seed` changes every value.
+fn state(seed: u32) -> NamedState {
+    let values = |n: usize, k: u32| -> Vec<f32> {
+        (0..n)
+            .map(|i| f32::from_bits((i as u32).wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(k + 1) ^ 0x3f00_0000))
+            .collect()
+    };
+    NamedState {
+        params: vec![
+            ("embed".into(), values(10_007, 1)),
+            ("bias".into(), values(3, 2)),
+            ("empty".into(), values(0, 3)),
+            ("head".into(), values(77_777, 4)),
+        ],
+        buffers: vec![
+            ("running_mean".into(), values(5, 5)),
+            ("running_var".into(), values(13, 6)),
+        ],
+        optimizer: vec![
+            ("embed.exp_avg".into(), values(10_007, 7)),
+            ("head.exp_avg".into(), values(77_777, 8)),
+        ],
+        extra: format!("data position {seed}; rng {}", seed.wrapping_mul(31)).into_bytes(),
+    }
+}
+
+/// Every value as bits, so equality is byte equality.
+fn bits(state: &NamedState) -> (Vec<Vec<u32>>, Vec<u8>) {
+    let all = state.params.iter().chain(&state.buffers).chain(&state.optimizer);
+    (
+        all.map(|(_, v)| v.iter().map(|x| x.to_bits()).collect()).collect(),
+        state.extra.clone(),
+    )
+}
+
+/// Small odd chunks, so a few hundred KiB make dozens of chunks.
+fn small_chunks() -> TransferOptions {
+    TransferOptions {
+        chunk_bytes: 24_571,
+        ..TransferOptions::default()
+    }
+}
+
+fn options() -> InitOptions {
+    InitOptions::default()
+        .heartbeat_timeout(Duration::from_secs(1))
+        .collective_timeout(Duration::from_secs(10))
+}
+
+/// Each rank's (step, starting state): `None` for a rank without state.
+type Start = fn(usize) -> (Option<u64>, NamedState);
+
+/// Runs `sync_state` on `world` in-process ranks and returns each rank's
+/// result and state afterwards.
+async fn transfer(
+    world: usize,
+    start: Start,
+    transfer: TransferOptions,
+) -> Vec<(Result<TransferReport, TransferError>, NamedState)> {
+    chorus::spawn_with(world, options(), move |pg| {
+        let transfer = transfer.clone();
+        async move {
+            let (step, mut state) = start(pg.rank());
+            let report = sync_state(&pg, &mut state, step, &transfer).await;
+            (report, state)
+        }
+    })
+    .await
+    .expect("the group forms")
+}
+
+/// The joiner's rank with 1, 2 or 3 sources: rank 0, 1 and 3 in turn.
+fn joiner(sources: usize) -> usize {
+    [0, 1, 3][sources - 1]
+}
+
+#[test]
+fn a_joiner_gets_the_survivors_state_byte_for_byte_from_one_two_and_three_sources() {
+    for sources in 1..=3 {
+        let world = sources + 1;
+        let results = run(
+            None,
+            within(60, "state transfer to a joiner", async move {
+                chorus::spawn_with(world, options(), move |pg| async move {
+                    let joiner = joiner(world - 1);
+                    let (step, mut state) = if pg.rank() == joiner {
+                        let mut blank = state(99);
+                        blank.extra.clear();
+                        (None, blank)
+                    } else {
+                        (Some(41), state(7))
+                    };
+                    let report = sync_state(&pg, &mut state, step, &small_chunks()).await;
+                    let verified = verify_state(&pg, &mut state).await;
+                    (report, verified, state)
+                })
+                .await
+                .expect("the group forms")
+            }),
+        );
+        let joiner = joiner(sources);
+        let expected = bits(&state(7));
+        for (rank, (report, verified, state)) in results.into_iter().enumerate() {
+            let report = report.unwrap_or_else(|e| panic!("{sources} sources, rank {rank}: {e}"));
+            verified.unwrap_or_else(|e| panic!("{sources} sources, rank {rank}: verify: {e}"));
+            assert_eq!(bits(&state), expected, "{sources} sources: rank {rank}'s state");
+            assert_eq!(report.step, 41);
+            assert_eq!(report.receivers, [joiner]);
+            assert_eq!(report.sources, (0..world).filter(|&r| r != joiner).collect::<Vec<_>>());
+            let entries: usize = 2 * 10_007 + 3 + 2 * 77_777 + 5 + 13;
+            assert_eq!(report.bytes, (entries * 4 + state.extra.len()) as u64);
+            assert_eq!(report.refetched, 0);
+        }
+    }
+}
+
+#[test]
+fn a_lagging_member_is_brought_forward_and_equal_members_move_nothing() {
+    let results = run(
+        None,
+        within(60, "a lagging member", async {
+            transfer(
+                3,
+                |rank| match rank {
+                    2 => (Some(4), state(4)),
+                    _ => (Some(9), state(9)),
+                },
+                small_chunks(),
+            )
+            .await
+        }),
+    );
+    for (rank, (report, state)) in results.iter().enumerate() {
+        let report = report.as_ref().unwrap();
+        assert_eq!(
+            (report.step, &report.sources[..], &report.receivers[..]),
+            (9, &[0, 1][..], &[2][..])
+        );
+        assert_eq!(bits(state), bits(&self::state(9)), "rank {rank}");
+    }
+
+    let results = run(
+        None,
+        within(60, "equal members", async {
+            transfer(2, |_| (Some(3), state(3)), small_chunks()).await
+        }),
+    );
+    for (report, _) in &results {
+        let report = report.as_ref().unwrap();
+        assert!(report.receivers.is_empty() && report.bytes == 0, "{report:?}");
+    }
+
+    // Nobody has state: rank 0's is everyone's, at step 0.
+    let results = run(
+        None,
+        within(60, "no state anywhere", async {
+            transfer(3, |rank| (None, state(rank as u32 + 1)), small_chunks()).await
+        }),
+    );
+    for (report, state) in &results {
+        let report = report.as_ref().unwrap();
+        assert_eq!(
+            (report.step, &report.sources[..], &report.receivers[..]),
+            (0, &[0][..], &[1, 2][..])
+        );
+        assert_eq!(bits(state), bits(&self::state(1)));
+    }
+}
+
+#[test]
+fn a_corrupted_chunk_is_fetched_again_from_another_source() {
+    // Rank 1's 12th frame to rank 0 is a chunk (the hello takes a few):
+    // one bit of it flips on the wire.
+    let results = run(
+        Some("corrupt(1->0, p=1, after_frames=12, times=1)"),
+        within(60, "a corrupted chunk", async {
+            transfer(
+                3,
+                |rank| match rank {
+                    0 => (
+                        None,
+                        NamedState {
+                            extra: Vec::new(),
+                            ..state(5)
+                        },
+                    ),
+                    _ => (Some(12), state(12)),
+                },
+                small_chunks(),
+            )
+            .await
+        }),
+    );
+    for (rank, (report, state)) in results.iter().enumerate() {
+        let report = report.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(report.refetched, 1, "rank {rank}: one chunk fetched again");
+        assert_eq!(bits(state), bits(&self::state(12)), "rank {rank}");
+    }
+}
+
+#[test]
+fn a_chunk_damaged_in_every_round_is_an_error_naming_it_on_every_rank() {
+    let results = run(
+        Some("corrupt(1->0, p=1, after_frames=12, times=1)"),
+        within(60, "one round only", async {
+            transfer(
+                2,
+                |rank| match rank {
+                    0 => (None, state(5)),
+                    _ => (Some(12), state(12)),
+                },
+                TransferOptions {
+                    max_rounds: 1,
+                    ..small_chunks()
+                },
+            )
+            .await
+        }),
+    );
+    for (rank, (report, _)) in results.iter().enumerate() {
+        match report {
+            Err(
+                e @ TransferError::Corrupt {
+                    receiver: 0,
+                    sources,
+                    rounds: 1,
+                    ..
+                },
+            ) => {
+                assert_eq!(sources, &[1], "rank {rank}");
+                assert!(e.to_string().contains("raise max_rounds"), "{e}");
+            }
+            other => panic!("rank {rank}: expected Corrupt, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn mismatched_lists_are_a_typed_error_on_every_rank() {
+    let results = run(
+        None,
+        within(30, "mismatched lists", async {
+            transfer(
+                3,
+                |rank| {
+                    let mut s = state(1);
+                    if rank == 2 {
+                        s.optimizer[1].1.pop();
+                    }
+                    (if rank == 1 { None } else { Some(1) }, s)
+                },
+                small_chunks(),
+            )
+            .await
+        }),
+    );
+    for (rank, (report, _)) in results.iter().enumerate() {
+        match report {
+            Err(e @ TransferError::Mismatch { rank: 2, index: 7, .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("'head.exp_avg' float32 x 77777") && text.contains("77776"),
+                    "{text}"
+                );
+            }
+            other => panic!("rank {rank}: expected Mismatch at #7 naming rank 2, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_source_dying_mid_transfer_fails_every_rank_instead_of_hanging() {
+    // Rank 1 (a source) dies after 15 frames: a few chunks in.
+    let results = run(
+        Some("kill(rank=1, after_frames=15)"),
+        within(30, "a dying source", async {
+            transfer(
+                3,
+                |rank| match rank {
+                    0 => (None, state(5)),
+                    _ => (Some(3), state(3)),
+                },
+                small_chunks(),
+            )
+            .await
+        }),
+    );
+    for (rank, (report, _)) in results.iter().enumerate() {
+        match report {
+            Err(TransferError::Collective(_)) => {}
+            other => panic!("rank {rank}: expected the group's failure, got {other:?}"),
+        }
+    }
+    // The survivors saw the group aborted (what an ElasticGroup restarts on).
+    assert!(matches!(
+        &results[0].0,
+        Err(TransferError::Collective(
+            CollectiveError::GroupAborted(_) | CollectiveError::Transport(_)
+        ))
+    ));
+}
+
+#[test]
+fn verify_state_names_the_diverged_ranks_and_their_first_entry() {
+    let results = run(
+        None,
+        within(30, "verify_state", async {
+            chorus::spawn_with(3, options(), |pg| async move {
+                let mut s = state(2);
+                match pg.rank() {
+                    1 => s.buffers[1].1[12] = f32::from_bits(s.buffers[1].1[12].to_bits() ^ 1),
+                    2 => s.extra.push(0),
+                    _ => {}
+                }
+                verify_state(&pg, &mut s).await
+            })
+            .await
+            .unwrap()
+        }),
+    );
+    for (rank, verified) in results.iter().enumerate() {
+        match verified {
+            Err(TransferError::Diverged(ranks)) => {
+                let named: Vec<(usize, &str)> = ranks.iter().map(|d| (d.rank, d.first.as_str())).collect();
+                assert_eq!(named, [(1, "running_var"), (2, "extras")], "rank {rank}");
+            }
+            other => panic!("rank {rank}: expected Diverged, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn rank_processes_transfer_over_shm_and_quic() {
+    // `chorus bench transfer`: 2 source processes and a joiner, which ends
+    // with verify_state (a rank whose state differs exits with an error).
+    let _serial = one_at_a_time();
+    let output = common::run(
+        std::process::Command::new(common::CHORUS).args([
+            "bench",
+            "transfer",
+            "--size",
+            "3M",
+            "--sources",
+            "2",
+            "--transport",
+            "shm,quic",
+            "--rounds",
+            "1",
+            "--chunk",
+            "256K",
+            "--json",
+            "--timeout",
+            "60",
+        ]),
+        90,
+        "chorus bench transfer",
+        common::Stop::Kill,
+    );
+    let text = common::joined(&output);
+    assert!(output.status.success(), "{text}");
+    let rows: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    for (row, link) in rows.iter().zip(["shm", "quic"]) {
+        assert_eq!(row["link"], link, "{row}");
+        assert_eq!(row["bytes"], (3 << 20) + 64, "{row}");
+        assert_eq!(row["sources"], 2, "{row}");
+        assert!(row["transfer_gbps"].as_f64().is_some_and(|g| g > 0.0), "{row}");
+    }
+}
+
+#[test]
+fn a_silent_source_is_a_timeout_at_the_collective_timeout() {
+    // Rank 1 freezes after 15 frames; heartbeats would take 60 s to notice,
+    // so the deadlines (the collective timeout, 2 s) must.
+    let started = std::time::Instant::now();
+    let results = run(
+        Some("freeze(rank=1, after_frames=15)"),
+        within(30, "a frozen source", async {
+            let options = InitOptions::default()
+                .heartbeat_timeout(Duration::from_secs(60))
+                .collective_timeout(Duration::from_secs(2));
+            chorus::spawn_with(3, options, |pg| async move {
+                let (step, mut state) = match pg.rank() {
+                    0 => (None, state(5)),
+                    _ => (Some(3), state(3)),
+                };
+                sync_state(&pg, &mut state, step, &small_chunks()).await
+            })
+            .await
+            .expect("the group forms")
+        }),
+    );
+    // The joiner's frame deadline, the other source's all-gather deadline
+    // or the frozen rank's own send deadline fires first (all 2 s): every
+    // rank fails, well before the heartbeat window.
+    assert!(
+        matches!(
+            &results[0],
+            Err(TransferError::Timeout { .. } | TransferError::Collective(_))
+        ),
+        "{:?}",
+        results[0]
+    );
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+}
