@@ -7,7 +7,16 @@
 //!   (parameters, buffers, optimizer state, small extras such as the data
 //!   position and RNG), and [`NamedState`], a ready implementation over
 //!   named `f32` vectors.
+//! - [`transfer`]: [`sync_state`], the most advanced members' state to
+//!   those behind, and [`verify_state`].
+//! - [`outer`]: local SGD's and DiLoCo's outer step, sans IO.
+//! - [`trainer`]: [`train`], the loop with per-step commit and recovery.
 
+pub mod outer;
 pub mod state;
+pub mod trainer;
+pub mod transfer;
 
 pub use state::{NamedState, StateEntry, TrainState, entries, for_each_entry};
+pub use trainer::{Committed, Job, Mode, Recovery, Step, TrainError, TrainOptions, TrainReport, train};
+pub use transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
