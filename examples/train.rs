@@ -62,6 +62,14 @@ struct Args {
     /// Local steps between outer syncs (local-sgd, diloco).
     #[arg(long, default_value_t = 8)]
     every: u64,
+    /// DiLoCo's outer learning rate.
+    #[arg(long, default_value_t = 0.7)]
+    outer_lr: f32,
+    /// DiLoCo's outer (Nesterov) momentum. The published 0.9 is for
+    /// hundreds of outer steps; this short run takes 50, and 0.9's
+    /// effective step (lr / (1 - momentum) = 7x the drift) overshoots.
+    #[arg(long, default_value_t = 0.5)]
+    outer_momentum: f32,
     /// Committed steps.
     #[arg(long, default_value_t = 400)]
     steps: u64,
@@ -431,7 +439,11 @@ fn worker(args: Args) -> Result<()> {
         let mode = match args.mode {
             ModeArg::Ddp => Mode::Ddp,
             ModeArg::LocalSgd => Mode::LocalSgd { every: args.every },
-            ModeArg::Diloco => Mode::diloco(args.every),
+            ModeArg::Diloco => Mode::DiLoCo {
+                every: args.every,
+                outer_lr: args.outer_lr,
+                outer_momentum: args.outer_momentum,
+            },
         };
         let options = TrainOptions {
             mode,
@@ -628,7 +640,8 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         "--restart-policy".into(),
         "worker".into(),
         "--max-restarts".into(),
-        "1000".into(),
+        // One relaunch per injected failure, and a few to spare.
+        if args.fault_every.is_some() { "1000" } else { "3" }.into(),
         "--master-port".into(),
         free_port()?.to_string(),
         "--log-dir".into(),
@@ -654,6 +667,8 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         ("--fault-step", args.fault_step.to_string()),
         ("--mode", mode.to_string()),
         ("--every", args.every.to_string()),
+        ("--outer-lr", args.outer_lr.to_string()),
+        ("--outer-momentum", args.outer_momentum.to_string()),
         ("--steps", args.steps.to_string()),
         ("--world", args.world.to_string()),
         ("--batch", args.batch.to_string()),

@@ -642,14 +642,15 @@ async fn run_step<J: Job>(
         failure = Some(TrainError::Sync(e));
     }
     if failure.is_none() {
-        let computed = if ddp {
-            job.backward(step, sync)
+        let (computed, finished) = if ddp {
+            let computed = job.backward(step, sync);
+            // finish() also when backward failed: the buckets it started
+            // must end before the vote, or the members' collectives interleave.
+            (computed, sync.finish().await)
         } else {
-            job.backward(step, &mut sync.no_sync())
+            // Local modes: the gradients stay here, nothing to finish.
+            (job.backward(step, &mut sync.no_sync()), Ok(()))
         };
-        // finish() also when backward failed: the buckets it started must
-        // end before the vote, or the members' collectives interleave.
-        let finished = sync.finish().await;
         match (computed, finished) {
             (_, Err(SyncError::Collective(_))) => {}
             (Err(reason), _) => {
