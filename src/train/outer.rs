@@ -97,15 +97,15 @@ mod tests {
         let mut members = vec![vec![0.0], vec![0.5]];
         let (mut anchor, mut momentum) = (vec![1.0], vec![0.0]);
         outer_sync(rule, &mut members, &mut anchor, &mut momentum);
-        // buf = 0.75; step = 0.7 * (0.75 + 0.9 * 0.75) = 0.98625.
+        // buf = 0.75; step = 0.7 * (0.75 + 0.9 * 0.75) = 0.9975.
         assert!((momentum[0] - 0.75).abs() < 1e-6);
-        assert!((anchor[0] - (1.0 - 0.98625)).abs() < 1e-6, "{anchor:?}");
+        assert!((anchor[0] - 0.0025).abs() < 1e-6, "{anchor:?}");
         assert_eq!(members[0], anchor);
         assert_eq!(members[1], anchor);
         // A second sync with no drift still moves by momentum alone.
         outer_sync(rule, &mut members, &mut anchor, &mut momentum);
         assert!((momentum[0] - 0.675).abs() < 1e-6);
-        assert!((anchor[0] - (0.01375 - 0.7 * 0.9 * 0.675)).abs() < 1e-5, "{anchor:?}");
+        assert!((anchor[0] - (0.0025 - 0.7 * 0.9 * 0.675)).abs() < 1e-5, "{anchor:?}");
     }
 
     #[test]

@@ -706,3 +706,70 @@ async fn outer_sync<J: Job>(
     }
     Ok(outcome)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_the_global_batch_once_for_any_world_size() {
+        for world in 1..=7 {
+            let mut next = 0;
+            for rank in 0..world {
+                let s = shard(100, world, rank);
+                assert_eq!(s.start, next);
+                assert!(s.len() == 100 / world || s.len() == 100 / world + 1);
+                next = s.end;
+            }
+            assert_eq!(next, 100);
+        }
+    }
+
+    #[test]
+    fn progress_travels_in_the_extras_before_the_jobs() {
+        struct Plain(crate::train::NamedState);
+        impl Parameters for Plain {
+            fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+                self.0.visit_parameters(visit)
+            }
+        }
+        impl TrainState for Plain {
+            fn save_extra(&self) -> Vec<u8> {
+                self.0.save_extra()
+            }
+            fn load_extra(&mut self, bytes: &[u8]) -> Result<(), String> {
+                self.0.load_extra(bytes)
+            }
+        }
+        impl Job for Plain {
+            fn backward(&mut self, _: &Step, _: &mut DistributedSync<'static>) -> Result<f64, String> {
+                Ok(0.0)
+            }
+            fn apply(&mut self, _: &Step, _: &DistributedSync<'static>) -> Result<(), String> {
+                Ok(())
+            }
+        }
+        let mut source = Plain(crate::train::NamedState {
+            extra: vec![9, 9],
+            ..Default::default()
+        });
+        let (mut outer, mut progress) = (Outer::default(), Progress { step: 7, outer_syncs: 2 });
+        let bytes = Full {
+            job: &mut source,
+            outer: &mut outer,
+            progress: &mut progress,
+        }
+        .save_extra();
+        let mut joiner = Plain(crate::train::NamedState::default());
+        let mut got = Progress::default();
+        let mut full = Full {
+            job: &mut joiner,
+            outer: &mut outer,
+            progress: &mut got,
+        };
+        full.load_extra(&bytes).unwrap();
+        assert!(full.load_extra(&bytes[..3]).is_err());
+        assert_eq!((got, got.units()), (Progress { step: 7, outer_syncs: 2 }, 9));
+        assert_eq!(joiner.0.extra, [9, 9]);
+    }
+}
