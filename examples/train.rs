@@ -741,18 +741,20 @@ fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Re
             .label(format!("failure (resumed at step {step})"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], red.stroke_width(2)));
     }
-    let series = [
-        ("with the failure", &run.curve, RGBColor(31, 119, 180)),
-        ("fault-free reference", reference.map_or(&run.curve, |r| &r.curve), RGBColor(44, 160, 44)),
-    ];
-    for (label, curve, color) in series.into_iter().take(if reference.is_some() { 2 } else { 1 }) {
+    // The reference first, wide, so the run drawn over it shows where they differ.
+    let mut series = Vec::new();
+    if let Some(reference) = reference {
+        series.push(("fault-free reference", &reference.curve, RGBColor(150, 210, 150), 5));
+    }
+    series.push(("with the failure", &run.curve, RGBColor(31, 119, 180), 1));
+    for (label, curve, color, width) in series {
         chart
             .draw_series(LineSeries::new(
                 curve.iter().map(|&(s, l)| (s as f64, l)),
-                color.stroke_width(2),
+                color.stroke_width(width),
             ))?
             .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
     }
     chart
         .configure_series_labels()
