@@ -280,10 +280,13 @@ impl Mlp {
     }
 }
 
+/// A permutation with its (seed, epoch).
+type Permutation = (u64, u64, Arc<Vec<usize>>);
+
 /// The permutation of `0..n` for `epoch` (cached: it is asked for every sample).
 fn permutation(seed: u64, epoch: u64, n: usize) -> Arc<Vec<usize>> {
     use std::sync::Mutex;
-    static CACHE: Mutex<Option<(u64, u64, Arc<Vec<usize>>)>> = Mutex::new(None);
+    static CACHE: Mutex<Option<Permutation>> = Mutex::new(None);
     let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((s, e, p)) = cache.as_ref()
         && (*s, *e) == (seed, epoch)
@@ -384,9 +387,20 @@ fn unix_us() -> i64 {
     chorus::bench::recovery::unix_us()
 }
 
+/// Appends the wall-clock time of an injected failure to the run's list.
+fn record_failure(run_dir: &Path) {
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(run_dir.join("failures_us"))
+    {
+        let _ = writeln!(file, "{}", unix_us());
+    }
+}
+
 /// Injects `fault` into this worker (called at the fault step).
 fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path) {
-    let _ = std::fs::write(run_dir.join("failure_us"), unix_us().to_string());
+    record_failure(run_dir);
     match fault {
         Fault::None => {}
         Fault::Kill => {
@@ -477,9 +491,11 @@ fn worker(args: Args) -> Result<()> {
             let eval = Dataset::generate(args.seed, EVAL_SAMPLES, 2);
             let all: Vec<usize> = (0..eval.len()).collect();
             let (loss, _) = job.loss(&eval, &all, false)?;
-            let failure_us: Option<i64> = std::fs::read_to_string(run_dir.join("failure_us"))
-                .ok()
-                .and_then(|s| s.trim().parse().ok());
+            let failures_us: Vec<i64> = std::fs::read_to_string(run_dir.join("failures_us"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect();
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
             let outcome = Outcome {
                 final_loss: f64::from(loss),
@@ -505,7 +521,12 @@ fn worker(args: Args) -> Result<()> {
                             transfer_ms: ms(r.transfer),
                             first_step_ms: ms(r.first_step),
                             total_ms: ms(r.total()),
-                            since_failure_ms: failure_us.map(|f| (at - f) as f64 / 1e3),
+                            // The last failure injected before it recovered.
+                            since_failure_ms: failures_us
+                                .iter()
+                                .filter(|&&f| f < at)
+                                .max()
+                                .map(|f| (at - f) as f64 / 1e3),
                         }
                     })
                     .collect(),
@@ -546,6 +567,7 @@ fn fault_loop(run_dir: PathBuf, world: usize, every: f64, done: Arc<AtomicBool>)
             .ok()
             .and_then(|s| s.trim().parse::<i32>().ok());
         if let Some(pid) = pid {
+            record_failure(&run_dir);
             // SAFETY: kill only sends a signal, to a worker of this run.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
