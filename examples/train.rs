@@ -70,6 +70,9 @@ struct Args {
     /// effective step (lr / (1 - momentum) = 7x the drift) overshoots.
     #[arg(long, default_value_t = 0.5)]
     outer_momentum: f32,
+    /// Streaming DiLoCo: sync the model in this many fragments, at staggered steps.
+    #[arg(long, default_value_t = 1)]
+    fragments: u32,
     /// Committed steps.
     #[arg(long, default_value_t = 400)]
     steps: u64,
@@ -457,6 +460,7 @@ fn worker(args: Args) -> Result<()> {
                 every: args.every,
                 outer_lr: args.outer_lr,
                 outer_momentum: args.outer_momentum,
+                fragments: args.fragments,
             },
         };
         let options = TrainOptions {
@@ -691,6 +695,7 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         ("--every", args.every.to_string()),
         ("--outer-lr", args.outer_lr.to_string()),
         ("--outer-momentum", args.outer_momentum.to_string()),
+        ("--fragments", args.fragments.to_string()),
         ("--steps", args.steps.to_string()),
         ("--world", args.world.to_string()),
         ("--batch", args.batch.to_string()),

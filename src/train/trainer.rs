@@ -67,6 +67,11 @@ pub enum Mode {
         outer_lr: f32,
         /// Outer momentum (published default 0.9).
         outer_momentum: f32,
+        /// Streaming DiLoCo: the parameters in this many fragments, each
+        /// synced every `every` steps at staggered steps (fragment `f`
+        /// `f * every / fragments` steps after the first), so one outer
+        /// sync moves a fraction of the model. 1: all at once.
+        fragments: u32,
     },
 }
 
@@ -77,23 +82,27 @@ impl Mode {
             every,
             outer_lr: 0.7,
             outer_momentum: 0.9,
+            fragments: 1,
         }
     }
 
-    fn outer(&self) -> Option<(u64, OuterRule)> {
+    /// Steps between a fragment's syncs, its rule, and the fragments.
+    fn outer(&self) -> Option<(u64, OuterRule, u32)> {
         match *self {
             Mode::Ddp => None,
-            Mode::LocalSgd { every } => Some((every.max(1), OuterRule::Average)),
+            Mode::LocalSgd { every } => Some((every.max(1), OuterRule::Average, 1)),
             Mode::DiLoCo {
                 every,
                 outer_lr,
                 outer_momentum,
+                fragments,
             } => Some((
                 every.max(1),
                 OuterRule::Nesterov {
                     lr: outer_lr,
                     momentum: outer_momentum,
                 },
+                fragments.max(1),
             )),
         }
     }
@@ -428,7 +437,7 @@ pub async fn train<J: Job>(
 ) -> Result<TrainReport, TrainError> {
     let outer_mode = options.mode.outer();
     let mut outer = Outer::default();
-    if let Some((_, rule)) = outer_mode {
+    if let Some((_, rule, _)) = outer_mode {
         outer.anchor = read_params(job)?;
         if matches!(rule, OuterRule::Nesterov { .. }) {
             outer.momentum = vec![0.0; outer.anchor.len()];
@@ -441,8 +450,10 @@ pub async fn train<J: Job>(
     let mut pending: Option<Pending> = None;
     let mut rejections = 0u32;
     loop {
-        let outer_due = outer_mode.filter(|&(every, _)| {
-            progress.step > 0 && progress.step % every == 0 && progress.outer_syncs < progress.step / every
+        // The next outer sync (or fragment sync), once its step is committed.
+        let outer_due = outer_mode.and_then(|(every, rule, fragments)| {
+            let (at, fragment) = sync_point(progress.outer_syncs, every, fragments);
+            (at <= progress.step).then_some((rule, fragment, fragments))
         });
         if progress.step >= options.steps && outer_due.is_none() {
             break;
@@ -505,7 +516,10 @@ pub async fn train<J: Job>(
         }
         let (_, sync) = synced.as_mut().expect("synced above");
         let outcome = match outer_due {
-            Some((_, rule)) => outer_sync(&pg, &mut *job, &mut outer, rule, progress.step).await?,
+            Some((rule, fragment, fragments)) => {
+                let fragment = (fragment, fragments);
+                outer_sync(&pg, &mut *job, &mut outer, rule, fragment, progress.step).await?
+            }
             None => {
                 let step = Step {
                     step: progress.step,
@@ -680,6 +694,15 @@ async fn run_step<J: Job>(
     Ok((outcome, votes.map_or(0.0, |v| v[2])))
 }
 
+/// The `k`-th outer sync (from 0): the committed step after which it
+/// runs and the fragment it syncs. Fragment `f` of `fragments` syncs every
+/// `every` steps, `f * every / fragments` steps after fragment 0.
+fn sync_point(k: u64, every: u64, fragments: u32) -> (u64, u32) {
+    let fragments = u64::from(fragments.max(1));
+    let (round, fragment) = (k / fragments + 1, k % fragments);
+    (round * every + fragment * every / fragments, fragment as u32)
+}
+
 /// One outer sync of the local modes: contributions summed, vote, and the
 /// outer step only if committed.
 async fn outer_sync<J: Job>(
@@ -687,11 +710,14 @@ async fn outer_sync<J: Job>(
     job: &mut J,
     outer: &mut Outer,
     rule: OuterRule,
+    (fragment, fragments): (u32, u32),
     step: u64,
 ) -> Result<Outcome, TrainError> {
-    let params = read_params(job)?;
-    let mut contribution = vec![0.0f32; params.len()];
-    rule.contribution(&params, &outer.anchor, &mut contribution);
+    let mut params = read_params(job)?;
+    let n = params.len();
+    let range = n * fragment as usize / fragments as usize..n * (fragment as usize + 1) / fragments as usize;
+    let mut contribution = vec![0.0f32; range.len()];
+    rule.contribution(&params[range.clone()], &outer.anchor[range.clone()], &mut contribution);
     let sum = pg
         .all_reduce(Tensor::from_slice(&contribution), ReduceOp::Sum)
         .await
@@ -700,8 +726,18 @@ async fn outer_sync<J: Job>(
     let votes = vote(pg, sum.is_some(), false, 0.0).await;
     let outcome = decide(pg, step, votes)?;
     if let (Outcome::Committed, Some(sum)) = (&outcome, sum) {
-        let mut params = params;
-        rule.apply(&sum, pg.world_size(), &mut params, &mut outer.anchor, &mut outer.momentum);
+        // Local SGD keeps no momentum.
+        let momentum = match outer.momentum.is_empty() {
+            true => &mut [][..],
+            false => &mut outer.momentum[range.clone()],
+        };
+        rule.apply(
+            &sum,
+            pg.world_size(),
+            &mut params[range.clone()],
+            &mut outer.anchor[range],
+            momentum,
+        );
         write_params(job, &params);
     }
     Ok(outcome)
@@ -710,6 +746,14 @@ async fn outer_sync<J: Job>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outer_syncs_come_every_h_steps_and_fragments_are_staggered() {
+        let points = |every, fragments| (0..6).map(|k| sync_point(k, every, fragments)).collect::<Vec<_>>();
+        assert_eq!(points(8, 1), [(8, 0), (16, 0), (24, 0), (32, 0), (40, 0), (48, 0)]);
+        assert_eq!(points(8, 2), [(8, 0), (12, 1), (16, 0), (20, 1), (24, 0), (28, 1)]);
+        assert_eq!(points(9, 3), [(9, 0), (12, 1), (15, 2), (18, 0), (21, 1), (24, 2)]);
+    }
 
     #[test]
     fn shards_cover_the_global_batch_once_for_any_world_size() {
