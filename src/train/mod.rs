@@ -11,10 +11,15 @@
 //!   advanced members to those behind (chunked, striped over every source,
 //!   checksummed, damaged chunks fetched again), and [`verify_state`];
 //!   [`transfer_plan`]: its decisions, sans IO.
+//! - [`outer`]: local SGD's and DiLoCo's outer step, sans IO.
+//! - [`trainer`]: [`train`], the loop with per-step commit and recovery.
 
+pub mod outer;
 pub mod state;
+pub mod trainer;
 pub mod transfer;
 pub mod transfer_plan;
 
 pub use state::{NamedState, StateEntry, TrainState, entries, for_each_entry};
+pub use trainer::{Committed, Job, Mode, Recovery, Step, TrainError, TrainOptions, TrainReport, train};
 pub use transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};

@@ -1,0 +1,870 @@
+//! Elastic data-parallel training of a real model that survives a worker's
+//! death: `cargo run --release --example train`.
+//!
+//! A 3-layer MLP (candle, CPU) learns a synthetic 10-class problem (labels
+//! from a fixed random teacher network; no download) on 4 ranks under
+//! `chorus launch --restart-policy worker`. At `--fault-step` one worker
+//! dies (`--fault kill`: SIGKILL), freezes (`freeze`: SIGSTOP, found by the
+//! heartbeats, killed 4 s later) or is cut off (`partition`: its links are
+//! cut while it keeps running); the survivors never roll back, the
+//! relaunched worker rejoins and receives the model and optimizer state,
+//! and training goes on. The same steps then run fault-free, and both
+//! final losses (on held-out data) are printed side by side, with a loss
+//! curve (`--plot`, the failure marked).
+//!
+//! Run without launcher variables, this program launches itself (through
+//! `chorus::launch`, the library behind `chorus launch`); with them (`RANK`
+//! set) it is one worker.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use candle_core::{D, DType as CDType, Device, Tensor as CTensor, Var};
+use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
+use chorus::train::{self, Job, Mode, NamedState, Step, TrainOptions, TrainState};
+use chorus::{ElasticGroup, InitOptions};
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Fault {
+    None,
+    Kill,
+    Freeze,
+    Partition,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ModeArg {
+    Ddp,
+    LocalSgd,
+    Diloco,
+}
+
+/// Elastic data-parallel training with an injected failure.
+#[derive(Debug, Clone, Parser)]
+struct Args {
+    /// The failure to inject into the last rank.
+    #[arg(long, value_enum, default_value = "kill")]
+    fault: Fault,
+    /// The committed step at which it happens.
+    #[arg(long, default_value_t = 150)]
+    fault_step: u64,
+    /// Also kill a worker (rotating over ranks 1..) every SECS seconds (goodput runs).
+    #[arg(long)]
+    fault_every: Option<f64>,
+    /// How replicas are kept together.
+    #[arg(long, value_enum, default_value = "ddp")]
+    mode: ModeArg,
+    /// Local steps between outer syncs (local-sgd, diloco).
+    #[arg(long, default_value_t = 8)]
+    every: u64,
+    /// DiLoCo's outer learning rate.
+    #[arg(long, default_value_t = 0.7)]
+    outer_lr: f32,
+    /// DiLoCo's outer (Nesterov) momentum. The published 0.9 is for
+    /// hundreds of outer steps; this short run takes 50, and 0.9's
+    /// effective step (lr / (1 - momentum) = 7x the drift) overshoots.
+    #[arg(long, default_value_t = 0.5)]
+    outer_momentum: f32,
+    /// Streaming DiLoCo: sync the model in this many fragments, at staggered steps.
+    #[arg(long, default_value_t = 1)]
+    fragments: u32,
+    /// Committed steps.
+    #[arg(long, default_value_t = 400)]
+    steps: u64,
+    /// Workers.
+    #[arg(long, default_value_t = 4)]
+    world: usize,
+    /// Samples per step over all workers.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Seed of the data and the initial weights.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Skip the fault-free reference run.
+    #[arg(long)]
+    no_reference: bool,
+    /// The loss curve.
+    #[arg(long, default_value = "train-loss.png")]
+    plot: PathBuf,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    json: bool,
+    /// (internal) the run's directory, given to the workers.
+    #[arg(long, hide = true)]
+    run_dir: Option<PathBuf>,
+}
+
+const INPUTS: usize = 32;
+const HIDDEN: usize = 256;
+const CLASSES: usize = 10;
+const TRAIN_SAMPLES: usize = 16384;
+const EVAL_SAMPLES: usize = 2048;
+
+/// splitmix64: a small deterministic generator, the same on every rank.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        let (u, v) = (self.uniform().max(1e-7), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+}
+
+/// Inputs and labels from a fixed random teacher (a 2-layer tanh network).
+struct Dataset {
+    x: Vec<f32>,
+    y: Vec<u32>,
+}
+
+impl Dataset {
+    fn generate(seed: u64, samples: usize, stream: u64) -> Self {
+        let mut teacher = Rng(seed);
+        let w1: Vec<f32> = (0..INPUTS * 64).map(|_| teacher.normal() / (INPUTS as f32).sqrt()).collect();
+        let w2: Vec<f32> = (0..64 * CLASSES).map(|_| teacher.normal() / 8.0 * 3.0).collect();
+        let mut rng = Rng(seed ^ stream.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let mut x = Vec::with_capacity(samples * INPUTS);
+        let mut y = Vec::with_capacity(samples);
+        for _ in 0..samples {
+            let sample: Vec<f32> = (0..INPUTS).map(|_| rng.normal()).collect();
+            let hidden: Vec<f32> = (0..64)
+                .map(|j| (0..INPUTS).map(|i| sample[i] * w1[i * 64 + j]).sum::<f32>().tanh())
+                .collect();
+            let logits: Vec<f32> = (0..CLASSES)
+                .map(|c| (0..64).map(|j| hidden[j] * w2[j * CLASSES + c]).sum::<f32>() + 0.3 * rng.normal())
+                .collect();
+            let label = (0..CLASSES)
+                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+                .unwrap_or(0);
+            x.extend_from_slice(&sample);
+            y.push(label as u32);
+        }
+        Self { x, y }
+    }
+
+    fn len(&self) -> usize {
+        self.y.len()
+    }
+}
+
+/// The MLP and its SGD-with-momentum state, as plain vectors (chorus moves
+/// them); candle computes the forward and backward passes.
+struct Mlp {
+    state: NamedState,
+    data: Arc<Dataset>,
+    seed: u64,
+    steps: u64,
+    lr: f32,
+}
+
+const LAYERS: [(&str, usize, usize); 3] = [("l1", INPUTS, HIDDEN), ("l2", HIDDEN, HIDDEN), ("l3", HIDDEN, CLASSES)];
+
+impl Mlp {
+    fn new(seed: u64, data: Arc<Dataset>, steps: u64, lr: f32) -> Self {
+        let mut rng = Rng(seed.wrapping_add(1));
+        let mut params = Vec::new();
+        for (name, fan_in, fan_out) in LAYERS {
+            let bound = (6.0 / fan_in as f32).sqrt();
+            let w = (0..fan_in * fan_out).map(|_| (rng.uniform() * 2.0 - 1.0) * bound).collect();
+            params.push((format!("{name}.weight"), w));
+            params.push((format!("{name}.bias"), vec![0.0; fan_out]));
+        }
+        let optimizer = params
+            .iter()
+            .map(|(name, p)| (format!("{name}.momentum"), vec![0.0; p.len()]))
+            .collect();
+        Self {
+            state: NamedState {
+                params,
+                buffers: Vec::new(),
+                optimizer,
+                extra: Vec::new(),
+            },
+            data,
+            seed,
+            steps,
+            lr,
+        }
+    }
+
+    /// Warm-up over 20 steps, then cosine decay to a tenth: follows the committed step.
+    fn learning_rate(&self, step: u64) -> f32 {
+        let warmup = 20.0;
+        let s = step as f32;
+        if s < warmup {
+            return self.lr * (s + 1.0) / warmup;
+        }
+        let progress = ((s - warmup) / (self.steps as f32 - warmup).max(1.0)).min(1.0);
+        self.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f32::consts::PI * progress).cos()))
+    }
+
+    /// Sample indices of `step`'s global batch: a fresh permutation each epoch.
+    fn batch(&self, step: u64, batch: usize) -> Vec<usize> {
+        let n = self.data.len();
+        let start = step as usize * batch;
+        (start..start + batch)
+            .map(|i| {
+                let (epoch, at) = (i / n, i % n);
+                permutation(self.seed, epoch as u64, n)[at]
+            })
+            .collect()
+    }
+
+    /// Mean loss and, when asked, the gradients of the samples `indices` of `data`.
+    fn loss(&self, data: &Dataset, indices: &[usize], grads: bool) -> Result<(f32, Vec<Vec<f32>>)> {
+        let device = Device::Cpu;
+        let x: Vec<f32> = indices
+            .iter()
+            .flat_map(|&i| data.x[i * INPUTS..(i + 1) * INPUTS].iter().copied())
+            .collect();
+        let y: Vec<u32> = indices.iter().map(|&i| data.y[i]).collect();
+        let x = CTensor::from_vec(x, (indices.len(), INPUTS), &device)?;
+        let y = CTensor::from_vec(y, indices.len(), &device)?;
+        let vars: Vec<Var> = self
+            .state
+            .params
+            .iter()
+            .zip(LAYERS.iter().flat_map(|&(_, i, o)| [vec![i, o], vec![o]]))
+            .map(|((_, v), shape)| Var::from_tensor(&CTensor::from_slice(v, shape, &device)?))
+            .collect::<candle_core::Result<_>>()?;
+        let mut h = x;
+        for (layer, pair) in vars.chunks(2).enumerate() {
+            h = h.matmul(pair[0].as_tensor())?.broadcast_add(pair[1].as_tensor())?;
+            if layer + 1 < LAYERS.len() {
+                h = h.relu()?;
+            }
+        }
+        let loss = candle_nn::loss::cross_entropy(&h, &y)?;
+        let value = loss.to_scalar::<f32>()?;
+        if !grads {
+            return Ok((value, Vec::new()));
+        }
+        let store = loss.backward()?;
+        let grads = vars
+            .iter()
+            .map(|v| match store.get(v.as_tensor()) {
+                Some(g) => Ok(g.flatten_all()?.to_vec1::<f32>()?),
+                None => Ok(vec![0.0; v.as_tensor().elem_count()]),
+            })
+            .collect::<Result<_>>()?;
+        Ok((value, grads))
+    }
+
+    fn accuracy(&self, data: &Dataset) -> Result<f32> {
+        let device = Device::Cpu;
+        let x = CTensor::from_slice(&data.x, (data.len(), INPUTS), &device)?;
+        let mut h = x;
+        for (layer, pair) in self.state.params.chunks(2).enumerate() {
+            let (_, i, o) = LAYERS[layer];
+            let w = CTensor::from_slice(&pair[0].1, (i, o), &device)?;
+            let b = CTensor::from_slice(&pair[1].1, o, &device)?;
+            h = h.matmul(&w)?.broadcast_add(&b)?;
+            if layer + 1 < LAYERS.len() {
+                h = h.relu()?;
+            }
+        }
+        let predicted = h.argmax(D::Minus1)?.to_dtype(CDType::U32)?.to_vec1::<u32>()?;
+        let right = predicted.iter().zip(&data.y).filter(|(p, y)| p == y).count();
+        Ok(right as f32 / data.len() as f32)
+    }
+}
+
+/// A permutation with its (seed, epoch).
+type Permutation = (u64, u64, Arc<Vec<usize>>);
+
+/// The permutation of `0..n` for `epoch` (cached: it is asked for every sample).
+fn permutation(seed: u64, epoch: u64, n: usize) -> Arc<Vec<usize>> {
+    use std::sync::Mutex;
+    static CACHE: Mutex<Option<Permutation>> = Mutex::new(None);
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((s, e, p)) = cache.as_ref()
+        && (*s, *e) == (seed, epoch)
+        && p.len() == n
+    {
+        return p.clone();
+    }
+    let mut rng = Rng(seed ^ (epoch + 1).wrapping_mul(0x9e37_79b9));
+    let mut p: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        p.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let p = Arc::new(p);
+    *cache = Some((seed, epoch, p.clone()));
+    p
+}
+
+impl Parameters for Mlp {
+    fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        self.state.visit_parameters(visit)
+    }
+}
+
+impl TrainState for Mlp {
+    fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        self.state.visit_optimizer(visit)
+    }
+}
+
+impl Job for Mlp {
+    fn backward(&mut self, step: &Step, grads: &mut DistributedSync<'static>) -> Result<f64, String> {
+        let batch = self.batch(step.step, step.global_batch);
+        let mine = &batch[step.shard()];
+        if mine.is_empty() {
+            return Ok(0.0);
+        }
+        let data = self.data.clone();
+        let (loss, computed) = self.loss(&data, mine, true).map_err(|e| e.to_string())?;
+        // candle gives the mean over my samples; the sync wants their sum times grad_scale.
+        let factor = mine.len() as f32 * step.grad_scale;
+        // Last layer first, as a backward pass produces them (the buckets start early).
+        for id in (0..computed.len()).rev() {
+            let view = grads.grad_mut::<f32>(id).map_err(|e| e.to_string())?;
+            for (g, c) in view.iter_mut().zip(&computed[id]) {
+                *g = c * factor;
+            }
+            grads.mark_ready(id).map_err(|e| e.to_string())?;
+        }
+        Ok(f64::from(loss) * mine.len() as f64)
+    }
+
+    fn apply(&mut self, step: &Step, grads: &DistributedSync<'static>) -> Result<(), String> {
+        let lr = self.learning_rate(step.step);
+        for (id, ((_, p), (_, m))) in self
+            .state
+            .params
+            .iter_mut()
+            .zip(self.state.optimizer.iter_mut())
+            .enumerate()
+        {
+            let g = grads.grad::<f32>(id).map_err(|e| e.to_string())?;
+            for ((p, m), g) in p.iter_mut().zip(m.iter_mut()).zip(g) {
+                *m = 0.9 * *m + g;
+                *p -= lr * *m;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What rank 0 hands back to the launching process.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Outcome {
+    final_loss: f64,
+    accuracy: f64,
+    steps: u64,
+    applied: u64,
+    adopted: u64,
+    train_seconds: f64,
+    recoveries: Vec<RecoveryOut>,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct RecoveryOut {
+    generation: u64,
+    world_size: usize,
+    resumed_step: u64,
+    bytes: u64,
+    rendezvous_ms: f64,
+    transfer_ms: f64,
+    first_step_ms: f64,
+    total_ms: f64,
+    /// From the injected failure (its wall-clock time) to the first committed step.
+    since_failure_ms: Option<f64>,
+}
+
+fn unix_us() -> i64 {
+    chorus::bench::recovery::unix_us()
+}
+
+/// Appends the wall-clock time of an injected failure to the run's list.
+fn record_failure(run_dir: &Path) {
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(run_dir.join("failures_us"))
+    {
+        let _ = writeln!(file, "{}", unix_us());
+    }
+}
+
+/// Injects `fault` into this worker (called at the fault step).
+fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path) {
+    record_failure(run_dir);
+    match fault {
+        Fault::None => {}
+        Fault::Kill => {
+            // SAFETY: kill only sends a signal, to this process.
+            unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
+        }
+        Fault::Freeze => {
+            let _ = std::fs::write(run_dir.join("frozen_pid"), std::process::id().to_string());
+            // SAFETY: kill only sends a signal, to this process.
+            unsafe { libc::kill(std::process::id() as i32, libc::SIGSTOP) };
+        }
+        Fault::Partition => {
+            let pg = group.current();
+            for rank in 0..pg.world_size() {
+                if let Some(link) = pg.link(rank) {
+                    link.cut("injected partition");
+                }
+            }
+        }
+    }
+}
+
+fn worker(args: Args) -> Result<()> {
+    let run_dir = args.run_dir.clone().context("--run-dir is set by the launching process")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut options = InitOptions::from_url("env://")?
+            .timeout(Duration::from_secs(60))
+            .heartbeat_timeout(Duration::from_secs(2))
+            .last_call(Duration::from_millis(300))
+            .restart_budget(1000, Duration::from_secs(600));
+        if args.fault == Fault::Freeze {
+            // The frozen worker is not dead: the others go on without it.
+            options = options.elastic_world(args.world - 1, args.world);
+        }
+        // Before joining: a relaunched worker's peers wait for it from then on.
+        let data = Arc::new(Dataset::generate(args.seed, TRAIN_SAMPLES, 1));
+        let mut job = Mlp::new(args.seed, data, args.steps, 0.05);
+        let group = ElasticGroup::init(options).await?;
+        let first_rank = group.rank();
+        let relaunched = group.generation() > 0;
+        let _ = std::fs::create_dir_all(run_dir.join("pids"));
+        let _ = std::fs::write(
+            run_dir.join("pids").join(first_rank.to_string()),
+            std::process::id().to_string(),
+        );
+        let mode = match args.mode {
+            ModeArg::Ddp => Mode::Ddp,
+            ModeArg::LocalSgd => Mode::LocalSgd { every: args.every },
+            ModeArg::Diloco => Mode::DiLoCo {
+                every: args.every,
+                outer_lr: args.outer_lr,
+                outer_momentum: args.outer_momentum,
+                fragments: args.fragments,
+            },
+        };
+        let options = TrainOptions {
+            mode,
+            steps: args.steps,
+            global_batch: args.batch,
+            ..TrainOptions::default()
+        };
+        let reporter = first_rank == 0 && !relaunched;
+        let mut progress = match reporter {
+            true => Some(std::fs::File::create(run_dir.join("progress"))?),
+            false => None,
+        };
+        let victim = !relaunched && first_rank == args.world - 1 && args.fault != Fault::None;
+        let started = Instant::now();
+        let report = train::train(&group, &mut job, &options, |c| {
+            if let Some(file) = progress.as_mut() {
+                let _ = writeln!(file, "{} {} {} {}", c.step, c.loss, c.world_size, c.generation);
+            }
+            if victim && c.step + 1 == args.fault_step {
+                inject(args.fault, &group, &run_dir);
+            }
+        })
+        .await?;
+        let train_seconds = started.elapsed().as_secs_f64();
+        let pg = group.current();
+        if mode == Mode::Ddp {
+            // Every member holds the same model and optimizer state.
+            train::verify_state(&pg, &mut job).await?;
+        }
+        if reporter {
+            let eval = Dataset::generate(args.seed, EVAL_SAMPLES, 2);
+            let all: Vec<usize> = (0..eval.len()).collect();
+            let (loss, _) = job.loss(&eval, &all, false)?;
+            let failures_us: Vec<i64> = std::fs::read_to_string(run_dir.join("failures_us"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect();
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            let outcome = Outcome {
+                final_loss: f64::from(loss),
+                accuracy: f64::from(job.accuracy(&eval)?),
+                steps: report.steps,
+                applied: report.applied,
+                adopted: report.adopted,
+                train_seconds,
+                recoveries: report
+                    .recoveries
+                    .iter()
+                    .map(|r| {
+                        let at = r
+                            .first_step_at
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_micros() as i64);
+                        RecoveryOut {
+                            generation: r.generation,
+                            world_size: r.world_size,
+                            resumed_step: r.resumed_step,
+                            bytes: r.bytes,
+                            rendezvous_ms: ms(r.rendezvous),
+                            transfer_ms: ms(r.transfer),
+                            first_step_ms: ms(r.first_step),
+                            total_ms: ms(r.total()),
+                            // The last failure injected before it recovered.
+                            since_failure_ms: failures_us
+                                .iter()
+                                .filter(|&&f| f < at)
+                                .max()
+                                .map(|f| (at - f) as f64 / 1e3),
+                        }
+                    })
+                    .collect(),
+            };
+            std::fs::write(run_dir.join("result.json"), serde_json::to_string(&outcome)?)?;
+        }
+        // Every worker checks the counter: no step applied twice, none skipped.
+        if report.applied + report.adopted != report.steps {
+            bail!(
+                "rank {first_rank}: applied {} + adopted {} != committed {}",
+                report.applied,
+                report.adopted,
+                report.steps
+            );
+        }
+        drop(pg);
+        group.destroy().await?;
+        Ok(())
+    })
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Kills a worker every `every` seconds (ranks 1.. in turn) until `done`.
+fn fault_loop(run_dir: PathBuf, world: usize, every: f64, done: Arc<AtomicBool>) {
+    let mut next = 1;
+    let mut waited = 0.0;
+    while !done.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(100));
+        waited += 0.1;
+        if waited < every {
+            continue;
+        }
+        waited = 0.0;
+        let pid = std::fs::read_to_string(run_dir.join("pids").join(next.to_string()))
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok());
+        if let Some(pid) = pid {
+            record_failure(&run_dir);
+            // SAFETY: kill only sends a signal, to a worker of this run.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        next = next % (world - 1) + 1;
+    }
+}
+
+/// Kills a frozen worker a while after it froze, so the launcher relaunches it.
+fn thaw_loop(run_dir: PathBuf, done: Arc<AtomicBool>) {
+    while !done.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(100));
+        if let Some(pid) = std::fs::read_to_string(run_dir.join("frozen_pid"))
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+        {
+            std::thread::sleep(Duration::from_secs(4));
+            // SAFETY: kill only sends a signal, to the worker that froze itself.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            return;
+        }
+    }
+}
+
+/// Shows rank 0's committed steps as they come.
+fn progress_loop(
+    run_dir: PathBuf,
+    (steps, batch): (u64, usize),
+    label: &'static str,
+    done: Arc<AtomicBool>,
+    show: bool,
+) -> Vec<(u64, f64)> {
+    let bar = indicatif::ProgressBar::new(steps);
+    if !show {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix:>10} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(label);
+    let mut curve = Vec::new();
+    let mut reader = None;
+    let started = Instant::now();
+    let mut line = String::new();
+    loop {
+        let finished = done.load(Ordering::Relaxed);
+        if reader.is_none() {
+            reader = std::fs::File::open(run_dir.join("progress")).ok().map(std::io::BufReader::new);
+        }
+        if let Some(r) = reader.as_mut() {
+            while r.read_line(&mut line).unwrap_or(0) > 0 {
+                if !line.ends_with('\n') {
+                    break;
+                }
+                let f: Vec<&str> = line.split_whitespace().collect();
+                if let [step, loss, world, generation] = f[..]
+                    && let (Ok(step), Ok(loss)) = (step.parse::<u64>(), loss.parse::<f64>())
+                {
+                    curve.push((step, loss));
+                    let rate = (step + 1) as f64 / started.elapsed().as_secs_f64().max(1e-3);
+                    bar.set_position(step + 1);
+                    bar.set_message(format!(
+                        "loss {loss:.4}  {:.0} samples/s  gen {generation}  world {world}",
+                        rate * batch as f64
+                    ));
+                }
+                line.clear();
+            }
+        }
+        if finished {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bar.finish();
+    curve
+}
+
+/// One launched run: its outcome, loss curve and wall time.
+struct Run {
+    outcome: Outcome,
+    curve: Vec<(u64, f64)>,
+}
+
+fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Result<Run> {
+    std::fs::create_dir_all(run_dir)?;
+    let exe = std::env::current_exe()?;
+    let mut worker_args: Vec<String> = vec![
+        "--nproc-per-node".into(),
+        args.world.to_string(),
+        "--restart-policy".into(),
+        "worker".into(),
+        "--max-restarts".into(),
+        // One relaunch per injected failure, and a few to spare.
+        if args.fault_every.is_some() { "1000" } else { "3" }.into(),
+        "--master-port".into(),
+        free_port()?.to_string(),
+        "--log-dir".into(),
+        run_dir.join("logs").display().to_string(),
+        "--".into(),
+        exe.display().to_string(),
+        "--run-dir".into(),
+        run_dir.display().to_string(),
+    ];
+    let mode = match args.mode {
+        ModeArg::Ddp => "ddp",
+        ModeArg::LocalSgd => "local-sgd",
+        ModeArg::Diloco => "diloco",
+    };
+    let fault_name = match fault {
+        Fault::None => "none",
+        Fault::Kill => "kill",
+        Fault::Freeze => "freeze",
+        Fault::Partition => "partition",
+    };
+    for (flag, value) in [
+        ("--fault", fault_name.to_string()),
+        ("--fault-step", args.fault_step.to_string()),
+        ("--mode", mode.to_string()),
+        ("--every", args.every.to_string()),
+        ("--outer-lr", args.outer_lr.to_string()),
+        ("--outer-momentum", args.outer_momentum.to_string()),
+        ("--fragments", args.fragments.to_string()),
+        ("--steps", args.steps.to_string()),
+        ("--world", args.world.to_string()),
+        ("--batch", args.batch.to_string()),
+        ("--seed", args.seed.to_string()),
+    ] {
+        worker_args.push(flag.into());
+        worker_args.push(value);
+    }
+    let done = Arc::new(AtomicBool::new(false));
+    let show = !args.json;
+    let progress = {
+        let (dir, done) = (run_dir.to_path_buf(), done.clone());
+        let size = (args.steps, args.batch);
+        std::thread::spawn(move || progress_loop(dir, size, label, done, show))
+    };
+    let mut helpers = Vec::new();
+    if fault == Fault::Freeze {
+        let (dir, done) = (run_dir.to_path_buf(), done.clone());
+        helpers.push(std::thread::spawn(move || thaw_loop(dir, done)));
+    }
+    if let Some(every) = args.fault_every.filter(|_| fault != Fault::None) {
+        let (dir, done, world) = (run_dir.to_path_buf(), done.clone(), args.world);
+        helpers.push(std::thread::spawn(move || fault_loop(dir, world, every, done)));
+    }
+    let code = chorus::launch::main(&worker_args);
+    done.store(true, Ordering::Relaxed);
+    let curve = progress.join().unwrap_or_default();
+    for helper in helpers {
+        let _ = helper.join();
+    }
+    let result = run_dir.join("result.json");
+    let outcome: Outcome = match std::fs::read_to_string(&result) {
+        Ok(text) => serde_json::from_str(&text)?,
+        Err(_) => bail!(
+            "the {label} run ended ({code:?}) without a result; the workers' logs are under {}",
+            run_dir.join("logs").display()
+        ),
+    };
+    Ok(Run { outcome, curve })
+}
+
+fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Result<()> {
+    use plotters::prelude::*;
+    static FONT: &[u8] = include_bytes!("../src/bench/font/DejaVuSans-ascii.ttf");
+    let _ = plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, FONT);
+    let curves: Vec<&Vec<(u64, f64)>> = std::iter::once(&run.curve).chain(reference.map(|r| &r.curve)).collect();
+    let xmax = curves.iter().flat_map(|c| c.iter()).map(|p| p.0).max().unwrap_or(1) as f64 + 1.0;
+    let ymax = curves.iter().flat_map(|c| c.iter()).map(|p| p.1).fold(0.0, f64::max) * 1.05;
+    let root = BitMapBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("chorus elastic training: loss per committed step", ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0f64..xmax, 0f64..ymax.max(0.1))?;
+    chart
+        .configure_mesh()
+        .x_desc("committed step")
+        .y_desc("training loss")
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    let red = RGBColor(214, 39, 40);
+    for &step in failures {
+        chart
+            .draw_series(LineSeries::new(
+                [(step as f64, 0.0), (step as f64, ymax)],
+                red.stroke_width(2),
+            ))?
+            .label(format!("failure (resumed at step {step})"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], red.stroke_width(2)));
+    }
+    // The reference first, wide, so the run drawn over it shows where they differ.
+    let mut series = Vec::new();
+    if let Some(reference) = reference {
+        series.push(("fault-free reference", &reference.curve, RGBColor(150, 210, 150), 5));
+    }
+    series.push(("with the failure", &run.curve, RGBColor(31, 119, 180), 1));
+    for (label, curve, color, width) in series {
+        chart
+            .draw_series(LineSeries::new(
+                curve.iter().map(|&(s, l)| (s as f64, l)),
+                color.stroke_width(width),
+            ))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if std::env::var_os("RANK").is_some() {
+        return worker(args);
+    }
+    if args.world < 2 {
+        bail!("--world must be 2 or more");
+    }
+    let base = std::env::temp_dir().join(format!("chorus-train-{}", std::process::id()));
+    let started = Instant::now();
+    let run = launch(&args, args.fault, "training", &base.join("run"))?;
+    let reference = match args.fault == Fault::None || args.no_reference {
+        true => None,
+        false => Some(launch(&args, Fault::None, "reference", &base.join("reference"))?),
+    };
+    let reference_loss = reference.as_ref().map_or(run.outcome.final_loss, |r| r.outcome.final_loss);
+    let failures: Vec<u64> = run.outcome.recoveries.iter().map(|r| r.resumed_step).collect();
+    let plotted = plot(&args.plot, &run, reference.as_ref(), &failures);
+    let o = &run.outcome;
+    if !args.json {
+        for r in &o.recoveries {
+            println!(
+                "recovery into generation {} ({} workers) at step {}: rendezvous {:.0} ms, transfer {:.0} ms ({} KiB), first step {:.0} ms; {:.0} ms in all{}",
+                r.generation,
+                r.world_size,
+                r.resumed_step,
+                r.rendezvous_ms,
+                r.transfer_ms,
+                r.bytes / 1024,
+                r.first_step_ms,
+                r.total_ms,
+                r.since_failure_ms
+                    .map(|ms| format!(", {ms:.0} ms after the failure"))
+                    .unwrap_or_default()
+            );
+        }
+        println!(
+            "final loss {:.4} (accuracy {:.1}%), fault-free reference {:.4}: {:+.2}%; {} steps in {:.1} s",
+            o.final_loss,
+            o.accuracy * 100.0,
+            reference_loss,
+            (o.final_loss / reference_loss - 1.0) * 100.0,
+            o.steps,
+            o.train_seconds
+        );
+        match &plotted {
+            Ok(()) => println!("loss curve: {}", args.plot.display()),
+            Err(e) => println!("loss curve not drawn: {e}"),
+        }
+    }
+    if args.json {
+        let json = serde_json::json!({
+            "mode": format!("{:?}", args.mode).to_lowercase(),
+            "fault": format!("{:?}", args.fault).to_lowercase(),
+            "world": args.world,
+            "steps": o.steps,
+            "final_loss": o.final_loss,
+            "reference_loss": reference_loss,
+            "accuracy": o.accuracy,
+            "recoveries": o.recoveries.len(),
+            "recovery_ms": o.recoveries.iter().map(|r| r.since_failure_ms.unwrap_or(r.total_ms)).collect::<Vec<_>>(),
+            "phases": o.recoveries,
+            "applied": o.applied,
+            "adopted": o.adopted,
+            "train_seconds": o.train_seconds,
+            "steps_per_second": o.steps as f64 / o.train_seconds,
+            "reference_steps_per_second": reference.as_ref().map(|r| r.outcome.steps as f64 / r.outcome.train_seconds),
+            "wall_seconds": started.elapsed().as_secs_f64(),
+        });
+        println!("{json}");
+    }
+    let _ = std::fs::remove_dir_all(&base);
+    Ok(())
+}

@@ -1,0 +1,865 @@
+//! The elastic training loop: steps that count only when every member's
+//! sync succeeded (per-step commit), recovery by state transfer from the
+//! most advanced survivors, and three ways to keep replicas together
+//! ([`Mode`]).
+//!
+//! One step of [`train`]:
+//! 1. the [`Job`] computes the gradients of its share of the step's global
+//!    batch into the [`DistributedSync`]'s views and marks them ready (in
+//!    [`Mode::Ddp`] the buckets are summed over the members while it
+//!    computes; in the local modes nothing moves);
+//! 2. `finish()`, then the commit vote: one all-reduce of
+//!    `[succeeded, failed for good, loss]` over the members;
+//! 3. only when every member succeeded does [`Job::apply`] run (the
+//!    optimizer) and the committed step advance.
+//!
+//! On a collective error (the group aborted: a member died, froze or was
+//! cut off) nothing is applied: the loop waits for the next generation,
+//! calls [`sync_state`] with its committed progress so that joiners and any
+//! member behind (a vote that completed on some members and not on others)
+//! take the state of the most advanced survivors (never rolled back), and
+//! re-runs the step. Each recovery is logged with its phases and returned
+//! in the [`TrainReport`].
+//!
+//! The global batch stays fixed when the world size changes: in DDP each
+//! member writes the sum of its samples' gradients times
+//! [`Step::grad_scale`] (`1 / global batch`) and the buckets are summed, so
+//! the update does not depend on how many members shared the batch.
+//!
+//! In the local modes every local step commits the same way, and an outer
+//! sync (every `every` steps) is a unit of progress of its own: the
+//! progress handed to [`sync_state`] is `committed steps + outer syncs`, so
+//! a member that applied an outer sync its peers did not is ahead of them
+//! and is the one they copy. The outer state (anchor parameters, outer
+//! momentum) is part of the transferred state.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use chorus_runtime::collective::{DType, ReduceOp};
+use thiserror::Error;
+
+use super::outer::OuterRule;
+use super::state::TrainState;
+use super::transfer::{TransferError, TransferOptions, sync_state};
+use crate::elastic::{ElasticGroup, RestartError};
+use crate::group::ProcessGroup;
+use crate::sync::{BucketInfo, CommHook, DistributedSync, HookFuture, ParamBuffer, Parameters, SyncError, SyncOptions};
+use crate::tensor::Tensor;
+
+/// How replicas are kept together.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Mode {
+    /// Gradients summed over the members every step (DDP).
+    Ddp,
+    /// Local optimizer steps; the parameters are averaged every `every` steps.
+    LocalSgd {
+        /// Steps between averages.
+        every: u64,
+    },
+    /// DiLoCo: local (inner) optimizer steps; every `every` steps the
+    /// average drift from the last outer sync takes an outer SGD step with
+    /// Nesterov momentum.
+    DiLoCo {
+        /// Steps between outer syncs.
+        every: u64,
+        /// Outer learning rate (published default 0.7).
+        outer_lr: f32,
+        /// Outer momentum (published default 0.9).
+        outer_momentum: f32,
+        /// Streaming DiLoCo: the parameters in this many fragments, each
+        /// synced every `every` steps at staggered steps (fragment `f`
+        /// `f * every / fragments` steps after the first), so one outer
+        /// sync moves a fraction of the model. 1: all at once.
+        fragments: u32,
+    },
+}
+
+impl Mode {
+    /// DiLoCo with the published outer defaults (lr 0.7, momentum 0.9).
+    pub fn diloco(every: u64) -> Self {
+        Mode::DiLoCo {
+            every,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
+            fragments: 1,
+        }
+    }
+
+    /// Steps between a fragment's syncs, its rule, and the fragments.
+    fn outer(&self) -> Option<(u64, OuterRule, u32)> {
+        match *self {
+            Mode::Ddp => None,
+            Mode::LocalSgd { every } => Some((every.max(1), OuterRule::Average, 1)),
+            Mode::DiLoCo {
+                every,
+                outer_lr,
+                outer_momentum,
+                fragments,
+            } => Some((
+                every.max(1),
+                OuterRule::Nesterov {
+                    lr: outer_lr,
+                    momentum: outer_momentum,
+                },
+                fragments.max(1),
+            )),
+        }
+    }
+}
+
+/// What [`train`] runs.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// How replicas are kept together.
+    pub mode: Mode,
+    /// Steps to commit.
+    pub steps: u64,
+    /// Samples per step over all members (fixed when the world size changes).
+    pub global_batch: usize,
+    /// How state moves to joiners.
+    pub transfer: TransferOptions,
+    /// Gradient buckets' cap in MiB (DDP's 25).
+    pub bucket_cap_mb: f64,
+    /// Times a step may be voted down by a member's local failure (not a
+    /// group failure) before training stops.
+    pub max_rejections: u32,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Ddp,
+            steps: 100,
+            global_batch: 256,
+            transfer: TransferOptions::default(),
+            bucket_cap_mb: 25.0,
+            max_rejections: 3,
+        }
+    }
+}
+
+/// The step a [`Job`] computes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    /// The committed step it becomes (picks the data and the learning rate).
+    pub step: u64,
+    /// This member's rank.
+    pub rank: usize,
+    /// Members now.
+    pub world_size: usize,
+    /// The group's generation.
+    pub generation: u64,
+    /// Samples of the step over all members.
+    pub global_batch: usize,
+    /// Multiply the sum of your samples' gradients by this before writing
+    /// it: `1 / global batch` in DDP (the members' sums are added), `1 /
+    /// your share` in the local modes (your gradient is the update).
+    pub grad_scale: f32,
+}
+
+impl Step {
+    /// This member's samples: positions within the step's global batch
+    /// (contiguous, sizes differing by at most one).
+    pub fn shard(&self) -> std::ops::Range<usize> {
+        shard(self.global_batch, self.world_size, self.rank)
+    }
+}
+
+fn shard(global_batch: usize, world_size: usize, rank: usize) -> std::ops::Range<usize> {
+    let w = world_size.max(1);
+    global_batch * rank / w..global_batch * (rank + 1) / w
+}
+
+/// A training program: its state plus how a step is computed and applied.
+pub trait Job: TrainState {
+    /// Writes the gradients of this member's [`Step::shard`], scaled by
+    /// [`Step::grad_scale`], into `grads` (`grad_mut`, then `mark_ready`
+    /// for each parameter) and returns the sum of its samples' losses.
+    fn backward(&mut self, step: &Step, grads: &mut DistributedSync<'static>) -> Result<f64, String>;
+    /// Runs the optimizer with the gradients in `grads` (summed over the
+    /// members in DDP). Called once per committed step, never for a step
+    /// that was not committed.
+    fn apply(&mut self, step: &Step, grads: &DistributedSync<'static>) -> Result<(), String>;
+}
+
+/// One committed step, as [`train`] reports it to its observer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Committed {
+    /// The step (from 0).
+    pub step: u64,
+    /// Mean loss over the step's global batch (all members).
+    pub loss: f64,
+    /// Members that computed it.
+    pub world_size: usize,
+    /// The generation it ran in.
+    pub generation: u64,
+}
+
+/// One recovery: from the failure seen here to the first committed step
+/// of the new generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recovery {
+    /// The generation recovered into.
+    pub generation: u64,
+    /// Its members.
+    pub world_size: usize,
+    /// The committed step training resumed from.
+    pub resumed_step: u64,
+    /// Members that received the state.
+    pub receivers: Vec<usize>,
+    /// Bytes each received.
+    pub bytes: u64,
+    /// From the failure seen here to the new generation formed.
+    pub rendezvous: Duration,
+    /// The state transfer (and setting up the new generation's sync).
+    pub transfer: Duration,
+    /// From the transfer's end to the first committed step.
+    pub first_step: Duration,
+    /// When that first step committed (wall clock, to compare with a death
+    /// time written by another process).
+    pub first_step_at: SystemTime,
+}
+
+impl Recovery {
+    /// From the failure seen here to the first committed step.
+    pub fn total(&self) -> Duration {
+        self.rendezvous + self.transfer + self.first_step
+    }
+}
+
+/// What [`train`] did on this member.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TrainReport {
+    /// Committed steps (the same on every member).
+    pub steps: u64,
+    /// Optimizer updates this process applied ([`Job::apply`] calls).
+    pub applied: u64,
+    /// Steps this process took over by receiving state instead of applying
+    /// them (a joiner's whole past; a member behind a vote). `applied +
+    /// adopted == steps` on every member: no step is applied twice.
+    pub adopted: u64,
+    /// Outer syncs done (local modes).
+    pub outer_syncs: u64,
+    /// Every recovery this process went through as a survivor.
+    pub recoveries: Vec<Recovery>,
+    /// Steps voted down by a member's local failure.
+    pub rejected: u64,
+}
+
+/// Why training stopped.
+#[derive(Debug, Error)]
+pub enum TrainError {
+    /// The group's supervisor gave up restarting.
+    #[error("the elastic group gave up: {0}")]
+    GaveUp(Arc<RestartError>),
+    /// The state could not be moved (other than a group failure).
+    #[error(transparent)]
+    Transfer(TransferError),
+    /// The gradient sync failed (other than a group failure).
+    #[error(transparent)]
+    Sync(SyncError),
+    /// The job's `backward` or `apply` failed here.
+    #[error("the job failed at step {step}: {reason}")]
+    Job {
+        /// The step.
+        step: u64,
+        /// What it said.
+        reason: String,
+    },
+    /// Another member's job failed (it stops with the reason).
+    #[error("another member's job failed at step {0}; see its log")]
+    PeerFailed(u64),
+    /// A step was voted down too often.
+    #[error("step {step} was voted down {times} times by a member's local failure; check the members' logs")]
+    Rejected {
+        /// The step.
+        step: u64,
+        /// How many times.
+        times: u32,
+    },
+    /// The local modes average `f32` parameters only.
+    #[error("parameter '{0}' is not f32; the local modes average f32 parameters")]
+    NotF32(String),
+}
+
+/// Sums the buckets (the members' shares of one global batch) instead of
+/// averaging them.
+struct Sum;
+
+impl CommHook for Sum {
+    fn reduce(&mut self, group: &ProcessGroup, _bucket: BucketInfo, data: Tensor) -> HookFuture {
+        Box::pin(group.all_reduce(data, ReduceOp::Sum))
+    }
+}
+
+/// Committed progress, carried in the transferred extras.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Progress {
+    step: u64,
+    outer_syncs: u64,
+}
+
+impl Progress {
+    fn units(&self) -> u64 {
+        self.step + self.outer_syncs
+    }
+}
+
+/// The local modes' outer state, flat over the parameters.
+#[derive(Debug, Default)]
+struct Outer {
+    anchor: Vec<f32>,
+    momentum: Vec<f32>,
+}
+
+/// The job's state plus the trainer's: what a joiner receives.
+struct Full<'a, J> {
+    job: &'a mut J,
+    outer: &'a mut Outer,
+    progress: &'a mut Progress,
+    /// Set once a transfer wrote into any entry: if the transfer then
+    /// breaks, this member's state is a mix and must never be a source.
+    written: bool,
+}
+
+/// A buffer that reports writes into it (see [`Full::written`]).
+struct Tracked<'b> {
+    inner: &'b mut dyn ParamBuffer,
+    written: &'b mut bool,
+}
+
+impl ParamBuffer for Tracked<'_> {
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn read_bytes(&self, offset: usize, out: &mut [u8]) {
+        self.inner.read_bytes(offset, out)
+    }
+    fn write_bytes(&mut self, offset: usize, data: &[u8]) {
+        *self.written = true;
+        self.inner.write_bytes(offset, data)
+    }
+}
+
+/// `visit` with every buffer wrapped in [`Tracked`].
+fn tracking<'v>(
+    written: &'v mut bool,
+    visit: &'v mut dyn FnMut(&str, &mut dyn ParamBuffer),
+) -> impl FnMut(&str, &mut dyn ParamBuffer) + 'v {
+    move |name, inner| visit(name, &mut Tracked { inner, written: &mut *written })
+}
+
+impl<J: Job> Parameters for Full<'_, J> {
+    fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        self.job.visit_parameters(&mut tracking(&mut self.written, visit))
+    }
+    fn visit_buffers(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        self.job.visit_buffers(&mut tracking(&mut self.written, visit))
+    }
+}
+
+impl<J: Job> TrainState for Full<'_, J> {
+    fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        let mut visit = tracking(&mut self.written, visit);
+        self.job.visit_optimizer(&mut visit);
+        if !self.outer.anchor.is_empty() {
+            visit("chorus.outer.anchor", &mut self.outer.anchor);
+        }
+        if !self.outer.momentum.is_empty() {
+            visit("chorus.outer.momentum", &mut self.outer.momentum);
+        }
+    }
+    fn save_extra(&self) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(&self.progress.step.to_le_bytes());
+        bytes.extend_from_slice(&self.progress.outer_syncs.to_le_bytes());
+        bytes.extend_from_slice(&self.job.save_extra());
+        bytes
+    }
+    fn load_extra(&mut self, bytes: &[u8]) -> Result<(), String> {
+        if bytes.len() < 16 {
+            return Err(format!("{} bytes of extras, fewer than the trainer's 16", bytes.len()));
+        }
+        let word = |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        *self.progress = Progress {
+            step: word(0),
+            outer_syncs: word(1),
+        };
+        self.job.load_extra(&bytes[16..])
+    }
+}
+
+/// The parameters as one flat `f32` vector.
+fn read_params(job: &mut dyn Parameters) -> Result<Vec<f32>, TrainError> {
+    let mut flat = Vec::new();
+    let mut wrong = None;
+    job.visit_parameters(&mut |name, buffer| {
+        if buffer.dtype() != DType::Float32 {
+            wrong.get_or_insert_with(|| name.to_owned());
+            return;
+        }
+        let at = flat.len();
+        flat.resize(at + buffer.len(), 0.0f32);
+        buffer.read_bytes(0, bytemuck::cast_slice_mut(&mut flat[at..]));
+    });
+    match wrong {
+        Some(name) => Err(TrainError::NotF32(name)),
+        None => Ok(flat),
+    }
+}
+
+fn write_params(job: &mut dyn Parameters, flat: &[f32]) {
+    let mut at = 0;
+    job.visit_parameters(&mut |_, buffer| {
+        let n = buffer.len();
+        buffer.write_bytes(0, bytemuck::cast_slice(&flat[at..at + n]));
+        at += n;
+    });
+}
+
+/// What ended an attempt at a unit of progress.
+enum Outcome {
+    Committed,
+    /// The group failed: wait for the next generation.
+    GroupFailed,
+    /// A member's local failure voted it down: re-run in this generation.
+    Rejected,
+}
+
+/// A recovery under way.
+#[derive(Debug)]
+struct Pending {
+    failed_at: Instant,
+    formed: Option<Duration>,
+    transferred: Option<(Instant, Duration)>,
+    generation: u64,
+    world_size: usize,
+    resumed_step: u64,
+    receivers: Vec<usize>,
+    bytes: u64,
+}
+
+impl Pending {
+    fn new(failed_at: Instant) -> Self {
+        Self {
+            failed_at,
+            formed: None,
+            transferred: None,
+            generation: 0,
+            world_size: 0,
+            resumed_step: 0,
+            receivers: Vec::new(),
+            bytes: 0,
+        }
+    }
+}
+
+/// Trains `job` for `options.steps` committed steps on `group`, through
+/// failures and joiners (see the module docs); `observe` sees each
+/// committed step. Every member calls it; a process that joined a running
+/// job (its group's generation is past 0) starts without state and
+/// receives it.
+pub async fn train<J: Job>(
+    group: &ElasticGroup,
+    job: &mut J,
+    options: &TrainOptions,
+    mut observe: impl FnMut(&Committed),
+) -> Result<TrainReport, TrainError> {
+    let outer_mode = options.mode.outer();
+    let mut outer = Outer::default();
+    if let Some((_, rule, _)) = outer_mode {
+        outer.anchor = read_params(job)?;
+        if matches!(rule, OuterRule::Nesterov { .. }) {
+            outer.momentum = vec![0.0; outer.anchor.len()];
+        }
+    }
+    let mut progress = Progress::default();
+    let mut has_state = group.generation() == 0;
+    let mut report = TrainReport::default();
+    let mut synced: Option<(u64, DistributedSync<'static>)> = None;
+    let mut pending: Option<Pending> = None;
+    let mut rejections = 0u32;
+    loop {
+        // The next outer sync (or fragment sync), once its step is committed.
+        let outer_due = outer_mode.and_then(|(every, rule, fragments)| {
+            let (at, fragment) = sync_point(progress.outer_syncs, every, fragments);
+            (at <= progress.step).then_some((rule, fragment, fragments))
+        });
+        if progress.step >= options.steps && outer_due.is_none() {
+            break;
+        }
+        let pg = group.current();
+        let generation = pg.generation();
+        if synced.as_ref().is_none_or(|(g, _)| *g != generation) {
+            // A generation swapped in between two operations is a recovery
+            // too (a joiner admitted into a healthy group).
+            if synced.take().is_some() && pending.is_none() {
+                pending = Some(Pending::new(Instant::now()));
+            }
+            if let Some(p) = pending.as_mut() {
+                p.formed.get_or_insert_with(|| p.failed_at.elapsed());
+            }
+            let started = Instant::now();
+            let mine = has_state.then(|| progress.units());
+            let before = progress.step;
+            let mut full = Full {
+                job: &mut *job,
+                outer: &mut outer,
+                progress: &mut progress,
+                written: false,
+            };
+            let transfer = match sync_state(&pg, &mut full, mine, &options.transfer).await {
+                Ok(transfer) => transfer,
+                Err(
+                    TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. },
+                ) => {
+                    // A receiver cut off mid-transfer holds a mix of two
+                    // states: it must receive again, even if every member
+                    // ahead of it died and its old step became the newest.
+                    if full.written {
+                        has_state = false;
+                    }
+                    wait_next(group, generation).await?;
+                    continue;
+                }
+                Err(other) => return Err(TrainError::Transfer(other)),
+            };
+            if transfer.receivers.contains(&pg.rank()) {
+                // The extras (and so `progress`) load only once every chunk
+                // arrived: `before` is what this member had applied itself.
+                report.adopted += progress.step - before;
+            }
+            has_state = true;
+            let sync_options = SyncOptions {
+                bucket_cap_mb: options.bucket_cap_mb,
+                init_sync: false,
+                ..SyncOptions::default()
+            };
+            let mut sync = match DistributedSync::new(pg.clone(), &mut *job, sync_options).await {
+                Ok(sync) => sync,
+                Err(SyncError::Collective(_)) => {
+                    wait_next(group, generation).await?;
+                    continue;
+                }
+                Err(other) => return Err(TrainError::Sync(other)),
+            };
+            sync.register_comm_hook(Box::new(Sum));
+            synced = Some((generation, sync));
+            if let Some(p) = pending.as_mut() {
+                p.generation = generation;
+                p.world_size = pg.world_size();
+                p.resumed_step = progress.step;
+                p.receivers = transfer.receivers;
+                p.bytes = transfer.bytes;
+                p.transferred = Some((Instant::now(), started.elapsed()));
+            }
+        }
+        let (_, sync) = synced.as_mut().expect("synced above");
+        let outcome = match outer_due {
+            Some((rule, fragment, fragments)) => {
+                let fragment = (fragment, fragments);
+                outer_sync(&pg, &mut *job, &mut outer, rule, fragment, progress.step).await?
+            }
+            None => {
+                let step = Step {
+                    step: progress.step,
+                    rank: pg.rank(),
+                    world_size: pg.world_size(),
+                    generation,
+                    global_batch: options.global_batch,
+                    grad_scale: match options.mode {
+                        Mode::Ddp => 1.0 / options.global_batch.max(1) as f32,
+                        _ => 1.0 / shard(options.global_batch, pg.world_size(), pg.rank()).len().max(1) as f32,
+                    },
+                };
+                let (outcome, loss) = run_step(&pg, &mut *job, sync, &step, options.mode == Mode::Ddp).await?;
+                if let Outcome::Committed = outcome {
+                    report.applied += 1;
+                    observe(&Committed {
+                        step: step.step,
+                        loss: loss / options.global_batch.max(1) as f64,
+                        world_size: step.world_size,
+                        generation,
+                    });
+                }
+                outcome
+            }
+        };
+        match outcome {
+            Outcome::Committed => {
+                rejections = 0;
+                match outer_due {
+                    Some(_) => progress.outer_syncs += 1,
+                    None => progress.step += 1,
+                }
+                // A recovery ends at the first committed unit, but the
+                // initial formation (no failure before it) is none.
+                if let Some(done) = pending.take()
+                    && let Some((transferred_at, transfer)) = done.transferred
+                {
+                    let recovery = Recovery {
+                        generation: done.generation,
+                        world_size: done.world_size,
+                        resumed_step: done.resumed_step,
+                        receivers: done.receivers,
+                        bytes: done.bytes,
+                        rendezvous: done.formed.unwrap_or_default(),
+                        transfer,
+                        first_step: transferred_at.elapsed(),
+                        first_step_at: SystemTime::now(),
+                    };
+                    tracing::info!(
+                        generation = recovery.generation,
+                        world_size = recovery.world_size,
+                        resumed_step = recovery.resumed_step,
+                        receivers = ?recovery.receivers,
+                        bytes = recovery.bytes,
+                        rendezvous_ms = recovery.rendezvous.as_secs_f64() * 1e3,
+                        transfer_ms = recovery.transfer.as_secs_f64() * 1e3,
+                        first_step_ms = recovery.first_step.as_secs_f64() * 1e3,
+                        total_ms = recovery.total().as_secs_f64() * 1e3,
+                        "recovered"
+                    );
+                    report.recoveries.push(recovery);
+                }
+            }
+            Outcome::GroupFailed => {
+                // A failure during a recovery extends it.
+                let p = pending.get_or_insert_with(|| Pending::new(Instant::now()));
+                p.formed = None;
+                p.transferred = None;
+                wait_next(group, generation).await?;
+            }
+            Outcome::Rejected => {
+                report.rejected += 1;
+                rejections += 1;
+                if rejections > options.max_rejections {
+                    return Err(TrainError::Rejected {
+                        step: progress.step,
+                        times: rejections,
+                    });
+                }
+            }
+        }
+    }
+    report.steps = progress.step;
+    report.outer_syncs = progress.outer_syncs;
+    Ok(report)
+}
+
+async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(), TrainError> {
+    group
+        .next_generation(generation)
+        .await
+        .map(drop)
+        .map_err(TrainError::GaveUp)
+}
+
+/// The commit vote: every member's `[succeeded, failed for good, loss]`
+/// summed. `None` when the vote itself failed (the group did).
+async fn vote(pg: &ProcessGroup, ok: bool, fatal: bool, loss: f64) -> Option<[f64; 3]> {
+    let mine = [f64::from(u8::from(ok)), f64::from(u8::from(fatal)), loss];
+    let sum = pg.all_reduce(Tensor::from_slice(&mine), ReduceOp::Sum).await.ok()?;
+    let sum = sum.to_vec::<f64>().ok()?;
+    Some([sum[0], sum[1], sum[2]])
+}
+
+/// Decides a unit from the vote; the error when this or another member
+/// failed for good.
+fn decide(pg: &ProcessGroup, step: u64, votes: Option<[f64; 3]>) -> Result<Outcome, TrainError> {
+    let Some([ok, fatal, _]) = votes else {
+        return Ok(Outcome::GroupFailed);
+    };
+    if fatal > 0.0 {
+        return Err(TrainError::PeerFailed(step));
+    }
+    Ok(if ok as usize == pg.world_size() {
+        Outcome::Committed
+    } else {
+        Outcome::Rejected
+    })
+}
+
+/// One step: gradients, sync, vote, and the update only if committed.
+/// Returns the summed loss of the step's global batch.
+async fn run_step<J: Job>(
+    pg: &ProcessGroup,
+    job: &mut J,
+    sync: &mut DistributedSync<'static>,
+    step: &Step,
+    ddp: bool,
+) -> Result<(Outcome, f64), TrainError> {
+    let mut failure: Option<TrainError> = None;
+    let mut loss = 0.0;
+    let mut ok = false;
+    if let Err(e) = sync.zero_grad() {
+        failure = Some(TrainError::Sync(e));
+    }
+    if failure.is_none() {
+        let (computed, finished) = if ddp {
+            let computed = job.backward(step, sync);
+            // finish() also when backward failed: the buckets it started
+            // must end before the vote, or the members' collectives interleave.
+            (computed, sync.finish().await)
+        } else {
+            // Local modes: the gradients stay here, nothing to finish.
+            (job.backward(step, &mut sync.no_sync()), Ok(()))
+        };
+        match (computed, finished) {
+            (_, Err(SyncError::Collective(_))) => {}
+            (Err(reason), _) => {
+                failure = Some(TrainError::Job {
+                    step: step.step,
+                    reason,
+                })
+            }
+            (Ok(_), Err(e)) => failure = Some(TrainError::Sync(e)),
+            (Ok(l), Ok(())) if l.is_finite() => (ok, loss) = (true, l),
+            (Ok(l), Ok(())) => {
+                tracing::warn!(step = step.step, loss = l, "non-finite loss: voting the step down");
+            }
+        }
+    }
+    let votes = vote(pg, ok, failure.is_some(), loss).await;
+    if let Some(error) = failure {
+        return Err(error);
+    }
+    let outcome = decide(pg, step.step, votes)?;
+    if let Outcome::Committed = outcome {
+        job.apply(step, sync).map_err(|reason| TrainError::Job {
+            step: step.step,
+            reason,
+        })?;
+    }
+    Ok((outcome, votes.map_or(0.0, |v| v[2])))
+}
+
+/// The `k`-th outer sync (from 0): the committed step after which it
+/// runs and the fragment it syncs. Fragment `f` of `fragments` syncs every
+/// `every` steps, `f * every / fragments` steps after fragment 0.
+fn sync_point(k: u64, every: u64, fragments: u32) -> (u64, u32) {
+    let fragments = u64::from(fragments.max(1));
+    let (round, fragment) = (k / fragments + 1, k % fragments);
+    (round * every + fragment * every / fragments, fragment as u32)
+}
+
+/// One outer sync of the local modes: contributions summed, vote, and the
+/// outer step only if committed.
+async fn outer_sync<J: Job>(
+    pg: &ProcessGroup,
+    job: &mut J,
+    outer: &mut Outer,
+    rule: OuterRule,
+    (fragment, fragments): (u32, u32),
+    step: u64,
+) -> Result<Outcome, TrainError> {
+    let mut params = read_params(job)?;
+    let n = params.len();
+    let range = n * fragment as usize / fragments as usize..n * (fragment as usize + 1) / fragments as usize;
+    let mut contribution = vec![0.0f32; range.len()];
+    rule.contribution(&params[range.clone()], &outer.anchor[range.clone()], &mut contribution);
+    let sum = pg
+        .all_reduce(Tensor::from_slice(&contribution), ReduceOp::Sum)
+        .await
+        .ok()
+        .and_then(|sum| sum.to_vec::<f32>().ok());
+    let votes = vote(pg, sum.is_some(), false, 0.0).await;
+    let outcome = decide(pg, step, votes)?;
+    if let (Outcome::Committed, Some(sum)) = (&outcome, sum) {
+        // Local SGD keeps no momentum.
+        let momentum = match outer.momentum.is_empty() {
+            true => &mut [][..],
+            false => &mut outer.momentum[range.clone()],
+        };
+        rule.apply(
+            &sum,
+            pg.world_size(),
+            &mut params[range.clone()],
+            &mut outer.anchor[range],
+            momentum,
+        );
+        write_params(job, &params);
+    }
+    Ok(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outer_syncs_come_every_h_steps_and_fragments_are_staggered() {
+        let points = |every, fragments| (0..6).map(|k| sync_point(k, every, fragments)).collect::<Vec<_>>();
+        assert_eq!(points(8, 1), [(8, 0), (16, 0), (24, 0), (32, 0), (40, 0), (48, 0)]);
+        assert_eq!(points(8, 2), [(8, 0), (12, 1), (16, 0), (20, 1), (24, 0), (28, 1)]);
+        assert_eq!(points(9, 3), [(9, 0), (12, 1), (15, 2), (18, 0), (21, 1), (24, 2)]);
+    }
+
+    #[test]
+    fn shards_cover_the_global_batch_once_for_any_world_size() {
+        for world in 1..=7 {
+            let mut next = 0;
+            for rank in 0..world {
+                let s = shard(100, world, rank);
+                assert_eq!(s.start, next);
+                assert!(s.len() == 100 / world || s.len() == 100 / world + 1);
+                next = s.end;
+            }
+            assert_eq!(next, 100);
+        }
+    }
+
+    #[test]
+    fn progress_travels_in_the_extras_before_the_jobs() {
+        struct Plain(crate::train::NamedState);
+        impl Parameters for Plain {
+            fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+                self.0.visit_parameters(visit)
+            }
+        }
+        impl TrainState for Plain {
+            fn save_extra(&self) -> Vec<u8> {
+                self.0.save_extra()
+            }
+            fn load_extra(&mut self, bytes: &[u8]) -> Result<(), String> {
+                self.0.load_extra(bytes)
+            }
+        }
+        impl Job for Plain {
+            fn backward(&mut self, _: &Step, _: &mut DistributedSync<'static>) -> Result<f64, String> {
+                Ok(0.0)
+            }
+            fn apply(&mut self, _: &Step, _: &DistributedSync<'static>) -> Result<(), String> {
+                Ok(())
+            }
+        }
+        let mut source = Plain(crate::train::NamedState {
+            extra: vec![9, 9],
+            ..Default::default()
+        });
+        let (mut outer, mut progress) = (Outer::default(), Progress { step: 7, outer_syncs: 2 });
+        let bytes = Full {
+            job: &mut source,
+            outer: &mut outer,
+            progress: &mut progress,
+            written: false,
+        }
+        .save_extra();
+        let mut joiner = Plain(crate::train::NamedState::default());
+        let mut got = Progress::default();
+        let mut full = Full {
+            job: &mut joiner,
+            outer: &mut outer,
+            progress: &mut got,
+            written: false,
+        };
+        full.load_extra(&bytes).unwrap();
+        assert!(full.load_extra(&bytes[..3]).is_err());
+        assert_eq!((got, got.units()), (Progress { step: 7, outer_syncs: 2 }, 9));
+        assert_eq!(joiner.0.extra, [9, 9]);
+    }
+}

@@ -1,0 +1,230 @@
+//! Elastic training (`chorus::train`): per-step commit through a member's
+//! death and a joiner, in process; and `examples/train.rs` (a candle MLP
+//! on 4 processes under `chorus launch --restart-policy worker`) against
+//! its fault-free run and across modes.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chorus::store::{HashStore, Store};
+use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
+use chorus::train::{self, Job, Mode, NamedState, Step, TrainOptions, TrainReport, TrainState};
+use chorus::{ElasticGroup, InitOptions};
+
+mod common;
+use common::{CHORUS, LAUNCHER, elastic_options as options, text, within};
+
+const STEPS: u64 = 400;
+
+/// Every committed step subtracts exactly 1 from each parameter (the
+/// members' gradient shares sum to 1 in binary fractions) and adds 1 to
+/// the optimizer's counter; the steps it applied are recorded.
+struct Counter {
+    state: NamedState,
+    applied: Vec<u64>,
+}
+
+impl Counter {
+    fn new() -> Self {
+        Self {
+            state: NamedState {
+                params: vec![("x".into(), vec![0.0; 1000])],
+                buffers: Vec::new(),
+                optimizer: vec![("count".into(), vec![0.0; 1000])],
+                extra: Vec::new(),
+            },
+            applied: Vec::new(),
+        }
+    }
+}
+
+impl Parameters for Counter {
+    fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        self.state.visit_parameters(visit)
+    }
+}
+
+impl TrainState for Counter {
+    fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        self.state.visit_optimizer(visit)
+    }
+}
+
+impl Job for Counter {
+    fn backward(&mut self, step: &Step, grads: &mut DistributedSync<'static>) -> Result<f64, String> {
+        // Slow enough that the joiner arrives while the others train.
+        std::thread::sleep(Duration::from_millis(3));
+        let share = step.shard().len() as f32 * step.grad_scale;
+        grads.grad_mut::<f32>(0).map_err(|e| e.to_string())?.fill(share);
+        grads.mark_ready(0).map_err(|e| e.to_string())?;
+        Ok(step.shard().len() as f64)
+    }
+
+    fn apply(&mut self, step: &Step, grads: &DistributedSync<'static>) -> Result<(), String> {
+        let g = grads.grad::<f32>(0).map_err(|e| e.to_string())?;
+        self.state.params[0].1.iter_mut().zip(g).for_each(|(x, g)| *x -= g);
+        self.state.optimizer[0].1.iter_mut().for_each(|c| *c += 1.0);
+        self.applied.push(step.step);
+        Ok(())
+    }
+}
+
+async fn init(options: InitOptions) -> ElasticGroup {
+    ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}"))
+        .await
+        .unwrap()
+}
+
+fn train_options() -> TrainOptions {
+    TrainOptions {
+        mode: Mode::Ddp,
+        steps: STEPS,
+        global_batch: 64,
+        ..TrainOptions::default()
+    }
+}
+
+/// Trains to the end, checks every member holds the same state, leaves.
+async fn train_to_end(group: ElasticGroup, mut job: Counter) -> (TrainReport, Counter) {
+    let report = train::train(&group, &mut job, &train_options(), |_| {})
+        .await
+        .unwrap();
+    train::verify_state(&group.current(), &mut job).await.unwrap();
+    group.destroy().await.unwrap();
+    (report, job)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_step_is_re_run_never_applied_twice_and_the_joiner_gets_the_survivors_state() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let died = Arc::new(tokio::sync::Notify::new());
+    let mut members = Vec::new();
+    for rank in 0..4 {
+        let (options, died) = (options(&store, rank, 4).elastic_world(3, 4), died.clone());
+        members.push(tokio::spawn(async move {
+            let group = init(options).await;
+            if rank != 3 {
+                return Some(train_to_end(group, Counter::new()).await);
+            }
+            // Rank 3 dies in the middle of step 20 (after committing 0..20):
+            // its training is dropped at its next await, then its links are cut.
+            let dying = Arc::new(tokio::sync::Notify::new());
+            let mut job = Counter::new();
+            let (signal, train_options) = (dying.clone(), train_options());
+            tokio::select! {
+                _ = train::train(&group, &mut job, &train_options, |c| {
+                    if c.step == 19 {
+                        signal.notify_one();
+                    }
+                }) => panic!("rank 3 finished training instead of dying"),
+                _ = dying.notified() => {}
+            }
+            let links: Vec<_> = (0..4).filter_map(|r| group.current().link(r).cloned()).collect();
+            drop(group);
+            for link in links {
+                link.cut("rank 3 died");
+            }
+            died.notify_one();
+            None
+        }));
+    }
+    within(20, "rank 3's death", died.notified()).await;
+    // A new process takes its place and joins the running job.
+    let joiner = within(20, "the joiner", init(options(&store, 0, 4).elastic_world(3, 4))).await;
+    assert!(joiner.generation() > 0, "the joiner formed a job of its own");
+    let joined = tokio::spawn(train_to_end(joiner, Counter::new()));
+
+    let mut results = Vec::new();
+    for member in members {
+        if let Some(result) = within(60, "a survivor", member).await.unwrap() {
+            results.push((false, result));
+        }
+    }
+    results.push((true, within(60, "the joiner's training", joined).await.unwrap()));
+    let reference = results[0].1.1.state.clone();
+    for (is_joiner, (report, job)) in &results {
+        assert_eq!(report.steps, STEPS);
+        // No step applied twice, none skipped: what was not applied was received.
+        assert_eq!(report.applied + report.adopted, STEPS, "{report:?}");
+        assert_eq!(job.applied.len() as u64, report.applied);
+        assert!(job.applied.windows(2).all(|w| w[1] > w[0]), "{:?}", job.applied);
+        assert!(job.state.params[0].1.iter().all(|&x| x == -(STEPS as f32)), "a step was applied twice or lost");
+        assert!(job.state.optimizer[0].1.iter().all(|&c| c == STEPS as f32));
+        // Byte for byte the survivors' state.
+        assert_eq!(job.state, reference);
+        if *is_joiner {
+            assert!(report.adopted >= 20, "{report:?}");
+            assert!(report.applied > 0, "the joiner joined after the end: {report:?}");
+        } else {
+            assert!(!report.recoveries.is_empty(), "{report:?}");
+            // A survivor left out of a generation (it came after the last
+            // call) is behind when it is admitted and adopts the steps it
+            // missed; the others resume where the death stopped them.
+            if report.adopted == 0 {
+                let first = &report.recoveries[0];
+                assert!(first.resumed_step >= 19 && first.resumed_step <= 20, "{first:?}");
+            }
+        }
+    }
+}
+
+/// `examples/train.rs`, built beside the `chorus` binary by `cargo test`.
+fn example() -> PathBuf {
+    let exe = PathBuf::from(CHORUS).with_file_name("examples").join("train");
+    assert!(
+        exe.exists(),
+        "{} missing: `cargo test` builds the examples, `cargo test --test train` does not (cargo build --release --example train)",
+        exe.display()
+    );
+    exe
+}
+
+/// Runs the example with `args` and `--json`; its last line, parsed.
+fn run_example(args: &[&str], secs: u64) -> serde_json::Value {
+    let plot = std::env::temp_dir().join(format!("chorus-train-test-{}.png", std::process::id()));
+    let mut command = Command::new(example());
+    command
+        .args(args)
+        .args(["--json", "--plot"])
+        .arg(&plot)
+        .env_remove("CHORUS_FAULTS")
+        .env_remove("CHORUS_JOB_SECRET");
+    let output = common::run(&mut command, secs, "examples/train", LAUNCHER);
+    assert!(output.status.success(), "{}", text(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}\n{}", text(&output)))
+}
+
+#[test]
+fn after_a_kill_and_rejoin_the_loss_is_the_fault_free_runs() {
+    let run = run_example(&["--fault", "kill", "--steps", "200", "--fault-step", "80"], 90);
+    assert_eq!(run["recoveries"], 1, "{run}");
+    assert_eq!(run["recovery_ms"].as_array().map(Vec::len), Some(1), "{run}");
+    let (loss, reference) = (run["final_loss"].as_f64().unwrap(), run["reference_loss"].as_f64().unwrap());
+    assert!((loss / reference - 1.0).abs() < 0.02, "{run}");
+    assert_eq!(run["applied"].as_u64().unwrap() + run["adopted"].as_u64().unwrap(), 200);
+}
+
+#[test]
+fn local_sgd_and_diloco_streaming_or_not_reach_ddp_loss_within_5_percent() {
+    let loss = |mode: &[&str]| {
+        let run = run_example(&[&["--fault", "none", "--mode"], mode].concat(), 60);
+        run["final_loss"].as_f64().unwrap()
+    };
+    let ddp = loss(&["ddp"]);
+    for mode in [&["local-sgd"][..], &["diloco"], &["diloco", "--fragments", "2"]] {
+        let local = loss(mode);
+        assert!((local / ddp - 1.0).abs() < 0.05, "{mode:?}: {local} against DDP's {ddp}");
+    }
+}
+
+#[test]
+fn diloco_recovers_from_a_kill_with_its_outer_state() {
+    let run = run_example(&["--fault", "kill", "--mode", "diloco", "--steps", "200", "--fault-step", "80"], 90);
+    assert_eq!(run["recoveries"], 1, "{run}");
+    let (loss, reference) = (run["final_loss"].as_f64().unwrap(), run["reference_loss"].as_f64().unwrap());
+    assert!((loss / reference - 1.0).abs() < 0.05, "{run}");
+}
