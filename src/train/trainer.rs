@@ -541,7 +541,7 @@ pub async fn train<J: Job>(
             };
             let mut sync = match DistributedSync::new(pg.clone(), &mut *job, sync_options).await {
                 Ok(sync) => sync,
-                Err(SyncError::Collective(_)) => {
+                Err(SyncError::Collective(_) | SyncError::Aborted { .. }) => {
                     wait_next(group, generation).await?;
                     continue;
                 }
@@ -710,7 +710,7 @@ async fn run_step<J: Job>(
             (job.backward(step, &mut sync.no_sync()), Ok(()))
         };
         match (computed, finished) {
-            (_, Err(SyncError::Collective(_))) => {}
+            (_, Err(SyncError::Collective(_) | SyncError::Aborted { .. })) => {}
             (Err(reason), _) => {
                 failure = Some(TrainError::Job {
                     step: step.step,
