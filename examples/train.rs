@@ -134,7 +134,9 @@ struct Dataset {
 impl Dataset {
     fn generate(seed: u64, samples: usize, stream: u64) -> Self {
         let mut teacher = Rng(seed);
-        let w1: Vec<f32> = (0..INPUTS * 64).map(|_| teacher.normal() / (INPUTS as f32).sqrt()).collect();
+        let w1: Vec<f32> = (0..INPUTS * 64)
+            .map(|_| teacher.normal() / (INPUTS as f32).sqrt())
+            .collect();
         let w2: Vec<f32> = (0..64 * CLASSES).map(|_| teacher.normal() / 8.0 * 3.0).collect();
         let mut rng = Rng(seed ^ stream.wrapping_mul(0x2545_f491_4f6c_dd1d));
         let mut x = Vec::with_capacity(samples * INPUTS);
@@ -179,7 +181,9 @@ impl Mlp {
         let mut params = Vec::new();
         for (name, fan_in, fan_out) in LAYERS {
             let bound = (6.0 / fan_in as f32).sqrt();
-            let w = (0..fan_in * fan_out).map(|_| (rng.uniform() * 2.0 - 1.0) * bound).collect();
+            let w = (0..fan_in * fan_out)
+                .map(|_| (rng.uniform() * 2.0 - 1.0) * bound)
+                .collect();
             params.push((format!("{name}.weight"), w));
             params.push((format!("{name}.bias"), vec![0.0; fan_out]));
         }
@@ -427,7 +431,10 @@ fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path) {
 }
 
 fn worker(args: Args) -> Result<()> {
-    let run_dir = args.run_dir.clone().context("--run-dir is set by the launching process")?;
+    let run_dir = args
+        .run_dir
+        .clone()
+        .context("--run-dir is set by the launching process")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -620,7 +627,9 @@ fn progress_loop(
     loop {
         let finished = done.load(Ordering::Relaxed);
         if reader.is_none() {
-            reader = std::fs::File::open(run_dir.join("progress")).ok().map(std::io::BufReader::new);
+            reader = std::fs::File::open(run_dir.join("progress"))
+                .ok()
+                .map(std::io::BufReader::new);
         }
         if let Some(r) = reader.as_mut() {
             while r.read_line(&mut line).unwrap_or(0) > 0 {
@@ -809,7 +818,9 @@ fn main() -> Result<()> {
         true => None,
         false => Some(launch(&args, Fault::None, "reference", &base.join("reference"))?),
     };
-    let reference_loss = reference.as_ref().map_or(run.outcome.final_loss, |r| r.outcome.final_loss);
+    let reference_loss = reference
+        .as_ref()
+        .map_or(run.outcome.final_loss, |r| r.outcome.final_loss);
     let failures: Vec<u64> = run.outcome.recoveries.iter().map(|r| r.resumed_step).collect();
     let plotted = plot(&args.plot, &run, reference.as_ref(), &failures);
     let o = &run.outcome;

@@ -88,9 +88,7 @@ fn train_options() -> TrainOptions {
 
 /// Trains to the end, checks every member holds the same state, leaves.
 async fn train_to_end(group: ElasticGroup, mut job: Counter) -> (TrainReport, Counter) {
-    let report = train::train(&group, &mut job, &train_options(), |_| {})
-        .await
-        .unwrap();
+    let report = train::train(&group, &mut job, &train_options(), |_| {}).await.unwrap();
     train::verify_state(&group.current(), &mut job).await.unwrap();
     group.destroy().await.unwrap();
     (report, job)
@@ -150,7 +148,10 @@ async fn a_failed_step_is_re_run_never_applied_twice_and_the_joiner_gets_the_sur
         assert_eq!(report.applied + report.adopted, STEPS, "{report:?}");
         assert_eq!(job.applied.len() as u64, report.applied);
         assert!(job.applied.windows(2).all(|w| w[1] > w[0]), "{:?}", job.applied);
-        assert!(job.state.params[0].1.iter().all(|&x| x == -(STEPS as f32)), "a step was applied twice or lost");
+        assert!(
+            job.state.params[0].1.iter().all(|&x| x == -(STEPS as f32)),
+            "a step was applied twice or lost"
+        );
         assert!(job.state.optimizer[0].1.iter().all(|&c| c == STEPS as f32));
         // Byte for byte the survivors' state.
         assert_eq!(job.state, reference);
@@ -203,7 +204,10 @@ fn after_a_kill_and_rejoin_the_loss_is_the_fault_free_runs() {
     let run = run_example(&["--fault", "kill", "--steps", "200", "--fault-step", "80"], 90);
     assert_eq!(run["recoveries"], 1, "{run}");
     assert_eq!(run["recovery_ms"].as_array().map(Vec::len), Some(1), "{run}");
-    let (loss, reference) = (run["final_loss"].as_f64().unwrap(), run["reference_loss"].as_f64().unwrap());
+    let (loss, reference) = (
+        run["final_loss"].as_f64().unwrap(),
+        run["reference_loss"].as_f64().unwrap(),
+    );
     assert!((loss / reference - 1.0).abs() < 0.02, "{run}");
     assert_eq!(run["applied"].as_u64().unwrap() + run["adopted"].as_u64().unwrap(), 200);
 }
@@ -217,14 +221,32 @@ fn local_sgd_and_diloco_streaming_or_not_reach_ddp_loss_within_5_percent() {
     let ddp = loss(&["ddp"]);
     for mode in [&["local-sgd"][..], &["diloco"], &["diloco", "--fragments", "2"]] {
         let local = loss(mode);
-        assert!((local / ddp - 1.0).abs() < 0.05, "{mode:?}: {local} against DDP's {ddp}");
+        assert!(
+            (local / ddp - 1.0).abs() < 0.05,
+            "{mode:?}: {local} against DDP's {ddp}"
+        );
     }
 }
 
 #[test]
 fn diloco_recovers_from_a_kill_with_its_outer_state() {
-    let run = run_example(&["--fault", "kill", "--mode", "diloco", "--steps", "200", "--fault-step", "80"], 90);
+    let run = run_example(
+        &[
+            "--fault",
+            "kill",
+            "--mode",
+            "diloco",
+            "--steps",
+            "200",
+            "--fault-step",
+            "80",
+        ],
+        90,
+    );
     assert_eq!(run["recoveries"], 1, "{run}");
-    let (loss, reference) = (run["final_loss"].as_f64().unwrap(), run["reference_loss"].as_f64().unwrap());
+    let (loss, reference) = (
+        run["final_loss"].as_f64().unwrap(),
+        run["reference_loss"].as_f64().unwrap(),
+    );
     assert!((loss / reference - 1.0).abs() < 0.05, "{run}");
 }

@@ -350,7 +350,15 @@ fn tracking<'v>(
     written: &'v mut bool,
     visit: &'v mut dyn FnMut(&str, &mut dyn ParamBuffer),
 ) -> impl FnMut(&str, &mut dyn ParamBuffer) + 'v {
-    move |name, inner| visit(name, &mut Tracked { inner, written: &mut *written })
+    move |name, inner| {
+        visit(
+            name,
+            &mut Tracked {
+                inner,
+                written: &mut *written,
+            },
+        )
+    }
 }
 
 impl<J: Job> Parameters for Full<'_, J> {
@@ -514,9 +522,7 @@ pub async fn train<J: Job>(
             };
             let transfer = match sync_state(&pg, &mut full, mine, &options.transfer).await {
                 Ok(transfer) => transfer,
-                Err(
-                    TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. },
-                ) => {
+                Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
                     // A receiver cut off mid-transfer holds a mix of two
                     // states: it must receive again, even if every member
                     // ahead of it died and its old step became the newest.
@@ -841,7 +847,13 @@ mod tests {
             extra: vec![9, 9],
             ..Default::default()
         });
-        let (mut outer, mut progress) = (Outer::default(), Progress { step: 7, outer_syncs: 2 });
+        let (mut outer, mut progress) = (
+            Outer::default(),
+            Progress {
+                step: 7,
+                outer_syncs: 2,
+            },
+        );
         let bytes = Full {
             job: &mut source,
             outer: &mut outer,
@@ -859,7 +871,16 @@ mod tests {
         };
         full.load_extra(&bytes).unwrap();
         assert!(full.load_extra(&bytes[..3]).is_err());
-        assert_eq!((got, got.units()), (Progress { step: 7, outer_syncs: 2 }, 9));
+        assert_eq!(
+            (got, got.units()),
+            (
+                Progress {
+                    step: 7,
+                    outer_syncs: 2
+                },
+                9
+            )
+        );
         assert_eq!(joiner.0.extra, [9, 9]);
     }
 }
