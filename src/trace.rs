@@ -24,6 +24,10 @@
 //!   without a dump): a SIGSTOPped rank may have fed some ranks their part of
 //!   `#n` and not others; those left in `#n` wait for it, the others wait in
 //!   `#n+1` for them.
+//! - A rank that dumped between operations no longer after its last one
+//!   than the others had waited in `#n` was on its way to `#n` when a rank
+//!   without a dump ended the wait: it is named as not there yet, not as a
+//!   culprit.
 //! - When every rank entered `#n` and none completed it, the ranks that timed
 //!   out there name the peers whose frames never came (`waiting_for` in their
 //!   entries): those peers are named, unless they timed out waiting for
@@ -206,6 +210,11 @@ pub struct Stuck {
     pub failed: bool,
     /// Ranks that dumped and never entered it: the culprits.
     pub never_entered: Vec<usize>,
+    /// Ranks that dumped between operations moments after their last one
+    /// completed, when a rank without a dump had already ended the wait:
+    /// the abort reached them before they reached this collective, so they
+    /// are not culprits.
+    pub arriving: Vec<usize>,
     /// Ranks that completed it.
     pub completed: Vec<usize>,
     /// Ranks of the world that left no dump.
@@ -388,10 +397,19 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
         .into_iter()
         .map(|(seq, waiters)| {
             let waiting: Vec<usize> = waiters.iter().map(|(rank, _)| *rank).collect();
-            let (mut never_entered, mut completed) = (Vec::new(), Vec::new());
-            for &rank in by_rank.keys().filter(|r| !waiting.contains(r)) {
+            let longest_wait = waiters
+                .iter()
+                .filter_map(|(rank, entry)| {
+                    let ended = entry.completed_at.unwrap_or(by_rank[rank].dumped_at);
+                    ended.duration_since(entry.started_at?).ok()
+                })
+                .max()
+                .unwrap_or_default();
+            let (mut never_entered, mut arriving, mut completed) = (Vec::new(), Vec::new(), Vec::new());
+            for (&rank, dump) in by_rank.iter().filter(|(r, _)| !waiting.contains(r)) {
                 match highest_entered.get(&rank) {
                     Some(&highest) if highest >= seq => completed.push(rank),
+                    _ if !missing.is_empty() && caught_between_operations(dump, longest_wait) => arriving.push(rank),
                     _ => never_entered.push(rank),
                 }
             }
@@ -413,6 +431,7 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
                 failed: waiters.iter().any(|(_, e)| matches!(e.state, EntryState::Failed(_))),
                 waiting,
                 never_entered,
+                arriving,
                 completed,
                 no_dump: missing.to_vec(),
                 waited_for,
@@ -429,6 +448,28 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
         )
     });
     stuck
+}
+
+/// How much later than the longest wait a rank may have dumped and still
+/// count as caught on its way to the collective: the time a loaded machine
+/// takes to deliver the abort and write the dump, far below any collective
+/// timeout, so a rank idle for a whole timeout stays a culprit.
+const ARRIVAL_SLACK: Duration = Duration::from_millis(250);
+
+/// Whether `dump` shows a rank outside every operation that had finished
+/// its last one no longer before the dump than the others waited (plus
+/// [`ARRIVAL_SLACK`]): it was running its own code between two operations,
+/// not holding the others up.
+fn caught_between_operations(dump: &RankDump, longest_wait: Duration) -> bool {
+    if dump.entries.iter().any(FlightEntry::unfinished) {
+        return false;
+    }
+    let Some(last_finished) = dump.entries.iter().filter_map(|e| e.completed_at).max() else {
+        return false;
+    };
+    dump.dumped_at
+        .duration_since(last_finished)
+        .is_ok_and(|idle| idle <= longest_wait + ARRIVAL_SLACK)
 }
 
 /// One finding per send or receive a rank is inside, matched with the
@@ -593,6 +634,13 @@ impl fmt::Display for Finding {
                 if !s.no_dump.is_empty() {
                     write!(f, "; {} {NO_DUMP}", rank_list(&s.no_dump))?;
                 }
+                if !s.arriving.is_empty() {
+                    write!(
+                        f,
+                        "; {} had not reached it yet when the abort came",
+                        rank_list(&s.arriving)
+                    )?;
+                }
                 if !s.completed.is_empty() {
                     write!(f, "; {} completed it", rank_list(&s.completed))?;
                 }
@@ -708,6 +756,7 @@ impl Report {
                         waiting: s.waiting.clone(),
                         failed: s.failed,
                         never_entered: s.never_entered.clone(),
+                        arriving: s.arriving.clone(),
                         completed: s.completed.clone(),
                         no_dump: s.no_dump.clone(),
                         waited_for: s.waited_for.clone(),
@@ -851,6 +900,8 @@ pub enum FindingDetail {
         failed: bool,
         /// Ranks that never entered it.
         never_entered: Vec<usize>,
+        /// Ranks the abort caught between operations on their way to it.
+        arriving: Vec<usize>,
         /// Ranks that completed it.
         completed: Vec<usize>,
         /// Ranks without a dump.
@@ -1220,6 +1271,50 @@ mod tests {
         // Nobody inside anything, one rank missing.
         let report = analyze(&[rank(0, 2, 3, idle)]).unwrap();
         assert_eq!(report.findings, [Finding::NoDump { ranks: vec![1] }]);
+    }
+
+    #[test]
+    fn a_rank_the_abort_caught_between_operations_is_not_a_culprit() {
+        // Rank 2 was SIGKILLed inside #3: ranks 1 and 3 had entered #3 and
+        // failed 2 ms later; rank 0 had completed #2 3 ms before it dumped
+        // and was on its way to #3 (what `chorus launch` runs produce).
+        let survivor = |rank: usize, enters_third: bool, dumped_ms: u64| {
+            let mut recorder = FlightRecorder::new(16);
+            for seq in 0..3 {
+                let id = recorder.record_scheduled(seq, op("all_reduce", 1024), at(seq * 10));
+                recorder.record_started(id, at(seq * 10 + 1));
+                recorder.record_completed(id, at(seq * 10 + 5));
+            }
+            if enters_third {
+                let id = recorder.record_scheduled(3, op("all_reduce", 1024), at(26));
+                recorder.record_started(id, at(26));
+                recorder.record_failed(id, at(28), "aborted: rank 2 is gone");
+            }
+            recorder.dump(rank, 4, 0, "abort: rank 2 is gone", at(dumped_ms))
+        };
+        let dumps = [survivor(0, false, 28), survivor(1, true, 28), survivor(3, true, 29)];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "ranks 1, 3 were waiting in #3 all_reduce(1024 x float32, sum); rank 2 left no dump (killed or frozen?); rank 0 had not reached it yet when the abort came"
+        );
+        let s = stuck(&report);
+        assert_eq!((s.never_entered.as_slice(), s.arriving.as_slice()), (&[][..], &[0][..]));
+
+        // Idle for far longer than the others waited: rank 0 held them up.
+        let dumps = [survivor(0, false, 5_000), survivor(1, true, 28), survivor(3, true, 29)];
+        let s = stuck(&analyze(&dumps).unwrap()).clone();
+        assert_eq!((s.never_entered.as_slice(), s.arriving.as_slice()), (&[0][..], &[][..]));
+
+        // Every rank dumped: nobody else ended the wait, so rank 0 is named.
+        let dumps = [
+            survivor(0, false, 28),
+            survivor(1, true, 28),
+            survivor(2, true, 28),
+            survivor(3, true, 29),
+        ];
+        let s = stuck(&analyze(&dumps).unwrap()).clone();
+        assert_eq!(s.never_entered, [0]);
     }
 
     #[test]
