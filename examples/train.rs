@@ -86,6 +86,12 @@ struct Args {
     /// model and optimizer state); 3600 makes 100 MiB of it.
     #[arg(long, default_value_t = 256)]
     hidden: usize,
+    /// MiB of extra optimizer-side state beside the model (a stand-in for
+    /// a larger model's state: moved to joiners and verified like the rest,
+    /// one value changed per committed step), to measure recovery at a
+    /// state size without a slower step.
+    #[arg(long, default_value_t = 0)]
+    state_mib: usize,
     /// Heartbeat timeout in milliseconds: how long a frozen worker goes unnoticed.
     #[arg(long, default_value_t = 2000)]
     heartbeat_ms: u64,
@@ -178,6 +184,8 @@ struct Mlp {
     steps: u64,
     lr: f32,
     layers: Layers,
+    /// `--state-mib` of extra state.
+    padding: Vec<f32>,
 }
 
 /// Each layer's name, inputs and outputs.
@@ -188,7 +196,7 @@ fn layers(hidden: usize) -> Layers {
 }
 
 impl Mlp {
-    fn new(seed: u64, data: Arc<Dataset>, steps: u64, lr: f32, hidden: usize) -> Self {
+    fn new(seed: u64, data: Arc<Dataset>, steps: u64, lr: f32, hidden: usize, state_mib: usize) -> Self {
         let mut rng = Rng(seed.wrapping_add(1));
         let mut params = Vec::new();
         let layers = layers(hidden);
@@ -216,6 +224,7 @@ impl Mlp {
             steps,
             lr,
             layers,
+            padding: (0..(state_mib << 20) / 4).map(|_| rng.uniform()).collect(),
         }
     }
 
@@ -333,7 +342,10 @@ impl Parameters for Mlp {
 
 impl TrainState for Mlp {
     fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
-        self.state.visit_optimizer(visit)
+        self.state.visit_optimizer(visit);
+        if !self.padding.is_empty() {
+            visit("padding", &mut self.padding);
+        }
     }
 }
 
@@ -373,6 +385,10 @@ impl Job for Mlp {
                 *m = 0.9 * *m + g;
                 *p -= lr * *m;
             }
+        }
+        if !self.padding.is_empty() {
+            let at = step.step as usize % self.padding.len();
+            self.padding[at] += 1.0;
         }
         Ok(())
     }
@@ -465,7 +481,7 @@ fn worker(args: Args) -> Result<()> {
         }
         // Before joining: a relaunched worker's peers wait for it from then on.
         let data = Arc::new(Dataset::generate(args.seed, TRAIN_SAMPLES, 1));
-        let mut job = Mlp::new(args.seed, data, args.steps, 0.05, args.hidden);
+        let mut job = Mlp::new(args.seed, data, args.steps, 0.05, args.hidden, args.state_mib);
         let finished = run_dir.join("finished");
         // A worker relaunched after the others finished (a freeze found
         // late, say) has no job left to join: it would wait out the
@@ -743,6 +759,7 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         ("--batch", args.batch.to_string()),
         ("--seed", args.seed.to_string()),
         ("--hidden", args.hidden.to_string()),
+        ("--state-mib", args.state_mib.to_string()),
         ("--heartbeat-ms", args.heartbeat_ms.to_string()),
     ] {
         worker_args.push(flag.into());
