@@ -224,7 +224,11 @@ impl Mlp {
             steps,
             lr,
             layers,
-            padding: (0..(state_mib << 20) / 4).map(|_| rng.uniform()).collect(),
+            // Every page written (no zero pages a source would read for
+            // free), but cheaply: a relaunched worker fills it before joining.
+            padding: (0..(state_mib << 20) / 4)
+                .map(|i| (i as u32).wrapping_mul(0x9e37_79b9) as f32)
+                .collect(),
         }
     }
 
@@ -461,6 +465,11 @@ fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path) {
 }
 
 fn worker(args: Args) -> Result<()> {
+    // `CHORUS_LOG=chorus::train=info` shows each transfer and recovery as it happens.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
     let run_dir = args
         .run_dir
         .clone()
