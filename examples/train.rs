@@ -5,7 +5,7 @@
 //! from a fixed random teacher network; no download) on 4 ranks under
 //! `chorus launch --restart-policy worker`. At `--fault-step` one worker
 //! dies (`--fault kill`: SIGKILL), freezes (`freeze`: SIGSTOP, found by the
-//! heartbeats, killed 4 s later) or is cut off (`partition`: its links are
+//! heartbeats, killed twice the heartbeat timeout later) or is cut off (`partition`: its links are
 //! cut while it keeps running); the survivors never roll back, the
 //! relaunched worker rejoins and receives the model and optimizer state,
 //! and training goes on. The same steps then run fault-free, and both
@@ -82,6 +82,19 @@ struct Args {
     /// Samples per step over all workers.
     #[arg(long, default_value_t = 256)]
     batch: usize,
+    /// Width of the two hidden layers: 256 is 77 k parameters (600 KiB of
+    /// model and optimizer state); 3600 makes 100 MiB of it.
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// MiB of extra optimizer-side state beside the model (a stand-in for
+    /// a larger model's state: moved to joiners and verified like the rest,
+    /// one value changed per committed step), to measure recovery at a
+    /// state size without a slower step.
+    #[arg(long, default_value_t = 0)]
+    state_mib: usize,
+    /// Heartbeat timeout in milliseconds: how long a frozen worker goes unnoticed.
+    #[arg(long, default_value_t = 2000)]
+    heartbeat_ms: u64,
     /// Seed of the data and the initial weights.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -100,7 +113,6 @@ struct Args {
 }
 
 const INPUTS: usize = 32;
-const HIDDEN: usize = 256;
 const CLASSES: usize = 10;
 const TRAIN_SAMPLES: usize = 16384;
 const EVAL_SAMPLES: usize = 2048;
@@ -171,15 +183,24 @@ struct Mlp {
     seed: u64,
     steps: u64,
     lr: f32,
+    layers: Layers,
+    /// `--state-mib` of extra state.
+    padding: Vec<f32>,
 }
 
-const LAYERS: [(&str, usize, usize); 3] = [("l1", INPUTS, HIDDEN), ("l2", HIDDEN, HIDDEN), ("l3", HIDDEN, CLASSES)];
+/// Each layer's name, inputs and outputs.
+type Layers = [(&'static str, usize, usize); 3];
+
+fn layers(hidden: usize) -> Layers {
+    [("l1", INPUTS, hidden), ("l2", hidden, hidden), ("l3", hidden, CLASSES)]
+}
 
 impl Mlp {
-    fn new(seed: u64, data: Arc<Dataset>, steps: u64, lr: f32) -> Self {
+    fn new(seed: u64, data: Arc<Dataset>, steps: u64, lr: f32, hidden: usize, state_mib: usize) -> Self {
         let mut rng = Rng(seed.wrapping_add(1));
         let mut params = Vec::new();
-        for (name, fan_in, fan_out) in LAYERS {
+        let layers = layers(hidden);
+        for (name, fan_in, fan_out) in layers {
             let bound = (6.0 / fan_in as f32).sqrt();
             let w = (0..fan_in * fan_out)
                 .map(|_| (rng.uniform() * 2.0 - 1.0) * bound)
@@ -202,6 +223,12 @@ impl Mlp {
             seed,
             steps,
             lr,
+            layers,
+            // Every page written (no zero pages a source would read for
+            // free), but cheaply: a relaunched worker fills it before joining.
+            padding: (0..(state_mib << 20) / 4)
+                .map(|i| (i as u32).wrapping_mul(0x9e37_79b9) as f32)
+                .collect(),
         }
     }
 
@@ -242,13 +269,13 @@ impl Mlp {
             .state
             .params
             .iter()
-            .zip(LAYERS.iter().flat_map(|&(_, i, o)| [vec![i, o], vec![o]]))
+            .zip(self.layers.iter().flat_map(|&(_, i, o)| [vec![i, o], vec![o]]))
             .map(|((_, v), shape)| Var::from_tensor(&CTensor::from_slice(v, shape, &device)?))
             .collect::<candle_core::Result<_>>()?;
         let mut h = x;
         for (layer, pair) in vars.chunks(2).enumerate() {
             h = h.matmul(pair[0].as_tensor())?.broadcast_add(pair[1].as_tensor())?;
-            if layer + 1 < LAYERS.len() {
+            if layer + 1 < self.layers.len() {
                 h = h.relu()?;
             }
         }
@@ -273,11 +300,11 @@ impl Mlp {
         let x = CTensor::from_slice(&data.x, (data.len(), INPUTS), &device)?;
         let mut h = x;
         for (layer, pair) in self.state.params.chunks(2).enumerate() {
-            let (_, i, o) = LAYERS[layer];
+            let (_, i, o) = self.layers[layer];
             let w = CTensor::from_slice(&pair[0].1, (i, o), &device)?;
             let b = CTensor::from_slice(&pair[1].1, o, &device)?;
             h = h.matmul(&w)?.broadcast_add(&b)?;
-            if layer + 1 < LAYERS.len() {
+            if layer + 1 < self.layers.len() {
                 h = h.relu()?;
             }
         }
@@ -319,7 +346,10 @@ impl Parameters for Mlp {
 
 impl TrainState for Mlp {
     fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
-        self.state.visit_optimizer(visit)
+        self.state.visit_optimizer(visit);
+        if !self.padding.is_empty() {
+            visit("padding", &mut self.padding);
+        }
     }
 }
 
@@ -359,6 +389,10 @@ impl Job for Mlp {
                 *m = 0.9 * *m + g;
                 *p -= lr * *m;
             }
+        }
+        if !self.padding.is_empty() {
+            let at = step.step as usize % self.padding.len();
+            self.padding[at] += 1.0;
         }
         Ok(())
     }
@@ -431,6 +465,11 @@ fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path) {
 }
 
 fn worker(args: Args) -> Result<()> {
+    // `CHORUS_LOG=chorus::train=info` shows each transfer and recovery as it happens.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
     let run_dir = args
         .run_dir
         .clone()
@@ -442,7 +481,7 @@ fn worker(args: Args) -> Result<()> {
     runtime.block_on(async move {
         let mut options = InitOptions::from_url("env://")?
             .timeout(Duration::from_secs(60))
-            .heartbeat_timeout(Duration::from_secs(2))
+            .heartbeat_timeout(Duration::from_millis(args.heartbeat_ms))
             .last_call(Duration::from_millis(300))
             .restart_budget(1000, Duration::from_secs(600));
         if args.fault == Fault::Freeze {
@@ -451,8 +490,18 @@ fn worker(args: Args) -> Result<()> {
         }
         // Before joining: a relaunched worker's peers wait for it from then on.
         let data = Arc::new(Dataset::generate(args.seed, TRAIN_SAMPLES, 1));
-        let mut job = Mlp::new(args.seed, data, args.steps, 0.05);
-        let group = ElasticGroup::init(options).await?;
+        let mut job = Mlp::new(args.seed, data, args.steps, 0.05, args.hidden, args.state_mib);
+        let finished = run_dir.join("finished");
+        // A worker relaunched after the others finished (a freeze found
+        // late, say) has no job left to join: it would wait out the
+        // rendezvous timeout, again on every relaunch.
+        let group = tokio::select! {
+            group = ElasticGroup::init(options) => group?,
+            () = appears(&finished) => {
+                eprintln!("the job finished before this worker could rejoin it");
+                return Ok(());
+            }
+        };
         let first_rank = group.rank();
         let relaunched = group.generation() > 0;
         let _ = std::fs::create_dir_all(run_dir.join("pids"));
@@ -493,6 +542,7 @@ fn worker(args: Args) -> Result<()> {
         })
         .await?;
         let train_seconds = started.elapsed().as_secs_f64();
+        std::fs::write(&finished, b"")?;
         let pg = group.current();
         if mode == Mode::Ddp {
             // Every member holds the same model and optimizer state.
@@ -559,6 +609,13 @@ fn worker(args: Args) -> Result<()> {
     })
 }
 
+/// Returns once `path` exists.
+async fn appears(path: &Path) {
+    while !path.exists() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
@@ -586,15 +643,16 @@ fn fault_loop(run_dir: PathBuf, world: usize, every: f64, done: Arc<AtomicBool>)
     }
 }
 
-/// Kills a frozen worker a while after it froze, so the launcher relaunches it.
-fn thaw_loop(run_dir: PathBuf, done: Arc<AtomicBool>) {
+/// Kills a frozen worker `after` it froze (twice the heartbeat timeout:
+/// the others have gone on without it), so the launcher relaunches it.
+fn thaw_loop(run_dir: PathBuf, after: Duration, done: Arc<AtomicBool>) {
     while !done.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         if let Some(pid) = std::fs::read_to_string(run_dir.join("frozen_pid"))
             .ok()
             .and_then(|s| s.trim().parse::<i32>().ok())
         {
-            std::thread::sleep(Duration::from_secs(4));
+            std::thread::sleep(after);
             // SAFETY: kill only sends a signal, to the worker that froze itself.
             unsafe { libc::kill(pid, libc::SIGKILL) };
             return;
@@ -709,6 +767,9 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         ("--world", args.world.to_string()),
         ("--batch", args.batch.to_string()),
         ("--seed", args.seed.to_string()),
+        ("--hidden", args.hidden.to_string()),
+        ("--state-mib", args.state_mib.to_string()),
+        ("--heartbeat-ms", args.heartbeat_ms.to_string()),
     ] {
         worker_args.push(flag.into());
         worker_args.push(value);
@@ -723,7 +784,8 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
     let mut helpers = Vec::new();
     if fault == Fault::Freeze {
         let (dir, done) = (run_dir.to_path_buf(), done.clone());
-        helpers.push(std::thread::spawn(move || thaw_loop(dir, done)));
+        let after = Duration::from_millis(2 * args.heartbeat_ms);
+        helpers.push(std::thread::spawn(move || thaw_loop(dir, after, done)));
     }
     if let Some(every) = args.fault_every.filter(|_| fault != Fault::None) {
         let (dir, done, world) = (run_dir.to_path_buf(), done.clone(), args.world);

@@ -250,3 +250,60 @@ fn diloco_recovers_from_a_kill_with_its_outer_state() {
     );
     assert!((loss / reference - 1.0).abs() < 0.05, "{run}");
 }
+
+/// The run's loss against its fault-free reference, and the counter of
+/// applied updates: every committed step applied or adopted once.
+fn assert_reaches_the_reference(run: &serde_json::Value, steps: u64) {
+    let (loss, reference) = (
+        run["final_loss"].as_f64().unwrap(),
+        run["reference_loss"].as_f64().unwrap(),
+    );
+    assert!((loss / reference - 1.0).abs() < 0.02, "{run}");
+    assert_eq!(
+        run["applied"].as_u64().unwrap() + run["adopted"].as_u64().unwrap(),
+        steps,
+        "{run}"
+    );
+}
+
+#[test]
+fn a_frozen_worker_is_left_behind_and_the_loss_is_the_fault_free_runs() {
+    // SIGSTOP at step 80: only the heartbeats (1 s here) find it; the
+    // example kills it 2 s after the freeze, and its relaunch may rejoin.
+    let run = run_example(
+        &[
+            "--fault",
+            "freeze",
+            "--steps",
+            "200",
+            "--fault-step",
+            "80",
+            "--heartbeat-ms",
+            "1000",
+        ],
+        120,
+    );
+    let first = &run["phases"][0];
+    assert_eq!(
+        first["world_size"], 3,
+        "the survivors did not go on without the frozen worker: {run}"
+    );
+    // Never rolled back: step 79 was committed by all four, 80 is re-run.
+    assert_eq!(first["resumed_step"], 80, "{run}");
+    assert_reaches_the_reference(&run, 200);
+}
+
+#[test]
+fn a_cut_off_worker_rejoins_and_the_loss_is_the_fault_free_runs() {
+    // Its links are cut at step 80 while it keeps running: nobody dies.
+    let run = run_example(&["--fault", "partition", "--steps", "200", "--fault-step", "80"], 120);
+    let phases = run["phases"].as_array().cloned().unwrap_or_default();
+    assert!(!phases.is_empty(), "no recovery: {run}");
+    assert_eq!(phases[0]["resumed_step"], 80, "{run}");
+    assert_eq!(
+        phases.last().map(|p| p["world_size"].clone()),
+        Some(4.into()),
+        "the cut-off worker did not come back: {run}"
+    );
+    assert_reaches_the_reference(&run, 200);
+}

@@ -331,32 +331,65 @@ async fn check_same_everywhere(group: &ProcessGroup, specs: &[ParamSpec]) -> Res
     let Some(rank) = rows.iter().position(|row| *row != rows[0]) else {
         return Ok(());
     };
+    let d = list_difference(
+        group,
+        &bytes,
+        rank,
+        [rows[0][1], rows[rank][1]],
+        [rows[0][0], rows[rank][0]],
+    )
+    .await?;
+    Err(SyncError::Mismatch {
+        rank,
+        index: d.index,
+        reference: d.reference,
+        other: d.other,
+    })
+}
+
+/// Where one rank's entry list first differs from rank 0's.
+pub(crate) struct ListDifference {
+    /// Position of the first difference.
+    pub index: usize,
+    /// Rank 0's entry there.
+    pub reference: String,
+    /// The other rank's entry there.
+    pub other: String,
+}
+
+/// Collective, after an all-gather showed rank `rank`'s list (fingerprint
+/// `fingerprints[1]`, `lens[1]` encoded bytes) differs from rank 0's
+/// (`fingerprints[0]`, `lens[0]`): both lists are broadcast, so every rank
+/// names the same first difference. `mine` is this rank's encoded list.
+pub(crate) async fn list_difference(
+    group: &ProcessGroup,
+    mine: &[u8],
+    rank: usize,
+    lens: [u64; 2],
+    fingerprints: [u64; 2],
+) -> Result<ListDifference, CollectiveError> {
     let mut lists = vec![];
-    for root in [0, rank] {
-        let len = rows[root][1] as usize;
+    for (root, len) in [(0, lens[0]), (rank, lens[1])] {
         let payload = if group.rank() == root {
-            bytes.clone()
+            mine.to_vec()
         } else {
-            vec![0; len]
+            vec![0; len as usize]
         };
         let got = group.broadcast(Tensor::from_bytes(DType::UInt8, payload), root).await?;
         lists.push(plan::decode_specs(got.as_bytes()).unwrap_or_default());
     }
     let show = |s: Option<ParamSpec>| s.map_or_else(|| "nothing (its list ends there)".to_owned(), |s| s.to_string());
-    let difference = plan::first_difference(&lists[0], &lists[1]);
-    Err(match difference {
-        Some(d) => SyncError::Mismatch {
-            rank,
+    Ok(match plan::first_difference(&lists[0], &lists[1]) {
+        Some(d) => ListDifference {
             index: d.index,
             reference: show(d.reference),
             other: show(d.other),
         },
         // Equal lists with different fingerprints: the lists did not survive decoding.
-        None => SyncError::Mismatch {
-            rank,
+        None => ListDifference {
             index: 0,
-            reference: format!("fingerprint {:#x}", rows[0][0]),
-            other: format!("fingerprint {:#x}", rows[rank][0]),
+            reference: format!("fingerprint {:#x}", fingerprints[0]),
+            other: format!("fingerprint {:#x}", fingerprints[1]),
         },
     })
 }

@@ -17,8 +17,9 @@
 //!    `i mod S`; a source reads each of its chunks once and sends the same
 //!    frame (16-byte [`Header`] + payload) to every receiver, one sender
 //!    task per receiver link. A receiver reads from all its sources at once
-//!    (a reader task per link on [`TRANSFER_CHANNEL`]), checks each chunk's
-//!    [`checksum`] and writes it into its state. After each round all ranks
+//!    (a reader task per link on [`TRANSFER_CHANNEL`], which checks each
+//!    chunk's [`checksum`] while the chunks checked before it are written
+//!    into the state); a damaged chunk is never written. After each round all ranks
 //!    all-gather a bitmap of the chunks that failed, so they agree on the
 //!    next round: each bad chunk from another source, up to `max_rounds`.
 //! 4. The extras travel as the last chunk; receivers [`load_extra`] them.
@@ -44,7 +45,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chorus_actors::driver::CollectiveError;
-use chorus_runtime::collective::DType;
 use chorus_transports::link::{ChannelId, Link, TransportError};
 use thiserror::Error;
 use tokio::sync::mpsc;
@@ -384,31 +384,20 @@ async fn hello(
     let Some(rank) = hellos.iter().position(|h| !same(h)) else {
         return Ok(hellos);
     };
-    // Both lists go to every rank, so each names the same first difference.
-    let mut lists = Vec::new();
-    for root in [0, rank] {
-        let payload = if group.rank() == root {
-            encoded.clone()
-        } else {
-            vec![0; hellos[root].entries as usize]
-        };
-        let got = group.broadcast(Tensor::from_bytes(DType::UInt8, payload), root).await?;
-        lists.push(sync_plan::decode_specs(got.as_bytes()).unwrap_or_default());
-    }
-    let show = |s: Option<ParamSpec>| s.map_or_else(|| "nothing (its list ends there)".to_owned(), |s| s.to_string());
-    Err(match sync_plan::first_difference(&lists[0], &lists[1]) {
-        Some(d) => TransferError::Mismatch {
-            rank,
-            index: d.index,
-            reference: show(d.reference),
-            other: show(d.other),
-        },
-        None => TransferError::Mismatch {
-            rank,
-            index: 0,
-            reference: format!("fingerprint {:#x}", hellos[0].fingerprint),
-            other: format!("fingerprint {:#x}", hellos[rank].fingerprint),
-        },
+    let (h0, h) = (&hellos[0], &hellos[rank]);
+    let d = crate::sync::list_difference(
+        group,
+        &encoded,
+        rank,
+        [h0.entries, h.entries],
+        [h0.fingerprint, h.fingerprint],
+    )
+    .await?;
+    Err(TransferError::Mismatch {
+        rank,
+        index: d.index,
+        reference: d.reference,
+        other: d.other,
     })
 }
 
@@ -614,23 +603,26 @@ struct Receiving<'a> {
     bad: &'a mut Vec<usize>,
 }
 
-/// A receiver's round: a reader task per source link; each frame is
-/// checked and written into the state as it comes.
+/// A receiver's round: a reader task per source link checks each frame
+/// (its length, header and checksum) as it comes, while this task writes
+/// the intact chunks checked before it into the state: the checksums of
+/// several sources, and of one source's next chunk, run beside the copies.
 async fn receive_round(
     group: &ProcessGroup,
     ctx: &mut Receiving<'_>,
     receives: &[(usize, Vec<usize>)],
 ) -> Result<(), TransferError> {
     let timeout = group.collective_timeout();
-    let (tx, mut rx) = mpsc::channel::<(usize, usize, Result<Bytes, TransferError>)>(2 * receives.len().max(1));
+    let (tx, mut rx) = mpsc::channel::<(usize, usize, Result<Checked, TransferError>)>(2 * receives.len().max(1));
     let mut readers = JoinSet::new();
     for (source, list) in receives {
-        let (source, count, tx, link) = (*source, list.len(), tx.clone(), link(group, *source)?);
-        let expected_tag = ctx.tag;
+        let (source, tx, link) = (*source, tx.clone(), link(group, *source)?);
+        let lens: Vec<usize> = list.iter().map(|&chunk| ctx.payload_len(source, chunk)).collect();
+        let (list, expected_tag, round) = (list.clone(), ctx.tag, ctx.round);
         readers.spawn(async move {
-            for index in 0..count {
-                let frame = match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
-                    Ok(Ok(frame)) if frame.tag == expected_tag => Ok(frame.payload),
+            for (&chunk, &len) in list.iter().zip(&lens) {
+                let checked = match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
+                    Ok(Ok(frame)) if frame.tag == expected_tag => check(source, chunk, len, round, frame.payload),
                     Ok(Ok(frame)) => Err(TransferError::Protocol {
                         peer: source,
                         reason: format!("a frame tagged {:#x}, not this transfer's {expected_tag:#x}", frame.tag),
@@ -641,8 +633,8 @@ async fn receive_round(
                         waited: timeout,
                     }),
                 };
-                let failed = frame.is_err();
-                if tx.send((source, index, frame)).await.is_err() || failed {
+                let failed = checked.is_err();
+                if tx.send((source, chunk, checked)).await.is_err() || failed {
                     return;
                 }
             }
@@ -650,13 +642,8 @@ async fn receive_round(
     }
     drop(tx);
     let work = async {
-        while let Some((source, index, frame)) = rx.recv().await {
-            let chunk = receives
-                .iter()
-                .find(|(s, _)| *s == source)
-                .expect("a reader per source")
-                .1[index];
-            accept(ctx, source, chunk, &frame?)?;
+        while let Some((source, chunk, checked)) = rx.recv().await {
+            accept(ctx, source, chunk, checked?);
         }
         Ok(())
     };
@@ -667,54 +654,43 @@ fn transport(e: TransportError) -> TransferError {
     TransferError::Collective(e.into())
 }
 
-/// Checks one chunk and writes it where it belongs; a damaged one goes on
-/// the bad list (its bytes may already be written: the refetch overwrites them).
-fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, frame: &[u8]) -> Result<(), TransferError> {
-    let is_extra = chunk == ctx.chunks.extra();
-    let len = if is_extra {
-        ctx.extra_lens[source]
-    } else {
-        ctx.chunks.range(chunk).len()
-    };
+/// A received frame, checked.
+struct Checked {
+    frame: Bytes,
+    intact: bool,
+}
+
+impl Receiving<'_> {
+    /// The payload bytes of `chunk` as `source` sends it.
+    fn payload_len(&self, source: usize, chunk: usize) -> usize {
+        if chunk == self.chunks.extra() {
+            self.extra_lens[source]
+        } else {
+            self.chunks.range(chunk).len()
+        }
+    }
+}
+
+/// Checks a frame of `chunk` from `source`: a wrong length is a protocol
+/// error; a wrong header or checksum makes it damaged (fetched again).
+fn check(source: usize, chunk: usize, len: usize, round: u32, frame: Bytes) -> Result<Checked, TransferError> {
     if frame.len() != HEADER + len {
         return Err(TransferError::Protocol {
             peer: source,
             reason: format!("{} bytes for chunk {chunk}, which takes {}", frame.len(), HEADER + len),
         });
     }
-    let header = Header::read(frame).expect("length checked");
-    let payload = &frame[HEADER..];
-    let seed = chunk as u64;
-    let sum = if is_extra {
-        chunk_checksum(seed, payload)
-    } else {
-        // Written as it is checked, block by block (each hashed just before
-        // its bytes are copied out): a damaged chunk is fetched again and
-        // overwritten.
-        let pieces = ctx.chunks.pieces(chunk);
-        let mut blocks = Vec::with_capacity(len.div_ceil(BLOCK));
-        let mut next = 0;
-        for_each_entry(ctx.state, |i, _, buffer: &mut dyn ParamBuffer| {
-            while let Some(p) = pieces.get(next).filter(|p| p.entry == i) {
-                let (mut at, end, mut to) = (p.at, p.at + p.bytes.len(), p.bytes.start);
-                while at < end {
-                    let index = at / BLOCK;
-                    if blocks.len() == index {
-                        let block = &payload[index * BLOCK..((index + 1) * BLOCK).min(len)];
-                        blocks.push(block_checksum(seed, index, block));
-                    }
-                    let stop = ((index + 1) * BLOCK).min(end);
-                    buffer.write_bytes(to, &payload[at..stop]);
-                    to += stop - at;
-                    at = stop;
-                }
-                next += 1;
-            }
-        });
-        combine(seed, &blocks)
-    };
-    let intact = header.chunk as usize == chunk && header.round == ctx.round && header.checksum == sum;
-    if !intact {
+    let header = Header::read(&frame).expect("length checked");
+    let intact = header.chunk as usize == chunk
+        && header.round == round
+        && header.checksum == chunk_checksum(chunk as u64, &frame[HEADER..]);
+    Ok(Checked { frame, intact })
+}
+
+/// Writes an intact chunk where it belongs; a damaged one goes on the bad
+/// list and never touches the state.
+fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, checked: Checked) {
+    if !checked.intact {
         tracing::warn!(
             source,
             chunk,
@@ -722,8 +698,19 @@ fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, frame: &[u8]) ->
             "state transfer: a chunk failed its checksum"
         );
         ctx.bad.push(chunk);
-    } else if is_extra {
-        *ctx.extra = Some(payload.to_vec());
+        return;
     }
-    Ok(())
+    let payload = &checked.frame[HEADER..];
+    if chunk == ctx.chunks.extra() {
+        *ctx.extra = Some(payload.to_vec());
+        return;
+    }
+    let pieces = ctx.chunks.pieces(chunk);
+    let mut next = 0;
+    for_each_entry(ctx.state, |i, _, buffer: &mut dyn ParamBuffer| {
+        while let Some(p) = pieces.get(next).filter(|p| p.entry == i) {
+            buffer.write_bytes(p.bytes.start, &payload[p.at..p.at + p.bytes.len()]);
+            next += 1;
+        }
+    });
 }
