@@ -326,11 +326,12 @@ impl Spread {
 
     /// `1.50x`, or `1.50x [1.20-1.80]` over several rounds.
     fn format(&self) -> String {
-        if self.rounds > 1 {
-            format!("{:>6.2}x {:<13}", self.median, format!("[{:.2}-{:.2}]", self.min, self.max))
+        let range = if self.rounds > 1 {
+            format!("[{:.2}-{:.2}]", self.min, self.max)
         } else {
-            format!("{:>6.2}x {:<13}", self.median, "")
-        }
+            String::new()
+        };
+        format!("{:>6.2}x {range:>13}", self.median)
     }
 }
 
@@ -393,7 +394,7 @@ pub fn format_header(peer: Option<&str>, memory: bool) -> String {
     let mut s = String::new();
     s.push_str("#                                                              out-of-place                       in-place          ");
     if let Some(peer) = peer {
-        let _ = write!(s, "  {:<44}", format!("chorus/{peer} busbw: median of rounds [min-max]"));
+        let _ = write!(s, "  {:<44}", format!("chorus/{peer} busbw, median of rounds"));
     }
     if memory {
         s.push_str("   peak RSS");
@@ -401,15 +402,15 @@ pub fn format_header(peer: Option<&str>, memory: bool) -> String {
     s.push('\n');
     s.push_str("#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong");
     if peer.is_some() {
-        s.push_str("                     oop                      ip");
+        s.push_str("      oop     [min-max]       ip     [min-max]");
     }
     if memory {
-        s.push_str("     MiB  x size");
+        s.push_str("     MiB   /size");
     }
     s.push('\n');
     s.push_str("#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)  (GB/s)        ");
     if peer.is_some() {
-        s.push_str("                     (x)                     (x)");
+        s.push_str("      (x)                     (x)              ");
     }
     if memory {
         s.push_str("                ");
@@ -484,7 +485,10 @@ pub fn round_ratios(ours: &[Row], theirs: &[Option<Row>]) -> (Spread, Spread) {
             .map(|(o, t)| t.as_ref().map_or(f64::NAN, |t| o.busbw(half(o)) / t.busbw(half(t))))
             .collect()
     };
-    (Spread::of(&ratio(|r| r.oop.avg_us)), Spread::of(&ratio(|r| r.ip.avg_us)))
+    (
+        Spread::of(&ratio(|r| r.oop.avg_us)),
+        Spread::of(&ratio(|r| r.ip.avg_us)),
+    )
 }
 
 /// A whole table: header, rows (with each row's ratios to the peer, named,
@@ -1506,7 +1510,11 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     let gloo_round_rows: Vec<Vec<Option<Row>>> = gloo_answers
         .iter()
         .zip(&counts)
-        .map(|(r, &count)| r.iter().map(|a| a.as_ref().map(|raws| make_row(args, count, raws))).collect())
+        .map(|(r, &count)| {
+            r.iter()
+                .map(|a| a.as_ref().map(|raws| make_row(args, count, raws)))
+                .collect()
+        })
         .collect();
     let gloo_rows: Vec<Option<Row>> = gloo_answers
         .iter()
@@ -1542,11 +1550,16 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
         let mut out = String::new();
         for (((_, transport), side_rows), side_ratios) in sides.iter().zip(&rows).zip(&ratios) {
             for (i, row) in side_rows.iter().enumerate() {
-                let theirs = gloo_rows
-                    .get(i)
-                    .and_then(Option::as_ref)
-                    .map(|g| (g, side_ratios[i]));
-                out.push_str(&json_row("chorus", transport, args.in_process, row, theirs, rounds, memcpy));
+                let theirs = gloo_rows.get(i).and_then(Option::as_ref).map(|g| (g, side_ratios[i]));
+                out.push_str(&json_row(
+                    "chorus",
+                    transport,
+                    args.in_process,
+                    row,
+                    theirs,
+                    rounds,
+                    memcpy,
+                ));
                 out.push('\n');
             }
         }
@@ -1814,7 +1827,7 @@ mod tests {
                 median_us: 12000.0,
                 wrong: Some(3),
             },
-            peak_rss: Some(48 << 20),
+            peak_rss: Some(40),
         };
         let line = format_row(&row, None, false);
         assert_eq!(line.len(), lines[1].len(), "{line}");
@@ -1832,12 +1845,18 @@ mod tests {
         assert_eq!(ends(&line), ends(lines[1])[1..], "the '#' aside");
         let one = Spread::of(&[1.5]);
         let with_ratio = format_row(&row, Some((one, Spread::of(&[2.0]))), false);
-        assert_eq!(&with_ratio[line.len()..], "    1.50x                  2.00x              ");
+        assert_eq!(
+            &with_ratio[line.len()..],
+            "    1.50x                  2.00x              "
+        );
         let rounds = Spread::of(&[1.2, f64::NAN, 1.8, 1.5]);
         let with_rounds = format_row(&row, Some((rounds, rounds)), true);
-        assert!(with_rounds.contains("   1.50x [1.20-1.80]      1.50x [1.20-1.80]"), "{with_rounds}");
-        // 48 MiB peak for 16 bytes.
-        assert!(with_rounds.ends_with("      48  3145728.00"), "{with_rounds}");
+        assert!(
+            with_rounds.contains("    1.50x   [1.20-1.80]    1.50x   [1.20-1.80]"),
+            "{with_rounds}"
+        );
+        // A 40-byte peak for 16 bytes.
+        assert!(with_rounds.ends_with("       0    2.50"), "{with_rounds}");
         // The extra columns end where their headers do.
         let wide: Vec<String> = format_header(Some("gloo"), true).lines().map(String::from).collect();
         assert_eq!(ends(&with_rounds), ends(&wide[1])[1..], "{with_rounds}\n{}", wide[1]);
@@ -1947,7 +1966,10 @@ mod tests {
         };
         let line = with_rss.to_json(0, 8);
         assert!(line.ends_with(r#""peak_rss":4096}"#), "{line}");
-        assert_eq!(Raw::from_json(serde_json::from_str(&line).unwrap()).unwrap().peak_rss, Some(4096));
+        assert_eq!(
+            Raw::from_json(serde_json::from_str(&line).unwrap()).unwrap().peak_rss,
+            Some(4096)
+        );
         assert_eq!(num(f64::INFINITY), None);
         assert_eq!(num(2.0 / 3.0), Some(0.6667));
     }
@@ -1955,7 +1977,10 @@ mod tests {
     #[test]
     fn rounds_pool_iterations_and_ratios_are_medians_of_rounds() {
         let spread = Spread::of(&[3.0, 1.0, f64::NAN, 2.0]);
-        assert_eq!((spread.median, spread.min, spread.max, spread.rounds), (2.0, 1.0, 3.0, 3));
+        assert_eq!(
+            (spread.median, spread.min, spread.max, spread.rounds),
+            (2.0, 1.0, 3.0, 3)
+        );
         assert!(Spread::of(&[]).median.is_nan());
         let raw = |oop: f64, rss: u64| Raw {
             oop: vec![oop],

@@ -57,7 +57,11 @@ pub fn candidates(world: usize) -> Vec<Algorithm> {
     if world <= 2 {
         vec![Algorithm::RecursiveDoubling, Algorithm::Ring]
     } else {
-        vec![Algorithm::RecursiveDoubling, Algorithm::HalvingDoubling, Algorithm::Ring]
+        vec![
+            Algorithm::RecursiveDoubling,
+            Algorithm::HalvingDoubling,
+            Algorithm::Ring,
+        ]
     }
 }
 
@@ -184,7 +188,14 @@ pub fn run(args: &TuneArgs) -> Result<ExitCode> {
     let exe = std::env::current_exe().context("locating the chorus binary")?;
     let candidates = candidates(args.world);
     let flags: Vec<String> = [
-        "bench", "--worker", "--op", "all_reduce", "--dtype", "float", "--redop", "sum",
+        "bench",
+        "--worker",
+        "--op",
+        "all_reduce",
+        "--dtype",
+        "float",
+        "--redop",
+        "sum",
     ]
     .into_iter()
     .map(String::from)
@@ -294,11 +305,23 @@ mod tests {
         let spread = |m: f64| Spread::of(&[m, m * 1.1, m * 0.9]);
         let times = vec![vec![spread(10.0), spread(20.0)], vec![spread(50.0), spread(30.0)]];
         let out = format_tune("shm", 2, &candidates(2), &sizes, &times);
-        assert!(out.starts_with("# chorus bench tune: all_reduce float sum, world 2, CHORUS_TRANSPORT=shm;"), "{out}");
-        assert!(out.contains("        4096              10.0 [9.0-11.0]"), "{out}");
-        assert!(out.contains("  recursive_doubling\n"), "{out}");
+        assert!(
+            out.starts_with("# chorus bench tune: all_reduce float sum, world 2, CHORUS_TRANSPORT=shm;"),
+            "{out}"
+        );
+        let row = out
+            .lines()
+            .find(|l| l.trim_start().starts_with("4096 "))
+            .expect("a 4096 row");
+        assert!(
+            row.contains(" 10.0 [9.0-11.0] ") && row.ends_with("  recursive_doubling"),
+            "{out}"
+        );
         assert!(out.contains("# recursive_doubling: up to 4096 B\n"), "{out}");
-        assert!(out.ends_with("export CHORUS_ALGO_THRESHOLDS=recursive_doubling=4K,halving_doubling=4K\n"), "{out}");
+        assert!(
+            out.ends_with("export CHORUS_ALGO_THRESHOLDS=recursive_doubling=4K,halving_doubling=4K\n"),
+            "{out}"
+        );
         let parsed = Thresholds::parse(out.lines().last().unwrap().split_once('=').unwrap().1).unwrap();
         assert_eq!(parsed.recursive_doubling_max, 4096);
     }

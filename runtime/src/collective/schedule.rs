@@ -270,10 +270,15 @@ impl Thresholds {
         let mut out = Thresholds::default();
         for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let Some((algo, size)) = entry.split_once('=') else {
-                return Err(ParseError::new("threshold", entry, &["recursive_doubling=SIZE", "halving_doubling=SIZE"]));
+                return Err(ParseError::new(
+                    "threshold",
+                    entry,
+                    &["recursive_doubling=SIZE", "halving_doubling=SIZE"],
+                ));
             };
-            let size = parse_bytes(size.trim())
-                .ok_or_else(|| ParseError::new("size", size.trim(), &["a byte count with an optional K, M or G suffix"]))?;
+            let size = parse_bytes(size.trim()).ok_or_else(|| {
+                ParseError::new("size", size.trim(), &["a byte count with an optional K, M or G suffix"])
+            })?;
             match algo.trim().parse::<Algorithm>()? {
                 Algorithm::RecursiveDoubling => out.recursive_doubling_max = size,
                 Algorithm::HalvingDoubling => out.halving_doubling_max = size,
