@@ -194,9 +194,9 @@ pub struct CollectiveArgs {
     /// [min-max], the other columns pool every round's iterations.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub rounds: u64,
-    /// Add a column with each size's peak resident memory (VmHWM, MiB, the
-    /// largest rank process; the whole process with --in-process) and its
-    /// ratio to the tensor size.
+    /// Add a column with each size's peak resident memory over the in-place
+    /// calls (VmHWM, MiB, the largest rank process; the whole process with
+    /// --in-process) and its ratio to the tensor size.
     #[arg(long)]
     pub memory: bool,
     /// Print one JSON object per row instead of the tables.
@@ -397,7 +397,7 @@ pub fn format_header(peer: Option<&str>, memory: bool) -> String {
         let _ = write!(s, "  {:<44}", format!("chorus/{peer} busbw, median of rounds"));
     }
     if memory {
-        s.push_str("   peak RSS");
+        s.push_str("   peak RSS, ip");
     }
     s.push('\n');
     s.push_str("#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong");
@@ -848,6 +848,13 @@ async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw>
             raw.oop.push(took);
         }
     }
+    // --memory: the peak of the in-place half, where the caller holds one
+    // tensor and everything above it is chorus's (the input kept for the
+    // out-of-place half goes first unless --check needs it).
+    let input = (spec.check || !spec.memory).then_some(input);
+    if spec.memory {
+        reset_peak_rss();
+    }
     // In place: the buffer handed back is the next input.
     for i in 0..spec.warmup + spec.iters {
         let started = Instant::now();
@@ -858,8 +865,11 @@ async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw>
             raw.ip.push(took);
         }
     }
+    if spec.memory {
+        raw.peak_rss = peak_rss();
+    }
     drop(buffer);
-    if spec.check {
+    if let Some(input) = input.filter(|_| spec.check) {
         let out = call(group, spec, count, input.clone()).await?;
         raw.wrong_oop = Some(count_wrong(spec, rank, world, count, &out));
         drop(out);
@@ -896,14 +906,8 @@ pub async fn run_worker(args: &CollectiveArgs) -> Result<()> {
         let mut words = line.split_whitespace();
         match (words.next(), words.next().and_then(|c| c.parse::<usize>().ok())) {
             (Some("run"), Some(count)) => {
-                if spec.memory {
-                    reset_peak_rss();
-                }
                 let answer = match measure(&group, &spec, count).await {
-                    Ok(mut raw) => {
-                        raw.peak_rss = if spec.memory { peak_rss() } else { None };
-                        raw.to_json(rank, count)
-                    }
+                    Ok(raw) => raw.to_json(rank, count),
                     Err(e) => to_line(&WorkerLine {
                         rank,
                         count,
@@ -1156,7 +1160,6 @@ type Command_ = tokio::sync::mpsc::UnboundedSender<Option<usize>>;
 
 /// Ranks as actors in this process ([`crate::spawn`]), on a runtime of their own.
 struct InProcessSide {
-    memory: bool,
     commands: Vec<Command_>,
     results: mpsc::Receiver<(usize, Result<Raw, String>)>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -1164,7 +1167,6 @@ struct InProcessSide {
 
 impl InProcessSide {
     fn start(spec: Spec, world: usize) -> Result<Self> {
-        let memory = spec.memory;
         let (mut commands, mut receivers) = (Vec::new(), Vec::new());
         for _ in 0..world {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -1203,7 +1205,6 @@ impl InProcessSide {
             }
         });
         Ok(Self {
-            memory,
             commands,
             results,
             thread: Some(thread),
@@ -1217,9 +1218,6 @@ impl Side for InProcessSide {
     }
 
     fn step(&mut self, count: usize, timeout: Duration) -> Result<Vec<Raw>> {
-        if self.memory {
-            reset_peak_rss();
-        }
         for c in &self.commands {
             c.send(Some(count))
                 .map_err(|_| anyhow!("the in-process ranks stopped"))?;
@@ -1235,15 +1233,7 @@ impl Side for InProcessSide {
                 Err(_) => bail!("chorus (in-process) did not finish count {count} within {timeout:?}"),
             }
         }
-        // Every rank lives in this process: each is charged the process's peak.
-        let peak = if self.memory { peak_rss() } else { None };
-        Ok(got
-            .into_iter()
-            .map(|r| Raw {
-                peak_rss: peak,
-                ..r.expect("all collected")
-            })
-            .collect())
+        Ok(got.into_iter().map(|r| r.expect("all collected")).collect())
     }
 
     fn finish(&mut self) {
