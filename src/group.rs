@@ -23,7 +23,7 @@ use chorus_actors::supervision::{
     WATCHDOG_TIMEOUT_ENV, WatchdogConfig,
 };
 use chorus_actors::system::{self, SystemError};
-use chorus_runtime::collective::Overrides;
+use chorus_runtime::collective::{Overrides, Thresholds};
 use chorus_runtime::flight::{self, FlightRecorder};
 use chorus_runtime::rendezvous::{
     self, HostId, InitMethod, Membership, PeerRecord, RendezvousConfig, RendezvousError, StoreSpec, elastic,
@@ -59,8 +59,9 @@ pub enum InitError {
     /// The rank's actor could not be started.
     #[error(transparent)]
     System(#[from] SystemError),
-    /// `CHORUS_ALGO` does not parse.
-    #[error("CHORUS_ALGO: {0}")]
+    /// `CHORUS_ALGO` or `CHORUS_ALGO_THRESHOLDS` does not parse (the
+    /// message names which).
+    #[error("{0}")]
     Algorithm(String),
     /// `new_group` was called with bad or disagreeing ranks.
     #[error("{0}")]
@@ -267,12 +268,19 @@ fn system_error(what: &str) -> SystemError {
 }
 
 fn overrides() -> Result<Overrides, InitError> {
-    match std::env::var("CHORUS_ALGO") {
+    let overrides = match std::env::var("CHORUS_ALGO") {
         Ok(value) if !value.trim().is_empty() => {
-            Overrides::parse(&value).map_err(|e| InitError::Algorithm(e.to_string()))
+            Overrides::parse(&value).map_err(|e| InitError::Algorithm(format!("CHORUS_ALGO: {e}")))?
         }
-        _ => Ok(Overrides::default()),
-    }
+        _ => Overrides::default(),
+    };
+    // The switch points `chorus bench tune` measured (defaults otherwise).
+    Ok(match std::env::var("CHORUS_ALGO_THRESHOLDS") {
+        Ok(value) => overrides.with_thresholds(
+            Thresholds::parse(&value).map_err(|e| InitError::Algorithm(format!("CHORUS_ALGO_THRESHOLDS: {e}")))?,
+        ),
+        Err(_) => overrides,
+    })
 }
 
 /// Where a group's links come from.

@@ -182,6 +182,8 @@ enum BenchSubcommand {
     Ddp(chorus::bench::ddp::DdpArgs),
     /// Live state transfer (sync_state) from S sources to one joiner, next to the link's own throughput.
     Transfer(chorus::bench::transfer::TransferArgs),
+    /// All-reduce algorithms per transport across sizes: the table, the crossovers and the CHORUS_ALGO_THRESHOLDS line.
+    Tune(chorus::bench::tune::TuneArgs),
     /// Recovery time of an elastic group: SIGKILL a random rank, time until the survivors' next collective.
     Recovery {
         /// Ranks per trial (one is killed; the survivors form the next generation).
@@ -959,6 +961,9 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
             false => chorus::bench::ddp::run(&args),
         })
         .await?;
+    }
+    if let Some(BenchSubcommand::Tune(args)) = command.command {
+        return tokio::task::spawn_blocking(move || chorus::bench::tune::run(&args)).await?;
     }
     if let Some(BenchSubcommand::Transfer(args)) = command.command {
         // The parent only waits on its ranks; a rank runs on a runtime of its own.

@@ -156,6 +156,12 @@ pub struct FramePool(Arc<Mutex<Vec<Vec<u8>>>>);
 /// Buffers kept for reuse at most; more are freed.
 const POOLED_BUFFERS: usize = 64;
 
+/// Bytes kept for reuse at most (capacity, all buffers together): the pool
+/// stays resident between collectives, so without a bound one large send
+/// would keep its buffer for the process's life, and 64 ring segments would
+/// keep 64 MiB, a whole 64 MiB tensor's worth.
+const POOLED_BYTES: usize = 16 << 20;
+
 struct PooledFrame {
     buffer: Vec<u8>,
     pool: FramePool,
@@ -170,7 +176,8 @@ impl AsRef<[u8]> for PooledFrame {
 impl Drop for PooledFrame {
     fn drop(&mut self) {
         let mut free = self.pool.0.lock().unwrap_or_else(|p| p.into_inner());
-        if free.len() < POOLED_BUFFERS {
+        let kept: usize = free.iter().map(Vec::capacity).sum();
+        if free.len() < POOLED_BUFFERS && kept + self.buffer.capacity() <= POOLED_BYTES {
             free.push(std::mem::take(&mut self.buffer));
         }
     }
@@ -504,4 +511,31 @@ fn check_len(signature: &Signature, which: &'static str, got: usize, want: usize
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_frame_pool_keeps_a_bounded_number_of_bytes() {
+        let pool = FramePool::default();
+        let held = || pool.0.lock().unwrap().iter().map(Vec::capacity).sum::<usize>();
+        // Two 1 MiB frames come back and are reused.
+        let (a, b) = (pool.frame(&[1; 1 << 20]), pool.frame(&[2; 1 << 20]));
+        assert_eq!(&a[..4], &[1; 4]);
+        drop((a, b));
+        assert_eq!(pool.0.lock().unwrap().len(), 2);
+        let again = pool.frame(&[3; 1000]);
+        assert_eq!((&again[..], pool.0.lock().unwrap().len()), (&[3; 1000][..], 1));
+        drop(again);
+        // A frame larger than the whole budget is freed, not kept.
+        drop(pool.frame(&vec![4; POOLED_BYTES + 1]));
+        assert_eq!(pool.0.lock().unwrap().len(), 2);
+        // Many frames in flight at once: at most POOLED_BYTES stay.
+        let many: Vec<Bytes> = (0..64).map(|_| pool.frame(&[5; 1 << 20])).collect();
+        drop(many);
+        assert!(held() <= POOLED_BYTES, "{} bytes pooled", held());
+        assert!(held() >= POOLED_BYTES - (1 << 20), "the pool still reuses");
+    }
 }

@@ -189,6 +189,16 @@ pub struct CollectiveArgs {
     /// Measure the same sweep with this peer, alternating per size; adds the ratio chorus/peer.
     #[arg(long, value_enum)]
     pub compare: Option<Peer>,
+    /// Measure each size this many times, alternating chorus and the peer
+    /// each round; the ratio column is the median of the rounds' ratios
+    /// [min-max], the other columns pool every round's iterations.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rounds: u64,
+    /// Add a column with each size's peak resident memory over the in-place
+    /// calls (VmHWM, MiB, the largest rank process; the whole process with
+    /// --in-process) and its ratio to the tensor size.
+    #[arg(long)]
+    pub memory: bool,
     /// Print one JSON object per row instead of the tables.
     #[arg(long)]
     pub json: bool,
@@ -289,6 +299,42 @@ fn median(values: &mut [f64]) -> f64 {
     }
 }
 
+/// The median of a value measured once per round, and its range.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spread {
+    /// Median over the rounds.
+    pub median: f64,
+    /// Smallest round.
+    pub min: f64,
+    /// Largest round.
+    pub max: f64,
+    /// Rounds with a finite value.
+    pub rounds: usize,
+}
+
+impl Spread {
+    /// The spread of `values`, ignoring the non-finite ones (a failed round).
+    pub fn of(values: &[f64]) -> Self {
+        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        Spread {
+            median: median(&mut v),
+            min: v.first().copied().unwrap_or(f64::NAN),
+            max: v.last().copied().unwrap_or(f64::NAN),
+            rounds: v.len(),
+        }
+    }
+
+    /// `1.50x`, or `1.50x [1.20-1.80]` over several rounds.
+    fn format(&self) -> String {
+        let range = if self.rounds > 1 {
+            format!("[{:.2}-{:.2}]", self.min, self.max)
+        } else {
+            String::new()
+        };
+        format!("{:>6.2}x {range:>13}", self.median)
+    }
+}
+
 /// One size of one side.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Row {
@@ -308,6 +354,8 @@ pub struct Row {
     pub oop: Half,
     /// In place.
     pub ip: Half,
+    /// Peak resident bytes of the largest rank process (`--memory`).
+    pub peak_rss: Option<u64>,
 }
 
 impl Row {
@@ -340,29 +388,40 @@ fn format_time(us: f64) -> String {
     }
 }
 
-/// The table header (three lines; the ratio columns only with a peer).
-pub fn format_header(peer: Option<&str>) -> String {
+/// The table header (three lines; the ratio columns only with a peer, the
+/// memory columns only with `memory`).
+pub fn format_header(peer: Option<&str>, memory: bool) -> String {
     let mut s = String::new();
     s.push_str("#                                                              out-of-place                       in-place          ");
     if let Some(peer) = peer {
-        let _ = write!(s, "  chorus/{peer} busbw");
+        let _ = write!(s, "  {:<44}", format!("chorus/{peer} busbw, median of rounds"));
+    }
+    if memory {
+        s.push_str("   peak RSS, ip");
     }
     s.push('\n');
     s.push_str("#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong");
     if peer.is_some() {
-        s.push_str("      oop      ip");
+        s.push_str("      oop     [min-max]       ip     [min-max]");
+    }
+    if memory {
+        s.push_str("     MiB   /size");
     }
     s.push('\n');
     s.push_str("#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)  (GB/s)        ");
     if peer.is_some() {
-        s.push_str("      (x)     (x)");
+        s.push_str("      (x)                     (x)              ");
+    }
+    if memory {
+        s.push_str("                ");
     }
     s.push('\n');
     s
 }
 
-/// One table line, nccl-tests' columns; `ratios` (out of place, in place) appended when given.
-pub fn format_row(row: &Row, ratios: Option<(f64, f64)>) -> String {
+/// One table line, nccl-tests' columns; `ratios` (out of place, in place)
+/// appended when given, then the peak RSS when `memory`.
+pub fn format_row(row: &Row, ratios: Option<(Spread, Spread)>, memory: bool) -> String {
     let redop = if row.op.reduces() { row.redop.name() } else { "none" };
     let root: i64 = if row.op.rooted() { row.root as i64 } else { -1 };
     let mut s = format!(
@@ -385,7 +444,20 @@ pub fn format_row(row: &Row, ratios: Option<(f64, f64)>) -> String {
         );
     }
     if let Some((oop, ip)) = ratios {
-        let _ = write!(s, "  {:>6.2}x {:>6.2}x", oop, ip);
+        let _ = write!(s, "  {}  {}", oop.format(), ip.format());
+    }
+    if memory {
+        match row.peak_rss {
+            Some(rss) => {
+                let _ = write!(
+                    s,
+                    "  {:>6.0}  {:>6.2}",
+                    rss as f64 / (1 << 20) as f64,
+                    rss as f64 / row.bytes() as f64
+                );
+            }
+            None => s.push_str("     N/A     N/A"),
+        }
     }
     s
 }
@@ -404,18 +476,34 @@ pub fn avg_busbw(rows: &[Row]) -> f64 {
     }
 }
 
-/// A whole table: header, rows, `# Avg bus bandwidth` footer and the memcpy line.
-pub fn format_table(rows: &[Row], peer: Option<(&str, &[Option<Row>])>, memcpy_gbps: Option<f64>) -> String {
-    let mut s = format_header(peer.map(|(name, _)| name));
+/// The busbw ratios (out of place, in place) of `ours` to `theirs`, round
+/// by round (a round the peer failed counts as missing).
+pub fn round_ratios(ours: &[Row], theirs: &[Option<Row>]) -> (Spread, Spread) {
+    let ratio = |half: fn(&Row) -> f64| -> Vec<f64> {
+        ours.iter()
+            .zip(theirs)
+            .map(|(o, t)| t.as_ref().map_or(f64::NAN, |t| o.busbw(half(o)) / t.busbw(half(t))))
+            .collect()
+    };
+    (
+        Spread::of(&ratio(|r| r.oop.avg_us)),
+        Spread::of(&ratio(|r| r.ip.avg_us)),
+    )
+}
+
+/// A whole table: header, rows (with each row's ratios to the peer, named,
+/// when given), `# Avg bus bandwidth` footer and the memcpy line.
+pub fn format_table(
+    rows: &[Row],
+    peer: Option<(&str, &[(Spread, Spread)])>,
+    memory: bool,
+    memcpy_gbps: Option<f64>,
+) -> String {
+    let mut s = format_header(peer.map(|(name, _)| name), memory);
     for (i, row) in rows.iter().enumerate() {
-        let ratios = peer.map(|(_, theirs)| match theirs.get(i).and_then(Option::as_ref) {
-            Some(g) => (
-                row.busbw(row.oop.avg_us) / g.busbw(g.oop.avg_us),
-                row.busbw(row.ip.avg_us) / g.busbw(g.ip.avg_us),
-            ),
-            None => (f64::NAN, f64::NAN),
-        });
-        s.push_str(&format_row(row, ratios));
+        let nan = Spread::of(&[]);
+        let ratios = peer.map(|(_, r)| r.get(i).copied().unwrap_or((nan, nan)));
+        s.push_str(&format_row(row, ratios, memory));
         s.push('\n');
     }
     let wrong: u64 = rows.iter().flat_map(|r| [r.oop.wrong, r.ip.wrong]).flatten().sum();
@@ -489,6 +577,7 @@ struct Spec {
     iters: usize,
     warmup: usize,
     check: bool,
+    memory: bool,
 }
 
 impl Spec {
@@ -501,6 +590,7 @@ impl Spec {
             iters: args.iters.max(1),
             warmup: args.warmup,
             check: args.check,
+            memory: args.memory,
         }
     }
 
@@ -590,11 +680,64 @@ fn count_wrong(spec: &Spec, rank: usize, world: usize, count: usize, out: &Tenso
 /// One rank's answer to `run COUNT` (the members of its JSON line besides
 /// `rank` and `count`; the `wrong_*` members may be absent, as Gloo's are).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-struct Raw {
+pub(crate) struct Raw {
     oop: Vec<f64>,
     ip: Vec<f64>,
     wrong_oop: Option<u64>,
     wrong_ip: Option<u64>,
+    /// The process's peak resident bytes over the measurement (`--memory`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    peak_rss: Option<u64>,
+}
+
+impl Raw {
+    /// The answers of several rounds as one: each rank's iterations pooled,
+    /// the largest peak.
+    fn pool(rounds: &[Vec<Raw>]) -> Vec<Raw> {
+        let world = rounds.iter().map(Vec::len).min().unwrap_or(0);
+        (0..world)
+            .map(|rank| {
+                let mut out = Raw::default();
+                for raws in rounds {
+                    let r = &raws[rank];
+                    out.oop.extend(&r.oop);
+                    out.ip.extend(&r.ip);
+                    out.wrong_oop = sum_options(out.wrong_oop, r.wrong_oop);
+                    out.wrong_ip = sum_options(out.wrong_ip, r.wrong_ip);
+                    out.peak_rss = out.peak_rss.max(r.peak_rss);
+                }
+                out
+            })
+            .collect()
+    }
+}
+
+fn sum_options(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+    }
+}
+
+/// The median in-place time of one size over iterations (each the mean over
+/// ranks), microseconds.
+pub(crate) fn in_place_median_us(raws: &[Raw]) -> f64 {
+    Half::from_ranks(&raws.iter().map(|r| r.ip.clone()).collect::<Vec<_>>(), None).median_us
+}
+
+/// Resets this process's peak resident memory (VmHWM) to its current
+/// resident size (Linux: `5` to clear_refs); elsewhere a no-op, and the
+/// peak then covers the process's whole life.
+pub(crate) fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// This process's peak resident bytes (VmHWM), where /proc tells it.
+pub(crate) fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// A worker's line: who answered which count, then the answer.
@@ -705,6 +848,13 @@ async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw>
             raw.oop.push(took);
         }
     }
+    // --memory: the peak of the in-place half, where the caller holds one
+    // tensor and everything above it is chorus's (the input kept for the
+    // out-of-place half goes first unless --check needs it).
+    let input = (spec.check || !spec.memory).then_some(input);
+    if spec.memory {
+        reset_peak_rss();
+    }
     // In place: the buffer handed back is the next input.
     for i in 0..spec.warmup + spec.iters {
         let started = Instant::now();
@@ -715,8 +865,11 @@ async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw>
             raw.ip.push(took);
         }
     }
+    if spec.memory {
+        raw.peak_rss = peak_rss();
+    }
     drop(buffer);
-    if spec.check {
+    if let Some(input) = input.filter(|_| spec.check) {
         let out = call(group, spec, count, input.clone()).await?;
         raw.wrong_oop = Some(count_wrong(spec, rank, world, count, &out));
         drop(out);
@@ -777,7 +930,7 @@ pub async fn run_worker(args: &CollectiveArgs) -> Result<()> {
 // ------------------------------------------------------------------ sides
 
 /// Something that measures one size when asked: a set of rank processes or in-process ranks.
-trait Side {
+pub(crate) trait Side {
     /// `chorus (quic)`, `gloo`, ...
     fn label(&self) -> String;
     /// Measures `count`; one [`Raw`] per rank.
@@ -790,7 +943,7 @@ trait Side {
 const ERROR_GRACE: Duration = Duration::from_secs(2);
 
 /// Rank processes talking JSON lines over their stdin/stdout.
-struct ProcessSide {
+pub(crate) struct ProcessSide {
     label: String,
     children: Vec<Child>,
     stdins: Vec<ChildStdin>,
@@ -802,7 +955,7 @@ struct ProcessSide {
 
 impl ProcessSide {
     /// Starts `world` processes of `program args` with the env:// variables.
-    fn start(
+    pub(crate) fn start(
         label: String,
         program: &str,
         args: &[String],
@@ -947,7 +1100,7 @@ impl ProcessSide {
         s
     }
 
-    fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+    pub(crate) fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
         self.ready = self.collect(timeout, "forming the group")?;
         if let Some(e) = self.ready.iter().find_map(|v| v.get("error").and_then(Value::as_str)) {
             bail!("{}: {e}", self.label);
@@ -1122,6 +1275,27 @@ fn worker_flags(args: &CollectiveArgs) -> Vec<String> {
     ]
 }
 
+/// A [`Row`] from every rank's answer to one size.
+fn make_row(args: &CollectiveArgs, count: usize, raws: &[Raw]) -> Row {
+    Row {
+        op: args.op,
+        count,
+        dtype: args.dtype,
+        redop: args.redop,
+        root: args.root,
+        world: args.world,
+        oop: Half::from_ranks(
+            &raws.iter().map(|r| r.oop.clone()).collect::<Vec<_>>(),
+            raws.iter().map(|r| r.wrong_oop).sum(),
+        ),
+        ip: Half::from_ranks(
+            &raws.iter().map(|r| r.ip.clone()).collect::<Vec<_>>(),
+            raws.iter().map(|r| r.wrong_ip).sum(),
+        ),
+        peak_rss: raws.iter().filter_map(|r| r.peak_rss).max(),
+    }
+}
+
 /// Whether `python` can import torch.distributed; its version or why not.
 pub(crate) fn torch_version(python: &str) -> Result<String, String> {
     match Command::new(python)
@@ -1203,6 +1377,9 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
             if args.check {
                 flags.push("--check".into());
             }
+            if args.memory {
+                flags.push("--memory".into());
+            }
             let env = vec![
                 ("CHORUS_TRANSPORT".to_string(), transport.clone()),
                 ("CHORUS_JOB_SECRET".to_string(), job_secret()),
@@ -1256,50 +1433,41 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
         eprintln!("chorus bench: {note}");
     }
 
-    // The sweep, alternating the sides per size.
-    let total = (counts.len() * (sides.len() + usize::from(gloo.is_some()))) as u64;
+    // The sweep, alternating the sides per size and round.
+    let rounds = args.rounds as usize;
+    let total = (counts.len() * rounds * (sides.len() + usize::from(gloo.is_some()))) as u64;
     let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
         indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let mut rows: Vec<Vec<Row>> = vec![Vec::new(); sides.len()];
-    let mut gloo_rows: Vec<Option<Row>> = Vec::new();
-    let make_row = |count: usize, raws: &[Raw]| Row {
-        op: args.op,
-        count,
-        dtype: args.dtype,
-        redop: args.redop,
-        root: args.root,
-        world: args.world,
-        oop: Half::from_ranks(
-            &raws.iter().map(|r| r.oop.clone()).collect::<Vec<_>>(),
-            raws.iter().map(|r| r.wrong_oop).sum(),
-        ),
-        ip: Half::from_ranks(
-            &raws.iter().map(|r| r.ip.clone()).collect::<Vec<_>>(),
-            raws.iter().map(|r| r.wrong_ip).sum(),
-        ),
-    };
+    // [side][size][round] every rank's answer; the peer's [size][round] (None: that round failed).
+    let mut answers: Vec<Vec<Vec<Vec<Raw>>>> = vec![Vec::new(); sides.len()];
+    let mut gloo_answers: Vec<Vec<Option<Vec<Raw>>>> = Vec::new();
     let result: Result<()> = (|| {
         for &count in &counts {
             let bytes = args.op.bytes(count, args.dtype, args.world);
-            for (i, (side, _)) in sides.iter_mut().enumerate() {
-                bar.set_message(format!("{} {} B {}", args.op.name(), bytes, side.label()));
-                let raws = side.step(count, timeout)?;
-                rows[i].push(make_row(count, &raws));
-                bar.inc(1);
-            }
-            if let Some(side) = gloo.as_mut() {
-                bar.set_message(format!("{} {} B {}", args.op.name(), bytes, side.label()));
-                match side.step(count, timeout) {
-                    Ok(raws) => gloo_rows.push(Some(make_row(count, &raws))),
-                    Err(e) => {
-                        bar.suspend(|| eprintln!("chorus bench: {}: {e:#}", side.label()));
-                        gloo_rows.push(None);
-                    }
+            answers.iter_mut().for_each(|a| a.push(Vec::new()));
+            gloo_answers.push(Vec::new());
+            for round in 1..=rounds {
+                for (i, (side, _)) in sides.iter_mut().enumerate() {
+                    bar.set_message(format!("{} {} B {} round {round}", args.op.name(), bytes, side.label()));
+                    let raws = side.step(count, timeout)?;
+                    answers[i].last_mut().expect("pushed").push(raws);
+                    bar.inc(1);
                 }
-                bar.inc(1);
+                if let Some(side) = gloo.as_mut() {
+                    bar.set_message(format!("{} {} B {} round {round}", args.op.name(), bytes, side.label()));
+                    let got = match side.step(count, timeout) {
+                        Ok(raws) => Some(raws),
+                        Err(e) => {
+                            bar.suspend(|| eprintln!("chorus bench: {}: {e:#}", side.label()));
+                            None
+                        }
+                    };
+                    gloo_answers.last_mut().expect("pushed").push(got);
+                    bar.inc(1);
+                }
             }
         }
         Ok(())
@@ -1318,9 +1486,51 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     if let Some(side) = gloo.as_mut() {
         side.finish();
     }
+    // Pooled rows per side and size; the peer's per-round rows, for the ratios.
+    let rows: Vec<Vec<Row>> = answers
+        .iter()
+        .map(|sizes| {
+            sizes
+                .iter()
+                .zip(&counts)
+                .map(|(r, &count)| make_row(args, count, &Raw::pool(r)))
+                .collect()
+        })
+        .collect();
+    let gloo_round_rows: Vec<Vec<Option<Row>>> = gloo_answers
+        .iter()
+        .zip(&counts)
+        .map(|(r, &count)| {
+            r.iter()
+                .map(|a| a.as_ref().map(|raws| make_row(args, count, raws)))
+                .collect()
+        })
+        .collect();
+    let gloo_rows: Vec<Option<Row>> = gloo_answers
+        .iter()
+        .zip(&counts)
+        .map(|(r, &count)| {
+            let ok: Vec<Vec<Raw>> = r.iter().flatten().cloned().collect();
+            (!ok.is_empty()).then(|| make_row(args, count, &Raw::pool(&ok)))
+        })
+        .collect();
+    // [side][size] the busbw ratios to the peer, round by round.
+    let ratios: Vec<Vec<(Spread, Spread)>> = answers
+        .iter()
+        .map(|sizes| {
+            sizes
+                .iter()
+                .zip(&counts)
+                .zip(&gloo_round_rows)
+                .map(|((r, &count), theirs)| {
+                    let ours: Vec<Row> = r.iter().map(|raws| make_row(args, count, raws)).collect();
+                    round_ratios(&ours, theirs)
+                })
+                .collect()
+        })
+        .collect();
     let memcpy = super::transport::memcpy_gbps(64 << 20);
 
-    let peer = peer_label.as_ref().map(|_| ("gloo", gloo_rows.as_slice()));
     let mode = if args.in_process {
         "in-process ranks (chorus::spawn)"
     } else {
@@ -1328,15 +1538,23 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     };
     let json_rows = {
         let mut out = String::new();
-        for ((_, transport), side_rows) in sides.iter().zip(&rows) {
+        for (((_, transport), side_rows), side_ratios) in sides.iter().zip(&rows).zip(&ratios) {
             for (i, row) in side_rows.iter().enumerate() {
-                let theirs = gloo_rows.get(i).and_then(Option::as_ref);
-                out.push_str(&json_row("chorus", transport, args.in_process, row, theirs, memcpy));
+                let theirs = gloo_rows.get(i).and_then(Option::as_ref).map(|g| (g, side_ratios[i]));
+                out.push_str(&json_row(
+                    "chorus",
+                    transport,
+                    args.in_process,
+                    row,
+                    theirs,
+                    rounds,
+                    memcpy,
+                ));
                 out.push('\n');
             }
         }
         for row in gloo_rows.iter().flatten() {
-            out.push_str(&json_row("gloo", "gloo", false, row, None, memcpy));
+            out.push_str(&json_row("gloo", "gloo", false, row, None, rounds, memcpy));
             out.push('\n');
         }
         out
@@ -1348,29 +1566,32 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
         print!("{json_rows}");
     } else {
         println!(
-            "# chorus bench: {} {} {}, world {} ({mode}), {} iters after {} warm-up, {}",
+            "# chorus bench: {} {} {}, world {} ({mode}), {} iters after {} warm-up, {} round{} per size, {}",
             args.op.name(),
             args.dtype.nccl_name(),
             if args.op.reduces() { args.redop.name() } else { "" },
             args.world,
             spec.iters,
             spec.warmup,
+            rounds,
+            if rounds == 1 { "" } else { "s" },
             match &peer_label {
-                Some(p) => format!("alternating per size with {p}"),
+                Some(p) => format!("alternating per size and round with {p}"),
                 None => "no comparison".into(),
             }
         );
         for note in &notes {
             println!("# {note}");
         }
-        for ((side, _), side_rows) in sides.iter().zip(&rows) {
+        for (((side, _), side_rows), side_ratios) in sides.iter().zip(&rows).zip(&ratios) {
             println!("#\n# {}", side.label());
-            print!("{}", format_table(side_rows, peer, Some(memcpy)));
+            let peer = peer_label.as_ref().map(|_| ("gloo", side_ratios.as_slice()));
+            print!("{}", format_table(side_rows, peer, args.memory, Some(memcpy)));
         }
         if let Some(label) = &peer_label {
             let present: Vec<Row> = gloo_rows.iter().flatten().cloned().collect();
             println!("#\n# {label} (python3 tests/python/bench_gloo.py, one process per rank)");
-            print!("{}", format_table(&present, None, None));
+            print!("{}", format_table(&present, None, false, None));
         }
     }
     if let Some(path) = &args.plot {
@@ -1463,15 +1684,32 @@ struct JsonRow<'a> {
     root: i64,
     oop: HalfJson,
     ip: HalfJson,
+    rounds: usize,
+    /// Median over the rounds of chorus/Gloo busbw, then its range.
     gloo_busbw_ratio_oop: Option<f64>,
+    gloo_busbw_ratio_oop_min: Option<f64>,
+    gloo_busbw_ratio_oop_max: Option<f64>,
     gloo_busbw_ratio_ip: Option<f64>,
+    gloo_busbw_ratio_ip_min: Option<f64>,
+    gloo_busbw_ratio_ip_max: Option<f64>,
+    /// Median time of every round's iterations pooled, chorus/Gloo.
     gloo_median_time_ratio_oop: Option<f64>,
+    peak_rss_bytes: Option<u64>,
     memcpy_gbps: Option<f64>,
 }
 
-/// One `--json` row, as a line.
-fn json_row(library: &str, transport: &str, in_process: bool, row: &Row, gloo: Option<&Row>, memcpy: f64) -> String {
-    let ratio = |f: &dyn Fn(&Row) -> f64| gloo.and_then(|g| num(f(row) / f(g)));
+/// One `--json` row, as a line; `gloo` is the peer's row and the rounds' ratios.
+fn json_row(
+    library: &str,
+    transport: &str,
+    in_process: bool,
+    row: &Row,
+    gloo: Option<(&Row, (Spread, Spread))>,
+    rounds: usize,
+    memcpy: f64,
+) -> String {
+    let ratio = |f: &dyn Fn(&Row) -> f64| gloo.and_then(|(g, _)| num(f(row) / f(g)));
+    let spread = |f: &dyn Fn(&(Spread, Spread)) -> f64| gloo.and_then(|(_, s)| num(f(&s)));
     to_line(&JsonRow {
         library,
         transport,
@@ -1485,9 +1723,15 @@ fn json_row(library: &str, transport: &str, in_process: bool, row: &Row, gloo: O
         root: if row.op.rooted() { row.root as i64 } else { -1 },
         oop: HalfJson::new(row, &row.oop),
         ip: HalfJson::new(row, &row.ip),
-        gloo_busbw_ratio_oop: ratio(&|r| r.busbw(r.oop.avg_us)),
-        gloo_busbw_ratio_ip: ratio(&|r| r.busbw(r.ip.avg_us)),
+        rounds,
+        gloo_busbw_ratio_oop: spread(&|s| s.0.median),
+        gloo_busbw_ratio_oop_min: spread(&|s| s.0.min),
+        gloo_busbw_ratio_oop_max: spread(&|s| s.0.max),
+        gloo_busbw_ratio_ip: spread(&|s| s.1.median),
+        gloo_busbw_ratio_ip_min: spread(&|s| s.1.min),
+        gloo_busbw_ratio_ip_max: spread(&|s| s.1.max),
         gloo_median_time_ratio_oop: ratio(&|r| r.oop.median_us),
+        peak_rss_bytes: row.peak_rss,
         memcpy_gbps: num(memcpy),
     })
 }
@@ -1541,6 +1785,7 @@ mod tests {
                 median_us: 1e6,
                 wrong: None,
             },
+            peak_rss: None,
         };
         assert!((row.algbw(1e6) - 1.0).abs() < 1e-12);
         assert!((row.busbw(1e6) - 1.5).abs() < 1e-12);
@@ -1548,7 +1793,7 @@ mod tests {
 
     #[test]
     fn table_lines_line_up_with_the_header() {
-        let header = format_header(None);
+        let header = format_header(None, false);
         let lines: Vec<&str> = header.lines().collect();
         assert_eq!(
             lines[1],
@@ -1572,8 +1817,9 @@ mod tests {
                 median_us: 12000.0,
                 wrong: Some(3),
             },
+            peak_rss: Some(40),
         };
-        let line = format_row(&row, None);
+        let line = format_row(&row, None, false);
         assert_eq!(line.len(), lines[1].len(), "{line}");
         assert_eq!(
             line,
@@ -1587,9 +1833,24 @@ mod tests {
                 .collect()
         };
         assert_eq!(ends(&line), ends(lines[1])[1..], "the '#' aside");
-        let with_ratio = format_row(&row, Some((1.5, 2.0)));
-        assert!(with_ratio.ends_with("   1.50x   2.00x"), "{with_ratio}");
-        let table = format_table(std::slice::from_ref(&row), None, Some(10.0));
+        let one = Spread::of(&[1.5]);
+        let with_ratio = format_row(&row, Some((one, Spread::of(&[2.0]))), false);
+        assert_eq!(
+            &with_ratio[line.len()..],
+            "    1.50x                  2.00x              "
+        );
+        let rounds = Spread::of(&[1.2, f64::NAN, 1.8, 1.5]);
+        let with_rounds = format_row(&row, Some((rounds, rounds)), true);
+        assert!(
+            with_rounds.contains("    1.50x   [1.20-1.80]    1.50x   [1.20-1.80]"),
+            "{with_rounds}"
+        );
+        // A 40-byte peak for 16 bytes.
+        assert!(with_rounds.ends_with("       0    2.50"), "{with_rounds}");
+        // The extra columns end where their headers do.
+        let wide: Vec<String> = format_header(Some("gloo"), true).lines().map(String::from).collect();
+        assert_eq!(ends(&with_rounds), ends(&wide[1])[1..], "{with_rounds}\n{}", wide[1]);
+        let table = format_table(std::slice::from_ref(&row), None, false, Some(10.0));
         assert!(table.contains("# Avg bus bandwidth : "), "{table}");
         assert!(table.contains("# Out of bounds values : 3 FAILED"), "{table}");
         assert!(
@@ -1608,6 +1869,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             check: true,
+            memory: false,
         };
         // Ranks 0,1 element 0: 1 + (0+3)%3+1 = 1 + 1 = 2.
         assert_eq!(spec.expected(0, 2, 4, 0), Some(2.0));
@@ -1640,6 +1902,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             check: true,
+            memory: false,
         }
     }
 
@@ -1657,6 +1920,7 @@ mod tests {
             ip: vec![3.5],
             wrong_oop: Some(0),
             wrong_ip: None,
+            peak_rss: None,
         };
         let line = raw.to_json(1, 64);
         assert_eq!(
@@ -1686,7 +1950,83 @@ mod tests {
         );
         let bad = Raw::from_json(serde_json::json!({"oop": [1, "x"], "ip": []})).unwrap_err();
         assert!(bad.starts_with("a result line: "), "{bad}");
+        let with_rss = Raw {
+            peak_rss: Some(4096),
+            ..Raw::default()
+        };
+        let line = with_rss.to_json(0, 8);
+        assert!(line.ends_with(r#""peak_rss":4096}"#), "{line}");
+        assert_eq!(
+            Raw::from_json(serde_json::from_str(&line).unwrap()).unwrap().peak_rss,
+            Some(4096)
+        );
         assert_eq!(num(f64::INFINITY), None);
         assert_eq!(num(2.0 / 3.0), Some(0.6667));
+    }
+
+    #[test]
+    fn rounds_pool_iterations_and_ratios_are_medians_of_rounds() {
+        let spread = Spread::of(&[3.0, 1.0, f64::NAN, 2.0]);
+        assert_eq!(
+            (spread.median, spread.min, spread.max, spread.rounds),
+            (2.0, 1.0, 3.0, 3)
+        );
+        assert!(Spread::of(&[]).median.is_nan());
+        let raw = |oop: f64, rss: u64| Raw {
+            oop: vec![oop],
+            ip: vec![oop / 2.0],
+            wrong_oop: Some(1),
+            wrong_ip: None,
+            peak_rss: Some(rss),
+        };
+        let pooled = Raw::pool(&[vec![raw(1.0, 10), raw(2.0, 30)], vec![raw(3.0, 20), raw(4.0, 5)]]);
+        assert_eq!(pooled.len(), 2);
+        assert_eq!(pooled[0].oop, vec![1.0, 3.0]);
+        assert_eq!(pooled[1].ip, vec![1.0, 2.0]);
+        assert_eq!((pooled[0].wrong_oop, pooled[0].wrong_ip), (Some(2), None));
+        assert_eq!((pooled[0].peak_rss, pooled[1].peak_rss), (Some(20), Some(30)));
+        // chorus takes 10 us then 40 us; the peer 20 us, fails, then 20 us:
+        // ratios 2 and 0.5 (the failed round is left out), median 1.25.
+        let row = |us: f64| Row {
+            op: BenchOp::AllReduce,
+            count: 2,
+            dtype: DType::Float32,
+            redop: ReduceOp::Sum,
+            root: 0,
+            world: 2,
+            oop: Half {
+                avg_us: us,
+                median_us: us,
+                wrong: None,
+            },
+            ip: Half {
+                avg_us: us * 2.0,
+                median_us: us,
+                wrong: None,
+            },
+            peak_rss: None,
+        };
+        let (oop, ip) = round_ratios(
+            &[row(10.0), row(1.0), row(40.0)],
+            &[Some(row(20.0)), None, Some(row(20.0))],
+        );
+        assert_eq!((oop.median, oop.min, oop.max, oop.rounds), (1.25, 0.5, 2.0, 2));
+        assert_eq!(ip, oop);
+    }
+
+    #[test]
+    fn peak_rss_reads_vmhwm_and_resets() {
+        if !std::path::Path::new("/proc/self/status").exists() {
+            return;
+        }
+        let before = peak_rss().expect("VmHWM in /proc/self/status");
+        // 64 MiB touched: the peak grows by about that much.
+        let big = std::hint::black_box(vec![1u8; 64 << 20]);
+        let during = peak_rss().unwrap();
+        assert!(during >= before.max(big.len() as u64), "{before} -> {during}");
+        drop(big);
+        reset_peak_rss();
+        let after = peak_rss().unwrap();
+        assert!(after < during, "the reset peak {after} is below {during}");
     }
 }

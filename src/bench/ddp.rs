@@ -4,7 +4,9 @@
 //! processes: the step time with sync, without (`no_sync`), and their
 //! difference, the communication the backward pass did not hide
 //! (`exposed_sync_ms`). With `--compare torch`, PyTorch DDP over Gloo on the
-//! same shapes (`tests/python/ddp_bench.py`, embedded) in the same run.
+//! same shapes (`tests/python/ddp_bench.py`, embedded) in the same run;
+//! `--rounds N` runs the two in turn N times and shows medians over the
+//! rounds and the step-time ratio's median [min-max].
 //!
 //! The backward pass writes each gradient (`p * scale`, one pass over the
 //! layer) into its bucket and marks it ready, last layer first; every step
@@ -76,6 +78,10 @@ pub struct DdpArgs {
     /// Also measure this peer on the same shapes.
     #[arg(long, value_enum)]
     pub compare: Option<DdpPeer>,
+    /// Measure chorus and the peer this many times, in turn; the table shows
+    /// medians over the rounds and the step-time ratio's median [min-max].
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rounds: u64,
     /// Print one JSON object per library instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -97,6 +103,17 @@ pub struct DdpArgs {
     /// Internal: run as one rank process.
     #[arg(long, hide = true)]
     pub worker: bool,
+}
+
+/// The median over `rounds` of member `key` of the rows of `row`'s library.
+fn round_median(rounds: &[Vec<Value>], row: &Value, key: &str) -> f64 {
+    let values: Vec<f64> = rounds
+        .iter()
+        .flatten()
+        .filter(|r| r["library"] == row["library"])
+        .filter_map(|r| r[key].as_f64())
+        .collect();
+    super::collective::Spread::of(&values).median
 }
 
 /// A parameter count: digits with an optional K or M (powers of 1000).
@@ -410,7 +427,6 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
     let exe = std::env::current_exe()?.to_string_lossy().into_owned();
     let timeout = Duration::from_secs(args.timeout);
     let shapes = layer_shapes(args.params);
-    let mut rows = vec![];
     let worker_args: Vec<String> = [
         "bench",
         "ddp",
@@ -432,47 +448,54 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
     ]
     .map(String::from)
     .to_vec();
-    rows.push(run_ranks(
-        &exe,
-        &worker_args,
-        args.world,
-        &[
-            ("CHORUS_TRANSPORT", args.transport.clone()),
-            ("CHORUS_JOB_SECRET", super::collective::job_secret()),
-        ],
-        timeout,
-    )?);
-    if args.compare == Some(DdpPeer::Torch) {
-        match super::collective::torch_version(&args.python) {
-            Err(why) => eprintln!(
-                "# skipping --compare torch: {} cannot import torch ({why})",
-                args.python
-            ),
-            Ok(_) => {
-                let dir = tempfile_dir()?;
-                let script = dir.join("ddp_bench.py");
-                std::fs::write(&script, TORCH_SCRIPT)?;
-                let sizes: Vec<String> = shapes.iter().map(|(_, n)| n.to_string()).collect();
-                let torch_args = vec![
-                    script.to_string_lossy().into_owned(),
-                    sizes.join(","),
-                    args.steps.to_string(),
-                    args.warmup.to_string(),
-                    args.bucket_cap_mb.to_string(),
-                    u8::from(args.torch_bucket_view).to_string(),
-                ];
-                let row = run_ranks(
-                    &args.python,
-                    &torch_args,
-                    args.world,
-                    &[("OMP_NUM_THREADS", "1".into())],
-                    timeout,
-                );
-                let _ = std::fs::remove_dir_all(&dir);
-                rows.push(row?);
+    // [round] chorus's row, then the peer's when it ran.
+    let mut rounds: Vec<Vec<Value>> = Vec::new();
+    for _ in 0..args.rounds {
+        let mut rows = vec![];
+        rows.push(run_ranks(
+            &exe,
+            &worker_args,
+            args.world,
+            &[
+                ("CHORUS_TRANSPORT", args.transport.clone()),
+                ("CHORUS_JOB_SECRET", super::collective::job_secret()),
+            ],
+            timeout,
+        )?);
+        if args.compare == Some(DdpPeer::Torch) {
+            match super::collective::torch_version(&args.python) {
+                Err(why) => eprintln!(
+                    "# skipping --compare torch: {} cannot import torch ({why})",
+                    args.python
+                ),
+                Ok(_) => {
+                    let dir = tempfile_dir()?;
+                    let script = dir.join("ddp_bench.py");
+                    std::fs::write(&script, TORCH_SCRIPT)?;
+                    let sizes: Vec<String> = shapes.iter().map(|(_, n)| n.to_string()).collect();
+                    let torch_args = vec![
+                        script.to_string_lossy().into_owned(),
+                        sizes.join(","),
+                        args.steps.to_string(),
+                        args.warmup.to_string(),
+                        args.bucket_cap_mb.to_string(),
+                        u8::from(args.torch_bucket_view).to_string(),
+                    ];
+                    let row = run_ranks(
+                        &args.python,
+                        &torch_args,
+                        args.world,
+                        &[("OMP_NUM_THREADS", "1".into())],
+                        timeout,
+                    );
+                    let _ = std::fs::remove_dir_all(&dir);
+                    rows.push(row?);
+                }
             }
         }
+        rounds.push(rows);
     }
+    let rows = rounds.last().cloned().unwrap_or_default();
     if let Some(path) = &args.plot {
         let title = format!(
             "chorus bench ddp: {}M float32 parameters, world {}, {} transport, {} hook",
@@ -484,17 +507,25 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
         draw_timeline(path, &title, &rows[0]).map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
     }
     if args.json {
-        for row in &rows {
+        for row in rounds.iter().flatten() {
             println!("{row}");
         }
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "# chorus bench ddp: {} float32 parameters in {} layers, world {}, median of {} steps",
+        "# chorus bench ddp: {} float32 parameters in {} layers, world {}, median of {} steps{}",
         args.params,
         shapes.len(),
         args.world,
-        args.steps
+        args.steps,
+        if args.rounds > 1 {
+            format!(
+                ", then the median of {} rounds (chorus and the peer in turn)",
+                args.rounds
+            )
+        } else {
+            String::new()
+        }
     );
     println!(
         "{:<24} {:>10} {:>12} {:>16}",
@@ -509,12 +540,24 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
             ),
             _ => format!("torch {} gloo", row["version"].as_str().unwrap_or("?")),
         };
-        let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
+        let f = |k: &str| round_median(&rounds, row, k);
         println!(
             "{label:<24} {:>10.2} {:>12.2} {:>16.2}",
             f("step_ms"),
             f("no_sync_ms"),
             f("exposed_sync_ms")
+        );
+    }
+    if rows.len() > 1 {
+        // Round by round, so that both sides of a ratio saw the same noise.
+        let ratios: Vec<f64> = rounds
+            .iter()
+            .filter_map(|r| Some(r.first()?["step_ms"].as_f64()? / r.get(1)?["step_ms"].as_f64()?))
+            .collect();
+        let spread = super::collective::Spread::of(&ratios);
+        println!(
+            "# chorus/torch step_ms: {:.2}x, median of {} rounds [{:.2}-{:.2}]",
+            spread.median, spread.rounds, spread.min, spread.max
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -642,6 +685,19 @@ fn tempfile_dir() -> Result<std::path::PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rounds_give_each_library_its_median() {
+        let row = |library: &str, step: f64| serde_json::json!({"library": library, "step_ms": step});
+        let rounds = vec![
+            vec![row("chorus", 10.0), row("torch", 30.0)],
+            vec![row("chorus", 50.0), row("torch", 20.0)],
+            vec![row("chorus", 12.0)],
+        ];
+        assert_eq!(round_median(&rounds, &row("chorus", 0.0), "step_ms"), 12.0);
+        assert_eq!(round_median(&rounds, &row("torch", 0.0), "step_ms"), 25.0);
+        assert!(round_median(&rounds, &row("chorus", 0.0), "no_sync_ms").is_nan());
+    }
 
     #[test]
     fn shapes_add_up_and_look_like_a_transformer() {

@@ -4,7 +4,8 @@
 //! # Layout
 //! - [`collective`]: `chorus bench --op ...`, the nccl-tests table for one
 //!   collective over a sweep of sizes, with `--compare gloo` (PyTorch's Gloo
-//!   in the same invocation, alternating per size), `--json` and `--plot`.
+//!   in the same invocation, alternating per size and `--rounds`), `--json`,
+//!   `--memory` (peak resident memory) and `--plot`.
 //! - [`ddp`]: `chorus bench ddp`, gradient sync step time with and without
 //!   sync on a 25M-parameter model, with `--compare torch` (PyTorch DDP, Gloo).
 //! - [`plot`]: the `--plot` PNG (busbw against size).
@@ -14,6 +15,8 @@
 //!   (`train::sync_state`) from S sources to a joiner, against the link's
 //!   own throughput in the same group.
 //! - [`transport`]: throughput and round trip per transport path, against raw TCP.
+//! - [`tune`]: `chorus bench tune`, the all-reduce algorithms per transport
+//!   across sizes and the measured switch points (`CHORUS_ALGO_THRESHOLDS`).
 
 pub mod collective;
 pub mod ddp;
@@ -21,3 +24,4 @@ pub mod plot;
 pub mod recovery;
 pub mod transfer;
 pub mod transport;
+pub mod tune;

@@ -18,7 +18,7 @@
 //!   and the builder that derives every step's dependencies from the ranges
 //!   it touches.
 //! - `schedule`: [`CollectiveKind`], [`Algorithm`], [`choose_algorithm`] with
-//!   its thresholds and `CHORUS_ALGO` [`Overrides`], and [`Spec::plan`].
+//!   its [`Thresholds`] (`CHORUS_ALGO_THRESHOLDS`) and `CHORUS_ALGO` [`Overrides`], and [`Spec::plan`].
 //! - `ring`, `doubling`, `tree`, `direct`: the algorithms (segmented
 //!   pipelined rings; recursive doubling and halving-doubling with folding
 //!   for non-powers of two; binomial trees; direct and pairwise exchanges and
@@ -48,6 +48,6 @@ pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
 pub use reduce::{ReduceError, finalize_avg, reduce_complete_into, reduce_into};
 pub use schedule::{
     Algorithm, CollectiveKind, HALVING_DOUBLING_MAX_BYTES, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_WORLD,
-    MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, Spec, choose_algorithm,
+    MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, Spec, Thresholds, choose_algorithm,
 };
 pub use signature::{ENCODED_LEN, Signature, SignatureError};

@@ -238,6 +238,97 @@ impl FromStr for Algorithm {
     }
 }
 
+/// The all-reduce switch points: the parsed value of `CHORUS_ALGO_THRESHOLDS`
+/// (`chorus bench tune` measures them per transport and prints the line).
+///
+/// The grammar is a comma-separated list of `algorithm=size`, the size in
+/// bytes with an optional K, M or G suffix (powers of 1024), for example
+/// `recursive_doubling=256K,halving_doubling=4M`: all-reduces up to that
+/// size use that algorithm. An algorithm left out keeps its default
+/// ([`RECURSIVE_DOUBLING_MAX_BYTES`], [`HALVING_DOUBLING_MAX_BYTES`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Thresholds {
+    /// Largest all-reduce that uses recursive doubling.
+    pub recursive_doubling_max: usize,
+    /// Largest all-reduce that uses halving-doubling (recursive doubling at
+    /// two ranks, where the two move the same bytes); the ring above it.
+    pub halving_doubling_max: usize,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            recursive_doubling_max: RECURSIVE_DOUBLING_MAX_BYTES,
+            halving_doubling_max: HALVING_DOUBLING_MAX_BYTES,
+        }
+    }
+}
+
+impl Thresholds {
+    /// Parses a `CHORUS_ALGO_THRESHOLDS` value.
+    pub fn parse(value: &str) -> Result<Self, ParseError> {
+        let mut out = Thresholds::default();
+        for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let Some((algo, size)) = entry.split_once('=') else {
+                return Err(ParseError::new(
+                    "threshold",
+                    entry,
+                    &["recursive_doubling=SIZE", "halving_doubling=SIZE"],
+                ));
+            };
+            let size = parse_bytes(size.trim()).ok_or_else(|| {
+                ParseError::new("size", size.trim(), &["a byte count with an optional K, M or G suffix"])
+            })?;
+            match algo.trim().parse::<Algorithm>()? {
+                Algorithm::RecursiveDoubling => out.recursive_doubling_max = size,
+                Algorithm::HalvingDoubling => out.halving_doubling_max = size,
+                _ => {
+                    return Err(ParseError::new(
+                        "algorithm with a threshold",
+                        algo.trim(),
+                        &["recursive_doubling", "halving_doubling"],
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl fmt::Display for Thresholds {
+    /// The `CHORUS_ALGO_THRESHOLDS` value that parses back to these.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "recursive_doubling={},halving_doubling={}",
+            format_bytes(self.recursive_doubling_max),
+            format_bytes(self.halving_doubling_max)
+        )
+    }
+}
+
+/// `64K`, `1M`, `3G`, or plain bytes when no suffix divides evenly.
+fn format_bytes(n: usize) -> String {
+    match n {
+        0 => "0".into(),
+        n if n % (1 << 30) == 0 => format!("{}G", n >> 30),
+        n if n % (1 << 20) == 0 => format!("{}M", n >> 20),
+        n if n % (1 << 10) == 0 => format!("{}K", n >> 10),
+        n => n.to_string(),
+    }
+}
+
+/// A byte count with an optional K, M or G suffix (powers of 1024).
+fn parse_bytes(text: &str) -> Option<usize> {
+    let (digits, shift) = match text.chars().last()?.to_ascii_uppercase() {
+        'K' => (&text[..text.len() - 1], 10),
+        'M' => (&text[..text.len() - 1], 20),
+        'G' => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    digits.trim().parse::<usize>().ok()?.checked_mul(1 << shift)
+}
+
 /// Algorithms forced per collective: the parsed value of `CHORUS_ALGO`.
 ///
 /// The grammar is a comma-separated list of `kind=algorithm` (for example
@@ -248,6 +339,7 @@ impl FromStr for Algorithm {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Overrides {
     forced: Vec<(CollectiveKind, Algorithm)>,
+    thresholds: Thresholds,
 }
 
 impl Overrides {
@@ -276,7 +368,20 @@ impl Overrides {
                 }
             }
         }
-        Ok(Overrides { forced })
+        Ok(Overrides {
+            forced,
+            thresholds: Thresholds::default(),
+        })
+    }
+
+    /// These overrides with the all-reduce switch points `thresholds`.
+    pub fn with_thresholds(self, thresholds: Thresholds) -> Self {
+        Overrides { thresholds, ..self }
+    }
+
+    /// The all-reduce switch points in force.
+    pub fn thresholds(&self) -> Thresholds {
+        self.thresholds
     }
 
     /// The algorithm forced for `kind`, if any.
@@ -286,20 +391,22 @@ impl Overrides {
 }
 
 /// Picks the algorithm for a collective of `bytes` per rank (the buffer an
-/// all-reduce reduces) over `world` ranks, unless `overrides` forces one.
+/// all-reduce reduces) over `world` ranks, unless `overrides` forces one;
+/// all-reduce switches at the overrides' [`Thresholds`].
 pub fn choose_algorithm(kind: CollectiveKind, bytes: usize, world: usize, overrides: &Overrides) -> Algorithm {
     if let Some(forced) = overrides.get(kind) {
         return forced;
     }
+    let t = overrides.thresholds;
     match kind {
         // Two ranks: halving-doubling moves the same bytes as recursive
         // doubling, in two messages instead of one.
         CollectiveKind::AllReduce
-            if bytes <= RECURSIVE_DOUBLING_MAX_BYTES || (world <= 2 && bytes <= HALVING_DOUBLING_MAX_BYTES) =>
+            if bytes <= t.recursive_doubling_max || (world <= 2 && bytes <= t.halving_doubling_max) =>
         {
             Algorithm::RecursiveDoubling
         }
-        CollectiveKind::AllReduce if bytes <= HALVING_DOUBLING_MAX_BYTES => Algorithm::HalvingDoubling,
+        CollectiveKind::AllReduce if bytes <= t.halving_doubling_max => Algorithm::HalvingDoubling,
         CollectiveKind::AllReduce => Algorithm::Ring,
         _ => kind.algorithms()[0],
     }

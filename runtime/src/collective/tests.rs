@@ -505,6 +505,69 @@ fn choice_follows_the_thresholds_unless_overridden() {
 }
 
 #[test]
+fn measured_thresholds_move_the_switch_points() {
+    let ar = CollectiveKind::AllReduce;
+    let t = Thresholds::parse(" recursive_doubling=256K , halving_doubling=4M").unwrap();
+    assert_eq!(
+        t,
+        Thresholds {
+            recursive_doubling_max: 256 << 10,
+            halving_doubling_max: 4 << 20
+        }
+    );
+    let tuned = Overrides::default().with_thresholds(t);
+    assert_eq!(choose_algorithm(ar, 256 << 10, 8, &tuned), Algorithm::RecursiveDoubling);
+    assert_eq!(
+        choose_algorithm(ar, (256 << 10) + 1, 8, &tuned),
+        Algorithm::HalvingDoubling
+    );
+    assert_eq!(choose_algorithm(ar, 4 << 20, 8, &tuned), Algorithm::HalvingDoubling);
+    assert_eq!(choose_algorithm(ar, (4 << 20) + 1, 8, &tuned), Algorithm::Ring);
+    // Two ranks: recursive doubling up to the halving-doubling threshold.
+    assert_eq!(choose_algorithm(ar, 4 << 20, 2, &tuned), Algorithm::RecursiveDoubling);
+    assert_eq!(choose_algorithm(ar, (4 << 20) + 1, 2, &tuned), Algorithm::Ring);
+    // A zero threshold turns an algorithm off; a forced algorithm still wins.
+    let ring_only =
+        Overrides::default().with_thresholds(Thresholds::parse("recursive_doubling=0,halving_doubling=0").unwrap());
+    assert_eq!(choose_algorithm(ar, 8, 8, &ring_only), Algorithm::Ring);
+    let forced = Overrides::parse("all_reduce=halving_doubling")
+        .unwrap()
+        .with_thresholds(t);
+    assert_eq!(choose_algorithm(ar, 8, 8, &forced), Algorithm::HalvingDoubling);
+    // Left out: the default; the printed form parses back.
+    assert_eq!(
+        Thresholds::parse("halving_doubling=2M").unwrap().recursive_doubling_max,
+        RECURSIVE_DOUBLING_MAX_BYTES
+    );
+    assert_eq!(Thresholds::parse("").unwrap(), Thresholds::default());
+    assert_eq!(
+        Thresholds::default().to_string(),
+        "recursive_doubling=64K,halving_doubling=1M"
+    );
+    let odd = Thresholds {
+        recursive_doubling_max: 3000,
+        halving_doubling_max: 3 << 30,
+    };
+    assert_eq!(Thresholds::parse(&odd.to_string()), Ok(odd));
+    assert_eq!(Overrides::default().thresholds(), Thresholds::default());
+    // Bad input is a typed error, never a panic.
+    assert_eq!(
+        Thresholds::parse("ring=1M").unwrap_err().what,
+        "algorithm with a threshold"
+    );
+    assert_eq!(Thresholds::parse("fast=1M").unwrap_err().what, "algorithm");
+    assert_eq!(Thresholds::parse("recursive_doubling").unwrap_err().what, "threshold");
+    assert_eq!(Thresholds::parse("recursive_doubling=").unwrap_err().what, "size");
+    assert_eq!(Thresholds::parse("recursive_doubling=1Q").unwrap_err().what, "size");
+    assert_eq!(
+        Thresholds::parse("halving_doubling=99999999999999999G")
+            .unwrap_err()
+            .what,
+        "size"
+    );
+}
+
+#[test]
 fn bad_overrides_and_specs_are_typed_errors() {
     let err = Overrides::parse("all_gather=pairwise").unwrap_err();
     assert_eq!(
