@@ -18,7 +18,7 @@ use actix::{Actor, Addr};
 use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor, SharedMonitor};
 use chorus_actors::metrics::GroupMetrics;
 use chorus_actors::process_watch::ProcessWatch;
-use chorus_actors::rank::{Aborted, RankActor};
+use chorus_actors::rank::{Aborted, Drain, RankActor};
 use chorus_actors::supervision::{
     self, ErrorHandling, GroupAborted, HEARTBEAT_TIMEOUT_ENV, Supervision, SupervisionConfigError,
     WATCHDOG_TIMEOUT_ENV, WatchdogConfig,
@@ -632,6 +632,9 @@ impl ProcessGroup {
     /// with it, so in a job that lives on, leave the serving rank last.
     pub async fn shutdown(mut self, why: &str) {
         self.leave_now(why);
+        // Behind the queued operations: once it is handled they have all
+        // failed with the abort, so none sees the actor stop instead.
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.actor.send(Drain)).await;
         self.store = Arc::new(HashStore::default());
         if let Some(server) = self.server.take() {
             server.shutdown().await;

@@ -61,6 +61,7 @@ pub mod trace;
 pub mod train;
 
 pub use chorus_actors::driver::CollectiveError;
+pub use chorus_actors::metrics;
 pub use chorus_actors::nccl;
 pub use chorus_actors::nccl::NcclOp;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};

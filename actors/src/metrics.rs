@@ -1,4 +1,4 @@
-//! What a running group reports through the [`metrics`] facade. The library
+//! What a running group reports through the [`metrics`](https://docs.rs/metrics) facade. The library
 //! installs no recorder: a service installs one (a Prometheus exporter, say;
 //! `examples/service.rs`) before it forms groups, since each group registers
 //! its handles when it forms (so the hot path only adds to them: no

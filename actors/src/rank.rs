@@ -373,6 +373,18 @@ impl Handler<Collective> for RankActor {
     }
 }
 
+/// Does nothing: answered once every operation queued before it has
+/// ended (RA-1), so a rank leaving can wait for its queue to drain.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+impl Handler<Drain> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Drain, _ctx: &mut Context<Self>) {}
+}
+
 impl Handler<Aborted> for RankActor {
     type Result = ();
 
