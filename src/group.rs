@@ -444,7 +444,8 @@ async fn start_rank(
     };
     let metrics = Arc::new(GroupMetrics::new(&config.run_id));
     metrics.formed(generation, membership.world_size());
-    let supervision = Arc::new(Supervision::new(rank, generation, mode, links.clone()).with_metrics((*metrics).clone()));
+    let supervision =
+        Arc::new(Supervision::new(rank, generation, mode, links.clone()).with_metrics((*metrics).clone()));
     let (actor_supervision, actor_metrics) = (supervision.clone(), metrics.clone());
     // With a trace directory, SIGTERM (a launcher stopping the job) dumps
     // the recorder before the process exits (crate::terminate).

@@ -92,7 +92,10 @@ fn the_example_service_exports_metrics_that_move_and_stops_on_sigterm() {
         "one group of 3 replicas:\n{second}"
     );
     assert_eq!(total(&second, "chorus_collectives_failed_total"), 0.0, "{second}");
-    assert!(second.contains("transport=\"local\""), "in-process replicas talk over local links:\n{second}");
+    assert!(
+        second.contains("transport=\"local\""),
+        "in-process replicas talk over local links:\n{second}"
+    );
 
     let child = service.0.take().expect("running");
     // SAFETY: kill(2) on the pid of a child this test started and has not reaped.

@@ -78,7 +78,10 @@ impl GroupMetrics {
             })
             .collect();
         let bytes = TRANSPORTS.map(|kind| {
-            let labels = [("group", group.clone()), ("transport", SharedString::const_str(transport_name(kind)))];
+            let labels = [
+                ("group", group.clone()),
+                ("transport", SharedString::const_str(transport_name(kind))),
+            ];
             (
                 counter!("chorus_bytes_sent_total", &labels),
                 counter!("chorus_bytes_received_total", &labels),
@@ -124,7 +127,6 @@ impl GroupMetrics {
         gauge!("chorus_generation", "group" => self.group.clone()).set(generation as f64);
         gauge!("chorus_world_size", "group" => self.group.clone()).set(world_size as f64);
     }
-
 }
 
 /// Counts a restart of the group labelled `group` (an elastic group re-formed).

@@ -38,11 +38,11 @@ use std::time::{Duration, SystemTime};
 
 use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, WrapFuture};
 use bytes::Bytes;
+use chorus_runtime::collective::{Action, Plan, Region};
 use chorus_runtime::collective::{
     CollectiveKind, DType, Overrides, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
 };
 use chorus_runtime::flight::{FlightRecorder, write_dump};
-use chorus_runtime::collective::{Action, Plan, Region};
 use chorus_transports::link::{ChannelId, Link};
 use tracing::Instrument;
 
@@ -302,7 +302,10 @@ impl Handler<Collective> for RankActor {
             bytes = spec.bytes(),
             algorithm = ?algorithm,
         );
-        let bytes = self.metrics.as_ref().map(|_| plan_bytes(&plan, &links, msg.dtype.size()));
+        let bytes = self
+            .metrics
+            .as_ref()
+            .map(|_| plan_bytes(&plan, &links, msg.dtype.size()));
         let (kind, began) = (msg.kind, std::time::Instant::now());
         self.supervision.started(format!("{signature}"), began + timeout);
         let run = async move {
@@ -399,7 +402,12 @@ impl Handler<Aborted> for RankActor {
 /// ([`transport_index`]): a walk over its steps, no allocation.
 fn plan_bytes(plan: &Plan, links: &[Option<Arc<dyn Link>>], element: usize) -> ([u64; 3], [u64; 3]) {
     let (mut sent, mut received) = ([0u64; 3], [0u64; 3]);
-    let transport = |peer: usize| links.get(peer).and_then(Option::as_ref).map(|l| transport_index(l.kind()));
+    let transport = |peer: usize| {
+        links
+            .get(peer)
+            .and_then(Option::as_ref)
+            .map(|l| transport_index(l.kind()))
+    };
     for step in plan.steps() {
         match &step.action {
             Action::Send { to, src, .. } => {

@@ -538,7 +538,9 @@ pub fn spawn_watchdog(
                 monitor.poll(now)
             };
             if let Some(metrics) = &supervision.metrics {
-                let silent = failures.iter().filter(|f| matches!(f.cause, PeerFailureCause::Silent(_)));
+                let silent = failures
+                    .iter()
+                    .filter(|f| matches!(f.cause, PeerFailureCause::Silent(_)));
                 metrics.heartbeats_missed().increment(silent.count() as u64);
             }
             let in_flight = supervision.in_flight.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -760,7 +762,9 @@ mod tests {
         let supervision = Supervision::new(1, 4, ErrorHandling::CleanUpOnly, std::mem::take(&mut mesh[1]));
         assert!(supervision.shut_down("service stopping"));
         assert!(!supervision.shut_down("again"), "a shutdown aborts once");
-        let aborted = supervision.aborted().expect("pending and later operations see the abort");
+        let aborted = supervision
+            .aborted()
+            .expect("pending and later operations see the abort");
         assert_eq!(aborted.reason, AbortReason::Shutdown("service stopping".into()));
         assert_eq!(aborted.reason.label(), "shutdown");
         let heard = tokio::time::timeout(Duration::from_secs(5), mesh[0][1].as_ref().unwrap().recv(0))
