@@ -5,7 +5,7 @@
 //! use chorus::{ReduceOp, Tensor};
 //!
 //! # #[tokio::main]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! // Four ranks in this process; across processes, `init_process_group`.
 //! let averages = chorus::spawn(4, |pg| async move {
 //!     let model = Tensor::from_slice(&[pg.rank() as f32; 3]);
