@@ -583,7 +583,7 @@ impl ElasticGroup {
     /// Leaves the job now, from this process alone (a service's shutdown
     /// path), where [`destroy`](Self::destroy) waits for every rank: the
     /// supervisor stops, pending operations fail with
-    /// [`GroupAborted`](crate::GroupAborted) (reason `Shutdown`), and the
+    /// [`GroupAborted`] (reason `Shutdown`), and the
     /// links close with a notice naming this rank gone, so the others
     /// re-form without it at once (their elastic rendezvous accounts for
     /// it as for a rank seen to fail, and their restart budget is not

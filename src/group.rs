@@ -626,7 +626,7 @@ impl ProcessGroup {
     /// Leaves the group now, from this rank alone (a service's shutdown
     /// path), where [`destroy`](Self::destroy) waits for every rank:
     /// pending and queued operations fail at once with
-    /// [`GroupAborted`](crate::GroupAborted) (reason `Shutdown`), the
+    /// [`GroupAborted`] (reason `Shutdown`), the
     /// heartbeats and watchdog stop, and the links close with a notice
     /// that tells peers this rank is gone (they abort at once instead of
     /// waiting out a heartbeat window). A store this rank serves stops
