@@ -19,7 +19,8 @@
 //! | `chorus_generation` | gauge | `group` | the generation this process's group is in |
 //! | `chorus_world_size` | gauge | `group` | the ranks of that generation |
 //!
-//! `group` is the job's run id (`run_id/subN` for a subgroup). Each
+//! `group` is the job's run id (`run_id/subN` for a subgroup); ranks of one
+//! process in the same group share its series, so their counts add up. Each
 //! operation also runs in a `tracing` span `collective` (level info) with
 //! `rank`, `group`, `seq`, `op`, `bytes` and `algorithm`.
 
