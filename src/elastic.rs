@@ -50,6 +50,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use chorus_actors::heartbeat::PeerFailureCause;
 use chorus_actors::supervision::{self, AbortReason, GroupAborted};
 use chorus_runtime::rendezvous::elastic::{self as elastic_rdzv, ElasticConfig, Joiner};
 use chorus_runtime::rendezvous::{self, OpenedStore, RendezvousConfig, RendezvousError};
@@ -579,6 +580,29 @@ impl ElasticGroup {
         self.current().barrier()
     }
 
+    /// Leaves the job now, from this process alone (a service's shutdown
+    /// path), where [`destroy`](Self::destroy) waits for every rank: the
+    /// supervisor stops, pending operations fail with
+    /// [`GroupAborted`] (reason `Shutdown`), and the
+    /// links close with a notice naming this rank gone, so the others
+    /// re-form without it at once (their elastic rendezvous accounts for
+    /// it as for a rank seen to fail, and their restart budget is not
+    /// charged) instead of waiting out a heartbeat window. A store server
+    /// this process holds stops too: leave the serving process last.
+    pub async fn shutdown(self, why: &str) {
+        let Self {
+            shared,
+            supervisor,
+            server,
+        } = self;
+        drop(supervisor);
+        shared.current.borrow().leave_now(why);
+        drop(shared);
+        if let Some(server) = server {
+            server.shutdown().await;
+        }
+    }
+
     /// Leaves once every rank of the current generation leaves: stops the
     /// supervisor first, so ranks leaving are not restarted.
     pub async fn destroy(self) -> Result<(), InitError> {
@@ -666,7 +690,10 @@ async fn supervise(
                     elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(old_generation + 1)).await,
                     Ok(1..)
                 );
-            if admitting {
+            // Peers whose notices name only themselves shut down on purpose
+            // (`shutdown`): not a failure to charge.
+            let left_on_purpose = matches!(&aborted.reason, AbortReason::PeersFailed(gone) if gone.iter().all(|p| matches!(&p.cause, PeerFailureCause::Left { failed, .. } if failed[..] == [p.rank])));
+            if admitting || left_on_purpose {
                 tracing::info!(
                     generation = old_generation,
                     rank = old_rank,
@@ -728,6 +755,7 @@ async fn supervise(
             world_size: next.world_size(),
         };
         tracing::info!(?change, "group restarted");
+        chorus_actors::metrics::count_restart(next.run_id());
         shared.current.send_replace(Arc::new(next));
         let _ = shared.events.send(change);
     }

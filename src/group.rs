@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use actix::{Actor, Addr};
 use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor, SharedMonitor};
+use chorus_actors::metrics::GroupMetrics;
 use chorus_actors::process_watch::ProcessWatch;
-use chorus_actors::rank::{Aborted, RankActor};
+use chorus_actors::rank::{Aborted, Drain, RankActor};
 use chorus_actors::supervision::{
     self, ErrorHandling, GroupAborted, HEARTBEAT_TIMEOUT_ENV, Supervision, SupervisionConfigError,
     WATCHDOG_TIMEOUT_ENV, WatchdogConfig,
@@ -449,15 +450,19 @@ async fn start_rank(
         overdue_grace: window,
         ..WatchdogConfig::default()
     };
-    let supervision = Arc::new(Supervision::new(rank, generation, mode, links.clone()));
-    let actor_supervision = supervision.clone();
+    let metrics = Arc::new(GroupMetrics::new(&config.run_id));
+    metrics.formed(generation, membership.world_size());
+    let supervision =
+        Arc::new(Supervision::new(rank, generation, mode, links.clone()).with_metrics((*metrics).clone()));
+    let (actor_supervision, actor_metrics) = (supervision.clone(), metrics.clone());
     // With a trace directory, SIGTERM (a launcher stopping the job) dumps
     // the recorder before the process exits (crate::terminate).
     let (dump_notice, dumped) = watch::channel(false);
     let dumps = trace_dir.is_some();
     let actor = RankActor::start_in_arbiter(&arbiter.handle(), move |_| {
         let actor = RankActor::new(rank, actor_links, collective_timeout, overrides, actor_supervision)
-            .with_flight_recorder(flight, trace_dir, generation);
+            .with_flight_recorder(flight, trace_dir, generation)
+            .with_metrics(actor_metrics);
         if dumps {
             actor.with_dump_notice(dump_notice)
         } else {
@@ -475,12 +480,14 @@ async fn start_rank(
     let exits_monitor = monitor.clone();
     let (heartbeat_links, watched, watchdog_stop, notify) =
         (links.clone(), supervision.clone(), stop.clone(), actor.clone());
+    let missed = metrics.heartbeats_missed().clone();
     on_arbiter(&arbiter, async move {
         heartbeat::spawn(
             &heartbeat_links,
             HeartbeatConfig::with_window(window),
             monitor.clone(),
             watchdog_stop.clone(),
+            missed,
         );
         supervision::spawn_watchdog(
             watched,
@@ -622,6 +629,32 @@ impl ProcessGroup {
         for link in self.links.iter().flatten() {
             link.close(why);
         }
+    }
+
+    /// Leaves the group now, from this rank alone (a service's shutdown
+    /// path), where [`destroy`](Self::destroy) waits for every rank:
+    /// pending and queued operations fail at once with
+    /// [`GroupAborted`] (reason `Shutdown`), the
+    /// heartbeats and watchdog stop, and the links close with a notice
+    /// that tells peers this rank is gone (they abort at once instead of
+    /// waiting out a heartbeat window). A store this rank serves stops
+    /// with it, so in a job that lives on, leave the serving rank last.
+    pub async fn shutdown(mut self, why: &str) {
+        self.leave_now(why);
+        // Behind the queued operations: once it is handled they have all
+        // failed with the abort, so none sees the actor stop instead.
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.actor.send(Drain)).await;
+        self.store = Arc::new(HashStore::default());
+        if let Some(server) = self.server.take() {
+            server.shutdown().await;
+        }
+    }
+
+    /// The part of [`shutdown`](Self::shutdown) that a shared handle can
+    /// do (an elastic group's current generation).
+    pub(crate) fn leave_now(&self, why: &str) {
+        self.supervision.shut_down(why);
+        self.stop_supervision.send_replace(true);
     }
 
     /// Aborts the group from outside (a membership change), as a failure

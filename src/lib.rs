@@ -1,6 +1,26 @@
 //! chorus: keeps the parameters of a distributed training job in sync, the
 //! way `torch.distributed` does for PyTorch.
 //!
+//! ```
+//! use chorus::{ReduceOp, Tensor};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! // Four ranks in this process; across processes, `init_process_group`.
+//! let averages = chorus::spawn(4, |pg| async move {
+//!     let model = Tensor::from_slice(&[pg.rank() as f32; 3]);
+//!     let average = pg.all_reduce(model, ReduceOp::Avg).await;
+//!     pg.destroy().await?;
+//!     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(average?)
+//! })
+//! .await?;
+//! for average in averages {
+//!     assert_eq!(average?.to_vec::<f32>()?, [1.5; 3]); // (0 + 1 + 2 + 3) / 4
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Layout
 //! - [`group`]: [`init_process_group`] and the [`ProcessGroup`] handle it
 //!   returns (rendezvous, store, membership, links to every peer;
@@ -11,6 +31,8 @@
 //! - [`elastic`]: [`ElasticGroup`], a group that restarts itself into a
 //!   new generation after a failure (rules SV-9..SV-13); [`elastic_nccl`]:
 //!   NCCL communicators that follow it through its generations (EN-1..EN-3).
+//! - [`metrics`]: what a running group reports through the `metrics`
+//!   facade (a table of names), and the `tracing` span of each collective.
 //! - [`nccl_group`]: [`init_nccl_group`], `init_process_group(backend="nccl")`:
 //!   a supervised NCCL group on the local rank's GPU, formed through the
 //!   same rendezvous.
@@ -61,6 +83,7 @@ pub mod trace;
 pub mod train;
 
 pub use chorus_actors::driver::CollectiveError;
+pub use chorus_actors::metrics;
 pub use chorus_actors::nccl;
 pub use chorus_actors::nccl::NcclOp;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};

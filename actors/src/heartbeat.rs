@@ -248,12 +248,15 @@ impl SharedMonitor {
 /// arbiter): per peer, one task sends a frame every `config.interval` and
 /// one reads the peer's frames into `monitor`. A task per direction and
 /// peer, so a send that waits on a frozen peer's full queue delays nobody
-/// else's heartbeat. Everything stops when `stop` turns true.
+/// else's heartbeat. Everything stops when `stop` turns true. A heartbeat
+/// that comes two or more intervals after the previous one adds the
+/// intervals it skipped to `missed`.
 pub fn spawn(
     links: &[Option<Arc<dyn Link>>],
     config: HeartbeatConfig,
     monitor: Arc<SharedMonitor>,
     stop: watch::Receiver<bool>,
+    missed: metrics::Counter,
 ) {
     for link in links.iter().flatten() {
         let (sender, mut stop_sending) = (link.clone(), stop.clone());
@@ -273,9 +276,10 @@ pub fn spawn(
                 }
             }
         });
-        let (reader, monitor, mut stop_reading) = (link.clone(), monitor.clone(), stop.clone());
+        let (reader, monitor, mut stop_reading, missed) = (link.clone(), monitor.clone(), stop.clone(), missed.clone());
         tokio::spawn(async move {
             let peer = reader.peer();
+            let mut last = Instant::now();
             loop {
                 tokio::select! {
                     _ = stop_reading.wait_for(|s| *s) => return,
@@ -284,7 +288,15 @@ pub fn spawn(
                             monitor.lock().left(peer);
                             return;
                         }
-                        Ok(_) => monitor.lock().arrived(peer, Instant::now()),
+                        Ok(_) => {
+                            let now = Instant::now();
+                            let intervals = now.duration_since(last).as_nanos() / config.interval.as_nanos().max(1);
+                            if intervals >= 2 {
+                                missed.increment(intervals as u64 - 1);
+                            }
+                            last = now;
+                            monitor.lock().arrived(peer, now);
+                        }
                         Err(e) => {
                             monitor.link_failed(peer, &e);
                             return;

@@ -23,6 +23,7 @@
 
 pub mod driver;
 pub mod heartbeat;
+pub mod metrics;
 pub mod nccl;
 pub mod process_watch;
 pub mod rank;

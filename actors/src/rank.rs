@@ -38,13 +38,16 @@ use std::time::{Duration, SystemTime};
 
 use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, WrapFuture};
 use bytes::Bytes;
+use chorus_runtime::collective::{Action, Plan, Region};
 use chorus_runtime::collective::{
     CollectiveKind, DType, Overrides, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
 };
 use chorus_runtime::flight::{FlightRecorder, write_dump};
 use chorus_transports::link::{ChannelId, Link};
+use tracing::Instrument;
 
 use crate::driver::{self, CollectiveError, FramePool, Job};
+use crate::metrics::{GroupMetrics, transport_index};
 use crate::supervision::{AbortReason, ErrorHandling, Supervision};
 
 /// Channels collectives rotate through (RA-2).
@@ -100,6 +103,8 @@ pub struct RankActor {
     dumped: bool,
     /// Turned true once the group broke and the recorder was dumped.
     dump_notice: Option<tokio::sync::watch::Sender<bool>>,
+    /// Registered once, so an operation only adds to its handles.
+    metrics: Option<Arc<GroupMetrics>>,
 }
 
 /// Tells the actor its group was aborted from outside an operation (by the
@@ -134,7 +139,15 @@ impl RankActor {
             supervision,
             dumped: false,
             dump_notice: None,
+            metrics: None,
         }
+    }
+
+    /// Counts operations, their time and bytes in `metrics` (see
+    /// [`crate::metrics`]).
+    pub fn with_metrics(mut self, metrics: Arc<GroupMetrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Records operations in `flight` (RA-5) and, when `trace_dir` is set,
@@ -225,7 +238,16 @@ impl Handler<Collective> for RankActor {
     type Result = AtomicResponse<Self, Result<Vec<u8>, CollectiveError>>;
 
     fn handle(&mut self, msg: Collective, _ctx: &mut Context<Self>) -> Self::Result {
-        let immediate = |result| AtomicResponse::new(Box::pin(actix::fut::ready(result)));
+        let metrics = self.metrics.clone();
+        if let Some(metrics) = &metrics {
+            metrics.op(msg.kind).started.increment(1);
+        }
+        let immediate = |result: Result<Vec<u8>, CollectiveError>| {
+            if let (Some(metrics), Err(_)) = (&metrics, &result) {
+                metrics.op(msg.kind).failed.increment(1);
+            }
+            AtomicResponse::new(Box::pin(actix::fut::ready(result)))
+        };
         if let Some(reason) = &self.broken {
             return immediate(Err(CollectiveError::Broken(reason.clone())));
         }
@@ -271,8 +293,21 @@ impl Handler<Collective> for RankActor {
         let input = msg.input;
         let pool = self.pool.clone();
         let abort = self.supervision.subscribe();
-        self.supervision
-            .started(format!("{signature}"), std::time::Instant::now() + timeout);
+        let span = tracing::info_span!(
+            "collective",
+            rank,
+            group = self.metrics.as_deref().map_or("", GroupMetrics::group),
+            seq,
+            op = msg.kind.name(),
+            bytes = spec.bytes(),
+            algorithm = ?algorithm,
+        );
+        let bytes = self
+            .metrics
+            .as_ref()
+            .map(|_| plan_bytes(&plan, &links, msg.dtype.size()));
+        let (kind, began) = (msg.kind, std::time::Instant::now());
+        self.supervision.started(format!("{signature}"), began + timeout);
         let run = async move {
             driver::run(Job {
                 rank,
@@ -290,9 +325,23 @@ impl Handler<Collective> for RankActor {
             })
             .await
             .map(|()| output)
-        };
+        }
+        .instrument(span);
         AtomicResponse::new(Box::pin(run.into_actor(self).map(move |mut result, actor, _| {
             actor.supervision.finished();
+            if let (Some(metrics), Some((sent, received))) = (&actor.metrics, bytes) {
+                let op = metrics.op(kind);
+                if result.is_ok() {
+                    op.completed.increment(1);
+                    op.duration.record(began.elapsed().as_secs_f64());
+                    for (i, (to, from)) in metrics.all_bytes().iter().enumerate() {
+                        to.increment(sent[i]);
+                        from.increment(received[i]);
+                    }
+                } else {
+                    op.failed.increment(1);
+                }
+            }
             match &result {
                 Ok(_) => actor.flight.record_completed(entry, SystemTime::now()),
                 Err(e) => {
@@ -327,6 +376,18 @@ impl Handler<Collective> for RankActor {
     }
 }
 
+/// Does nothing: answered once every operation queued before it has
+/// ended (RA-1), so a rank leaving can wait for its queue to drain.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+impl Handler<Drain> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Drain, _ctx: &mut Context<Self>) {}
+}
+
 impl Handler<Aborted> for RankActor {
     type Result = ();
 
@@ -335,6 +396,35 @@ impl Handler<Aborted> for RankActor {
             self.broke(&aborted.to_string());
         }
     }
+}
+
+/// Payload bytes `plan` sends and receives, per transport
+/// ([`transport_index`]): a walk over its steps, no allocation.
+fn plan_bytes(plan: &Plan, links: &[Option<Arc<dyn Link>>], element: usize) -> ([u64; 3], [u64; 3]) {
+    let (mut sent, mut received) = ([0u64; 3], [0u64; 3]);
+    let transport = |peer: usize| {
+        links
+            .get(peer)
+            .and_then(Option::as_ref)
+            .map(|l| transport_index(l.kind()))
+    };
+    for step in plan.steps() {
+        match &step.action {
+            Action::Send { to, src, .. } => {
+                if let Some(t) = transport(*to) {
+                    let (Region::Input(r) | Region::Output(r)) = src;
+                    sent[t] += (r.len() * element) as u64;
+                }
+            }
+            Action::Recv { from, dst, .. } => {
+                if let Some(t) = transport(*from) {
+                    received[t] += (dst.len() * element) as u64;
+                }
+            }
+            Action::Copy { .. } => {}
+        }
+    }
+    (sent, received)
 }
 
 /// The ranks an operation's error blames, for the abort it causes: a peer

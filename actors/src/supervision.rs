@@ -46,6 +46,7 @@ use thiserror::Error;
 use tokio::sync::watch;
 
 use crate::heartbeat::{PeerFailure, PeerFailureCause, SharedMonitor};
+use crate::metrics::GroupMetrics;
 use crate::process_watch::ProcessWatch;
 
 /// The environment variables of blocking-wait mode, most specific first.
@@ -204,6 +205,21 @@ pub enum AbortReason {
         /// How long it ran.
         ran: Duration,
     },
+    /// This rank left the group on purpose (`ProcessGroup::shutdown`).
+    Shutdown(String),
+}
+
+impl AbortReason {
+    /// A short label for metrics (`chorus_aborts_total{reason}`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            AbortReason::PeersFailed(failures) if failures.iter().any(PeerFailure::failed) => "peer_failed",
+            AbortReason::PeersFailed(_) => "peer_left",
+            AbortReason::OperationFailed(_) => "operation_failed",
+            AbortReason::Overdue { .. } => "overdue",
+            AbortReason::Shutdown(_) => "shutdown",
+        }
+    }
 }
 
 impl fmt::Display for AbortReason {
@@ -230,6 +246,7 @@ impl fmt::Display for AbortReason {
             AbortReason::Overdue { operation, ran } => {
                 write!(f, "{operation} still running after {ran:?}, past its deadline")
             }
+            AbortReason::Shutdown(why) => write!(f, "this rank shut the group down ({why})"),
         }
     }
 }
@@ -270,6 +287,7 @@ pub struct Supervision {
     aborted: watch::Sender<Option<GroupAborted>>,
     in_flight: Mutex<Option<InFlight>>,
     progress: AtomicU64,
+    metrics: Option<GroupMetrics>,
 }
 
 impl Supervision {
@@ -283,7 +301,14 @@ impl Supervision {
             aborted: watch::Sender::new(None),
             in_flight: Mutex::new(None),
             progress: AtomicU64::new(0),
+            metrics: None,
         }
+    }
+
+    /// Counts aborts and silent peers in `metrics`.
+    pub fn with_metrics(mut self, metrics: GroupMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The error-handling mode.
@@ -313,6 +338,9 @@ impl Supervision {
             true
         });
         if first {
+            if let Some(metrics) = &self.metrics {
+                metrics.aborted(abort.reason.label());
+            }
             tracing::error!(rank = self.rank, generation = self.generation, mode = ?self.mode, "{abort}");
             if self.mode.closes_links() {
                 let notice = CloseNotice {
@@ -323,6 +351,49 @@ impl Supervision {
                     link.close_with(&notice);
                 }
             }
+        }
+        first
+    }
+
+    /// This rank leaves the group on purpose (a service shutting down):
+    /// the abort ([`AbortReason::Shutdown`]) is published, so pending and
+    /// later operations fail at once, and the links close in every mode
+    /// with a notice naming this rank itself, so peers count it gone at
+    /// once (an elastic rendezvous does not wait for it) rather than
+    /// waiting out a heartbeat window. Returns whether this call aborted.
+    pub fn shut_down(&self, why: &str) -> bool {
+        let first = self.abort_quietly(AbortReason::Shutdown(why.to_owned()));
+        let notice = CloseNotice {
+            reason: format!("rank {} shut down: {why}", self.rank),
+            failed: vec![self.rank],
+        };
+        for link in self.links.iter().flatten() {
+            link.close_with(&notice);
+        }
+        first
+    }
+
+    /// Publishes `reason` as the abort unless there was one, without
+    /// closing links; returns whether it did.
+    fn abort_quietly(&self, reason: AbortReason) -> bool {
+        let abort = GroupAborted {
+            rank: self.rank,
+            generation: self.generation,
+            reason,
+            failed_ranks: Vec::new(),
+        };
+        let first = self.aborted.send_if_modified(|current| {
+            if current.is_some() {
+                return false;
+            }
+            *current = Some(abort.clone());
+            true
+        });
+        if first {
+            if let Some(metrics) = &self.metrics {
+                metrics.aborted(abort.reason.label());
+            }
+            tracing::info!(rank = self.rank, generation = self.generation, "{abort}");
         }
         first
     }
@@ -396,7 +467,11 @@ fn verdict(
         for failure in &failures {
             match &failure.cause {
                 PeerFailureCause::Left { failed, .. } => {
-                    left.push(failure.rank);
+                    // A peer that names itself left for good (a shutdown):
+                    // it is gone as a failed one is, so nobody waits for it.
+                    if !failed.contains(&failure.rank) {
+                        left.push(failure.rank);
+                    }
                     ranks.extend(failed);
                 }
                 _ => ranks.push(failure.rank),
@@ -462,6 +537,12 @@ pub fn spawn_watchdog(
                 }
                 monitor.poll(now)
             };
+            if let Some(metrics) = &supervision.metrics {
+                let silent = failures
+                    .iter()
+                    .filter(|f| matches!(f.cause, PeerFailureCause::Silent(_)));
+                metrics.heartbeats_missed().increment(silent.count() as u64);
+            }
             let in_flight = supervision.in_flight.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let Some((reason, ranks)) = verdict(failures, in_flight.as_ref(), config.overdue_grace, now) else {
                 continue;
@@ -670,6 +751,37 @@ mod tests {
         let (reason, ranks) = verdict(Vec::new(), Some(&op), grace, t0 + Duration::from_secs(15)).unwrap();
         assert!(ranks.is_empty());
         assert!(reason.to_string().contains("all_reduce #4 still running"), "{reason}");
+    }
+
+    #[tokio::test]
+    async fn a_rank_that_shuts_down_fails_its_operations_and_its_peers_count_it_gone_at_once() {
+        use chorus_transports::link::TransportError;
+        use chorus_transports::local::local_mesh;
+        let mut mesh = local_mesh(3);
+        // Clean-up-only mode keeps links open on an abort: a shutdown closes them anyway.
+        let supervision = Supervision::new(1, 4, ErrorHandling::CleanUpOnly, std::mem::take(&mut mesh[1]));
+        assert!(supervision.shut_down("service stopping"));
+        assert!(!supervision.shut_down("again"), "a shutdown aborts once");
+        let aborted = supervision
+            .aborted()
+            .expect("pending and later operations see the abort");
+        assert_eq!(aborted.reason, AbortReason::Shutdown("service stopping".into()));
+        assert_eq!(aborted.reason.label(), "shutdown");
+        let heard = tokio::time::timeout(Duration::from_secs(5), mesh[0][1].as_ref().unwrap().recv(0))
+            .await
+            .expect("the close wakes the peer");
+        let Err(error @ TransportError::PeerClosed { .. }) = heard else {
+            panic!("{heard:?}")
+        };
+        let gone = PeerFailure {
+            rank: 1,
+            cause: PeerFailureCause::of(&error),
+        };
+        // The peer names the rank that left among the gone ones, so an
+        // elastic rendezvous accounts for it without waiting.
+        let (reason, ranks) = verdict(vec![gone], None, Duration::ZERO, Instant::now()).unwrap();
+        assert_eq!(ranks, vec![1]);
+        assert_eq!(reason.label(), "peer_left");
     }
 
     #[tokio::test]
