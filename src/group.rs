@@ -354,7 +354,7 @@ pub(crate) async fn form(
     };
     let arbiter = match &source {
         LinkSource::Mesh { .. } => RankThread::Own(system::new_arbiter()?),
-        LinkSource::Local { .. } => RankThread::Shared(system::shared_arbiter(config.rank)?),
+        LinkSource::Local { .. } => RankThread::Shared(system::shared_arbiter(config.rank, config.world_size)?),
     };
     let mut record = PeerRecord {
         rank: config.rank as u32,
@@ -782,7 +782,7 @@ impl ProcessGroup {
         };
         let opened = rendezvous::OpenedStore { store, server: None };
         let arbiter = match &self.arbiter {
-            RankThread::Shared(_) => RankThread::Shared(system::shared_arbiter(self.rank())?),
+            RankThread::Shared(_) => RankThread::Shared(system::shared_arbiter(self.rank(), self.world_size())?),
             RankThread::Own(_) => RankThread::Own(system::new_arbiter()?),
         };
         Ok(Some(

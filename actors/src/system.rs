@@ -71,11 +71,13 @@ pub fn shared_arbiters() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
-/// The shared arbiter for the rank at `index` (`index % shared_arbiters()`),
-/// for ranks of one process: it runs for the life of the process, so a
-/// rank's group must stop its own tasks rather than the arbiter.
-pub fn shared_arbiter(index: usize) -> Result<ArbiterHandle, SystemError> {
-    let slot = index % shared_arbiters();
+/// The shared arbiter for `rank` of `world` ranks in this process: ranks
+/// in contiguous blocks, one per arbiter, so the partners of a recursive
+/// doubling's early rounds and a ring's neighbours share a thread. It runs
+/// for the life of the process, so a rank's group must stop its own tasks
+/// rather than the arbiter.
+pub fn shared_arbiter(rank: usize, world: usize) -> Result<ArbiterHandle, SystemError> {
+    let slot = rank * shared_arbiters() / world.max(rank + 1);
     let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
     while shared.len() <= slot {
         shared.push(new_arbiter()?);

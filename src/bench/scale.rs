@@ -5,7 +5,9 @@
 //! peak resident memory (`VmHWM`) is its own and not the largest world's
 //! before it. The in-process table gives the time to form the group, the
 //! time of an 8-byte and of a 1 MiB all-reduce (both checked), the peak
-//! resident memory and the threads the process ended with; the store
+//! resident memory once formed and through the 8-byte ones, then through
+//! the 1 MiB ones (each rank's own tensor is 1 MiB: 1 GiB at 1024 ranks),
+//! and the threads the process ended with; the store
 //! table the time for `world` ranks, each with its own TCP connection, to
 //! rendezvous through rank 0's `TcpStoreServer`.
 
@@ -48,6 +50,9 @@ struct SpawnRow {
     form: Duration,
     small: Duration,
     large: Duration,
+    /// Peak resident memory before the 1 MiB all-reduces (the ranks' own
+    /// tensors are 1 MiB each after).
+    small_hwm_kib: u64,
     hwm_kib: u64,
     threads: u64,
 }
@@ -107,15 +112,19 @@ async fn measure_spawn(world: usize, iters: usize, large_iters: usize) -> Result
     let outcomes = crate::spawn(world, move |pg| async move {
         let formed = Instant::now();
         let small = timed_all_reduce(&pg, 2, iters).await?;
+        pg.barrier().await.map_err(|e| e.to_string())?;
+        let small_hwm = (pg.rank() == 0).then(|| proc_status().0);
+        pg.barrier().await.map_err(|e| e.to_string())?;
         let large = timed_all_reduce(&pg, (1 << 20) / 4, large_iters).await?;
         pg.destroy().await.map_err(|e| e.to_string())?;
-        Ok::<_, String>((formed, small, large))
+        Ok::<_, String>((formed, small, large, small_hwm))
     })
     .await?;
     let mut formed = Vec::new();
-    let (mut small, mut large) = (Vec::new(), Vec::new());
+    let (mut small, mut large, mut small_hwm_kib) = (Vec::new(), Vec::new(), 0);
     for outcome in outcomes {
-        let (f, s, l) = outcome.map_err(|e| anyhow!(e))?;
+        let (f, s, l, h) = outcome.map_err(|e| anyhow!(e))?;
+        small_hwm_kib = small_hwm_kib.max(h.unwrap_or(0));
         formed.push(f);
         small.push(s);
         large.push(l);
@@ -125,6 +134,7 @@ async fn measure_spawn(world: usize, iters: usize, large_iters: usize) -> Result
         form: formed.iter().max().expect("ranks").saturating_duration_since(started),
         small: per_op(&small, iters),
         large: per_op(&large, large_iters),
+        small_hwm_kib,
         hwm_kib,
         threads,
     })
@@ -198,10 +208,11 @@ fn run_child(args: &ScaleArgs, table: &str, world: usize) -> Result<()> {
         "spawn" => {
             let row = runtime.block_on(measure_spawn(world, args.iters, args.large_iters))?;
             println!(
-                "row form_us={} small_us={} large_us={} hwm_kib={} threads={}",
+                "row form_us={} small_us={} large_us={} small_hwm_kib={} hwm_kib={} threads={}",
                 row.form.as_micros(),
                 row.small.as_micros(),
                 row.large.as_micros(),
+                row.small_hwm_kib,
                 row.hwm_kib,
                 row.threads
             );
@@ -292,16 +303,17 @@ pub fn run(args: &ScaleArgs) -> Result<bool> {
             args.iters, args.large_iters
         );
         println!(
-            "{:>6} {:>10} {:>12} {:>12} {:>10} {:>8}",
-            "world", "form_ms", "8B_ms", "1MiB_ms", "peak_MiB", "threads"
+            "{:>6} {:>10} {:>10} {:>10} {:>13} {:>13} {:>8}",
+            "world", "form_ms", "8B_ms", "1MiB_ms", "peak_8B_MiB", "peak_1MiB_MiB", "threads"
         );
         for &world in &args.worlds {
             match child_row(args, "spawn", world) {
                 Ok(row) => println!(
-                    "{world:>6} {:>10} {:>12} {:>12} {:>10} {:>8}",
+                    "{world:>6} {:>10} {:>10} {:>10} {:>13} {:>13} {:>8}",
                     ms(get(&row, "form_us")),
                     ms(get(&row, "small_us")),
                     ms(get(&row, "large_us")),
+                    mib(get(&row, "small_hwm_kib")),
                     mib(get(&row, "hwm_kib")),
                     get(&row, "threads")
                 ),
