@@ -303,10 +303,13 @@ pub(crate) enum LinkSource {
     /// The QUIC mesh, set up on the rank's arbiter; `world` bounds the
     /// ranks of every generation (the fault plan is checked against it).
     Mesh { single_host: bool, world: usize },
-    /// In-process links made by [`spawn`], and their mesh.
+    /// In-process links made by [`spawn`], and their mesh; its watcher
+    /// stands in for heartbeats unless `heartbeats` (injected faults can
+    /// silence a rank, which only heartbeats notice).
     Local {
         mesh: Arc<LocalMesh>,
         links: Vec<Option<Arc<dyn Link>>>,
+        heartbeats: bool,
     },
 }
 
@@ -378,9 +381,13 @@ pub(crate) async fn form(
                 on_arbiter(&arbiter, async move { plan.connect(&known, &run_id, timeout).await }).await??;
             (membership, Some(endpoint), links, None)
         }
-        LinkSource::Local { mesh, links } => {
+        LinkSource::Local {
+            mesh,
+            links,
+            heartbeats,
+        } => {
             let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
-            (membership, None, links, Some(mesh))
+            (membership, None, links, (!heartbeats).then_some(mesh))
         }
     };
     start_rank(config, membership, opened, links, endpoint, local, options, arbiter).await
@@ -533,7 +540,9 @@ async fn start_rank(
         .collect();
     if !remote.is_empty() {
         let (store, run_id, stop) = (opened.store.clone(), config.run_id.clone(), stop.clone());
-        arbiter.handle().spawn(watch_remote_exits(store, run_id, remote, exits_monitor, stop));
+        arbiter
+            .handle()
+            .spawn(watch_remote_exits(store, run_id, remote, exits_monitor, stop));
     }
     supervision::spawn_stall_monitor(
         supervision.clone(),
@@ -573,7 +582,8 @@ async fn start_rank(
 /// process drives many ranks in parallel). Each rank is an actor; the ranks
 /// share one thread per core, meet on an in-process store and talk over
 /// in-process links made when first used, so a world of a thousand ranks
-/// fits a laptop. Failure detection is by closed links, without heartbeats.
+/// fits a laptop. Failure detection is by closed links, without heartbeats
+/// unless `CHORUS_FAULTS` is set (a frozen or partitioned rank is silent).
 /// Returns every rank's result, in rank order.
 pub async fn spawn<T, F, Fut>(world: usize, body: F) -> Result<Vec<T>, InitError>
 where
@@ -610,7 +620,7 @@ where
             Some(plan) => wrap_links(rank, mesh.links(rank), plan.clone()),
             None => mesh.links(rank),
         };
-        let mesh = mesh.clone();
+        let (mesh, faulty) = (mesh.clone(), faults.is_some());
         let options = InitOptions {
             init_method: InitMethod::Store(store.clone()),
             rank: Some(rank),
@@ -620,7 +630,18 @@ where
         forming.push(tokio::spawn(async move {
             let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &|_| None)?;
             let opened = rendezvous::open_store(&config, options.timeout).await?;
-            form(config, opened, LinkSource::Local { mesh, links }, &options).await
+            let heartbeats = faulty;
+            form(
+                config,
+                opened,
+                LinkSource::Local {
+                    mesh,
+                    links,
+                    heartbeats,
+                },
+                &options,
+            )
+            .await
         }));
     }
     for task in forming {

@@ -73,11 +73,7 @@ fn proc_status() -> (u64, u64) {
 /// Times `iters` all-reduces of `count` f32 after a warm-up, checking every
 /// result: rank r contributes r + 1, so each element sums to w(w+1)/2.
 /// Returns when this rank's warm-up and last operation ended.
-async fn timed_all_reduce(
-    pg: &crate::ProcessGroup,
-    count: usize,
-    iters: usize,
-) -> Result<(Instant, Instant), String> {
+async fn timed_all_reduce(pg: &crate::ProcessGroup, count: usize, iters: usize) -> Result<(Instant, Instant), String> {
     let world = pg.world_size();
     let want = (world * (world + 1) / 2) as f32;
     let mut warm = Instant::now();
@@ -325,7 +321,9 @@ pub fn run(args: &ScaleArgs) -> Result<bool> {
         }
     }
     if args.tables.iter().any(|t| t == "store") {
-        println!("# chorus bench scale: rendezvous through the TCP store (rank 0 serves; one connection per rank), one process per world");
+        println!(
+            "# chorus bench scale: rendezvous through the TCP store (rank 0 serves; one connection per rank), one process per world"
+        );
         println!("{:>6} {:>14} {:>10}", "world", "rendezvous_ms", "peak_MiB");
         for &world in &args.worlds {
             match child_row(args, "store", world) {

@@ -160,10 +160,7 @@ impl LocalMesh {
     /// Rank `me`'s links, indexed by rank (`None` for itself). When every
     /// one of them is dropped without closing, the rank is lost to its peers.
     pub fn links(self: &Arc<Self>, me: usize) -> Vec<Option<Arc<dyn Link>>> {
-        let owner = Arc::new(RankLinks {
-            me,
-            mesh: self.clone(),
-        });
+        let owner = Arc::new(RankLinks { me, mesh: self.clone() });
         (0..self.world)
             .map(|peer| {
                 (peer != me).then(|| {
@@ -182,10 +179,7 @@ impl LocalMesh {
     /// from now on.
     pub fn watch(self: &Arc<Self>, me: usize) -> LocalWatch {
         self.ranks[me].watching.store(true, Ordering::SeqCst);
-        LocalWatch {
-            me,
-            mesh: self.clone(),
-        }
+        LocalWatch { me, mesh: self.clone() }
     }
 
     /// Rank `me` leaves cleanly: its links closing from now on are not a
@@ -257,7 +251,10 @@ impl LocalMesh {
     fn tell(&self, me: usize, peer: usize, error: TransportError) {
         let rank = &self.ranks[me];
         if rank.watching.load(Ordering::SeqCst) {
-            rank.events.lock().unwrap_or_else(|p| p.into_inner()).push((peer, error));
+            rank.events
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((peer, error));
             rank.notify.notify_one();
         }
     }
@@ -536,7 +533,11 @@ mod tests {
             let (a, b) = LocalLink::pair_with_depth(0, 1, 1);
             assert_eq!(a.try_send_copy(0, 1, b"small"), Ok(true));
             assert_eq!(a.try_send_copy(0, 2, b"full"), Ok(false), "the channel is full");
-            assert_eq!(a.try_send_copy(1, 3, &vec![0; SMALL_COPY + 1]), Ok(false), "too large to copy");
+            assert_eq!(
+                a.try_send_copy(1, 3, &vec![0; SMALL_COPY + 1]),
+                Ok(false),
+                "too large to copy"
+            );
             let frame = b.recv(0).await.unwrap();
             assert_eq!((frame.tag, frame.payload), (1, Bytes::from_static(b"small")));
             b.close("done");
