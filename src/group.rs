@@ -33,7 +33,7 @@ use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use chorus_runtime::store::{HashStore, PrefixStore};
 use chorus_transports::fault::wrap_links;
 use chorus_transports::link::Link;
-use chorus_transports::local::local_mesh;
+use chorus_transports::local::LocalMesh;
 use chorus_transports::netif::{self, NetifError};
 use chorus_transports::quic::QuicEndpoint;
 use chorus_transports::scoped::ScopedLink;
@@ -219,7 +219,9 @@ pub struct ProcessGroup {
     server: Option<TcpStoreServer>,
     links: Vec<Option<Arc<dyn Link>>>,
     pub(crate) actor: Addr<RankActor>,
-    arbiter: actix_rt::Arbiter,
+    arbiter: RankThread,
+    /// The in-process mesh of a rank made by [`spawn`] (not of its subgroups).
+    local: Option<Arc<LocalMesh>>,
     supervision: Arc<Supervision>,
     /// Turning it true stops the heartbeats, the watchdog and its monitor.
     stop_supervision: watch::Sender<bool>,
@@ -247,18 +249,39 @@ impl std::fmt::Debug for ProcessGroup {
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         self.stop_supervision.send_replace(true);
-        self.arbiter.stop();
+        // A shared arbiter runs on: this rank's tasks end with the stop
+        // above, and its actor once its last address (this one) is gone.
+        if let RankThread::Own(arbiter) = &self.arbiter {
+            arbiter.stop();
+        }
+    }
+}
+
+/// The thread a rank's actor, links and supervision run on.
+enum RankThread {
+    /// An arbiter of its own (a rank process), stopped with its group.
+    Own(actix_rt::Arbiter),
+    /// One shared by ranks in one process ([`system::shared_arbiter`]).
+    Shared(actix_rt::ArbiterHandle),
+}
+
+impl RankThread {
+    fn handle(&self) -> actix_rt::ArbiterHandle {
+        match self {
+            RankThread::Own(arbiter) => arbiter.handle(),
+            RankThread::Shared(handle) => handle.clone(),
+        }
     }
 }
 
 /// Runs `future` on `arbiter` and returns its output: a rank's endpoint and
 /// connections are made on the thread that will drive them.
 async fn on_arbiter<T: Send + 'static>(
-    arbiter: &actix_rt::Arbiter,
+    arbiter: &RankThread,
     future: impl std::future::Future<Output = T> + Send + 'static,
 ) -> Result<T, SystemError> {
     let (tx, rx) = oneshot::channel();
-    arbiter.spawn(async move {
+    arbiter.handle().spawn(async move {
         let _ = tx.send(future.await);
     });
     rx.await.map_err(|_| system_error("the rank's arbiter stopped"))
@@ -289,8 +312,14 @@ pub(crate) enum LinkSource {
     /// The QUIC mesh, set up on the rank's arbiter; `world` bounds the
     /// ranks of every generation (the fault plan is checked against it).
     Mesh { single_host: bool, world: usize },
-    /// In-process links made by [`spawn`].
-    Local(Vec<Option<Arc<dyn Link>>>),
+    /// In-process links made by [`spawn`], and their mesh; its watcher
+    /// stands in for heartbeats unless `heartbeats` (injected faults can
+    /// silence a rank, which only heartbeats notice).
+    Local {
+        mesh: Arc<LocalMesh>,
+        links: Vec<Option<Arc<dyn Link>>>,
+        heartbeats: bool,
+    },
 }
 
 /// Forms the group: resolves the configuration, opens the store, publishes
@@ -335,7 +364,10 @@ pub(crate) async fn form(
             .map(|a| a.ip()),
         None => None,
     };
-    let arbiter = system::new_arbiter()?;
+    let arbiter = match &source {
+        LinkSource::Mesh { .. } => RankThread::Own(system::new_arbiter()?),
+        LinkSource::Local { .. } => RankThread::Shared(system::shared_arbiter(config.rank, config.world_size)?),
+    };
     let mut record = PeerRecord {
         rank: config.rank as u32,
         host: HostId::local(),
@@ -343,7 +375,7 @@ pub(crate) async fn form(
         addrs: netif::local_addresses(master, &env)?,
         extras: Vec::new(),
     };
-    let (membership, endpoint, links) = match source {
+    let (membership, endpoint, links, local) = match source {
         LinkSource::Mesh { single_host, world } => {
             let (rank, timeout) = (config.rank, options.timeout);
             let plan = on_arbiter(
@@ -356,14 +388,18 @@ pub(crate) async fn form(
             let (known, run_id, timeout) = (membership.clone(), config.run_id.clone(), options.timeout);
             let (endpoint, links) =
                 on_arbiter(&arbiter, async move { plan.connect(&known, &run_id, timeout).await }).await??;
-            (membership, Some(endpoint), links)
+            (membership, Some(endpoint), links, None)
         }
-        LinkSource::Local(links) => {
+        LinkSource::Local {
+            mesh,
+            links,
+            heartbeats,
+        } => {
             let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
-            (membership, None, links)
+            (membership, None, links, (!heartbeats).then_some(mesh))
         }
     };
-    start_rank(config, membership, opened, links, endpoint, options, arbiter).await
+    start_rank(config, membership, opened, links, endpoint, local, options, arbiter).await
 }
 
 /// The peers of this rank whose processes it can watch (SV-15): other
@@ -414,15 +450,19 @@ async fn watch_remote_exits(
 }
 
 /// Starts a formed rank: its actor, heartbeats and watchdog on `arbiter`.
-/// Shared by whole groups and subgroups.
+/// Shared by whole groups and subgroups. A rank of an in-process `local`
+/// mesh has no heartbeats: its watchdog learns of closed links from the
+/// mesh.
+#[allow(clippy::too_many_arguments)]
 async fn start_rank(
     config: RendezvousConfig,
     membership: Membership,
     opened: rendezvous::OpenedStore,
     links: Vec<Option<Arc<dyn Link>>>,
     endpoint: Option<QuicEndpoint>,
+    local: Option<Arc<LocalMesh>>,
     options: &InitOptions,
-    arbiter: actix_rt::Arbiter,
+    arbiter: RankThread,
 ) -> Result<ProcessGroup, InitError> {
     let env = |name: &str| std::env::var(name).ok();
     let overrides = overrides()?;
@@ -475,20 +515,27 @@ async fn start_rank(
     };
     let (stop_supervision, stop) = watch::channel(false);
     let peers = (0..links.len()).filter(|&r| r != rank);
-    let monitor = SharedMonitor::new(HeartbeatMonitor::new(peers, window, std::time::Instant::now()));
+    let monitor = SharedMonitor::new(match &local {
+        Some(_) => HeartbeatMonitor::closures_only(links.len(), rank),
+        None => HeartbeatMonitor::new(peers, window, std::time::Instant::now()),
+    });
+    let watch = local.as_ref().map(|mesh| mesh.watch(rank));
     let processes = local_processes(&membership);
     let exits_monitor = monitor.clone();
     let (heartbeat_links, watched, watchdog_stop, notify) =
         (links.clone(), supervision.clone(), stop.clone(), actor.clone());
     let missed = metrics.heartbeats_missed().clone();
     on_arbiter(&arbiter, async move {
-        heartbeat::spawn(
-            &heartbeat_links,
-            HeartbeatConfig::with_window(window),
-            monitor.clone(),
-            watchdog_stop.clone(),
-            missed,
-        );
+        match watch {
+            Some(watch) => heartbeat::spawn_local(watch, monitor.clone(), watchdog_stop.clone()),
+            None => heartbeat::spawn(
+                &heartbeat_links,
+                HeartbeatConfig::with_window(window),
+                monitor.clone(),
+                watchdog_stop.clone(),
+                missed,
+            ),
+        }
         supervision::spawn_watchdog(
             watched,
             monitor,
@@ -508,7 +555,9 @@ async fn start_rank(
         .collect();
     if !remote.is_empty() {
         let (store, run_id, stop) = (opened.store.clone(), config.run_id.clone(), stop.clone());
-        arbiter.spawn(watch_remote_exits(store, run_id, remote, exits_monitor, stop));
+        arbiter
+            .handle()
+            .spawn(watch_remote_exits(store, run_id, remote, exits_monitor, stop));
     }
     supervision::spawn_stall_monitor(
         supervision.clone(),
@@ -533,6 +582,7 @@ async fn start_rank(
         links,
         actor,
         arbiter,
+        local,
         supervision,
         stop_supervision,
         options: options.clone(),
@@ -544,8 +594,11 @@ async fn start_rank(
 
 /// Starts `world` ranks inside this process (PyTorch's
 /// `torch.multiprocessing.spawn`, without processes: no GIL here, so one
-/// process drives many ranks in parallel). Each rank is an actor on its own
-/// thread; they meet on an in-process store and talk over in-process links.
+/// process drives many ranks in parallel). Each rank is an actor; the ranks
+/// share one thread per core, meet on an in-process store and talk over
+/// in-process links made when first used, so a world of a thousand ranks
+/// fits a laptop. Failure detection is by closed links, without heartbeats
+/// unless `CHORUS_FAULTS` is set (a frozen or partitioned rank is silent).
 /// Returns every rank's result, in rank order.
 pub async fn spawn<T, F, Fut>(world: usize, body: F) -> Result<Vec<T>, InitError>
 where
@@ -574,17 +627,15 @@ where
     }
     let faults = faults_from_env(world)?;
     let store: Arc<dyn Store> = Arc::new(HashStore::default());
-    let mut meshes = local_mesh(world)
-        .into_iter()
-        .enumerate()
-        .map(|(rank, links)| match &faults {
-            Some(plan) => wrap_links(rank, links, plan.clone()),
-            None => links,
-        });
+    let mesh = LocalMesh::new(world);
     let mut groups = Vec::with_capacity(world);
     let mut forming = Vec::with_capacity(world);
     for rank in 0..world {
-        let links = meshes.next().expect("one row per rank");
+        let links = match &faults {
+            Some(plan) => wrap_links(rank, mesh.links(rank), plan.clone()),
+            None => mesh.links(rank),
+        };
+        let (mesh, faulty) = (mesh.clone(), faults.is_some());
         let options = InitOptions {
             init_method: InitMethod::Store(store.clone()),
             rank: Some(rank),
@@ -594,7 +645,18 @@ where
         forming.push(tokio::spawn(async move {
             let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &|_| None)?;
             let opened = rendezvous::open_store(&config, options.timeout).await?;
-            form(config, opened, LinkSource::Local(links), &options).await
+            let heartbeats = faulty;
+            form(
+                config,
+                opened,
+                LinkSource::Local {
+                    mesh,
+                    links,
+                    heartbeats,
+                },
+                &options,
+            )
+            .await
         }));
     }
     for task in forming {
@@ -615,8 +677,14 @@ impl ProcessGroup {
     /// The goodbye and last barrier of [`ProcessGroup::destroy`], for a
     /// handle shared by an elastic group (which keeps the store server).
     pub(crate) async fn leave(&self) -> Result<(), InitError> {
-        let links = self.links.clone();
-        on_arbiter(&self.arbiter, async move { heartbeat::say_goodbye(&links).await }).await?;
+        match &self.local {
+            // Its peers' watchers take its links closing for a departure.
+            Some(mesh) => mesh.leave(self.rank()),
+            None => {
+                let links = self.links.clone();
+                on_arbiter(&self.arbiter, async move { heartbeat::say_goodbye(&links).await }).await?;
+            }
+        }
         self.stop_supervision.send_replace(true);
         self.store_barrier("destroy").await
     }
@@ -775,9 +843,12 @@ impl ProcessGroup {
             ..self.config.clone()
         };
         let opened = rendezvous::OpenedStore { store, server: None };
-        let arbiter = system::new_arbiter()?;
+        let arbiter = match &self.arbiter {
+            RankThread::Shared(_) => RankThread::Shared(system::shared_arbiter(self.rank(), self.world_size())?),
+            RankThread::Own(_) => RankThread::Own(system::new_arbiter()?),
+        };
         Ok(Some(
-            start_rank(config, membership, opened, links, None, &self.options, arbiter).await?,
+            start_rank(config, membership, opened, links, None, None, &self.options, arbiter).await?,
         ))
     }
 

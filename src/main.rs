@@ -180,6 +180,8 @@ struct BenchCommand {
 enum BenchSubcommand {
     /// Data-parallel gradient sync (DistributedSync) on a 25M-parameter model: step time with and without sync.
     Ddp(chorus::bench::ddp::DdpArgs),
+    /// In-process ranks and TCP store rendezvous against the world size (8..1024): time and peak memory.
+    Scale(chorus::bench::scale::ScaleArgs),
     /// Live state transfer (sync_state) from S sources to one joiner, next to the link's own throughput.
     Transfer(chorus::bench::transfer::TransferArgs),
     /// All-reduce algorithms per transport across sizes: the table, the crossovers and the CHORUS_ALGO_THRESHOLDS line.
@@ -964,6 +966,10 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     }
     if let Some(BenchSubcommand::Tune(args)) = command.command {
         return tokio::task::spawn_blocking(move || chorus::bench::tune::run(&args)).await?;
+    }
+    if let Some(BenchSubcommand::Scale(args)) = command.command {
+        let ok = tokio::task::spawn_blocking(move || chorus::bench::scale::run(&args)).await??;
+        return Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
     }
     if let Some(BenchSubcommand::Transfer(args)) = command.command {
         // The parent only waits on its ranks; a rank runs on a runtime of its own.

@@ -8,14 +8,21 @@
 //! The timing is sans IO: [`HeartbeatMonitor`] is fed arrivals and closed
 //! links with the time they happened and polled with `now`; [`spawn`] is
 //! the thin IO part (one sender and one reader task per peer).
+//!
+//! Ranks in one process (`chorus::spawn`) have no heartbeats: a rank cannot
+//! fall silent apart from its process, and n^2 tasks would swamp a large
+//! world. Their monitor watches closed links only
+//! ([`HeartbeatMonitor::closures_only`]), fed by [`spawn_local`] from the
+//! in-process mesh's watcher.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chorus_transports::link::{Link, TransportError};
+use chorus_transports::local::LocalWatch;
 use tokio::sync::{Notify, watch};
 
 /// The channel heartbeats travel on (`u32::MAX - 1`), apart from
@@ -130,6 +137,16 @@ struct PeerState {
 pub struct HeartbeatMonitor {
     window: Duration,
     peers: BTreeMap<usize, PeerState>,
+    /// Without heartbeats: every rank below the world size but this one is
+    /// watched, without a state until its link fails; those that left.
+    implicit: Option<Implicit>,
+}
+
+#[derive(Debug)]
+struct Implicit {
+    world: usize,
+    me: usize,
+    left: BTreeSet<usize>,
 }
 
 impl HeartbeatMonitor {
@@ -148,7 +165,42 @@ impl HeartbeatMonitor {
                 )
             })
             .collect();
-        Self { window, peers }
+        Self {
+            window,
+            peers,
+            implicit: None,
+        }
+    }
+
+    /// Watches every other rank of `world` for closed links only, never
+    /// for silence: for ranks without heartbeats (in one process). Keeps
+    /// state only for peers whose link failed.
+    pub fn closures_only(world: usize, me: usize) -> Self {
+        Self {
+            window: Duration::MAX,
+            peers: BTreeMap::new(),
+            implicit: Some(Implicit {
+                world,
+                me,
+                left: BTreeSet::new(),
+            }),
+        }
+    }
+
+    /// The state of `peer`, made for a watched peer without one.
+    fn state(&mut self, peer: usize) -> Option<&mut PeerState> {
+        if let Some(implicit) = &self.implicit
+            && peer < implicit.world
+            && peer != implicit.me
+            && !implicit.left.contains(&peer)
+        {
+            return Some(self.peers.entry(peer).or_insert(PeerState {
+                last: Instant::now(),
+                closed: None,
+                reported: false,
+            }));
+        }
+        self.peers.get_mut(&peer)
     }
 
     /// A heartbeat from `peer` arrived at `now`.
@@ -161,7 +213,7 @@ impl HeartbeatMonitor {
     /// The link to `peer` failed with `error`: it is gone at once, without
     /// waiting out the window (failed, or left when it closed on purpose).
     pub fn link_failed(&mut self, peer: usize, error: &TransportError) {
-        if let Some(state) = self.peers.get_mut(&peer) {
+        if let Some(state) = self.state(peer) {
             state.closed.get_or_insert_with(|| PeerFailureCause::of(error));
         }
     }
@@ -169,7 +221,7 @@ impl HeartbeatMonitor {
     /// `peer`'s process exited (seen on this host, SV-15, or published by
     /// its launcher in the store): it failed, without waiting out the window.
     pub fn process_exited(&mut self, peer: usize, pid: u32) {
-        if let Some(state) = self.peers.get_mut(&peer) {
+        if let Some(state) = self.state(peer) {
             state
                 .closed
                 .get_or_insert_with(|| PeerFailureCause::Closed(format!("its process (pid {pid}) exited")));
@@ -179,6 +231,9 @@ impl HeartbeatMonitor {
     /// `peer` left cleanly: it is no longer watched (SV-8).
     pub fn left(&mut self, peer: usize) {
         self.peers.remove(&peer);
+        if let Some(implicit) = &mut self.implicit {
+            implicit.left.insert(peer);
+        }
     }
 
     /// Peers failed by `now` and not reported before: each failure is
@@ -308,6 +363,26 @@ pub fn spawn(
     }
 }
 
+/// Feeds `monitor` from an in-process rank's watcher until `stop` turns
+/// true: a closed link fails its peer, unless the peer left cleanly (SV-8).
+pub fn spawn_local(watch: LocalWatch, monitor: Arc<SharedMonitor>, mut stop: watch::Receiver<bool>) {
+    tokio::spawn(async move {
+        loop {
+            let closed = tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                closed = watch.next() => closed,
+            };
+            for (peer, error) in closed {
+                if watch.has_left(peer) {
+                    monitor.lock().left(peer);
+                } else {
+                    monitor.link_failed(peer, &error);
+                }
+            }
+        }
+    });
+}
+
 /// Tells every peer this rank is leaving cleanly, so that its silence from
 /// now on is not a failure (SV-8). Best effort: a peer that cannot take the
 /// frame within a second is failing anyway.
@@ -433,6 +508,26 @@ mod tests {
         assert_eq!(shared.lock().poll(Instant::now())[0].rank, 1);
         let waiting = tokio::time::timeout(Duration::from_millis(50), shared.next_link_failure()).await;
         assert!(waiting.is_err(), "one failure wakes once");
+    }
+
+    #[test]
+    fn without_heartbeats_only_closed_links_fail_peers() {
+        let t0 = Instant::now();
+        let mut monitor = HeartbeatMonitor::closures_only(1024, 5);
+        assert!(monitor.poll(t0 + WINDOW * 100).is_empty(), "silence is no failure");
+        let lost = TransportError::Closed {
+            peer: 700,
+            reason: "dropped".into(),
+        };
+        monitor.link_failed(700, &lost);
+        monitor.link_failed(5, &lost);
+        monitor.link_failed(1024, &lost);
+        monitor.left(9);
+        monitor.link_failed(9, &lost);
+        let failed = monitor.poll(t0);
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert_eq!(failed[0].rank, 700);
+        assert!(monitor.poll(t0).is_empty(), "reported once");
     }
 
     #[test]

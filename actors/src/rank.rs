@@ -31,7 +31,7 @@
 //! [`HEARTBEAT_CHANNEL`](crate::heartbeat::HEARTBEAT_CHANNEL)
 //! (`u32::MAX - 1`); the rest are free for users of raw links.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -40,7 +40,7 @@ use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, Wr
 use bytes::Bytes;
 use chorus_runtime::collective::{Action, Plan, Region};
 use chorus_runtime::collective::{
-    CollectiveKind, DType, Overrides, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
+    Action, CollectiveKind, DType, Overrides, Plan, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
 };
 use chorus_runtime::flight::{FlightRecorder, write_dump};
 use chorus_transports::link::{ChannelId, Link};
@@ -52,6 +52,13 @@ use crate::supervision::{AbortReason, ErrorHandling, Supervision};
 
 /// Channels collectives rotate through (RA-2).
 pub const COLLECTIVE_CHANNELS: u32 = 64;
+/// Worlds up to this size check every rank's signature on every
+/// collective, so each rank of a desync names it. Larger ones check along
+/// the plan's own edges and a ring of neighbours (rank r announces to
+/// r + 1): some rank still finds any desync and aborts the group, and a
+/// collective costs what its algorithm does instead of n^2 frames.
+pub const FULL_SIGNATURE_CHECK: usize = 16;
+
 /// The channel point-to-point operations use (RA-3).
 pub const P2P_CHANNEL: ChannelId = COLLECTIVE_CHANNELS;
 
@@ -218,13 +225,13 @@ impl RankActor {
             _ => {
                 self.seq += 1;
                 let seq = self.seq - 1;
+                let channel = (seq % u64::from(COLLECTIVE_CHANNELS)) as ChannelId;
+                if self.world > FULL_SIGNATURE_CHECK {
+                    // Chosen with the plan (`plan_checks`).
+                    return (seq, channel, Vec::new(), Vec::new());
+                }
                 let others: Vec<usize> = (0..self.world).filter(|&r| r != self.rank).collect();
-                (
-                    seq,
-                    (seq % u64::from(COLLECTIVE_CHANNELS)) as ChannelId,
-                    others.clone(),
-                    others,
-                )
+                (seq, channel, others.clone(), others)
             }
         }
     }
@@ -259,7 +266,7 @@ impl Handler<Collective> for RankActor {
         {
             return immediate(Err(ReduceError::Unsupported { op, dtype: msg.dtype }.into()));
         }
-        let (seq, channel, announce_to, check_from) = self.place(msg.kind, msg.root);
+        let (seq, channel, mut announce_to, mut check_from) = self.place(msg.kind, msg.root);
         let signature = Signature {
             seq,
             kind: msg.kind,
@@ -284,6 +291,9 @@ impl Handler<Collective> for RankActor {
             Ok(plan) => plan,
             Err(e) => return immediate(Err(e.into())),
         };
+        if self.world > FULL_SIGNATURE_CHECK && !matches!(msg.kind, CollectiveKind::Send | CollectiveKind::Recv) {
+            (announce_to, check_from) = plan_checks(self.rank, self.world, &plan);
+        }
         let entry = self
             .flight
             .record_scheduled(seq, (&signature).into(), SystemTime::now());
@@ -425,6 +435,29 @@ fn plan_bytes(plan: &Plan, links: &[Option<Arc<dyn Link>>], element: usize) -> (
         }
     }
     (sent, received)
+}
+
+/// For a large world: the ranks this rank sends its signature to (those its
+/// plan sends to, and the next rank) and those whose signatures it checks
+/// (those its plan receives from, and the previous rank). Ranks that agree
+/// have matching plans, so every signature sent is read.
+fn plan_checks(rank: usize, world: usize, plan: &Plan) -> (Vec<usize>, Vec<usize>) {
+    let mut to = BTreeSet::from([(rank + 1) % world]);
+    let mut from = BTreeSet::from([(rank + world - 1) % world]);
+    for step in plan.steps() {
+        match &step.action {
+            Action::Send { to: peer, .. } => {
+                to.insert(*peer);
+            }
+            Action::Recv { from: peer, .. } => {
+                from.insert(*peer);
+            }
+            Action::Copy { .. } => {}
+        }
+    }
+    to.remove(&rank);
+    from.remove(&rank);
+    (to.into_iter().collect(), from.into_iter().collect())
 }
 
 /// The ranks an operation's error blames, for the abort it causes: a peer

@@ -595,8 +595,67 @@ impl StallCheck {
     }
 }
 
-/// Watches the watchdog from a thread of its own (the arbiter it runs on
-/// may be the thing that is stuck): once it makes no progress for `timeout`,
+/// One watchdog the stall monitor watches.
+struct Watched {
+    supervision: Arc<Supervision>,
+    timeout: Duration,
+    step: Duration,
+    next: Instant,
+    check: StallCheck,
+    stop: watch::Receiver<bool>,
+    on_stall: Box<dyn FnOnce(String) + Send>,
+}
+
+/// The watchdogs of this process, watched by one thread: a thread per rank
+/// would be a thousand threads for a thousand ranks in one process.
+static WATCHED: Mutex<Vec<Watched>> = Mutex::new(Vec::new());
+static STALL_THREAD: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+
+/// How often the stall monitor thread looks at its watchdogs at most.
+const STALL_TICK: Duration = Duration::from_millis(10);
+
+fn watch_stalls() {
+    loop {
+        std::thread::sleep(STALL_TICK);
+        let now = Instant::now();
+        let mut fired = Vec::new();
+        {
+            let mut watched = WATCHED.lock().unwrap_or_else(|p| p.into_inner());
+            let mut i = 0;
+            while i < watched.len() {
+                let w = &mut watched[i];
+                // A stop sent, or its sender gone with its group.
+                if *w.stop.borrow() || w.stop.has_changed().is_err() {
+                    watched.swap_remove(i);
+                    continue;
+                }
+                if now >= w.next {
+                    w.next = now + w.step;
+                    if let Some(stalled) = w.check.observe(w.supervision.progress(), now) {
+                        fired.push((watched.swap_remove(i), stalled));
+                        continue;
+                    }
+                }
+                i += 1;
+            }
+        }
+        // Outside the lock: `on_stall` may exit the process or register more.
+        for (w, stalled) in fired {
+            (w.on_stall)(format!(
+                "chorus: the watchdog of rank {} (generation {}) made no progress for {:.1}s \
+                 (CHORUS_WATCHDOG_TIMEOUT={}): the rank's thread is stuck; exiting",
+                w.supervision.rank,
+                w.supervision.generation,
+                stalled.as_secs_f64(),
+                w.timeout.as_secs_f64()
+            ));
+        }
+    }
+}
+
+/// Watches the watchdog from a thread other than its own (the arbiter it
+/// runs on may be the thing that is stuck; one thread watches every
+/// watchdog of the process): once it makes no progress for `timeout`,
 /// calls `on_stall` with a message and stops. Ends when `stop` turns true.
 pub fn spawn_stall_monitor(
     supervision: Arc<Supervision>,
@@ -604,27 +663,28 @@ pub fn spawn_stall_monitor(
     stop: watch::Receiver<bool>,
     on_stall: impl FnOnce(String) + Send + 'static,
 ) -> std::io::Result<()> {
-    let step = (timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-    std::thread::Builder::new()
-        .name(format!("chorus-watchdog-monitor-{}", supervision.rank))
-        .spawn(move || {
-            let mut check = StallCheck::new(timeout, Instant::now());
-            while !*stop.borrow() {
-                std::thread::sleep(step);
-                if let Some(stalled) = check.observe(supervision.progress(), Instant::now()) {
-                    on_stall(format!(
-                        "chorus: the watchdog of rank {} (generation {}) made no progress for {:.1}s \
-                         (CHORUS_WATCHDOG_TIMEOUT={}): the rank's thread is stuck; exiting",
-                        supervision.rank,
-                        supervision.generation,
-                        stalled.as_secs_f64(),
-                        timeout.as_secs_f64()
-                    ));
-                    return;
-                }
-            }
+    STALL_THREAD
+        .get_or_init(|| {
+            std::thread::Builder::new()
+                .name("chorus-watchdog-monitor".into())
+                .spawn(watch_stalls)
+                .map(drop)
+                .map_err(|e| e.to_string())
         })
-        .map(drop)
+        .clone()
+        .map_err(std::io::Error::other)?;
+    let now = Instant::now();
+    let step = (timeout / 4).clamp(STALL_TICK, Duration::from_secs(1));
+    WATCHED.lock().unwrap_or_else(|p| p.into_inner()).push(Watched {
+        supervision,
+        timeout,
+        step,
+        next: now + step,
+        check: StallCheck::new(timeout, now),
+        stop,
+        on_stall: Box::new(on_stall),
+    });
+    Ok(())
 }
 
 /// What a stalled watchdog does in a real process (SV-6): say so and exit.

@@ -1,6 +1,8 @@
 //! The actor system chorus's rank actors live in: one process-wide actix
 //! `System` on a thread of its own, and one `Arbiter` (a thread with a
-//! current-thread tokio runtime) per rank.
+//! current-thread tokio runtime) per rank of its own process; ranks in one
+//! process (`chorus::spawn`) share a few arbiters ([`shared_arbiter`]), so a
+//! world of a thousand ranks is not a thousand threads.
 //!
 //! A rank's links are created on its arbiter too: quinn drives a connection
 //! on the runtime that made it, and keeping the driver, the actor and the
@@ -9,7 +11,9 @@
 
 use std::sync::OnceLock;
 
-use actix_rt::{Arbiter, System};
+use std::sync::Mutex;
+
+use actix_rt::{Arbiter, ArbiterHandle, System};
 use thiserror::Error;
 
 /// The actor system could not be started.
@@ -57,4 +61,26 @@ pub fn new_arbiter() -> Result<Arbiter, SystemError> {
         return Err(SystemError("the actor system has stopped".into()));
     }
     rx.recv().map_err(|e| SystemError(e.to_string()))?
+}
+
+/// The arbiters ranks in one process share, made as needed.
+static SHARED: Mutex<Vec<Arbiter>> = Mutex::new(Vec::new());
+
+/// How many arbiters ranks in one process share: one per core.
+pub fn shared_arbiters() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
+}
+
+/// The shared arbiter for `rank` of `world` ranks in this process: ranks
+/// in contiguous blocks, one per arbiter, so the partners of a recursive
+/// doubling's early rounds and a ring's neighbours share a thread. It runs
+/// for the life of the process, so a rank's group must stop its own tasks
+/// rather than the arbiter.
+pub fn shared_arbiter(rank: usize, world: usize) -> Result<ArbiterHandle, SystemError> {
+    let slot = rank * shared_arbiters() / world.max(rank + 1);
+    let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+    while shared.len() <= slot {
+        shared.push(new_arbiter()?);
+    }
+    Ok(shared[slot].handle())
 }

@@ -11,6 +11,8 @@
 //! - [`plot`]: the `--plot` PNG (busbw against size).
 //! - [`recovery`]: `chorus bench recovery`, the time an elastic group takes
 //!   from the SIGKILL of a rank to its next successful collective.
+//! - [`scale`]: `chorus bench scale`, in-process ranks and the TCP store's
+//!   rendezvous against the world size (time, peak memory).
 //! - [`transfer`]: `chorus bench transfer`, live state transfer
 //!   (`train::sync_state`) from S sources to a joiner, against the link's
 //!   own throughput in the same group.
@@ -22,6 +24,7 @@ pub mod collective;
 pub mod ddp;
 pub mod plot;
 pub mod recovery;
+pub mod scale;
 pub mod transfer;
 pub mod transport;
 pub mod tune;

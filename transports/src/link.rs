@@ -217,8 +217,8 @@ pub trait Link: Send + Sync + fmt::Debug {
     /// for it without waiting and nothing else is being written: `Ok(true)`
     /// when sent, `Ok(false)` when the caller must [`send`](Self::send)
     /// instead. Saves the copy into an owned frame where the transport
-    /// copies anyway (shared memory); transports that keep the `Bytes`
-    /// never take this path.
+    /// copies anyway (shared memory), or a task per send where a copy of a
+    /// small payload is cheaper (in-process links).
     fn try_send_copy(&self, _channel: ChannelId, _tag: u64, _payload: &[u8]) -> Result<bool, TransportError> {
         Ok(false)
     }

@@ -1,25 +1,33 @@
-//! In-process links: ranks that are actors (threads, tasks) of one process
-//! exchange `Bytes` through bounded queues, so a payload moves without a copy.
+//! In-process links: ranks that are actors of one process exchange `Bytes`
+//! through bounded queues, so a payload moves without a copy.
+//!
+//! Built to scale to thousands of ranks in one process ([`LocalMesh`]): the
+//! state two ranks share (a [`Pair`]) is made when either first uses their
+//! link, so memory follows the pairs an algorithm touches, not the n^2 of a
+//! full mesh; a channel's queue exists only while it holds frames; and
+//! instead of heartbeats (n^2 tasks, and a rank of this process cannot
+//! fall silent on its own) each rank's [`LocalWatch`] is told when a link
+//! of it closes.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::Notify;
 
 use crate::link::{ChannelId, CloseNotice, Frame, Link, SendError, TransportError, TransportKind};
 
 /// Frames a channel may hold before `send` waits (back-pressure).
 const DEFAULT_DEPTH: usize = 16;
 
-struct Queue {
-    tx: mpsc::Sender<Frame>,
-    rx: tokio::sync::Mutex<mpsc::Receiver<Frame>>,
-}
+/// Largest payload [`Link::try_send_copy`] copies; larger ones go by
+/// `send`, which moves the sender's frame without a copy.
+const SMALL_COPY: usize = 16 << 10;
 
 /// How a pair was closed, and by which rank.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Shut {
     /// On purpose ([`Link::close_with`]).
     Notice { by: usize, notice: CloseNotice },
@@ -27,27 +35,292 @@ enum Shut {
     Lost { reason: String },
 }
 
-/// The state two ranks share: one queue per direction and channel, and
-/// whether the pair is closed (and how).
+impl Shut {
+    /// The error a rank sees on its link to `peer` once the pair is shut.
+    fn error(&self, peer: usize) -> TransportError {
+        let reason = match self {
+            Shut::Notice { by, notice } if *by == peer => return notice.clone().into_error(peer),
+            Shut::Notice { by, notice } => format!("closed by rank {by}: {}", notice.reason),
+            Shut::Lost { reason } => reason.clone(),
+        };
+        TransportError::Closed { peer, reason }
+    }
+}
+
+#[derive(Default)]
+struct PairState {
+    /// Queued frames by sender (0: the lower rank) and channel; a queue
+    /// that empties is removed.
+    queues: [HashMap<ChannelId, VecDeque<Frame>>; 2],
+    shut: Option<Shut>,
+}
+
+/// The state two ranks share. Every change (a frame queued or taken, the
+/// close) wakes the pair's waiters, which look again: a pair has few.
 struct Pair {
-    queues: Mutex<HashMap<(usize, ChannelId), Arc<Queue>>>,
-    closed: watch::Sender<Option<Shut>>,
+    low: usize,
+    state: Mutex<PairState>,
+    changed: Notify,
     depth: usize,
 }
 
 impl Pair {
-    fn queue(&self, from: usize, channel: ChannelId) -> Arc<Queue> {
-        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
-        queues
-            .entry((from, channel))
-            .or_insert_with(|| {
-                let (tx, rx) = mpsc::channel(self.depth);
-                Arc::new(Queue {
-                    tx,
-                    rx: tokio::sync::Mutex::new(rx),
+    fn new(low: usize, depth: usize, shut: Option<Shut>) -> Self {
+        Self {
+            low,
+            state: Mutex::new(PairState {
+                shut,
+                ..PairState::default()
+            }),
+            changed: Notify::new(),
+            depth: depth.max(1),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PairState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn side(&self, from: usize) -> usize {
+        usize::from(from != self.low)
+    }
+
+    /// Shuts the pair unless it was; returns whether this call did.
+    fn shut(&self, shut: Shut) -> bool {
+        let first = {
+            let mut state = self.lock();
+            if state.shut.is_some() {
+                false
+            } else {
+                state.shut = Some(shut);
+                true
+            }
+        };
+        if first {
+            self.changed.notify_waiters();
+        }
+        first
+    }
+}
+
+/// What one rank of a [`LocalMesh`] has: its watcher's inbox, and the
+/// closes of its links made before their pair existed.
+#[derive(Default)]
+struct RankState {
+    /// Closed links `(peer, error)` not yet taken by the rank's watcher.
+    events: Mutex<Vec<(usize, TransportError)>>,
+    notify: Notify,
+    /// Whether a [`LocalWatch`] takes the events (none are kept otherwise).
+    watching: AtomicBool,
+    /// The rank left cleanly ([`LocalMesh::leave`]).
+    left: AtomicBool,
+    /// Every link of the rank was dropped.
+    dropped: AtomicBool,
+    /// Closes of links whose pair did not exist yet: each shut once, with
+    /// the peers it applies to (a rank's abort closes all its links alike).
+    early: Mutex<Vec<(Shut, HashSet<usize>)>>,
+}
+
+/// The links of `world` ranks of one process, made when first used.
+pub struct LocalMesh {
+    world: usize,
+    depth: usize,
+    /// Pairs by their lower rank, then their higher.
+    pairs: Vec<Mutex<HashMap<usize, Arc<Pair>>>>,
+    ranks: Vec<RankState>,
+}
+
+impl std::fmt::Debug for LocalMesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LocalMesh({} ranks)", self.world)
+    }
+}
+
+impl LocalMesh {
+    /// A mesh for `world` ranks; nothing per pair is made yet.
+    pub fn new(world: usize) -> Arc<Self> {
+        Self::with_depth(world, DEFAULT_DEPTH)
+    }
+
+    /// Like [`LocalMesh::new`], with `depth` frames of room per channel.
+    pub fn with_depth(world: usize, depth: usize) -> Arc<Self> {
+        Arc::new(Self {
+            world,
+            depth,
+            pairs: (0..world).map(|_| Mutex::new(HashMap::new())).collect(),
+            ranks: (0..world).map(|_| RankState::default()).collect(),
+        })
+    }
+
+    /// How many ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Rank `me`'s links, indexed by rank (`None` for itself). When every
+    /// one of them is dropped without closing, the rank is lost to its peers.
+    pub fn links(self: &Arc<Self>, me: usize) -> Vec<Option<Arc<dyn Link>>> {
+        let owner = Arc::new(RankLinks { me, mesh: self.clone() });
+        (0..self.world)
+            .map(|peer| {
+                (peer != me).then(|| {
+                    Arc::new(LocalLink {
+                        me,
+                        peer,
+                        owner: owner.clone(),
+                        pair: OnceLock::new(),
+                    }) as Arc<dyn Link>
                 })
             })
+            .collect()
+    }
+
+    /// Rank `me`'s watcher: it is told of every link of `me` that closes
+    /// from now on.
+    pub fn watch(self: &Arc<Self>, me: usize) -> LocalWatch {
+        self.ranks[me].watching.store(true, Ordering::SeqCst);
+        LocalWatch { me, mesh: self.clone() }
+    }
+
+    /// Rank `me` leaves cleanly: its links closing from now on are not a
+    /// failure for its peers' watchers (heartbeats' goodbye, SV-8).
+    pub fn leave(&self, me: usize) {
+        self.ranks[me].left.store(true, Ordering::SeqCst);
+    }
+
+    fn existing(&self, a: usize, b: usize) -> Option<Arc<Pair>> {
+        let (low, high) = (a.min(b), a.max(b));
+        self.pairs[low]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&high)
+            .cloned()
+    }
+
+    /// The pair of `a` and `b`, made now if it was not, shut already when
+    /// either side closed or dropped its link before.
+    fn pair(&self, a: usize, b: usize) -> Arc<Pair> {
+        let (low, high) = (a.min(b), a.max(b));
+        let mut pairs = self.pairs[low].lock().unwrap_or_else(|p| p.into_inner());
+        pairs
+            .entry(high)
+            .or_insert_with(|| Arc::new(Pair::new(low, self.depth, self.early_shut(low, high))))
             .clone()
+    }
+
+    fn early_shut(&self, a: usize, b: usize) -> Option<Shut> {
+        for (me, peer) in [(a, b), (b, a)] {
+            let early = self.ranks[me].early.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((shut, _)) = early.iter().find(|(_, peers)| peers.contains(&peer)) {
+                return Some(shut.clone());
+            }
+            if self.ranks[me].dropped.load(Ordering::SeqCst) {
+                return Some(dropped(me));
+            }
+        }
+        None
+    }
+
+    /// `by` shut its link to `peer`: the pair (made or not) and both ranks'
+    /// watchers learn it.
+    fn shut(&self, by: usize, peer: usize, shut: Shut) {
+        let first = match self.existing(by, peer) {
+            Some(pair) => pair.shut(shut.clone()),
+            None => {
+                let mut early = self.ranks[by].early.lock().unwrap_or_else(|p| p.into_inner());
+                if early.iter().any(|(_, peers)| peers.contains(&peer)) {
+                    false
+                } else {
+                    match early.iter_mut().find(|(s, _)| *s == shut) {
+                        Some((_, peers)) => {
+                            peers.insert(peer);
+                        }
+                        None => early.push((shut.clone(), HashSet::from([peer]))),
+                    }
+                    true
+                }
+            }
+        };
+        if first {
+            self.tell(peer, by, shut.error(by));
+            self.tell(by, peer, shut.error(peer));
+        }
+    }
+
+    /// Tells `me`'s watcher, if it has one, that its link to `peer` failed.
+    fn tell(&self, me: usize, peer: usize, error: TransportError) {
+        let rank = &self.ranks[me];
+        if rank.watching.load(Ordering::SeqCst) {
+            rank.events
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((peer, error));
+            rank.notify.notify_one();
+        }
+    }
+}
+
+fn dropped(me: usize) -> Shut {
+    Shut::Lost {
+        reason: format!("rank {me} dropped the link without closing it"),
+    }
+}
+
+/// One rank's closed links, as they happen ([`LocalMesh::watch`]).
+pub struct LocalWatch {
+    me: usize,
+    mesh: Arc<LocalMesh>,
+}
+
+impl std::fmt::Debug for LocalWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LocalWatch(rank {})", self.me)
+    }
+}
+
+impl LocalWatch {
+    /// Waits for links to close; returns each `(peer, error)`.
+    pub async fn next(&self) -> Vec<(usize, TransportError)> {
+        let rank = &self.mesh.ranks[self.me];
+        loop {
+            let events = std::mem::take(&mut *rank.events.lock().unwrap_or_else(|p| p.into_inner()));
+            if !events.is_empty() {
+                return events;
+            }
+            rank.notify.notified().await;
+        }
+    }
+
+    /// Whether `peer` left cleanly ([`LocalMesh::leave`]).
+    pub fn has_left(&self, peer: usize) -> bool {
+        self.mesh.ranks.get(peer).is_some_and(|r| r.left.load(Ordering::SeqCst))
+    }
+}
+
+impl Drop for LocalWatch {
+    fn drop(&mut self) {
+        let rank = &self.mesh.ranks[self.me];
+        rank.watching.store(false, Ordering::SeqCst);
+        rank.events.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
+/// Shared by all of one rank's links: when the last goes, the rank is lost
+/// to the peers it had no pair with yet, and their watchers learn it.
+struct RankLinks {
+    me: usize,
+    mesh: Arc<LocalMesh>,
+}
+
+impl Drop for RankLinks {
+    fn drop(&mut self) {
+        let mesh = &self.mesh;
+        mesh.ranks[self.me].dropped.store(true, Ordering::SeqCst);
+        for peer in (0..mesh.world).filter(|&p| p != self.me) {
+            if mesh.ranks[peer].watching.load(Ordering::SeqCst) {
+                mesh.tell(peer, self.me, dropped(self.me).error(self.me));
+            }
+        }
     }
 }
 
@@ -55,7 +328,9 @@ impl Pair {
 pub struct LocalLink {
     me: usize,
     peer: usize,
-    pair: Arc<Pair>,
+    owner: Arc<RankLinks>,
+    /// The pair, once this link used it.
+    pair: OnceLock<Arc<Pair>>,
 }
 
 impl std::fmt::Debug for LocalLink {
@@ -72,64 +347,26 @@ impl LocalLink {
 
     /// Like [`LocalLink::pair`], with `depth` frames of room per channel.
     pub fn pair_with_depth(a: usize, b: usize, depth: usize) -> (LocalLink, LocalLink) {
-        let pair = Arc::new(Pair {
-            queues: Mutex::new(HashMap::new()),
-            closed: watch::Sender::new(None),
-            depth: depth.max(1),
-        });
-        (
-            LocalLink {
-                me: a,
-                peer: b,
-                pair: pair.clone(),
-            },
-            LocalLink { me: b, peer: a, pair },
-        )
-    }
-
-    fn closed_error(&self, shut: &Option<Shut>) -> TransportError {
-        let reason = match shut {
-            Some(Shut::Notice { by, notice }) if *by == self.peer => return notice.clone().into_error(self.peer),
-            Some(Shut::Notice { by, notice }) => format!("closed by rank {by}: {}", notice.reason),
-            Some(Shut::Lost { reason }) => reason.clone(),
-            None => "closed".into(),
+        let mesh = LocalMesh::with_depth(a.max(b) + 1, depth);
+        let end = |me: usize, peer: usize| LocalLink {
+            me,
+            peer,
+            owner: Arc::new(RankLinks { me, mesh: mesh.clone() }),
+            pair: OnceLock::from(mesh.pair(me, peer)),
         };
-        TransportError::Closed {
-            peer: self.peer,
-            reason,
-        }
+        (end(a, b), end(b, a))
     }
 
-    fn shut(&self, shut: Shut) {
-        self.pair.closed.send_if_modified(|current| {
-            if current.is_none() {
-                *current = Some(shut);
-                true
-            } else {
-                false
-            }
-        });
+    fn pair_state(&self) -> &Arc<Pair> {
+        self.pair.get_or_init(|| self.owner.mesh.pair(self.me, self.peer))
     }
 }
 
 /// Links for `world` ranks of one process: `mesh[r][p]` is rank `r`'s link
 /// to rank `p` (`None` on the diagonal).
 pub fn local_mesh(world: usize) -> Vec<Vec<Option<Arc<dyn Link>>>> {
-    let mut pairs: HashMap<(usize, usize), LocalLink> = HashMap::new();
-    for a in 0..world {
-        for b in a + 1..world {
-            let (ab, ba) = LocalLink::pair(a, b);
-            pairs.insert((a, b), ab);
-            pairs.insert((b, a), ba);
-        }
-    }
-    (0..world)
-        .map(|me| {
-            (0..world)
-                .map(|peer| pairs.remove(&(me, peer)).map(|link| Arc::new(link) as Arc<dyn Link>))
-                .collect()
-        })
-        .collect()
+    let mesh = LocalMesh::new(world);
+    (0..world).map(|me| mesh.links(me)).collect()
 }
 
 #[async_trait]
@@ -143,70 +380,123 @@ impl Link for LocalLink {
     }
 
     async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError> {
-        let mut closed = self.pair.closed.subscribe();
-        let shut = closed.borrow_and_update().clone();
-        if shut.is_some() {
-            return Err(SendError {
-                error: self.closed_error(&shut),
-                payload,
-            });
-        }
-        let queue = self.pair.queue(self.me, channel);
-        let permit = tokio::select! {
-            permit = queue.tx.reserve() => permit.expect("the pair owns both ends of every queue"),
-            _ = closed.changed() => {
-                let reason = closed.borrow().clone();
-                return Err(SendError { error: self.closed_error(&reason), payload });
+        let pair = self.pair_state();
+        let side = pair.side(self.me);
+        loop {
+            let changed = pair.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut state = pair.lock();
+                if let Some(shut) = &state.shut {
+                    return Err(SendError {
+                        error: shut.error(self.peer),
+                        payload,
+                    });
+                }
+                let queue = state.queues[side].entry(channel).or_default();
+                if queue.len() < pair.depth {
+                    queue.push_back(Frame { tag, payload });
+                    drop(state);
+                    pair.changed.notify_waiters();
+                    return Ok(());
+                }
             }
-        };
-        permit.send(Frame { tag, payload });
-        Ok(())
+            changed.await;
+        }
+    }
+
+    /// Small payloads are copied into a frame right here when the channel
+    /// has room: cheaper than a task waiting on a send that would not wait.
+    fn try_send_copy(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
+        if payload.len() > SMALL_COPY {
+            return Ok(false);
+        }
+        let pair = self.pair_state();
+        let side = pair.side(self.me);
+        let mut state = pair.lock();
+        if let Some(shut) = &state.shut {
+            return Err(shut.error(self.peer));
+        }
+        let queue = state.queues[side].entry(channel).or_default();
+        if queue.len() >= pair.depth {
+            return Ok(false);
+        }
+        queue.push_back(Frame {
+            tag,
+            payload: Bytes::copy_from_slice(payload),
+        });
+        drop(state);
+        pair.changed.notify_waiters();
+        Ok(true)
     }
 
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
-        let mut closed = self.pair.closed.subscribe();
-        let queue = self.pair.queue(self.peer, channel);
-        let mut rx = queue.rx.lock().await;
-        // Frames sent before a close are still delivered.
-        if let Ok(frame) = rx.try_recv() {
-            return Ok(frame);
-        }
-        let shut = closed.borrow_and_update().clone();
-        if shut.is_some() {
-            return Err(self.closed_error(&shut));
-        }
-        // A frame sent just before the close wins over the close.
-        tokio::select! {
-            biased;
-            frame = rx.recv() => Ok(frame.expect("the pair owns both ends of every queue")),
-            _ = closed.changed() => match rx.try_recv() {
-                Ok(frame) => Ok(frame),
-                Err(_) => Err(self.closed_error(&closed.borrow().clone())),
-            },
+        let pair = self.pair_state();
+        let side = 1 - pair.side(self.me);
+        loop {
+            let changed = pair.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut state = pair.lock();
+                // Frames sent before a close are still delivered.
+                if let Some(queue) = state.queues[side].get_mut(&channel)
+                    && let Some(frame) = queue.pop_front()
+                {
+                    let was_full = queue.len() + 1 == pair.depth;
+                    if queue.is_empty() {
+                        state.queues[side].remove(&channel);
+                    }
+                    drop(state);
+                    if was_full {
+                        pair.changed.notify_waiters();
+                    }
+                    return Ok(frame);
+                }
+                if let Some(shut) = &state.shut {
+                    return Err(shut.error(self.peer));
+                }
+            }
+            changed.await;
         }
     }
 
     fn close_with(&self, notice: &CloseNotice) {
-        self.shut(Shut::Notice {
-            by: self.me,
-            notice: notice.clone(),
-        });
+        self.owner.mesh.shut(
+            self.me,
+            self.peer,
+            Shut::Notice {
+                by: self.me,
+                notice: notice.clone(),
+            },
+        );
     }
 
     fn cut(&self, reason: &str) {
-        self.shut(Shut::Lost {
-            reason: format!("cut by rank {}: {reason}", self.me),
-        });
+        self.owner.mesh.shut(
+            self.me,
+            self.peer,
+            Shut::Lost {
+                reason: format!("cut by rank {}: {reason}", self.me),
+            },
+        );
     }
 }
 
 impl Drop for LocalLink {
     // A rank that goes away without closing (a task that panicked, a rank
-    // dropped mid-operation) is lost, not leaving.
+    // dropped mid-operation) is lost, not leaving. A pair not made yet
+    // learns it from `RankLinks` when it is.
     fn drop(&mut self) {
-        self.shut(Shut::Lost {
-            reason: format!("rank {} dropped the link without closing it", self.me),
-        });
+        let pair = self
+            .pair
+            .get()
+            .cloned()
+            .or_else(|| self.owner.mesh.existing(self.me, self.peer));
+        if let Some(pair) = pair {
+            pair.shut(dropped(self.me));
+        }
     }
 }
 
@@ -233,6 +523,25 @@ mod tests {
             assert_eq!(frame.tag, 10);
             assert_eq!(frame.payload.as_ptr(), address, "the payload must not be copied");
             assert_eq!(b.recv(2).await.unwrap().payload, Bytes::from_static(b"other channel"));
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn small_frames_are_copied_straight_into_a_channel_with_room() {
+        within(async {
+            let (a, b) = LocalLink::pair_with_depth(0, 1, 1);
+            assert_eq!(a.try_send_copy(0, 1, b"small"), Ok(true));
+            assert_eq!(a.try_send_copy(0, 2, b"full"), Ok(false), "the channel is full");
+            assert_eq!(
+                a.try_send_copy(1, 3, &vec![0; SMALL_COPY + 1]),
+                Ok(false),
+                "too large to copy"
+            );
+            let frame = b.recv(0).await.unwrap();
+            assert_eq!((frame.tag, frame.payload), (1, Bytes::from_static(b"small")));
+            b.close("done");
+            assert!(a.try_send_copy(0, 4, b"late").is_err(), "a closed pair refuses");
         })
         .await;
     }
