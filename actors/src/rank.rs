@@ -38,7 +38,7 @@ use std::time::{Duration, SystemTime};
 
 use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, WrapFuture};
 use bytes::Bytes;
-use chorus_runtime::collective::{Action, Plan, Region};
+use chorus_runtime::collective::Region;
 use chorus_runtime::collective::{
     Action, CollectiveKind, DType, Overrides, Plan, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
 };
