@@ -324,35 +324,20 @@ impl Supervision {
         failed_ranks.sort_unstable();
         failed_ranks.dedup();
         failed_ranks.retain(|&r| r != self.rank);
-        let abort = GroupAborted {
-            rank: self.rank,
-            generation: self.generation,
-            reason,
-            failed_ranks,
+        let Some(abort) = self.publish(reason, failed_ranks) else {
+            return false;
         };
-        let first = self.aborted.send_if_modified(|current| {
-            if current.is_some() {
-                return false;
-            }
-            *current = Some(abort.clone());
-            true
-        });
-        if first {
-            if let Some(metrics) = &self.metrics {
-                metrics.aborted(abort.reason.label());
-            }
-            tracing::error!(rank = self.rank, generation = self.generation, mode = ?self.mode, "{abort}");
-            if self.mode.closes_links() {
-                let notice = CloseNotice {
-                    reason: format!("rank {} aborted: {}", self.rank, abort.reason),
-                    failed: abort.failed_ranks.clone(),
-                };
-                for link in self.links.iter().flatten() {
-                    link.close_with(&notice);
-                }
+        tracing::error!(rank = self.rank, generation = self.generation, mode = ?self.mode, "{abort}");
+        if self.mode.closes_links() {
+            let notice = CloseNotice {
+                reason: format!("rank {} aborted: {}", self.rank, abort.reason),
+                failed: abort.failed_ranks.clone(),
+            };
+            for link in self.links.iter().flatten() {
+                link.close_with(&notice);
             }
         }
-        first
+        true
     }
 
     /// This rank leaves the group on purpose (a service shutting down):
@@ -376,11 +361,21 @@ impl Supervision {
     /// Publishes `reason` as the abort unless there was one, without
     /// closing links; returns whether it did.
     fn abort_quietly(&self, reason: AbortReason) -> bool {
+        let Some(abort) = self.publish(reason, Vec::new()) else {
+            return false;
+        };
+        tracing::info!(rank = self.rank, generation = self.generation, "{abort}");
+        true
+    }
+
+    /// Publishes the abort and counts it, unless there was one already:
+    /// the first abort is the group's.
+    fn publish(&self, reason: AbortReason, failed_ranks: Vec<usize>) -> Option<GroupAborted> {
         let abort = GroupAborted {
             rank: self.rank,
             generation: self.generation,
             reason,
-            failed_ranks: Vec::new(),
+            failed_ranks,
         };
         let first = self.aborted.send_if_modified(|current| {
             if current.is_some() {
@@ -389,13 +384,13 @@ impl Supervision {
             *current = Some(abort.clone());
             true
         });
-        if first {
-            if let Some(metrics) = &self.metrics {
-                metrics.aborted(abort.reason.label());
-            }
-            tracing::info!(rank = self.rank, generation = self.generation, "{abort}");
+        if !first {
+            return None;
         }
-        first
+        if let Some(metrics) = &self.metrics {
+            metrics.aborted(abort.reason.label());
+        }
+        Some(abort)
     }
 
     /// The abort, once there was one.
