@@ -2,7 +2,7 @@
 //! through bounded queues, so a payload moves without a copy.
 //!
 //! Built to scale to thousands of ranks in one process ([`LocalMesh`]): the
-//! state two ranks share (a [`Pair`]) is made when either first uses their
+//! state two ranks share (a pair) is made when either first uses their
 //! link, so memory follows the pairs an algorithm touches, not the n^2 of a
 //! full mesh; a channel's queue exists only while it holds frames; and
 //! instead of heartbeats (n^2 tasks, and a rank of this process cannot
