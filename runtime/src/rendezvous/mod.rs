@@ -34,6 +34,7 @@
 //! rendezvous and store operations 300 s (PyTorch's store default), the
 //! store's connection attempts within the same 300 s.
 
+use std::os::unix::ffi::OsStringExt as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -215,32 +216,17 @@ impl InitMethod {
             url: text.to_string(),
             reason: reason.to_string(),
         };
-        if let Some(rest) = text.strip_prefix("etcd://") {
-            // Not a URL the url crate takes: the authority is a list.
-            let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
-            let (rank, world_size) = parse_query(text, url::form_urlencoded::parse(query.as_bytes()))?;
-            let (endpoints, prefix) = crate::store::parse_endpoints(location).map_err(|e| bad(&e))?;
-            return Ok(InitMethod::Etcd {
-                endpoints,
-                prefix,
-                rank,
-                world_size,
-            });
+        let (scheme, rest) = text
+            .split_once("://")
+            .ok_or_else(|| bad("expected tcp://host:port, file:///path, etcd://host:port or env://"))?;
+        if rest.contains('#') {
+            return Err(bad("a fragment (#...) means nothing in an init URL"));
         }
-        let url = url::Url::parse(text).map_err(|e| {
-            bad(&format!(
-                "{e}; expected tcp://host:port, file:///path, etcd://host:port or env://"
-            ))
-        })?;
-        let (rank, world_size) = parse_query(text, url.query_pairs())?;
-        match url.scheme() {
+        let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (rank, world_size) = parse_query(text, form_urlencoded::parse(query.as_bytes()))?;
+        match scheme.to_ascii_lowercase().as_str() {
             "tcp" => {
-                let host = url
-                    .host_str()
-                    .filter(|h| !h.is_empty())
-                    .ok_or_else(|| bad("no host; write tcp://host:port"))?;
-                let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
-                let port = url.port().ok_or_else(|| bad("no port; write tcp://host:port"))?;
+                let (host, port) = parse_host_port(location).map_err(|reason| bad(&reason))?;
                 Ok(InitMethod::Tcp {
                     host,
                     port,
@@ -249,12 +235,28 @@ impl InitMethod {
                 })
             }
             "file" => {
-                let path = url
-                    .to_file_path()
-                    .map_err(|()| bad("not an absolute local path; write file:///absolute/path"))?;
+                // `file:///p` and `file://localhost/p` name the same local file.
+                let path = location.strip_prefix("localhost").unwrap_or(location);
+                if !path.starts_with('/') {
+                    return Err(bad("not an absolute local path; write file:///absolute/path"));
+                }
+                let bytes: Vec<u8> = percent_encoding::percent_decode_str(path).collect();
+                let path = PathBuf::from(std::ffi::OsString::from_vec(bytes));
                 Ok(InitMethod::File { path, rank, world_size })
             }
+            "etcd" => {
+                let (endpoints, prefix) = crate::store::parse_endpoints(location).map_err(|e| bad(&e))?;
+                Ok(InitMethod::Etcd {
+                    endpoints,
+                    prefix,
+                    rank,
+                    world_size,
+                })
+            }
             "env" => {
+                if !location.trim_end_matches('/').is_empty() {
+                    return Err(bad("env:// takes no host or path"));
+                }
                 if rank.is_some() || world_size.is_some() {
                     return Err(bad(
                         "env:// takes rank and world size from RANK and WORLD_SIZE, not the URL",
@@ -267,6 +269,38 @@ impl InitMethod {
             ))),
         }
     }
+}
+
+/// `host` and `port` of a `tcp://` URL's `host:port` (`[v6]:port` for an
+/// IPv6 address; a trailing `/` is allowed, a path is not).
+fn parse_host_port(location: &str) -> Result<(String, u16), String> {
+    let authority = location.strip_suffix('/').unwrap_or(location);
+    if authority.contains('/') {
+        return Err("a path means nothing here; write tcp://host:port".into());
+    }
+    if authority.contains('@') {
+        return Err("no user name or password; write tcp://host:port".into());
+    }
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(bracketed) => {
+            let (host, after) = bracketed
+                .split_once(']')
+                .ok_or("an IPv6 address needs its closing ]; write tcp://[::1]:port")?;
+            (host, after.strip_prefix(':'))
+        }
+        None => match authority.split_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        },
+    };
+    if host.is_empty() {
+        return Err("no host; write tcp://host:port".into());
+    }
+    let port = port.filter(|p| !p.is_empty()).ok_or("no port; write tcp://host:port")?;
+    let port = port
+        .parse()
+        .map_err(|_| format!("port {port:?} is not a number from 0 to 65535"))?;
+    Ok((host.to_string(), port))
 }
 
 /// `rank` and `world_size` from a URL query; anything else is an error.
@@ -846,6 +880,16 @@ mod tests {
             InitMethod::parse("file:///tmp/store").unwrap(),
             InitMethod::File { .. }
         ));
+        match InitMethod::parse("FILE://localhost/tmp/a%20store?world_size=2").unwrap() {
+            InitMethod::File { path, world_size, .. } => {
+                assert_eq!((path, world_size), (PathBuf::from("/tmp/a store"), Some(2)))
+            }
+            other => panic!("{other:?}"),
+        }
+        match InitMethod::parse("tcp://node-1.cluster:29500/").unwrap() {
+            InitMethod::Tcp { host, port, .. } => assert_eq!((host.as_str(), port), ("node-1.cluster", 29500)),
+            other => panic!("{other:?}"),
+        }
         assert!(matches!(InitMethod::parse("env://").unwrap(), InitMethod::Env));
         for bad in [
             "tcp://host",
@@ -854,6 +898,14 @@ mod tests {
             "tcp://h:1?color=red",
             "nonsense",
             "env://?rank=1",
+            "tcp://h:65536",
+            "tcp://h:1/path",
+            "tcp://user@h:1",
+            "tcp://[::1:1",
+            "tcp://:1",
+            "file://relative/path",
+            "env://host",
+            "tcp://h:1#frag",
         ] {
             assert!(
                 matches!(InitMethod::parse(bad), Err(RendezvousError::BadUrl { .. })),
