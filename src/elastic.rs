@@ -50,7 +50,6 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus_actors::heartbeat::PeerFailureCause;
 use chorus_actors::supervision::{self, AbortReason, GroupAborted};
 use chorus_runtime::rendezvous::elastic::{self as elastic_rdzv, ElasticConfig, Joiner};
 use chorus_runtime::rendezvous::{self, OpenedStore, RendezvousConfig, RendezvousError};
@@ -580,6 +579,18 @@ impl ElasticGroup {
         self.current().barrier()
     }
 
+    /// Stops the supervisor, so ranks leaving are not restarted; the rest,
+    /// for the caller to leave.
+    fn stop_supervisor(self) -> (Arc<Shared>, Option<TcpStoreServer>) {
+        let Self {
+            shared,
+            supervisor,
+            server,
+        } = self;
+        drop(supervisor);
+        (shared, server)
+    }
+
     /// Leaves the job now, from this process alone (a service's shutdown
     /// path), where [`destroy`](Self::destroy) waits for every rank: the
     /// supervisor stops, pending operations fail with
@@ -590,12 +601,7 @@ impl ElasticGroup {
     /// charged) instead of waiting out a heartbeat window. A store server
     /// this process holds stops too: leave the serving process last.
     pub async fn shutdown(self, why: &str) {
-        let Self {
-            shared,
-            supervisor,
-            server,
-        } = self;
-        drop(supervisor);
+        let (shared, server) = self.stop_supervisor();
         shared.current.borrow().leave_now(why);
         drop(shared);
         if let Some(server) = server {
@@ -606,12 +612,7 @@ impl ElasticGroup {
     /// Leaves once every rank of the current generation leaves: stops the
     /// supervisor first, so ranks leaving are not restarted.
     pub async fn destroy(self) -> Result<(), InitError> {
-        let Self {
-            shared,
-            supervisor,
-            server,
-        } = self;
-        drop(supervisor);
+        let (shared, server) = self.stop_supervisor();
         let group = shared.current.borrow().clone();
         group.leave().await?;
         drop(group);
@@ -690,10 +691,8 @@ async fn supervise(
                     elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(old_generation + 1)).await,
                     Ok(1..)
                 );
-            // Peers whose notices name only themselves shut down on purpose
-            // (`shutdown`): not a failure to charge.
-            let left_on_purpose = matches!(&aborted.reason, AbortReason::PeersFailed(gone) if gone.iter().all(|p| matches!(&p.cause, PeerFailureCause::Left { failed, .. } if failed[..] == [p.rank])));
-            if admitting || left_on_purpose {
+            // Peers that shut down on purpose are not a failure to charge.
+            if admitting || aborted.reason.peers_shut_down() {
                 tracing::info!(
                     generation = old_generation,
                     rank = old_rank,

@@ -220,6 +220,15 @@ impl AbortReason {
             AbortReason::Shutdown(_) => "shutdown",
         }
     }
+
+    /// Whether the only peers gone shut down on purpose: each notice names
+    /// its sender alone (`ProcessGroup::shutdown`), so nothing failed.
+    pub fn peers_shut_down(&self) -> bool {
+        matches!(self, AbortReason::PeersFailed(gone) if gone.iter().all(|p| matches!(
+            &p.cause,
+            PeerFailureCause::Left { failed, .. } if failed[..] == [p.rank]
+        )))
+    }
 }
 
 impl fmt::Display for AbortReason {
@@ -696,6 +705,27 @@ mod tests {
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let vars: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |name| vars.get(name).cloned()
+    }
+
+    #[test]
+    fn only_peers_that_name_themselves_alone_shut_down_on_purpose() {
+        let left = |rank, failed: Vec<usize>| PeerFailure {
+            rank,
+            cause: PeerFailureCause::Left {
+                reason: format!("rank {rank} left"),
+                failed,
+            },
+        };
+        let shut_down = AbortReason::PeersFailed(vec![left(1, vec![1]), left(3, vec![3])]);
+        assert!(shut_down.peers_shut_down());
+        // A peer that aborted because another died reports a failure.
+        assert!(!AbortReason::PeersFailed(vec![left(1, vec![2])]).peers_shut_down());
+        let died = PeerFailure {
+            rank: 2,
+            cause: PeerFailureCause::Closed("link to rank 2 is closed".into()),
+        };
+        assert!(!AbortReason::PeersFailed(vec![left(1, vec![1]), died]).peers_shut_down());
+        assert!(!AbortReason::Shutdown("this rank left".into()).peers_shut_down());
     }
 
     #[test]
