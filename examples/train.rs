@@ -13,7 +13,7 @@
 //! curve (`--plot`, the failure marked).
 //!
 //! Run without launcher variables, this program launches itself (through
-//! `chorus::launch`, the library behind `chorus launch`); with them (`RANK`
+//! `chorus_cli::launch`, the library behind `chorus launch`); with them (`RANK`
 //! set) it is one worker.
 
 use std::io::{BufRead, Write};
@@ -425,7 +425,7 @@ struct RecoveryOut {
 }
 
 fn unix_us() -> i64 {
-    chorus::bench::recovery::unix_us()
+    chorus_cli::bench::recovery::unix_us()
 }
 
 /// Appends the wall-clock time of an injected failure to the run's list.
@@ -791,7 +791,7 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         let (dir, done, world) = (run_dir.to_path_buf(), done.clone(), args.world);
         helpers.push(std::thread::spawn(move || fault_loop(dir, world, every, done)));
     }
-    let code = chorus::launch::main(&worker_args);
+    let code = chorus_cli::launch::main(&worker_args);
     done.store(true, Ordering::Relaxed);
     let curve = progress.join().unwrap_or_default();
     for helper in helpers {
@@ -809,14 +809,12 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
 }
 
 fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Result<()> {
+    use chorus_cli::bench::plot::{LABEL, canvas, legend};
     use plotters::prelude::*;
-    static FONT: &[u8] = include_bytes!("../src/bench/font/DejaVuSans-ascii.ttf");
-    let _ = plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, FONT);
     let curves: Vec<&Vec<(u64, f64)>> = std::iter::once(&run.curve).chain(reference.map(|r| &r.curve)).collect();
     let xmax = curves.iter().flat_map(|c| c.iter()).map(|p| p.0).max().unwrap_or(1) as f64 + 1.0;
     let ymax = curves.iter().flat_map(|c| c.iter()).map(|p| p.1).fold(0.0, f64::max) * 1.05;
-    let root = BitMapBackend::new(path, (900, 520)).into_drawing_area();
-    root.fill(&WHITE)?;
+    let root = canvas(path, (900, 520)).map_err(anyhow::Error::msg)?;
     let mut chart = ChartBuilder::on(&root)
         .caption("chorus elastic training: loss per committed step", ("sans-serif", 20))
         .margin(15)
@@ -827,7 +825,7 @@ fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Re
         .configure_mesh()
         .x_desc("committed step")
         .y_desc("training loss")
-        .label_style(("sans-serif", 14))
+        .label_style(LABEL)
         .draw()?;
     let red = RGBColor(214, 39, 40);
     for &step in failures {
@@ -854,13 +852,7 @@ fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Re
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()?;
+    legend(&mut chart, SeriesLabelPosition::UpperRight).map_err(anyhow::Error::msg)?;
     root.present()?;
     Ok(())
 }

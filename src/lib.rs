@@ -36,8 +36,6 @@
 //! - [`nccl_group`]: [`init_nccl_group`], `init_process_group(backend="nccl")`:
 //!   a supervised NCCL group on the local rank's GPU, formed through the
 //!   same rendezvous.
-//! - [`selftest`]: every collective against a naive reference, run by every
-//!   rank (`chorus selftest`).
 //! - [`sync`](mod@sync): [`DistributedSync`], PyTorch's `DistributedDataParallel`
 //!   for a Rust model: checked registration, start-up broadcast, gradient
 //!   buckets reduced while the backward pass runs, communication hooks.
@@ -46,36 +44,30 @@
 //!   transfer to them (chunked, striped, checksummed).
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
-//! - [`bench`](mod@bench): `chorus bench` measurements.
 //! - [`store`], [`rendezvous`]: re-exported from `chorus-runtime`.
 //! - [`netif`]: re-exported from `chorus-transports` (which address a rank
 //!   publishes, which one a peer connects to).
-//! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
 //! - `terminate`: with `CHORUS_TRACE_DIR` set, SIGTERM dumps every live
 //!   group's flight recorder before the process exits.
-//! - [`netem`]: `chorus netem`, a userspace link impairer (loss, delay,
-//!   jitter, rate) between two interfaces, for tests across namespaces.
-//! - [`trace`]: `chorus trace DIR`, which compares the ranks' flight-recorder
-//!   dumps and names the rank(s) a stuck collective waits for.
+//! - [`trace`]: the analysis behind `chorus trace DIR`: reads the ranks'
+//!   flight-recorder dumps and names the rank(s) a stuck collective waits for.
 //! - [`nccl`]: the NCCL backend of `chorus-actors` ([`NcclOp`], `CudaBackend`,
 //!   `NcclGroup`), re-exported for [`init_nccl_group`]'s users.
-//! - `src/main.rs`: the `chorus` command line (`hello`, `launch`, `store ...`).
+//!
+//! The `chorus` command line (`chorus launch`, `bench`, `selftest`, `netem`,
+//! `trace`, `store`) is the `chorus-cli` crate, built on this one.
 
 /// The README's code blocks, compiled and run as doc-tests so they cannot rot.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-pub mod bench;
 pub mod collectives;
 pub mod elastic;
 pub mod elastic_nccl;
 pub mod group;
-pub mod launch;
 pub mod mesh;
 pub mod nccl_group;
-pub mod netem;
-pub mod selftest;
 pub mod sync;
 pub mod tensor;
 mod terminate;

@@ -1,12 +1,12 @@
-//! `chorus trace DIR`: compares the flight-recorder dumps ranks wrote on a
-//! timeout or abort (`CHORUS_TRACE_DIR`, format in
+//! The analysis behind `chorus trace DIR`: compares the flight-recorder
+//! dumps ranks wrote on a timeout or abort (`CHORUS_TRACE_DIR`, format in
 //! [`chorus_runtime::flight`]) and names the rank(s) that never entered the
 //! operation the others are waiting in, with the last operation each rank
 //! completed.
 //!
 //! [`load_dir`] does the IO; [`analyze`] is pure, over parsed dumps; a
 //! [`Report`] prints as text (`Display`) or JSON ([`Report::to_json`]);
-//! [`main`] is the command.
+//! the command that prints it is in `chorus-cli`.
 //!
 //! How the analysis reads the dumps:
 //! - Only the newest generation is compared: older dumps describe a group
@@ -36,9 +36,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::io::{self, Write as _};
+use std::io;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use chorus_runtime::flight::{self, DumpError, EntryState, FlightEntry, FlightOp, RankDump};
@@ -975,28 +974,6 @@ pub struct CurrentJson {
     pub error: Option<String>,
 }
 
-/// `chorus trace --json`: the report or the reason there is none, and the
-/// files that could not be read.
-#[derive(Serialize)]
-struct TraceJson {
-    #[serde(flatten)]
-    body: TraceBody,
-    unreadable: Vec<UnreadableJson>,
-}
-
-#[derive(Serialize)]
-#[serde(untagged)]
-enum TraceBody {
-    Report(ReportJson),
-    Error { error: String },
-}
-
-#[derive(Serialize)]
-struct UnreadableJson {
-    path: String,
-    error: String,
-}
-
 /// The verdict, other findings, then a table of ranks and the notes.
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1099,64 +1076,6 @@ impl fmt::Display for Report {
         }
         Ok(())
     }
-}
-
-/// `chorus trace DIR [--json]`: prints the report; exit code 0 when the
-/// dumps gave a verdict (including "nothing is stuck"), 1 when there are no
-/// usable dumps. Unreadable files are listed with their path and reason.
-pub fn main(dir: &Path, json: bool) -> ExitCode {
-    let loaded = match load_dir(dir) {
-        Ok(loaded) => loaded,
-        Err(error) => {
-            eprintln!("chorus trace: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let dumps: Vec<RankDump> = loaded.dumps.into_iter().map(|(_, dump)| dump).collect();
-    let report = analyze(&dumps);
-    let mut out = String::new();
-    if json {
-        let value = TraceJson {
-            body: match &report {
-                Some(report) => TraceBody::Report(report.to_json()),
-                None => TraceBody::Error { error: no_dumps(dir) },
-            },
-            unreadable: loaded
-                .unreadable
-                .iter()
-                .map(|e| UnreadableJson {
-                    path: e.path().display().to_string(),
-                    error: e.to_string(),
-                })
-                .collect(),
-        };
-        out = serde_json::to_string(&value).expect("the report has string keys and no floats");
-        out.push('\n');
-    } else {
-        if let Some(report) = &report {
-            out = report.to_string();
-        }
-        for error in &loaded.unreadable {
-            out.push_str(&format!("unreadable: {error}\n"));
-        }
-    }
-    // Not `print!`, which panics when the reader went away (`| head`): a
-    // closed pipe is the reader's choice, not a failure of the analysis.
-    let _ = io::stdout().lock().write_all(out.as_bytes());
-    match report {
-        Some(_) => ExitCode::SUCCESS,
-        None => {
-            eprintln!("chorus trace: {}", no_dumps(dir));
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn no_dumps(dir: &Path) -> String {
-    format!(
-        "no readable flight-recorder dumps (chorus-trace-g<generation>-r<rank>.json) in {}",
-        dir.display()
-    )
 }
 
 #[cfg(test)]

@@ -260,7 +260,7 @@ fn torch_compare_gloo_adds_the_ratio_columns() {
     assert!(out.ok, "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("chorus/gloo busbw"), "{}", out.stdout);
     assert!(
-        out.stdout.contains("gloo (python3 tests/python/bench_gloo.py"),
+        out.stdout.contains("gloo (python3 cli/python/bench_gloo.py"),
         "{}",
         out.stdout
     );

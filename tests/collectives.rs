@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use chorus::selftest::{ALL_DTYPES, check_collectives, check_subgroups};
+use chorus_cli::selftest::{ALL_DTYPES, check_collectives, check_subgroups};
 use chorus::{CollectiveError, DType, ReduceOp, Tensor, spawn};
 
 mod common;

@@ -10,7 +10,7 @@ use std::process::{Child, Command};
 
 use common::{CHORUS, Stop, finish, free_port, joined, spawn_piped};
 
-const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/deploy");
+const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/deploy");
 
 /// The container commands of the manifest's replica specs and their replica counts.
 fn replica_specs(manifest: &str) -> Vec<(usize, Vec<String>)> {
@@ -71,7 +71,7 @@ fn the_kubeflow_manifest_forms_a_job_from_the_operators_variables() {
 #[ignore = "needs Slurm (root and slurm-wlm); run: cargo test --workspace --release -- --ignored slurm_"]
 fn slurm_the_sbatch_script_forms_a_job_from_slurms_variables_alone() {
     let dir = tempfile::tempdir().unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/slurm-local.sh");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/slurm-local.sh");
     let conf = dir.path().join("slurm.conf");
     let cluster = Command::new("bash")
         .arg(script)

@@ -7,7 +7,8 @@
 
 use std::path::Path;
 
-const TESTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests");
+// These tests belong to chorus-cli (cli/); tests/ is at the root.
+const TESTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests");
 
 /// Each test function of `source`: its name, the attributes above it, its body.
 fn test_functions(source: &str) -> Vec<(String, String, String)> {
@@ -74,7 +75,8 @@ fn tests_that_need_more_than_the_toolchain_are_ignored_with_the_reason() {
 /// slurm and etcd tests by the filters the reasons name.
 #[test]
 fn ci_runs_the_readme_test_command_and_the_ignored_tests() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // These tests belong to chorus-cli (cli/); the files are at the root.
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
     let ci = std::fs::read_to_string(root.join(".ci/run")).unwrap();
     let command = readme

@@ -6,7 +6,7 @@
 use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 
-const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/sim-cluster.sh");
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/sim-cluster.sh");
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 

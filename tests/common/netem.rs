@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{CHORUS, Stop, run, text};
 
-const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/netem-pair.sh");
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/netem-pair.sh");
 
 /// Host a's address.
 pub(crate) const HOST_A: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 99, 0, 1));

@@ -1,14 +1,51 @@
-//! `--plot FILE.png`: bus bandwidth against size (log x), one line per side,
-//! drawn with plotters' bitmap backend and an embedded font (DejaVu Sans,
-//! subset to ASCII: `font/LICENSE`), so no system font is needed.
+//! The PNGs the tools draw (`--plot`, `bench ddp --plot`, `examples/train.rs`):
+//! plotters' bitmap backend with an embedded font (DejaVu Sans, subset to
+//! ASCII: `font/LICENSE`), so no system font is needed; [`canvas`],
+//! [`LABEL`], [`AXIS`] and [`legend`] are the set-up they share. [`draw`]
+//! is `--plot FILE.png`: bus bandwidth against size (log x), one line per
+//! side.
 
 use std::path::Path;
 use std::sync::Once;
 
+use plotters::coord::{CoordTranslate, Shift};
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
 const FONT: &[u8] = include_bytes!("font/DejaVuSans-ascii.ttf");
+
+/// Tick labels.
+pub const LABEL: (&str, u32) = ("sans-serif", 14);
+/// Axis descriptions.
+pub const AXIS: (&str, u32) = ("sans-serif", 15);
+
+/// A white canvas of `size` pixels that becomes the PNG at `path` when
+/// presented, with the embedded font registered as "sans-serif".
+pub fn canvas(path: &Path, size: (u32, u32)) -> Result<DrawingArea<BitMapBackend<'_>, Shift>, String> {
+    static FONT_ONCE: Once = Once::new();
+    FONT_ONCE.call_once(|| {
+        let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
+    });
+    let root = BitMapBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    Ok(root)
+}
+
+/// Draws the legend of `chart`'s labelled series at `position`, on a
+/// translucent white box.
+pub fn legend<'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, BitMapBackend<'a>, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(LABEL)
+        .draw()
+        .map_err(|e| e.to_string())
+}
 
 /// One line of the plot.
 #[derive(Debug, Clone)]
@@ -30,17 +67,8 @@ pub fn human_bytes(bytes: f64) -> String {
     b.to_string()
 }
 
-/// Makes the embedded font plotters' "sans-serif" (once per process).
-pub fn register_font() {
-    static FONT_ONCE: Once = Once::new();
-    FONT_ONCE.call_once(|| {
-        let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
-    });
-}
-
 /// Draws `series` into the PNG at `path`.
 pub fn draw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
-    register_font();
     let points = || {
         series
             .iter()
@@ -53,8 +81,7 @@ pub fn draw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
         return Err("nothing to plot".into());
     }
     let (xmin, xmax) = (xmin.max(1.0), xmax.max(xmin * 2.0));
-    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let root = canvas(path, (900, 560))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(15)
@@ -67,8 +94,8 @@ pub fn draw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
         .x_desc("size (bytes, log scale)")
         .y_desc("busbw (GB/s)")
         .x_label_formatter(&|x| human_bytes(*x))
-        .label_style(("sans-serif", 14))
-        .axis_desc_style(("sans-serif", 15))
+        .label_style(LABEL)
+        .axis_desc_style(AXIS)
         .draw()
         .map_err(|e| e.to_string())?;
     let colors = [
@@ -94,14 +121,7 @@ pub fn draw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))
             .map_err(|e| e.to_string())?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(|e| e.to_string())?;
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     root.present().map_err(|e| e.to_string())?;
     Ok(())
 }

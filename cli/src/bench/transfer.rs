@@ -21,9 +21,9 @@ use clap::Args;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::group::ProcessGroup;
-use crate::tensor::Tensor;
-use crate::train::{NamedState, TransferOptions, sync_state, verify_state};
+use chorus::group::ProcessGroup;
+use chorus::tensor::Tensor;
+use chorus::train::{NamedState, TransferOptions, sync_state, verify_state};
 
 /// The channel of the plain link measurement (beside the transfer's).
 const LINK_CHANNEL: u32 = 0xFFFF_FE00;
@@ -124,8 +124,8 @@ pub fn run_worker_blocking(args: &TransferArgs) -> Result<()> {
 
 /// One rank process: `WORLD_SIZE - 1` sources and the joiner, last rank.
 pub async fn run_worker(args: &TransferArgs) -> Result<()> {
-    let options = crate::InitOptions::default().timeout(Duration::from_secs(args.timeout));
-    let group = crate::init_process_group(options).await.context("forming the group")?;
+    let options = chorus::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    let group = chorus::init_process_group(options).await.context("forming the group")?;
     let (size, me, joiner) = (args.size[0], group.rank(), group.world_size() - 1);
     let transfer = TransferOptions {
         chunk_bytes: args.chunk.unwrap_or(TransferOptions::default().chunk_bytes),
@@ -181,7 +181,7 @@ async fn link_throughput(group: &ProcessGroup, size: usize, chunk: usize, joiner
     let me = group.rank();
     group.barrier().await?;
     if me == 0 {
-        let link: Arc<dyn crate::link::Link> = group.link(joiner).context("no link to the joiner")?.clone();
+        let link: Arc<dyn chorus::link::Link> = group.link(joiner).context("no link to the joiner")?.clone();
         let frame = Bytes::from(vec![1u8; chunk]);
         let started = Instant::now();
         for i in 0..frames {

@@ -4,7 +4,7 @@
 //! processes: the step time with sync, without (`no_sync`), and their
 //! difference, the communication the backward pass did not hide
 //! (`exposed_sync_ms`). With `--compare torch`, PyTorch DDP over Gloo on the
-//! same shapes (`tests/python/ddp_bench.py`, embedded) in the same run;
+//! same shapes (`cli/python/ddp_bench.py`, embedded) in the same run;
 //! `--rounds N` runs the two in turn N times and shows medians over the
 //! rounds and the step-time ratio's median [min-max].
 //!
@@ -22,14 +22,14 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::group::ProcessGroup;
-use crate::sync::{
+use chorus::group::ProcessGroup;
+use chorus::sync::{
     Average, BucketInfo, CommHook, Compress, DistributedSync, HookFuture, PowerSgd, PowerSgdOptions, SyncOptions,
 };
-use crate::tensor::Tensor;
+use chorus::tensor::Tensor;
 
 /// PyTorch DDP's side, embedded so that the binary works from anywhere.
-const TORCH_SCRIPT: &str = include_str!("../../tests/python/ddp_bench.py");
+const TORCH_SCRIPT: &str = include_str!("../../python/ddp_bench.py");
 
 /// The peer `--compare` measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -247,8 +247,8 @@ pub fn run_worker_blocking(args: &DdpArgs) -> Result<()> {
 /// One rank process (`chorus bench ddp --worker`): joins over env://,
 /// measures, and rank 0 prints one JSON line.
 pub async fn run_worker(args: &DdpArgs) -> Result<()> {
-    let options = crate::InitOptions::default().timeout(Duration::from_secs(args.timeout));
-    let group = crate::init_process_group(options).await.context("forming the group")?;
+    let options = chorus::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    let group = chorus::init_process_group(options).await.context("forming the group")?;
     let shapes = layer_shapes(args.params);
     let mut model: Vec<(String, Vec<f32>)> = shapes.iter().map(|(name, n)| (name.clone(), vec![0.01; *n])).collect();
     let sync_options = SyncOptions {
@@ -567,8 +567,8 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
 /// Gantt chart: the backward pass on the top row, one bar per bucket's
 /// all-reduce below it, ms since the step started.
 pub fn draw_timeline(path: &std::path::Path, title: &str, row: &Value) -> Result<(), String> {
+    use super::plot::{AXIS, LABEL, canvas, legend};
     use plotters::prelude::*;
-    super::plot::register_font();
     let spans: Vec<BucketSpanRow> = row["timeline"]
         .as_array()
         .ok_or("the result has no timeline")?
@@ -587,8 +587,7 @@ pub fn draw_timeline(path: &std::path::Path, title: &str, row: &Value) -> Result
     let rows = spans.len() as f64 + 1.0;
     // Room under the bars for the legend.
     let legend_rows = 1.8;
-    let root = BitMapBackend::new(path, (900, 200 + 45 * (spans.len() as u32 + 1))).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let root = canvas(path, (900, 200 + 45 * (spans.len() as u32 + 1)))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 18))
         .margin(15)
@@ -601,8 +600,8 @@ pub fn draw_timeline(path: &std::path::Path, title: &str, row: &Value) -> Result
         .disable_y_mesh()
         .disable_y_axis()
         .x_desc("ms since the step started")
-        .label_style(("sans-serif", 14))
-        .axis_desc_style(("sans-serif", 15))
+        .label_style(LABEL)
+        .axis_desc_style(AXIS)
         .draw()
         .map_err(|e| e.to_string())?;
     let bar = |row: f64, from: f64, to: f64, color: RGBColor| {
@@ -656,14 +655,7 @@ pub fn draw_timeline(path: &std::path::Path, title: &str, row: &Value) -> Result
             "median step without sync: {no_sync:.1} ms (with: {step:.1} ms)"
         ))
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], red.stroke_width(2)));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerLeft)
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .draw()
-        .map_err(|e| e.to_string())?;
+    legend(&mut chart, SeriesLabelPosition::LowerLeft)?;
     root.present().map_err(|e| e.to_string())
 }
 

@@ -1,4 +1,4 @@
-//! `chorus bench scale`: how in-process ranks ([`crate::spawn`]) and the TCP
+//! `chorus bench scale`: how in-process ranks ([`chorus::spawn`]) and the TCP
 //! store's rendezvous grow with the world size.
 //!
 //! Each world size runs in a child process of its own (`--child`), so its
@@ -19,7 +19,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use chorus_runtime::rendezvous::{self, HostId, InitMethod, PeerRecord};
 use clap::Args;
 
-use crate::{ReduceOp, Tensor};
+use chorus::{ReduceOp, Tensor};
 
 /// `chorus bench scale`.
 #[derive(Debug, Clone, Args)]
@@ -73,7 +73,7 @@ fn proc_status() -> (u64, u64) {
 /// Times `iters` all-reduces of `count` f32 after a warm-up, checking every
 /// result: rank r contributes r + 1, so each element sums to w(w+1)/2.
 /// Returns when this rank's warm-up and last operation ended.
-async fn timed_all_reduce(pg: &crate::ProcessGroup, count: usize, iters: usize) -> Result<(Instant, Instant), String> {
+async fn timed_all_reduce(pg: &chorus::ProcessGroup, count: usize, iters: usize) -> Result<(Instant, Instant), String> {
     let world = pg.world_size();
     let want = (world * (world + 1) / 2) as f32;
     let mut warm = Instant::now();
@@ -105,7 +105,7 @@ fn per_op(spans: &[(Instant, Instant)], iters: usize) -> Duration {
 
 async fn measure_spawn(world: usize, iters: usize, large_iters: usize) -> Result<SpawnRow> {
     let started = Instant::now();
-    let outcomes = crate::spawn(world, move |pg| async move {
+    let outcomes = chorus::spawn(world, move |pg| async move {
         let formed = Instant::now();
         let small = timed_all_reduce(&pg, 2, iters).await?;
         pg.barrier().await.map_err(|e| e.to_string())?;

@@ -8,7 +8,8 @@
 //!   `--memory` (peak resident memory) and `--plot`.
 //! - [`ddp`]: `chorus bench ddp`, gradient sync step time with and without
 //!   sync on a 25M-parameter model, with `--compare torch` (PyTorch DDP, Gloo).
-//! - [`plot`]: the `--plot` PNG (busbw against size).
+//! - [`plot`]: the set-up every PNG the tools draw shares, and the `--plot`
+//!   PNG (busbw against size).
 //! - [`recovery`]: `chorus bench recovery`, the time an elastic group takes
 //!   from the SIGKILL of a rank to its next successful collective.
 //! - [`scale`]: `chorus bench scale`, in-process ranks and the TCP store's

@@ -8,8 +8,8 @@ use chorus_runtime::collective::{DType, ReduceOp};
 use half::{bf16, f16};
 use thiserror::Error;
 
-use crate::group::ProcessGroup;
-use crate::tensor::Tensor;
+use chorus::group::ProcessGroup;
+use chorus::tensor::Tensor;
 
 /// A collective returned a wrong result or failed.
 #[derive(Debug, Error)]
@@ -130,7 +130,7 @@ impl Checker<'_> {
     fn expect(
         &mut self,
         what: &str,
-        got: Result<Tensor, crate::CollectiveError>,
+        got: Result<Tensor, chorus::CollectiveError>,
         want: &[i64],
     ) -> Result<(), SelfTestError> {
         let got = got.map_err(|e| self.fail(what, e.to_string()))?;
@@ -316,8 +316,8 @@ pub mod nccl {
     use thiserror::Error;
 
     use super::encode;
-    use crate::InitOptions;
-    use crate::nccl_group::{NcclInitError, init_nccl_group};
+    use chorus::InitOptions;
+    use chorus::nccl_group::{NcclInitError, init_nccl_group};
 
     /// Elements per rank checked by default: one element, an odd size that
     /// no NCCL chunking divides, and 1 Mi elements, enough for every
@@ -441,7 +441,7 @@ pub mod nccl {
             DType::Int32 => chunks(4)
                 .map(|c| f64::from(i32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
                 .collect(),
-            other => super::decode(&crate::tensor::Tensor::from_bytes(other, bytes.to_vec()))
+            other => super::decode(&chorus::tensor::Tensor::from_bytes(other, bytes.to_vec()))
                 .into_iter()
                 .map(|v| v as f64)
                 .collect(),

@@ -4,7 +4,7 @@
 //!   this machine that rendezvous (over `tcp://`, `file://` or `env://`),
 //!   print who they found, greet each other over the mesh, and all-reduce
 //!   16 MiB, checking every element.
-//! - `chorus launch [flags] PROGRAM ...`: torchrun's launcher (`chorus::launch`).
+//! - `chorus launch [flags] PROGRAM ...`: torchrun's launcher (`chorus_cli::launch`).
 //! - `chorus store serve`: a standalone TCPStore-compatible server.
 //! - `chorus store get|set|add|wait|check|delete|keys`: look inside a job's
 //!   store while debugging a stuck rendezvous.
@@ -56,7 +56,7 @@ enum Commands {
         counts: Option<Vec<usize>>,
         /// The backend to check: cpu (every collective and dtype over the mesh) or nccl (one GPU per process, as torchrun starts them; exits 2 where CUDA or NCCL is missing).
         #[arg(long, value_enum, default_value_t)]
-        backend: chorus::selftest::SelfTestBackend,
+        backend: chorus_cli::selftest::SelfTestBackend,
     },
     /// Measure chorus against the peers it must beat (`chorus bench --help`).
     Bench(Box<BenchCommand>),
@@ -129,7 +129,7 @@ struct NetemArgs {
     #[arg(long, default_value_t = 0.0)]
     jitter_ms: f64,
     /// Probability that a frame is dropped, each direction: 0.01 or 1%.
-    #[arg(long, default_value = "0", value_parser = |s: &str| chorus::netem::core::parse_loss(s))]
+    #[arg(long, default_value = "0", value_parser = |s: &str| chorus_cli::netem::core::parse_loss(s))]
     loss: f64,
     /// Seeds the losses and delays (default: random).
     #[arg(long)]
@@ -173,19 +173,19 @@ struct BenchCommand {
     #[command(subcommand)]
     command: Option<BenchSubcommand>,
     #[command(flatten)]
-    collective: chorus::bench::collective::CollectiveArgs,
+    collective: chorus_cli::bench::collective::CollectiveArgs,
 }
 
 #[derive(Subcommand)]
 enum BenchSubcommand {
     /// Data-parallel gradient sync (DistributedSync) on a 25M-parameter model: step time with and without sync.
-    Ddp(chorus::bench::ddp::DdpArgs),
+    Ddp(chorus_cli::bench::ddp::DdpArgs),
     /// In-process ranks and TCP store rendezvous against the world size (8..1024): time and peak memory.
-    Scale(chorus::bench::scale::ScaleArgs),
+    Scale(chorus_cli::bench::scale::ScaleArgs),
     /// Live state transfer (sync_state) from S sources to one joiner, next to the link's own throughput.
-    Transfer(chorus::bench::transfer::TransferArgs),
+    Transfer(chorus_cli::bench::transfer::TransferArgs),
     /// All-reduce algorithms per transport across sizes: the table, the crossovers and the CHORUS_ALGO_THRESHOLDS line.
-    Tune(chorus::bench::tune::TuneArgs),
+    Tune(chorus_cli::bench::tune::TuneArgs),
     /// Recovery time of an elastic group: SIGKILL a random rank, time until the survivors' next collective.
     Recovery {
         /// Ranks per trial (one is killed; the survivors form the next generation).
@@ -364,7 +364,7 @@ fn main() -> ExitCode {
             init,
             timeout,
             counts,
-            backend: chorus::selftest::SelfTestBackend::Cpu,
+            backend: chorus_cli::selftest::SelfTestBackend::Cpu,
         } => run_async(selftest(
             init,
             Duration::from_secs(timeout),
@@ -376,9 +376,9 @@ fn main() -> ExitCode {
             init,
             timeout,
             counts,
-            backend: chorus::selftest::SelfTestBackend::Nccl,
+            backend: chorus_cli::selftest::SelfTestBackend::Nccl,
         } => run_async(async move {
-            use chorus::selftest::nccl;
+            use chorus_cli::selftest::nccl;
             let counts = counts.unwrap_or_else(|| nccl::DEFAULT_COUNTS.to_vec());
             let mut report = |line: &str| println!("{line}");
             match nccl::run(&init, Duration::from_secs(timeout), &counts, &mut report).await {
@@ -397,9 +397,9 @@ fn main() -> ExitCode {
             .build()
             .context("starting the async runtime")
             .and_then(|runtime| runtime.block_on(bench_command(*command))),
-        Commands::Launch { args } => return chorus::launch::main(&args),
+        Commands::Launch { args } => return chorus_cli::launch::main(&args),
         Commands::Netem(args) => netem(args),
-        Commands::Trace { dir, json } => return chorus::trace::main(&dir, json),
+        Commands::Trace { dir, json } => return chorus_cli::trace::main(&dir, json),
         Commands::FaultProbe { init, seconds } => run_async(fault_probe(init, Duration::from_secs(seconds))),
         Commands::ElasticProbe {
             init,
@@ -513,17 +513,17 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
         .collective_timeout(timeout);
     let group = init_process_group(options).await?;
     let mut checks = 0;
-    for dtype in chorus::selftest::ALL_DTYPES {
+    for dtype in chorus_cli::selftest::ALL_DTYPES {
         for &count in &counts {
-            checks += chorus::selftest::check_collectives(&group, dtype, count).await?;
+            checks += chorus_cli::selftest::check_collectives(&group, dtype, count).await?;
         }
     }
-    checks += chorus::selftest::check_subgroups(&group).await?;
+    checks += chorus_cli::selftest::check_subgroups(&group).await?;
     println!(
         "selftest: rank {} of {}: {checks} checks passed ({} dtypes, counts {counts:?})",
         group.rank(),
         group.world_size(),
-        chorus::selftest::ALL_DTYPES.len()
+        chorus_cli::selftest::ALL_DTYPES.len()
     );
     group.destroy().await?;
     Ok(ExitCode::SUCCESS)
@@ -532,20 +532,20 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
 /// A seed from the clock and the pid, for runs that name none.
 fn netem(args: NetemArgs) -> Result<ExitCode> {
     let ms = |v: f64| Duration::try_from_secs_f64(v / 1e3).context("--delay-ms and --jitter-ms must be >= 0");
-    let impairment = chorus::netem::core::Impairment::new(
+    let impairment = chorus_cli::netem::core::Impairment::new(
         ms(args.delay_ms)?,
         ms(args.jitter_ms)?,
         args.loss,
         args.rate_mbit.map(|r| r * 1e6),
         args.limit,
     )?;
-    let options = chorus::netem::NetemOptions {
+    let options = chorus_cli::netem::NetemOptions {
         a: args.a,
         b: args.b,
         impairment,
         seed: args.seed.unwrap_or_else(rand_seed),
     };
-    chorus::netem::run(&options)?;
+    chorus_cli::netem::run(&options)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -678,7 +678,7 @@ async fn elastic_probe(
                         pg.rank(),
                         pg.generation(),
                         pg.world_size(),
-                        chorus::bench::recovery::unix_us()
+                        chorus_cli::bench::recovery::unix_us()
                     );
                     continue;
                 }
@@ -703,7 +703,7 @@ async fn elastic_probe(
                         pg.rank(),
                         pg.generation(),
                         std::process::id(),
-                        chorus::bench::recovery::unix_us()
+                        chorus_cli::bench::recovery::unix_us()
                     );
                     // SAFETY: kill only sends a signal, to this process.
                     unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
@@ -718,7 +718,7 @@ async fn elastic_probe(
                     "probe rank={} gen={} event=error at_us={} error={error}",
                     pg.rank(),
                     pg.generation(),
-                    chorus::bench::recovery::unix_us()
+                    chorus_cli::bench::recovery::unix_us()
                 );
                 group
                     .next_generation(pg.generation())
@@ -766,7 +766,7 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
     // The ranks sign their records with one secret, as under `chorus launch`.
     let secret = match std::env::var("CHORUS_JOB_SECRET") {
         Ok(secret) if !secret.is_empty() => secret,
-        _ => chorus::launch::random_hex(32)?,
+        _ => chorus_cli::launch::random_hex(32)?,
     };
     println!("chorus hello: {} ranks meeting over {url}", args.world);
     // (rank, from stderr, line)
@@ -956,26 +956,26 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
 }
 
 async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
-    use chorus::bench::transport::{TransportBench, run_leader, run_peer};
+    use chorus_cli::bench::transport::{TransportBench, run_leader, run_peer};
     if let Some(BenchSubcommand::Ddp(args)) = command.command {
         return tokio::task::spawn_blocking(move || match args.worker {
-            true => chorus::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
-            false => chorus::bench::ddp::run(&args),
+            true => chorus_cli::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+            false => chorus_cli::bench::ddp::run(&args),
         })
         .await?;
     }
     if let Some(BenchSubcommand::Tune(args)) = command.command {
-        return tokio::task::spawn_blocking(move || chorus::bench::tune::run(&args)).await?;
+        return tokio::task::spawn_blocking(move || chorus_cli::bench::tune::run(&args)).await?;
     }
     if let Some(BenchSubcommand::Scale(args)) = command.command {
-        let ok = tokio::task::spawn_blocking(move || chorus::bench::scale::run(&args)).await??;
+        let ok = tokio::task::spawn_blocking(move || chorus_cli::bench::scale::run(&args)).await??;
         return Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
     }
     if let Some(BenchSubcommand::Transfer(args)) = command.command {
         // The parent only waits on its ranks; a rank runs on a runtime of its own.
         return tokio::task::spawn_blocking(move || match args.worker {
-            true => chorus::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
-            false => chorus::bench::transfer::run(&args),
+            true => chorus_cli::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+            false => chorus_cli::bench::transfer::run(&args),
         })
         .await?;
     }
@@ -995,7 +995,7 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         if world < 2 || iterations <= 20 {
             bail!("--world must be at least 2 and --iterations above 20 (the kill comes after the 20th)");
         }
-        let bench = chorus::bench::recovery::RecoveryBench {
+        let bench = chorus_cli::bench::recovery::RecoveryBench {
             world,
             trials,
             transport,
@@ -1006,7 +1006,7 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
             trial_timeout: Duration::from_secs(60),
             compare_torchrun: compare.map(|_| python),
         };
-        let failed = chorus::bench::recovery::run(&bench, json).await?;
+        let failed = chorus_cli::bench::recovery::run(&bench, json).await?;
         return Ok(if failed == 0 {
             ExitCode::SUCCESS
         } else {
@@ -1029,18 +1029,18 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     else {
         let args = command.collective;
         if args.worker {
-            chorus::bench::collective::run_worker(&args).await?;
+            chorus_cli::bench::collective::run_worker(&args).await?;
             return Ok(ExitCode::SUCCESS);
         }
         // The parent only waits on its ranks' pipes: off the async thread.
-        return tokio::task::spawn_blocking(move || chorus::bench::collective::run(&args)).await?;
+        return tokio::task::spawn_blocking(move || chorus_cli::bench::collective::run(&args)).await?;
     };
     let bench = TransportBench {
         size,
         iters,
         rtt_iters,
         rounds: rounds.max(1),
-        paths: chorus::bench::transport::PATHS
+        paths: chorus_cli::bench::transport::PATHS
             .into_iter()
             .filter(|p| paths.iter().any(|q| q == p))
             .collect(),

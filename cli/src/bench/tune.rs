@@ -14,10 +14,10 @@ use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use chorus_runtime::collective::{Algorithm, DType, Thresholds};
 
-use super::collective::{ProcessSide, Side, Spread, in_place_median_us, job_secret, parse_size, sizes};
+use super::collective::{ProcessSide, Side, Spread, in_place_median_us, parse_size, sizes};
 
 /// `chorus bench tune` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -185,7 +185,6 @@ pub fn run(args: &TuneArgs) -> Result<ExitCode> {
         bail!("no size in -b {} -e {} holds one float", args.min_bytes, args.max_bytes);
     }
     let timeout = Duration::from_secs(args.timeout);
-    let exe = std::env::current_exe().context("locating the chorus binary")?;
     let candidates = candidates(args.world);
     let flags: Vec<String> = [
         "bench",
@@ -213,21 +212,15 @@ pub fn run(args: &TuneArgs) -> Result<ExitCode> {
     for transport in transports {
         let mut sides = Vec::new();
         for &algo in &candidates {
-            let env = vec![
-                ("CHORUS_TRANSPORT".to_string(), transport.clone()),
-                ("CHORUS_JOB_SECRET".to_string(), job_secret()),
-                ("CHORUS_ALGO".to_string(), format!("all_reduce={}", algo.name())),
-            ];
-            let mut side = ProcessSide::start(
+            let algo_env = ("CHORUS_ALGO".to_string(), format!("all_reduce={}", algo.name()));
+            sides.push(ProcessSide::start_chorus(
                 format!("chorus ({transport}, {algo})"),
-                &exe.to_string_lossy(),
+                &transport,
                 &flags,
                 args.world,
-                &env,
-            )?;
-            side.wait_ready(timeout)
-                .with_context(|| format!("CHORUS_TRANSPORT={transport} CHORUS_ALGO=all_reduce={algo}"))?;
-            sides.push(side);
+                &[algo_env],
+                timeout,
+            )?);
         }
         let mut table: Vec<Vec<Spread>> = Vec::new();
         for &size in &sizes {

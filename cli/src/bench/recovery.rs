@@ -4,7 +4,7 @@
 //!
 //! Each trial starts a store that outlives every rank (served by this
 //! process) and `--world` `chorus elastic-probe` processes (an
-//! [`ElasticGroup`](crate::ElasticGroup) each, all-reducing in a loop),
+//! [`ElasticGroup`](chorus::ElasticGroup) each, all-reducing in a loop),
 //! SIGKILLs a random rank mid-loop, and reads the survivors' event lines:
 //! `event=error at_us=` (the abort reached the application; a survivor
 //! between two operations when its group restarted has none and learns at
@@ -16,7 +16,7 @@
 //! between processes of one host.
 //!
 //! With `--compare torchrun`, the peer is measured in the same run, trials
-//! alternating: `tests/python/elastic_gloo.py` (embedded) under torchrun
+//! alternating: `cli/python/elastic_gloo.py` (embedded) under torchrun
 //! `--max-restarts 1`, a Gloo all-reduce loop in which a random rank
 //! SIGKILLs itself; torchrun restarts every worker, and the recovery is the
 //! kill to the first all-reduce of the new attempt on every worker.
@@ -56,7 +56,7 @@ pub struct RecoveryBench {
 }
 
 /// torchrun's side: the script, embedded so that the binary works from anywhere.
-const TORCHRUN_SCRIPT: &str = include_str!("../../tests/python/elastic_gloo.py");
+const TORCHRUN_SCRIPT: &str = include_str!("../../python/elastic_gloo.py");
 
 /// Why a trial failed.
 #[derive(Debug, Error)]

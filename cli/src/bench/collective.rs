@@ -7,8 +7,8 @@
 //! it starts a *side*: `--world` rank processes (`chorus bench --worker`,
 //! with `MASTER_ADDR`/`MASTER_PORT`/`RANK`/`WORLD_SIZE` and
 //! `CHORUS_TRANSPORT`), or with `--in-process` one thread running
-//! [`crate::spawn`]. With `--compare gloo` one more side runs
-//! `tests/python/bench_gloo.py` (embedded in the binary) once per rank. Every
+//! [`chorus::spawn`]. With `--compare gloo` one more side runs
+//! `cli/python/bench_gloo.py` (embedded in the binary) once per rank. Every
 //! side forms its group once and then waits for commands: `run COUNT`
 //! measures one size (warm-up, then `--iters` timed calls out of place, the
 //! same in place, then the check) and answers one JSON line per rank. The
@@ -52,11 +52,11 @@ use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::group::ProcessGroup;
-use crate::tensor::Tensor;
+use chorus::group::ProcessGroup;
+use chorus::tensor::Tensor;
 
 /// The Gloo side's script, embedded so that the binary works from anywhere.
-const GLOO_SCRIPT: &str = include_str!("../../tests/python/bench_gloo.py");
+const GLOO_SCRIPT: &str = include_str!("../../python/bench_gloo.py");
 
 /// The collective measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -883,8 +883,8 @@ async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw>
 /// `run COUNT` lines on stdin with one JSON line on stdout, until `quit`.
 pub async fn run_worker(args: &CollectiveArgs) -> Result<()> {
     let spec = Spec::from_args(args);
-    let options = crate::InitOptions::default().timeout(Duration::from_secs(args.timeout));
-    let group = crate::init_process_group(options).await.context("forming the group")?;
+    let options = chorus::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    let group = chorus::init_process_group(options).await.context("forming the group")?;
     let rank = group.rank();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     std::thread::spawn(move || {
@@ -1100,6 +1100,27 @@ impl ProcessSide {
         s
     }
 
+    /// Starts `world` ranks of this binary (`bench --worker` in `flags`) on
+    /// `transport`, with a job secret of their own and `extra_env` (named in
+    /// an error), and waits until their group formed.
+    pub(crate) fn start_chorus(
+        label: String,
+        transport: &str,
+        flags: &[String],
+        world: usize,
+        extra_env: &[(String, String)],
+        timeout: Duration,
+    ) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the chorus binary")?;
+        let mut env = vec![("CHORUS_TRANSPORT".to_string(), transport.to_string())];
+        env.extend_from_slice(extra_env);
+        let settings = env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
+        env.push(("CHORUS_JOB_SECRET".to_string(), job_secret()));
+        let mut side = Self::start(label, &exe.to_string_lossy(), flags, world, &env)?;
+        side.wait_ready(timeout).context(settings)?;
+        Ok(side)
+    }
+
     pub(crate) fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
         self.ready = self.collect(timeout, "forming the group")?;
         if let Some(e) = self.ready.iter().find_map(|v| v.get("error").and_then(Value::as_str)) {
@@ -1158,7 +1179,7 @@ impl Drop for ProcessSide {
 
 type Command_ = tokio::sync::mpsc::UnboundedSender<Option<usize>>;
 
-/// Ranks as actors in this process ([`crate::spawn`]), on a runtime of their own.
+/// Ranks as actors in this process ([`chorus::spawn`]), on a runtime of their own.
 struct InProcessSide {
     commands: Vec<Command_>,
     results: mpsc::Receiver<(usize, Result<Raw, String>)>,
@@ -1185,7 +1206,7 @@ impl InProcessSide {
             .context("starting the in-process ranks' runtime")?;
         let thread = std::thread::spawn(move || {
             let failed = tx.clone();
-            let outcome = runtime.block_on(crate::spawn(world, move |group| {
+            let outcome = runtime.block_on(chorus::spawn(world, move |group| {
                 let rank = group.rank();
                 let mut rx = receivers.lock().expect("receivers")[rank]
                     .take()
@@ -1360,7 +1381,6 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
 
     // The sides: chorus per transport, then the peer.
     let mut sides: Vec<(Box<dyn Side>, String)> = Vec::new();
-    let exe = std::env::current_exe().context("locating the chorus binary")?;
     let mut notes = Vec::new();
     if args.in_process {
         sides.push((
@@ -1380,19 +1400,14 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
             if args.memory {
                 flags.push("--memory".into());
             }
-            let env = vec![
-                ("CHORUS_TRANSPORT".to_string(), transport.clone()),
-                ("CHORUS_JOB_SECRET".to_string(), job_secret()),
-            ];
-            let mut side = ProcessSide::start(
+            let side = ProcessSide::start_chorus(
                 format!("chorus ({transport})"),
-                &exe.to_string_lossy(),
+                &transport,
                 &flags,
                 args.world,
-                &env,
+                &[],
+                timeout,
             )?;
-            side.wait_ready(timeout)
-                .with_context(|| format!("CHORUS_TRANSPORT={transport}"))?;
             sides.push((Box::new(side), transport));
         }
     }
@@ -1590,7 +1605,7 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
         }
         if let Some(label) = &peer_label {
             let present: Vec<Row> = gloo_rows.iter().flatten().cloned().collect();
-            println!("#\n# {label} (python3 tests/python/bench_gloo.py, one process per rank)");
+            println!("#\n# {label} (python3 cli/python/bench_gloo.py, one process per rank)");
             print!("{}", format_table(&present, None, false, None));
         }
     }

@@ -1,0 +1,21 @@
+//! chorus-cli: the `chorus` command line, and the library behind it, built
+//! on the [`chorus`] library (which an embedding service uses alone).
+//!
+//! # Layout
+//! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
+//! - [`bench`](mod@bench): `chorus bench` measurements.
+//! - [`selftest`]: every collective against a naive reference, run by every
+//!   rank (`chorus selftest`).
+//! - [`netem`]: `chorus netem`, a userspace link impairer (loss, delay,
+//!   jitter, rate) between two interfaces, for tests across namespaces.
+//! - [`trace`]: `chorus trace DIR`, printing the report of
+//!   [`chorus::trace`] (which reads and compares the ranks' flight-recorder
+//!   dumps).
+//! - `src/main.rs`: the `chorus` command line (`hello`, `launch`, `store ...`,
+//!   and the hidden probes the tests run).
+
+pub mod bench;
+pub mod launch;
+pub mod netem;
+pub mod selftest;
+pub mod trace;
