@@ -571,6 +571,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn one_direction_queues_channels_apart_with_room_counted_per_channel() {
+        within(async {
+            let (a, b) = LocalLink::pair_with_depth(0, 1, 2);
+            a.send(0, 1, Bytes::new()).await.unwrap();
+            a.send(1, 10, Bytes::new()).await.unwrap();
+            a.send(0, 2, Bytes::new()).await.unwrap();
+            assert_eq!(a.try_send_copy(0, 3, b"x"), Ok(false), "channel 0 is full");
+            assert_eq!(a.try_send_copy(1, 11, b"y"), Ok(true), "channel 1 has room");
+            // The other direction is apart: b's frames wait on nothing of a's.
+            b.send(0, 100, Bytes::new()).await.unwrap();
+            assert_eq!(a.recv(0).await.unwrap().tag, 100);
+            assert_eq!(b.recv(1).await.unwrap().tag, 10);
+            assert_eq!(b.recv(1).await.unwrap().tag, 11);
+            // A sender waiting for room on channel 0 wakes when it drains.
+            let (sent, first) = tokio::join!(a.send(0, 3, Bytes::new()), async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                b.recv(0).await
+            });
+            sent.unwrap();
+            assert_eq!(first.unwrap().tag, 1);
+            assert_eq!(b.recv(0).await.unwrap().tag, 2);
+            assert_eq!(b.recv(0).await.unwrap().tag, 3);
+        })
+        .await;
+    }
+
+    #[tokio::test]
     async fn close_wakes_the_peer_and_hands_payloads_back() {
         within(async {
             let (a, b) = LocalLink::pair(3, 5);
