@@ -40,8 +40,7 @@ use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, Wr
 use bytes::Bytes;
 use chorus_runtime::collective::Region;
 use chorus_runtime::collective::{
-    Action, CollectiveKind, DType, Overrides, Plan, PlanCache, ReduceError, ReduceOp, Signature, Spec,
-    choose_algorithm,
+    Action, CollectiveKind, DType, Overrides, Plan, PlanCache, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
 };
 use chorus_runtime::flight::{FlightRecorder, write_dump};
 use chorus_transports::link::{ChannelId, Link};

@@ -454,8 +454,8 @@ impl Link for LocalLink {
                 if let Some(at) = state.queues[side].iter().position(|(c, _)| *c == channel) {
                     let (_, frame) = state.queues[side].remove(at).expect("found");
                     // A sender waits for room only on a channel that was full.
-                    let was_full = state.queues[side].len() + 1 >= pair.depth
-                        && state.queued(side, channel) + 1 == pair.depth;
+                    let was_full =
+                        state.queues[side].len() + 1 >= pair.depth && state.queued(side, channel) + 1 == pair.depth;
                     drop(state);
                     if was_full {
                         pair.changed[side].notify_waiters();
