@@ -322,6 +322,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     }
     let (events, failures) = mpsc::unbounded_channel();
     let mut tasks = JoinSet::new();
+    // Every peer that owes frames must have a link (an error naming it).
     for &peer in expected.keys() {
         link(links, rank, peer)?;
     }
@@ -350,8 +351,8 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             .send(channel, SIGNATURE_TAG, Bytes::copy_from_slice(&encoded))
             .await;
         if let Err(e) = sent {
-            // The readers keep running through the grace period; dropping
-            // the set aborts them afterwards.
+            // The pending receives are polled through the grace period
+            // (`explain_failure`) and dropped with the inbox afterwards.
             return Err(explain_failure(e.error.into(), &signature, rank, &mut unverified, &mut inbox).await);
         }
     }
