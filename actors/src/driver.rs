@@ -13,15 +13,19 @@
 //!    and hands it to a task (it counts as done once copied, rule 2 of the
 //!    plan); a receive once its frame has arrived. An average divides at
 //!    the plan's completing receives when it has them.
-//! 3. One reader task per peer reads that peer's frames in order from the
-//!    channel and hands them over by tag, so receives may complete in any
-//!    order the plan allows.
+//! 3. One receive per peer is pending at a time, polled by the collective
+//!    itself (no task per peer: in a process of many ranks a task and a
+//!    hand-over per frame cost more than the frame), so each peer's frames
+//!    are read in order from the channel and handed over by tag, and
+//!    receives may complete in any order the plan allows.
 //! 4. A deadline bounds the whole collective; on expiry the error names the
 //!    ranks whose frames never came.
 //! 5. An abort of the group (`supervision`, SV-1) ends the collective at
 //!    once, whatever it waits on, with the abort as its error.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,7 +34,9 @@ use chorus_runtime::collective::{
     Action, Combine, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId, Tag,
     finalize_avg, reduce_complete_into, reduce_into,
 };
-use chorus_transports::link::{ChannelId, Link, TransportError};
+use chorus_transports::link::{ChannelId, Frame, Link, TransportError};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 
 use crate::supervision::GroupAborted;
 use thiserror::Error;
@@ -207,6 +213,54 @@ enum Event {
     Failed(CollectiveError),
 }
 
+/// A pending receive from one peer, and that peer.
+type Arrival<'a> = Pin<Box<dyn Future<Output = (usize, Result<Frame, TransportError>)> + Send + 'a>>;
+
+/// Where a collective's events come from: the one pending receive per peer
+/// (the next is made when one completes, while the peer owes frames), and
+/// the failures of send tasks.
+struct Inbox<'a> {
+    links: &'a [Option<Arc<dyn Link>>],
+    channel: ChannelId,
+    arrivals: FuturesUnordered<Arrival<'a>>,
+    /// Frames each peer still owes beyond its pending receive.
+    owed: HashMap<usize, usize>,
+    failures: mpsc::UnboundedReceiver<Event>,
+}
+
+impl<'a> Inbox<'a> {
+    fn receive(&mut self, peer: usize) {
+        if let Some(link) = self.links.get(peer).and_then(Option::as_deref) {
+            let channel = self.channel;
+            self.arrivals
+                .push(Box::pin(async move { (peer, link.recv(channel).await) }));
+        }
+    }
+
+    /// The next frame or failure; `None` only when nothing is pending and
+    /// no send task is left (the caller holds a sender, so never).
+    async fn next(&mut self) -> Option<Event> {
+        tokio::select! {
+            biased;
+            failure = self.failures.recv() => failure,
+            Some((from, received)) = self.arrivals.next(), if !self.arrivals.is_empty() => Some(match received {
+                Ok(frame) => {
+                    if let Some(owed) = self.owed.get_mut(&from).filter(|n| **n > 0) {
+                        *owed -= 1;
+                        self.receive(from);
+                    }
+                    Event::Frame {
+                        from,
+                        tag: frame.tag,
+                        payload: frame.payload,
+                    }
+                }
+                Err(e) => Event::Failed(e.into()),
+            }),
+        }
+    }
+}
+
 fn link(links: &[Option<Arc<dyn Link>>], rank: usize, peer: usize) -> Result<Arc<dyn Link>, CollectiveError> {
     links
         .get(peer)
@@ -266,39 +320,39 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             *expected.entry(from).or_insert(1) += 1;
         }
     }
-    let (events, mut inbox) = mpsc::unbounded_channel();
+    let (events, failures) = mpsc::unbounded_channel();
     let mut tasks = JoinSet::new();
-    for (&peer, &count) in &expected {
-        let link = link(links, rank, peer)?;
-        let events = events.clone();
-        tasks.spawn(async move {
-            for _ in 0..count {
-                let event = match link.recv(channel).await {
-                    Ok(frame) => Event::Frame {
-                        from: peer,
-                        tag: frame.tag,
-                        payload: frame.payload,
-                    },
-                    Err(e) => Event::Failed(e.into()),
-                };
-                let failed = matches!(event, Event::Failed(_));
-                if events.send(event).is_err() || failed {
-                    return;
-                }
-            }
-        });
+    // Every peer that owes frames must have a link (an error naming it).
+    for &peer in expected.keys() {
+        link(links, rank, peer)?;
+    }
+    let mut inbox = Inbox {
+        links,
+        channel,
+        arrivals: FuturesUnordered::new(),
+        owed: expected.iter().map(|(&peer, &count)| (peer, count - 1)).collect(),
+        failures,
+    };
+    for &peer in expected.keys() {
+        inbox.receive(peer);
     }
     // Sent before anything can fail here, so that even a rank that detects
     // a desync first has told every other rank what it was calling.
-    let encoded = Bytes::copy_from_slice(&signature.encode());
+    let encoded = signature.encode();
     let mut unverified: HashSet<usize> = check_from.iter().copied().collect();
     for &peer in &announce_to {
-        let sent = link(links, rank, peer)?
-            .send(channel, SIGNATURE_TAG, encoded.clone())
+        let link = link(links, rank, peer)?;
+        // Copied straight into the link when it has room (no frame, no
+        // waiting future); otherwise, or on a failure, the send below.
+        if let Ok(true) = link.try_send_copy(channel, SIGNATURE_TAG, &encoded) {
+            continue;
+        }
+        let sent = link
+            .send(channel, SIGNATURE_TAG, Bytes::copy_from_slice(&encoded))
             .await;
         if let Err(e) = sent {
-            // The readers keep running through the grace period; dropping
-            // the set aborts them afterwards.
+            // The pending receives are polled through the grace period
+            // (`explain_failure`) and dropped with the inbox afterwards.
             return Err(explain_failure(e.error.into(), &signature, rank, &mut unverified, &mut inbox).await);
         }
     }
@@ -309,6 +363,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let mut first_open = 0;
     let mut arrived: HashMap<(usize, u64), Bytes> = HashMap::new();
     let element = |r: &std::ops::Range<usize>| r.start * size..r.end * size;
+    // One timer for the whole collective, not one per wait.
+    let expiry = tokio::time::sleep_until(deadline);
+    tokio::pin!(expiry);
     let result = async {
         loop {
             let mut progressed = true;
@@ -388,10 +445,10 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             if remaining == 0 && unverified.is_empty() {
                 return Ok(());
             }
-            let event = match tokio::time::timeout_at(deadline, inbox.recv()).await {
-                Ok(Some(event)) => event,
-                Ok(None) => unreachable!("this function holds a sender"),
-                Err(_) => {
+            let event = tokio::select! {
+                biased;
+                event = inbox.next() => event.expect("this function holds a sender"),
+                () = &mut expiry => {
                     let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
                     for (index, step) in steps.iter().enumerate() {
                         if let (false, Action::Recv { from, .. }) = (done[index], &step.action) {
@@ -453,7 +510,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             return Err(CollectiveError::Broken("a transport task panicked".into()));
         }
     }
-    while let Ok(event) = inbox.try_recv() {
+    while let Ok(event) = inbox.failures.try_recv() {
         if let Event::Failed(e) = event {
             return Err(e);
         }
@@ -472,11 +529,11 @@ async fn explain_failure(
     signature: &Signature,
     rank: usize,
     unverified: &mut HashSet<usize>,
-    inbox: &mut mpsc::UnboundedReceiver<Event>,
+    inbox: &mut Inbox<'_>,
 ) -> CollectiveError {
     let grace = Instant::now() + Duration::from_millis(200);
     while !unverified.is_empty() {
-        let Ok(Some(event)) = tokio::time::timeout_at(grace, inbox.recv()).await else {
+        let Ok(Some(event)) = tokio::time::timeout_at(grace, inbox.next()).await else {
             break;
         };
         if let Event::Frame {

@@ -40,7 +40,7 @@ use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, Wr
 use bytes::Bytes;
 use chorus_runtime::collective::Region;
 use chorus_runtime::collective::{
-    Action, CollectiveKind, DType, Overrides, Plan, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
+    Action, CollectiveKind, DType, Overrides, Plan, PlanCache, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
 };
 use chorus_runtime::flight::{FlightRecorder, write_dump};
 use chorus_transports::link::{ChannelId, Link};
@@ -58,6 +58,23 @@ pub const COLLECTIVE_CHANNELS: u32 = 64;
 /// r + 1): some rank still finds any desync and aborts the group, and a
 /// collective costs what its algorithm does instead of n^2 frames.
 pub const FULL_SIGNATURE_CHECK: usize = 16;
+
+/// Plans an actor keeps for repeated calls ([`PlanCache`]).
+const CACHED_PLANS: usize = 32;
+/// Plans of more steps are not kept: building them costs little next to
+/// the data they move, and a large world's 1 MiB ring plan is hundreds of
+/// KiB per rank.
+const CACHED_PLAN_STEPS: usize = 256;
+
+/// A plan and what the actor derives from it, kept between calls.
+struct Prepared {
+    plan: Plan,
+    /// Above [`FULL_SIGNATURE_CHECK`] ranks, the ranks a collective
+    /// announces its signature to and checks ([`plan_checks`]).
+    checks: Option<(Vec<usize>, Vec<usize>)>,
+    /// Payload bytes sent and received per transport ([`plan_bytes`]).
+    bytes: ([u64; 3], [u64; 3]),
+}
 
 /// The channel point-to-point operations use (RA-3).
 pub const P2P_CHANNEL: ChannelId = COLLECTIVE_CHANNELS;
@@ -112,6 +129,7 @@ pub struct RankActor {
     dump_notice: Option<tokio::sync::watch::Sender<bool>>,
     /// Registered once, so an operation only adds to its handles.
     metrics: Option<Arc<GroupMetrics>>,
+    plans: PlanCache<Prepared>,
 }
 
 /// Tells the actor its group was aborted from outside an operation (by the
@@ -147,6 +165,7 @@ impl RankActor {
             dumped: false,
             dump_notice: None,
             metrics: None,
+            plans: PlanCache::new(CACHED_PLANS),
         }
     }
 
@@ -287,12 +306,27 @@ impl Handler<Collective> for RankActor {
             world: self.world,
         };
         let algorithm = choose_algorithm(msg.kind, spec.bytes(), self.world, &self.overrides);
-        let plan = match spec.plan(self.rank, algorithm) {
-            Ok(plan) => plan,
-            Err(e) => return immediate(Err(e.into())),
+        let key = (spec, self.rank, algorithm);
+        let prepared = match self.plans.get(&key) {
+            Some(prepared) => prepared,
+            None => {
+                let plan = match spec.plan(self.rank, algorithm) {
+                    Ok(plan) => plan,
+                    Err(e) => return immediate(Err(e.into())),
+                };
+                let checks = (self.world > FULL_SIGNATURE_CHECK
+                    && !matches!(msg.kind, CollectiveKind::Send | CollectiveKind::Recv))
+                .then(|| plan_checks(self.rank, self.world, &plan));
+                let bytes = plan_bytes(&plan, &self.links, msg.dtype.size());
+                let prepared = Prepared { plan, checks, bytes };
+                match prepared.plan.steps().len() <= CACHED_PLAN_STEPS {
+                    true => self.plans.insert(key, prepared),
+                    false => Arc::new(prepared),
+                }
+            }
         };
-        if self.world > FULL_SIGNATURE_CHECK && !matches!(msg.kind, CollectiveKind::Send | CollectiveKind::Recv) {
-            (announce_to, check_from) = plan_checks(self.rank, self.world, &plan);
+        if let Some((to, from)) = &prepared.checks {
+            (announce_to, check_from) = (to.clone(), from.clone());
         }
         let entry = self
             .flight
@@ -312,10 +346,7 @@ impl Handler<Collective> for RankActor {
             bytes = spec.bytes(),
             algorithm = ?algorithm,
         );
-        let bytes = self
-            .metrics
-            .as_ref()
-            .map(|_| plan_bytes(&plan, &links, msg.dtype.size()));
+        let bytes = self.metrics.as_ref().map(|_| prepared.bytes);
         let (kind, began) = (msg.kind, std::time::Instant::now());
         self.supervision.started(format!("{signature}"), began + timeout);
         let run = async move {
@@ -324,7 +355,7 @@ impl Handler<Collective> for RankActor {
                 links: &links,
                 channel,
                 signature,
-                plan: &plan,
+                plan: &prepared.plan,
                 announce_to,
                 check_from,
                 input,

@@ -4,7 +4,8 @@
 //! Built to scale to thousands of ranks in one process ([`LocalMesh`]): the
 //! state two ranks share (a pair) is made when either first uses their
 //! link, so memory follows the pairs an algorithm touches, not the n^2 of a
-//! full mesh; a channel's queue exists only while it holds frames; and
+//! full mesh; a pair has one queue per direction, its frames tagged with
+//! their channel; and
 //! instead of heartbeats (n^2 tasks, and a rank of this process cannot
 //! fall silent on its own) each rank's [`LocalWatch`] is told when a link
 //! of it closes.
@@ -49,18 +50,28 @@ impl Shut {
 
 #[derive(Default)]
 struct PairState {
-    /// Queued frames by sender (0: the lower rank) and channel; a queue
-    /// that empties is removed.
-    queues: [HashMap<ChannelId, VecDeque<Frame>>; 2],
+    /// Queued frames by sender (0: the lower rank), with their channels, in
+    /// the order sent: one queue per direction (a pair rarely holds frames
+    /// of more than one channel at once), so queuing a frame neither hashes
+    /// nor allocates once the queue has grown.
+    queues: [VecDeque<(ChannelId, Frame)>; 2],
     shut: Option<Shut>,
 }
 
-/// The state two ranks share. Every change (a frame queued or taken, the
-/// close) wakes the pair's waiters, which look again: a pair has few.
+impl PairState {
+    /// Frames `side` has queued on `channel`.
+    fn queued(&self, side: usize, channel: ChannelId) -> usize {
+        self.queues[side].iter().filter(|(c, _)| *c == channel).count()
+    }
+}
+
+/// The state two ranks share. A change to one direction's frames (one
+/// queued or taken) wakes that direction's waiters, the close both; they
+/// look again (a direction has few).
 struct Pair {
     low: usize,
     state: Mutex<PairState>,
-    changed: Notify,
+    changed: [Notify; 2],
     depth: usize,
 }
 
@@ -72,7 +83,7 @@ impl Pair {
                 shut,
                 ..PairState::default()
             }),
-            changed: Notify::new(),
+            changed: [Notify::new(), Notify::new()],
             depth: depth.max(1),
         }
     }
@@ -97,7 +108,7 @@ impl Pair {
             }
         };
         if first {
-            self.changed.notify_waiters();
+            self.changed.iter().for_each(Notify::notify_waiters);
         }
         first
     }
@@ -383,7 +394,7 @@ impl Link for LocalLink {
         let pair = self.pair_state();
         let side = pair.side(self.me);
         loop {
-            let changed = pair.changed.notified();
+            let changed = pair.changed[side].notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             {
@@ -394,11 +405,10 @@ impl Link for LocalLink {
                         payload,
                     });
                 }
-                let queue = state.queues[side].entry(channel).or_default();
-                if queue.len() < pair.depth {
-                    queue.push_back(Frame { tag, payload });
+                if state.queued(side, channel) < pair.depth {
+                    state.queues[side].push_back((channel, Frame { tag, payload }));
                     drop(state);
-                    pair.changed.notify_waiters();
+                    pair.changed[side].notify_waiters();
                     return Ok(());
                 }
             }
@@ -418,16 +428,16 @@ impl Link for LocalLink {
         if let Some(shut) = &state.shut {
             return Err(shut.error(self.peer));
         }
-        let queue = state.queues[side].entry(channel).or_default();
-        if queue.len() >= pair.depth {
+        if state.queued(side, channel) >= pair.depth {
             return Ok(false);
         }
-        queue.push_back(Frame {
+        let frame = Frame {
             tag,
             payload: Bytes::copy_from_slice(payload),
-        });
+        };
+        state.queues[side].push_back((channel, frame));
         drop(state);
-        pair.changed.notify_waiters();
+        pair.changed[side].notify_waiters();
         Ok(true)
     }
 
@@ -435,22 +445,20 @@ impl Link for LocalLink {
         let pair = self.pair_state();
         let side = 1 - pair.side(self.me);
         loop {
-            let changed = pair.changed.notified();
+            let changed = pair.changed[side].notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             {
                 let mut state = pair.lock();
                 // Frames sent before a close are still delivered.
-                if let Some(queue) = state.queues[side].get_mut(&channel)
-                    && let Some(frame) = queue.pop_front()
-                {
-                    let was_full = queue.len() + 1 == pair.depth;
-                    if queue.is_empty() {
-                        state.queues[side].remove(&channel);
-                    }
+                if let Some(at) = state.queues[side].iter().position(|(c, _)| *c == channel) {
+                    let (_, frame) = state.queues[side].remove(at).expect("found");
+                    // A sender waits for room only on a channel that was full.
+                    let was_full =
+                        state.queues[side].len() + 1 >= pair.depth && state.queued(side, channel) + 1 == pair.depth;
                     drop(state);
                     if was_full {
-                        pair.changed.notify_waiters();
+                        pair.changed[side].notify_waiters();
                     }
                     return Ok(frame);
                 }
@@ -558,6 +566,33 @@ mod tests {
             a.send(0, 2, Bytes::new()).await.unwrap();
             assert_eq!(b.recv(0).await.unwrap().tag, 1);
             assert_eq!(b.recv(0).await.unwrap().tag, 2);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn one_direction_queues_channels_apart_with_room_counted_per_channel() {
+        within(async {
+            let (a, b) = LocalLink::pair_with_depth(0, 1, 2);
+            a.send(0, 1, Bytes::new()).await.unwrap();
+            a.send(1, 10, Bytes::new()).await.unwrap();
+            a.send(0, 2, Bytes::new()).await.unwrap();
+            assert_eq!(a.try_send_copy(0, 3, b"x"), Ok(false), "channel 0 is full");
+            assert_eq!(a.try_send_copy(1, 11, b"y"), Ok(true), "channel 1 has room");
+            // The other direction is apart: b's frames wait on nothing of a's.
+            b.send(0, 100, Bytes::new()).await.unwrap();
+            assert_eq!(a.recv(0).await.unwrap().tag, 100);
+            assert_eq!(b.recv(1).await.unwrap().tag, 10);
+            assert_eq!(b.recv(1).await.unwrap().tag, 11);
+            // A sender waiting for room on channel 0 wakes when it drains.
+            let (sent, first) = tokio::join!(a.send(0, 3, Bytes::new()), async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                b.recv(0).await
+            });
+            sent.unwrap();
+            assert_eq!(first.unwrap().tag, 1);
+            assert_eq!(b.recv(0).await.unwrap().tag, 2);
+            assert_eq!(b.recv(0).await.unwrap().tag, 3);
         })
         .await;
     }

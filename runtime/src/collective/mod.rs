@@ -23,11 +23,13 @@
 //!   pipelined rings; recursive doubling and halving-doubling with folding
 //!   for non-powers of two; binomial trees; direct and pairwise exchanges and
 //!   the dissemination barrier).
+//! - `cache`: [`PlanCache`], a rank's plans kept for repeated calls.
 //! - `signature`: [`Signature`], its 32-byte encoding, and mismatch reports
 //!   for desync detection.
 //! - `sim` (tests only): a reference executor running every rank's plan in
 //!   memory, detecting deadlocks, unmatched messages and size mismatches.
 
+mod cache;
 mod direct;
 mod doubling;
 mod dtype;
@@ -43,6 +45,7 @@ mod sim;
 #[cfg(test)]
 mod tests;
 
+pub use cache::{PlanCache, PlanKey};
 pub use dtype::{DType, ParseError, ReduceOp};
 pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
 pub use reduce::{ReduceError, finalize_avg, reduce_complete_into, reduce_into};

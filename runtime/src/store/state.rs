@@ -45,8 +45,12 @@ pub enum StateError {
 pub struct WaitId(u64);
 
 enum Condition {
-    /// Every key in the list exists.
-    Keys(Vec<Bytes>),
+    /// Every key in the list (distinct keys) exists; `missing` of them do
+    /// not yet. A count, not a list to search: a key that appears completes
+    /// its share of every wait on it in O(1), where removing it from each
+    /// waiter's list made a rendezvous of n ranks (n waits on n keys) cost
+    /// n^3.
+    Keys { keys: Vec<Bytes>, missing: usize },
     /// The integer at the key reaches the target (a `BARRIER`).
     Counter(Bytes, i64),
 }
@@ -54,7 +58,7 @@ enum Condition {
 impl Condition {
     fn keys(&self) -> &[Bytes] {
         match self {
-            Condition::Keys(keys) => keys,
+            Condition::Keys { keys, .. } => keys,
             Condition::Counter(key, _) => std::slice::from_ref(key),
         }
     }
@@ -135,9 +139,11 @@ impl<W> KvState<W> {
                 continue;
             };
             let done = match &mut wait.condition {
-                Condition::Keys(missing) => {
-                    missing.retain(|k| k != key);
-                    missing.is_empty()
+                // `waiting_on` lists a wait once per key and drops the key's
+                // list when it appears, so each key counts once.
+                Condition::Keys { missing, .. } => {
+                    *missing -= 1;
+                    *missing == 0
                 }
                 Condition::Counter(_, target) => counter.is_some_and(|c| c >= *target),
             };
@@ -320,7 +326,10 @@ impl<W> KvState<W> {
         self.pending.insert(
             id,
             PendingWait {
-                condition: Condition::Keys(missing),
+                condition: Condition::Keys {
+                    missing: missing.len(),
+                    keys: missing,
+                },
                 token,
             },
         );
@@ -405,6 +414,25 @@ mod tests {
         assert_eq!(s.cancel_wait(id), None);
         // Already satisfied: the token comes straight back.
         assert_eq!(s.register_wait(&[b("a")], "now"), Err("now"));
+    }
+
+    #[test]
+    fn a_rendezvous_of_many_waits_on_many_keys_completes_at_the_last_key() {
+        let mut s = KvState::<usize>::new(1024);
+        let keys: Vec<Bytes> = (0..64).map(|r| b(&format!("peer/{r}"))).collect();
+        for waiter in 0..64 {
+            s.register_wait(&keys, waiter).unwrap();
+        }
+        for key in &keys[..63] {
+            // A key written twice counts once.
+            assert!(s.set(key.clone(), b("1")).is_empty());
+            assert!(s.set(key.clone(), b("2")).is_empty());
+        }
+        let mut woken = s.set(keys[63].clone(), b("1"));
+        woken.sort_unstable();
+        assert_eq!(woken, (0..64).collect::<Vec<_>>());
+        assert_eq!(s.pending_waits(), 0);
+        assert!(s.waiting_on.is_empty());
     }
 
     #[test]
