@@ -107,6 +107,10 @@ struct Args {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// Keep the run's directory (the workers' logs; `CHORUS_LOG=info` shows
+    /// each one's phases) and print where it is.
+    #[arg(long)]
+    keep_logs: bool,
     /// (internal) the run's directory, given to the workers.
     #[arg(long, hide = true)]
     run_dir: Option<PathBuf>,
@@ -225,7 +229,7 @@ impl Mlp {
             lr,
             layers,
             // Every page written (no zero pages a source would read for
-            // free), but cheaply: a relaunched worker fills it before joining.
+            // free, none a joiner's transfer would fault in), but cheaply.
             padding: (0..(state_mib << 20) / 4)
                 .map(|i| (i as u32).wrapping_mul(0x9e37_79b9) as f32)
                 .collect(),
@@ -488,9 +492,16 @@ fn worker(args: Args) -> Result<()> {
             // The frozen worker is not dead: the others go on without it.
             options = options.elastic_world(args.world - 1, args.world);
         }
-        // Before joining: a relaunched worker's peers wait for it from then on.
-        let data = Arc::new(Dataset::generate(args.seed, TRAIN_SAMPLES, 1));
-        let mut job = Mlp::new(args.seed, data, args.steps, 0.05, args.hidden, args.state_mib);
+        // The data and the model are made while joining: a relaunched
+        // worker's peers wait for it from the moment they form the
+        // generation until it takes part in the transfer, and the sooner
+        // it joins, the sooner that is (forming the links takes longer
+        // than building these).
+        let (seed, steps, hidden, state_mib) = (args.seed, args.steps, args.hidden, args.state_mib);
+        let job = tokio::task::spawn_blocking(move || {
+            let data = Arc::new(Dataset::generate(seed, TRAIN_SAMPLES, 1));
+            Mlp::new(seed, data, steps, 0.05, hidden, state_mib)
+        });
         let finished = run_dir.join("finished");
         // A worker relaunched after the others finished (a freeze found
         // late, say) has no job left to join: it would wait out the
@@ -504,6 +515,7 @@ fn worker(args: Args) -> Result<()> {
         };
         let first_rank = group.rank();
         let relaunched = group.generation() > 0;
+        let mut job = job.await.context("building the model and data")?;
         let _ = std::fs::create_dir_all(run_dir.join("pids"));
         let _ = std::fs::write(
             run_dir.join("pids").join(first_rank.to_string()),
@@ -938,6 +950,10 @@ fn main() -> Result<()> {
         });
         println!("{json}");
     }
-    let _ = std::fs::remove_dir_all(&base);
+    if args.keep_logs {
+        eprintln!("the workers' logs: {}", base.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&base);
+    }
     Ok(())
 }
