@@ -177,6 +177,40 @@ impl Dataset {
     fn len(&self) -> usize {
         self.y.len()
     }
+
+    /// The training set, read from `dir` where an earlier worker of the
+    /// run saved it (a relaunched worker then starts in milliseconds, as
+    /// one reading its data from disk would), else generated and saved.
+    fn load_or_generate(dir: &Path, seed: u64, samples: usize) -> Self {
+        let path = dir.join(format!("train-data-{seed}-{samples}"));
+        if let Some(data) = std::fs::read(&path).ok().and_then(|b| Self::decode(&b, samples)) {
+            return data;
+        }
+        let data = Self::generate(seed, samples, 1);
+        // Written aside and renamed: a reader never sees half a file.
+        let aside = path.with_extension(std::process::id().to_string());
+        if std::fs::write(&aside, data.encode()).is_ok() {
+            let _ = std::fs::rename(&aside, &path);
+        }
+        data
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let x = self.x.iter().map(|v| v.to_le_bytes());
+        x.chain(self.y.iter().map(|v| v.to_le_bytes())).flatten().collect()
+    }
+
+    fn decode(bytes: &[u8], samples: usize) -> Option<Self> {
+        if bytes.len() != samples * (INPUTS + 1) * 4 {
+            return None;
+        }
+        let (x, y) = bytes.split_at(samples * INPUTS * 4);
+        let word = |w: &[u8]| [w[0], w[1], w[2], w[3]];
+        Some(Self {
+            x: x.chunks_exact(4).map(|w| f32::from_le_bytes(word(w))).collect(),
+            y: y.chunks_exact(4).map(|w| u32::from_le_bytes(word(w))).collect(),
+        })
+    }
 }
 
 /// The MLP and its SGD-with-momentum state, as plain vectors (chorus moves
@@ -498,8 +532,9 @@ fn worker(args: Args) -> Result<()> {
         // it joins, the sooner that is (forming the links takes longer
         // than building these).
         let (seed, steps, hidden, state_mib) = (args.seed, args.steps, args.hidden, args.state_mib);
+        let dir = run_dir.clone();
         let job = tokio::task::spawn_blocking(move || {
-            let data = Arc::new(Dataset::generate(seed, TRAIN_SAMPLES, 1));
+            let data = Arc::new(Dataset::load_or_generate(&dir, seed, TRAIN_SAMPLES));
             Mlp::new(seed, data, steps, 0.05, hidden, state_mib)
         });
         let finished = run_dir.join("finished");
