@@ -107,6 +107,10 @@ struct Args {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// Keep the run's directory (the workers' logs; `CHORUS_LOG=info` shows
+    /// each one's phases) and print where it is.
+    #[arg(long)]
+    keep_logs: bool,
     /// (internal) the run's directory, given to the workers.
     #[arg(long, hide = true)]
     run_dir: Option<PathBuf>,
@@ -173,6 +177,40 @@ impl Dataset {
     fn len(&self) -> usize {
         self.y.len()
     }
+
+    /// The training set, read from `dir` where an earlier worker of the
+    /// run saved it (a relaunched worker then starts in milliseconds, as
+    /// one reading its data from disk would), else generated and saved.
+    fn load_or_generate(dir: &Path, seed: u64, samples: usize) -> Self {
+        let path = dir.join(format!("train-data-{seed}-{samples}"));
+        if let Some(data) = std::fs::read(&path).ok().and_then(|b| Self::decode(&b, samples)) {
+            return data;
+        }
+        let data = Self::generate(seed, samples, 1);
+        // Written aside and renamed: a reader never sees half a file.
+        let aside = path.with_extension(std::process::id().to_string());
+        if std::fs::write(&aside, data.encode()).is_ok() {
+            let _ = std::fs::rename(&aside, &path);
+        }
+        data
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let x = self.x.iter().map(|v| v.to_le_bytes());
+        x.chain(self.y.iter().map(|v| v.to_le_bytes())).flatten().collect()
+    }
+
+    fn decode(bytes: &[u8], samples: usize) -> Option<Self> {
+        if bytes.len() != samples * (INPUTS + 1) * 4 {
+            return None;
+        }
+        let (x, y) = bytes.split_at(samples * INPUTS * 4);
+        let word = |w: &[u8]| [w[0], w[1], w[2], w[3]];
+        Some(Self {
+            x: x.chunks_exact(4).map(|w| f32::from_le_bytes(word(w))).collect(),
+            y: y.chunks_exact(4).map(|w| u32::from_le_bytes(word(w))).collect(),
+        })
+    }
 }
 
 /// The MLP and its SGD-with-momentum state, as plain vectors (chorus moves
@@ -225,7 +263,7 @@ impl Mlp {
             lr,
             layers,
             // Every page written (no zero pages a source would read for
-            // free), but cheaply: a relaunched worker fills it before joining.
+            // free, none a joiner's transfer would fault in), but cheaply.
             padding: (0..(state_mib << 20) / 4)
                 .map(|i| (i as u32).wrapping_mul(0x9e37_79b9) as f32)
                 .collect(),
@@ -488,9 +526,17 @@ fn worker(args: Args) -> Result<()> {
             // The frozen worker is not dead: the others go on without it.
             options = options.elastic_world(args.world - 1, args.world);
         }
-        // Before joining: a relaunched worker's peers wait for it from then on.
-        let data = Arc::new(Dataset::generate(args.seed, TRAIN_SAMPLES, 1));
-        let mut job = Mlp::new(args.seed, data, args.steps, 0.05, args.hidden, args.state_mib);
+        // The data and the model are made while joining: a relaunched
+        // worker's peers wait for it from the moment they form the
+        // generation until it takes part in the transfer, and the sooner
+        // it joins, the sooner that is (forming the links takes longer
+        // than building these).
+        let (seed, steps, hidden, state_mib) = (args.seed, args.steps, args.hidden, args.state_mib);
+        let dir = run_dir.clone();
+        let job = tokio::task::spawn_blocking(move || {
+            let data = Arc::new(Dataset::load_or_generate(&dir, seed, TRAIN_SAMPLES));
+            Mlp::new(seed, data, steps, 0.05, hidden, state_mib)
+        });
         let finished = run_dir.join("finished");
         // A worker relaunched after the others finished (a freeze found
         // late, say) has no job left to join: it would wait out the
@@ -504,6 +550,7 @@ fn worker(args: Args) -> Result<()> {
         };
         let first_rank = group.rank();
         let relaunched = group.generation() > 0;
+        let mut job = job.await.context("building the model and data")?;
         let _ = std::fs::create_dir_all(run_dir.join("pids"));
         let _ = std::fs::write(
             run_dir.join("pids").join(first_rank.to_string()),
@@ -930,6 +977,10 @@ fn main() -> Result<()> {
         });
         println!("{json}");
     }
-    let _ = std::fs::remove_dir_all(&base);
+    if args.keep_logs {
+        eprintln!("the workers' logs: {}", base.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&base);
+    }
     Ok(())
 }
