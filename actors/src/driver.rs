@@ -8,11 +8,13 @@
 //!    naming the ranks and both signatures, instead of one hanging or
 //!    reducing garbage. A send carries its signature to its receiver only.
 //! 2. A step runs once its dependencies have: a copy at once; a send of
-//!    output bytes goes straight into the link when it has room
-//!    ([`Link::try_send_copy`]), otherwise it copies its region into a frame
-//!    and hands it to a task (it counts as done once copied, rule 2 of the
-//!    plan); a receive once its frame has arrived. An average divides at
-//!    the plan's completing receives when it has them.
+//!    output bytes goes straight into the link ([`Link::poll_send_copy`]),
+//!    and while the link has no room the step waits, receives still
+//!    served, until the link wakes the loop; on a link that takes no
+//!    borrowed payload it copies its region into a frame and hands it to a
+//!    task (either way it counts as done once copied, rule 2 of the plan);
+//!    a receive once its frame has arrived. An average divides at the
+//!    plan's completing receives when it has them.
 //! 3. One reader task per peer reads that peer's frames in order from the
 //!    channel and hands them over by tag, so receives may complete in any
 //!    order the plan allows.
@@ -23,6 +25,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -34,7 +37,7 @@ use chorus_transports::link::{ChannelId, Link, TransportError};
 
 use crate::supervision::GroupAborted;
 use thiserror::Error;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -303,6 +306,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
         }
     }
 
+    // Woken by a link that has room again for a send that found none.
+    let has_room = Arc::new(Notify::new());
+    let room_waker = Waker::from(Arc::new(RoomWaker(has_room.clone())));
     let steps = plan.steps();
     let mut done = vec![false; steps.len()];
     let mut remaining = steps.len();
@@ -328,17 +334,29 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         }
                         Action::Send { to, tag, src } => {
                             let link = link(links, rank, *to)?;
-                            // Straight into the transport when it has room
-                            // now (one copy, none into a frame); when it has
-                            // none, or failed, the ordinary send below waits
-                            // or reports the failure.
-                            if let Region::Output(r) = src
-                                && let Ok(true) = link.try_send_copy(channel, data_tag(*tag), &output[element(r)])
-                            {
-                                done[index] = true;
-                                remaining -= 1;
-                                progressed = true;
-                                continue;
+                            // Straight from the output into the transport
+                            // (one copy, none into a frame), waiting for room
+                            // with the receives still served; a transport
+                            // that takes no borrowed payload gets a frame.
+                            if let Region::Output(r) = src {
+                                let bytes = &output[element(r)];
+                                let mut room = Context::from_waker(&room_waker);
+                                match link.poll_send_copy(&mut room, channel, data_tag(*tag), bytes) {
+                                    Poll::Ready(Ok(true)) => {
+                                        done[index] = true;
+                                        remaining -= 1;
+                                        progressed = true;
+                                        continue;
+                                    }
+                                    Poll::Pending => continue,
+                                    Poll::Ready(Err(e)) => {
+                                        return Err(
+                                            explain_failure(e.into(), &signature, rank, &mut unverified, &mut inbox)
+                                                .await,
+                                        );
+                                    }
+                                    Poll::Ready(Ok(false)) => {}
+                                }
                             }
                             let payload = match src {
                                 Region::Input(r) => input.slice(element(r)),
@@ -388,9 +406,16 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             if remaining == 0 && unverified.is_empty() {
                 return Ok(());
             }
-            let event = match tokio::time::timeout_at(deadline, inbox.recv()).await {
+            let next = async {
+                tokio::select! {
+                    event = inbox.recv() => event,
+                    // A link has room for a send that waited: try again.
+                    () = has_room.notified() => None,
+                }
+            };
+            let event = match tokio::time::timeout_at(deadline, next).await {
                 Ok(Some(event)) => event,
-                Ok(None) => unreachable!("this function holds a sender"),
+                Ok(None) => continue,
                 Err(_) => {
                     let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
                     for (index, step) in steps.iter().enumerate() {
@@ -462,6 +487,16 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
         finalize_avg(signature.dtype, output, plan.world())?;
     }
     Ok(())
+}
+
+/// Turns a link's wake-up (it has room for a send that waited) into a
+/// permit the collective's loop waits on next to its inbox.
+struct RoomWaker(Arc<Notify>);
+
+impl Wake for RoomWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.notify_one();
+    }
 }
 
 /// A link failure during a collective is often the echo of a desync: the
