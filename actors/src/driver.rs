@@ -551,6 +551,85 @@ fn check_len(signature: &Signature, which: &'static str, got: usize, want: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chorus_runtime::collective::{Algorithm, CollectiveKind, DType, Spec};
+    use chorus_transports::shm::{ShmEndpoint, ShmOptions, ShmPeer};
+
+    #[tokio::test]
+    async fn sends_that_find_a_full_shm_ring_wait_for_room_instead_of_copying_into_frames() {
+        // Rings of two 1 MiB segments; a 16 MiB ring all-reduce has its
+        // first round's 8 MiB ready at once, so most sends find no room.
+        let options = ShmOptions {
+            capacity: 2 * ((1 << 20) + 4096),
+            connect_timeout: Duration::from_secs(10),
+            ..ShmOptions::default()
+        };
+        let ends = [0, 1].map(|rank| ShmEndpoint::new(rank, options.clone()).unwrap());
+        let peer = |rank: usize| ShmPeer {
+            rank,
+            nonce: ends[rank].nonce(),
+        };
+        let (to_one, to_zero) = ([peer(1)], [peer(0)]);
+        let (zero, one) = tokio::join!(ends[0].connect_mesh(&to_one), ends[1].connect_mesh(&to_zero));
+        let meshes = [zero.unwrap(), one.unwrap()];
+        let count = 4 << 20;
+        let signature = Signature {
+            seq: 0,
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            reduce_op: Some(ReduceOp::Sum),
+        };
+        let spec = Spec {
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            world: 2,
+        };
+        let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+        let pools = [FramePool::default(), FramePool::default()];
+        let mut outputs = [0, 1].map(|rank| {
+            (0..count)
+                .flat_map(|i| ((i % 1000 + rank * 1000) as f32).to_le_bytes())
+                .collect::<Vec<u8>>()
+        });
+        let (_abort, aborts) = watch::channel(None);
+        let [first, second] = &mut outputs;
+        let mut jobs = [first, second].into_iter().enumerate().map(|(rank, output)| Job {
+            rank,
+            links: &meshes[rank],
+            channel: 0,
+            signature,
+            plan: &plans[rank],
+            announce_to: vec![1 - rank],
+            check_from: vec![1 - rank],
+            input: Bytes::new(),
+            output,
+            timeout: Duration::from_secs(30),
+            pool: &pools[rank],
+            abort: aborts.clone(),
+        });
+        let (a, b) = (jobs.next().expect("rank 0"), jobs.next().expect("rank 1"));
+        drop(jobs);
+        let (a, b) = tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run(a), run(b)) })
+            .await
+            .expect("the all-reduce hung");
+        a.unwrap();
+        b.unwrap();
+        for output in &outputs {
+            for (i, value) in output.chunks_exact(4).enumerate() {
+                let want = (2 * (i % 1000) + 1000) as f32;
+                assert_eq!(f32::from_le_bytes(value.try_into().unwrap()), want, "element {i}");
+            }
+        }
+        // A frame, once dropped, returns to its pool: empty pools mean
+        // every send went straight into the ring.
+        for pool in &pools {
+            assert!(pool.0.lock().unwrap().is_empty(), "a send was copied into a frame");
+        }
+    }
+
 
     #[test]
     fn the_frame_pool_keeps_a_bounded_number_of_bytes() {
