@@ -78,8 +78,10 @@
 //!
 //! # Copies and costs
 //! A frame that fits the ring is copied once (sender into the ring);
-//! [`Link::try_send_copy`] copies a borrowed payload straight in when the
-//! ring has room, so a caller needs no owned frame either. The
+//! [`Link::poll_send_copy`] (and [`Link::try_send_copy`], which does not
+//! wait) copies a borrowed payload straight in, so a caller needs no owned
+//! frame either; while the ring is full one watcher thread per link waits
+//! on the futex for every such sender and wakes them. The
 //! receiver must drop received payloads promptly: a payload held forever
 //! pins its bytes of the ring, and the sender waits once the ring is full
 //! (the collectives reduce from a payload, then drop it). Per link there is
