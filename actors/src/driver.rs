@@ -350,10 +350,14 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                     }
                                     Poll::Pending => continue,
                                     Poll::Ready(Err(e)) => {
-                                        return Err(
-                                            explain_failure(e.into(), &signature, rank, &mut unverified, &mut inbox)
-                                                .await,
-                                        );
+                                        return Err(explain_failure(
+                                            e.into(),
+                                            &signature,
+                                            rank,
+                                            &mut unverified,
+                                            &mut inbox,
+                                        )
+                                        .await);
                                     }
                                     Poll::Ready(Ok(false)) => {}
                                 }
@@ -419,8 +423,13 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                 Err(_) => {
                     let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
                     for (index, step) in steps.iter().enumerate() {
-                        if let (false, Action::Recv { from, .. }) = (done[index], &step.action) {
-                            waiting_for.push(*from);
+                        let ready = || plan.deps(StepId(index as u32)).iter().all(|d| done[d.index()]);
+                        match (done[index], &step.action) {
+                            (false, Action::Recv { from, .. }) => waiting_for.push(*from),
+                            // A send that could run waits for room: its
+                            // peer does not drain the link.
+                            (false, Action::Send { to, .. }) if ready() => waiting_for.push(*to),
+                            _ => {}
                         }
                     }
                     waiting_for.sort_unstable();
@@ -629,7 +638,6 @@ mod tests {
             assert!(pool.0.lock().unwrap().is_empty(), "a send was copied into a frame");
         }
     }
-
 
     #[test]
     fn the_frame_pool_keeps_a_bounded_number_of_bytes() {

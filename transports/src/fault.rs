@@ -484,10 +484,13 @@ impl FaultyLink {
         let mut random = self.random.lock().unwrap_or_else(|p| p.into_inner());
         let mut next = random.clone();
         let count = self.frames.load(Ordering::SeqCst);
-        let action = self
-            .rank
-            .plan
-            .decide(self.me, self.peer(), count, self.rank.started.elapsed(), next.next_f64());
+        let action = self.rank.plan.decide(
+            self.me,
+            self.peer(),
+            count,
+            self.rank.started.elapsed(),
+            next.next_f64(),
+        );
         if action != Action::Deliver {
             return Poll::Ready(Ok(false));
         }
@@ -754,14 +757,17 @@ mod tests {
         within(async {
             let mesh = wrapped(2, "close(0->1, after_frames=2)");
             let (tx, rx) = (mesh[0][1].as_ref().unwrap(), mesh[1][0].as_ref().unwrap());
-            let borrowed =
-                |tag: u64| std::future::poll_fn(move |cx| tx.poll_send_copy(cx, 0, tag, b"borrowed"));
+            let borrowed = |tag: u64| std::future::poll_fn(move |cx| tx.poll_send_copy(cx, 0, tag, b"borrowed"));
             // Two frames go straight through and count; the third is the
             // close's, refused here so that the owned send applies it.
             assert_eq!(borrowed(0).await, Ok(true));
             assert_eq!(tx.try_send_copy(0, 1, b"borrowed"), Ok(true));
             assert_eq!(borrowed(2).await, Ok(false));
-            assert_eq!(tx.try_send_copy(0, 2, b"borrowed"), Ok(false), "refused again, not counted");
+            assert_eq!(
+                tx.try_send_copy(0, 2, b"borrowed"),
+                Ok(false),
+                "refused again, not counted"
+            );
             assert!(tx.send(0, 2, Bytes::from_static(b"owned")).await.is_err());
             for tag in 0..2 {
                 assert_eq!(rx.recv(0).await.unwrap().tag, tag);

@@ -1607,7 +1607,10 @@ mod tests {
             assert!(waited.is_err(), "the ring is still full");
             b.cut("gone");
             assert!(matches!(sixth.await, Err(TransportError::Closed { peer: 1, .. })));
-            assert!(matches!(send(6, piece.clone()).await, Err(TransportError::Closed { .. })));
+            assert!(matches!(
+                send(6, piece.clone()).await,
+                Err(TransportError::Closed { .. })
+            ));
         })
         .await;
     }
