@@ -847,6 +847,21 @@ struct Shared {
     room: Mutex<RoomWaiters>,
 }
 
+/// A watcher's claim on its link: dropping it ends the watch and wakes the
+/// waiters, who poll again (and start the next watcher if still no room).
+struct Watching(Arc<Shared>);
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        let wakers = {
+            let mut room = self.0.room.lock().unwrap_or_else(|p| p.into_inner());
+            room.watching = false;
+            std::mem::take(&mut room.wakers)
+        };
+        wakers.into_iter().for_each(Waker::wake);
+    }
+}
+
 /// Tasks whose borrowed send found no room, and whether a watcher thread
 /// waits for room on their behalf (at most one per link).
 #[derive(Default)]
@@ -1051,8 +1066,11 @@ impl Shared {
             return;
         }
         drop(room);
-        let shared = self.clone();
+        // Wakes the waiters however the watcher ends, also when it never
+        // runs (a runtime shutting down drops it unrun).
+        let watching = Watching(self.clone());
         let watch = move || {
+            let shared = &watching.0;
             // Behind a send in flight (it may be mid-frame), then for room;
             // a link that fails ends the wait with its error recorded, so
             // the woken sender sees it.
@@ -1061,16 +1079,14 @@ impl Shared {
                 shared.fail(error, None);
             }
             drop(guard);
-            let wakers = {
-                let mut room = shared.room.lock().unwrap_or_else(|p| p.into_inner());
-                room.watching = false;
-                std::mem::take(&mut room.wakers)
-            };
-            wakers.into_iter().for_each(Waker::wake);
         };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn_blocking(watch)),
-            Err(_) => drop(std::thread::Builder::new().name("chorus-shm-room".into()).spawn(watch)),
+            Err(_) => {
+                if let Err(e) = std::thread::Builder::new().name("chorus-shm-room".into()).spawn(watch) {
+                    self.fail(self.closed(format!("no thread to wait for ring room: {e}")), None);
+                }
+            }
         }
     }
 
