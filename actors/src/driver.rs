@@ -8,11 +8,13 @@
 //!    naming the ranks and both signatures, instead of one hanging or
 //!    reducing garbage. A send carries its signature to its receiver only.
 //! 2. A step runs once its dependencies have: a copy at once; a send of
-//!    output bytes goes straight into the link when it has room
-//!    ([`Link::try_send_copy`]), otherwise it copies its region into a frame
-//!    and hands it to a task (it counts as done once copied, rule 2 of the
-//!    plan); a receive once its frame has arrived. An average divides at
-//!    the plan's completing receives when it has them.
+//!    output bytes goes straight into the link ([`Link::poll_send_copy`]),
+//!    and while the link has no room the step waits, receives still
+//!    served, until the link wakes the loop; on a link that takes no
+//!    borrowed payload it copies its region into a frame and hands it to a
+//!    task (either way it counts as done once copied, rule 2 of the plan);
+//!    a receive once its frame has arrived. An average divides at the
+//!    plan's completing receives when it has them.
 //! 3. One receive per peer is pending at a time, polled by the collective
 //!    itself (no task per peer: in a process of many ranks a task and a
 //!    hand-over per frame cost more than the frame), so each peer's frames
@@ -27,6 +29,7 @@ use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -40,7 +43,7 @@ use futures_util::stream::FuturesUnordered;
 
 use crate::supervision::GroupAborted;
 use thiserror::Error;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -357,6 +360,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
         }
     }
 
+    // Woken by a link that has room again for a send that found none.
+    let has_room = Arc::new(Notify::new());
+    let room_waker = Waker::from(Arc::new(RoomWaker(has_room.clone())));
     let steps = plan.steps();
     let mut done = vec![false; steps.len()];
     let mut remaining = steps.len();
@@ -385,17 +391,33 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         }
                         Action::Send { to, tag, src } => {
                             let link = link(links, rank, *to)?;
-                            // Straight into the transport when it has room
-                            // now (one copy, none into a frame); when it has
-                            // none, or failed, the ordinary send below waits
-                            // or reports the failure.
-                            if let Region::Output(r) = src
-                                && let Ok(true) = link.try_send_copy(channel, data_tag(*tag), &output[element(r)])
-                            {
-                                done[index] = true;
-                                remaining -= 1;
-                                progressed = true;
-                                continue;
+                            // Straight from the output into the transport
+                            // (one copy, none into a frame), waiting for room
+                            // with the receives still served; a transport
+                            // that takes no borrowed payload gets a frame.
+                            if let Region::Output(r) = src {
+                                let bytes = &output[element(r)];
+                                let mut room = Context::from_waker(&room_waker);
+                                match link.poll_send_copy(&mut room, channel, data_tag(*tag), bytes) {
+                                    Poll::Ready(Ok(true)) => {
+                                        done[index] = true;
+                                        remaining -= 1;
+                                        progressed = true;
+                                        continue;
+                                    }
+                                    Poll::Pending => continue,
+                                    Poll::Ready(Err(e)) => {
+                                        return Err(explain_failure(
+                                            e.into(),
+                                            &signature,
+                                            rank,
+                                            &mut unverified,
+                                            &mut inbox,
+                                        )
+                                        .await);
+                                    }
+                                    Poll::Ready(Ok(false)) => {}
+                                }
                             }
                             let payload = match src {
                                 Region::Input(r) => input.slice(element(r)),
@@ -448,11 +470,18 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             let event = tokio::select! {
                 biased;
                 event = inbox.next() => event.expect("this function holds a sender"),
+                // A link has room for a send that waited: try again.
+                () = has_room.notified() => continue,
                 () = &mut expiry => {
                     let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
                     for (index, step) in steps.iter().enumerate() {
-                        if let (false, Action::Recv { from, .. }) = (done[index], &step.action) {
-                            waiting_for.push(*from);
+                        let ready = || plan.deps(StepId(index as u32)).iter().all(|d| done[d.index()]);
+                        match (done[index], &step.action) {
+                            (false, Action::Recv { from, .. }) => waiting_for.push(*from),
+                            // A send that could run waits for room: its
+                            // peer does not drain the link.
+                            (false, Action::Send { to, .. }) if ready() => waiting_for.push(*to),
+                            _ => {}
                         }
                     }
                     waiting_for.sort_unstable();
@@ -521,6 +550,16 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     Ok(())
 }
 
+/// Turns a link's wake-up (it has room for a send that waited) into a
+/// permit the collective's loop waits on next to its inbox.
+struct RoomWaker(Arc<Notify>);
+
+impl Wake for RoomWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.notify_one();
+    }
+}
+
 /// A link failure during a collective is often the echo of a desync: the
 /// rank that disagreed gave up and left. Signatures still in flight get a
 /// short grace period, so the error names the cause rather than the echo.
@@ -573,6 +612,84 @@ fn check_len(signature: &Signature, which: &'static str, got: usize, want: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chorus_runtime::collective::{Algorithm, CollectiveKind, DType, Spec};
+    use chorus_transports::shm::{ShmEndpoint, ShmOptions, ShmPeer};
+
+    #[tokio::test]
+    async fn sends_that_find_a_full_shm_ring_wait_for_room_instead_of_copying_into_frames() {
+        // Rings of two 1 MiB segments; a 16 MiB ring all-reduce has its
+        // first round's 8 MiB ready at once, so most sends find no room.
+        let options = ShmOptions {
+            capacity: 2 * ((1 << 20) + 4096),
+            connect_timeout: Duration::from_secs(10),
+            ..ShmOptions::default()
+        };
+        let ends = [0, 1].map(|rank| ShmEndpoint::new(rank, options.clone()).unwrap());
+        let peer = |rank: usize| ShmPeer {
+            rank,
+            nonce: ends[rank].nonce(),
+        };
+        let (to_one, to_zero) = ([peer(1)], [peer(0)]);
+        let (zero, one) = tokio::join!(ends[0].connect_mesh(&to_one), ends[1].connect_mesh(&to_zero));
+        let meshes = [zero.unwrap(), one.unwrap()];
+        let count = 4 << 20;
+        let signature = Signature {
+            seq: 0,
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            reduce_op: Some(ReduceOp::Sum),
+        };
+        let spec = Spec {
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            world: 2,
+        };
+        let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+        let pools = [FramePool::default(), FramePool::default()];
+        let mut outputs = [0, 1].map(|rank| {
+            (0..count)
+                .flat_map(|i| ((i % 1000 + rank * 1000) as f32).to_le_bytes())
+                .collect::<Vec<u8>>()
+        });
+        let (_abort, aborts) = watch::channel(None);
+        let [first, second] = &mut outputs;
+        let mut jobs = [first, second].into_iter().enumerate().map(|(rank, output)| Job {
+            rank,
+            links: &meshes[rank],
+            channel: 0,
+            signature,
+            plan: &plans[rank],
+            announce_to: vec![1 - rank],
+            check_from: vec![1 - rank],
+            input: Bytes::new(),
+            output,
+            timeout: Duration::from_secs(30),
+            pool: &pools[rank],
+            abort: aborts.clone(),
+        });
+        let (a, b) = (jobs.next().expect("rank 0"), jobs.next().expect("rank 1"));
+        drop(jobs);
+        let (a, b) = tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run(a), run(b)) })
+            .await
+            .expect("the all-reduce hung");
+        a.unwrap();
+        b.unwrap();
+        for output in &outputs {
+            for (i, value) in output.chunks_exact(4).enumerate() {
+                let want = (2 * (i % 1000) + 1000) as f32;
+                assert_eq!(f32::from_le_bytes(value.try_into().unwrap()), want, "element {i}");
+            }
+        }
+        // A frame, once dropped, returns to its pool: empty pools mean
+        // every send went straight into the ring.
+        for pool in &pools {
+            assert!(pool.0.lock().unwrap().is_empty(), "a send was copied into a frame");
+        }
+    }
 
     #[test]
     fn the_frame_pool_keeps_a_bounded_number_of_bytes() {

@@ -40,6 +40,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -367,7 +368,7 @@ impl FaultPlan {
 }
 
 /// splitmix64: a small, well-mixed generator; one stream per directed link.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct SplitMix(u64);
 
 impl SplitMix {
@@ -459,6 +460,48 @@ impl FaultyLink {
         let mut bytes = payload.to_vec();
         bytes[at] ^= 1 << bit;
         Bytes::from(bytes)
+    }
+
+    /// A borrowed send ([`Link::poll_send_copy`], [`Link::try_send_copy`])
+    /// goes to the inner link only when this frame's decision is to deliver
+    /// it; any other fault refuses it (`Ok(false)`), so the owned `send` the
+    /// caller makes instead applies the fault. The decision is made on a
+    /// copy of the random stream and committed (the frame counted, the
+    /// stream advanced) only once the inner link took the frame, so a
+    /// refused or pending frame is decided again, the same way, later.
+    fn copy_through(
+        &self,
+        channel: ChannelId,
+        inner: impl FnOnce(&dyn Link) -> Poll<Result<bool, TransportError>>,
+    ) -> Poll<Result<bool, TransportError>> {
+        if self.rank.frozen.load(Ordering::SeqCst) {
+            // Never completes, as a frozen rank's sends.
+            return Poll::Pending;
+        }
+        if self.rank.killed.load(Ordering::SeqCst) {
+            return Poll::Ready(Err(self.dead()));
+        }
+        let mut random = self.random.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next = random.clone();
+        let count = self.frames.load(Ordering::SeqCst);
+        let action = self.rank.plan.decide(
+            self.me,
+            self.peer(),
+            count,
+            self.rank.started.elapsed(),
+            next.next_f64(),
+        );
+        if action != Action::Deliver {
+            return Poll::Ready(Ok(false));
+        }
+        let polled = inner(self.inner.as_ref());
+        if let Poll::Ready(Ok(true)) = polled {
+            *random = next;
+            if channel != HEARTBEAT_CHANNEL {
+                self.frames.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        polled
     }
 
     fn dead(&self) -> TransportError {
@@ -565,6 +608,23 @@ impl Link for FaultyLink {
                 self.frozen_forever().await
             }
         }
+    }
+
+    fn try_send_copy(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
+        match self.copy_through(channel, |inner| Poll::Ready(inner.try_send_copy(channel, tag, payload))) {
+            Poll::Ready(sent) => sent,
+            Poll::Pending => Ok(false),
+        }
+    }
+
+    fn poll_send_copy(
+        &self,
+        cx: &mut Context<'_>,
+        channel: ChannelId,
+        tag: u64,
+        payload: &[u8],
+    ) -> Poll<Result<bool, TransportError>> {
+        self.copy_through(channel, |inner| inner.poll_send_copy(cx, channel, tag, payload))
     }
 
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
@@ -688,6 +748,31 @@ mod tests {
             };
             let first = broken_at(11).await;
             assert_eq!(first, broken_at(11).await, "the same seed drops the same frame");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn borrowed_sends_count_toward_triggers_and_faults_go_the_owned_way() {
+        within(async {
+            let mesh = wrapped(2, "close(0->1, after_frames=2)");
+            let (tx, rx) = (mesh[0][1].as_ref().unwrap(), mesh[1][0].as_ref().unwrap());
+            let borrowed = |tag: u64| std::future::poll_fn(move |cx| tx.poll_send_copy(cx, 0, tag, b"borrowed"));
+            // Two frames go straight through and count; the third is the
+            // close's, refused here so that the owned send applies it.
+            assert_eq!(borrowed(0).await, Ok(true));
+            assert_eq!(tx.try_send_copy(0, 1, b"borrowed"), Ok(true));
+            assert_eq!(borrowed(2).await, Ok(false));
+            assert_eq!(
+                tx.try_send_copy(0, 2, b"borrowed"),
+                Ok(false),
+                "refused again, not counted"
+            );
+            assert!(tx.send(0, 2, Bytes::from_static(b"owned")).await.is_err());
+            for tag in 0..2 {
+                assert_eq!(rx.recv(0).await.unwrap().tag, tag);
+            }
+            assert!(matches!(rx.recv(0).await, Err(TransportError::Closed { .. })));
         })
         .await;
     }

@@ -12,9 +12,12 @@
 //!   grow a slow receiver's memory without bound.
 //! - A failed send hands the payload back ([`SendError`]), as tokio's do.
 //! - A transport that copies every payload anyway (shared memory) may take
-//!   a borrowed one ([`Link::try_send_copy`]) when it has room at once.
+//!   a borrowed one straight from the caller's slice, with the same
+//!   back-pressure ([`Link::poll_send_copy`]) or only when it has room at
+//!   once ([`Link::try_send_copy`]): one copy per byte instead of two.
 
 use std::fmt;
+use std::task::{Context, Poll};
 
 use async_trait::async_trait;
 use bytes::{Buf, BufMut, Bytes};
@@ -223,6 +226,25 @@ pub trait Link: Send + Sync + fmt::Debug {
         Ok(false)
     }
 
+    /// Sends a copy of `payload` as one frame straight from the caller's
+    /// slice, waiting for room as [`send`](Self::send) does but without an
+    /// owned frame: `Ready(Ok(true))` once sent; `Pending` while the
+    /// transport has no room (`cx` is woken when it may have: poll again
+    /// with the same frame); `Ready(Ok(false))` when this transport takes
+    /// no borrowed payload of this size, so the caller must `send` an owned
+    /// frame. Nothing is taken unless it returns `Ready(Ok(true))`, so a
+    /// failed, pending or dropped send loses nothing. The default waits for
+    /// nothing: it is [`try_send_copy`](Self::try_send_copy).
+    fn poll_send_copy(
+        &self,
+        _cx: &mut Context<'_>,
+        channel: ChannelId,
+        tag: u64,
+        payload: &[u8],
+    ) -> Poll<Result<bool, TransportError>> {
+        Poll::Ready(self.try_send_copy(channel, tag, payload))
+    }
+
     /// Receives the next frame of `channel`.
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError>;
 
@@ -321,6 +343,20 @@ mod tests {
         fn any_bytes_decode_to_some_notice(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
             CloseNotice::decode(&bytes);
         }
+    }
+
+    #[tokio::test]
+    async fn a_borrowed_send_on_a_link_that_cannot_wait_is_its_try_form() {
+        // In-process links keep the default: small payloads are copied in
+        // at once, larger ones (or a full channel) ask for an owned frame.
+        let mesh = crate::local::local_mesh(2);
+        let (tx, rx) = (mesh[0][1].as_ref().unwrap(), mesh[1][0].as_ref().unwrap());
+        let borrowed = |payload: Vec<u8>| std::future::poll_fn(move |cx| tx.poll_send_copy(cx, 0, 7, &payload));
+        assert_eq!(borrowed(b"small".to_vec()).await, Ok(true));
+        assert_eq!(&rx.recv(0).await.unwrap().payload[..], b"small");
+        assert_eq!(borrowed(vec![1; 1 << 20]).await, Ok(false));
+        tx.close("done");
+        assert!(borrowed(b"late".to_vec()).await.is_err(), "a closed link refuses");
     }
 
     #[test]

@@ -1055,6 +1055,22 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_borrowed_send_asks_for_an_owned_frame() {
+        within(async {
+            // QUIC copies into its own stream buffers from an owned frame:
+            // the borrowed form refuses at once, so the caller sends one.
+            let (_endpoints, links) = mesh(2).await;
+            let (a, b) = (links[0][1].as_ref().unwrap(), links[1][0].as_ref().unwrap());
+            let refused = std::future::poll_fn(|cx| a.poll_send_copy(cx, 3, 1, b"borrowed")).await;
+            assert_eq!(refused, Ok(false));
+            a.send(3, 1, Bytes::from_static(b"owned")).await.unwrap();
+            let frame = b.recv(3).await.unwrap();
+            assert_eq!((frame.tag, &frame.payload[..]), (1, &b"owned"[..]));
+        })
+        .await;
+    }
+
+    #[tokio::test]
     async fn a_stranger_is_refused_and_the_mesh_still_forms() {
         within(async {
             let (endpoints, peers) = endpoints(2);

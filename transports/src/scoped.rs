@@ -4,6 +4,7 @@
 //! the peer is named by its rank in the subgroup.
 
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -82,6 +83,18 @@ impl Link for ScopedLink {
     fn try_send_copy(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
         self.inner
             .try_send_copy(self.channel(channel), tag, payload)
+            .map_err(|e| self.renamed(e))
+    }
+
+    fn poll_send_copy(
+        &self,
+        cx: &mut Context<'_>,
+        channel: ChannelId,
+        tag: u64,
+        payload: &[u8],
+    ) -> Poll<Result<bool, TransportError>> {
+        self.inner
+            .poll_send_copy(cx, self.channel(channel), tag, payload)
             .map_err(|e| self.renamed(e))
     }
 

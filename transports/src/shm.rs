@@ -78,8 +78,10 @@
 //!
 //! # Copies and costs
 //! A frame that fits the ring is copied once (sender into the ring);
-//! [`Link::try_send_copy`] copies a borrowed payload straight in when the
-//! ring has room, so a caller needs no owned frame either. The
+//! [`Link::poll_send_copy`] (and [`Link::try_send_copy`], which does not
+//! wait) copies a borrowed payload straight in, so a caller needs no owned
+//! frame either; while the ring is full one watcher thread per link waits
+//! on the futex for every such sender and wakes them. The
 //! receiver must drop received payloads promptly: a payload held forever
 //! pins its bytes of the ring, and the sender waits once the ring is full
 //! (the collectives reduce from a payload, then drop it). Per link there is
@@ -841,6 +843,31 @@ struct Shared {
     told: Mutex<bool>,
     /// One writer at a time; owned guards survive a cancelled `send`.
     writing: Arc<tokio::sync::Mutex<()>>,
+    /// Borrowed sends waiting for room ([`Link::poll_send_copy`]).
+    room: Mutex<RoomWaiters>,
+}
+
+/// A watcher's claim on its link: dropping it ends the watch and wakes the
+/// waiters, who poll again (and start the next watcher if still no room).
+struct Watching(Arc<Shared>);
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        let wakers = {
+            let mut room = self.0.room.lock().unwrap_or_else(|p| p.into_inner());
+            room.watching = false;
+            std::mem::take(&mut room.wakers)
+        };
+        wakers.into_iter().for_each(Waker::wake);
+    }
+}
+
+/// Tasks whose borrowed send found no room, and whether a watcher thread
+/// waits for room on their behalf (at most one per link).
+#[derive(Default)]
+struct RoomWaiters {
+    wakers: Vec<Waker>,
+    watching: bool,
 }
 
 impl Shared {
@@ -1023,6 +1050,44 @@ impl Shared {
             self.put(head, channel, tag, total, piece);
         }
         Ok(())
+    }
+
+    /// Wakes `waker` once a record of `size` bytes may fit, the writer lock
+    /// is free, or the link fails. The wait needs a thread (the peer moves
+    /// `tail` and wakes a futex); one per link serves every waiter, and the
+    /// waiters list and the `watching` flag change under one lock, so a
+    /// waker registered while a watcher finishes starts the next one.
+    fn wake_on_room(self: &Arc<Self>, waker: &Waker, size: u64) {
+        let mut room = self.room.lock().unwrap_or_else(|p| p.into_inner());
+        if !room.wakers.iter().any(|w| w.will_wake(waker)) {
+            room.wakers.push(waker.clone());
+        }
+        if std::mem::replace(&mut room.watching, true) {
+            return;
+        }
+        drop(room);
+        // Wakes the waiters however the watcher ends, also when it never
+        // runs (a runtime shutting down drops it unrun).
+        let watching = Watching(self.clone());
+        let watch = move || {
+            let shared = &watching.0;
+            // Behind a send in flight (it may be mid-frame), then for room;
+            // a link that fails ends the wait with its error recorded, so
+            // the woken sender sees it.
+            let guard = shared.writing.blocking_lock();
+            if let Err(error) = shared.wait_room(size) {
+                shared.fail(error, None);
+            }
+            drop(guard);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(watch)),
+            Err(_) => {
+                if let Err(e) = std::thread::Builder::new().name("chorus-shm-room".into()).spawn(watch) {
+                    self.fail(self.closed(format!("no thread to wait for ring room: {e}")), None);
+                }
+            }
+        }
     }
 
     /// Waits (spinning, then on the futex) until the peer publishes past
@@ -1254,6 +1319,7 @@ impl ShmLink {
             closed: watch::Sender::new(None),
             told: Mutex::new(false),
             writing: Arc::new(tokio::sync::Mutex::new(())),
+            room: Mutex::new(RoomWaiters::default()),
         });
         let reader = shared.clone();
         // The thread ends once the link fails or closes (close wakes it).
@@ -1317,6 +1383,28 @@ impl Link for ShmLink {
             return Ok(false);
         };
         self.shared.try_write(channel, tag, payload)
+    }
+
+    fn poll_send_copy(
+        &self,
+        cx: &mut Context<'_>,
+        channel: ChannelId,
+        tag: u64,
+        payload: &[u8],
+    ) -> Poll<Result<bool, TransportError>> {
+        let size = record_size(payload.len());
+        // A frame cut into pieces must be finished once begun, which only
+        // an owned payload outlives a dropped send for (rule 5).
+        if size > self.shared.outbound.capacity {
+            return Poll::Ready(Ok(false));
+        }
+        match self.try_send_copy(channel, tag, payload) {
+            Ok(false) => {
+                self.shared.wake_on_room(cx.waker(), size);
+                Poll::Pending
+            }
+            done => Poll::Ready(done),
+        }
     }
 
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
@@ -1497,6 +1585,47 @@ mod tests {
             assert!(matches!(
                 a.try_send_copy(0, 7, b"late"),
                 Err(TransportError::PeerClosed { .. })
+            ));
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_borrowed_send_waits_for_room_and_fails_when_the_peer_goes() {
+        within(async {
+            let (a, b) = pair(64 << 10).await;
+            let piece = pattern((16 << 10) - RECORD_HEADER, 5);
+            let send = |tag: u64, payload: Bytes| {
+                let a = &a;
+                async move { std::future::poll_fn(|cx| a.poll_send_copy(cx, 0, tag, &payload)).await }
+            };
+            for tag in 0..4 {
+                assert_eq!(send(tag, piece.clone()).await, Ok(true));
+            }
+            assert_eq!(send(9, pattern(128 << 10, 0)).await, Ok(false), "larger than the ring");
+            let mut held = Vec::new();
+            for _ in 0..4 {
+                held.push(b.recv(0).await.unwrap());
+            }
+            // The ring is full: the fifth waits, then goes in once the
+            // receiver drops the first payload.
+            let mut fifth = pin!(send(4, piece.clone()));
+            let waited = tokio::time::timeout(Duration::from_millis(200), fifth.as_mut()).await;
+            assert!(waited.is_err(), "a full ring must make a borrowed send wait");
+            held.remove(0);
+            assert_eq!(fifth.await, Ok(true));
+            held.push(b.recv(0).await.unwrap());
+            assert_eq!((held[3].tag, &held[3].payload), (4, &piece));
+            // Full again, with the peer gone while a send waits: it fails,
+            // typed, instead of waiting for room that never comes.
+            let mut sixth = pin!(send(5, piece.clone()));
+            let waited = tokio::time::timeout(Duration::from_millis(100), sixth.as_mut()).await;
+            assert!(waited.is_err(), "the ring is still full");
+            b.cut("gone");
+            assert!(matches!(sixth.await, Err(TransportError::Closed { peer: 1, .. })));
+            assert!(matches!(
+                send(6, piece.clone()).await,
+                Err(TransportError::Closed { .. })
             ));
         })
         .await;
