@@ -345,14 +345,14 @@ impl ShmEndpoint {
             let ring = Ring::create(&path, self.options.capacity, self.rank, peer.rank)
                 .map_err(|e| connect_error(peer.rank, format!("creating {}: {e}", path.display())))?;
             created.0.push(path);
-            outbound.push(Arc::new(ring));
+            outbound.push((Arc::new(ring.0), Some(ring.1)));
         }
         let mut inbound = Vec::new();
         for peer in &peers {
             let path = ring_path(&self.options.dir, peer.nonce, self.rank);
             inbound.push(Arc::new(self.attach(&path, *peer, deadline).await?));
         }
-        for (ring, peer) in outbound.iter().zip(&peers) {
+        for ((ring, _), peer) in outbound.iter().zip(&peers) {
             while ring.header().reader_pid.load(Ordering::Acquire) == 0 {
                 if Instant::now() >= deadline {
                     return Err(connect_error(
@@ -363,7 +363,18 @@ impl ShmEndpoint {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
-        created.0.clear();
+        // Every reader mapped its ring: the names go before the pages are
+        // reserved, since an unlink waits for a running fallocate (the
+        // file's lock) while holding the directory's, which stalls every
+        // rank creating or opening a ring on this host meanwhile.
+        for (path, (ring, file)) in created.0.drain(..).zip(&mut outbound) {
+            let _ = std::fs::remove_file(&path);
+            if let Some(file) = file.take() {
+                let len = ring.data_offset as u64 + ring.capacity;
+                reserve_in_background(file, len, ring.reservation.clone());
+            }
+        }
+        let outbound: Vec<Arc<Ring>> = outbound.into_iter().map(|(ring, _)| ring).collect();
         Ok(peers
             .iter()
             .zip(outbound.into_iter().zip(inbound))
@@ -566,7 +577,7 @@ struct Ring {
 
 impl Ring {
     /// Creates, sizes and initializes the ring `writer_rank` sends on.
-    fn create(path: &Path, capacity: usize, writer_rank: usize, reader_rank: usize) -> io::Result<Ring> {
+    fn create(path: &Path, capacity: usize, writer_rank: usize, reader_rank: usize) -> io::Result<(Ring, File)> {
         let data_offset = page_size();
         let file = OpenOptions::new()
             .read(true)
@@ -594,15 +605,16 @@ impl Ring {
             header.writer_rank.store(writer_rank as u64, Ordering::Relaxed);
             header.reader_rank.store(reader_rank as u64, Ordering::Relaxed);
             header.magic.store(MAGIC, Ordering::Release);
-            let reservation = Arc::new(std::sync::OnceLock::new());
-            reserve_in_background(file, len, reservation.clone());
-            Ok(Ring {
-                map,
-                data_offset,
-                capacity: capacity as u64,
-                released: Mutex::default(),
-                reservation,
-            })
+            Ok((
+                Ring {
+                    map,
+                    data_offset,
+                    capacity: capacity as u64,
+                    released: Mutex::default(),
+                    reservation: Arc::default(),
+                },
+                file,
+            ))
         })();
         if ring.is_err() {
             let _ = std::fs::remove_file(path);
