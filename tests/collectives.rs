@@ -21,7 +21,11 @@ async fn check_world(world: usize, dtypes: &'static [DType], counts: &'static [u
                     .unwrap_or_else(|e| panic!("{e}"));
             }
         }
-        checks + check_subgroups(&pg).await.unwrap_or_else(|e| panic!("{e}"))
+        checks += check_subgroups(&pg).await.unwrap_or_else(|e| panic!("{e}"));
+        // Leave together: a rank that dropped its group as soon as its own
+        // part was done would break a peer still reading its last frames.
+        pg.destroy().await.unwrap_or_else(|e| panic!("destroy: {e}"));
+        checks
     })
     .await
     .unwrap();
