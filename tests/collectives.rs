@@ -5,8 +5,8 @@
 
 use std::process::Command;
 
-use chorus_cli::selftest::{ALL_DTYPES, check_collectives, check_subgroups};
 use chorus::{CollectiveError, DType, ReduceOp, Tensor, spawn};
+use chorus_cli::selftest::{ALL_DTYPES, check_collectives, check_subgroups};
 
 mod common;
 use common::{CHORUS, Stop, joined, run, within};

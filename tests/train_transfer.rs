@@ -4,8 +4,9 @@
 //! is brought forward; a chunk corrupted on the wire (`corrupt` fault) is
 //! fetched again from another source; mismatched lists and a dying source
 //! are errors on every rank, never a hang (also a silent one, at the
-//! collective timeout); rank processes over shm and QUIC; `verify_state`
-//! names a diverged rank.
+//! collective timeout); rank processes over shm and QUIC, and a chunk
+//! corrupted on its way into a shm ring; `verify_state` names a diverged
+//! rank.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -417,6 +418,45 @@ fn rank_processes_transfer_over_shm_and_quic() {
         assert_eq!(row["sources"], 2, "{row}");
         assert!(row["transfer_gbps"].as_f64().is_some_and(|g| g > 0.0), "{row}");
     }
+}
+
+#[test]
+fn a_chunk_corrupted_on_its_way_into_a_shm_ring_is_fetched_again() {
+    // Sources write chunks straight into the joiner's ring; a frame the
+    // fault plan corrupts must take the owned path, where the fault acts.
+    let _serial = one_at_a_time();
+    let output = common::run(
+        std::process::Command::new(common::CHORUS)
+            .args([
+                "bench",
+                "transfer",
+                "--size",
+                "3M",
+                "--sources",
+                "2",
+                "--transport",
+                "shm",
+                "--rounds",
+                "1",
+                "--chunk",
+                "256K",
+                "--json",
+                "--timeout",
+                "60",
+            ])
+            .env("CHORUS_FAULTS", "corrupt(1->2, p=1, after_frames=8, times=1)"),
+        90,
+        "chorus bench transfer with a corrupt fault",
+        common::Stop::Kill,
+    );
+    let text = common::joined(&output);
+    assert!(output.status.success(), "{text}");
+    let row: serde_json::Value = text
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no result row: {text}"));
+    assert_eq!(row["link"], "shm", "{row}");
+    assert_eq!(row["refetched"], 1, "the corrupted chunk went again: {row}");
 }
 
 #[test]

@@ -3,8 +3,9 @@
 //! group's own links, chunked, striped over every source, each chunk
 //! checksummed and fetched again from another source when it arrives
 //! damaged. Nothing is serialized: chunks are raw bytes read with
-//! [`ParamBuffer::read_bytes`] and written with
-//! [`ParamBuffer::write_bytes`] straight from the received frame.
+//! [`ParamBuffer::read_bytes`] (into the link's ring where it has one) and
+//! written with [`ParamBuffer::write_bytes`] straight from the received
+//! frame (a view of the ring).
 //!
 //! # Data flow of [`sync_state`]
 //! 1. One all-gather of a [`Hello`] per rank: its step (or none), a
@@ -14,9 +15,10 @@
 //! 2. [`roles`]: sources are the ranks at the highest step, receivers
 //!    everyone behind; nobody behind, nothing moves.
 //! 3. Rounds ([`Schedule`]): in round 0 chunk `i` comes from source
-//!    `i mod S`; a source reads each of its chunks once and sends the same
-//!    frame (16-byte [`Header`] + payload) to every receiver, one sender
-//!    task per receiver link. A receiver reads from all its sources at once
+//!    `i mod S`; a source writes each chunk's frame (16-byte [`Header`] +
+//!    payload) straight into a receiver's shared-memory ring where it can
+//!    ([`Link::poll_send_with`]), otherwise reads it once into a frame that
+//!    a sender task per receiver link sends. A receiver reads from all its sources at once
 //!    (a reader task per link on [`TRANSFER_CHANNEL`], which checks each
 //!    chunk's [`checksum`] while the chunks checked before it are written
 //!    into the state); a damaged chunk is never written. After each round all ranks
@@ -41,6 +43,7 @@
 //! [`load_extra`]: TrainState::load_extra
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -440,8 +443,12 @@ async fn unless_aborted<T>(
     }
 }
 
-/// A source's round: each chunk read once, checksummed, and handed to a
-/// sender task per receiver link (which keeps each link's frames in order).
+/// A source's round. Each chunk is read from the state straight into the
+/// receiver's transport buffer where the link takes it
+/// ([`Link::poll_send_with`]: a shared-memory ring), so its bytes are
+/// copied once; otherwise it is read once into a frame that a sender task
+/// per receiver link sends. A link that has owned frames queued takes the
+/// next ones owned too, which keeps each link's chunks in order.
 async fn send_round(
     group: &ProcessGroup,
     state: &mut dyn TrainState,
@@ -452,19 +459,20 @@ async fn send_round(
     tag: u64,
 ) -> Result<(), TransferError> {
     let timeout = group.collective_timeout();
-    let mut queues = std::collections::HashMap::new();
+    let mut outbound = std::collections::HashMap::new();
     let mut tasks = JoinSet::new();
     for receiver in sends.iter().flat_map(|(_, r)| r.iter().copied()) {
-        if queues.contains_key(&receiver) {
+        if outbound.contains_key(&receiver) {
             continue;
         }
         let link = link(group, receiver)?;
         let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_PER_RECEIVER);
-        queues.insert(receiver, tx);
+        let queued = Arc::new(AtomicUsize::new(0));
+        outbound.insert(receiver, (link.clone(), tx, queued.clone()));
         tasks.spawn(async move {
             while let Some(frame) = rx.recv().await {
                 match tokio::time::timeout(timeout, link.send(TRANSFER_CHANNEL, tag, frame)).await {
-                    Ok(Ok(())) => {}
+                    Ok(Ok(())) => queued.fetch_sub(1, Ordering::AcqRel),
                     Ok(Err(e)) => return Err(TransferError::Collective(e.error.into())),
                     Err(_) => {
                         return Err(TransferError::Timeout {
@@ -472,7 +480,7 @@ async fn send_round(
                             waited: timeout,
                         });
                     }
-                }
+                };
             }
             Ok(())
         });
@@ -480,15 +488,41 @@ async fn send_round(
     let pool = Pool::default();
     let work = async {
         'chunks: for (chunk, receivers) in sends {
-            let frame = read_chunk(state, extra, chunks, *chunk, round, &pool);
+            let len = HEADER + chunk_len(extra, chunks, *chunk);
+            let mut owned = None;
             for receiver in receivers {
+                let (link, queue, queued) = &outbound[receiver];
+                if queued.load(Ordering::Acquire) == 0 {
+                    let in_place = std::future::poll_fn(|cx| {
+                        link.poll_send_with(cx, TRANSFER_CHANNEL, tag, len, &mut |frame| {
+                            write_chunk(state, extra, chunks, *chunk, round, frame)
+                        })
+                    });
+                    match tokio::time::timeout(timeout, in_place).await {
+                        Ok(Ok(true)) => continue,
+                        Ok(Ok(false)) => {}
+                        Ok(Err(e)) => return Err(transport(e)),
+                        Err(_) => {
+                            return Err(TransferError::Timeout {
+                                peer: *receiver,
+                                waited: timeout,
+                            });
+                        }
+                    }
+                }
+                let frame = owned.get_or_insert_with(|| {
+                    let mut frame = pool.take(len);
+                    write_chunk(state, extra, chunks, *chunk, round, &mut frame);
+                    pool.frame(frame)
+                });
+                queued.fetch_add(1, Ordering::AcqRel);
                 // A closed queue means its task failed: its error comes below.
-                if queues[receiver].send(frame.clone()).await.is_err() {
+                if queue.send(frame.clone()).await.is_err() {
                     break 'chunks;
                 }
             }
         }
-        queues.clear();
+        outbound.clear();
         while let Some(joined) = tasks.join_next().await {
             joined.map_err(|e| CollectiveError::Broken(format!("a state transfer task failed: {e}")))??;
         }
@@ -541,28 +575,28 @@ impl Pool {
     }
 }
 
-/// One chunk's frame: header, then the bytes read from the state, each
-/// block checksummed right after it is read (while it is in the cache).
-fn read_chunk(
-    state: &mut dyn TrainState,
-    extra: &[u8],
-    chunks: &Chunks,
-    chunk: usize,
-    round: u32,
-    pool: &Pool,
-) -> Bytes {
+/// Payload bytes of `chunk`.
+fn chunk_len(extra: &[u8], chunks: &Chunks, chunk: usize) -> usize {
+    if chunk == chunks.extra() {
+        extra.len()
+    } else {
+        chunks.range(chunk).len()
+    }
+}
+
+/// Writes one chunk's frame into `frame` ([`HEADER`] + [`chunk_len`]
+/// bytes): the bytes read from the state, each block checksummed right
+/// after it is written (while it is in the cache), then the header.
+fn write_chunk(state: &mut dyn TrainState, extra: &[u8], chunks: &Chunks, chunk: usize, round: u32, frame: &mut [u8]) {
     let seed = chunk as u64;
     let sum;
-    let mut frame;
+    let (head, payload) = frame.split_at_mut(HEADER);
     if chunk == chunks.extra() {
-        frame = pool.take(HEADER + extra.len());
-        frame[HEADER..].copy_from_slice(extra);
+        payload.copy_from_slice(extra);
         sum = chunk_checksum(seed, extra);
     } else {
         let pieces = chunks.pieces(chunk);
-        let len = chunks.range(chunk).len();
-        frame = pool.take(HEADER + len);
-        let payload = &mut frame[HEADER..];
+        let len = payload.len();
         let mut blocks = Vec::with_capacity(len.div_ceil(BLOCK));
         let mut next = 0;
         for_each_entry(state, |i, _, buffer| {
@@ -588,8 +622,7 @@ fn read_chunk(
         round,
         checksum: sum,
     }
-    .write(&mut frame);
-    pool.frame(frame)
+    .write(head);
 }
 
 /// What a receiver's round works on.

@@ -462,10 +462,11 @@ impl FaultyLink {
         Bytes::from(bytes)
     }
 
-    /// A borrowed send ([`Link::poll_send_copy`], [`Link::try_send_copy`])
-    /// goes to the inner link only when this frame's decision is to deliver
-    /// it; any other fault refuses it (`Ok(false)`), so the owned `send` the
-    /// caller makes instead applies the fault. The decision is made on a
+    /// A borrowed send ([`Link::poll_send_copy`], [`Link::poll_send_with`],
+    /// [`Link::try_send_copy`]) goes to the inner link only when this
+    /// frame's decision is to deliver it; any other fault refuses it
+    /// (`Ok(false)`), so the owned `send` the caller makes instead applies
+    /// the fault. The decision is made on a
     /// copy of the random stream and committed (the frame counted, the
     /// stream advanced) only once the inner link took the frame, so a
     /// refused or pending frame is decided again, the same way, later.
@@ -625,6 +626,17 @@ impl Link for FaultyLink {
         payload: &[u8],
     ) -> Poll<Result<bool, TransportError>> {
         self.copy_through(channel, |inner| inner.poll_send_copy(cx, channel, tag, payload))
+    }
+
+    fn poll_send_with(
+        &self,
+        cx: &mut Context<'_>,
+        channel: ChannelId,
+        tag: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Poll<Result<bool, TransportError>> {
+        self.copy_through(channel, |inner| inner.poll_send_with(cx, channel, tag, len, fill))
     }
 
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {

@@ -14,7 +14,9 @@
 //! - A transport that copies every payload anyway (shared memory) may take
 //!   a borrowed one straight from the caller's slice, with the same
 //!   back-pressure ([`Link::poll_send_copy`]) or only when it has room at
-//!   once ([`Link::try_send_copy`]): one copy per byte instead of two.
+//!   once ([`Link::try_send_copy`]): one copy per byte instead of two. A
+//!   caller that produces the payload may write it in the transport's
+//!   buffer itself ([`Link::poll_send_with`]).
 
 use std::fmt;
 use std::task::{Context, Poll};
@@ -243,6 +245,24 @@ pub trait Link: Send + Sync + fmt::Debug {
         payload: &[u8],
     ) -> Poll<Result<bool, TransportError>> {
         Poll::Ready(self.try_send_copy(channel, tag, payload))
+    }
+
+    /// [`poll_send_copy`](Self::poll_send_copy) for a payload the caller
+    /// produces: the transport hands `fill` the `len` bytes of the frame
+    /// in its own buffer (a shared-memory ring) to write in place, so a
+    /// payload read out of, say, a model's state is written once instead
+    /// of staged and copied. `fill` runs only when this returns
+    /// `Ready(Ok(true))`, at most once per call. The default takes no
+    /// payload this way: `Ready(Ok(false))`, the caller sends an owned frame.
+    fn poll_send_with(
+        &self,
+        _cx: &mut Context<'_>,
+        _channel: ChannelId,
+        _tag: u64,
+        _len: usize,
+        _fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Poll<Result<bool, TransportError>> {
+        Poll::Ready(Ok(false))
     }
 
     /// Receives the next frame of `channel`.

@@ -98,6 +98,19 @@ impl Link for ScopedLink {
             .map_err(|e| self.renamed(e))
     }
 
+    fn poll_send_with(
+        &self,
+        cx: &mut Context<'_>,
+        channel: ChannelId,
+        tag: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Poll<Result<bool, TransportError>> {
+        self.inner
+            .poll_send_with(cx, self.channel(channel), tag, len, fill)
+            .map_err(|e| self.renamed(e))
+    }
+
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
         self.inner
             .recv(self.channel(channel))

@@ -1005,45 +1005,70 @@ impl Shared {
 
     /// Copies one record to `head` and publishes it (rule 4).
     fn put(&self, head: u64, channel: ChannelId, tag: u64, total: u64, piece: &[u8]) {
+        self.put_with(head, channel, tag, total, piece.len(), &mut |payload| {
+            payload.copy_from_slice(piece)
+        });
+    }
+
+    /// Writes one record of `len` payload bytes to `head`, the payload by
+    /// `fill` in place, and publishes it (rule 4).
+    fn put_with(
+        &self,
+        head: u64,
+        channel: ChannelId,
+        tag: u64,
+        total: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) {
         let mut record = [0u8; 32];
         record[0..4].copy_from_slice(&channel.to_le_bytes());
         record[8..16].copy_from_slice(&tag.to_le_bytes());
-        record[16..24].copy_from_slice(&(piece.len() as u64).to_le_bytes());
+        record[16..24].copy_from_slice(&(len as u64).to_le_bytes());
         record[24..32].copy_from_slice(&total.to_le_bytes());
         let at = self.outbound.at(head);
-        // SAFETY: the caller found `record_size(piece.len())` bytes free at
-        // `head` (`tail` is past them), which the double mapping makes
-        // contiguous; only this writer touches free space, and `piece` is
-        // ordinary memory of this process, so the ranges cannot overlap.
-        unsafe {
+        // SAFETY: the caller found `record_size(len)` bytes free at `head`
+        // (`tail` is past them), which the double mapping makes contiguous;
+        // only this writer touches free space, and the reader reads nothing
+        // past `head`, so no one else sees these bytes until the store below.
+        let payload = unsafe {
             std::ptr::copy_nonoverlapping(record.as_ptr(), at, record.len());
-            std::ptr::copy_nonoverlapping(piece.as_ptr(), at.add(RECORD_HEADER), piece.len());
-        }
+            std::slice::from_raw_parts_mut(at.add(RECORD_HEADER), len)
+        };
+        fill(payload);
         let header = self.outbound.header();
-        header
-            .writer
-            .head
-            .store(head + record_size(piece.len()), Ordering::SeqCst);
+        header.writer.head.store(head + record_size(len), Ordering::SeqCst);
         if header.reader.sleeping.load(Ordering::SeqCst) != 0 {
             header.writer.head_seq.fetch_add(1, Ordering::SeqCst);
             futex_wake(&header.writer.head_seq);
         }
     }
 
-    /// Writes a frame now if it is one record and fits; `false` if it must
-    /// wait.
-    fn try_write(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
-        let size = record_size(payload.len());
+    /// Writes a frame of `len` bytes (filled in place) now if it is one
+    /// record and fits; `false` if it must wait.
+    fn try_write_with(
+        &self,
+        channel: ChannelId,
+        tag: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Result<bool, TransportError> {
+        let size = record_size(len);
         if size > self.outbound.capacity {
             return Ok(false);
         }
         match self.room(size)? {
             Some(head) => {
-                self.put(head, channel, tag, payload.len() as u64, payload);
+                self.put_with(head, channel, tag, len as u64, len, fill);
                 Ok(true)
             }
             None => Ok(false),
         }
+    }
+
+    /// [`try_write_with`](Self::try_write_with) a copy of `payload`.
+    fn try_write(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
+        self.try_write_with(channel, tag, payload.len(), &mut |dst| dst.copy_from_slice(payload))
     }
 
     /// Writes a frame, waiting for room: one record if it fits the ring,
@@ -1341,6 +1366,25 @@ impl ShmLink {
             .expect("spawning a thread");
         Self { peer, shared }
     }
+
+    /// Writes a frame of `len` bytes, filled in place, if it fits now and
+    /// no other send is mid-frame; `false` if it must wait.
+    fn try_send_with(
+        &self,
+        channel: ChannelId,
+        tag: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Result<bool, TransportError> {
+        if let Some(error) = self.shared.failure() {
+            return Err(error);
+        }
+        // A send holding the lock may be mid-frame (pieces): wait behind it.
+        let Ok(_guard) = self.shared.writing.try_lock() else {
+            return Ok(false);
+        };
+        self.shared.try_write_with(channel, tag, len, fill)
+    }
 }
 
 #[async_trait]
@@ -1387,14 +1431,7 @@ impl Link for ShmLink {
     }
 
     fn try_send_copy(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<bool, TransportError> {
-        if let Some(error) = self.shared.failure() {
-            return Err(error);
-        }
-        // A send holding the lock may be mid-frame (pieces): wait behind it.
-        let Ok(_guard) = self.shared.writing.try_lock() else {
-            return Ok(false);
-        };
-        self.shared.try_write(channel, tag, payload)
+        self.try_send_with(channel, tag, payload.len(), &mut |dst| dst.copy_from_slice(payload))
     }
 
     fn poll_send_copy(
@@ -1404,13 +1441,24 @@ impl Link for ShmLink {
         tag: u64,
         payload: &[u8],
     ) -> Poll<Result<bool, TransportError>> {
-        let size = record_size(payload.len());
+        self.poll_send_with(cx, channel, tag, payload.len(), &mut |dst| dst.copy_from_slice(payload))
+    }
+
+    fn poll_send_with(
+        &self,
+        cx: &mut Context<'_>,
+        channel: ChannelId,
+        tag: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Poll<Result<bool, TransportError>> {
+        let size = record_size(len);
         // A frame cut into pieces must be finished once begun, which only
         // an owned payload outlives a dropped send for (rule 5).
         if size > self.shared.outbound.capacity {
             return Poll::Ready(Ok(false));
         }
-        match self.try_send_copy(channel, tag, payload) {
+        match self.try_send_with(channel, tag, len, fill) {
             Ok(false) => {
                 self.shared.wake_on_room(cx.waker(), size);
                 Poll::Pending
@@ -1639,6 +1687,48 @@ mod tests {
                 send(6, piece.clone()).await,
                 Err(TransportError::Closed { .. })
             ));
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_filled_send_writes_in_the_ring_only_once_it_has_room() {
+        within(async {
+            let (a, b) = pair(64 << 10).await;
+            let len = (16 << 10) - RECORD_HEADER;
+            let fills = std::sync::atomic::AtomicUsize::new(0);
+            let send = |tag: u64, len: usize| {
+                let (a, fills) = (&a, &fills);
+                async move {
+                    std::future::poll_fn(|cx| {
+                        a.poll_send_with(cx, 0, tag, len, &mut |dst: &mut [u8]| {
+                            fills.fetch_add(1, Ordering::SeqCst);
+                            dst.copy_from_slice(&pattern(dst.len(), tag as u8));
+                        })
+                    })
+                    .await
+                }
+            };
+            for tag in 0..4 {
+                assert_eq!(send(tag, len).await, Ok(true));
+            }
+            assert_eq!(send(9, 128 << 10).await, Ok(false), "larger than the ring");
+            assert_eq!(fills.load(Ordering::SeqCst), 4, "a refused frame is never filled");
+            let first = b.recv(0).await.unwrap();
+            assert_eq!((first.tag, &first.payload), (0, &pattern(len, 0)));
+            // The ring is full: the fifth waits unfilled until the first goes.
+            let mut fifth = pin!(send(4, len));
+            let waited = tokio::time::timeout(Duration::from_millis(200), fifth.as_mut()).await;
+            assert!(waited.is_err(), "a full ring must make a filled send wait");
+            assert_eq!(fills.load(Ordering::SeqCst), 4, "a waiting frame is not filled yet");
+            drop(first);
+            assert_eq!(fifth.await, Ok(true));
+            for tag in 1..5 {
+                let frame = b.recv(0).await.unwrap();
+                assert_eq!((frame.tag, &frame.payload), (tag, &pattern(len, tag as u8)));
+            }
+            b.cut("gone");
+            assert!(matches!(send(6, len).await, Err(TransportError::Closed { .. })));
         })
         .await;
     }

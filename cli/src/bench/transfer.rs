@@ -87,6 +87,8 @@ struct Row {
     transfer_ms: f64,
     link_gbps: f64,
     ratio: f64,
+    /// Chunks fetched again after a failed checksum, over every round.
+    refetched: usize,
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -134,11 +136,12 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
     let mut state = state_of(size, if me == joiner { 0.0 } else { 1.5 });
     let step = (me != joiner).then_some(1);
     let (mut transfers, mut links) = (Vec::new(), Vec::new());
-    let mut bytes = 0;
+    let (mut bytes, mut refetched) = (0, 0);
     for round in 0..=args.rounds {
         group.barrier().await?;
         let report = sync_state(&group, &mut state, step, &transfer).await?;
         bytes = report.bytes;
+        refetched += report.refetched;
         let mine = [report.elapsed.as_secs_f64()];
         let all = group.all_gather(Tensor::from_slice(&mine)).await?.to_vec::<f64>()?;
         let slowest = all.iter().copied().fold(0.0, f64::max);
@@ -166,6 +169,7 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
             transfer_ms: seconds * 1e3,
             link_gbps,
             ratio: transfer_gbps / link_gbps,
+            refetched,
         };
         println!("{}", serde_json::to_string(&row)?);
     }
