@@ -381,41 +381,49 @@ fn verify_state_names_the_diverged_ranks_and_their_first_entry() {
     }
 }
 
-#[test]
-fn rank_processes_transfer_over_shm_and_quic() {
-    // `chorus bench transfer`: 2 source processes and a joiner, which ends
-    // with verify_state (a rank whose state differs exits with an error).
+/// `chorus bench transfer` of 3 MiB from 2 source processes to a joiner,
+/// which ends with verify_state (a rank whose state differs exits with an
+/// error), over `transports` with `CHORUS_FAULTS` set to `faults`: the
+/// result rows.
+fn bench_transfer(transports: &str, faults: Option<&str>) -> Vec<serde_json::Value> {
     let _serial = one_at_a_time();
-    let output = common::run(
-        std::process::Command::new(common::CHORUS).args([
-            "bench",
-            "transfer",
-            "--size",
-            "3M",
-            "--sources",
-            "2",
-            "--transport",
-            "shm,quic",
-            "--rounds",
-            "1",
-            "--chunk",
-            "256K",
-            "--json",
-            "--timeout",
-            "60",
-        ]),
-        90,
-        "chorus bench transfer",
-        common::Stop::Kill,
-    );
+    let mut command = std::process::Command::new(common::CHORUS);
+    command.args([
+        "bench",
+        "transfer",
+        "--size",
+        "3M",
+        "--sources",
+        "2",
+        "--transport",
+        transports,
+        "--rounds",
+        "1",
+        "--chunk",
+        "256K",
+        "--json",
+        "--timeout",
+        "60",
+    ]);
+    if let Some(faults) = faults {
+        command.env("CHORUS_FAULTS", faults);
+    }
+    let output = common::run(&mut command, 90, "chorus bench transfer", common::Stop::Kill);
     let text = common::joined(&output);
     assert!(output.status.success(), "{text}");
     let rows: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-    assert_eq!(rows.len(), 2, "{text}");
+    assert_eq!(rows.len(), transports.split(',').count(), "{text}");
+    rows
+}
+
+#[test]
+fn rank_processes_transfer_over_shm_and_quic() {
+    let rows = bench_transfer("shm,quic", None);
     for (row, link) in rows.iter().zip(["shm", "quic"]) {
         assert_eq!(row["link"], link, "{row}");
         assert_eq!(row["bytes"], (3 << 20) + 64, "{row}");
         assert_eq!(row["sources"], 2, "{row}");
+        assert_eq!(row["refetched"], 0, "{row}");
         assert!(row["transfer_gbps"].as_f64().is_some_and(|g| g > 0.0), "{row}");
     }
 }
@@ -424,39 +432,9 @@ fn rank_processes_transfer_over_shm_and_quic() {
 fn a_chunk_corrupted_on_its_way_into_a_shm_ring_is_fetched_again() {
     // Sources write chunks straight into the joiner's ring; a frame the
     // fault plan corrupts must take the owned path, where the fault acts.
-    let _serial = one_at_a_time();
-    let output = common::run(
-        std::process::Command::new(common::CHORUS)
-            .args([
-                "bench",
-                "transfer",
-                "--size",
-                "3M",
-                "--sources",
-                "2",
-                "--transport",
-                "shm",
-                "--rounds",
-                "1",
-                "--chunk",
-                "256K",
-                "--json",
-                "--timeout",
-                "60",
-            ])
-            .env("CHORUS_FAULTS", "corrupt(1->2, p=1, after_frames=8, times=1)"),
-        90,
-        "chorus bench transfer with a corrupt fault",
-        common::Stop::Kill,
-    );
-    let text = common::joined(&output);
-    assert!(output.status.success(), "{text}");
-    let row: serde_json::Value = text
-        .lines()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| panic!("no result row: {text}"));
-    assert_eq!(row["link"], "shm", "{row}");
-    assert_eq!(row["refetched"], 1, "the corrupted chunk went again: {row}");
+    let rows = bench_transfer("shm", Some("corrupt(1->2, p=1, after_frames=8, times=1)"));
+    assert_eq!(rows[0]["link"], "shm", "{}", rows[0]);
+    assert_eq!(rows[0]["refetched"], 1, "the corrupted chunk went again: {}", rows[0]);
 }
 
 #[test]
