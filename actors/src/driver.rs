@@ -41,6 +41,7 @@ use chorus_transports::link::{ChannelId, Frame, Link, TransportError};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 
+use crate::lend::{Leases, Lender};
 use crate::supervision::GroupAborted;
 use thiserror::Error;
 use tokio::sync::{Notify, mpsc, watch};
@@ -150,6 +151,9 @@ pub struct Job<'a> {
     pub timeout: Duration,
     /// Where send frames' buffers come from.
     pub pool: &'a FramePool,
+    /// Lends `output`'s regions to peers in this process, when the plan
+    /// allows it (`Plan::lendable`); `None`: never lend.
+    pub lender: Option<Lender>,
     /// Turns `Some` when the group is aborted.
     pub abort: watch::Receiver<Option<GroupAborted>>,
 }
@@ -308,8 +312,10 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
         output,
         timeout,
         pool,
+        lender,
         abort: _,
     } = job;
+    let lender = lender.filter(|_| plan.lendable());
     let size = signature.dtype.size();
     check_len(&signature, "input", input.len(), plan.input_len() * size)?;
     check_len(&signature, "output", output.len(), plan.output_len() * size)?;
@@ -368,6 +374,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let mut remaining = steps.len();
     let mut first_open = 0;
     let mut arrived: HashMap<(usize, u64), Bytes> = HashMap::new();
+    // Regions lent to peers, and whether a write waits for one's release.
+    let mut leases = Leases::default();
+    let mut blocked_on_lease = false;
     let element = |r: &std::ops::Range<usize>| r.start * size..r.end * size;
     // One timer for the whole collective, not one per wait.
     let expiry = tokio::time::sleep_until(deadline);
@@ -375,6 +384,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let result = async {
         loop {
             let mut progressed = true;
+            blocked_on_lease = false;
             while progressed {
                 progressed = false;
                 while first_open < steps.len() && done[first_open] {
@@ -385,12 +395,43 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         continue;
                     }
                     let finished = match &steps[index].action {
+                        Action::Copy { dst, .. } if leases.busy(&element(dst)) => {
+                            blocked_on_lease = true;
+                            false
+                        }
                         Action::Copy { src, dst } => {
                             output[element(dst)].copy_from_slice(&input[element(src)]);
                             true
                         }
                         Action::Send { to, tag, src } => {
                             let link = link(links, rank, *to)?;
+                            // An in-process peer reads the region in place.
+                            if let (Region::Output(r), Some(lender)) = (src, &lender) {
+                                let region = element(r);
+                                // SAFETY: the output is the lender's buffer;
+                                // writes wait for the lease (`leases.busy`).
+                                let (view, lease) = unsafe { lender.lend(&output[region.clone()]) };
+                                match link.send_in_place(channel, data_tag(*tag), &view) {
+                                    Ok(true) => {
+                                        leases.push(region, *to, lease);
+                                        done[index] = true;
+                                        remaining -= 1;
+                                        progressed = true;
+                                        continue;
+                                    }
+                                    Ok(false) => {}
+                                    Err(e) => {
+                                        return Err(explain_failure(
+                                            e.into(),
+                                            &signature,
+                                            rank,
+                                            &mut unverified,
+                                            &mut inbox,
+                                        )
+                                        .await);
+                                    }
+                                }
+                            }
                             // Straight from the output into the transport
                             // (one copy, none into a frame), waiting for room
                             // with the receives still served; a transport
@@ -431,6 +472,10 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                             });
                             true
                         }
+                        Action::Recv { dst, .. } if leases.busy(&element(dst)) => {
+                            blocked_on_lease = true;
+                            false
+                        }
                         Action::Recv { from, tag, dst, then } => match arrived.remove(&(*from, data_tag(*tag))) {
                             Some(payload) => {
                                 let target = &mut output[element(dst)];
@@ -464,16 +509,24 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                     }
                 }
             }
-            if remaining == 0 && unverified.is_empty() {
+            // The output goes back (or is averaged) only once no peer
+            // reads it any more.
+            let lent = lender.as_ref().is_some_and(|l| l.outstanding() > 0);
+            if remaining == 0 && unverified.is_empty() && !lent {
                 return Ok(());
             }
+            let wait_release = blocked_on_lease || (remaining == 0 && lent);
             let event = tokio::select! {
                 biased;
                 event = inbox.next() => event.expect("this function holds a sender"),
                 // A link has room for a send that waited: try again.
                 () = has_room.notified() => continue,
+                // A peer released a region a write or the end waits for.
+                () = async { lender.as_ref().expect("lent").released().await }, if wait_release => continue,
                 () = &mut expiry => {
                     let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
+                    // Peers that never released a region lent to them.
+                    waiting_for.extend(leases.holders());
                     for (index, step) in steps.iter().enumerate() {
                         let ready = || plan.deps(StepId(index as u32)).iter().all(|d| done[d.index()]);
                         match (done[index], &step.action) {
@@ -669,6 +722,7 @@ mod tests {
             output,
             timeout: Duration::from_secs(30),
             pool: &pools[rank],
+            lender: None,
             abort: aborts.clone(),
         });
         let (a, b) = (jobs.next().expect("rank 0"), jobs.next().expect("rank 1"));
@@ -688,6 +742,76 @@ mod tests {
         // every send went straight into the ring.
         for pool in &pools {
             assert!(pool.0.lock().unwrap().is_empty(), "a send was copied into a frame");
+        }
+    }
+
+    #[tokio::test]
+    async fn in_process_ring_sends_lend_their_regions_instead_of_copying_into_frames() {
+        let links = chorus_transports::local::local_mesh(2);
+        let count = 1 << 20;
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let signature = Signature {
+                seq: 0,
+                kind: CollectiveKind::AllReduce,
+                dtype: DType::Float32,
+                count,
+                root: None,
+                reduce_op: Some(op),
+            };
+            let spec = Spec {
+                kind: CollectiveKind::AllReduce,
+                dtype: DType::Float32,
+                count,
+                root: None,
+                world: 2,
+            };
+            let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+            assert!(plans[0].lendable());
+            let pools = [FramePool::default(), FramePool::default()];
+            let mut outputs = [0, 1].map(|rank| {
+                crate::lend::LentOutput::new(
+                    (0..count)
+                        .flat_map(|i| ((i % 1000 + rank * 1000) as f32).to_le_bytes())
+                        .collect(),
+                )
+            });
+            let lenders = outputs.each_ref().map(|o| o.lender());
+            let (_abort, aborts) = watch::channel(None);
+            let [first, second] = &mut outputs;
+            let mut jobs = [first, second].into_iter().enumerate().map(|(rank, output)| Job {
+                rank,
+                links: &links[rank],
+                channel: 0,
+                signature,
+                plan: &plans[rank],
+                announce_to: vec![1 - rank],
+                check_from: vec![1 - rank],
+                input: Bytes::new(),
+                output: output.as_mut_slice(),
+                timeout: Duration::from_secs(30),
+                pool: &pools[rank],
+                lender: Some(lenders[rank].clone()),
+                abort: aborts.clone(),
+            });
+            let (a, b) = (jobs.next().expect("rank 0"), jobs.next().expect("rank 1"));
+            drop(jobs);
+            let (a, b) = tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run(a), run(b)) })
+                .await
+                .expect("the all-reduce hung");
+            a.unwrap();
+            b.unwrap();
+            for (lender, pool) in lenders.iter().zip(&pools) {
+                assert_eq!(lender.outstanding(), 0, "the driver returned while a peer read its output");
+                assert!(pool.0.lock().unwrap().is_empty(), "a send was copied into a frame");
+            }
+            for output in outputs {
+                let output = output.into_inner().expect("every view released");
+                for (i, value) in output.chunks_exact(4).enumerate() {
+                    let sum = (2 * (i % 1000) + 1000) as f32;
+                    let want = if op == ReduceOp::Avg { sum / 2.0 } else { sum };
+                    assert_eq!(f32::from_le_bytes(value.try_into().unwrap()), want, "{op:?} element {i}");
+                }
+            }
         }
     }
 
