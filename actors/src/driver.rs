@@ -13,6 +13,12 @@
 //!    served, until the link wakes the loop; on a link that takes no
 //!    borrowed payload it copies its region into a frame and hands it to a
 //!    task (either way it counts as done once copied, rule 2 of the plan);
+//!    to a peer in this process, where the plan allows it
+//!    (`Plan::lendable`, the ring) and the region is large, a view of the
+//!    region goes instead ([`Link::send_in_place`], [`crate::lend`]): the
+//!    peer reduces or copies straight from this rank's output, a write to
+//!    the region waits until the view is released, and the collective
+//!    returns only once every view is;
 //!    a receive once its frame has arrived. An average divides at the
 //!    plan's completing receives when it has them.
 //! 3. One receive per peer is pending at a time, polled by the collective
@@ -50,6 +56,10 @@ use tokio::time::Instant;
 
 /// The tag of a signature frame (data tags pack round and segment).
 const SIGNATURE_TAG: u64 = u64::MAX;
+
+/// Smallest region lent to an in-process peer ([`crate::lend`]): below it a
+/// copy costs less than a view and the wait for its release at the end.
+const LEND_MIN_BYTES: usize = 64 << 10;
 
 fn data_tag(tag: Tag) -> u64 {
     (u64::from(tag.round) << 32) | u64::from(tag.segment)
@@ -406,7 +416,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         Action::Send { to, tag, src } => {
                             let link = link(links, rank, *to)?;
                             // An in-process peer reads the region in place.
-                            if let (Region::Output(r), Some(lender)) = (src, &lender) {
+                            if let (Region::Output(r), Some(lender)) = (src, &lender)
+                                && r.len() * size >= LEND_MIN_BYTES
+                            {
                                 let region = element(r);
                                 // SAFETY: the output is the lender's buffer;
                                 // writes wait for the lease (`leases.busy`).

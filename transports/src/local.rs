@@ -1,5 +1,7 @@
 //! In-process links: ranks that are actors of one process exchange `Bytes`
-//! through bounded queues, so a payload moves without a copy.
+//! through bounded queues, so a payload moves without a copy; a view of the
+//! sender's buffer ([`Link::send_in_place`]) is queued whatever the room,
+//! as it holds no memory of its own.
 //!
 //! Built to scale to thousands of ranks in one process ([`LocalMesh`]): the
 //! state two ranks share (a pair) is made when either first uses their
