@@ -484,11 +484,14 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                             });
                             true
                         }
-                        Action::Recv { dst, .. } if leases.busy(&element(dst)) => {
-                            blocked_on_lease = true;
-                            false
-                        }
                         Action::Recv { from, tag, dst, then } => match arrived.remove(&(*from, data_tag(*tag))) {
+                            // A region still lent waits for its release
+                            // (checked only once there is something to write).
+                            Some(payload) if leases.busy(&element(dst)) => {
+                                arrived.insert((*from, data_tag(*tag)), payload);
+                                blocked_on_lease = true;
+                                false
+                            }
                             Some(payload) => {
                                 let target = &mut output[element(dst)];
                                 if payload.len() != target.len() {
@@ -825,6 +828,90 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[tokio::test]
+    async fn a_lent_region_is_neither_overwritten_nor_handed_back_while_the_peer_holds_it() {
+        let links = chorus_transports::local::local_mesh(2);
+        // Two 1 MiB segments per chunk: rank 0 lends chunk 1's two segments.
+        let count = 1 << 20;
+        let signature = Signature {
+            seq: 0,
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            reduce_op: Some(ReduceOp::Sum),
+        };
+        let spec = Spec {
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            world: 2,
+        };
+        let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+        let pool = FramePool::default();
+        let mut output = crate::lend::LentOutput::new(1f32.to_le_bytes().repeat(count));
+        let lender = output.lender();
+        let (_abort, aborts) = watch::channel(None);
+        let job = Job {
+            rank: 0,
+            links: &links[0],
+            channel: 0,
+            signature,
+            plan: &plans[0],
+            announce_to: vec![1],
+            check_from: vec![1],
+            input: Bytes::new(),
+            output: output.as_mut_slice(),
+            timeout: Duration::from_secs(30),
+            pool: &pool,
+            lender: Some(lender.clone()),
+            abort: aborts,
+        };
+        let mut ranked = Box::pin(run(job));
+        // Rank 1 by hand: its signature and every frame of its plan at once
+        // (its all-gather would overwrite rank 0's lent chunk), while it
+        // holds all that rank 0 sends it.
+        let peer = links[1][0].clone().expect("a link to rank 0");
+        peer.send(0, SIGNATURE_TAG, Bytes::copy_from_slice(&signature.encode()))
+            .await
+            .unwrap();
+        for step in plans[1].steps() {
+            if let Action::Send {
+                tag,
+                src: Region::Output(r),
+                ..
+            } = &step.action
+            {
+                peer.send(0, data_tag(*tag), Bytes::from(vec![0; r.len() * 4]))
+                    .await
+                    .unwrap();
+            }
+        }
+        let mut held = Vec::new();
+        tokio::select! {
+            result = &mut ranked => panic!("returned while its output was lent: {result:?}"),
+            () = async {
+                // Its signature, two reduce-scatter and two all-gather segments.
+                for _ in 0..5 {
+                    held.push(peer.recv(0).await.unwrap());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            } => {}
+        }
+        assert_eq!(lender.outstanding(), 4, "every segment went as a view");
+        drop(held);
+        tokio::time::timeout(Duration::from_secs(10), ranked)
+            .await
+            .expect("the release did not wake the collective")
+            .unwrap();
+        assert_eq!(lender.outstanding(), 0);
+        let output = output.into_inner().expect("nothing lent any more");
+        // Chunk 0 reduced (1 + 0), chunk 1 copied from rank 1 (0).
+        assert!(output[..count * 2].chunks_exact(4).all(|v| v == 1f32.to_le_bytes()));
+        assert!(output[count * 2..].iter().all(|&b| b == 0));
     }
 
     #[test]
