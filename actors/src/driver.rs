@@ -416,13 +416,18 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         Action::Send { to, tag, src } => {
                             let link = link(links, rank, *to)?;
                             // An in-process peer reads the region in place.
-                            if let (Region::Output(r), Some(lender)) = (src, &lender)
-                                && r.len() * size >= LEND_MIN_BYTES
-                            {
-                                let region = element(r);
-                                // SAFETY: the output is the lender's buffer;
-                                // writes wait for the lease (`leases.busy`).
-                                let (view, lease) = unsafe { lender.lend(&output[region.clone()]) };
+                            let region = element(match src {
+                                Region::Input(r) | Region::Output(r) => r,
+                            });
+                            let lent = match (src, &lender) {
+                                // SAFETY: every write of the output waits for
+                                // the leases over it (`leases.busy`).
+                                (Region::Output(_), Some(lender)) if region.len() >= LEND_MIN_BYTES => unsafe {
+                                    lender.lend(&output[region.clone()])
+                                },
+                                _ => None,
+                            };
+                            if let Some((view, lease)) = lent {
                                 match link.send_in_place(channel, data_tag(*tag), &view) {
                                     Ok(true) => {
                                         leases.push(region, *to, lease);
@@ -537,7 +542,12 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                 // A link has room for a send that waited: try again.
                 () = has_room.notified() => continue,
                 // A peer released a region a write or the end waits for.
-                () = async { lender.as_ref().expect("lent").released().await }, if wait_release => continue,
+                () = async {
+                    match &lender {
+                        Some(lender) => lender.released().await,
+                        None => std::future::pending().await,
+                    }
+                }, if wait_release => continue,
                 () = &mut expiry => {
                     let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
                     // Peers that never released a region lent to them.
@@ -802,7 +812,7 @@ mod tests {
                 announce_to: vec![1 - rank],
                 check_from: vec![1 - rank],
                 input: Bytes::new(),
-                output: output.as_mut_slice(),
+                output: output.as_mut_slice().expect("nothing lent yet"),
                 timeout: Duration::from_secs(30),
                 pool: &pools[rank],
                 lender: Some(lenders[rank].clone()),
@@ -864,7 +874,7 @@ mod tests {
             announce_to: vec![1],
             check_from: vec![1],
             input: Bytes::new(),
-            output: output.as_mut_slice(),
+            output: output.as_mut_slice().expect("nothing lent yet"),
             timeout: Duration::from_secs(30),
             pool: &pool,
             lender: Some(lender.clone()),

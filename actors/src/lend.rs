@@ -43,15 +43,18 @@ impl LentOutput {
         }
     }
 
-    /// The bytes, for the driver (which lends through [`Self::lender`]).
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.buffer
+    /// The bytes to write, for the driver (which lends through
+    /// [`Self::lender`]); `None` while a view is out.
+    pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
+        (self.shared.out.load(Ordering::Acquire) == 0).then_some(&mut self.buffer[..])
     }
 
     /// What the driver lends this buffer's regions with.
     pub fn lender(&self) -> Lender {
         Lender {
             shared: self.shared.clone(),
+            base: self.buffer.as_ptr() as usize,
+            len: self.buffer.len(),
         }
     }
 
@@ -75,6 +78,9 @@ impl Drop for LentOutput {
 #[derive(Clone)]
 pub struct Lender {
     shared: Arc<Shared>,
+    /// Where the buffer lies: only regions inside it are lent.
+    base: usize,
+    len: usize,
 }
 
 impl std::fmt::Debug for Lender {
@@ -127,12 +133,16 @@ impl Lender {
         self.shared.released.notified().await
     }
 
-    /// A view of `region` of the buffer, and its lease.
+    /// A view of `region`, and its lease; `None` unless `region` lies in
+    /// this lender's [`LentOutput`] buffer (which alone is kept for views).
     ///
     /// # Safety
-    /// `region` must be of this lender's [`LentOutput`] buffer, and nothing
-    /// may write it until the lease is released.
-    pub(crate) unsafe fn lend(&self, region: &[u8]) -> (Bytes, Arc<Lease>) {
+    /// Nothing may write `region` until the lease is released.
+    pub(crate) unsafe fn lend(&self, region: &[u8]) -> Option<(Bytes, Arc<Lease>)> {
+        let start = region.as_ptr() as usize;
+        if start < self.base || start + region.len() > self.base + self.len {
+            return None;
+        }
         let lease = Arc::new(Lease {
             released: AtomicBool::new(false),
             shared: self.shared.clone(),
@@ -143,7 +153,7 @@ impl Lender {
             len: region.len(),
             lease: lease.clone(),
         };
-        (Bytes::from_owner(view), lease)
+        Some((Bytes::from_owner(view), lease))
     }
 }
 
@@ -184,7 +194,9 @@ mod tests {
     fn a_buffer_dropped_while_lent_stays_readable_until_the_last_view_goes() {
         let mut output = LentOutput::new(vec![7u8; 1 << 20]);
         let lender = output.lender();
-        let (view, lease) = unsafe { lender.lend(&output.as_mut_slice()[4096..8192]) };
+        let region = &output.as_mut_slice().unwrap()[4096..8192];
+        // SAFETY: nothing writes the buffer in this test.
+        let (view, lease) = unsafe { lender.lend(region) }.unwrap();
         let mut leases = Leases::default();
         leases.push(4096..8192, 1, lease);
         assert!(leases.busy(&(0..4097)), "a write overlapping the view must wait");
@@ -203,11 +215,18 @@ mod tests {
     #[test]
     fn the_buffer_comes_back_only_once_every_view_is_released() {
         let mut output = LentOutput::new(vec![1, 2, 3, 4]);
-        let (view, _lease) = unsafe { output.lender().lend(&output.as_mut_slice()[1..3]) };
+        let lender = output.lender();
+        let region = &output.as_mut_slice().unwrap()[1..3];
+        // SAFETY: nothing writes the buffer in this test.
+        let (view, _lease) = unsafe { lender.lend(region) }.unwrap();
         let clone = view.clone();
         drop(view);
         assert_eq!(&clone[..], &[2, 3]);
-        assert_eq!(output.lender().outstanding(), 1, "a clone keeps the view out");
+        assert_eq!(lender.outstanding(), 1, "a clone keeps the view out");
+        assert!(output.as_mut_slice().is_none(), "no writing while lent");
+        let elsewhere = [0u8; 4];
+        // SAFETY: as above.
+        assert!(unsafe { lender.lend(&elsewhere) }.is_none(), "only the output's regions are lent");
         drop(clone);
         assert_eq!(output.into_inner(), Some(vec![1, 2, 3, 4]));
     }

@@ -362,7 +362,7 @@ impl Handler<Collective> for RankActor {
                 announce_to,
                 check_from,
                 input,
-                output: output.as_mut_slice(),
+                output: output.as_mut_slice().expect("nothing is lent before the driver runs"),
                 timeout,
                 pool: &pool,
                 lender: Some(lender),
