@@ -826,7 +826,11 @@ mod tests {
             a.unwrap();
             b.unwrap();
             for (lender, pool) in lenders.iter().zip(&pools) {
-                assert_eq!(lender.outstanding(), 0, "the driver returned while a peer read its output");
+                assert_eq!(
+                    lender.outstanding(),
+                    0,
+                    "the driver returned while a peer read its output"
+                );
                 assert!(pool.0.lock().unwrap().is_empty(), "a send was copied into a frame");
             }
             for output in outputs {
@@ -834,7 +838,11 @@ mod tests {
                 for (i, value) in output.chunks_exact(4).enumerate() {
                     let sum = (2 * (i % 1000) + 1000) as f32;
                     let want = if op == ReduceOp::Avg { sum / 2.0 } else { sum };
-                    assert_eq!(f32::from_le_bytes(value.try_into().unwrap()), want, "{op:?} element {i}");
+                    assert_eq!(
+                        f32::from_le_bytes(value.try_into().unwrap()),
+                        want,
+                        "{op:?} element {i}"
+                    );
                 }
             }
         }

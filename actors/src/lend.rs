@@ -226,7 +226,10 @@ mod tests {
         assert!(output.as_mut_slice().is_none(), "no writing while lent");
         let elsewhere = [0u8; 4];
         // SAFETY: as above.
-        assert!(unsafe { lender.lend(&elsewhere) }.is_none(), "only the output's regions are lent");
+        assert!(
+            unsafe { lender.lend(&elsewhere) }.is_none(),
+            "only the output's regions are lent"
+        );
         drop(clone);
         assert_eq!(output.into_inner(), Some(vec![1, 2, 3, 4]));
     }
