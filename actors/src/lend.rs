@@ -26,6 +26,8 @@ struct Shared {
     released: Notify,
     /// The buffer of a [`LentOutput`] that went while views were out.
     parked: Mutex<Option<Vec<u8>>>,
+    /// The buffer went back to its owner: nothing more is lent.
+    returned: AtomicBool,
 }
 
 /// A collective's output buffer, lendable to peers in this process.
@@ -61,7 +63,11 @@ impl LentOutput {
     /// The buffer, once every view is released; `None` while one is out
     /// (the buffer then stays parked until it is).
     pub fn into_inner(mut self) -> Option<Vec<u8>> {
-        (self.shared.out.load(Ordering::Acquire) == 0).then(|| std::mem::take(&mut self.buffer))
+        if self.shared.out.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        self.shared.returned.store(true, Ordering::Release);
+        Some(std::mem::take(&mut self.buffer))
     }
 }
 
@@ -134,13 +140,17 @@ impl Lender {
     }
 
     /// A view of `region`, and its lease; `None` unless `region` lies in
-    /// this lender's [`LentOutput`] buffer (which alone is kept for views).
+    /// this lender's [`LentOutput`] buffer (which alone is kept for views)
+    /// and that buffer is not yet handed back.
     ///
     /// # Safety
     /// Nothing may write `region` until the lease is released.
     pub(crate) unsafe fn lend(&self, region: &[u8]) -> Option<(Bytes, Arc<Lease>)> {
         let start = region.as_ptr() as usize;
-        if start < self.base || start + region.len() > self.base + self.len {
+        if start < self.base
+            || start + region.len() > self.base + self.len
+            || self.shared.returned.load(Ordering::Acquire)
+        {
             return None;
         }
         let lease = Arc::new(Lease {
@@ -231,6 +241,12 @@ mod tests {
             "only the output's regions are lent"
         );
         drop(clone);
-        assert_eq!(output.into_inner(), Some(vec![1, 2, 3, 4]));
+        let buffer = output.into_inner().unwrap();
+        assert_eq!(buffer, vec![1, 2, 3, 4]);
+        // SAFETY: as above.
+        assert!(
+            unsafe { lender.lend(&buffer[..]) }.is_none(),
+            "nothing is lent once handed back"
+        );
     }
 }
