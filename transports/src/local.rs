@@ -576,6 +576,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_view_is_queued_whatever_the_room_and_arrives_as_it_was_sent() {
+        within(async {
+            let (a, b) = LocalLink::pair_with_depth(0, 1, 1);
+            a.send(0, 1, Bytes::new()).await.unwrap();
+            let view = Bytes::from(vec![3u8; 1 << 20]);
+            assert_eq!(
+                a.send_in_place(0, 2, &view),
+                Ok(true),
+                "a full channel still takes a view"
+            );
+            assert_eq!(b.recv(0).await.unwrap().tag, 1);
+            let frame = b.recv(0).await.unwrap();
+            assert_eq!(
+                (frame.tag, frame.payload.as_ptr()),
+                (2, view.as_ptr()),
+                "the same bytes, not a copy"
+            );
+            b.close("done");
+            assert!(a.send_in_place(0, 3, &view).is_err(), "a closed pair refuses");
+        })
+        .await;
+    }
+
+    #[tokio::test]
     async fn a_full_channel_makes_the_sender_wait() {
         within(async {
             let (a, b) = LocalLink::pair_with_depth(0, 1, 2);
