@@ -235,16 +235,16 @@ mod tests {
         assert_eq!(lender.outstanding(), 1, "a clone keeps the view out");
         assert!(output.as_mut_slice().is_none(), "no writing while lent");
         let elsewhere = [0u8; 4];
-        // SAFETY: as above.
         assert!(
+            // SAFETY: as above.
             unsafe { lender.lend(&elsewhere) }.is_none(),
             "only the output's regions are lent"
         );
         drop(clone);
         let buffer = output.into_inner().unwrap();
         assert_eq!(buffer, vec![1, 2, 3, 4]);
-        // SAFETY: as above.
         assert!(
+            // SAFETY: as above.
             unsafe { lender.lend(&buffer[..]) }.is_none(),
             "nothing is lent once handed back"
         );
