@@ -13,6 +13,12 @@
 //!    served, until the link wakes the loop; on a link that takes no
 //!    borrowed payload it copies its region into a frame and hands it to a
 //!    task (either way it counts as done once copied, rule 2 of the plan);
+//!    to a peer in this process, where the plan allows it
+//!    (`Plan::lendable`, the ring) and the region is large, a view of the
+//!    region goes instead ([`Link::send_in_place`], [`crate::lend`]): the
+//!    peer reduces or copies straight from this rank's output, a write to
+//!    the region waits until the view is released, and the collective
+//!    returns only once every view is;
 //!    a receive once its frame has arrived. An average divides at the
 //!    plan's completing receives when it has them.
 //! 3. One receive per peer is pending at a time, polled by the collective
@@ -41,6 +47,7 @@ use chorus_transports::link::{ChannelId, Frame, Link, TransportError};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 
+use crate::lend::{Leases, Lender};
 use crate::supervision::GroupAborted;
 use thiserror::Error;
 use tokio::sync::{Notify, mpsc, watch};
@@ -49,6 +56,10 @@ use tokio::time::Instant;
 
 /// The tag of a signature frame (data tags pack round and segment).
 const SIGNATURE_TAG: u64 = u64::MAX;
+
+/// Smallest region lent to an in-process peer ([`crate::lend`]): below it a
+/// copy costs less than a view and the wait for its release at the end.
+const LEND_MIN_BYTES: usize = 64 << 10;
 
 fn data_tag(tag: Tag) -> u64 {
     (u64::from(tag.round) << 32) | u64::from(tag.segment)
@@ -150,6 +161,9 @@ pub struct Job<'a> {
     pub timeout: Duration,
     /// Where send frames' buffers come from.
     pub pool: &'a FramePool,
+    /// Lends `output`'s regions to peers in this process, when the plan
+    /// allows it (`Plan::lendable`); `None`: never lend.
+    pub lender: Option<Lender>,
     /// Turns `Some` when the group is aborted.
     pub abort: watch::Receiver<Option<GroupAborted>>,
 }
@@ -308,8 +322,10 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
         output,
         timeout,
         pool,
+        lender,
         abort: _,
     } = job;
+    let lender = lender.filter(|_| plan.lendable());
     let size = signature.dtype.size();
     check_len(&signature, "input", input.len(), plan.input_len() * size)?;
     check_len(&signature, "output", output.len(), plan.output_len() * size)?;
@@ -368,6 +384,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let mut remaining = steps.len();
     let mut first_open = 0;
     let mut arrived: HashMap<(usize, u64), Bytes> = HashMap::new();
+    // Regions lent to peers, and whether a write waits for one's release.
+    let mut leases = Leases::default();
+    let mut blocked_on_lease = false;
     let element = |r: &std::ops::Range<usize>| r.start * size..r.end * size;
     // One timer for the whole collective, not one per wait.
     let expiry = tokio::time::sleep_until(deadline);
@@ -375,6 +394,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let result = async {
         loop {
             let mut progressed = true;
+            blocked_on_lease = false;
             while progressed {
                 progressed = false;
                 while first_open < steps.len() && done[first_open] {
@@ -385,12 +405,50 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         continue;
                     }
                     let finished = match &steps[index].action {
+                        Action::Copy { dst, .. } if leases.busy(&element(dst)) => {
+                            blocked_on_lease = true;
+                            false
+                        }
                         Action::Copy { src, dst } => {
                             output[element(dst)].copy_from_slice(&input[element(src)]);
                             true
                         }
                         Action::Send { to, tag, src } => {
                             let link = link(links, rank, *to)?;
+                            // An in-process peer reads the region in place.
+                            let region = element(match src {
+                                Region::Input(r) | Region::Output(r) => r,
+                            });
+                            let lent = match (src, &lender) {
+                                // SAFETY: every write of the output waits for
+                                // the leases over it (`leases.busy`).
+                                (Region::Output(_), Some(lender)) if region.len() >= LEND_MIN_BYTES => unsafe {
+                                    lender.lend(&output[region.clone()])
+                                },
+                                _ => None,
+                            };
+                            if let Some((view, lease)) = lent {
+                                match link.send_in_place(channel, data_tag(*tag), &view) {
+                                    Ok(true) => {
+                                        leases.push(region, *to, lease);
+                                        done[index] = true;
+                                        remaining -= 1;
+                                        progressed = true;
+                                        continue;
+                                    }
+                                    Ok(false) => {}
+                                    Err(e) => {
+                                        return Err(explain_failure(
+                                            e.into(),
+                                            &signature,
+                                            rank,
+                                            &mut unverified,
+                                            &mut inbox,
+                                        )
+                                        .await);
+                                    }
+                                }
+                            }
                             // Straight from the output into the transport
                             // (one copy, none into a frame), waiting for room
                             // with the receives still served; a transport
@@ -432,6 +490,13 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                             true
                         }
                         Action::Recv { from, tag, dst, then } => match arrived.remove(&(*from, data_tag(*tag))) {
+                            // A region still lent waits for its release
+                            // (checked only once there is something to write).
+                            Some(payload) if leases.busy(&element(dst)) => {
+                                arrived.insert((*from, data_tag(*tag)), payload);
+                                blocked_on_lease = true;
+                                false
+                            }
                             Some(payload) => {
                                 let target = &mut output[element(dst)];
                                 if payload.len() != target.len() {
@@ -464,16 +529,29 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                     }
                 }
             }
-            if remaining == 0 && unverified.is_empty() {
+            // The output goes back (or is averaged) only once no peer
+            // reads it any more.
+            let lent = lender.as_ref().is_some_and(|l| l.outstanding() > 0);
+            if remaining == 0 && unverified.is_empty() && !lent {
                 return Ok(());
             }
+            let wait_release = blocked_on_lease || (remaining == 0 && lent);
             let event = tokio::select! {
                 biased;
                 event = inbox.next() => event.expect("this function holds a sender"),
                 // A link has room for a send that waited: try again.
                 () = has_room.notified() => continue,
+                // A peer released a region a write or the end waits for.
+                () = async {
+                    match &lender {
+                        Some(lender) => lender.released().await,
+                        None => std::future::pending().await,
+                    }
+                }, if wait_release => continue,
                 () = &mut expiry => {
                     let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
+                    // Peers that never released a region lent to them.
+                    waiting_for.extend(leases.holders());
                     for (index, step) in steps.iter().enumerate() {
                         let ready = || plan.deps(StepId(index as u32)).iter().all(|d| done[d.index()]);
                         match (done[index], &step.action) {
@@ -669,6 +747,7 @@ mod tests {
             output,
             timeout: Duration::from_secs(30),
             pool: &pools[rank],
+            lender: None,
             abort: aborts.clone(),
         });
         let (a, b) = (jobs.next().expect("rank 0"), jobs.next().expect("rank 1"));
@@ -689,6 +768,168 @@ mod tests {
         for pool in &pools {
             assert!(pool.0.lock().unwrap().is_empty(), "a send was copied into a frame");
         }
+    }
+
+    #[tokio::test]
+    async fn in_process_ring_sends_lend_their_regions_instead_of_copying_into_frames() {
+        let links = chorus_transports::local::local_mesh(2);
+        let count = 1 << 20;
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let signature = Signature {
+                seq: 0,
+                kind: CollectiveKind::AllReduce,
+                dtype: DType::Float32,
+                count,
+                root: None,
+                reduce_op: Some(op),
+            };
+            let spec = Spec {
+                kind: CollectiveKind::AllReduce,
+                dtype: DType::Float32,
+                count,
+                root: None,
+                world: 2,
+            };
+            let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+            assert!(plans[0].lendable());
+            let pools = [FramePool::default(), FramePool::default()];
+            let mut outputs = [0, 1].map(|rank| {
+                crate::lend::LentOutput::new(
+                    (0..count)
+                        .flat_map(|i| ((i % 1000 + rank * 1000) as f32).to_le_bytes())
+                        .collect(),
+                )
+            });
+            let lenders = outputs.each_ref().map(|o| o.lender());
+            let (_abort, aborts) = watch::channel(None);
+            let [first, second] = &mut outputs;
+            let mut jobs = [first, second].into_iter().enumerate().map(|(rank, output)| Job {
+                rank,
+                links: &links[rank],
+                channel: 0,
+                signature,
+                plan: &plans[rank],
+                announce_to: vec![1 - rank],
+                check_from: vec![1 - rank],
+                input: Bytes::new(),
+                output: output.as_mut_slice().expect("nothing lent yet"),
+                timeout: Duration::from_secs(30),
+                pool: &pools[rank],
+                lender: Some(lenders[rank].clone()),
+                abort: aborts.clone(),
+            });
+            let (a, b) = (jobs.next().expect("rank 0"), jobs.next().expect("rank 1"));
+            drop(jobs);
+            let (a, b) = tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run(a), run(b)) })
+                .await
+                .expect("the all-reduce hung");
+            a.unwrap();
+            b.unwrap();
+            for (lender, pool) in lenders.iter().zip(&pools) {
+                assert_eq!(
+                    lender.outstanding(),
+                    0,
+                    "the driver returned while a peer read its output"
+                );
+                assert!(pool.0.lock().unwrap().is_empty(), "a send was copied into a frame");
+            }
+            for output in outputs {
+                let output = output.into_inner().expect("every view released");
+                for (i, value) in output.chunks_exact(4).enumerate() {
+                    let sum = (2 * (i % 1000) + 1000) as f32;
+                    let want = if op == ReduceOp::Avg { sum / 2.0 } else { sum };
+                    assert_eq!(
+                        f32::from_le_bytes(value.try_into().unwrap()),
+                        want,
+                        "{op:?} element {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lent_region_is_neither_overwritten_nor_handed_back_while_the_peer_holds_it() {
+        let links = chorus_transports::local::local_mesh(2);
+        // Two 1 MiB segments per chunk: rank 0 lends chunk 1's two segments.
+        let count = 1 << 20;
+        let signature = Signature {
+            seq: 0,
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            reduce_op: Some(ReduceOp::Sum),
+        };
+        let spec = Spec {
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            world: 2,
+        };
+        let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+        let pool = FramePool::default();
+        let mut output = crate::lend::LentOutput::new(1f32.to_le_bytes().repeat(count));
+        let lender = output.lender();
+        let (_abort, aborts) = watch::channel(None);
+        let job = Job {
+            rank: 0,
+            links: &links[0],
+            channel: 0,
+            signature,
+            plan: &plans[0],
+            announce_to: vec![1],
+            check_from: vec![1],
+            input: Bytes::new(),
+            output: output.as_mut_slice().expect("nothing lent yet"),
+            timeout: Duration::from_secs(30),
+            pool: &pool,
+            lender: Some(lender.clone()),
+            abort: aborts,
+        };
+        let mut ranked = Box::pin(run(job));
+        // Rank 1 by hand: its signature and every frame of its plan at once
+        // (its all-gather would overwrite rank 0's lent chunk), while it
+        // holds all that rank 0 sends it.
+        let peer = links[1][0].clone().expect("a link to rank 0");
+        peer.send(0, SIGNATURE_TAG, Bytes::copy_from_slice(&signature.encode()))
+            .await
+            .unwrap();
+        for step in plans[1].steps() {
+            if let Action::Send {
+                tag,
+                src: Region::Output(r),
+                ..
+            } = &step.action
+            {
+                peer.send(0, data_tag(*tag), Bytes::from(vec![0; r.len() * 4]))
+                    .await
+                    .unwrap();
+            }
+        }
+        let mut held = Vec::new();
+        tokio::select! {
+            result = &mut ranked => panic!("returned while its output was lent: {result:?}"),
+            () = async {
+                // Its signature, two reduce-scatter and two all-gather segments.
+                for _ in 0..5 {
+                    held.push(peer.recv(0).await.unwrap());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            } => {}
+        }
+        assert_eq!(lender.outstanding(), 4, "every segment went as a view");
+        drop(held);
+        tokio::time::timeout(Duration::from_secs(10), ranked)
+            .await
+            .expect("the release did not wake the collective")
+            .unwrap();
+        assert_eq!(lender.outstanding(), 0);
+        let output = output.into_inner().expect("nothing lent any more");
+        // Chunk 0 reduced (1 + 0), chunk 1 copied from rank 1 (0).
+        assert!(output[..count * 2].chunks_exact(4).all(|v| v == 1f32.to_le_bytes()));
+        assert!(output[count * 2..].iter().all(|&b| b == 0));
     }
 
     #[test]

@@ -47,6 +47,7 @@ use chorus_transports::link::{ChannelId, Link};
 use tracing::Instrument;
 
 use crate::driver::{self, CollectiveError, FramePool, Job};
+use crate::lend::LentOutput;
 use crate::metrics::{GroupMetrics, transport_index};
 use crate::supervision::{AbortReason, ErrorHandling, Supervision};
 
@@ -333,7 +334,9 @@ impl Handler<Collective> for RankActor {
             .record_scheduled(seq, (&signature).into(), SystemTime::now());
         self.flight.record_started(entry, SystemTime::now());
         let (rank, links, timeout) = (self.rank, self.links.clone(), msg.timeout.unwrap_or(self.timeout));
-        let mut output = msg.output;
+        // Peers in this process may read its regions in place (`lend`).
+        let mut output = LentOutput::new(msg.output);
+        let lender = output.lender();
         let input = msg.input;
         let pool = self.pool.clone();
         let abort = self.supervision.subscribe();
@@ -359,13 +362,17 @@ impl Handler<Collective> for RankActor {
                 announce_to,
                 check_from,
                 input,
-                output: &mut output,
+                output: output.as_mut_slice().expect("nothing is lent before the driver runs"),
                 timeout,
                 pool: &pool,
+                lender: Some(lender),
                 abort,
             })
-            .await
-            .map(|()| output)
+            .await?;
+            // The driver returns only once every lent view is released.
+            output
+                .into_inner()
+                .ok_or_else(|| CollectiveError::Broken("a peer still reads the output".into()))
         }
         .instrument(span);
         AtomicResponse::new(Box::pin(run.into_actor(self).map(move |mut result, actor, _| {

@@ -265,6 +265,17 @@ pub trait Link: Send + Sync + fmt::Debug {
         Poll::Ready(Ok(false))
     }
 
+    /// Hands `payload` to a peer that reads it in place, in this process:
+    /// no copy, and no room waited for (a queued handle costs the transport
+    /// no memory of its own; the sender's buffer holds the bytes).
+    /// `Ok(true)` once queued; `Ok(false)` where the transport copies or
+    /// ships payloads, or acts on them (fault injection), so the caller
+    /// must [`send`](Self::send) instead and must not count on the peer
+    /// reading its memory.
+    fn send_in_place(&self, _channel: ChannelId, _tag: u64, _payload: &Bytes) -> Result<bool, TransportError> {
+        Ok(false)
+    }
+
     /// Receives the next frame of `channel`.
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError>;
 

@@ -1,5 +1,7 @@
 //! In-process links: ranks that are actors of one process exchange `Bytes`
-//! through bounded queues, so a payload moves without a copy.
+//! through bounded queues, so a payload moves without a copy; a view of the
+//! sender's buffer ([`Link::send_in_place`]) is queued whatever the room,
+//! as it holds no memory of its own.
 //!
 //! Built to scale to thousands of ranks in one process ([`LocalMesh`]): the
 //! state two ranks share (a pair) is made when either first uses their
@@ -441,6 +443,25 @@ impl Link for LocalLink {
         Ok(true)
     }
 
+    /// Queued whatever the channel holds: the frame is a handle to the
+    /// sender's buffer, so room (bounding memory) does not apply.
+    fn send_in_place(&self, channel: ChannelId, tag: u64, payload: &Bytes) -> Result<bool, TransportError> {
+        let pair = self.pair_state();
+        let side = pair.side(self.me);
+        let mut state = pair.lock();
+        if let Some(shut) = &state.shut {
+            return Err(shut.error(self.peer));
+        }
+        let frame = Frame {
+            tag,
+            payload: payload.clone(),
+        };
+        state.queues[side].push_back((channel, frame));
+        drop(state);
+        pair.changed[side].notify_waiters();
+        Ok(true)
+    }
+
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
         let pair = self.pair_state();
         let side = 1 - pair.side(self.me);
@@ -550,6 +571,30 @@ mod tests {
             assert_eq!((frame.tag, frame.payload), (1, Bytes::from_static(b"small")));
             b.close("done");
             assert!(a.try_send_copy(0, 4, b"late").is_err(), "a closed pair refuses");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_view_is_queued_whatever_the_room_and_arrives_as_it_was_sent() {
+        within(async {
+            let (a, b) = LocalLink::pair_with_depth(0, 1, 1);
+            a.send(0, 1, Bytes::new()).await.unwrap();
+            let view = Bytes::from(vec![3u8; 1 << 20]);
+            assert_eq!(
+                a.send_in_place(0, 2, &view),
+                Ok(true),
+                "a full channel still takes a view"
+            );
+            assert_eq!(b.recv(0).await.unwrap().tag, 1);
+            let frame = b.recv(0).await.unwrap();
+            assert_eq!(
+                (frame.tag, frame.payload.as_ptr()),
+                (2, view.as_ptr()),
+                "the same bytes, not a copy"
+            );
+            b.close("done");
+            assert!(a.send_in_place(0, 3, &view).is_err(), "a closed pair refuses");
         })
         .await;
     }

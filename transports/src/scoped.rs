@@ -111,6 +111,12 @@ impl Link for ScopedLink {
             .map_err(|e| self.renamed(e))
     }
 
+    fn send_in_place(&self, channel: ChannelId, tag: u64, payload: &Bytes) -> Result<bool, TransportError> {
+        self.inner
+            .send_in_place(self.channel(channel), tag, payload)
+            .map_err(|e| self.renamed(e))
+    }
+
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
         self.inner
             .recv(self.channel(channel))

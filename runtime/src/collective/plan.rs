@@ -157,6 +157,7 @@ pub struct Plan {
     output_len: usize,
     steps: Vec<Step>,
     deps: Vec<StepId>,
+    lendable: bool,
 }
 
 impl Plan {
@@ -201,6 +202,18 @@ impl Plan {
         })
     }
 
+    /// Whether a peer in this process may read this rank's output sends in
+    /// place (a view of the region instead of a copy, the send counting as
+    /// done once handed over): every region this rank sends is overwritten
+    /// only by data that its receiver produced after reading it, when all
+    /// ranks run the same algorithm (a ring: what overwrites a sent segment
+    /// comes round the ring after its receiver reduced or forwarded it). A
+    /// driver that lends must still not write a region whose view is out,
+    /// nor hand the output back before every view is released.
+    pub fn lendable(&self) -> bool {
+        self.lendable
+    }
+
     /// The steps `id` waits for; each is earlier in [`steps`](Self::steps).
     pub fn deps(&self, id: StepId) -> &[StepId] {
         let r = &self.steps[id.index()].deps;
@@ -234,6 +247,7 @@ impl Builder {
                 output_len,
                 steps: Vec::new(),
                 deps: Vec::new(),
+                lendable: false,
             },
             intervals: vec![Interval {
                 start: 0,
@@ -308,6 +322,11 @@ impl Builder {
         tail.start = at;
         self.intervals.insert(i, tail);
         i
+    }
+
+    /// Marks the plan [`Plan::lendable`]; the algorithm vouches for it.
+    pub(crate) fn lendable(&mut self) {
+        self.plan.lendable = true;
     }
 
     pub(crate) fn finish(self) -> Plan {

@@ -110,6 +110,7 @@ pub(crate) fn all_reduce(b: &mut Builder, rank: usize, world: usize, count: usiz
     // its owner, and ships it divided.
     ring.reduce_scatter(b, 0, true);
     ring.all_gather(b, world - 1);
+    b.lendable();
 }
 
 /// `P` blocks of `count` elements.
@@ -129,6 +130,7 @@ pub(crate) fn reduce_scatter(b: &mut Builder, rank: usize, world: usize, count: 
         segments,
     }
     .reduce_scatter(b, 0, false);
+    b.lendable();
 }
 
 /// Ring all-gather of every rank's `input[0..count]` into block `i` of
@@ -144,6 +146,7 @@ pub(crate) fn all_gather(b: &mut Builder, rank: usize, world: usize, count: usiz
         segments,
     }
     .all_gather(b, 0);
+    b.lendable();
 }
 
 #[cfg(test)]
