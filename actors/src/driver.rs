@@ -259,9 +259,8 @@ struct PeerState {
     /// This rank's signature goes in the next data frame sent to it
     /// ([`SIGNED`]) rather than a frame of its own.
     sign: bool,
-    /// Planning only: the peer is in `met`; this rank sends it, or
-    /// receives from it, a payload too large to carry a signature.
-    met: bool,
+    /// Planning only: this rank sends it, or receives from it, a payload
+    /// too large to carry a signature.
     large_out: bool,
     large_in: bool,
 }
@@ -273,13 +272,24 @@ struct Inbox<'a> {
     links: &'a [Option<Arc<dyn Link>>],
     channel: ChannelId,
     arrivals: FuturesUnordered<Arrival<'a>>,
-    peers: Vec<PeerState>,
+    /// By rank, sorted.
+    peers: Vec<(usize, PeerState)>,
     /// Peers whose `unverified` is set.
     unverified: usize,
     failures: Option<mpsc::UnboundedReceiver<Event>>,
 }
 
 impl<'a> Inbox<'a> {
+    fn peer(&self, rank: usize) -> Option<&PeerState> {
+        let at = self.peers.binary_search_by_key(&rank, |(r, _)| *r).ok()?;
+        Some(&self.peers[at].1)
+    }
+
+    fn peer_mut(&mut self, rank: usize) -> Option<&mut PeerState> {
+        let at = self.peers.binary_search_by_key(&rank, |(r, _)| *r).ok()?;
+        Some(&mut self.peers[at].1)
+    }
+
     fn receive(&mut self, peer: usize) {
         if let Some(link) = self.links.get(peer).and_then(Option::as_deref) {
             self.arrivals.push(Arrival {
@@ -292,7 +302,7 @@ impl<'a> Inbox<'a> {
     /// Checks `from`'s signature against ours; it counts as checked
     /// either way (an error ends the collective).
     fn verify(&mut self, ours: &Signature, rank: usize, from: usize, encoded: &[u8]) -> Result<(), CollectiveError> {
-        if let Some(peer) = self.peers.get_mut(from).filter(|p| p.unverified) {
+        if let Some(peer) = self.peer_mut(from).filter(|p| p.unverified) {
             peer.unverified = false;
             self.unverified -= 1;
         }
@@ -312,11 +322,7 @@ impl<'a> Inbox<'a> {
 
     /// The peers whose signatures never came.
     fn waiting_for_signatures(&self) -> impl Iterator<Item = usize> + '_ {
-        self.peers
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.unverified)
-            .map(|(r, _)| r)
+        self.peers.iter().filter(|(_, p)| p.unverified).map(|(r, _)| *r)
     }
 
     /// The next frame or failure; pending while nothing can come.
@@ -333,7 +339,7 @@ impl<'a> Inbox<'a> {
             };
             Poll::Ready(match received {
                 Ok(frame) => {
-                    if let Some(peer) = self.peers.get_mut(from).filter(|p| p.owed > 0) {
+                    if let Some(peer) = self.peer_mut(from).filter(|p| p.owed > 0) {
                         peer.owed -= 1;
                         self.receive(from);
                     }
@@ -350,10 +356,12 @@ impl<'a> Inbox<'a> {
     }
 }
 
-fn link(links: &[Option<Arc<dyn Link>>], rank: usize, peer: usize) -> Result<Arc<dyn Link>, CollectiveError> {
+/// The link to `peer`, borrowed: a clone (an atomic write to the link,
+/// cold in a world of a thousand ranks) only for a send task.
+fn link(links: &[Option<Arc<dyn Link>>], rank: usize, peer: usize) -> Result<&Arc<dyn Link>, CollectiveError> {
     links
         .get(peer)
-        .and_then(Clone::clone)
+        .and_then(Option::as_ref)
         .ok_or_else(|| CollectiveError::Protocol {
             peer,
             reason: format!("rank {rank} has no link to it"),
@@ -404,41 +412,39 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let deadline = started + timeout;
     let steps = plan.steps();
 
-    // Frames expected from each peer: its signature, then its data.
+    // Frames expected from each peer: its signature, then its data. The
+    // peers this collective deals with, sorted: a few, whatever the world.
+    let mut peers = check_from.clone();
+    for step in steps {
+        match &step.action {
+            Action::Recv { from, .. } => peers.push(*from),
+            Action::Send { to, .. } if sign_data => peers.push(*to),
+            _ => {}
+        }
+    }
+    peers.sort_unstable();
+    peers.dedup();
     let mut inbox = Inbox {
         links,
         channel,
         arrivals: FuturesUnordered::new(),
-        peers: vec![PeerState::default(); links.len()],
+        peers: peers.into_iter().map(|peer| (peer, PeerState::default())).collect(),
         unverified: 0,
         failures: None,
     };
-    let no_link = |peer: usize| CollectiveError::Protocol {
-        peer,
-        reason: format!("rank {rank} has no link to it"),
-    };
-    // Peers in the order first met, so no walk over every rank.
-    let mut met = Vec::new();
     for &peer in &check_from {
-        let state = inbox.peers.get_mut(peer).ok_or_else(|| no_link(peer))?;
+        let state = inbox.peer_mut(peer).expect("listed");
         if !state.unverified {
             state.unverified = true;
             state.owed += 1;
             inbox.unverified += 1;
-            met.push(peer);
         }
     }
     let mut announce = announce_to;
     for step in steps {
         match &step.action {
             Action::Recv { from, dst, .. } => {
-                let state = inbox.peers.get_mut(*from).ok_or_else(|| no_link(*from))?;
-                if !state.met {
-                    state.met = true;
-                    if state.owed == 0 {
-                        met.push(*from);
-                    }
-                }
+                let state = inbox.peer_mut(*from).expect("listed");
                 state.owed += 1;
                 // Its signature comes with its data, or on its own
                 // before data too large to carry it in (as it sends).
@@ -451,22 +457,17 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                 }
             }
             Action::Send { to, src, .. } if sign_data && !announce.contains(to) => {
-                let state = inbox.peers.get_mut(*to).ok_or_else(|| no_link(*to))?;
+                let state = inbox.peer_mut(*to).expect("listed");
                 let (Region::Input(r) | Region::Output(r)) = src;
                 state.sign = true;
                 state.large_out |= r.len() * size > SIGNED_MAX;
-                if !state.met {
-                    state.met = true;
-                    if state.owed == 0 {
-                        met.push(*to);
-                    }
-                }
             }
             _ => {}
         }
     }
-    for &peer in &met {
-        let state = &mut inbox.peers[peer];
+    for index in 0..inbox.peers.len() {
+        let (peer, state) = &mut inbox.peers[index];
+        let peer = *peer;
         if state.large_in {
             state.owed += 1;
         }
@@ -475,9 +476,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             announce.push(peer);
         }
         if state.owed > 0 {
+            state.owed -= 1;
             // Every peer that owes frames must have a link (an error naming it).
             link(links, rank, peer)?;
-            inbox.peers[peer].owed -= 1;
             inbox.receive(peer);
         }
     }
@@ -538,7 +539,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         }
                         Action::Send { to, tag, src } => {
                             let link = link(links, rank, *to)?;
-                            let sign = inbox.peers[*to].sign;
+                            let sign = inbox.peer(*to).is_some_and(|p| p.sign);
                             let mut tag = data_tag(*tag);
                             let mut bytes = match src {
                                 Region::Input(r) => &input[element(r)],
@@ -562,7 +563,9 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                 let mut cx = Context::from_waker(waker);
                                 match link.poll_send_copy(&mut cx, channel, tag, bytes) {
                                     Poll::Ready(Ok(true)) => {
-                                        inbox.peers[*to].sign = false;
+                                        if let Some(peer) = inbox.peer_mut(*to) {
+                                            peer.sign = false;
+                                        }
                                         done[index] = true;
                                         remaining -= 1;
                                         progressed = true;
@@ -579,13 +582,15 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                 Region::Input(r) if !sign => input.slice(element(r)),
                                 _ => pool.frame(bytes),
                             };
-                            inbox.peers[*to].sign = false;
+                            if let Some(peer) = inbox.peer_mut(*to) {
+                                peer.sign = false;
+                            }
                             let events = events.get_or_insert_with(|| {
                                 let (events, failures) = mpsc::unbounded_channel();
                                 inbox.failures = Some(failures);
                                 events
                             });
-                            let events = events.clone();
+                            let (events, link) = (events.clone(), link.clone());
                             tasks.spawn(async move {
                                 if let Err(e) = link.send(channel, tag, payload).await {
                                     let _ = events.send(Event::Failed(e.error.into()));
@@ -683,7 +688,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         }
                         (tag, None, data) => (tag, data),
                     };
-                    if inbox.peers.get(from).is_some_and(|p| p.unverified) {
+                    if inbox.peer(from).is_some_and(|p| p.unverified) {
                         return Err(CollectiveError::Protocol {
                             peer: from,
                             reason: "data arrived before its signature".into(),
