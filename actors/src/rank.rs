@@ -326,9 +326,7 @@ impl Handler<Collective> for RankActor {
                 }
             }
         };
-        let entry = self
-            .flight
-            .record_scheduled(seq, (&signature).into(), SystemTime::now());
+        let entry = self.flight.record_signature(seq, &signature, SystemTime::now());
         self.flight.record_started(entry, SystemTime::now());
         let (rank, links, timeout) = (self.rank, self.links.clone(), msg.timeout.unwrap_or(self.timeout));
         let mut output = msg.output;
