@@ -550,7 +550,7 @@ pub fn spawn_watchdog(
                     .filter(|f| matches!(f.cause, PeerFailureCause::Silent(_)));
                 metrics.heartbeats_missed().increment(silent.count() as u64);
             }
-            let in_flight = supervision.in_flight.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let in_flight = *supervision.in_flight.lock().unwrap_or_else(|p| p.into_inner());
             let Some((reason, ranks)) = verdict(failures, in_flight.as_ref(), config.overdue_grace, now) else {
                 continue;
             };
