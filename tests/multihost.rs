@@ -443,10 +443,7 @@ fn netns_mh11_a_job_across_a_link_with_20_ms_and_1_percent_loss_forms_and_sums_r
     let _one = cluster::lock();
     let cluster = Cluster::up("mhk", 2, &[]);
     let impaired = std::process::Command::new("bash")
-        .args([
-            concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/sim-cluster.sh"),
-            "impair",
-        ])
+        .args([concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/sim-cluster.sh"), "impair"])
         .args([cluster.prefix(), "2", "--delay-ms", "20", "--loss", "1%", "--seed", "3"])
         .env("CHORUS", CHORUS)
         .status()

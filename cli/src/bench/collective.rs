@@ -1114,11 +1114,7 @@ impl ProcessSide {
         let exe = std::env::current_exe().context("locating the chorus binary")?;
         let mut env = vec![("CHORUS_TRANSPORT".to_string(), transport.to_string())];
         env.extend_from_slice(extra_env);
-        let settings = env
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" ");
+        let settings = env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
         env.push(("CHORUS_JOB_SECRET".to_string(), job_secret()));
         let mut side = Self::start(label, &exe.to_string_lossy(), flags, world, &env)?;
         side.wait_ready(timeout).context(settings)?;
