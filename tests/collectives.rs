@@ -91,6 +91,39 @@ async fn ranks_that_call_different_collectives_all_get_a_desync_error() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_world_checks_signatures_along_its_plan() {
+    within(120, "large world", async {
+        // Above 16 ranks a small payload carries its sender's signature
+        // (13 floats); 2000 floats are too large to, so a frame of its own
+        // goes first.
+        check_world(20, &[DType::Float32, DType::Int64], &[1, 13, 2000]).await;
+        let errors = spawn(20, |pg| async move {
+            let t = Tensor::from_slice(&[1.0f32; 4]);
+            let result = if pg.rank() == 7 {
+                pg.broadcast(t, 0).await
+            } else {
+                pg.all_reduce(t, ReduceOp::Sum).await
+            };
+            result.expect_err("a desync must fail").to_string()
+        })
+        .await
+        .unwrap();
+        // The ranks next to rank 7 and its partners find the desync; the
+        // others see the abort it causes, which names it.
+        let naming = errors.iter().filter(|e| e.contains("collective desync")).count();
+        assert!(naming > 0, "no rank names the desync: {errors:?}");
+        assert!(
+            errors
+                .iter()
+                .filter(|e| e.contains("collective desync"))
+                .all(|e| e.contains("all_reduce") && e.contains("broadcast")),
+            "{errors:?}"
+        );
+    })
+    .await;
+}
+
 /// `chorus launch --nproc-per-node world -- chorus selftest` with `transport`.
 fn selftest_processes(world: usize, transport: &str) {
     let mut command = Command::new(CHORUS);

@@ -7,6 +7,10 @@
 //!    rank reads every signature, so when ranks disagree each of them fails
 //!    naming the ranks and both signatures, instead of one hanging or
 //!    reducing garbage. A send carries its signature to its receiver only.
+//!    In a large world ([`Job::sign_data`]) the signature goes first to the
+//!    next rank only, and along the plan's edges with the data: the first
+//!    frame to a peer carries it when every payload to that peer is small;
+//!    either way no data is used before its sender's signature matched.
 //! 2. A step runs once its dependencies have: a copy at once; a send of
 //!    output bytes goes straight into the link ([`Link::poll_send_copy`]),
 //!    and while the link has no room the step waits, receives still
@@ -31,7 +35,6 @@
 //! 5. An abort of the group (`supervision`, SV-1) ends the collective at
 //!    once, whatever it waits on, with the abort as its error.
 
-use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -40,8 +43,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chorus_runtime::collective::{
-    Action, Combine, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId, Tag,
-    finalize_avg, reduce_complete_into, reduce_into,
+    Action, Combine, ENCODED_LEN, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId,
+    Tag, finalize_avg, reduce_complete_into, reduce_into,
 };
 use chorus_transports::link::{ChannelId, Frame, Link, TransportError};
 use futures_util::StreamExt;
@@ -60,6 +63,14 @@ const SIGNATURE_TAG: u64 = u64::MAX;
 /// Smallest region lent to an in-process peer ([`crate::lend`]): below it a
 /// copy costs less than a view and the wait for its release at the end.
 const LEND_MIN_BYTES: usize = 64 << 10;
+
+/// Set in a data frame's tag when its payload starts with the sender's
+/// signature ([`Job::sign_data`]). Rounds stay far below 2^31.
+const SIGNED: u64 = 1 << 63;
+
+/// Largest data payload that carries a signature; a peer sent more gets
+/// the signature in a frame of its own first, as announced peers do.
+const SIGNED_MAX: usize = 4 << 10;
 
 fn data_tag(tag: Tag) -> u64 {
     (u64::from(tag.round) << 32) | u64::from(tag.segment)
@@ -153,6 +164,11 @@ pub struct Job<'a> {
     pub announce_to: Vec<usize>,
     /// Ranks whose signatures this rank checks.
     pub check_from: Vec<usize>,
+    /// Also check the signature of every rank the plan receives from, and
+    /// send ours to every rank it sends to: in the first data frame to
+    /// that rank when every payload to it is small (a frame saved per
+    /// peer), else in a frame of its own.
+    pub sign_data: bool,
     /// The read-only input (shared with send frames without a copy).
     pub input: Bytes,
     /// The output, written in place.
@@ -230,40 +246,115 @@ enum Event {
     Failed(CollectiveError),
 }
 
-/// A pending receive from one peer, and that peer.
-type Arrival<'a> = Pin<Box<dyn Future<Output = (usize, Result<Frame, TransportError>)> + Send + 'a>>;
+/// A pending receive from one peer: the link's own (boxed) future, tagged
+/// with the peer without a second box.
+struct Arrival<'a> {
+    peer: usize,
+    recv: Pin<Box<dyn Future<Output = Result<Frame, TransportError>> + Send + 'a>>,
+}
+
+impl Future for Arrival<'_> {
+    type Output = (usize, Result<Frame, TransportError>);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        this.recv.as_mut().poll(cx).map(|received| (this.peer, received))
+    }
+}
+
+/// What a collective knows of one peer, indexed by rank (no hashing per
+/// frame).
+#[derive(Debug, Clone, Copy, Default)]
+struct PeerState {
+    /// Frames it still owes beyond its pending receive.
+    owed: u32,
+    /// Its signature is still to be checked.
+    unverified: bool,
+    /// This rank's signature goes in the next data frame sent to it
+    /// ([`SIGNED`]) rather than a frame of its own.
+    sign: bool,
+    /// Planning only: this rank sends it, or receives from it, a payload
+    /// too large to carry a signature.
+    large_out: bool,
+    large_in: bool,
+}
 
 /// Where a collective's events come from: the one pending receive per peer
 /// (the next is made when one completes, while the peer owes frames), and
-/// the failures of send tasks.
+/// the failures of send tasks (a channel made with the first such task).
 struct Inbox<'a> {
     links: &'a [Option<Arc<dyn Link>>],
     channel: ChannelId,
     arrivals: FuturesUnordered<Arrival<'a>>,
-    /// Frames each peer still owes beyond its pending receive.
-    owed: HashMap<usize, usize>,
-    failures: mpsc::UnboundedReceiver<Event>,
+    /// By rank, sorted.
+    peers: Vec<(usize, PeerState)>,
+    /// Peers whose `unverified` is set.
+    unverified: usize,
+    failures: Option<mpsc::UnboundedReceiver<Event>>,
 }
 
 impl<'a> Inbox<'a> {
+    fn peer(&self, rank: usize) -> Option<&PeerState> {
+        let at = self.peers.binary_search_by_key(&rank, |(r, _)| *r).ok()?;
+        Some(&self.peers[at].1)
+    }
+
+    fn peer_mut(&mut self, rank: usize) -> Option<&mut PeerState> {
+        let at = self.peers.binary_search_by_key(&rank, |(r, _)| *r).ok()?;
+        Some(&mut self.peers[at].1)
+    }
+
     fn receive(&mut self, peer: usize) {
         if let Some(link) = self.links.get(peer).and_then(Option::as_deref) {
-            let channel = self.channel;
-            self.arrivals
-                .push(Box::pin(async move { (peer, link.recv(channel).await) }));
+            self.arrivals.push(Arrival {
+                peer,
+                recv: link.recv(self.channel),
+            });
         }
     }
 
-    /// The next frame or failure; `None` only when nothing is pending and
-    /// no send task is left (the caller holds a sender, so never).
-    async fn next(&mut self) -> Option<Event> {
-        tokio::select! {
-            biased;
-            failure = self.failures.recv() => failure,
-            Some((from, received)) = self.arrivals.next(), if !self.arrivals.is_empty() => Some(match received {
+    /// Checks `from`'s signature against ours; it counts as checked
+    /// either way (an error ends the collective).
+    fn verify(&mut self, ours: &Signature, rank: usize, from: usize, encoded: &[u8]) -> Result<(), CollectiveError> {
+        if let Some(peer) = self.peer_mut(from).filter(|p| p.unverified) {
+            peer.unverified = false;
+            self.unverified -= 1;
+        }
+        let theirs = Signature::decode(encoded).map_err(|e| CollectiveError::Protocol {
+            peer: from,
+            reason: e.to_string(),
+        })?;
+        if let Some(detail) = ours.mismatch(&theirs) {
+            return Err(CollectiveError::Desync {
+                ours_rank: rank,
+                theirs_rank: from,
+                detail,
+            });
+        }
+        Ok(())
+    }
+
+    /// The peers whose signatures never came.
+    fn waiting_for_signatures(&self) -> impl Iterator<Item = usize> + '_ {
+        self.peers.iter().filter(|(_, p)| p.unverified).map(|(r, _)| *r)
+    }
+
+    /// The next frame or failure; pending while nothing can come.
+    async fn next(&mut self) -> Event {
+        std::future::poll_fn(|cx| {
+            if let Some(failures) = &mut self.failures
+                && let Poll::Ready(Some(failure)) = failures.poll_recv(cx)
+            {
+                return Poll::Ready(failure);
+            }
+            // An empty set is Ready(None): nothing to wait for there.
+            let Poll::Ready(Some((from, received))) = self.arrivals.poll_next_unpin(cx) else {
+                return Poll::Pending;
+            };
+            Poll::Ready(match received {
                 Ok(frame) => {
-                    if let Some(owed) = self.owed.get_mut(&from).filter(|n| **n > 0) {
-                        *owed -= 1;
+                    if let Some(peer) = self.peer_mut(from).filter(|p| p.owed > 0) {
+                        peer.owed -= 1;
                         self.receive(from);
                     }
                     Event::Frame {
@@ -273,15 +364,18 @@ impl<'a> Inbox<'a> {
                     }
                 }
                 Err(e) => Event::Failed(e.into()),
-            }),
-        }
+            })
+        })
+        .await
     }
 }
 
-fn link(links: &[Option<Arc<dyn Link>>], rank: usize, peer: usize) -> Result<Arc<dyn Link>, CollectiveError> {
+/// The link to `peer`, borrowed: a clone (an atomic write to the link,
+/// cold in a world of a thousand ranks) only for a send task.
+fn link(links: &[Option<Arc<dyn Link>>], rank: usize, peer: usize) -> Result<&Arc<dyn Link>, CollectiveError> {
     links
         .get(peer)
-        .and_then(Clone::clone)
+        .and_then(Option::as_ref)
         .ok_or_else(|| CollectiveError::Protocol {
             peer,
             reason: format!("rank {rank} has no link to it"),
@@ -318,6 +412,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
         plan,
         announce_to,
         check_from,
+        sign_data,
         input,
         output,
         timeout,
@@ -331,35 +426,82 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     check_len(&signature, "output", output.len(), plan.output_len() * size)?;
     let started = Instant::now();
     let deadline = started + timeout;
+    let steps = plan.steps();
 
-    // Frames expected from each peer: its signature, then its data.
-    let mut expected: HashMap<usize, usize> = check_from.iter().map(|&p| (p, 1)).collect();
-    for step in plan.steps() {
-        if let Action::Recv { from, .. } = step.action {
-            *expected.entry(from).or_insert(1) += 1;
+    // Frames expected from each peer: its signature, then its data. The
+    // peers this collective deals with, sorted: a few, whatever the world.
+    let mut peers = check_from.clone();
+    for step in steps {
+        match &step.action {
+            Action::Recv { from, .. } => peers.push(*from),
+            Action::Send { to, .. } if sign_data => peers.push(*to),
+            _ => {}
         }
     }
-    let (events, failures) = mpsc::unbounded_channel();
-    let mut tasks = JoinSet::new();
-    // Every peer that owes frames must have a link (an error naming it).
-    for &peer in expected.keys() {
-        link(links, rank, peer)?;
-    }
+    peers.sort_unstable();
+    peers.dedup();
     let mut inbox = Inbox {
         links,
         channel,
         arrivals: FuturesUnordered::new(),
-        owed: expected.iter().map(|(&peer, &count)| (peer, count - 1)).collect(),
-        failures,
+        peers: peers.into_iter().map(|peer| (peer, PeerState::default())).collect(),
+        unverified: 0,
+        failures: None,
     };
-    for &peer in expected.keys() {
-        inbox.receive(peer);
+    for &peer in &check_from {
+        let state = inbox.peer_mut(peer).expect("listed");
+        if !state.unverified {
+            state.unverified = true;
+            state.owed += 1;
+            inbox.unverified += 1;
+        }
+    }
+    let mut announce = announce_to;
+    for step in steps {
+        match &step.action {
+            Action::Recv { from, dst, .. } => {
+                let state = inbox.peer_mut(*from).expect("listed");
+                state.owed += 1;
+                // Its signature comes with its data, or on its own
+                // before data too large to carry it in (as it sends).
+                if sign_data && !check_from.contains(from) {
+                    state.large_in |= dst.len() * size > SIGNED_MAX;
+                    if !state.unverified {
+                        state.unverified = true;
+                        inbox.unverified += 1;
+                    }
+                }
+            }
+            Action::Send { to, src, .. } if sign_data && !announce.contains(to) => {
+                let state = inbox.peer_mut(*to).expect("listed");
+                let (Region::Input(r) | Region::Output(r)) = src;
+                state.sign = true;
+                state.large_out |= r.len() * size > SIGNED_MAX;
+            }
+            _ => {}
+        }
+    }
+    for index in 0..inbox.peers.len() {
+        let (peer, state) = &mut inbox.peers[index];
+        let peer = *peer;
+        if state.large_in {
+            state.owed += 1;
+        }
+        if state.sign && state.large_out {
+            state.sign = false;
+            announce.push(peer);
+        }
+        if state.owed > 0 {
+            state.owed -= 1;
+            // Every peer that owes frames must have a link (an error naming it).
+            link(links, rank, peer)?;
+            inbox.receive(peer);
+        }
     }
     // Sent before anything can fail here, so that even a rank that detects
     // a desync first has told every other rank what it was calling.
     let encoded = signature.encode();
-    let mut unverified: HashSet<usize> = check_from.iter().copied().collect();
-    for &peer in &announce_to {
+    for &peer in &announce {
         let link = link(links, rank, peer)?;
         // Copied straight into the link when it has room (no frame, no
         // waiting future); otherwise, or on a failure, the send below.
@@ -372,18 +514,24 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
         if let Err(e) = sent {
             // The pending receives are polled through the grace period
             // (`explain_failure`) and dropped with the inbox afterwards.
-            return Err(explain_failure(e.error.into(), &signature, rank, &mut unverified, &mut inbox).await);
+            return Err(explain_failure(e.error.into(), &signature, rank, &mut inbox).await);
         }
     }
 
-    // Woken by a link that has room again for a send that found none.
-    let has_room = Arc::new(Notify::new());
-    let room_waker = Waker::from(Arc::new(RoomWaker(has_room.clone())));
-    let steps = plan.steps();
+    // Send tasks, made for sends that could not be handed over at once,
+    // and the channel they report failures on.
+    let mut tasks = JoinSet::new();
+    let mut events = None;
+    // Woken by a link that has room again for a send that found none;
+    // made when a send first finds none.
+    let mut room: Option<(Arc<Notify>, Waker)> = None;
+    // A signature and the data it is carried with.
+    let mut signed = Vec::new();
     let mut done = vec![false; steps.len()];
     let mut remaining = steps.len();
     let mut first_open = 0;
-    let mut arrived: HashMap<(usize, u64), Bytes> = HashMap::new();
+    // Frames that came before their receive could run: few at a time.
+    let mut arrived: Vec<(usize, u64, Bytes)> = Vec::new();
     // Regions lent to peers, and whether a write waits for one's release.
     let mut leases = Leases::default();
     let mut blocked_on_lease = false;
@@ -415,6 +563,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                         }
                         Action::Send { to, tag, src } => {
                             let link = link(links, rank, *to)?;
+                            let sign = inbox.peer(*to).is_some_and(|p| p.sign);
                             // An in-process peer reads the region in place.
                             let region = element(match src {
                                 Region::Input(r) | Region::Output(r) => r,
@@ -422,7 +571,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                             let lent = match (src, &lender) {
                                 // SAFETY: every write of the output waits for
                                 // the leases over it (`leases.busy`).
-                                (Region::Output(_), Some(lender)) if region.len() >= LEND_MIN_BYTES => unsafe {
+                                (Region::Output(_), Some(lender)) if !sign && region.len() >= LEND_MIN_BYTES => unsafe {
                                     lender.lend(&output[region.clone()])
                                 },
                                 _ => None,
@@ -438,26 +587,36 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                     }
                                     Ok(false) => {}
                                     Err(e) => {
-                                        return Err(explain_failure(
-                                            e.into(),
-                                            &signature,
-                                            rank,
-                                            &mut unverified,
-                                            &mut inbox,
-                                        )
-                                        .await);
+                                        return Err(explain_failure(e.into(), &signature, rank, &mut inbox).await);
                                     }
                                 }
+                            }
+                            let mut tag = data_tag(*tag);
+                            let mut bytes = match src {
+                                Region::Input(r) => &input[element(r)],
+                                Region::Output(r) => &output[element(r)],
+                            };
+                            if sign {
+                                signed.clear();
+                                signed.extend_from_slice(&encoded);
+                                signed.extend_from_slice(bytes);
+                                (tag, bytes) = (tag | SIGNED, &signed[..]);
                             }
                             // Straight from the output into the transport
                             // (one copy, none into a frame), waiting for room
                             // with the receives still served; a transport
                             // that takes no borrowed payload gets a frame.
-                            if let Region::Output(r) = src {
-                                let bytes = &output[element(r)];
-                                let mut room = Context::from_waker(&room_waker);
-                                match link.poll_send_copy(&mut room, channel, data_tag(*tag), bytes) {
+                            if sign || matches!(src, Region::Output(_)) {
+                                let (_, waker) = room.get_or_insert_with(|| {
+                                    let notify = Arc::new(Notify::new());
+                                    (notify.clone(), Waker::from(Arc::new(RoomWaker(notify))))
+                                });
+                                let mut cx = Context::from_waker(waker);
+                                match link.poll_send_copy(&mut cx, channel, tag, bytes) {
                                     Poll::Ready(Ok(true)) => {
+                                        if let Some(peer) = inbox.peer_mut(*to) {
+                                            peer.sign = false;
+                                        }
                                         done[index] = true;
                                         remaining -= 1;
                                         progressed = true;
@@ -465,23 +624,24 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                     }
                                     Poll::Pending => continue,
                                     Poll::Ready(Err(e)) => {
-                                        return Err(explain_failure(
-                                            e.into(),
-                                            &signature,
-                                            rank,
-                                            &mut unverified,
-                                            &mut inbox,
-                                        )
-                                        .await);
+                                        return Err(explain_failure(e.into(), &signature, rank, &mut inbox).await);
                                     }
                                     Poll::Ready(Ok(false)) => {}
                                 }
                             }
                             let payload = match src {
-                                Region::Input(r) => input.slice(element(r)),
-                                Region::Output(r) => pool.frame(&output[element(r)]),
+                                Region::Input(r) if !sign => input.slice(element(r)),
+                                _ => pool.frame(bytes),
                             };
-                            let (events, tag) = (events.clone(), data_tag(*tag));
+                            if let Some(peer) = inbox.peer_mut(*to) {
+                                peer.sign = false;
+                            }
+                            let events = events.get_or_insert_with(|| {
+                                let (events, failures) = mpsc::unbounded_channel();
+                                inbox.failures = Some(failures);
+                                events
+                            });
+                            let (events, link) = (events.clone(), link.clone());
                             tasks.spawn(async move {
                                 if let Err(e) = link.send(channel, tag, payload).await {
                                     let _ = events.send(Event::Failed(e.error.into()));
@@ -489,38 +649,41 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                             });
                             true
                         }
-                        Action::Recv { from, tag, dst, then } => match arrived.remove(&(*from, data_tag(*tag))) {
-                            // A region still lent waits for its release
-                            // (checked only once there is something to write).
-                            Some(payload) if leases.busy(&element(dst)) => {
-                                arrived.insert((*from, data_tag(*tag)), payload);
-                                blocked_on_lease = true;
-                                false
-                            }
-                            Some(payload) => {
-                                let target = &mut output[element(dst)];
-                                if payload.len() != target.len() {
-                                    return Err(CollectiveError::Protocol {
-                                        peer: *from,
-                                        reason: format!(
-                                            "sent {} bytes for a {}-byte segment",
-                                            payload.len(),
-                                            target.len()
-                                        ),
-                                    });
+                        Action::Recv { from, tag, dst, then } => {
+                            let tag = data_tag(*tag);
+                            match arrived.iter().position(|(f, t, _)| (*f, *t) == (*from, tag)) {
+                                // A region still lent waits for its release
+                                // (checked only once there is something to write).
+                                Some(_) if leases.busy(&element(dst)) => {
+                                    blocked_on_lease = true;
+                                    false
                                 }
-                                let op = signature.reduce_op.unwrap_or(ReduceOp::Sum);
-                                match then {
-                                    Combine::Copy => target.copy_from_slice(&payload),
-                                    Combine::Reduce => reduce_into(op, signature.dtype, target, &payload)?,
-                                    Combine::ReduceComplete => {
-                                        reduce_complete_into(op, signature.dtype, target, &payload, plan.world())?
+                                Some(at) => {
+                                    let (_, _, payload) = arrived.swap_remove(at);
+                                    let target = &mut output[element(dst)];
+                                    if payload.len() != target.len() {
+                                        return Err(CollectiveError::Protocol {
+                                            peer: *from,
+                                            reason: format!(
+                                                "sent {} bytes for a {}-byte segment",
+                                                payload.len(),
+                                                target.len()
+                                            ),
+                                        });
                                     }
+                                    let op = signature.reduce_op.unwrap_or(ReduceOp::Sum);
+                                    match then {
+                                        Combine::Copy => target.copy_from_slice(&payload),
+                                        Combine::Reduce => reduce_into(op, signature.dtype, target, &payload)?,
+                                        Combine::ReduceComplete => {
+                                            reduce_complete_into(op, signature.dtype, target, &payload, plan.world())?
+                                        }
+                                    }
+                                    true
                                 }
-                                true
+                                None => false,
                             }
-                            None => false,
-                        },
+                        }
                     };
                     if finished {
                         done[index] = true;
@@ -532,15 +695,21 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             // The output goes back (or is averaged) only once no peer
             // reads it any more.
             let lent = lender.as_ref().is_some_and(|l| l.outstanding() > 0);
-            if remaining == 0 && unverified.is_empty() && !lent {
+            if remaining == 0 && inbox.unverified == 0 && !lent {
                 return Ok(());
             }
             let wait_release = blocked_on_lease || (remaining == 0 && lent);
+            let has_room = async {
+                match &room {
+                    Some((notify, _)) => notify.notified().await,
+                    None => std::future::pending().await,
+                }
+            };
             let event = tokio::select! {
                 biased;
-                event = inbox.next() => event.expect("this function holds a sender"),
+                event = inbox.next() => event,
                 // A link has room for a send that waited: try again.
-                () = has_room.notified() => continue,
+                () = has_room => continue,
                 // A peer released a region a write or the end waits for.
                 () = async {
                     match &lender {
@@ -549,7 +718,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                     }
                 }, if wait_release => continue,
                 () = &mut expiry => {
-                    let mut waiting_for: Vec<usize> = unverified.iter().copied().collect();
+                    let mut waiting_for: Vec<usize> = inbox.waiting_for_signatures().collect();
                     // Peers that never released a region lent to them.
                     waiting_for.extend(leases.holders());
                     for (index, step) in steps.iter().enumerate() {
@@ -574,34 +743,28 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             };
             match event {
                 Event::Failed(e) => {
-                    return Err(explain_failure(e, &signature, rank, &mut unverified, &mut inbox).await);
+                    return Err(explain_failure(e, &signature, rank, &mut inbox).await);
                 }
                 Event::Frame {
                     from,
                     tag: SIGNATURE_TAG,
                     payload,
-                } => {
-                    let theirs = Signature::decode(&payload).map_err(|e| CollectiveError::Protocol {
-                        peer: from,
-                        reason: e.to_string(),
-                    })?;
-                    if let Some(detail) = signature.mismatch(&theirs) {
-                        return Err(CollectiveError::Desync {
-                            ours_rank: rank,
-                            theirs_rank: from,
-                            detail,
-                        });
-                    }
-                    unverified.remove(&from);
-                }
+                } => inbox.verify(&signature, rank, from, &payload)?,
                 Event::Frame { from, tag, payload } => {
-                    if unverified.contains(&from) {
+                    let (tag, payload) = match split_signed(from, tag, payload)? {
+                        (tag, Some(theirs), data) => {
+                            inbox.verify(&signature, rank, from, &theirs)?;
+                            (tag, data)
+                        }
+                        (tag, None, data) => (tag, data),
+                    };
+                    if inbox.peer(from).is_some_and(|p| p.unverified) {
                         return Err(CollectiveError::Protocol {
                             peer: from,
                             reason: "data arrived before its signature".into(),
                         });
                     }
-                    arrived.insert((from, tag), payload);
+                    arrived.push((from, tag, payload));
                 }
             }
         }
@@ -617,15 +780,39 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
             return Err(CollectiveError::Broken("a transport task panicked".into()));
         }
     }
-    while let Ok(event) = inbox.failures.try_recv() {
-        if let Event::Failed(e) = event {
-            return Err(e);
+    if let Some(failures) = &mut inbox.failures {
+        while let Ok(event) = failures.try_recv() {
+            if let Event::Failed(e) = event {
+                return Err(e);
+            }
         }
     }
     if signature.reduce_op == Some(ReduceOp::Avg) && !plan.averages_in_steps() {
         finalize_avg(signature.dtype, output, plan.world())?;
     }
     Ok(())
+}
+
+/// A data frame's tag and payload, and the signature it carries
+/// ([`SIGNED`]): the payload's first [`ENCODED_LEN`] bytes.
+fn split_signed(from: usize, tag: u64, payload: Bytes) -> Result<(u64, Option<Bytes>, Bytes), CollectiveError> {
+    if tag & SIGNED == 0 {
+        return Ok((tag, None, payload));
+    }
+    if payload.len() < ENCODED_LEN {
+        return Err(CollectiveError::Protocol {
+            peer: from,
+            reason: format!(
+                "a signed frame of {} bytes has no room for its signature",
+                payload.len()
+            ),
+        });
+    }
+    Ok((
+        tag & !SIGNED,
+        Some(payload.slice(..ENCODED_LEN)),
+        payload.slice(ENCODED_LEN..),
+    ))
 }
 
 /// Turns a link's wake-up (it has room for a send that waited) into a
@@ -645,31 +832,24 @@ async fn explain_failure(
     failure: CollectiveError,
     signature: &Signature,
     rank: usize,
-    unverified: &mut HashSet<usize>,
     inbox: &mut Inbox<'_>,
 ) -> CollectiveError {
     let grace = Instant::now() + Duration::from_millis(200);
-    while !unverified.is_empty() {
-        let Ok(Some(event)) = tokio::time::timeout_at(grace, inbox.next()).await else {
+    while inbox.unverified > 0 {
+        let Ok(event) = tokio::time::timeout_at(grace, inbox.next()).await else {
             break;
         };
-        if let Event::Frame {
-            from,
-            tag: SIGNATURE_TAG,
-            payload,
-        } = event
+        let Event::Frame { from, tag, payload } = event else {
+            continue;
+        };
+        let theirs = match tag {
+            SIGNATURE_TAG => Some(payload),
+            _ => split_signed(from, tag, payload).ok().and_then(|(_, theirs, _)| theirs),
+        };
+        if let Some(theirs) = theirs
+            && let Err(e @ CollectiveError::Desync { .. }) = inbox.verify(signature, rank, from, &theirs)
         {
-            unverified.remove(&from);
-            if let Some(detail) = Signature::decode(&payload)
-                .ok()
-                .and_then(|theirs| signature.mismatch(&theirs))
-            {
-                return CollectiveError::Desync {
-                    ours_rank: rank,
-                    theirs_rank: from,
-                    detail,
-                };
-            }
+            return e;
         }
     }
     failure
@@ -743,6 +923,7 @@ mod tests {
             plan: &plans[rank],
             announce_to: vec![1 - rank],
             check_from: vec![1 - rank],
+            sign_data: false,
             input: Bytes::new(),
             output,
             timeout: Duration::from_secs(30),
@@ -811,6 +992,7 @@ mod tests {
                 plan: &plans[rank],
                 announce_to: vec![1 - rank],
                 check_from: vec![1 - rank],
+                sign_data: false,
                 input: Bytes::new(),
                 output: output.as_mut_slice().expect("nothing lent yet"),
                 timeout: Duration::from_secs(30),
@@ -881,6 +1063,7 @@ mod tests {
             plan: &plans[0],
             announce_to: vec![1],
             check_from: vec![1],
+            sign_data: false,
             input: Bytes::new(),
             output: output.as_mut_slice().expect("nothing lent yet"),
             timeout: Duration::from_secs(30),

@@ -31,7 +31,7 @@
 //! [`HEARTBEAT_CHANNEL`](crate::heartbeat::HEARTBEAT_CHANNEL)
 //! (`u32::MAX - 1`); the rest are free for users of raw links.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -56,8 +56,11 @@ pub const COLLECTIVE_CHANNELS: u32 = 64;
 /// Worlds up to this size check every rank's signature on every
 /// collective, so each rank of a desync names it. Larger ones check along
 /// the plan's own edges and a ring of neighbours (rank r announces to
-/// r + 1): some rank still finds any desync and aborts the group, and a
-/// collective costs what its algorithm does instead of n^2 frames.
+/// r + 1 before anything else): some rank still finds any desync and
+/// aborts the group, no data is used before its sender's signature is
+/// checked, and a collective costs what its algorithm does instead of n^2
+/// frames. Along the plan's edges a small payload carries the signature
+/// (`Job::sign_data`), so a small collective sends one frame per edge.
 pub const FULL_SIGNATURE_CHECK: usize = 16;
 
 /// Plans an actor keeps for repeated calls ([`PlanCache`]).
@@ -70,9 +73,6 @@ const CACHED_PLAN_STEPS: usize = 256;
 /// A plan and what the actor derives from it, kept between calls.
 struct Prepared {
     plan: Plan,
-    /// Above [`FULL_SIGNATURE_CHECK`] ranks, the ranks a collective
-    /// announces its signature to and checks ([`plan_checks`]).
-    checks: Option<(Vec<usize>, Vec<usize>)>,
     /// Payload bytes sent and received per transport ([`plan_bytes`]).
     bytes: ([u64; 3], [u64; 3]),
 }
@@ -247,8 +247,10 @@ impl RankActor {
                 let seq = self.seq - 1;
                 let channel = (seq % u64::from(COLLECTIVE_CHANNELS)) as ChannelId;
                 if self.world > FULL_SIGNATURE_CHECK {
-                    // Chosen with the plan (`plan_checks`).
-                    return (seq, channel, Vec::new(), Vec::new());
+                    // A ring of neighbours; the driver adds the plan's
+                    // edges (`Job::sign_data`).
+                    let (next, previous) = ((self.rank + 1) % self.world, (self.rank + self.world - 1) % self.world);
+                    return (seq, channel, vec![next], vec![previous]);
                 }
                 let others: Vec<usize> = (0..self.world).filter(|&r| r != self.rank).collect();
                 (seq, channel, others.clone(), others)
@@ -286,7 +288,9 @@ impl Handler<Collective> for RankActor {
         {
             return immediate(Err(ReduceError::Unsupported { op, dtype: msg.dtype }.into()));
         }
-        let (seq, channel, mut announce_to, mut check_from) = self.place(msg.kind, msg.root);
+        let (seq, channel, announce_to, check_from) = self.place(msg.kind, msg.root);
+        let sign_data =
+            self.world > FULL_SIGNATURE_CHECK && !matches!(msg.kind, CollectiveKind::Send | CollectiveKind::Recv);
         let signature = Signature {
             seq,
             kind: msg.kind,
@@ -315,23 +319,15 @@ impl Handler<Collective> for RankActor {
                     Ok(plan) => plan,
                     Err(e) => return immediate(Err(e.into())),
                 };
-                let checks = (self.world > FULL_SIGNATURE_CHECK
-                    && !matches!(msg.kind, CollectiveKind::Send | CollectiveKind::Recv))
-                .then(|| plan_checks(self.rank, self.world, &plan));
                 let bytes = plan_bytes(&plan, &self.links, msg.dtype.size());
-                let prepared = Prepared { plan, checks, bytes };
+                let prepared = Prepared { plan, bytes };
                 match prepared.plan.steps().len() <= CACHED_PLAN_STEPS {
                     true => self.plans.insert(key, prepared),
                     false => Arc::new(prepared),
                 }
             }
         };
-        if let Some((to, from)) = &prepared.checks {
-            (announce_to, check_from) = (to.clone(), from.clone());
-        }
-        let entry = self
-            .flight
-            .record_scheduled(seq, (&signature).into(), SystemTime::now());
+        let entry = self.flight.record_signature(seq, &signature, SystemTime::now());
         self.flight.record_started(entry, SystemTime::now());
         let (rank, links, timeout) = (self.rank, self.links.clone(), msg.timeout.unwrap_or(self.timeout));
         // Peers in this process may read its regions in place (`lend`).
@@ -351,7 +347,7 @@ impl Handler<Collective> for RankActor {
         );
         let bytes = self.metrics.as_ref().map(|_| prepared.bytes);
         let (kind, began) = (msg.kind, std::time::Instant::now());
-        self.supervision.started(format!("{signature}"), began + timeout);
+        self.supervision.started(signature, began + timeout);
         let run = async move {
             driver::run(Job {
                 rank,
@@ -361,6 +357,7 @@ impl Handler<Collective> for RankActor {
                 plan: &prepared.plan,
                 announce_to,
                 check_from,
+                sign_data,
                 input,
                 output: output.as_mut_slice().expect("nothing is lent before the driver runs"),
                 timeout,
@@ -473,29 +470,6 @@ fn plan_bytes(plan: &Plan, links: &[Option<Arc<dyn Link>>], element: usize) -> (
         }
     }
     (sent, received)
-}
-
-/// For a large world: the ranks this rank sends its signature to (those its
-/// plan sends to, and the next rank) and those whose signatures it checks
-/// (those its plan receives from, and the previous rank). Ranks that agree
-/// have matching plans, so every signature sent is read.
-fn plan_checks(rank: usize, world: usize, plan: &Plan) -> (Vec<usize>, Vec<usize>) {
-    let mut to = BTreeSet::from([(rank + 1) % world]);
-    let mut from = BTreeSet::from([(rank + world - 1) % world]);
-    for step in plan.steps() {
-        match &step.action {
-            Action::Send { to: peer, .. } => {
-                to.insert(*peer);
-            }
-            Action::Recv { from: peer, .. } => {
-                from.insert(*peer);
-            }
-            Action::Copy { .. } => {}
-        }
-    }
-    to.remove(&rank);
-    from.remove(&rank);
-    (to.into_iter().collect(), from.into_iter().collect())
 }
 
 /// The ranks an operation's error blames, for the abort it causes: a peer

@@ -41,6 +41,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use chorus_runtime::collective::Signature;
 use chorus_transports::link::{CloseNotice, Link};
 use thiserror::Error;
 use tokio::sync::watch;
@@ -278,9 +279,11 @@ pub struct GroupAborted {
 }
 
 /// The operation a rank is running, as the watchdog sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 struct InFlight {
-    what: String,
+    /// Formatted only if the watchdog reports it: an operation's start
+    /// formats nothing.
+    what: Signature,
     started: Instant,
     deadline: Instant,
 }
@@ -413,7 +416,7 @@ impl Supervision {
     }
 
     /// The actor started `what`, due by `deadline`.
-    pub fn started(&self, what: String, deadline: Instant) {
+    pub fn started(&self, what: Signature, deadline: Instant) {
         *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = Some(InFlight {
             what,
             started: Instant::now(),
@@ -489,7 +492,7 @@ fn verdict(
     (now >= op.deadline + grace).then(|| {
         (
             AbortReason::Overdue {
-                operation: op.what.clone(),
+                operation: op.what.to_string(),
                 ran: now.saturating_duration_since(op.started),
             },
             Vec::new(),
@@ -547,7 +550,7 @@ pub fn spawn_watchdog(
                     .filter(|f| matches!(f.cause, PeerFailureCause::Silent(_)));
                 metrics.heartbeats_missed().increment(silent.count() as u64);
             }
-            let in_flight = supervision.in_flight.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let in_flight = *supervision.in_flight.lock().unwrap_or_else(|p| p.into_inner());
             let Some((reason, ranks)) = verdict(failures, in_flight.as_ref(), config.overdue_grace, now) else {
                 continue;
             };
@@ -628,17 +631,21 @@ fn watch_stalls() {
             let mut i = 0;
             while i < watched.len() {
                 let w = &mut watched[i];
+                // Only watchdogs due are looked at: a thousand ranks'
+                // stop flags every tick cost more than the watching.
+                if now < w.next {
+                    i += 1;
+                    continue;
+                }
                 // A stop sent, or its sender gone with its group.
                 if *w.stop.borrow() || w.stop.has_changed().is_err() {
                     watched.swap_remove(i);
                     continue;
                 }
-                if now >= w.next {
-                    w.next = now + w.step;
-                    if let Some(stalled) = w.check.observe(w.supervision.progress(), now) {
-                        fired.push((watched.swap_remove(i), stalled));
-                        continue;
-                    }
+                w.next = now + w.step;
+                if let Some(stalled) = w.check.observe(w.supervision.progress(), now) {
+                    fired.push((watched.swap_remove(i), stalled));
+                    continue;
                 }
                 i += 1;
             }
@@ -827,7 +834,14 @@ mod tests {
     fn sv2_an_operation_past_its_deadline_and_grace_is_a_verdict() {
         let t0 = Instant::now();
         let op = InFlight {
-            what: "all_reduce #4".into(),
+            what: Signature {
+                seq: 4,
+                kind: chorus_runtime::collective::CollectiveKind::AllReduce,
+                dtype: chorus_runtime::collective::DType::Float32,
+                count: 2,
+                root: None,
+                reduce_op: Some(chorus_runtime::collective::ReduceOp::Sum),
+            },
             started: t0,
             deadline: t0 + Duration::from_secs(10),
         };
@@ -835,7 +849,12 @@ mod tests {
         assert!(verdict(Vec::new(), Some(&op), grace, t0 + Duration::from_secs(14)).is_none());
         let (reason, ranks) = verdict(Vec::new(), Some(&op), grace, t0 + Duration::from_secs(15)).unwrap();
         assert!(ranks.is_empty());
-        assert!(reason.to_string().contains("all_reduce #4 still running"), "{reason}");
+        assert!(
+            reason
+                .to_string()
+                .contains("#4 all_reduce(2 x float32, sum) still running"),
+            "{reason}"
+        );
     }
 
     #[tokio::test]

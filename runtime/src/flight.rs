@@ -222,12 +222,53 @@ impl FlightEntry {
     }
 }
 
+/// What an entry in the ring says an operation was: a collective's
+/// signature as it is (turned into a [`FlightOp`] only for a snapshot),
+/// or an op given as one. A thousand ranks in one process keep a thousand
+/// rings, so an entry holds no text of its own.
+#[derive(Debug, Clone)]
+enum KeptOp {
+    Signature(Signature),
+    Op(Box<FlightOp>),
+}
+
+/// An entry as the ring keeps it ([`FlightEntry`] with a [`KeptOp`]).
+#[derive(Debug, Clone)]
+struct Kept {
+    id: EntryId,
+    seq: u64,
+    op: KeptOp,
+    state: EntryState,
+    enqueued_at: SystemTime,
+    started_at: Option<SystemTime>,
+    completed_at: Option<SystemTime>,
+    waiting_for: Vec<usize>,
+}
+
+impl From<&Kept> for FlightEntry {
+    fn from(kept: &Kept) -> Self {
+        FlightEntry {
+            id: kept.id,
+            seq: kept.seq,
+            op: match &kept.op {
+                KeptOp::Signature(signature) => signature.into(),
+                KeptOp::Op(op) => (**op).clone(),
+            },
+            state: kept.state.clone(),
+            enqueued_at: kept.enqueued_at,
+            started_at: kept.started_at,
+            completed_at: kept.completed_at,
+            waiting_for: kept.waiting_for.clone(),
+        }
+    }
+}
+
 /// A bounded ring of one rank's operations in one group: the newest
 /// `capacity` entries, the oldest dropped first.
 #[derive(Debug, Clone)]
 pub struct FlightRecorder {
     capacity: usize,
-    entries: VecDeque<FlightEntry>,
+    entries: VecDeque<Kept>,
     next_id: u64,
 }
 
@@ -256,6 +297,16 @@ impl FlightRecorder {
 
     /// Records a submitted operation; the id updates it later.
     pub fn record_scheduled(&mut self, seq: u64, op: FlightOp, now: SystemTime) -> EntryId {
+        self.record(seq, KeptOp::Op(Box::new(op)), now)
+    }
+
+    /// Records a submitted collective by its signature (what
+    /// [`FlightOp::from`] makes of it), with no text made until a dump.
+    pub fn record_signature(&mut self, seq: u64, signature: &Signature, now: SystemTime) -> EntryId {
+        self.record(seq, KeptOp::Signature(*signature), now)
+    }
+
+    fn record(&mut self, seq: u64, op: KeptOp, now: SystemTime) -> EntryId {
         let id = EntryId(self.next_id);
         self.next_id += 1;
         if self.capacity == 0 {
@@ -264,7 +315,7 @@ impl FlightRecorder {
         if self.entries.len() == self.capacity {
             self.entries.pop_front();
         }
-        self.entries.push_back(FlightEntry {
+        self.entries.push_back(Kept {
             id,
             seq,
             op,
@@ -331,7 +382,7 @@ impl FlightRecorder {
 
     /// The entries in the ring, oldest first.
     pub fn snapshot(&self) -> Vec<FlightEntry> {
-        self.entries.iter().cloned().collect()
+        self.entries.iter().map(FlightEntry::from).collect()
     }
 
     /// This rank's dump: the ring with who dumped it, when and why.
@@ -348,7 +399,7 @@ impl FlightRecorder {
         }
     }
 
-    fn entry_mut(&mut self, id: EntryId) -> Option<&mut FlightEntry> {
+    fn entry_mut(&mut self, id: EntryId) -> Option<&mut Kept> {
         // Ids in the ring are consecutive, so the position is arithmetic.
         let first = self.entries.front()?.id.0;
         let index = usize::try_from(id.0.checked_sub(first)?).ok()?;
@@ -743,6 +794,30 @@ mod tests {
             peer: None,
             reduce_op: Some("sum".into()),
         }
+    }
+
+    #[test]
+    fn a_collective_recorded_by_its_signature_reads_as_its_op() {
+        let signature = Signature {
+            seq: 3,
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count: 2,
+            root: None,
+            reduce_op: Some(ReduceOp::Sum),
+        };
+        let (mut by_signature, mut by_op) = (FlightRecorder::new(4), FlightRecorder::new(4));
+        for recorder in [&mut by_signature, &mut by_op] {
+            recorder.record_scheduled(0, all_reduce(8), at(0));
+        }
+        let id = by_signature.record_signature(3, &signature, at(1));
+        assert_eq!(id, by_op.record_scheduled(3, FlightOp::from(&signature), at(1)));
+        for recorder in [&mut by_signature, &mut by_op] {
+            recorder.record_started(id, at(2));
+            recorder.record_failed(id, at(3), "timeout");
+        }
+        assert_eq!(by_signature.snapshot(), by_op.snapshot());
+        assert_eq!(by_signature.snapshot()[1].op, all_reduce(2));
     }
 
     #[test]

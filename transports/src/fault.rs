@@ -21,7 +21,8 @@
 //! - `corrupt(link, p=P[, times=K])`: flips one bit of a data frame's payload
 //!   with probability P (default 1), at most K times on each link (default:
 //!   no limit). Heartbeats, empty frames and frames tagged `u64::MAX` (the
-//!   collectives' signatures) pass untouched, so the protocol's framing
+//!   collectives' signatures, also the first 32 bytes of a data frame whose
+//!   tag has its top bit set) pass untouched, so the protocol's framing
 //!   holds and only tensor bytes change: what a checksum must catch.
 //! - `partition(ranks|ranks)`: frames between the two sides are lost,
 //!   heartbeats too, so each side takes the other for failed within the
@@ -436,7 +437,10 @@ impl FaultyLink {
     /// when it is no data frame or the link used up its `times`.
     fn corrupt(&self, channel: ChannelId, tag: u64, payload: Bytes, times: u64) -> Bytes {
         // u64::MAX tags the collectives' signatures: their framing, not data.
-        if channel == HEARTBEAT_CHANNEL || tag == u64::MAX || payload.is_empty() {
+        // A data tag with the top bit set carries one in its first 32 bytes
+        // (the CPU driver's signed frames): only the data after it.
+        let skip = if tag & (1 << 63) != 0 { 32.min(payload.len()) } else { 0 };
+        if channel == HEARTBEAT_CHANNEL || tag == u64::MAX || payload.len() == skip {
             return payload;
         }
         let done = self
@@ -447,7 +451,8 @@ impl FaultyLink {
         }
         let (at, bit) = {
             let mut random = self.random.lock().unwrap_or_else(|p| p.into_inner());
-            let at = ((random.next_f64() * payload.len() as f64) as usize).min(payload.len() - 1);
+            let data = payload.len() - skip;
+            let at = skip + ((random.next_f64() * data as f64) as usize).min(data - 1);
             (at, (random.next_f64() * 8.0) as u32 % 8)
         };
         tracing::warn!(
@@ -807,6 +812,23 @@ mod tests {
             }
             // Only the first data frame after the trigger, and only once (times=1).
             assert_eq!(flipped, [(0, 0), (1, 0), (u64::MAX, 0), (5, 0), (2, 1), (3, 0)]);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn corrupt_spares_the_signature_a_data_frame_carries() {
+        within(async {
+            let mesh = wrapped(2, "seed=5; corrupt(0->1)");
+            let (tx, rx) = (mesh[0][1].as_ref().unwrap(), mesh[1][0].as_ref().unwrap());
+            let signed = 1 << 63;
+            // A signature alone, then a signature and one byte of data.
+            tx.send(0, signed, Bytes::from(vec![0u8; 32])).await.unwrap();
+            tx.send(0, signed | 1, Bytes::from(vec![0u8; 33])).await.unwrap();
+            assert!(rx.recv(0).await.unwrap().payload.iter().all(|&b| b == 0));
+            let frame = rx.recv(0).await.unwrap();
+            assert!(frame.payload[..32].iter().all(|&b| b == 0), "the signature changed");
+            assert_eq!(frame.payload[32].count_ones(), 1, "the data byte is corrupted");
         })
         .await;
     }
