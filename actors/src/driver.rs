@@ -873,6 +873,27 @@ mod tests {
     use chorus_runtime::collective::{Algorithm, CollectiveKind, DType, Spec};
     use chorus_transports::shm::{ShmEndpoint, ShmOptions, ShmPeer};
 
+    /// A world-2 ring all-reduce of `count` float32s: its signature and
+    /// both ranks' plans.
+    fn ring_all_reduce(count: usize, op: ReduceOp) -> (Signature, [Plan; 2]) {
+        let signature = Signature {
+            seq: 0,
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            reduce_op: Some(op),
+        };
+        let spec = Spec {
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count,
+            root: None,
+            world: 2,
+        };
+        (signature, [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap()))
+    }
+
     #[tokio::test]
     async fn sends_that_find_a_full_shm_ring_wait_for_room_instead_of_copying_into_frames() {
         // Rings of two 1 MiB segments; a 16 MiB ring all-reduce has its
@@ -891,22 +912,7 @@ mod tests {
         let (zero, one) = tokio::join!(ends[0].connect_mesh(&to_one), ends[1].connect_mesh(&to_zero));
         let meshes = [zero.unwrap(), one.unwrap()];
         let count = 4 << 20;
-        let signature = Signature {
-            seq: 0,
-            kind: CollectiveKind::AllReduce,
-            dtype: DType::Float32,
-            count,
-            root: None,
-            reduce_op: Some(ReduceOp::Sum),
-        };
-        let spec = Spec {
-            kind: CollectiveKind::AllReduce,
-            dtype: DType::Float32,
-            count,
-            root: None,
-            world: 2,
-        };
-        let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+        let (signature, plans) = ring_all_reduce(count, ReduceOp::Sum);
         let pools = [FramePool::default(), FramePool::default()];
         let mut outputs = [0, 1].map(|rank| {
             (0..count)
@@ -956,22 +962,7 @@ mod tests {
         let links = chorus_transports::local::local_mesh(2);
         let count = 1 << 20;
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
-            let signature = Signature {
-                seq: 0,
-                kind: CollectiveKind::AllReduce,
-                dtype: DType::Float32,
-                count,
-                root: None,
-                reduce_op: Some(op),
-            };
-            let spec = Spec {
-                kind: CollectiveKind::AllReduce,
-                dtype: DType::Float32,
-                count,
-                root: None,
-                world: 2,
-            };
-            let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+            let (signature, plans) = ring_all_reduce(count, op);
             assert!(plans[0].lendable());
             let pools = [FramePool::default(), FramePool::default()];
             let mut outputs = [0, 1].map(|rank| {
@@ -1035,22 +1026,7 @@ mod tests {
         let links = chorus_transports::local::local_mesh(2);
         // Two 1 MiB segments per chunk: rank 0 lends chunk 1's two segments.
         let count = 1 << 20;
-        let signature = Signature {
-            seq: 0,
-            kind: CollectiveKind::AllReduce,
-            dtype: DType::Float32,
-            count,
-            root: None,
-            reduce_op: Some(ReduceOp::Sum),
-        };
-        let spec = Spec {
-            kind: CollectiveKind::AllReduce,
-            dtype: DType::Float32,
-            count,
-            root: None,
-            world: 2,
-        };
-        let plans = [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap());
+        let (signature, plans) = ring_all_reduce(count, ReduceOp::Sum);
         let pool = FramePool::default();
         let mut output = crate::lend::LentOutput::new(1f32.to_le_bytes().repeat(count));
         let lender = output.lender();
