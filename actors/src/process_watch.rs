@@ -99,9 +99,9 @@ impl ProcessWatch {
     pub async fn next_exit(&mut self) -> Vec<(usize, u32)> {
         for watched in &mut self.watched {
             watched.handle = match std::mem::replace(&mut watched.handle, Handle::Signal) {
-                // SAFETY: the `OwnedFd` moves into the `AsyncFd`, which keeps
-                // it open and unchanged until it is dropped.
                 Handle::Pidfd(fd) => {
+                    // SAFETY: the `OwnedFd` moves into the `AsyncFd`, which
+                    // keeps it open and unchanged until it is dropped.
                     match unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
                         Ok(registered) => Handle::Registered(registered),
                         // The reactor refused it: keep polling the pidfd.

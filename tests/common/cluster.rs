@@ -36,8 +36,8 @@ impl Cluster {
     /// call this are ignored unless asked for (they need root).
     pub(crate) fn up(tag: &str, hosts: usize, options: &[&str]) -> Cluster {
         assert!(tag.len() <= 3, "cluster tags are at most 3 characters");
-        // SAFETY: geteuid has no preconditions.
         assert!(
+            // SAFETY: geteuid has no preconditions.
             unsafe { libc::geteuid() } == 0,
             "the simulated-host tests need root (network namespaces)"
         );
