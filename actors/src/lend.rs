@@ -8,7 +8,7 @@
 //!    them, and it is freed with the last;
 //! 2. nothing writes a lent region while its view is out: the driver lends
 //!    only what its plan allows (`Plan::lendable`), checks every write
-//!    against the views still out ([`Leases::busy`]), and hands the output
+//!    against the views still out (`Leases::busy`), and hands the output
 //!    back only once all are released.
 
 use std::ops::Range;
