@@ -623,16 +623,6 @@ impl Link for FaultyLink {
         }
     }
 
-    fn poll_send_copy(
-        &self,
-        cx: &mut Context<'_>,
-        channel: ChannelId,
-        tag: u64,
-        payload: &[u8],
-    ) -> Poll<Result<bool, TransportError>> {
-        self.copy_through(channel, |inner| inner.poll_send_copy(cx, channel, tag, payload))
-    }
-
     fn poll_send_with(
         &self,
         cx: &mut Context<'_>,

@@ -235,16 +235,23 @@ pub trait Link: Send + Sync + fmt::Debug {
     /// with the same frame); `Ready(Ok(false))` when this transport takes
     /// no borrowed payload of this size, so the caller must `send` an owned
     /// frame. Nothing is taken unless it returns `Ready(Ok(true))`, so a
-    /// failed, pending or dropped send loses nothing. The default waits for
-    /// nothing: it is [`try_send_copy`](Self::try_send_copy).
+    /// failed, pending or dropped send loses nothing. It is
+    /// [`poll_send_with`](Self::poll_send_with) copying `payload`, and where
+    /// the transport takes no frame that way, [`try_send_copy`](Self::try_send_copy),
+    /// which waits for nothing.
     fn poll_send_copy(
         &self,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
         channel: ChannelId,
         tag: u64,
         payload: &[u8],
     ) -> Poll<Result<bool, TransportError>> {
-        Poll::Ready(self.try_send_copy(channel, tag, payload))
+        match self.poll_send_with(cx, channel, tag, payload.len(), &mut |frame| {
+            frame.copy_from_slice(payload)
+        }) {
+            Poll::Ready(Ok(false)) => Poll::Ready(self.try_send_copy(channel, tag, payload)),
+            polled => polled,
+        }
     }
 
     /// [`poll_send_copy`](Self::poll_send_copy) for a payload the caller

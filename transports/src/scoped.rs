@@ -86,18 +86,6 @@ impl Link for ScopedLink {
             .map_err(|e| self.renamed(e))
     }
 
-    fn poll_send_copy(
-        &self,
-        cx: &mut Context<'_>,
-        channel: ChannelId,
-        tag: u64,
-        payload: &[u8],
-    ) -> Poll<Result<bool, TransportError>> {
-        self.inner
-            .poll_send_copy(cx, self.channel(channel), tag, payload)
-            .map_err(|e| self.renamed(e))
-    }
-
     fn poll_send_with(
         &self,
         cx: &mut Context<'_>,

@@ -1434,16 +1434,6 @@ impl Link for ShmLink {
         self.try_send_with(channel, tag, payload.len(), &mut |dst| dst.copy_from_slice(payload))
     }
 
-    fn poll_send_copy(
-        &self,
-        cx: &mut Context<'_>,
-        channel: ChannelId,
-        tag: u64,
-        payload: &[u8],
-    ) -> Poll<Result<bool, TransportError>> {
-        self.poll_send_with(cx, channel, tag, payload.len(), &mut |dst| dst.copy_from_slice(payload))
-    }
-
     fn poll_send_with(
         &self,
         cx: &mut Context<'_>,
