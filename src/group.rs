@@ -465,7 +465,10 @@ async fn start_rank(
     arbiter: RankThread,
 ) -> Result<ProcessGroup, InitError> {
     let env = |name: &str| std::env::var(name).ok();
-    let overrides = overrides()?;
+    let overrides = match arbiter {
+        RankThread::Shared(_) => overrides()?.sharing_threads(),
+        RankThread::Own(_) => overrides()?,
+    };
     let actor_links = links.clone();
     let (rank, collective_timeout) = (config.rank, options.collective_timeout);
     let flight = FlightRecorder::new(flight::capacity_from_env());

@@ -51,6 +51,7 @@ pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
 pub use reduce::{ReduceError, finalize_avg, reduce_complete_into, reduce_into};
 pub use schedule::{
     Algorithm, CollectiveKind, HALVING_DOUBLING_MAX_BYTES, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_WORLD,
-    MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, Spec, Thresholds, choose_algorithm,
+    MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, SHARED_THREADS_TREE_MIN_WORLD, Spec,
+    Thresholds, choose_algorithm,
 };
 pub use signature::{ENCODED_LEN, Signature, SignatureError};

@@ -29,6 +29,15 @@ pub const RECURSIVE_DOUBLING_MAX_BYTES: usize = 64 << 10;
 /// schedule costs non-powers of two nothing extra.
 pub const HALVING_DOUBLING_MAX_BYTES: usize = 1 << 20;
 
+/// Ranks sharing one process's threads ([`Overrides::sharing_threads`]) run
+/// all-reduces up to the recursive-doubling threshold on the binomial tree
+/// from this many ranks on: there every message costs the shared threads
+/// its CPU time, and the tree sends `2 (P - 1)` messages against recursive
+/// doubling's `P log2 P`. Measured in one process on 2 cores (`chorus bench
+/// scale`, 8 bytes): about equal at 8 ranks, the tree 1.7x faster at 16,
+/// 2.5x at 256 and 2.8x at 1024 (BENCHMARKS.md, section 15d).
+pub const SHARED_THREADS_TREE_MIN_WORLD: usize = 16;
+
 /// Largest world a plan is made for.
 pub const MAX_WORLD: usize = 1 << 20;
 
@@ -135,6 +144,7 @@ impl CollectiveKind {
                 Algorithm::RecursiveDoubling,
                 Algorithm::HalvingDoubling,
                 Algorithm::Ring,
+                Algorithm::BinomialTree,
             ],
             CollectiveKind::Broadcast | CollectiveKind::Reduce => &[Algorithm::BinomialTree],
             CollectiveKind::AllGather | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
@@ -184,7 +194,8 @@ pub enum Algorithm {
     RecursiveDoubling,
     /// Rabenseifner's recursive halving + doubling (medium all-reduce).
     HalvingDoubling,
-    /// Binomial tree from or to the root (broadcast, reduce).
+    /// Binomial tree from or to the root (broadcast, reduce; all-reduce as
+    /// a reduce to rank 0 and a broadcast from it).
     BinomialTree,
     /// One message per rank and the root, or the peer (gather, scatter,
     /// send, recv).
@@ -340,6 +351,7 @@ fn parse_bytes(text: &str) -> Option<usize> {
 pub struct Overrides {
     forced: Vec<(CollectiveKind, Algorithm)>,
     thresholds: Thresholds,
+    sharing_threads: bool,
 }
 
 impl Overrides {
@@ -370,13 +382,24 @@ impl Overrides {
         }
         Ok(Overrides {
             forced,
-            thresholds: Thresholds::default(),
+            ..Overrides::default()
         })
     }
 
     /// These overrides with the all-reduce switch points `thresholds`.
     pub fn with_thresholds(self, thresholds: Thresholds) -> Self {
         Overrides { thresholds, ..self }
+    }
+
+    /// These overrides for ranks that share a few threads of one process
+    /// (`chorus::spawn`), where the total number of messages sets a small
+    /// all-reduce's time ([`SHARED_THREADS_TREE_MIN_WORLD`]). Every rank of
+    /// a group must be told the same, or their plans would not meet.
+    pub fn sharing_threads(self) -> Self {
+        Overrides {
+            sharing_threads: true,
+            ..self
+        }
     }
 
     /// The all-reduce switch points in force.
@@ -392,13 +415,22 @@ impl Overrides {
 
 /// Picks the algorithm for a collective of `bytes` per rank (the buffer an
 /// all-reduce reduces) over `world` ranks, unless `overrides` forces one;
-/// all-reduce switches at the overrides' [`Thresholds`].
+/// all-reduce switches at the overrides' [`Thresholds`] (and, for ranks
+/// [sharing threads](Overrides::sharing_threads), to the binomial tree for
+/// small buffers over many ranks).
 pub fn choose_algorithm(kind: CollectiveKind, bytes: usize, world: usize, overrides: &Overrides) -> Algorithm {
     if let Some(forced) = overrides.get(kind) {
         return forced;
     }
     let t = overrides.thresholds;
     match kind {
+        CollectiveKind::AllReduce
+            if overrides.sharing_threads
+                && world >= SHARED_THREADS_TREE_MIN_WORLD
+                && bytes <= t.recursive_doubling_max =>
+        {
+            Algorithm::BinomialTree
+        }
         // Two ranks: halving-doubling moves the same bytes as recursive
         // doubling, in two messages instead of one.
         CollectiveKind::AllReduce
@@ -533,6 +565,7 @@ impl Spec {
             (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling) => {
                 doubling::recursive_doubling(&mut b, rank, world, n)
             }
+            (CollectiveKind::AllReduce, Algorithm::BinomialTree) => tree::all_reduce(&mut b, rank, world, n, size),
             (CollectiveKind::AllReduce, _) => doubling::halving_doubling(&mut b, rank, world, n),
             (CollectiveKind::Broadcast, _) => tree::broadcast(&mut b, rank, world, root, n, size),
             (CollectiveKind::Reduce, _) => tree::reduce(&mut b, rank, world, root, n, size),

@@ -502,6 +502,23 @@ fn choice_follows_the_thresholds_unless_overridden() {
         Algorithm::HalvingDoubling
     );
     assert_eq!(Overrides::parse(""), Ok(Overrides::default()));
+
+    // Ranks sharing threads take the tree for small buffers over many ranks.
+    let shared = Overrides::default().sharing_threads();
+    let many = SHARED_THREADS_TREE_MIN_WORLD;
+    assert_eq!(choose_algorithm(ar, 8, many, &shared), Algorithm::BinomialTree);
+    assert_eq!(
+        choose_algorithm(ar, RECURSIVE_DOUBLING_MAX_BYTES, 1024, &shared),
+        Algorithm::BinomialTree
+    );
+    assert_eq!(choose_algorithm(ar, 8, many - 1, &shared), Algorithm::RecursiveDoubling);
+    assert_eq!(
+        choose_algorithm(ar, RECURSIVE_DOUBLING_MAX_BYTES + 1, 1024, &shared),
+        Algorithm::HalvingDoubling
+    );
+    assert_eq!(choose_algorithm(ar, 8, 1024, &none), Algorithm::RecursiveDoubling);
+    let forced = Overrides::parse("all_reduce=ring").unwrap().sharing_threads();
+    assert_eq!(choose_algorithm(ar, 8, 1024, &forced), Algorithm::Ring);
 }
 
 #[test]
@@ -658,4 +675,30 @@ proptest! {
     fn random_shapes_match_the_reference(case in any_case()) {
         prop_assert_eq!(check(case), Ok(()));
     }
+}
+
+#[test]
+fn the_tree_all_reduce_sends_two_messages_per_rank_where_doubling_sends_log2_p() {
+    let sends = |world: usize, algorithm: Algorithm| -> usize {
+        let spec = Spec {
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::Float32,
+            count: 2,
+            root: None,
+            world,
+        };
+        (0..world)
+            .map(|rank| spec.plan(rank, algorithm).unwrap())
+            .map(|plan| {
+                plan.steps()
+                    .iter()
+                    .filter(|s| matches!(s.action, Action::Send { .. }))
+                    .count()
+            })
+            .sum()
+    };
+    for world in [16, 64, 1000, 1024] {
+        assert_eq!(sends(world, Algorithm::BinomialTree), 2 * (world - 1), "world {world}");
+    }
+    assert_eq!(sends(1024, Algorithm::RecursiveDoubling), 1024 * 10);
 }
