@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use actix::{Actor, Addr};
+use chorus_actors::driver::FramePool;
 use chorus_actors::heartbeat::{self, HeartbeatConfig, HeartbeatMonitor, SharedMonitor};
 use chorus_actors::metrics::GroupMetrics;
 use chorus_actors::process_watch::ProcessWatch;
@@ -465,9 +466,9 @@ async fn start_rank(
     arbiter: RankThread,
 ) -> Result<ProcessGroup, InitError> {
     let env = |name: &str| std::env::var(name).ok();
-    let overrides = match arbiter {
-        RankThread::Shared(_) => overrides()?.sharing_threads(),
-        RankThread::Own(_) => overrides()?,
+    let (overrides, pool) = match arbiter {
+        RankThread::Shared(_) => (overrides()?.sharing_threads(), system::shared_frame_pool()),
+        RankThread::Own(_) => (overrides()?, FramePool::default()),
     };
     let actor_links = links.clone();
     let (rank, collective_timeout) = (config.rank, options.collective_timeout);
@@ -504,6 +505,7 @@ async fn start_rank(
     let dumps = trace_dir.is_some();
     let actor = RankActor::start_in_arbiter(&arbiter.handle(), move |_| {
         let actor = RankActor::new(rank, actor_links, collective_timeout, overrides, actor_supervision)
+            .with_frame_pool(pool)
             .with_flight_recorder(flight, trace_dir, generation)
             .with_metrics(actor_metrics);
         if dumps {

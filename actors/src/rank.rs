@@ -170,6 +170,14 @@ impl RankActor {
         }
     }
 
+    /// Takes frame buffers from `pool`, which other ranks may share (ranks
+    /// sharing a process's threads share one, so its bound holds per
+    /// process, not per rank).
+    pub fn with_frame_pool(mut self, pool: FramePool) -> Self {
+        self.pool = pool;
+        self
+    }
+
     /// Counts operations, their time and bytes in `metrics` (see
     /// [`crate::metrics`]).
     pub fn with_metrics(mut self, metrics: Arc<GroupMetrics>) -> Self {

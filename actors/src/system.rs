@@ -2,7 +2,8 @@
 //! `System` on a thread of its own, and one `Arbiter` (a thread with a
 //! current-thread tokio runtime) per rank of its own process; ranks in one
 //! process (`chorus::spawn`) share a few arbiters ([`shared_arbiter`]), so a
-//! world of a thousand ranks is not a thousand threads.
+//! world of a thousand ranks is not a thousand threads, and one frame pool
+//! ([`shared_frame_pool`]).
 //!
 //! A rank's links are created on its arbiter too: quinn drives a connection
 //! on the runtime that made it, and keeping the driver, the actor and the
@@ -15,6 +16,8 @@ use std::sync::Mutex;
 
 use actix_rt::{Arbiter, ArbiterHandle, System};
 use thiserror::Error;
+
+use crate::driver::FramePool;
 
 /// The actor system could not be started.
 #[derive(Debug, Error, Clone)]
@@ -61,6 +64,14 @@ pub fn new_arbiter() -> Result<Arbiter, SystemError> {
         return Err(SystemError("the actor system has stopped".into()));
     }
     rx.recv().map_err(|e| SystemError(e.to_string()))?
+}
+
+/// The frame pool ranks sharing the process's arbiters share: one
+/// [`FramePool`] bound (16 MiB) for the process instead of one per rank,
+/// which a thousand ranks' 1 MiB all-reduces would each fill.
+pub fn shared_frame_pool() -> FramePool {
+    static POOL: OnceLock<FramePool> = OnceLock::new();
+    POOL.get_or_init(FramePool::default).clone()
 }
 
 /// The arbiters ranks in one process share, made as needed.
