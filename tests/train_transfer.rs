@@ -4,7 +4,8 @@
 //! is brought forward; a chunk corrupted on the wire (`corrupt` fault) is
 //! fetched again from another source; mismatched lists and a dying source
 //! are errors on every rank, never a hang (also a silent one, at the
-//! collective timeout); rank processes over shm and QUIC, and a chunk
+//! collective timeout, and a joiner frozen mid-transfer at its sources'
+//! timeout); rank processes over shm and QUIC, and a chunk
 //! corrupted on its way into a shm ring; `verify_state` names a diverged
 //! rank.
 
@@ -472,4 +473,46 @@ fn a_silent_source_is_a_timeout_at_the_collective_timeout() {
     );
     assert!(results.iter().all(Result::is_err), "{results:?}");
     assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+}
+
+#[test]
+fn a_joiner_freezing_mid_transfer_is_a_timeout_on_its_sources() {
+    // The joiner (rank 0) freezes as it takes in its 40th frame, a few
+    // dozen chunks into the state (its hello needs fewer): it reads
+    // nothing more, its links fill, and the sources' wait for room must
+    // end at the collective timeout (2 s), heartbeats being far slower.
+    let started = std::time::Instant::now();
+    let results = run(
+        Some("freeze(rank=0, after_received=40)"),
+        within(30, "a frozen joiner", async {
+            let options = InitOptions::default()
+                .heartbeat_timeout(Duration::from_secs(60))
+                .collective_timeout(Duration::from_secs(2));
+            chorus::spawn_with(3, options, |pg| async move {
+                let (step, mut state) = match pg.rank() {
+                    0 => (None, big_state(5)),
+                    _ => (Some(3), big_state(3)),
+                };
+                sync_state(&pg, &mut state, step, &small_chunks()).await
+            })
+            .await
+            .expect("the group forms")
+        }),
+    );
+    for (rank, result) in results.iter().enumerate().skip(1) {
+        assert!(
+            matches!(result, Err(TransferError::Timeout { peer: 0, .. })),
+            "source {rank}: expected a timeout naming the joiner, got {result:?}"
+        );
+    }
+    assert!(results[0].is_err(), "{:?}", results[0]);
+    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+}
+
+/// [`state`] with 16 MiB more optimizer state: far more chunks than the
+/// links hold.
+fn big_state(seed: u32) -> NamedState {
+    let mut state = state(seed);
+    state.optimizer.push(("momentum".into(), vec![seed as f32; 4 << 20]));
+    state
 }

@@ -30,11 +30,17 @@
 //! - `close(link)`: cuts the connection (both sides see a lost link).
 //! - `kill(rank=R)`: rank R dies: every link of it closes, and when it is a
 //!   process of its own (a non-local link), the process gets SIGKILL.
-//! - `freeze(rank=R)`: rank R stops: its sends and receives never complete
-//!   (as under SIGSTOP, but also for ranks that share a process).
+//! - `freeze(rank=R)`: rank R stops: its sends and receives never complete,
+//!   and it closes no link (as under SIGSTOP, but also for ranks that share
+//!   a process, whose own deadlines still run).
 //! - Triggers, on any rule: `after=T` (`ms` or `s`, since the wrapper was made)
 //!   and `after_frames=N` (frames this rank sent on the matching link, or on
 //!   all its links for `kill`/`freeze`); a rule acts once both hold.
+//!   `kill` and `freeze` may instead strike a rank as it receives:
+//!   `after_received=N` acts on the first frame it receives (heartbeats
+//!   aside, on any link) once it has received N, which it never gets: a
+//!   rank that only receives for a while (a joiner taking in the state)
+//!   can die or stop in the middle of it.
 //!
 //! The decision ([`FaultPlan::decide`]) is a pure function of the rule, the
 //! link, the frame count, the elapsed time and a per-link random stream.
@@ -118,6 +124,10 @@ pub struct FaultRule {
     pub after: Duration,
     /// It acts only once this many frames were sent on the matching link.
     pub after_frames: u64,
+    /// `kill` and `freeze` only: it acts on a frame the rank receives, once
+    /// the rank received this many (heartbeats aside); 0: on a send, as
+    /// the other rules.
+    pub after_received: u64,
     /// The rule as written, for errors.
     pub text: String,
 }
@@ -312,6 +322,12 @@ impl FaultPlan {
         let after_frames = named
             .remove("after_frames")
             .map_or(Ok(0), |n| n.parse().map_err(|_| bad("after_frames must be an integer")))?;
+        let after_received = named.remove("after_received").map_or(Ok(0), |n| {
+            n.parse().map_err(|_| bad("after_received must be an integer"))
+        })?;
+        if after_received > 0 && !matches!(kind, FaultKind::Kill | FaultKind::Freeze) {
+            return Err(bad("after_received applies to kill and freeze only"));
+        }
         if let Some(unknown) = named.keys().next() {
             return Err(bad(&format!("unknown argument {unknown:?}")));
         }
@@ -320,6 +336,7 @@ impl FaultPlan {
             link,
             after,
             after_frames,
+            after_received,
             text: rule.to_string(),
         })
     }
@@ -349,7 +366,11 @@ impl FaultPlan {
     /// uniform draw in `[0, 1)`.
     pub fn decide(&self, from: usize, to: usize, frames_sent: u64, elapsed: Duration, random: f64) -> Action {
         for rule in &self.rules {
-            if !rule.link.matches(from, to) || elapsed < rule.after || frames_sent < rule.after_frames {
+            if !rule.link.matches(from, to)
+                || elapsed < rule.after
+                || frames_sent < rule.after_frames
+                || rule.after_received > 0
+            {
                 continue;
             }
             return match rule.kind {
@@ -365,6 +386,24 @@ impl FaultPlan {
             };
         }
         Action::Deliver
+    }
+
+    /// What happens to rank `me` as it receives a frame after `received`
+    /// others (heartbeats aside), `elapsed` after the wrapper was made:
+    /// [`Action::Kill`] or [`Action::Freeze`] from an `after_received`
+    /// rule, otherwise [`Action::Deliver`].
+    pub fn decide_on_receive(&self, me: usize, received: u64, elapsed: Duration) -> Action {
+        let acts = |rule: &&FaultRule| {
+            rule.after_received > 0
+                && received >= rule.after_received
+                && elapsed >= rule.after
+                && rule.link == LinkMatch::Rank(me)
+        };
+        match self.rules.iter().find(acts).map(|rule| &rule.kind) {
+            Some(FaultKind::Kill) => Action::Kill,
+            Some(FaultKind::Freeze) => Action::Freeze,
+            _ => Action::Deliver,
+        }
     }
 }
 
@@ -394,6 +433,8 @@ struct RankState {
     started: Instant,
     killed: AtomicBool,
     frozen: AtomicBool,
+    /// Frames received on all its links, heartbeats aside.
+    received: AtomicU64,
     links: Mutex<Vec<Arc<dyn Link>>>,
 }
 
@@ -524,6 +565,7 @@ pub fn wrap_links(me: usize, links: Vec<Option<Arc<dyn Link>>>, plan: FaultPlan)
         started: Instant::now(),
         killed: AtomicBool::new(false),
         frozen: AtomicBool::new(false),
+        received: AtomicU64::new(0),
         links: Mutex::new(links.iter().flatten().cloned().collect()),
         plan,
     });
@@ -639,6 +681,23 @@ impl Link for FaultyLink {
             return Err(self.dead());
         }
         let frame = self.inner.recv(channel).await;
+        if frame.is_ok() && channel != HEARTBEAT_CHANNEL {
+            let received = self.rank.received.fetch_add(1, Ordering::SeqCst);
+            match self
+                .rank
+                .plan
+                .decide_on_receive(self.me, received, self.rank.started.elapsed())
+            {
+                Action::Freeze if !self.rank.frozen.swap(true, Ordering::SeqCst) => {
+                    tracing::warn!(rank = self.me, "fault injection: freezing this rank as it receives");
+                }
+                Action::Kill => {
+                    self.kill();
+                    return Err(self.dead());
+                }
+                _ => {}
+            }
+        }
         if self.rank.frozen.load(Ordering::SeqCst) {
             self.frozen_forever().await;
         }
@@ -646,11 +705,17 @@ impl Link for FaultyLink {
     }
 
     fn close_with(&self, notice: &CloseNotice) {
-        self.inner.close_with(notice);
+        // A stopped rank closes nothing (as under SIGSTOP): its peers must
+        // find it silent by their own deadlines, not by its abort.
+        if !self.rank.frozen.load(Ordering::SeqCst) {
+            self.inner.close_with(notice);
+        }
     }
 
     fn cut(&self, reason: &str) {
-        self.inner.cut(reason);
+        if !self.rank.frozen.load(Ordering::SeqCst) {
+            self.inner.cut(reason);
+        }
     }
 }
 
@@ -900,6 +965,67 @@ mod tests {
             .await;
             assert!(frozen.is_err(), "a frozen rank's send never completes");
             assert_eq!(mesh[1][0].as_ref().unwrap().recv(0).await.unwrap().tag, 0);
+        })
+        .await;
+    }
+
+    #[test]
+    fn after_received_strikes_on_a_receive_and_only_kill_or_freeze() {
+        let plan =
+            FaultPlan::parse("freeze(rank=1, after_received=3, after=1s); kill(rank=2, after_received=1)").unwrap();
+        assert_eq!(plan.rules[0].after_received, 3);
+        let second = Duration::from_secs(1);
+        assert_eq!(
+            plan.decide_on_receive(1, 2, second),
+            Action::Deliver,
+            "2 received: not yet"
+        );
+        assert_eq!(
+            plan.decide_on_receive(1, 3, Duration::ZERO),
+            Action::Deliver,
+            "too early"
+        );
+        assert_eq!(plan.decide_on_receive(1, 3, second), Action::Freeze);
+        assert_eq!(plan.decide_on_receive(0, 9, second), Action::Deliver, "another rank");
+        assert_eq!(plan.decide_on_receive(2, 1, Duration::ZERO), Action::Kill);
+        // It never acts on a send.
+        assert_eq!(plan.decide(1, 0, 100, second, 0.0), Action::Deliver);
+        let err = FaultPlan::parse("drop(0->1, after_received=2)").unwrap_err();
+        assert_eq!(err.reason, "after_received applies to kill and freeze only");
+        assert!(FaultPlan::parse("freeze(rank=0, after_received=x)").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_rank_freezes_or_dies_as_it_receives() {
+        within(async {
+            // Rank 1 takes two frames, then freezes on the third: it never
+            // gets it, and its sends stop too.
+            let mesh = wrapped(2, "freeze(rank=1, after_received=2)");
+            let (to_one, one) = (mesh[0][1].as_ref().unwrap(), mesh[1][0].as_ref().unwrap());
+            for tag in 0..3 {
+                to_one.send(0, tag, Bytes::from_static(b"x")).await.unwrap();
+            }
+            assert_eq!(one.recv(0).await.unwrap().tag, 0);
+            assert_eq!(one.recv(0).await.unwrap().tag, 1);
+            let third = tokio::time::timeout(Duration::from_millis(100), one.recv(0)).await;
+            assert!(third.is_err(), "the frozen rank never gets the third frame");
+            let send = tokio::time::timeout(Duration::from_millis(100), one.send(0, 0, Bytes::new())).await;
+            assert!(send.is_err(), "nor sends");
+
+            // Rank 1 dies on its second frame: its receive fails and its
+            // peer sees the link closed.
+            let mesh = wrapped(2, "kill(rank=1, after_received=1)");
+            let (to_one, one) = (mesh[0][1].as_ref().unwrap(), mesh[1][0].as_ref().unwrap());
+            for tag in 0..2 {
+                to_one.send(0, tag, Bytes::from_static(b"x")).await.unwrap();
+            }
+            assert_eq!(one.recv(0).await.unwrap().tag, 0);
+            assert!(one.recv(0).await.is_err(), "killed as it receives the second");
+            let closed = to_one.recv(0).await;
+            assert!(
+                matches!(closed, Err(TransportError::Closed { peer: 1, .. })),
+                "{closed:?}"
+            );
         })
         .await;
     }
