@@ -41,7 +41,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use chorus_runtime::collective::{
     Action, Combine, ENCODED_LEN, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId,
     Tag, finalize_avg, reduce_complete_into, reduce_into,
@@ -794,12 +794,18 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
 }
 
 /// A data frame's tag and payload, and the signature it carries
-/// ([`SIGNED`]): the payload's first [`ENCODED_LEN`] bytes.
-fn split_signed(from: usize, tag: u64, payload: Bytes) -> Result<(u64, Option<Bytes>, Bytes), CollectiveError> {
+/// ([`SIGNED`]): the payload's first [`ENCODED_LEN`] bytes, copied out so
+/// the payload is advanced past them rather than shared by two slices
+/// (which costs an allocation per frame).
+fn split_signed(
+    from: usize,
+    tag: u64,
+    mut payload: Bytes,
+) -> Result<(u64, Option<[u8; ENCODED_LEN]>, Bytes), CollectiveError> {
     if tag & SIGNED == 0 {
         return Ok((tag, None, payload));
     }
-    if payload.len() < ENCODED_LEN {
+    let Some(carried) = payload.get(..ENCODED_LEN) else {
         return Err(CollectiveError::Protocol {
             peer: from,
             reason: format!(
@@ -807,12 +813,11 @@ fn split_signed(from: usize, tag: u64, payload: Bytes) -> Result<(u64, Option<By
                 payload.len()
             ),
         });
-    }
-    Ok((
-        tag & !SIGNED,
-        Some(payload.slice(..ENCODED_LEN)),
-        payload.slice(ENCODED_LEN..),
-    ))
+    };
+    let mut signature = [0; ENCODED_LEN];
+    signature.copy_from_slice(carried);
+    payload.advance(ENCODED_LEN);
+    Ok((tag & !SIGNED, Some(signature), payload))
 }
 
 /// Turns a link's wake-up (it has room for a send that waited) into a
@@ -842,13 +847,14 @@ async fn explain_failure(
         let Event::Frame { from, tag, payload } = event else {
             continue;
         };
-        let theirs = match tag {
-            SIGNATURE_TAG => Some(payload),
-            _ => split_signed(from, tag, payload).ok().and_then(|(_, theirs, _)| theirs),
+        let verified = match tag {
+            SIGNATURE_TAG => inbox.verify(signature, rank, from, &payload),
+            _ => match split_signed(from, tag, payload) {
+                Ok((_, Some(theirs), _)) => inbox.verify(signature, rank, from, &theirs),
+                _ => continue,
+            },
         };
-        if let Some(theirs) = theirs
-            && let Err(e @ CollectiveError::Desync { .. }) = inbox.verify(signature, rank, from, &theirs)
-        {
+        if let Err(e @ CollectiveError::Desync { .. }) = verified {
             return e;
         }
     }
