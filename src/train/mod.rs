@@ -17,6 +17,7 @@
 pub mod outer;
 pub mod state;
 pub mod trainer;
+mod cma;
 pub mod transfer;
 pub mod transfer_plan;
 

@@ -48,15 +48,16 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chorus_actors::driver::CollectiveError;
-use chorus_transports::link::{ChannelId, Link, TransportError};
+use chorus_transports::link::{ChannelId, Link, TransportError, TransportKind};
 use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use super::cma;
 use super::state::{StateEntry, TrainState, entries, for_each_entry};
 use super::transfer_plan::{
-    BLOCK, Chunks, HEADER, Header, Hello, Schedule, block_checksum, checksum, chunk_checksum, combine, decode_bad,
-    encode_bad, roles,
+    BLOCK, Chunks, HEADER, Header, Hello, Offer, Piece, Region, Schedule, block_checksum, checksum, chunk_checksum,
+    combine, decode_round, encode_round, roles, segments,
 };
 use crate::group::ProcessGroup;
 use crate::sync::plan::{self as sync_plan, ParamSpec};
@@ -79,6 +80,13 @@ pub struct TransferOptions {
     /// Rounds in all, the first included: a chunk that fails its checksum
     /// is fetched again from another source in the next round, up to here.
     pub max_rounds: u32,
+    /// Testing only (`None` in real use): in round 0, a source that wrote
+    /// this chunk into a receiver's memory by cross-memory attach then
+    /// flips one bit of what landed there, as a faulty write would, so a
+    /// test sees the receiver catch it and fetch the chunk again.
+    /// (`CHORUS_FAULTS` acts on frames; a link it acts on takes no
+    /// cross-memory writes.)
+    pub damage_cma_chunk: Option<usize>,
 }
 
 impl Default for TransferOptions {
@@ -90,6 +98,7 @@ impl Default for TransferOptions {
             // QUIC no slower.
             chunk_bytes: 2 << 20,
             max_rounds: 3,
+            damage_cma_chunk: None,
         }
     }
 }
@@ -107,6 +116,9 @@ pub struct TransferReport {
     pub bytes: u64,
     /// Chunks fetched again after a bad checksum.
     pub refetched: usize,
+    /// Bytes that landed in receivers' memory by cross-memory attach,
+    /// over all receivers and rounds (0: every chunk went on the links).
+    pub cma_bytes: u64,
     /// Time the call took on this rank.
     pub elapsed: Duration,
 }
@@ -167,6 +179,14 @@ pub enum TransferError {
         /// How long this rank waited.
         waited: Duration,
     },
+    /// A buffer's memory moved while other processes wrote into it.
+    #[error(
+        "state transfer: the buffer of '{entry}' moved while other processes wrote into it; ParamBuffer::as_bytes_mut must return memory that stays put while the state is borrowed, or None"
+    )]
+    Moved {
+        /// The entry.
+        entry: String,
+    },
     /// The state no longer agrees across ranks ([`verify_state`]).
     #[error("state diverged from rank 0 on {}", describe(.0))]
     Diverged(Vec<Diverged>),
@@ -198,10 +218,8 @@ pub async fn sync_state(
     let extra = state.save_extra();
     let hellos = hello(group, &list, step, extra.len()).await?;
     let roles = roles(&hellos.iter().map(|h| h.step).collect::<Vec<_>>());
-    let chunks = Chunks::new(
-        &list.iter().map(StateEntry::bytes).collect::<Vec<_>>(),
-        options.chunk_bytes,
-    );
+    let sizes: Vec<usize> = list.iter().map(StateEntry::bytes).collect();
+    let chunks = Chunks::new(&sizes, options.chunk_bytes);
     let mut report = TransferReport {
         step: roles.step,
         bytes: (chunks.total() + hellos[roles.sources[0]].extra_len as usize) as u64,
@@ -224,37 +242,50 @@ pub async fn sync_state(
     loop {
         let round = schedule.round();
         let mut bad = Vec::new();
+        let mut cma_bytes = 0;
         if roles.sources.contains(&me) {
             let sends = schedule.sends(me);
-            send_round(group, state, &extra, &chunks, &sends, round, tag(round)).await?;
+            let sending = Sending {
+                chunks: &chunks,
+                sizes: &sizes,
+                extra: &extra,
+                round,
+                tag: tag(round),
+                damage: options.damage_cma_chunk.filter(|_| round == 0),
+            };
+            send_round(group, state, &sending, &sends).await?;
         } else {
             let receives = schedule.receives(me);
             let mut ctx = Receiving {
                 state: &mut *state,
                 chunks: &chunks,
+                sizes: &sizes,
                 extra_lens: &extra_lens,
                 round,
                 tag: tag(round),
                 extra: &mut received_extra,
                 bad: &mut bad,
+                cma_bytes: &mut cma_bytes,
             };
             receive_round(group, &mut ctx, &receives).await?;
         }
         let words = u64s(
             group
-                .all_gather(Tensor::from_slice(&encode_bad(chunks.count(), &bad)))
+                .all_gather(Tensor::from_slice(&encode_round(chunks.count(), &bad, cma_bytes)))
                 .await?,
         )?;
         let per_rank = words.len() / group.world_size();
-        let all_bad: Vec<(usize, usize)> = roles
-            .receivers
-            .iter()
-            .flat_map(|&r| {
-                decode_bad(chunks.count(), &words[r * per_rank..(r + 1) * per_rank])
-                    .into_iter()
-                    .map(move |c| (r, c))
-            })
-            .collect();
+        let mut all_bad: Vec<(usize, usize)> = Vec::new();
+        for &r in &roles.receivers {
+            let (bad, cma) = decode_round(chunks.count(), &words[r * per_rank..(r + 1) * per_rank]).ok_or_else(|| {
+                CollectiveError::Protocol {
+                    peer: r,
+                    reason: format!("state transfer: a round's row of {per_rank} words"),
+                }
+            })?;
+            all_bad.extend(bad.into_iter().map(|c| (r, c)));
+            report.cma_bytes += cma;
+        }
         match schedule.finish_round(&all_bad) {
             Ok(true) => break,
             Ok(false) => {
@@ -287,6 +318,7 @@ pub async fn sync_state(
         sources = ?report.sources,
         receivers = ?report.receivers,
         refetched = report.refetched,
+        cma_bytes = report.cma_bytes,
         elapsed_ms = report.elapsed.as_millis() as u64,
         "state transfer done"
     );
@@ -443,21 +475,42 @@ async fn unless_aborted<T>(
     }
 }
 
-/// A source's round. Each chunk is read from the state straight into the
-/// receiver's transport buffer where the link takes it
-/// ([`Link::poll_send_with`]: a shared-memory ring), so its bytes are
-/// copied once; otherwise it is read once into a frame that a sender task
-/// per receiver link sends. A link that has owned frames queued takes the
-/// next ones owned too, which keeps each link's chunks in order.
+/// What a source's round sends.
+struct Sending<'a> {
+    chunks: &'a Chunks,
+    sizes: &'a [usize],
+    extra: &'a [u8],
+    round: u32,
+    tag: u64,
+    /// [`TransferOptions::damage_cma_chunk`], in round 0 only.
+    damage: Option<usize>,
+}
+
+/// A source's round. First, each receiver on a shared-memory link sends
+/// its [`Offer`]; where it offers its memory (and is another process), a
+/// chunk whose entries it covers is written there with cross-memory
+/// attach ([`cma::write`], one copy, each block hashed just before it is
+/// written) and only its [`Header`] goes on the link: the notice. Every
+/// other chunk is read from the state straight into the receiver's
+/// transport buffer where the link takes it ([`Link::poll_send_with`]: a
+/// shared-memory ring), so its bytes are copied once; otherwise it is read
+/// once into a frame that a sender task per receiver link sends. A link
+/// that has owned frames queued takes the next ones owned too, which keeps
+/// each link's frames in order. A cross-memory write that fails (refused,
+/// partial) sends that chunk, and the receiver's later ones, on the link.
 async fn send_round(
     group: &ProcessGroup,
     state: &mut dyn TrainState,
-    extra: &[u8],
-    chunks: &Chunks,
+    sending: &Sending<'_>,
     sends: &[(usize, Vec<usize>)],
-    round: u32,
-    tag: u64,
 ) -> Result<(), TransferError> {
+    let Sending {
+        chunks,
+        extra,
+        round,
+        tag,
+        ..
+    } = *sending;
     let timeout = group.collective_timeout();
     let mut outbound = std::collections::HashMap::new();
     let mut tasks = JoinSet::new();
@@ -487,15 +540,41 @@ async fn send_round(
     }
     let pool = Pool::default();
     let work = async {
+        let mut offers = std::collections::HashMap::new();
+        for (&receiver, (link, ..)) in &outbound {
+            if link.kind() == TransportKind::Shm {
+                let offer = receive_offer(link.as_ref(), receiver, tag, timeout).await?;
+                if offer.pid != 0 && offer.pid != std::process::id() {
+                    offers.insert(receiver, offer);
+                }
+            }
+        }
         'chunks: for (chunk, receivers) in sends {
             let len = HEADER + chunk_len(extra, chunks, *chunk);
+            let pieces = chunks.pieces(*chunk);
             let mut owned = None;
             for receiver in receivers {
                 let (link, queue, queued) = &outbound[receiver];
+                let mut notice = None;
+                if let Some(offer) = offers.get(receiver).filter(|o| o.covers(&pieces, sending.sizes)) {
+                    match write_cma(group, state, sending, *chunk, &pieces, offer) {
+                        Ok(header) => notice = Some(header),
+                        Err(e) => {
+                            tracing::warn!(
+                                receiver,
+                                error = %e,
+                                "state transfer: cross-memory attach refused; this receiver's chunks go on the link"
+                            );
+                            offers.remove(receiver);
+                        }
+                    }
+                }
+                let frame_len = if notice.is_some() { HEADER } else { len };
                 if queued.load(Ordering::Acquire) == 0 {
                     let in_place = std::future::poll_fn(|cx| {
-                        link.poll_send_with(cx, TRANSFER_CHANNEL, tag, len, &mut |frame| {
-                            write_chunk(state, extra, chunks, *chunk, round, frame)
+                        link.poll_send_with(cx, TRANSFER_CHANNEL, tag, frame_len, &mut |frame| match &notice {
+                            Some(header) => header.write(frame),
+                            None => write_chunk(state, extra, chunks, *chunk, round, frame),
                         })
                     });
                     match tokio::time::timeout(timeout, in_place).await {
@@ -510,14 +589,23 @@ async fn send_round(
                         }
                     }
                 }
-                let frame = owned.get_or_insert_with(|| {
-                    let mut frame = pool.take(len);
-                    write_chunk(state, extra, chunks, *chunk, round, &mut frame);
-                    pool.frame(frame)
-                });
+                let frame = match &notice {
+                    Some(header) => {
+                        let mut head = [0u8; HEADER];
+                        header.write(&mut head);
+                        Bytes::copy_from_slice(&head)
+                    }
+                    None => owned
+                        .get_or_insert_with(|| {
+                            let mut frame = pool.take(len);
+                            write_chunk(state, extra, chunks, *chunk, round, &mut frame);
+                            pool.frame(frame)
+                        })
+                        .clone(),
+                };
                 queued.fetch_add(1, Ordering::AcqRel);
                 // A closed queue means its task failed: its error comes below.
-                if queue.send(frame.clone()).await.is_err() {
+                if queue.send(frame).await.is_err() {
                     break 'chunks;
                 }
             }
@@ -529,6 +617,84 @@ async fn send_round(
         Ok(())
     };
     unless_aborted(group, work).await.map_err(|e| fail(group, e))
+}
+
+/// A receiver's [`Offer`] on a shared-memory link; a damaged one is no
+/// offer (the chunks go on the link).
+async fn receive_offer(link: &dyn Link, receiver: usize, tag: u64, timeout: Duration) -> Result<Offer, TransferError> {
+    match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
+        Ok(Ok(frame)) if frame.tag == tag => Ok(Offer::decode(&frame.payload).unwrap_or_else(|| {
+            tracing::warn!(receiver, "state transfer: a damaged offer; chunks go on the link");
+            Offer::none()
+        })),
+        Ok(Ok(frame)) => Err(TransferError::Protocol {
+            peer: receiver,
+            reason: format!("a frame tagged {:#x}, not this transfer's {tag:#x}", frame.tag),
+        }),
+        Ok(Err(e)) => Err(transport(e)),
+        Err(_) => Err(TransferError::Timeout {
+            peer: receiver,
+            waited: timeout,
+        }),
+    }
+}
+
+/// Writes `chunk` into the memory `offer` names ([`cma::write`]), each
+/// [`segments`] run hashed right before it is written (while it is in the
+/// cache): the notice to send, or why nothing (or not all) landed.
+fn write_cma(
+    group: &ProcessGroup,
+    state: &mut dyn TrainState,
+    sending: &Sending<'_>,
+    chunk: usize,
+    pieces: &[Piece],
+    offer: &Offer,
+) -> std::io::Result<Header> {
+    // After an abort the receiver may have returned and reused its memory:
+    // no write then (see the module docs on what remains).
+    if group.failures().borrow().is_some() {
+        return Err(std::io::Error::other("the group was aborted"));
+    }
+    let seed = chunk as u64;
+    let segments = segments(pieces);
+    let mut sums = Vec::with_capacity(segments.len());
+    let mut scratch = Vec::new();
+    let mut result = Ok(());
+    let mut first = None;
+    let mut next = 0;
+    for_each_entry(state, |i, _, buffer| {
+        while let Some(s) = segments.get(next).filter(|s| s.entry == i) {
+            next += 1;
+            if result.is_err() {
+                continue;
+            }
+            let local = match buffer.as_bytes() {
+                Some(view) => &view[s.bytes.clone()],
+                None => {
+                    scratch.resize(s.bytes.len(), 0);
+                    buffer.read_bytes(s.bytes.start, &mut scratch);
+                    &scratch[..]
+                }
+            };
+            sums.push(block_checksum(seed, sums.len(), local));
+            let region: Region = offer.regions[i].expect("covers() checked every piece's region");
+            let at = region.addr + s.bytes.start as u64;
+            first.get_or_insert((local[0], at));
+            result = cma::write(offer.pid, local, at);
+        }
+    });
+    result?;
+    if sending.damage == Some(chunk)
+        && let Some((byte, at)) = first
+    {
+        tracing::warn!(chunk, "state transfer: damaging a chunk written by cross-memory attach (testing)");
+        cma::write(offer.pid, &[byte ^ 1], at)?;
+    }
+    Ok(Header {
+        chunk: chunk as u32,
+        round: sending.round,
+        checksum: combine(seed, &sums),
+    })
 }
 
 /// Frame buffers of one round, reused once the transports drop them: a
@@ -629,33 +795,103 @@ fn write_chunk(state: &mut dyn TrainState, extra: &[u8], chunks: &Chunks, chunk:
 struct Receiving<'a> {
     state: &'a mut dyn TrainState,
     chunks: &'a Chunks,
+    sizes: &'a [usize],
     extra_lens: &'a [usize],
     round: u32,
     tag: u64,
     extra: &'a mut Option<Vec<u8>>,
     bad: &'a mut Vec<usize>,
+    /// Bytes that landed by cross-memory attach this round, intact.
+    cma_bytes: &'a mut u64,
 }
 
-/// A receiver's round: a reader task per source link checks each frame
-/// (its length, header and checksum) as it comes, while this task writes
-/// the intact chunks checked before it into the state: the checksums of
-/// several sources, and of one source's next chunk, run beside the copies.
+/// This process's [`Offer`]: its pid and where each entry's bytes lie,
+/// for the entries with a byte view ([`ParamBuffer::as_bytes_mut`]).
+fn offer(state: &mut dyn TrainState) -> Offer {
+    let mut regions = Vec::new();
+    for_each_entry(state, |_, _, buffer| {
+        regions.push(buffer.as_bytes_mut().map(|view| {
+            cma::advise_huge_pages(view);
+            Region {
+                addr: view.as_mut_ptr() as u64,
+                len: view.len() as u64,
+            }
+        }))
+    });
+    Offer {
+        pid: std::process::id(),
+        regions,
+    }
+}
+
+/// A receiver's round. To each source on a shared-memory link without
+/// fault injection it offers its memory ([`Offer`]; on a link with faults,
+/// none, so they act on the frames). A reader task per source link then
+/// checks each frame as it comes (its length, header and checksum), while
+/// this task writes the intact chunks checked before it into the state,
+/// and, for a notice (a chunk the source wrote into this process's
+/// memory), hashes the landed bytes and compares: the checksums of
+/// several sources, and of one source's next chunk, run beside the copies
+/// and the sources' writes.
 async fn receive_round(
     group: &ProcessGroup,
     ctx: &mut Receiving<'_>,
     receives: &[(usize, Vec<usize>)],
 ) -> Result<(), TransferError> {
     let timeout = group.collective_timeout();
+    let mut mine = None;
     let (tx, mut rx) = mpsc::channel::<(usize, usize, Result<Checked, TransferError>)>(2 * receives.len().max(1));
     let mut readers = JoinSet::new();
+    let mut offers = std::collections::HashMap::new();
     for (source, list) in receives {
         let (source, tx, link) = (*source, tx.clone(), link(group, *source)?);
+        let offer = match link.kind() {
+            TransportKind::Shm if !link.injects_faults() => {
+                Some(mine.get_or_insert_with(|| offer(&mut *ctx.state)).clone())
+            }
+            TransportKind::Shm => Some(Offer::none()),
+            _ => None,
+        };
+        let by_cma: Vec<bool> = list
+            .iter()
+            .map(|&chunk| {
+                offer
+                    .as_ref()
+                    .is_some_and(|o| o.covers(&ctx.chunks.pieces(chunk), ctx.sizes))
+            })
+            .collect();
+        if let Some(offer) = &offer {
+            offers.insert(source, offer.clone());
+        }
         let lens: Vec<usize> = list.iter().map(|&chunk| ctx.payload_len(source, chunk)).collect();
         let (list, expected_tag, round) = (list.clone(), ctx.tag, ctx.round);
         readers.spawn(async move {
-            for (&chunk, &len) in list.iter().zip(&lens) {
+            if let Some(offer) = offer {
+                let sent = tokio::time::timeout(
+                    timeout,
+                    link.send(TRANSFER_CHANNEL, expected_tag, Bytes::from(offer.encode())),
+                )
+                .await;
+                let failed = match sent {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => Some(TransferError::Collective(e.error.into())),
+                    Err(_) => Some(TransferError::Timeout {
+                        peer: source,
+                        waited: timeout,
+                    }),
+                };
+                if let Some(e) = failed {
+                    let _ = tx.send((source, list[0], Err(e))).await;
+                    return;
+                }
+            }
+            for ((&chunk, &len), &cma) in list.iter().zip(&lens).zip(&by_cma) {
                 let checked = match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
-                    Ok(Ok(frame)) if frame.tag == expected_tag => check(source, chunk, len, round, frame.payload),
+                    Ok(Ok(frame)) if frame.tag == expected_tag => match Header::read(&frame.payload) {
+                        // A notice: the bytes are in this process's memory already.
+                        Some(header) if cma && frame.payload.len() == HEADER => Ok(Checked::Notice(header)),
+                        _ => check(source, chunk, len, round, frame.payload),
+                    },
                     Ok(Ok(frame)) => Err(TransferError::Protocol {
                         peer: source,
                         reason: format!("a frame tagged {:#x}, not this transfer's {expected_tag:#x}", frame.tag),
@@ -676,7 +912,7 @@ async fn receive_round(
     drop(tx);
     let work = async {
         while let Some((source, chunk, checked)) = rx.recv().await {
-            accept(ctx, source, chunk, checked?);
+            accept(ctx, &offers, source, chunk, checked?)?;
         }
         Ok(())
     };
@@ -687,10 +923,12 @@ fn transport(e: TransportError) -> TransferError {
     TransferError::Collective(e.into())
 }
 
-/// A received frame, checked.
-struct Checked {
-    frame: Bytes,
-    intact: bool,
+/// A received frame, checked; or a notice, checked by [`accept`].
+enum Checked {
+    /// A chunk in the frame.
+    Frame { frame: Bytes, intact: bool },
+    /// The header of a chunk written into this process's memory.
+    Notice(Header),
 }
 
 impl Receiving<'_> {
@@ -717,13 +955,30 @@ fn check(source: usize, chunk: usize, len: usize, round: u32, frame: Bytes) -> R
     let intact = header.chunk as usize == chunk
         && header.round == round
         && header.checksum == chunk_checksum(chunk as u64, &frame[HEADER..]);
-    Ok(Checked { frame, intact })
+    Ok(Checked::Frame { frame, intact })
 }
 
 /// Writes an intact chunk where it belongs; a damaged one goes on the bad
-/// list and never touches the state.
-fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, checked: Checked) {
-    if !checked.intact {
+/// list and never touches the state. A notice's chunk is in the state
+/// already: it is hashed there; damaged, it goes on the bad list too (and
+/// is written over in the next round).
+fn accept(
+    ctx: &mut Receiving<'_>,
+    offers: &std::collections::HashMap<usize, Offer>,
+    source: usize,
+    chunk: usize,
+    checked: Checked,
+) -> Result<(), TransferError> {
+    let intact = match &checked {
+        Checked::Frame { intact, .. } => *intact,
+        Checked::Notice(header) => {
+            let offer = offers.get(&source).expect("notices are read only where an offer was made");
+            header.chunk as usize == chunk
+                && header.round == ctx.round
+                && landed_checksum(ctx, offer, chunk)? == header.checksum
+        }
+    };
+    if !intact {
         tracing::warn!(
             source,
             chunk,
@@ -731,12 +986,19 @@ fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, checked: Checked
             "state transfer: a chunk failed its checksum"
         );
         ctx.bad.push(chunk);
-        return;
+        return Ok(());
     }
-    let payload = &checked.frame[HEADER..];
+    let frame = match checked {
+        Checked::Frame { frame, .. } => frame,
+        Checked::Notice(_) => {
+            *ctx.cma_bytes += ctx.chunks.range(chunk).len() as u64;
+            return Ok(());
+        }
+    };
+    let payload = &frame[HEADER..];
     if chunk == ctx.chunks.extra() {
         *ctx.extra = Some(payload.to_vec());
-        return;
+        return Ok(());
     }
     let pieces = ctx.chunks.pieces(chunk);
     let mut next = 0;
@@ -746,4 +1008,51 @@ fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, checked: Checked
             next += 1;
         }
     });
+    Ok(())
+}
+
+/// The checksum of `chunk` as it landed in this process's memory (the
+/// sender's way: [`segments`]), through pointers taken now; a buffer no
+/// longer where `offer` said is [`TransferError::Moved`].
+fn landed_checksum(ctx: &mut Receiving<'_>, offer: &Offer, chunk: usize) -> Result<u64, TransferError> {
+    let seed = chunk as u64;
+    let segments = segments(&ctx.chunks.pieces(chunk));
+    let mut sums = Vec::with_capacity(segments.len());
+    let mut moved = None;
+    let mut next = 0;
+    for_each_entry(ctx.state, |i, name, buffer| {
+        while let Some(s) = segments.get(next).filter(|s| s.entry == i) {
+            next += 1;
+            let base = buffer.as_bytes_mut().map(|view| (view.as_mut_ptr(), view.len()));
+            let offered = offer.regions.get(i).copied().flatten();
+            match (base, offered) {
+                (Some((ptr, len)), Some(region)) if ptr as u64 == region.addr && len as u64 == region.len => {
+                    // SAFETY: `ptr..ptr + len` is the buffer's own memory,
+                    // taken just now from it (the `&mut` it came from ended
+                    // on the line above: no reference is held across the
+                    // other processes' writes), and `s.bytes` lies within
+                    // it. Those bytes were written by the source before it
+                    // sent the notice this follows (the link orders them:
+                    // the source's write returned, then it queued the
+                    // notice, which this task received through the ring's
+                    // acquire). No source writes them again this round
+                    // (each chunk comes from one source once per round;
+                    // a refetch comes after the round's all-gather), and
+                    // this process writes them only in later rounds, so
+                    // nothing writes them while this slice lives. Other
+                    // sources may be writing other chunks of the buffer
+                    // meanwhile: bytes this slice does not cover.
+                    let landed = unsafe { std::slice::from_raw_parts(ptr.add(s.bytes.start), s.bytes.len()) };
+                    sums.push(block_checksum(seed, sums.len(), landed));
+                }
+                _ => {
+                    moved.get_or_insert_with(|| name.to_owned());
+                }
+            }
+        }
+    });
+    match moved {
+        Some(entry) => Err(TransferError::Moved { entry }),
+        None => Ok(combine(seed, &sums)),
+    }
 }

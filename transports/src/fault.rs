@@ -634,6 +634,10 @@ impl Link for FaultyLink {
         self.copy_through(channel, |inner| inner.poll_send_with(cx, channel, tag, len, fill))
     }
 
+    fn injects_faults(&self) -> bool {
+        true
+    }
+
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
         if self.rank.killed.load(Ordering::SeqCst) {
             return Err(self.dead());

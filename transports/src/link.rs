@@ -283,6 +283,14 @@ pub trait Link: Send + Sync + fmt::Debug {
         Ok(false)
     }
 
+    /// Whether fault injection (`CHORUS_FAULTS`) acts on this link's
+    /// frames: a caller that could move bytes beside the link (another
+    /// process's memory written directly) must not, so that the faults
+    /// keep acting on what travels.
+    fn injects_faults(&self) -> bool {
+        false
+    }
+
     /// Receives the next frame of `channel`.
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError>;
 

@@ -52,6 +52,10 @@ pub struct TransferArgs {
     /// Seconds before a configuration is declared stuck.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// Testing only: damage this chunk once as a source writes it into
+    /// the joiner's memory (`TransferOptions::damage_cma_chunk`).
+    #[arg(long, hide = true)]
+    pub damage_cma_chunk: Option<usize>,
     /// Internal: run as one rank process.
     #[arg(long, hide = true)]
     pub worker: bool,
@@ -89,6 +93,28 @@ struct Row {
     ratio: f64,
     /// Chunks fetched again after a failed checksum, over every round.
     refetched: usize,
+    /// What moved the entries' bytes in the last transfer: "cma" (written
+    /// into the joiner's memory by cross-memory attach), the link's way
+    /// ("ring" on shm, "quic", "local"), or "cma+ring" when both did.
+    path: &'static str,
+    /// Bytes that landed by cross-memory attach in the last transfer.
+    cma_bytes: u64,
+}
+
+/// [`Row::path`] for a transfer that moved `cma` of `data` entry bytes
+/// by cross-memory attach over a link of `kind`.
+fn path(cma: u64, data: u64, kind: chorus::link::TransportKind) -> &'static str {
+    use chorus::link::TransportKind;
+    let link = match kind {
+        TransportKind::Shm => "ring",
+        TransportKind::Quic => "quic",
+        TransportKind::Local => "local",
+    };
+    match cma {
+        0 => link,
+        _ if cma >= data => "cma",
+        _ => "cma+ring",
+    }
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -131,17 +157,19 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
     let (size, me, joiner) = (args.size[0], group.rank(), group.world_size() - 1);
     let transfer = TransferOptions {
         chunk_bytes: args.chunk.unwrap_or(TransferOptions::default().chunk_bytes),
+        damage_cma_chunk: args.damage_cma_chunk,
         ..TransferOptions::default()
     };
     let mut state = state_of(size, if me == joiner { 0.0 } else { 1.5 });
     let step = (me != joiner).then_some(1);
     let (mut transfers, mut links) = (Vec::new(), Vec::new());
-    let (mut bytes, mut refetched) = (0, 0);
+    let (mut bytes, mut refetched, mut cma_bytes) = (0, 0, 0);
     for round in 0..=args.rounds {
         group.barrier().await?;
         let report = sync_state(&group, &mut state, step, &transfer).await?;
         bytes = report.bytes;
         refetched += report.refetched;
+        cma_bytes = report.cma_bytes;
         let mine = [report.elapsed.as_secs_f64()];
         let all = group.all_gather(Tensor::from_slice(&mine)).await?.to_vec::<f64>()?;
         let slowest = all.iter().copied().fold(0.0, f64::max);
@@ -158,9 +186,10 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
         let seconds = median(transfers);
         let link_gbps = median(links);
         let transfer_gbps = bytes as f64 / seconds / 1e9;
+        let kind = group.link(joiner).context("no link to the joiner")?.kind();
         let row = Row {
             transport: std::env::var("CHORUS_TRANSPORT").unwrap_or_else(|_| "auto".into()),
-            link: group.link(joiner).map_or("?".into(), |l| l.kind().to_string()),
+            link: kind.to_string(),
             bytes,
             sources: joiner,
             chunk_bytes: transfer.chunk_bytes,
@@ -170,6 +199,8 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
             link_gbps,
             ratio: transfer_gbps / link_gbps,
             refetched,
+            path: path(cma_bytes, (size / 4 * 4) as u64, kind),
+            cma_bytes,
         };
         println!("{}", serde_json::to_string(&row)?);
     }
@@ -223,6 +254,9 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
                 if let Some(chunk) = args.chunk {
                     worker.extend(["--chunk".into(), chunk.to_string()]);
                 }
+                if let Some(chunk) = args.damage_cma_chunk {
+                    worker.extend(["--damage-cma-chunk".into(), chunk.to_string()]);
+                }
                 let env = [
                     ("CHORUS_TRANSPORT", transport.clone()),
                     ("CHORUS_JOB_SECRET", super::collective::job_secret()),
@@ -244,15 +278,16 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
         args.rounds
     );
     println!(
-        "{:<10} {:>6} {:>12} {:>8} {:>14} {:>12} {:>12} {:>8}",
-        "transport", "link", "size(MiB)", "sources", "transfer GB/s", "transfer ms", "link GB/s", "ratio"
+        "{:<10} {:>6} {:>9} {:>12} {:>8} {:>14} {:>12} {:>12} {:>8}",
+        "transport", "link", "path", "size(MiB)", "sources", "transfer GB/s", "transfer ms", "link GB/s", "ratio"
     );
     for row in &rows {
         let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{:<10} {:>6} {:>12.0} {:>8} {:>14.2} {:>12.1} {:>12.2} {:>8.2}",
+            "{:<10} {:>6} {:>9} {:>12.0} {:>8} {:>14.2} {:>12.1} {:>12.2} {:>8.2}",
             row["transport"].as_str().unwrap_or("?"),
             row["link"].as_str().unwrap_or("?"),
+            row["path"].as_str().unwrap_or("?"),
             f("bytes") / (1 << 20) as f64,
             row["sources"],
             f("transfer_gbps"),
@@ -277,5 +312,14 @@ mod tests {
         assert!(parse_size("0").is_err() && parse_size("M").is_err() && parse_size("1T").is_err());
         let state = state_of(1001, 1.0);
         assert_eq!(state.params.iter().map(|(_, v)| v.len()).sum::<usize>(), 250);
+    }
+
+    #[test]
+    fn rows_name_the_path_that_moved_the_bytes() {
+        use chorus::link::TransportKind;
+        assert_eq!(path(0, 100, TransportKind::Shm), "ring");
+        assert_eq!(path(0, 100, TransportKind::Quic), "quic");
+        assert_eq!(path(100, 100, TransportKind::Shm), "cma");
+        assert_eq!(path(40, 100, TransportKind::Shm), "cma+ring");
     }
 }
