@@ -116,8 +116,8 @@ pub struct TransferReport {
     pub bytes: u64,
     /// Chunks fetched again after a bad checksum.
     pub refetched: usize,
-    /// Bytes that landed in receivers' memory by cross-memory attach,
-    /// over all receivers and rounds (0: every chunk went on the links).
+    /// Entry bytes that landed intact in receivers' memory by cross-memory
+    /// attach, over all receivers (0: every chunk went on the links).
     pub cma_bytes: u64,
     /// Time the call took on this rank.
     pub elapsed: Duration,
@@ -544,7 +544,15 @@ async fn send_round(
         for (&receiver, (link, ..)) in &outbound {
             if link.kind() == TransportKind::Shm {
                 let offer = receive_offer(link.as_ref(), receiver, tag, timeout).await?;
-                if offer.pid != 0 && offer.pid != std::process::id() {
+                // Ranks of one process share its memory (no use for this),
+                // and a fault must act on every byte this link carries.
+                if offer.pid != 0 && offer.pid != std::process::id() && !link.injects_faults() {
+                    tracing::debug!(
+                        source = group.rank(),
+                        receiver,
+                        round,
+                        "state transfer: writing chunks into the receiver's memory"
+                    );
                     offers.insert(receiver, offer);
                 }
             }
@@ -824,9 +832,9 @@ fn offer(state: &mut dyn TrainState) -> Offer {
     }
 }
 
-/// A receiver's round. To each source on a shared-memory link without
-/// fault injection it offers its memory ([`Offer`]; on a link with faults,
-/// none, so they act on the frames). A reader task per source link then
+/// A receiver's round. To each source on a shared-memory link it offers
+/// its memory ([`Offer`]); the source writes there or sends frames, and a
+/// chunk offered may come either way. A reader task per source link then
 /// checks each frame as it comes (its length, header and checksum), while
 /// this task writes the intact chunks checked before it into the state,
 /// and, for a notice (a chunk the source wrote into this process's
@@ -845,13 +853,9 @@ async fn receive_round(
     let mut offers = std::collections::HashMap::new();
     for (source, list) in receives {
         let (source, tx, link) = (*source, tx.clone(), link(group, *source)?);
-        let offer = match link.kind() {
-            TransportKind::Shm if !link.injects_faults() => {
-                Some(mine.get_or_insert_with(|| offer(&mut *ctx.state)).clone())
-            }
-            TransportKind::Shm => Some(Offer::none()),
-            _ => None,
-        };
+        // The source decides whether to use it (not on a link a fault acts on).
+        let offer =
+            (link.kind() == TransportKind::Shm).then(|| mine.get_or_insert_with(|| offer(&mut *ctx.state)).clone());
         let by_cma: Vec<bool> = list
             .iter()
             .map(|&chunk| {

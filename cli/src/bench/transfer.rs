@@ -52,6 +52,10 @@ pub struct TransferArgs {
     /// Seconds before a configuration is declared stuck.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// Seconds each collective, and each chunk of the transfer, may take
+    /// [default: InitOptions' default].
+    #[arg(long)]
+    pub collective_timeout: Option<u64>,
     /// Testing only: damage this chunk once as a source writes it into
     /// the joiner's memory (`TransferOptions::damage_cma_chunk`).
     #[arg(long, hide = true)]
@@ -152,7 +156,10 @@ pub fn run_worker_blocking(args: &TransferArgs) -> Result<()> {
 
 /// One rank process: `WORLD_SIZE - 1` sources and the joiner, last rank.
 pub async fn run_worker(args: &TransferArgs) -> Result<()> {
-    let options = chorus::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    let mut options = chorus::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    if let Some(seconds) = args.collective_timeout {
+        options = options.collective_timeout(Duration::from_secs(seconds));
+    }
     let group = chorus::init_process_group(options).await.context("forming the group")?;
     let (size, me, joiner) = (args.size[0], group.rank(), group.world_size() - 1);
     let transfer = TransferOptions {
@@ -253,6 +260,9 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
                 worker.extend(["--timeout".into(), args.timeout.to_string()]);
                 if let Some(chunk) = args.chunk {
                     worker.extend(["--chunk".into(), chunk.to_string()]);
+                }
+                if let Some(seconds) = args.collective_timeout {
+                    worker.extend(["--collective-timeout".into(), seconds.to_string()]);
                 }
                 if let Some(chunk) = args.damage_cma_chunk {
                     worker.extend(["--damage-cma-chunk".into(), chunk.to_string()]);
