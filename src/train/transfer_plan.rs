@@ -497,7 +497,7 @@ impl Offer {
 }
 
 /// Seed of an [`Offer`]'s checksum.
-const OFFER_SEED: u64 = 0x0FFE_12;
+const OFFER_SEED: u64 = 0x000F_FE12;
 
 /// A chunk's pieces cut at the [`BLOCK`] boundaries of the chunk's
 /// payload: the runs a chunk written with cross-memory attach is hashed
