@@ -2,7 +2,10 @@
 //! lagging rank) receive the most advanced members' [`TrainState`] over the
 //! group's own links, chunked, striped over every source, each chunk
 //! checksummed and fetched again from another source when it arrives
-//! damaged. Nothing is serialized: chunks are raw bytes read with
+//! damaged. Nothing is serialized: between rank processes of one host a
+//! source writes each chunk straight into the receiver's state memory
+//! (cross-memory attach: `process_vm_writev`, one copy) and sends only a
+//! notice; elsewhere chunks are raw bytes read with
 //! [`ParamBuffer::read_bytes`] (into the link's ring where it has one) and
 //! written with [`ParamBuffer::write_bytes`] straight from the received
 //! frame (a view of the ring).
@@ -15,16 +18,48 @@
 //! 2. [`roles`]: sources are the ranks at the highest step, receivers
 //!    everyone behind; nobody behind, nothing moves.
 //! 3. Rounds ([`Schedule`]): in round 0 chunk `i` comes from source
-//!    `i mod S`; a source writes each chunk's frame (16-byte [`Header`] +
-//!    payload) straight into a receiver's shared-memory ring where it can
-//!    ([`Link::poll_send_with`]), otherwise reads it once into a frame that
-//!    a sender task per receiver link sends. A receiver reads from all its sources at once
-//!    (a reader task per link on [`TRANSFER_CHANNEL`], which checks each
-//!    chunk's [`checksum`] while the chunks checked before it are written
-//!    into the state); a damaged chunk is never written. After each round all ranks
-//!    all-gather a bitmap of the chunks that failed, so they agree on the
-//!    next round: each bad chunk from another source, up to `max_rounds`.
+//!    `i mod S`. On a shared-memory link the receiver first sends each of
+//!    its sources an [`Offer`]: its pid and the address and length of
+//!    every entry with a byte view ([`ParamBuffer::as_bytes_mut`]). A
+//!    source in another process whose link no fault acts on
+//!    ([`Link::injects_faults`]) then writes each data chunk whose entries
+//!    the offer covers into the receiver's memory, hashing each 256 KiB run
+//!    just before it writes it, and sends a notice: the chunk's 16-byte
+//!    [`Header`] alone. The receiver hashes the landed bytes in place,
+//!    through pointers it takes when the notice arrives, while the sources
+//!    write later chunks (the hash runs beside the copies, on the other
+//!    core). Every other chunk (the extras, entries without a view, QUIC,
+//!    in-process ranks, a link a fault acts on, a write the kernel refused)
+//!    goes as a frame (`Header` + payload): written straight into the
+//!    receiver's shared-memory ring where it can
+//!    ([`Link::poll_send_with`]), otherwise read once into a frame that a
+//!    sender task per receiver link sends. A receiver reads from all its
+//!    sources at once (a reader task per link on [`TRANSFER_CHANNEL`],
+//!    which checks each frame's [`checksum`] while the chunks checked
+//!    before it are written into the state); a damaged frame is never
+//!    written, a damaged landed chunk is written over in the next round.
+//!    After each round all ranks all-gather a bitmap of the chunks that
+//!    failed (and the bytes that landed by cross-memory attach), so they
+//!    agree on the next round: each bad chunk from another source, up to
+//!    `max_rounds`.
 //! 4. The extras travel as the last chunk; receivers [`load_extra`] them.
+//!
+//! # Cross-memory attach: where it works, and what it asks
+//! The kernel lets a process write another's memory where it may ptrace
+//! it: same user, and under Yama `kernel.yama.ptrace_scope` 0, or root
+//! (this machine). With `ptrace_scope` 1 (Ubuntu's default) sibling rank
+//! processes may not, so every write fails with `EPERM`; the source then
+//! logs a warning once and sends that receiver's chunks as frames for the
+//! rest of the round, and the transfer succeeds as before (EPERM, ENOSYS,
+//! EFAULT and partial writes all fall back so, per link). Nothing here
+//! lowers a protection (no `PR_SET_PTRACER`). A buffer that gives a byte
+//! view must keep it where it is while the state is borrowed (see
+//! [`ParamBuffer::as_bytes_mut`]); one that moved is
+//! [`TransferError::Moved`]. A source checks the group is not aborted
+//! before each write, and a receiver aborts the group before it returns an
+//! error, but a source stopped between that check and its write (frozen,
+//! then resumed) could still write one chunk after the receiver returned:
+//! its state's bytes from the same step, into the buffer it offered.
 //!
 //! The chunks move on the raw links of the group, beside its actor (whose
 //! operations run one at a time, RA-1, which would serialize the sources):
@@ -41,6 +76,7 @@
 //! half-written receiver must pass `None`: its state is no step's.)
 //!
 //! [`load_extra`]: TrainState::load_extra
+//! [`Link::injects_faults`]: chorus_transports::link::Link::injects_faults
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
