@@ -52,6 +52,13 @@ pub struct TransferArgs {
     /// Seconds before a configuration is declared stuck.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// The joiner's buffers are all zeroed allocations, untouched until the
+    /// first transfer writes them (by default one in four is; the others
+    /// are filled, as a model built before it receives). Untouched memory
+    /// can come in huge pages, which cross-memory writes need to run at
+    /// memcpy speed.
+    #[arg(long)]
+    pub zeroed_joiner: bool,
     /// Seconds each collective, and each chunk of the transfer, may take
     /// [default: InitOptions' default].
     #[arg(long)]
@@ -126,8 +133,9 @@ fn median(mut values: Vec<f64>) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// A state of `size` bytes in four float32 entries (the last one takes the rest).
-fn state_of(size: usize, fill: f32) -> NamedState {
+/// A state of `size` bytes in four float32 entries (the last one takes
+/// the rest), entry `i` filled with `fill + i * step`.
+fn state_of(size: usize, fill: f32, step: f32) -> NamedState {
     let floats = size / 4;
     let quarter = floats / 4;
     let lens = [quarter, quarter, quarter, floats - 3 * quarter];
@@ -135,7 +143,7 @@ fn state_of(size: usize, fill: f32) -> NamedState {
         params: lens
             .iter()
             .enumerate()
-            .map(|(i, &n)| (format!("layer{i}"), vec![fill + i as f32; n]))
+            .map(|(i, &n)| (format!("layer{i}"), vec![fill + i as f32 * step; n]))
             .collect(),
         extra: vec![fill as u8; 64],
         ..NamedState::default()
@@ -167,7 +175,11 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
         damage_cma_chunk: args.damage_cma_chunk,
         ..TransferOptions::default()
     };
-    let mut state = state_of(size, if me == joiner { 0.0 } else { 1.5 });
+    let mut state = match (me == joiner, args.zeroed_joiner) {
+        (true, true) => state_of(size, 0.0, 0.0),
+        (true, false) => state_of(size, 0.0, 1.0),
+        (false, _) => state_of(size, 1.5, 1.0),
+    };
     let step = (me != joiner).then_some(1);
     let (mut transfers, mut links) = (Vec::new(), Vec::new());
     let (mut bytes, mut refetched, mut cma_bytes) = (0, 0, 0);
@@ -261,6 +273,9 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
                 if let Some(chunk) = args.chunk {
                     worker.extend(["--chunk".into(), chunk.to_string()]);
                 }
+                if args.zeroed_joiner {
+                    worker.push("--zeroed-joiner".into());
+                }
                 if let Some(seconds) = args.collective_timeout {
                     worker.extend(["--collective-timeout".into(), seconds.to_string()]);
                 }
@@ -320,7 +335,7 @@ mod tests {
         assert_eq!(parse_size("4k"), Ok(4096));
         assert_eq!(parse_size("12345"), Ok(12345));
         assert!(parse_size("0").is_err() && parse_size("M").is_err() && parse_size("1T").is_err());
-        let state = state_of(1001, 1.0);
+        let state = state_of(1001, 1.0, 1.0);
         assert_eq!(state.params.iter().map(|(_, v)| v.len()).sum::<usize>(), 250);
     }
 
