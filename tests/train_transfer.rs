@@ -466,7 +466,10 @@ fn a_chunk_damaged_as_it_lands_by_cross_memory_attach_is_fetched_again() {
     let rows = bench_transfer("shm", None, &["--damage-cma-chunk", "3"]);
     let row = &rows[0];
     assert_eq!(row["path"], "cma", "{row}");
-    assert_eq!(row["refetched"], 2, "the damaged chunk went again in each transfer: {row}");
+    assert_eq!(
+        row["refetched"], 2,
+        "the damaged chunk went again in each transfer: {row}"
+    );
     assert_eq!(row["cma_bytes"], 3 << 20, "every byte landed intact once: {row}");
 }
 
@@ -481,12 +484,19 @@ fn a_source_silent_between_cross_memory_writes_is_a_timeout_at_the_collective_ti
     command
         .env("CHORUS_FAULTS", "freeze(rank=1, after_frames=12)")
         .env("CHORUS_HEARTBEAT_TIMEOUT", "60")
-        .env("CHORUS_LOG", "chorus::train::transfer=debug,chorus_transports::fault=warn");
+        .env(
+            "CHORUS_LOG",
+            "chorus::train::transfer=debug,chorus_transports::fault=warn",
+        );
     let started = std::time::Instant::now();
     let output = common::run(&mut command, 90, "chorus bench transfer", common::Stop::Kill);
     let text = common::joined(&output);
     assert!(!output.status.success(), "{text}");
-    assert!(started.elapsed() < Duration::from_secs(20), "{:?}: {text}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}: {text}",
+        started.elapsed()
+    );
     let writing = text
         .find("writing chunks into the receiver's memory source=1")
         .unwrap_or_else(|| panic!("source 1 wrote into the joiner's memory: {text}"));

@@ -313,12 +313,13 @@ pub async fn sync_state(
         let per_rank = words.len() / group.world_size();
         let mut all_bad: Vec<(usize, usize)> = Vec::new();
         for &r in &roles.receivers {
-            let (bad, cma) = decode_round(chunks.count(), &words[r * per_rank..(r + 1) * per_rank]).ok_or_else(|| {
-                CollectiveError::Protocol {
-                    peer: r,
-                    reason: format!("state transfer: a round's row of {per_rank} words"),
-                }
-            })?;
+            let (bad, cma) =
+                decode_round(chunks.count(), &words[r * per_rank..(r + 1) * per_rank]).ok_or_else(|| {
+                    CollectiveError::Protocol {
+                        peer: r,
+                        reason: format!("state transfer: a round's row of {per_rank} words"),
+                    }
+                })?;
             all_bad.extend(bad.into_iter().map(|c| (r, c)));
             report.cma_bytes += cma;
         }
@@ -601,7 +602,13 @@ async fn send_round(
                 let (link, queue, queued) = &outbound[receiver];
                 let mut notice = None;
                 if let Some(offer) = offers.get(receiver).filter(|o| o.covers(&pieces, sending.sizes)) {
-                    match write_cma(group, state, sending, *chunk, &pieces, offer) {
+                    // After an abort the receiver may have returned and reused
+                    // its memory: no write then (the module docs say what remains).
+                    let written = match group.failures().borrow().is_some() {
+                        true => Err(std::io::Error::other("the group was aborted")),
+                        false => write_cma(state, *chunk, &pieces, offer, round, sending.damage == Some(*chunk)),
+                    };
+                    match written {
                         Ok(header) => notice = Some(header),
                         Err(e) => {
                             tracing::warn!(
@@ -685,20 +692,16 @@ async fn receive_offer(link: &dyn Link, receiver: usize, tag: u64, timeout: Dura
 
 /// Writes `chunk` into the memory `offer` names ([`cma::write`]), each
 /// [`segments`] run hashed right before it is written (while it is in the
-/// cache): the notice to send, or why nothing (or not all) landed.
+/// cache): the notice to send, or why nothing (or not all) landed. With
+/// `damage` (testing), one bit of what landed is flipped after.
 fn write_cma(
-    group: &ProcessGroup,
     state: &mut dyn TrainState,
-    sending: &Sending<'_>,
     chunk: usize,
     pieces: &[Piece],
     offer: &Offer,
+    round: u32,
+    damage: bool,
 ) -> std::io::Result<Header> {
-    // After an abort the receiver may have returned and reused its memory:
-    // no write then (see the module docs on what remains).
-    if group.failures().borrow().is_some() {
-        return Err(std::io::Error::other("the group was aborted"));
-    }
     let seed = chunk as u64;
     let segments = segments(pieces);
     let mut sums = Vec::with_capacity(segments.len());
@@ -728,15 +731,16 @@ fn write_cma(
         }
     });
     result?;
-    if sending.damage == Some(chunk)
-        && let Some((byte, at)) = first
-    {
-        tracing::warn!(chunk, "state transfer: damaging a chunk written by cross-memory attach (testing)");
+    if damage && let Some((byte, at)) = first {
+        tracing::warn!(
+            chunk,
+            "state transfer: damaging a chunk written by cross-memory attach (testing)"
+        );
         cma::write(offer.pid, &[byte ^ 1], at)?;
     }
     Ok(Header {
         chunk: chunk as u32,
-        round: sending.round,
+        round,
         checksum: combine(seed, &sums),
     })
 }
@@ -1012,7 +1016,9 @@ fn accept(
     let intact = match &checked {
         Checked::Frame { intact, .. } => *intact,
         Checked::Notice(header) => {
-            let offer = offers.get(&source).expect("notices are read only where an offer was made");
+            let offer = offers
+                .get(&source)
+                .expect("notices are read only where an offer was made");
             header.chunk as usize == chunk
                 && header.round == ctx.round
                 && landed_checksum(ctx, offer, chunk)? == header.checksum
@@ -1094,5 +1100,98 @@ fn landed_checksum(ctx: &mut Receiving<'_>, offer: &Offer, chunk: usize) -> Resu
     match moved {
         Some(entry) => Err(TransferError::Moved { entry }),
         None => Ok(combine(seed, &sums)),
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use crate::train::NamedState;
+
+    fn state(values: impl Fn(usize) -> f32) -> NamedState {
+        NamedState {
+            params: vec![
+                ("a".into(), (0..100_000).map(&values).collect()),
+                ("b".into(), (0..70_000).map(|i| values(i + 7)).collect()),
+            ],
+            ..NamedState::default()
+        }
+    }
+
+    /// What a source in another process does, into this process's memory
+    /// (a process may always write its own this way), and the receiver's
+    /// check of what landed: intact, damaged, and a buffer that moved.
+    #[test]
+    fn chunks_written_into_offered_memory_are_checked_where_they_landed() {
+        let mut source = state(|i| i as f32 * 0.5);
+        let mut receiver = state(|_| 0.0);
+        let sizes = [400_000, 280_000];
+        // Chunk 1 spans both entries; the last one is short.
+        let chunks = Chunks::new(&sizes, 300_001);
+        let offer = offer(&mut receiver);
+        assert_eq!(offer.pid, std::process::id());
+        let (mut extra, mut bad, mut cma_bytes) = (None, Vec::new(), 0);
+        let mut headers = Vec::new();
+        for chunk in 0..chunks.data_chunks() {
+            let pieces = chunks.pieces(chunk);
+            assert!(offer.covers(&pieces, &sizes), "chunk {chunk}");
+            headers.push(write_cma(&mut source, chunk, &pieces, &offer, 2, chunk == 1).unwrap());
+        }
+        let mut ctx = Receiving {
+            state: &mut receiver,
+            chunks: &chunks,
+            sizes: &sizes,
+            extra_lens: &[0],
+            round: 2,
+            tag: 0,
+            extra: &mut extra,
+            bad: &mut bad,
+            cma_bytes: &mut cma_bytes,
+        };
+        let offers = std::collections::HashMap::from([(0, offer.clone())]);
+        for (chunk, header) in headers.iter().enumerate() {
+            accept(&mut ctx, &offers, 0, chunk, Checked::Notice(*header)).unwrap();
+        }
+        assert_eq!(*ctx.bad, [1], "the damaged chunk, only");
+        assert_eq!(*ctx.cma_bytes, (680_000 - chunks.range(1).len()) as u64);
+        // Written again intact (the next round), it passes.
+        let header = write_cma(&mut source, 1, &chunks.pieces(1), &offer, 2, false).unwrap();
+        ctx.bad.clear();
+        accept(&mut ctx, &offers, 0, 1, Checked::Notice(header)).unwrap();
+        assert!(ctx.bad.is_empty());
+        assert_eq!(receiver, source, "every byte landed");
+
+        // A notice naming another round or chunk is damage too.
+        let mut ctx = Receiving {
+            state: &mut receiver,
+            chunks: &chunks,
+            sizes: &sizes,
+            extra_lens: &[0],
+            round: 3,
+            tag: 0,
+            extra: &mut extra,
+            bad: &mut bad,
+            cma_bytes: &mut cma_bytes,
+        };
+        accept(&mut ctx, &offers, 0, 0, Checked::Notice(headers[0])).unwrap();
+        assert_eq!(*ctx.bad, [0]);
+
+        // A buffer that is no longer where the offer said.
+        receiver.params[1].1 = vec![0.0; 70_000];
+        let mut ctx = Receiving {
+            state: &mut receiver,
+            chunks: &chunks,
+            sizes: &sizes,
+            extra_lens: &[0],
+            round: 2,
+            tag: 0,
+            extra: &mut extra,
+            bad: &mut bad,
+            cma_bytes: &mut cma_bytes,
+        };
+        match accept(&mut ctx, &offers, 0, 2, Checked::Notice(headers[2])) {
+            Err(e @ TransferError::Moved { .. }) => assert!(e.to_string().contains("'b'"), "{e}"),
+            other => panic!("expected Moved, got {:?}", other.err()),
+        }
     }
 }

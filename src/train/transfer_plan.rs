@@ -707,7 +707,11 @@ mod tests {
     fn offers_round_trip_and_refuse_damage() {
         let offer = Offer {
             pid: 4242,
-            regions: vec![Some(Region { addr: 0x7000, len: 40 }), None, Some(Region { addr: 0x9000, len: 8 })],
+            regions: vec![
+                Some(Region { addr: 0x7000, len: 40 }),
+                None,
+                Some(Region { addr: 0x9000, len: 8 }),
+            ],
         };
         let bytes = offer.encode();
         assert_eq!(Offer::decode(&bytes), Some(offer.clone()));
@@ -725,7 +729,11 @@ mod tests {
         let chunks = Chunks::new(&sizes, 64);
         assert!(offer.covers(&chunks.pieces(0), &sizes), "the empty entry has no piece");
         let wrong_len = Offer {
-            regions: vec![Some(Region { addr: 0x7000, len: 41 }), None, Some(Region { addr: 0x9000, len: 8 })],
+            regions: vec![
+                Some(Region { addr: 0x7000, len: 41 }),
+                None,
+                Some(Region { addr: 0x9000, len: 8 }),
+            ],
             ..offer.clone()
         };
         assert!(!wrong_len.covers(&chunks.pieces(0), &sizes), "a region of another size");
@@ -734,7 +742,13 @@ mod tests {
             ..offer.clone()
         };
         assert!(!missing.covers(&chunks.pieces(0), &sizes), "an entry without a view");
-        assert!(!Offer { pid: 0, ..offer.clone() }.covers(&chunks.pieces(0), &sizes));
+        assert!(
+            !Offer {
+                pid: 0,
+                ..offer.clone()
+            }
+            .covers(&chunks.pieces(0), &sizes)
+        );
         assert!(!offer.covers(&chunks.pieces(0), &sizes[..2]), "another entry count");
     }
 

@@ -796,10 +796,16 @@ mod tests {
         let injects = |from: usize, to: usize| mesh[from][to].as_ref().unwrap().injects_faults();
         assert!(injects(1, 2), "the corrupt rule's direction");
         assert!(!injects(2, 1), "not the other way");
-        assert!(!injects(0, 1) && !injects(0, 2), "a freeze stops the rank, it changes no frame");
+        assert!(
+            !injects(0, 1) && !injects(0, 2),
+            "a freeze stops the rank, it changes no frame"
+        );
         let mesh = wrapped(2, "partition(0|1)");
         assert!(mesh[0][1].as_ref().unwrap().injects_faults() && mesh[1][0].as_ref().unwrap().injects_faults());
-        assert!(!local_mesh(2)[0][1].as_ref().unwrap().injects_faults(), "no wrapper, no faults");
+        assert!(
+            !local_mesh(2)[0][1].as_ref().unwrap().injects_faults(),
+            "no wrapper, no faults"
+        );
     }
 
     #[tokio::test]
