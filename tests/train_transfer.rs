@@ -5,9 +5,11 @@
 //! fetched again from another source; mismatched lists and a dying source
 //! are errors on every rank, never a hang (also a silent one, at the
 //! collective timeout, and a joiner frozen mid-transfer at its sources'
-//! timeout); rank processes over shm and QUIC, and a chunk
-//! corrupted on its way into a shm ring; `verify_state` names a diverged
-//! rank.
+//! timeout); rank processes over shm (chunks written into the joiner's
+//! memory by cross-memory attach) and QUIC, a chunk corrupted on its way
+//! into a shm ring, a chunk damaged where it landed in the joiner's
+//! memory, and a source frozen between such writes; `verify_state` names
+//! a diverged rank.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -382,12 +384,11 @@ fn verify_state_names_the_diverged_ranks_and_their_first_entry() {
     }
 }
 
-/// `chorus bench transfer` of 3 MiB from 2 source processes to a joiner,
-/// which ends with verify_state (a rank whose state differs exits with an
-/// error), over `transports` with `CHORUS_FAULTS` set to `faults`: the
-/// result rows.
-fn bench_transfer(transports: &str, faults: Option<&str>) -> Vec<serde_json::Value> {
-    let _serial = one_at_a_time();
+/// `chorus bench transfer` of 3 MiB in 256 KiB chunks from 2 source
+/// processes to a joiner, which ends with verify_state (a rank whose
+/// state differs exits with an error), over `transports`, with `extra`
+/// flags.
+fn bench_command(transports: &str, extra: &[&str]) -> std::process::Command {
     let mut command = std::process::Command::new(common::CHORUS);
     command.args([
         "bench",
@@ -406,6 +407,14 @@ fn bench_transfer(transports: &str, faults: Option<&str>) -> Vec<serde_json::Val
         "--timeout",
         "60",
     ]);
+    command.args(extra);
+    command
+}
+
+/// [`bench_command`] with `CHORUS_FAULTS` set to `faults`: the result rows.
+fn bench_transfer(transports: &str, faults: Option<&str>, extra: &[&str]) -> Vec<serde_json::Value> {
+    let _serial = one_at_a_time();
+    let mut command = bench_command(transports, extra);
     if let Some(faults) = faults {
         command.env("CHORUS_FAULTS", faults);
     }
@@ -419,9 +428,14 @@ fn bench_transfer(transports: &str, faults: Option<&str>) -> Vec<serde_json::Val
 
 #[test]
 fn rank_processes_transfer_over_shm_and_quic() {
-    let rows = bench_transfer("shm,quic", None);
-    for (row, link) in rows.iter().zip(["shm", "quic"]) {
+    let rows = bench_transfer("shm,quic", None, &[]);
+    // Over shm (processes of one host, which may write each other's
+    // memory here: root, no Yama) every entry byte is written into the
+    // joiner's memory by cross-memory attach; QUIC carries them in frames.
+    for (row, link, path, cma) in [(&rows[0], "shm", "cma", 3 << 20), (&rows[1], "quic", "quic", 0)] {
         assert_eq!(row["link"], link, "{row}");
+        assert_eq!(row["path"], path, "{row}");
+        assert_eq!(row["cma_bytes"], cma, "{row}");
         assert_eq!(row["bytes"], (3 << 20) + 64, "{row}");
         assert_eq!(row["sources"], 2, "{row}");
         assert_eq!(row["refetched"], 0, "{row}");
@@ -433,9 +447,66 @@ fn rank_processes_transfer_over_shm_and_quic() {
 fn a_chunk_corrupted_on_its_way_into_a_shm_ring_is_fetched_again() {
     // Sources write chunks straight into the joiner's ring; a frame the
     // fault plan corrupts must take the owned path, where the fault acts.
-    let rows = bench_transfer("shm", Some("corrupt(1->2, p=1, after_frames=8, times=1)"));
+    // Source 1's link carries a rule, so it writes no chunk into the
+    // joiner's memory (the fault acts on every byte it sends); source 0's
+    // link has none, so its chunks land by cross-memory attach.
+    let rows = bench_transfer("shm", Some("corrupt(1->2, p=1, after_frames=8, times=1)"), &[]);
     assert_eq!(rows[0]["link"], "shm", "{}", rows[0]);
     assert_eq!(rows[0]["refetched"], 1, "the corrupted chunk went again: {}", rows[0]);
+    assert_eq!(rows[0]["path"], "cma+ring", "{}", rows[0]);
+}
+
+#[test]
+fn a_chunk_damaged_as_it_lands_by_cross_memory_attach_is_fetched_again() {
+    // Chunk 3 comes from source 1 (3 mod 2) in round 0; after writing it
+    // into the joiner's memory, source 1 flips one bit of it there. The
+    // joiner's hash of what landed differs from the notice's checksum, so
+    // the chunk goes again from source 0 in round 1, by the same path;
+    // verify_state at the end proves the states equal. The bench makes
+    // two transfers (one untimed): each fetches it again once.
+    let rows = bench_transfer("shm", None, &["--damage-cma-chunk", "3"]);
+    let row = &rows[0];
+    assert_eq!(row["path"], "cma", "{row}");
+    assert_eq!(
+        row["refetched"], 2,
+        "the damaged chunk went again in each transfer: {row}"
+    );
+    assert_eq!(row["cma_bytes"], 3 << 20, "every byte landed intact once: {row}");
+}
+
+#[test]
+fn a_source_silent_between_cross_memory_writes_is_a_timeout_at_the_collective_timeout() {
+    // Source 1 freezes a few notices into the transfer (a freeze changes
+    // no frame, so its link still writes into the joiner's memory); its
+    // heartbeats would take 60 s to be missed, so the transfer's own
+    // deadlines (the collective timeout, 2 s) must end every rank.
+    let _serial = one_at_a_time();
+    let mut command = bench_command("shm", &["--collective-timeout", "2"]);
+    command
+        .env("CHORUS_FAULTS", "freeze(rank=1, after_frames=12)")
+        .env("CHORUS_HEARTBEAT_TIMEOUT", "60")
+        .env(
+            "CHORUS_LOG",
+            "chorus::train::transfer=debug,chorus_transports::fault=warn",
+        );
+    let started = std::time::Instant::now();
+    let output = common::run(&mut command, 90, "chorus bench transfer", common::Stop::Kill);
+    let text = common::joined(&output);
+    assert!(!output.status.success(), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}: {text}",
+        started.elapsed()
+    );
+    let writing = text
+        .find("writing chunks into the receiver's memory source=1")
+        .unwrap_or_else(|| panic!("source 1 wrote into the joiner's memory: {text}"));
+    let frozen = text.find("freezing this rank rank=1").expect("the freeze acted");
+    assert!(writing < frozen, "it froze mid-transfer: {text}");
+    assert!(
+        text.contains("within 2s (the collective timeout)") || text.contains("timed out after 2"),
+        "a deadline of 2 s ended it: {text}"
+    );
 }
 
 #[test]

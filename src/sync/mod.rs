@@ -60,6 +60,22 @@ pub trait ParamBuffer {
     fn read_bytes(&self, offset: usize, out: &mut [u8]);
     /// Overwrites bytes `offset..offset + data.len()` (always in range).
     fn write_bytes(&mut self, offset: usize, data: &[u8]);
+    /// All its bytes in place, where the buffer keeps them in this
+    /// process's memory as one run: the state transfer reads a source's
+    /// chunks from here with no copy. `None` (the default): through
+    /// [`read_bytes`](Self::read_bytes) only.
+    fn as_bytes(&self) -> Option<&[u8]> {
+        None
+    }
+    /// [`as_bytes`](Self::as_bytes), to write. The state transfer lets
+    /// another rank process write into these bytes (cross-memory attach)
+    /// while it holds the state, between visits of the buffer, so return
+    /// `Some` only for memory the buffer owns that stays where it is while
+    /// the state is borrowed: a buffer built for one visit (a copy of a
+    /// device tensor written back after) must return `None`.
+    fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
 }
 
 impl<T: Element> ParamBuffer for [T] {
@@ -75,6 +91,12 @@ impl<T: Element> ParamBuffer for [T] {
     fn write_bytes(&mut self, offset: usize, data: &[u8]) {
         bytemuck::cast_slice_mut(self)[offset..offset + data.len()].copy_from_slice(data);
     }
+    fn as_bytes(&self) -> Option<&[u8]> {
+        Some(bytemuck::cast_slice(self))
+    }
+    fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(bytemuck::cast_slice_mut(self))
+    }
 }
 
 impl<T: Element> ParamBuffer for Vec<T> {
@@ -89,6 +111,12 @@ impl<T: Element> ParamBuffer for Vec<T> {
     }
     fn write_bytes(&mut self, offset: usize, data: &[u8]) {
         self.as_mut_slice().write_bytes(offset, data)
+    }
+    fn as_bytes(&self) -> Option<&[u8]> {
+        self.as_slice().as_bytes()
+    }
+    fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        self.as_mut_slice().as_bytes_mut()
     }
 }
 

@@ -14,6 +14,7 @@
 //! - [`outer`]: local SGD's and DiLoCo's outer step, sans IO.
 //! - [`trainer`]: [`train`], the loop with per-step commit and recovery.
 
+mod cma;
 pub mod outer;
 pub mod state;
 pub mod trainer;

@@ -343,6 +343,14 @@ impl ParamBuffer for Tracked<'_> {
         *self.written = true;
         self.inner.write_bytes(offset, data)
     }
+    fn as_bytes(&self) -> Option<&[u8]> {
+        self.inner.as_bytes()
+    }
+    fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        // Another process may write through it (the state transfer).
+        *self.written = true;
+        self.inner.as_bytes_mut()
+    }
 }
 
 /// `visit` with every buffer wrapped in [`Tracked`].

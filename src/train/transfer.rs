@@ -2,7 +2,10 @@
 //! lagging rank) receive the most advanced members' [`TrainState`] over the
 //! group's own links, chunked, striped over every source, each chunk
 //! checksummed and fetched again from another source when it arrives
-//! damaged. Nothing is serialized: chunks are raw bytes read with
+//! damaged. Nothing is serialized: between rank processes of one host a
+//! source writes each chunk straight into the receiver's state memory
+//! (cross-memory attach: `process_vm_writev`, one copy) and sends only a
+//! notice; elsewhere chunks are raw bytes read with
 //! [`ParamBuffer::read_bytes`] (into the link's ring where it has one) and
 //! written with [`ParamBuffer::write_bytes`] straight from the received
 //! frame (a view of the ring).
@@ -15,16 +18,48 @@
 //! 2. [`roles`]: sources are the ranks at the highest step, receivers
 //!    everyone behind; nobody behind, nothing moves.
 //! 3. Rounds ([`Schedule`]): in round 0 chunk `i` comes from source
-//!    `i mod S`; a source writes each chunk's frame (16-byte [`Header`] +
-//!    payload) straight into a receiver's shared-memory ring where it can
-//!    ([`Link::poll_send_with`]), otherwise reads it once into a frame that
-//!    a sender task per receiver link sends. A receiver reads from all its sources at once
-//!    (a reader task per link on [`TRANSFER_CHANNEL`], which checks each
-//!    chunk's [`checksum`] while the chunks checked before it are written
-//!    into the state); a damaged chunk is never written. After each round all ranks
-//!    all-gather a bitmap of the chunks that failed, so they agree on the
-//!    next round: each bad chunk from another source, up to `max_rounds`.
+//!    `i mod S`. On a shared-memory link the receiver first sends each of
+//!    its sources an [`Offer`]: its pid and the address and length of
+//!    every entry with a byte view ([`ParamBuffer::as_bytes_mut`]). A
+//!    source in another process whose link no fault acts on
+//!    ([`Link::injects_faults`]) then writes each data chunk whose entries
+//!    the offer covers into the receiver's memory, hashing each 256 KiB run
+//!    just before it writes it, and sends a notice: the chunk's 16-byte
+//!    [`Header`] alone. The receiver hashes the landed bytes in place,
+//!    through pointers it takes when the notice arrives, while the sources
+//!    write later chunks (the hash runs beside the copies, on the other
+//!    core). Every other chunk (the extras, entries without a view, QUIC,
+//!    in-process ranks, a link a fault acts on, a write the kernel refused)
+//!    goes as a frame (`Header` + payload): written straight into the
+//!    receiver's shared-memory ring where it can
+//!    ([`Link::poll_send_with`]), otherwise read once into a frame that a
+//!    sender task per receiver link sends. A receiver reads from all its
+//!    sources at once (a reader task per link on [`TRANSFER_CHANNEL`],
+//!    which checks each frame's [`checksum`] while the chunks checked
+//!    before it are written into the state); a damaged frame is never
+//!    written, a damaged landed chunk is written over in the next round.
+//!    After each round all ranks all-gather a bitmap of the chunks that
+//!    failed (and the bytes that landed by cross-memory attach), so they
+//!    agree on the next round: each bad chunk from another source, up to
+//!    `max_rounds`.
 //! 4. The extras travel as the last chunk; receivers [`load_extra`] them.
+//!
+//! # Cross-memory attach: where it works, and what it asks
+//! The kernel lets a process write another's memory where it may ptrace
+//! it: same user, and under Yama `kernel.yama.ptrace_scope` 0, or root
+//! (this machine). With `ptrace_scope` 1 (Ubuntu's default) sibling rank
+//! processes may not, so every write fails with `EPERM`; the source then
+//! logs a warning once and sends that receiver's chunks as frames for the
+//! rest of the round, and the transfer succeeds as before (EPERM, ENOSYS,
+//! EFAULT and partial writes all fall back so, per link). Nothing here
+//! lowers a protection (no `PR_SET_PTRACER`). A buffer that gives a byte
+//! view must keep it where it is while the state is borrowed (see
+//! [`ParamBuffer::as_bytes_mut`]); one that moved is
+//! [`TransferError::Moved`]. A source checks the group is not aborted
+//! before each write, and a receiver aborts the group before it returns an
+//! error, but a source stopped between that check and its write (frozen,
+//! then resumed) could still write one chunk after the receiver returned:
+//! its state's bytes from the same step, into the buffer it offered.
 //!
 //! The chunks move on the raw links of the group, beside its actor (whose
 //! operations run one at a time, RA-1, which would serialize the sources):
@@ -41,6 +76,7 @@
 //! half-written receiver must pass `None`: its state is no step's.)
 //!
 //! [`load_extra`]: TrainState::load_extra
+//! [`Link::injects_faults`]: chorus_transports::link::Link::injects_faults
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -48,15 +84,16 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chorus_actors::driver::CollectiveError;
-use chorus_transports::link::{ChannelId, Link, TransportError};
+use chorus_transports::link::{ChannelId, Link, TransportError, TransportKind};
 use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use super::cma;
 use super::state::{StateEntry, TrainState, entries, for_each_entry};
 use super::transfer_plan::{
-    BLOCK, Chunks, HEADER, Header, Hello, Schedule, block_checksum, checksum, chunk_checksum, combine, decode_bad,
-    encode_bad, roles,
+    BLOCK, Chunks, HEADER, Header, Hello, Offer, Piece, Region, Schedule, block_checksum, checksum, chunk_checksum,
+    combine, decode_round, encode_round, roles, segments,
 };
 use crate::group::ProcessGroup;
 use crate::sync::plan::{self as sync_plan, ParamSpec};
@@ -79,6 +116,13 @@ pub struct TransferOptions {
     /// Rounds in all, the first included: a chunk that fails its checksum
     /// is fetched again from another source in the next round, up to here.
     pub max_rounds: u32,
+    /// Testing only (`None` in real use): in round 0, a source that wrote
+    /// this chunk into a receiver's memory by cross-memory attach then
+    /// flips one bit of what landed there, as a faulty write would, so a
+    /// test sees the receiver catch it and fetch the chunk again.
+    /// (`CHORUS_FAULTS` acts on frames; a link it acts on takes no
+    /// cross-memory writes.)
+    pub damage_cma_chunk: Option<usize>,
 }
 
 impl Default for TransferOptions {
@@ -90,6 +134,7 @@ impl Default for TransferOptions {
             // QUIC no slower.
             chunk_bytes: 2 << 20,
             max_rounds: 3,
+            damage_cma_chunk: None,
         }
     }
 }
@@ -107,6 +152,9 @@ pub struct TransferReport {
     pub bytes: u64,
     /// Chunks fetched again after a bad checksum.
     pub refetched: usize,
+    /// Entry bytes that landed intact in receivers' memory by cross-memory
+    /// attach, over all receivers (0: every chunk went on the links).
+    pub cma_bytes: u64,
     /// Time the call took on this rank.
     pub elapsed: Duration,
 }
@@ -167,6 +215,14 @@ pub enum TransferError {
         /// How long this rank waited.
         waited: Duration,
     },
+    /// A buffer's memory moved while other processes wrote into it.
+    #[error(
+        "state transfer: the buffer of '{entry}' moved while other processes wrote into it; ParamBuffer::as_bytes_mut must return memory that stays put while the state is borrowed, or None"
+    )]
+    Moved {
+        /// The entry.
+        entry: String,
+    },
     /// The state no longer agrees across ranks ([`verify_state`]).
     #[error("state diverged from rank 0 on {}", describe(.0))]
     Diverged(Vec<Diverged>),
@@ -198,10 +254,8 @@ pub async fn sync_state(
     let extra = state.save_extra();
     let hellos = hello(group, &list, step, extra.len()).await?;
     let roles = roles(&hellos.iter().map(|h| h.step).collect::<Vec<_>>());
-    let chunks = Chunks::new(
-        &list.iter().map(StateEntry::bytes).collect::<Vec<_>>(),
-        options.chunk_bytes,
-    );
+    let sizes: Vec<usize> = list.iter().map(StateEntry::bytes).collect();
+    let chunks = Chunks::new(&sizes, options.chunk_bytes);
     let mut report = TransferReport {
         step: roles.step,
         bytes: (chunks.total() + hellos[roles.sources[0]].extra_len as usize) as u64,
@@ -224,37 +278,51 @@ pub async fn sync_state(
     loop {
         let round = schedule.round();
         let mut bad = Vec::new();
+        let mut cma_bytes = 0;
         if roles.sources.contains(&me) {
             let sends = schedule.sends(me);
-            send_round(group, state, &extra, &chunks, &sends, round, tag(round)).await?;
+            let sending = Sending {
+                chunks: &chunks,
+                sizes: &sizes,
+                extra: &extra,
+                round,
+                tag: tag(round),
+                damage: options.damage_cma_chunk.filter(|_| round == 0),
+            };
+            send_round(group, state, &sending, &sends).await?;
         } else {
             let receives = schedule.receives(me);
             let mut ctx = Receiving {
                 state: &mut *state,
                 chunks: &chunks,
+                sizes: &sizes,
                 extra_lens: &extra_lens,
                 round,
                 tag: tag(round),
                 extra: &mut received_extra,
                 bad: &mut bad,
+                cma_bytes: &mut cma_bytes,
             };
             receive_round(group, &mut ctx, &receives).await?;
         }
         let words = u64s(
             group
-                .all_gather(Tensor::from_slice(&encode_bad(chunks.count(), &bad)))
+                .all_gather(Tensor::from_slice(&encode_round(chunks.count(), &bad, cma_bytes)))
                 .await?,
         )?;
         let per_rank = words.len() / group.world_size();
-        let all_bad: Vec<(usize, usize)> = roles
-            .receivers
-            .iter()
-            .flat_map(|&r| {
-                decode_bad(chunks.count(), &words[r * per_rank..(r + 1) * per_rank])
-                    .into_iter()
-                    .map(move |c| (r, c))
-            })
-            .collect();
+        let mut all_bad: Vec<(usize, usize)> = Vec::new();
+        for &r in &roles.receivers {
+            let (bad, cma) =
+                decode_round(chunks.count(), &words[r * per_rank..(r + 1) * per_rank]).ok_or_else(|| {
+                    CollectiveError::Protocol {
+                        peer: r,
+                        reason: format!("state transfer: a round's row of {per_rank} words"),
+                    }
+                })?;
+            all_bad.extend(bad.into_iter().map(|c| (r, c)));
+            report.cma_bytes += cma;
+        }
         match schedule.finish_round(&all_bad) {
             Ok(true) => break,
             Ok(false) => {
@@ -287,6 +355,7 @@ pub async fn sync_state(
         sources = ?report.sources,
         receivers = ?report.receivers,
         refetched = report.refetched,
+        cma_bytes = report.cma_bytes,
         elapsed_ms = report.elapsed.as_millis() as u64,
         "state transfer done"
     );
@@ -443,21 +512,42 @@ async fn unless_aborted<T>(
     }
 }
 
-/// A source's round. Each chunk is read from the state straight into the
-/// receiver's transport buffer where the link takes it
-/// ([`Link::poll_send_with`]: a shared-memory ring), so its bytes are
-/// copied once; otherwise it is read once into a frame that a sender task
-/// per receiver link sends. A link that has owned frames queued takes the
-/// next ones owned too, which keeps each link's chunks in order.
+/// What a source's round sends.
+struct Sending<'a> {
+    chunks: &'a Chunks,
+    sizes: &'a [usize],
+    extra: &'a [u8],
+    round: u32,
+    tag: u64,
+    /// [`TransferOptions::damage_cma_chunk`], in round 0 only.
+    damage: Option<usize>,
+}
+
+/// A source's round. First, each receiver on a shared-memory link sends
+/// its [`Offer`]; where it offers its memory (and is another process), a
+/// chunk whose entries it covers is written there with cross-memory
+/// attach ([`cma::write`], one copy, each block hashed just before it is
+/// written) and only its [`Header`] goes on the link: the notice. Every
+/// other chunk is read from the state straight into the receiver's
+/// transport buffer where the link takes it ([`Link::poll_send_with`]: a
+/// shared-memory ring), so its bytes are copied once; otherwise it is read
+/// once into a frame that a sender task per receiver link sends. A link
+/// that has owned frames queued takes the next ones owned too, which keeps
+/// each link's frames in order. A cross-memory write that fails (refused,
+/// partial) sends that chunk, and the receiver's later ones, on the link.
 async fn send_round(
     group: &ProcessGroup,
     state: &mut dyn TrainState,
-    extra: &[u8],
-    chunks: &Chunks,
+    sending: &Sending<'_>,
     sends: &[(usize, Vec<usize>)],
-    round: u32,
-    tag: u64,
 ) -> Result<(), TransferError> {
+    let Sending {
+        chunks,
+        extra,
+        round,
+        tag,
+        ..
+    } = *sending;
     let timeout = group.collective_timeout();
     let mut outbound = std::collections::HashMap::new();
     let mut tasks = JoinSet::new();
@@ -487,15 +577,55 @@ async fn send_round(
     }
     let pool = Pool::default();
     let work = async {
+        let mut offers = std::collections::HashMap::new();
+        for (&receiver, (link, ..)) in &outbound {
+            if link.kind() == TransportKind::Shm {
+                let offer = receive_offer(link.as_ref(), receiver, tag, timeout).await?;
+                // Ranks of one process share its memory (no use for this),
+                // and a fault must act on every byte this link carries.
+                if offer.pid != 0 && offer.pid != std::process::id() && !link.injects_faults() {
+                    tracing::debug!(
+                        source = group.rank(),
+                        receiver,
+                        round,
+                        "state transfer: writing chunks into the receiver's memory"
+                    );
+                    offers.insert(receiver, offer);
+                }
+            }
+        }
         'chunks: for (chunk, receivers) in sends {
             let len = HEADER + chunk_len(extra, chunks, *chunk);
+            let pieces = chunks.pieces(*chunk);
             let mut owned = None;
             for receiver in receivers {
                 let (link, queue, queued) = &outbound[receiver];
+                let mut notice = None;
+                if let Some(offer) = offers.get(receiver).filter(|o| o.covers(&pieces, sending.sizes)) {
+                    // After an abort the receiver may have returned and reused
+                    // its memory: no write then (the module docs say what remains).
+                    let written = match group.failures().borrow().is_some() {
+                        true => Err(std::io::Error::other("the group was aborted")),
+                        false => write_cma(state, *chunk, &pieces, offer, round, sending.damage == Some(*chunk)),
+                    };
+                    match written {
+                        Ok(header) => notice = Some(header),
+                        Err(e) => {
+                            tracing::warn!(
+                                receiver,
+                                error = %e,
+                                "state transfer: cross-memory attach refused; this receiver's chunks go on the link"
+                            );
+                            offers.remove(receiver);
+                        }
+                    }
+                }
+                let frame_len = if notice.is_some() { HEADER } else { len };
                 if queued.load(Ordering::Acquire) == 0 {
                     let in_place = std::future::poll_fn(|cx| {
-                        link.poll_send_with(cx, TRANSFER_CHANNEL, tag, len, &mut |frame| {
-                            write_chunk(state, extra, chunks, *chunk, round, frame)
+                        link.poll_send_with(cx, TRANSFER_CHANNEL, tag, frame_len, &mut |frame| match &notice {
+                            Some(header) => header.write(frame),
+                            None => write_chunk(state, extra, chunks, *chunk, round, frame),
                         })
                     });
                     match tokio::time::timeout(timeout, in_place).await {
@@ -510,14 +640,23 @@ async fn send_round(
                         }
                     }
                 }
-                let frame = owned.get_or_insert_with(|| {
-                    let mut frame = pool.take(len);
-                    write_chunk(state, extra, chunks, *chunk, round, &mut frame);
-                    pool.frame(frame)
-                });
+                let frame = match &notice {
+                    Some(header) => {
+                        let mut head = [0u8; HEADER];
+                        header.write(&mut head);
+                        Bytes::copy_from_slice(&head)
+                    }
+                    None => owned
+                        .get_or_insert_with(|| {
+                            let mut frame = pool.take(len);
+                            write_chunk(state, extra, chunks, *chunk, round, &mut frame);
+                            pool.frame(frame)
+                        })
+                        .clone(),
+                };
                 queued.fetch_add(1, Ordering::AcqRel);
                 // A closed queue means its task failed: its error comes below.
-                if queue.send(frame.clone()).await.is_err() {
+                if queue.send(frame).await.is_err() {
                     break 'chunks;
                 }
             }
@@ -529,6 +668,81 @@ async fn send_round(
         Ok(())
     };
     unless_aborted(group, work).await.map_err(|e| fail(group, e))
+}
+
+/// A receiver's [`Offer`] on a shared-memory link; a damaged one is no
+/// offer (the chunks go on the link).
+async fn receive_offer(link: &dyn Link, receiver: usize, tag: u64, timeout: Duration) -> Result<Offer, TransferError> {
+    match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
+        Ok(Ok(frame)) if frame.tag == tag => Ok(Offer::decode(&frame.payload).unwrap_or_else(|| {
+            tracing::warn!(receiver, "state transfer: a damaged offer; chunks go on the link");
+            Offer::none()
+        })),
+        Ok(Ok(frame)) => Err(TransferError::Protocol {
+            peer: receiver,
+            reason: format!("a frame tagged {:#x}, not this transfer's {tag:#x}", frame.tag),
+        }),
+        Ok(Err(e)) => Err(transport(e)),
+        Err(_) => Err(TransferError::Timeout {
+            peer: receiver,
+            waited: timeout,
+        }),
+    }
+}
+
+/// Writes `chunk` into the memory `offer` names ([`cma::write`]), each
+/// [`segments`] run hashed right before it is written (while it is in the
+/// cache): the notice to send, or why nothing (or not all) landed. With
+/// `damage` (testing), one bit of what landed is flipped after.
+fn write_cma(
+    state: &mut dyn TrainState,
+    chunk: usize,
+    pieces: &[Piece],
+    offer: &Offer,
+    round: u32,
+    damage: bool,
+) -> std::io::Result<Header> {
+    let seed = chunk as u64;
+    let segments = segments(pieces);
+    let mut sums = Vec::with_capacity(segments.len());
+    let mut scratch = Vec::new();
+    let mut result = Ok(());
+    let mut first = None;
+    let mut next = 0;
+    for_each_entry(state, |i, _, buffer| {
+        while let Some(s) = segments.get(next).filter(|s| s.entry == i) {
+            next += 1;
+            if result.is_err() {
+                continue;
+            }
+            let local = match buffer.as_bytes() {
+                Some(view) => &view[s.bytes.clone()],
+                None => {
+                    scratch.resize(s.bytes.len(), 0);
+                    buffer.read_bytes(s.bytes.start, &mut scratch);
+                    &scratch[..]
+                }
+            };
+            sums.push(block_checksum(seed, sums.len(), local));
+            let region: Region = offer.regions[i].expect("covers() checked every piece's region");
+            let at = region.addr + s.bytes.start as u64;
+            first.get_or_insert((local[0], at));
+            result = cma::write(offer.pid, local, at);
+        }
+    });
+    result?;
+    if damage && let Some((byte, at)) = first {
+        tracing::warn!(
+            chunk,
+            "state transfer: damaging a chunk written by cross-memory attach (testing)"
+        );
+        cma::write(offer.pid, &[byte ^ 1], at)?;
+    }
+    Ok(Header {
+        chunk: chunk as u32,
+        round,
+        checksum: combine(seed, &sums),
+    })
 }
 
 /// Frame buffers of one round, reused once the transports drop them: a
@@ -629,33 +843,99 @@ fn write_chunk(state: &mut dyn TrainState, extra: &[u8], chunks: &Chunks, chunk:
 struct Receiving<'a> {
     state: &'a mut dyn TrainState,
     chunks: &'a Chunks,
+    sizes: &'a [usize],
     extra_lens: &'a [usize],
     round: u32,
     tag: u64,
     extra: &'a mut Option<Vec<u8>>,
     bad: &'a mut Vec<usize>,
+    /// Bytes that landed by cross-memory attach this round, intact.
+    cma_bytes: &'a mut u64,
 }
 
-/// A receiver's round: a reader task per source link checks each frame
-/// (its length, header and checksum) as it comes, while this task writes
-/// the intact chunks checked before it into the state: the checksums of
-/// several sources, and of one source's next chunk, run beside the copies.
+/// This process's [`Offer`]: its pid and where each entry's bytes lie,
+/// for the entries with a byte view ([`ParamBuffer::as_bytes_mut`]).
+fn offer(state: &mut dyn TrainState) -> Offer {
+    let mut regions = Vec::new();
+    for_each_entry(state, |_, _, buffer| {
+        regions.push(buffer.as_bytes_mut().map(|view| {
+            cma::advise_huge_pages(view);
+            Region {
+                addr: view.as_mut_ptr() as u64,
+                len: view.len() as u64,
+            }
+        }))
+    });
+    Offer {
+        pid: std::process::id(),
+        regions,
+    }
+}
+
+/// A receiver's round. To each source on a shared-memory link it offers
+/// its memory ([`Offer`]); the source writes there or sends frames, and a
+/// chunk offered may come either way. A reader task per source link then
+/// checks each frame as it comes (its length, header and checksum), while
+/// this task writes the intact chunks checked before it into the state,
+/// and, for a notice (a chunk the source wrote into this process's
+/// memory), hashes the landed bytes and compares: the checksums of
+/// several sources, and of one source's next chunk, run beside the copies
+/// and the sources' writes.
 async fn receive_round(
     group: &ProcessGroup,
     ctx: &mut Receiving<'_>,
     receives: &[(usize, Vec<usize>)],
 ) -> Result<(), TransferError> {
     let timeout = group.collective_timeout();
+    let mut mine = None;
     let (tx, mut rx) = mpsc::channel::<(usize, usize, Result<Checked, TransferError>)>(2 * receives.len().max(1));
     let mut readers = JoinSet::new();
+    let mut offers = std::collections::HashMap::new();
     for (source, list) in receives {
         let (source, tx, link) = (*source, tx.clone(), link(group, *source)?);
+        // The source decides whether to use it (not on a link a fault acts on).
+        let offer =
+            (link.kind() == TransportKind::Shm).then(|| mine.get_or_insert_with(|| offer(&mut *ctx.state)).clone());
+        let by_cma: Vec<bool> = list
+            .iter()
+            .map(|&chunk| {
+                offer
+                    .as_ref()
+                    .is_some_and(|o| o.covers(&ctx.chunks.pieces(chunk), ctx.sizes))
+            })
+            .collect();
+        if let Some(offer) = &offer {
+            offers.insert(source, offer.clone());
+        }
         let lens: Vec<usize> = list.iter().map(|&chunk| ctx.payload_len(source, chunk)).collect();
         let (list, expected_tag, round) = (list.clone(), ctx.tag, ctx.round);
         readers.spawn(async move {
-            for (&chunk, &len) in list.iter().zip(&lens) {
+            if let Some(offer) = offer {
+                let sent = tokio::time::timeout(
+                    timeout,
+                    link.send(TRANSFER_CHANNEL, expected_tag, Bytes::from(offer.encode())),
+                )
+                .await;
+                let failed = match sent {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => Some(TransferError::Collective(e.error.into())),
+                    Err(_) => Some(TransferError::Timeout {
+                        peer: source,
+                        waited: timeout,
+                    }),
+                };
+                if let Some(e) = failed {
+                    let _ = tx.send((source, list[0], Err(e))).await;
+                    return;
+                }
+            }
+            for ((&chunk, &len), &cma) in list.iter().zip(&lens).zip(&by_cma) {
                 let checked = match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
-                    Ok(Ok(frame)) if frame.tag == expected_tag => check(source, chunk, len, round, frame.payload),
+                    Ok(Ok(frame)) if frame.tag == expected_tag => match Header::read(&frame.payload) {
+                        // A notice: the bytes are in this process's memory already.
+                        Some(header) if cma && frame.payload.len() == HEADER => Ok(Checked::Notice(header)),
+                        _ => check(source, chunk, len, round, frame.payload),
+                    },
                     Ok(Ok(frame)) => Err(TransferError::Protocol {
                         peer: source,
                         reason: format!("a frame tagged {:#x}, not this transfer's {expected_tag:#x}", frame.tag),
@@ -676,7 +956,7 @@ async fn receive_round(
     drop(tx);
     let work = async {
         while let Some((source, chunk, checked)) = rx.recv().await {
-            accept(ctx, source, chunk, checked?);
+            accept(ctx, &offers, source, chunk, checked?)?;
         }
         Ok(())
     };
@@ -687,10 +967,12 @@ fn transport(e: TransportError) -> TransferError {
     TransferError::Collective(e.into())
 }
 
-/// A received frame, checked.
-struct Checked {
-    frame: Bytes,
-    intact: bool,
+/// A received frame, checked; or a notice, checked by [`accept`].
+enum Checked {
+    /// A chunk in the frame.
+    Frame { frame: Bytes, intact: bool },
+    /// The header of a chunk written into this process's memory.
+    Notice(Header),
 }
 
 impl Receiving<'_> {
@@ -717,13 +999,32 @@ fn check(source: usize, chunk: usize, len: usize, round: u32, frame: Bytes) -> R
     let intact = header.chunk as usize == chunk
         && header.round == round
         && header.checksum == chunk_checksum(chunk as u64, &frame[HEADER..]);
-    Ok(Checked { frame, intact })
+    Ok(Checked::Frame { frame, intact })
 }
 
 /// Writes an intact chunk where it belongs; a damaged one goes on the bad
-/// list and never touches the state.
-fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, checked: Checked) {
-    if !checked.intact {
+/// list and never touches the state. A notice's chunk is in the state
+/// already: it is hashed there; damaged, it goes on the bad list too (and
+/// is written over in the next round).
+fn accept(
+    ctx: &mut Receiving<'_>,
+    offers: &std::collections::HashMap<usize, Offer>,
+    source: usize,
+    chunk: usize,
+    checked: Checked,
+) -> Result<(), TransferError> {
+    let intact = match &checked {
+        Checked::Frame { intact, .. } => *intact,
+        Checked::Notice(header) => {
+            let offer = offers
+                .get(&source)
+                .expect("notices are read only where an offer was made");
+            header.chunk as usize == chunk
+                && header.round == ctx.round
+                && landed_checksum(ctx, offer, chunk)? == header.checksum
+        }
+    };
+    if !intact {
         tracing::warn!(
             source,
             chunk,
@@ -731,12 +1032,19 @@ fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, checked: Checked
             "state transfer: a chunk failed its checksum"
         );
         ctx.bad.push(chunk);
-        return;
+        return Ok(());
     }
-    let payload = &checked.frame[HEADER..];
+    let frame = match checked {
+        Checked::Frame { frame, .. } => frame,
+        Checked::Notice(_) => {
+            *ctx.cma_bytes += ctx.chunks.range(chunk).len() as u64;
+            return Ok(());
+        }
+    };
+    let payload = &frame[HEADER..];
     if chunk == ctx.chunks.extra() {
         *ctx.extra = Some(payload.to_vec());
-        return;
+        return Ok(());
     }
     let pieces = ctx.chunks.pieces(chunk);
     let mut next = 0;
@@ -746,4 +1054,144 @@ fn accept(ctx: &mut Receiving<'_>, source: usize, chunk: usize, checked: Checked
             next += 1;
         }
     });
+    Ok(())
+}
+
+/// The checksum of `chunk` as it landed in this process's memory (the
+/// sender's way: [`segments`]), through pointers taken now; a buffer no
+/// longer where `offer` said is [`TransferError::Moved`].
+fn landed_checksum(ctx: &mut Receiving<'_>, offer: &Offer, chunk: usize) -> Result<u64, TransferError> {
+    let seed = chunk as u64;
+    let segments = segments(&ctx.chunks.pieces(chunk));
+    let mut sums = Vec::with_capacity(segments.len());
+    let mut moved = None;
+    let mut next = 0;
+    for_each_entry(ctx.state, |i, name, buffer| {
+        while let Some(s) = segments.get(next).filter(|s| s.entry == i) {
+            next += 1;
+            let base = buffer.as_bytes_mut().map(|view| (view.as_mut_ptr(), view.len()));
+            let offered = offer.regions.get(i).copied().flatten();
+            match (base, offered) {
+                (Some((ptr, len)), Some(region)) if ptr as u64 == region.addr && len as u64 == region.len => {
+                    // SAFETY: `ptr..ptr + len` is the buffer's own memory,
+                    // taken just now from it (the `&mut` it came from ended
+                    // on the line above: no reference is held across the
+                    // other processes' writes), and `s.bytes` lies within
+                    // it. Those bytes were written by the source before it
+                    // sent the notice this follows (the link orders them:
+                    // the source's write returned, then it queued the
+                    // notice, which this task received through the ring's
+                    // acquire). No source writes them again this round
+                    // (each chunk comes from one source once per round;
+                    // a refetch comes after the round's all-gather), and
+                    // this process writes them only in later rounds, so
+                    // nothing writes them while this slice lives. Other
+                    // sources may be writing other chunks of the buffer
+                    // meanwhile: bytes this slice does not cover.
+                    let landed = unsafe { std::slice::from_raw_parts(ptr.add(s.bytes.start), s.bytes.len()) };
+                    sums.push(block_checksum(seed, sums.len(), landed));
+                }
+                _ => {
+                    moved.get_or_insert_with(|| name.to_owned());
+                }
+            }
+        }
+    });
+    match moved {
+        Some(entry) => Err(TransferError::Moved { entry }),
+        None => Ok(combine(seed, &sums)),
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use crate::train::NamedState;
+
+    fn state(values: impl Fn(usize) -> f32) -> NamedState {
+        NamedState {
+            params: vec![
+                ("a".into(), (0..100_000).map(&values).collect()),
+                ("b".into(), (0..70_000).map(|i| values(i + 7)).collect()),
+            ],
+            ..NamedState::default()
+        }
+    }
+
+    /// What a source in another process does, into this process's memory
+    /// (a process may always write its own this way), and the receiver's
+    /// check of what landed: intact, damaged, and a buffer that moved.
+    #[test]
+    fn chunks_written_into_offered_memory_are_checked_where_they_landed() {
+        let mut source = state(|i| i as f32 * 0.5);
+        let mut receiver = state(|_| 0.0);
+        let sizes = [400_000, 280_000];
+        // Chunk 1 spans both entries; the last one is short.
+        let chunks = Chunks::new(&sizes, 300_001);
+        let offer = offer(&mut receiver);
+        assert_eq!(offer.pid, std::process::id());
+        let (mut extra, mut bad, mut cma_bytes) = (None, Vec::new(), 0);
+        let mut headers = Vec::new();
+        for chunk in 0..chunks.data_chunks() {
+            let pieces = chunks.pieces(chunk);
+            assert!(offer.covers(&pieces, &sizes), "chunk {chunk}");
+            headers.push(write_cma(&mut source, chunk, &pieces, &offer, 2, chunk == 1).unwrap());
+        }
+        let mut ctx = Receiving {
+            state: &mut receiver,
+            chunks: &chunks,
+            sizes: &sizes,
+            extra_lens: &[0],
+            round: 2,
+            tag: 0,
+            extra: &mut extra,
+            bad: &mut bad,
+            cma_bytes: &mut cma_bytes,
+        };
+        let offers = std::collections::HashMap::from([(0, offer.clone())]);
+        for (chunk, header) in headers.iter().enumerate() {
+            accept(&mut ctx, &offers, 0, chunk, Checked::Notice(*header)).unwrap();
+        }
+        assert_eq!(*ctx.bad, [1], "the damaged chunk, only");
+        assert_eq!(*ctx.cma_bytes, (680_000 - chunks.range(1).len()) as u64);
+        // Written again intact (the next round), it passes.
+        let header = write_cma(&mut source, 1, &chunks.pieces(1), &offer, 2, false).unwrap();
+        ctx.bad.clear();
+        accept(&mut ctx, &offers, 0, 1, Checked::Notice(header)).unwrap();
+        assert!(ctx.bad.is_empty());
+        assert_eq!(receiver, source, "every byte landed");
+
+        // A notice naming another round or chunk is damage too.
+        let mut ctx = Receiving {
+            state: &mut receiver,
+            chunks: &chunks,
+            sizes: &sizes,
+            extra_lens: &[0],
+            round: 3,
+            tag: 0,
+            extra: &mut extra,
+            bad: &mut bad,
+            cma_bytes: &mut cma_bytes,
+        };
+        accept(&mut ctx, &offers, 0, 0, Checked::Notice(headers[0])).unwrap();
+        assert_eq!(*ctx.bad, [0]);
+
+        // A buffer that is no longer where the offer said.
+        receiver.params[1].1 = vec![0.0; 70_000];
+        let mut ctx = Receiving {
+            state: &mut receiver,
+            chunks: &chunks,
+            sizes: &sizes,
+            extra_lens: &[0],
+            round: 2,
+            tag: 0,
+            extra: &mut extra,
+            bad: &mut bad,
+            cma_bytes: &mut cma_bytes,
+        };
+        match accept(&mut ctx, &offers, 0, 2, Checked::Notice(headers[2])) {
+            Err(e @ TransferError::Moved { .. }) => assert!(e.to_string().contains("'b'"), "{e}"),
+            other => panic!("expected Moved, got {:?}", other.err()),
+        }
+    }
 }

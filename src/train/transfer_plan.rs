@@ -1,7 +1,8 @@
 //! The state transfer's decisions, sans IO: who sends and who receives,
 //! how the state is cut into chunks, which source serves which chunk in
 //! each round (striped, then reassigned after a bad checksum), the chunk
-//! header and checksum, and the bad-chunk bitmaps ranks agree on.
+//! header and checksum, the bad-chunk bitmaps ranks agree on, and the
+//! [`Offer`] a receiver makes for cross-memory attach.
 //! [`super::transfer`] does the communication.
 
 use std::collections::HashMap;
@@ -410,6 +411,132 @@ impl Header {
     }
 }
 
+/// Where one entry lies in a receiver's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// Its first byte's address in the receiver's process.
+    pub addr: u64,
+    /// Its bytes.
+    pub len: u64,
+}
+
+/// What a receiver tells a source on a shared-memory link before each
+/// round: its pid and where each entry lies in its memory, so the source
+/// may write chunks there with cross-memory attach (`process_vm_writev`)
+/// and send only a [`Header`] (a notice) on the link. `pid` 0 or no
+/// regions: every chunk comes in a frame. An entry without a region (its
+/// buffer has no byte view) comes in frames too.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offer {
+    /// The receiver's process id (0: no cross-memory attach).
+    pub pid: u32,
+    /// One per entry, in [`super::state::for_each_entry`]'s order.
+    pub regions: Vec<Option<Region>>,
+}
+
+impl Offer {
+    /// The offer of a receiver that takes every chunk in frames.
+    pub fn none() -> Self {
+        Self {
+            pid: 0,
+            regions: Vec::new(),
+        }
+    }
+
+    /// Bytes: pid (`u32` LE), entries (`u32` LE), per entry address and
+    /// length (`u64` LE each; both 0: no region), then [`checksum`] of
+    /// everything before (`u64` LE), so a damaged offer is refused.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + 16 * self.regions.len() + 8);
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
+        for region in &self.regions {
+            let Region { addr, len } = region.unwrap_or(Region { addr: 0, len: 0 });
+            out.extend_from_slice(&addr.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+        }
+        let sum = checksum(OFFER_SEED, &out);
+        out.extend_from_slice(&sum.to_le_bytes());
+        out
+    }
+
+    /// From [`encode`](Self::encode)'s bytes: `None` when the length or
+    /// the checksum is wrong.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let (body, sum) = bytes.split_at_checked(bytes.len().checked_sub(8)?)?;
+        if checksum(OFFER_SEED, body) != u64::from_le_bytes(sum.try_into().ok()?) {
+            return None;
+        }
+        let word = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
+        let pid = u32::from_le_bytes(body.get(0..4)?.try_into().ok()?);
+        let count = u32::from_le_bytes(body.get(4..8)?.try_into().ok()?) as usize;
+        if body.len() != 8 + 16 * count {
+            return None;
+        }
+        let regions = (0..count)
+            .map(|i| {
+                let (addr, len) = (word(8 + 16 * i), word(16 + 16 * i));
+                (addr != 0).then_some(Region { addr, len })
+            })
+            .collect();
+        Some(Self { pid, regions })
+    }
+
+    /// Whether `chunk`'s bytes may be written into the receiver's memory
+    /// with these `pieces` of entries of `sizes` bytes: a region for every
+    /// piece, each exactly its entry's size (anything else, and nothing is
+    /// written outside the entries: the chunk comes in a frame).
+    pub fn covers(&self, pieces: &[Piece], sizes: &[usize]) -> bool {
+        self.pid != 0
+            && !pieces.is_empty()
+            && self.regions.len() == sizes.len()
+            && pieces.iter().all(|p| {
+                self.regions[p.entry].is_some_and(|r| r.len == sizes[p.entry] as u64 && p.bytes.end <= sizes[p.entry])
+            })
+    }
+}
+
+/// Seed of an [`Offer`]'s checksum.
+const OFFER_SEED: u64 = 0x000F_FE12;
+
+/// A chunk's pieces cut at the [`BLOCK`] boundaries of the chunk's
+/// payload: the runs a chunk written with cross-memory attach is hashed
+/// in, on both sides (each contiguous in both processes' memory). Its
+/// checksum is [`combine`] of [`block_checksum`] of each segment in turn.
+pub fn segments(pieces: &[Piece]) -> Vec<Piece> {
+    let mut out = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        let (mut at, end, mut from) = (p.at, p.at + p.bytes.len(), p.bytes.start);
+        while at < end {
+            let stop = ((at / BLOCK + 1) * BLOCK).min(end);
+            out.push(Piece {
+                entry: p.entry,
+                bytes: from..from + (stop - at),
+                at,
+            });
+            from += stop - at;
+            at = stop;
+        }
+    }
+    out
+}
+
+/// One rank's row of the all-gather that ends a round: the bitmap of the
+/// chunks it got damaged ([`encode_bad`]), then the bytes that landed in
+/// its memory by cross-memory attach this round.
+pub fn encode_round(chunks: usize, bad: &[usize], cma_bytes: u64) -> Vec<u64> {
+    let mut words = encode_bad(chunks, bad);
+    words.push(cma_bytes);
+    words
+}
+
+/// [`encode_round`]'s row back: the damaged chunks and the bytes moved by
+/// cross-memory attach (`None` when the row has the wrong length).
+pub fn decode_round(chunks: usize, words: &[u64]) -> Option<(Vec<usize>, u64)> {
+    let (&cma, bitmap) = words.split_last()?;
+    (bitmap.len() == bitmap_words(chunks)).then(|| (decode_bad(chunks, bitmap), cma))
+}
+
 /// XXH3 (64-bit) of `data` under `seed`: 20 GB/s on one core here with
 /// SSE2 alone, twice XXH64's (a state transfer hashes every byte twice).
 pub fn checksum(seed: u64, data: &[u8]) -> u64 {
@@ -575,5 +702,91 @@ mod tests {
         header.write(&mut frame);
         assert_eq!(Header::read(&frame), Some(header));
         assert_eq!(Header::read(&frame[..15]), None);
+    }
+    #[test]
+    fn offers_round_trip_and_refuse_damage() {
+        let offer = Offer {
+            pid: 4242,
+            regions: vec![
+                Some(Region { addr: 0x7000, len: 40 }),
+                None,
+                Some(Region { addr: 0x9000, len: 8 }),
+            ],
+        };
+        let bytes = offer.encode();
+        assert_eq!(Offer::decode(&bytes), Some(offer.clone()));
+        assert_eq!(Offer::decode(&Offer::none().encode()), Some(Offer::none()));
+        for at in [0, 5, 12, bytes.len() - 1] {
+            let mut damaged = bytes.clone();
+            damaged[at] ^= 4;
+            assert_eq!(Offer::decode(&damaged), None, "a flip at {at} is refused");
+        }
+        assert_eq!(Offer::decode(&bytes[..bytes.len() - 1]), None);
+        assert_eq!(Offer::decode(&[]), None);
+
+        // Entries of 40, 0 and 8 bytes, one chunk over all of them.
+        let sizes = [40, 0, 8];
+        let chunks = Chunks::new(&sizes, 64);
+        assert!(offer.covers(&chunks.pieces(0), &sizes), "the empty entry has no piece");
+        let wrong_len = Offer {
+            regions: vec![
+                Some(Region { addr: 0x7000, len: 41 }),
+                None,
+                Some(Region { addr: 0x9000, len: 8 }),
+            ],
+            ..offer.clone()
+        };
+        assert!(!wrong_len.covers(&chunks.pieces(0), &sizes), "a region of another size");
+        let missing = Offer {
+            regions: vec![Some(Region { addr: 0x7000, len: 40 }), None, None],
+            ..offer.clone()
+        };
+        assert!(!missing.covers(&chunks.pieces(0), &sizes), "an entry without a view");
+        assert!(
+            !Offer {
+                pid: 0,
+                ..offer.clone()
+            }
+            .covers(&chunks.pieces(0), &sizes)
+        );
+        assert!(!offer.covers(&chunks.pieces(0), &sizes[..2]), "another entry count");
+    }
+
+    #[test]
+    fn segments_cut_pieces_at_block_boundaries() {
+        let sizes = [BLOCK + 10, 2 * BLOCK, 5];
+        let chunks = Chunks::new(&sizes, 3 * BLOCK);
+        let piece = |entry, bytes: Range<usize>, at| Piece { entry, bytes, at };
+        assert_eq!(
+            segments(&chunks.pieces(0)),
+            [
+                piece(0, 0..BLOCK, 0),
+                piece(0, BLOCK..BLOCK + 10, BLOCK),
+                piece(1, 0..BLOCK - 10, BLOCK + 10),
+                piece(1, BLOCK - 10..2 * BLOCK - 10, 2 * BLOCK),
+            ]
+        );
+        assert_eq!(
+            segments(&chunks.pieces(1)),
+            [piece(1, 2 * BLOCK - 10..2 * BLOCK, 0), piece(2, 0..5, 10)]
+        );
+        // For one contiguous run, the segments' checksum is the chunk's.
+        let data: Vec<u8> = (0..2 * BLOCK + 3).map(|i| (i % 251) as u8).collect();
+        let one = Chunks::new(&[data.len()], data.len());
+        let sums: Vec<u64> = segments(&one.pieces(0))
+            .iter()
+            .enumerate()
+            .map(|(k, s)| block_checksum(0, k, &data[s.bytes.clone()]))
+            .collect();
+        assert_eq!(combine(0, &sums), chunk_checksum(0, &data));
+    }
+
+    #[test]
+    fn round_rows_carry_the_bitmap_and_the_cma_bytes() {
+        let row = encode_round(70, &[3, 69], 1 << 33);
+        assert_eq!(row.len(), 3);
+        assert_eq!(decode_round(70, &row), Some((vec![3, 69], 1 << 33)));
+        assert_eq!(decode_round(70, &row[1..]), None);
+        assert_eq!(decode_round(70, &[]), None);
     }
 }

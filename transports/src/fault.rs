@@ -676,6 +676,12 @@ impl Link for FaultyLink {
         self.copy_through(channel, |inner| inner.poll_send_with(cx, channel, tag, len, fill))
     }
 
+    fn injects_faults(&self) -> bool {
+        self.rank.plan.rules.iter().any(|rule| {
+            !matches!(rule.kind, FaultKind::Kill | FaultKind::Freeze) && rule.link.matches(self.me, self.peer())
+        })
+    }
+
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
         if self.rank.killed.load(Ordering::SeqCst) {
             return Err(self.dead());
@@ -847,6 +853,24 @@ mod tests {
             assert!(matches!(rx.recv(0).await, Err(TransportError::Closed { .. })));
         })
         .await;
+    }
+
+    #[test]
+    fn links_tell_whether_a_rule_acts_on_what_they_send() {
+        let mesh = wrapped(3, "corrupt(1->2, p=1); freeze(rank=0, after_frames=4)");
+        let injects = |from: usize, to: usize| mesh[from][to].as_ref().unwrap().injects_faults();
+        assert!(injects(1, 2), "the corrupt rule's direction");
+        assert!(!injects(2, 1), "not the other way");
+        assert!(
+            !injects(0, 1) && !injects(0, 2),
+            "a freeze stops the rank, it changes no frame"
+        );
+        let mesh = wrapped(2, "partition(0|1)");
+        assert!(mesh[0][1].as_ref().unwrap().injects_faults() && mesh[1][0].as_ref().unwrap().injects_faults());
+        assert!(
+            !local_mesh(2)[0][1].as_ref().unwrap().injects_faults(),
+            "no wrapper, no faults"
+        );
     }
 
     #[tokio::test]

@@ -283,6 +283,16 @@ pub trait Link: Send + Sync + fmt::Debug {
         Ok(false)
     }
 
+    /// Whether fault injection (`CHORUS_FAULTS`) may change, lose, hold or
+    /// cut the frames this side sends on this link (a rule other than a
+    /// rank's `kill` or `freeze`, which stop the rank whatever it sends): a
+    /// caller that could move bytes beside the link (into another
+    /// process's memory directly) must not, so that the faults keep acting
+    /// on what travels.
+    fn injects_faults(&self) -> bool {
+        false
+    }
+
     /// Receives the next frame of `channel`.
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError>;
 

@@ -105,6 +105,10 @@ impl Link for ScopedLink {
             .map_err(|e| self.renamed(e))
     }
 
+    fn injects_faults(&self) -> bool {
+        self.inner.injects_faults()
+    }
+
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
         self.inner
             .recv(self.channel(channel))

@@ -396,6 +396,8 @@ pub(super) fn run_ranks(
                     break;
                 }
                 Some(_) => break,
+                // Once one rank failed, the others are not waited for.
+                None if failed.is_some() => break,
                 None if Instant::now() >= deadline => {
                     failed.get_or_insert(format!("rank {rank} did not finish within {timeout:?}"));
                     let _ = child.kill();

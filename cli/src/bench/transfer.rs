@@ -52,6 +52,21 @@ pub struct TransferArgs {
     /// Seconds before a configuration is declared stuck.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// The joiner's buffers are all zeroed allocations, untouched until the
+    /// first transfer writes them (by default one in four is; the others
+    /// are filled, as a model built before it receives). Untouched memory
+    /// can come in huge pages, which cross-memory writes need to run at
+    /// memcpy speed.
+    #[arg(long)]
+    pub zeroed_joiner: bool,
+    /// Seconds each collective, and each chunk of the transfer, may take
+    /// [default: InitOptions' default].
+    #[arg(long)]
+    pub collective_timeout: Option<u64>,
+    /// Testing only: damage this chunk once as a source writes it into
+    /// the joiner's memory (`TransferOptions::damage_cma_chunk`).
+    #[arg(long, hide = true)]
+    pub damage_cma_chunk: Option<usize>,
     /// Internal: run as one rank process.
     #[arg(long, hide = true)]
     pub worker: bool,
@@ -89,6 +104,28 @@ struct Row {
     ratio: f64,
     /// Chunks fetched again after a failed checksum, over every round.
     refetched: usize,
+    /// What moved the entries' bytes in the last transfer: "cma" (written
+    /// into the joiner's memory by cross-memory attach), the link's way
+    /// ("ring" on shm, "quic", "local"), or "cma+ring" when both did.
+    path: &'static str,
+    /// Bytes that landed by cross-memory attach in the last transfer.
+    cma_bytes: u64,
+}
+
+/// [`Row::path`] for a transfer that moved `cma` of `data` entry bytes
+/// by cross-memory attach over a link of `kind`.
+fn path(cma: u64, data: u64, kind: chorus::link::TransportKind) -> &'static str {
+    use chorus::link::TransportKind;
+    let link = match kind {
+        TransportKind::Shm => "ring",
+        TransportKind::Quic => "quic",
+        TransportKind::Local => "local",
+    };
+    match cma {
+        0 => link,
+        _ if cma >= data => "cma",
+        _ => "cma+ring",
+    }
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -96,8 +133,9 @@ fn median(mut values: Vec<f64>) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// A state of `size` bytes in four float32 entries (the last one takes the rest).
-fn state_of(size: usize, fill: f32) -> NamedState {
+/// A state of `size` bytes in four float32 entries (the last one takes
+/// the rest), entry `i` filled with `fill + i * step`.
+fn state_of(size: usize, fill: f32, step: f32) -> NamedState {
     let floats = size / 4;
     let quarter = floats / 4;
     let lens = [quarter, quarter, quarter, floats - 3 * quarter];
@@ -105,7 +143,7 @@ fn state_of(size: usize, fill: f32) -> NamedState {
         params: lens
             .iter()
             .enumerate()
-            .map(|(i, &n)| (format!("layer{i}"), vec![fill + i as f32; n]))
+            .map(|(i, &n)| (format!("layer{i}"), vec![fill + i as f32 * step; n]))
             .collect(),
         extra: vec![fill as u8; 64],
         ..NamedState::default()
@@ -126,22 +164,31 @@ pub fn run_worker_blocking(args: &TransferArgs) -> Result<()> {
 
 /// One rank process: `WORLD_SIZE - 1` sources and the joiner, last rank.
 pub async fn run_worker(args: &TransferArgs) -> Result<()> {
-    let options = chorus::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    let mut options = chorus::InitOptions::default().timeout(Duration::from_secs(args.timeout));
+    if let Some(seconds) = args.collective_timeout {
+        options = options.collective_timeout(Duration::from_secs(seconds));
+    }
     let group = chorus::init_process_group(options).await.context("forming the group")?;
     let (size, me, joiner) = (args.size[0], group.rank(), group.world_size() - 1);
     let transfer = TransferOptions {
         chunk_bytes: args.chunk.unwrap_or(TransferOptions::default().chunk_bytes),
+        damage_cma_chunk: args.damage_cma_chunk,
         ..TransferOptions::default()
     };
-    let mut state = state_of(size, if me == joiner { 0.0 } else { 1.5 });
+    let mut state = match (me == joiner, args.zeroed_joiner) {
+        (true, true) => state_of(size, 0.0, 0.0),
+        (true, false) => state_of(size, 0.0, 1.0),
+        (false, _) => state_of(size, 1.5, 1.0),
+    };
     let step = (me != joiner).then_some(1);
     let (mut transfers, mut links) = (Vec::new(), Vec::new());
-    let (mut bytes, mut refetched) = (0, 0);
+    let (mut bytes, mut refetched, mut cma_bytes) = (0, 0, 0);
     for round in 0..=args.rounds {
         group.barrier().await?;
         let report = sync_state(&group, &mut state, step, &transfer).await?;
         bytes = report.bytes;
         refetched += report.refetched;
+        cma_bytes = report.cma_bytes;
         let mine = [report.elapsed.as_secs_f64()];
         let all = group.all_gather(Tensor::from_slice(&mine)).await?.to_vec::<f64>()?;
         let slowest = all.iter().copied().fold(0.0, f64::max);
@@ -158,9 +205,10 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
         let seconds = median(transfers);
         let link_gbps = median(links);
         let transfer_gbps = bytes as f64 / seconds / 1e9;
+        let kind = group.link(joiner).context("no link to the joiner")?.kind();
         let row = Row {
             transport: std::env::var("CHORUS_TRANSPORT").unwrap_or_else(|_| "auto".into()),
-            link: group.link(joiner).map_or("?".into(), |l| l.kind().to_string()),
+            link: kind.to_string(),
             bytes,
             sources: joiner,
             chunk_bytes: transfer.chunk_bytes,
@@ -170,6 +218,8 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
             link_gbps,
             ratio: transfer_gbps / link_gbps,
             refetched,
+            path: path(cma_bytes, (size / 4 * 4) as u64, kind),
+            cma_bytes,
         };
         println!("{}", serde_json::to_string(&row)?);
     }
@@ -223,6 +273,15 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
                 if let Some(chunk) = args.chunk {
                     worker.extend(["--chunk".into(), chunk.to_string()]);
                 }
+                if args.zeroed_joiner {
+                    worker.push("--zeroed-joiner".into());
+                }
+                if let Some(seconds) = args.collective_timeout {
+                    worker.extend(["--collective-timeout".into(), seconds.to_string()]);
+                }
+                if let Some(chunk) = args.damage_cma_chunk {
+                    worker.extend(["--damage-cma-chunk".into(), chunk.to_string()]);
+                }
                 let env = [
                     ("CHORUS_TRANSPORT", transport.clone()),
                     ("CHORUS_JOB_SECRET", super::collective::job_secret()),
@@ -244,15 +303,16 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
         args.rounds
     );
     println!(
-        "{:<10} {:>6} {:>12} {:>8} {:>14} {:>12} {:>12} {:>8}",
-        "transport", "link", "size(MiB)", "sources", "transfer GB/s", "transfer ms", "link GB/s", "ratio"
+        "{:<10} {:>6} {:>9} {:>12} {:>8} {:>14} {:>12} {:>12} {:>8}",
+        "transport", "link", "path", "size(MiB)", "sources", "transfer GB/s", "transfer ms", "link GB/s", "ratio"
     );
     for row in &rows {
         let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{:<10} {:>6} {:>12.0} {:>8} {:>14.2} {:>12.1} {:>12.2} {:>8.2}",
+            "{:<10} {:>6} {:>9} {:>12.0} {:>8} {:>14.2} {:>12.1} {:>12.2} {:>8.2}",
             row["transport"].as_str().unwrap_or("?"),
             row["link"].as_str().unwrap_or("?"),
+            row["path"].as_str().unwrap_or("?"),
             f("bytes") / (1 << 20) as f64,
             row["sources"],
             f("transfer_gbps"),
@@ -275,7 +335,16 @@ mod tests {
         assert_eq!(parse_size("4k"), Ok(4096));
         assert_eq!(parse_size("12345"), Ok(12345));
         assert!(parse_size("0").is_err() && parse_size("M").is_err() && parse_size("1T").is_err());
-        let state = state_of(1001, 1.0);
+        let state = state_of(1001, 1.0, 1.0);
         assert_eq!(state.params.iter().map(|(_, v)| v.len()).sum::<usize>(), 250);
+    }
+
+    #[test]
+    fn rows_name_the_path_that_moved_the_bytes() {
+        use chorus::link::TransportKind;
+        assert_eq!(path(0, 100, TransportKind::Shm), "ring");
+        assert_eq!(path(0, 100, TransportKind::Quic), "quic");
+        assert_eq!(path(100, 100, TransportKind::Shm), "cma");
+        assert_eq!(path(40, 100, TransportKind::Shm), "cma+ring");
     }
 }
