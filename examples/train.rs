@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use candle_core::{D, DType as CDType, Device, Tensor as CTensor, Var};
 use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
-use chorus::train::{self, Job, Mode, NamedState, Step, TrainOptions, TrainState};
+use chorus::train::{self, InPlace, Job, Mode, NamedState, Step, TrainOptions, TrainState};
 use chorus::{ElasticGroup, InitOptions};
 use clap::{Parser, ValueEnum};
 
@@ -388,6 +388,11 @@ impl TrainState for Mlp {
         if !self.padding.is_empty() {
             visit("padding", &mut self.padding);
         }
+    }
+    fn buffers_in_place(&self) -> Option<InPlace> {
+        // SAFETY: it visits `Vec`s it owns (its `NamedState`'s and the
+        // padding), never resized while the state is borrowed.
+        Some(unsafe { InPlace::promise() })
     }
 }
 

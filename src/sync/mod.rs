@@ -69,10 +69,11 @@ pub trait ParamBuffer {
     }
     /// [`as_bytes`](Self::as_bytes), to write. The state transfer lets
     /// another rank process write into these bytes (cross-memory attach)
-    /// while it holds the state, between visits of the buffer, so return
-    /// `Some` only for memory the buffer owns that stays where it is while
-    /// the state is borrowed: a buffer built for one visit (a copy of a
-    /// device tensor written back after) must return `None`.
+    /// while it holds the state, between visits of the buffer, but only
+    /// for a state that promises its buffers stay in place
+    /// ([`TrainState::buffers_in_place`](crate::train::TrainState::buffers_in_place),
+    /// an `unsafe` promise): a buffer built for one visit (a copy of a
+    /// device tensor written back after) breaks it.
     fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
         None
     }

@@ -21,6 +21,6 @@ pub mod trainer;
 pub mod transfer;
 pub mod transfer_plan;
 
-pub use state::{NamedState, StateEntry, TrainState, entries, for_each_entry};
+pub use state::{InPlace, NamedState, StateEntry, TrainState, entries, for_each_entry};
 pub use trainer::{Committed, Job, Mode, Recovery, Step, TrainError, TrainOptions, TrainReport, train};
 pub use transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};

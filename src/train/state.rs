@@ -23,6 +23,39 @@ pub trait TrainState: Parameters + Send {
     fn load_extra(&mut self, _bytes: &[u8]) -> Result<(), String> {
         Ok(())
     }
+    /// Whether other rank processes of this host may write the state
+    /// transfer's chunks straight into this state's buffers (cross-memory
+    /// attach, through [`ParamBuffer::as_bytes_mut`]): only with the
+    /// promise an [`InPlace`] is. `None` (the default): the chunks come
+    /// over the link and this process writes them itself.
+    fn buffers_in_place(&self) -> Option<InPlace> {
+        None
+    }
+}
+
+/// A promise, made in `unsafe` code, that the buffers a [`TrainState`]'s
+/// visits hand out are its own memory and stay where they are
+/// ([`TrainState::buffers_in_place`]). Safe code cannot make one, because
+/// breaking the promise lets another process write into freed memory.
+#[derive(Debug, Clone, Copy)]
+pub struct InPlace(());
+
+impl InPlace {
+    /// The promise.
+    ///
+    /// # Safety
+    /// Every buffer the state's visits hand out whose
+    /// [`ParamBuffer::as_bytes_mut`] is `Some` must be memory the state
+    /// owns (not a buffer built for one visit, like a copy of a device
+    /// tensor written back after), allocated where it is for as long as the
+    /// state lives and not resized or replaced while a state transfer runs:
+    /// other processes write into it between visits, and a source that
+    /// stalled between its last check and its write (stopped by a signal)
+    /// may still write one chunk of the same step after the transfer
+    /// returned an error.
+    pub unsafe fn promise() -> Self {
+        InPlace(())
+    }
 }
 
 /// One entry of a [`TrainState`], as [`entries`] lists them.
@@ -108,6 +141,11 @@ impl TrainState for NamedState {
     fn load_extra(&mut self, bytes: &[u8]) -> Result<(), String> {
         self.extra = bytes.to_vec();
         Ok(())
+    }
+    fn buffers_in_place(&self) -> Option<InPlace> {
+        // SAFETY: it visits its own `Vec`s, which only a `&mut` to the
+        // state could resize, and a state transfer holds that borrow.
+        Some(unsafe { InPlace::promise() })
     }
 }
 

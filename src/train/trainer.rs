@@ -40,7 +40,7 @@ use chorus_runtime::collective::{DType, ReduceOp};
 use thiserror::Error;
 
 use super::outer::OuterRule;
-use super::state::TrainState;
+use super::state::{InPlace, TrainState};
 use super::transfer::{TransferError, TransferOptions, sync_state};
 use crate::elastic::{ElasticGroup, RestartError};
 use crate::group::ProcessGroup;
@@ -379,6 +379,11 @@ impl<J: Job> Parameters for Full<'_, J> {
 }
 
 impl<J: Job> TrainState for Full<'_, J> {
+    /// The job's promise: the outer optimizer's buffers are `Vec`s of
+    /// this state, which the transfer holds borrowed.
+    fn buffers_in_place(&self) -> Option<InPlace> {
+        self.job.buffers_in_place()
+    }
     fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
         let mut visit = tracking(&mut self.written, visit);
         self.job.visit_optimizer(&mut visit);

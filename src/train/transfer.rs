@@ -20,7 +20,8 @@
 //! 3. Rounds ([`Schedule`]): in round 0 chunk `i` comes from source
 //!    `i mod S`. On a shared-memory link the receiver first sends each of
 //!    its sources an [`Offer`]: its pid and the address and length of
-//!    every entry with a byte view ([`ParamBuffer::as_bytes_mut`]). A
+//!    every entry with a byte view ([`ParamBuffer::as_bytes_mut`]), when
+//!    its state promises they stay put ([`TrainState::buffers_in_place`]). A
 //!    source in another process whose link no fault acts on
 //!    ([`Link::injects_faults`]) then writes each data chunk whose entries
 //!    the offer covers into the receiver's memory, hashing each 256 KiB run
@@ -52,10 +53,11 @@
 //! logs a warning once and sends that receiver's chunks as frames for the
 //! rest of the round, and the transfer succeeds as before (EPERM, ENOSYS,
 //! EFAULT and partial writes all fall back so, per link). Nothing here
-//! lowers a protection (no `PR_SET_PTRACER`). A buffer that gives a byte
-//! view must keep it where it is while the state is borrowed (see
-//! [`ParamBuffer::as_bytes_mut`]); one that moved is
-//! [`TransferError::Moved`]. A source checks the group is not aborted
+//! lowers a protection (no `PR_SET_PTRACER`). Only a state that promises,
+//! in `unsafe` code ([`InPlace`](super::InPlace)), that its buffers are its
+//! own memory and stay where they are is offered: another process writes
+//! into them, so a buffer made for one visit would let it write into freed
+//! memory. One that moved all the same is [`TransferError::Moved`]. A source checks the group is not aborted
 //! before each write, and a receiver aborts the group before it returns an
 //! error, but a source stopped between that check and its write (frozen,
 //! then resumed) could still write one chunk after the receiver returned:
@@ -856,9 +858,11 @@ struct Receiving<'a> {
 /// This process's [`Offer`]: its pid and where each entry's bytes lie,
 /// for the entries with a byte view ([`ParamBuffer::as_bytes_mut`]).
 fn offer(state: &mut dyn TrainState) -> Offer {
+    let in_place = state.buffers_in_place().is_some();
     let mut regions = Vec::new();
     for_each_entry(state, |_, _, buffer| {
-        regions.push(buffer.as_bytes_mut().map(|view| {
+        let view = if in_place { buffer.as_bytes_mut() } else { None };
+        regions.push(view.map(|view| {
             cma::advise_huge_pages(view);
             Region {
                 addr: view.as_mut_ptr() as u64,
@@ -1116,6 +1120,25 @@ mod tests {
             ],
             ..NamedState::default()
         }
+    }
+
+    /// The same buffers, from a state that makes no promise.
+    struct Unpromised(NamedState);
+
+    impl crate::sync::Parameters for Unpromised {
+        fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+            self.0.visit_parameters(visit)
+        }
+    }
+
+    impl TrainState for Unpromised {}
+
+    #[test]
+    fn only_a_state_that_promises_its_buffers_stay_put_offers_them() {
+        let promised = offer(&mut state(|i| i as f32));
+        assert!(promised.regions.iter().all(Option::is_some), "{promised:?}");
+        let unpromised = offer(&mut Unpromised(state(|i| i as f32)));
+        assert_eq!(unpromised.regions, vec![None, None], "the chunks must come over the link");
     }
 
     /// What a source in another process does, into this process's memory
