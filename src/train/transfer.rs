@@ -1138,7 +1138,11 @@ mod tests {
         let promised = offer(&mut state(|i| i as f32));
         assert!(promised.regions.iter().all(Option::is_some), "{promised:?}");
         let unpromised = offer(&mut Unpromised(state(|i| i as f32)));
-        assert_eq!(unpromised.regions, vec![None, None], "the chunks must come over the link");
+        assert_eq!(
+            unpromised.regions,
+            vec![None, None],
+            "the chunks must come over the link"
+        );
     }
 
     /// What a source in another process does, into this process's memory
