@@ -1145,6 +1145,29 @@ mod tests {
         );
     }
 
+    /// A receiver's round `round` over `state`, with no extras.
+    fn receiving<'a>(
+        state: &'a mut NamedState,
+        chunks: &'a Chunks,
+        sizes: &'a [usize],
+        round: u32,
+        extra: &'a mut Option<Vec<u8>>,
+        bad: &'a mut Vec<usize>,
+        cma_bytes: &'a mut u64,
+    ) -> Receiving<'a> {
+        Receiving {
+            state,
+            chunks,
+            sizes,
+            extra_lens: &[0],
+            round,
+            tag: 0,
+            extra,
+            bad,
+            cma_bytes,
+        }
+    }
+
     /// What a source in another process does, into this process's memory
     /// (a process may always write its own this way), and the receiver's
     /// check of what landed: intact, damaged, and a buffer that moved.
@@ -1164,17 +1187,7 @@ mod tests {
             assert!(offer.covers(&pieces, &sizes), "chunk {chunk}");
             headers.push(write_cma(&mut source, chunk, &pieces, &offer, 2, chunk == 1).unwrap());
         }
-        let mut ctx = Receiving {
-            state: &mut receiver,
-            chunks: &chunks,
-            sizes: &sizes,
-            extra_lens: &[0],
-            round: 2,
-            tag: 0,
-            extra: &mut extra,
-            bad: &mut bad,
-            cma_bytes: &mut cma_bytes,
-        };
+        let mut ctx = receiving(&mut receiver, &chunks, &sizes, 2, &mut extra, &mut bad, &mut cma_bytes);
         let offers = std::collections::HashMap::from([(0, offer.clone())]);
         for (chunk, header) in headers.iter().enumerate() {
             accept(&mut ctx, &offers, 0, chunk, Checked::Notice(*header)).unwrap();
@@ -1189,33 +1202,13 @@ mod tests {
         assert_eq!(receiver, source, "every byte landed");
 
         // A notice naming another round or chunk is damage too.
-        let mut ctx = Receiving {
-            state: &mut receiver,
-            chunks: &chunks,
-            sizes: &sizes,
-            extra_lens: &[0],
-            round: 3,
-            tag: 0,
-            extra: &mut extra,
-            bad: &mut bad,
-            cma_bytes: &mut cma_bytes,
-        };
+        let mut ctx = receiving(&mut receiver, &chunks, &sizes, 3, &mut extra, &mut bad, &mut cma_bytes);
         accept(&mut ctx, &offers, 0, 0, Checked::Notice(headers[0])).unwrap();
         assert_eq!(*ctx.bad, [0]);
 
         // A buffer that is no longer where the offer said.
         receiver.params[1].1 = vec![0.0; 70_000];
-        let mut ctx = Receiving {
-            state: &mut receiver,
-            chunks: &chunks,
-            sizes: &sizes,
-            extra_lens: &[0],
-            round: 2,
-            tag: 0,
-            extra: &mut extra,
-            bad: &mut bad,
-            cma_bytes: &mut cma_bytes,
-        };
+        let mut ctx = receiving(&mut receiver, &chunks, &sizes, 2, &mut extra, &mut bad, &mut cma_bytes);
         match accept(&mut ctx, &offers, 0, 2, Checked::Notice(headers[2])) {
             Err(e @ TransferError::Moved { .. }) => assert!(e.to_string().contains("'b'"), "{e}"),
             other => panic!("expected Moved, got {:?}", other.err()),
