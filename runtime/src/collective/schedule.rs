@@ -34,8 +34,10 @@ pub const HALVING_DOUBLING_MAX_BYTES: usize = 1 << 20;
 /// from this many ranks on: there every message costs the shared threads
 /// its CPU time, and the tree sends `2 (P - 1)` messages against recursive
 /// doubling's `P log2 P`. Measured in one process on 2 cores (`chorus bench
-/// scale`, 8 bytes): about equal at 8 ranks, the tree 1.7x faster at 16,
-/// 2.5x at 256 and 2.8x at 1024 (BENCHMARKS.md, section 15d).
+/// scale`, 8 bytes, medians of 3 alternated runs): within the noise at 8
+/// and 16 ranks (up to 16 every rank checks every rank's signature, which
+/// dominates), 1.7-2.9x faster from 32 to 1024 ranks, 2.6x at 1024
+/// (BENCHMARKS.md, section 15d).
 pub const SHARED_THREADS_TREE_MIN_WORLD: usize = 16;
 
 /// Largest world a plan is made for.
