@@ -672,24 +672,29 @@ async fn send_round(
     unless_aborted(group, work).await.map_err(|e| fail(group, e))
 }
 
-/// A receiver's [`Offer`] on a shared-memory link; a damaged one is no
-/// offer (the chunks go on the link).
-async fn receive_offer(link: &dyn Link, receiver: usize, tag: u64, timeout: Duration) -> Result<Offer, TransferError> {
+/// The next frame of this transfer (tagged `tag`) from `peer` on `link`:
+/// a frame of another tag is a protocol error, nothing within `timeout` a
+/// [`TransferError::Timeout`].
+async fn recv_tagged(link: &dyn Link, peer: usize, tag: u64, timeout: Duration) -> Result<Bytes, TransferError> {
     match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
-        Ok(Ok(frame)) if frame.tag == tag => Ok(Offer::decode(&frame.payload).unwrap_or_else(|| {
-            tracing::warn!(receiver, "state transfer: a damaged offer; chunks go on the link");
-            Offer::none()
-        })),
+        Ok(Ok(frame)) if frame.tag == tag => Ok(frame.payload),
         Ok(Ok(frame)) => Err(TransferError::Protocol {
-            peer: receiver,
+            peer,
             reason: format!("a frame tagged {:#x}, not this transfer's {tag:#x}", frame.tag),
         }),
         Ok(Err(e)) => Err(transport(e)),
-        Err(_) => Err(TransferError::Timeout {
-            peer: receiver,
-            waited: timeout,
-        }),
+        Err(_) => Err(TransferError::Timeout { peer, waited: timeout }),
     }
+}
+
+/// A receiver's [`Offer`] on a shared-memory link; a damaged one is no
+/// offer (the chunks go on the link).
+async fn receive_offer(link: &dyn Link, receiver: usize, tag: u64, timeout: Duration) -> Result<Offer, TransferError> {
+    let payload = recv_tagged(link, receiver, tag, timeout).await?;
+    Ok(Offer::decode(&payload).unwrap_or_else(|| {
+        tracing::warn!(receiver, "state transfer: a damaged offer; chunks go on the link");
+        Offer::none()
+    }))
 }
 
 /// Writes `chunk` into the memory `offer` names ([`cma::write`]), each
@@ -934,21 +939,13 @@ async fn receive_round(
                 }
             }
             for ((&chunk, &len), &cma) in list.iter().zip(&lens).zip(&by_cma) {
-                let checked = match tokio::time::timeout(timeout, link.recv(TRANSFER_CHANNEL)).await {
-                    Ok(Ok(frame)) if frame.tag == expected_tag => match Header::read(&frame.payload) {
+                let checked = match recv_tagged(link.as_ref(), source, expected_tag, timeout).await {
+                    Ok(payload) => match Header::read(&payload) {
                         // A notice: the bytes are in this process's memory already.
-                        Some(header) if cma && frame.payload.len() == HEADER => Ok(Checked::Notice(header)),
-                        _ => check(source, chunk, len, round, frame.payload),
+                        Some(header) if cma && payload.len() == HEADER => Ok(Checked::Notice(header)),
+                        _ => check(source, chunk, len, round, payload),
                     },
-                    Ok(Ok(frame)) => Err(TransferError::Protocol {
-                        peer: source,
-                        reason: format!("a frame tagged {:#x}, not this transfer's {expected_tag:#x}", frame.tag),
-                    }),
-                    Ok(Err(e)) => Err(transport(e)),
-                    Err(_) => Err(TransferError::Timeout {
-                        peer: source,
-                        waited: timeout,
-                    }),
+                    Err(e) => Err(e),
                 };
                 let failed = checked.is_err();
                 if tx.send((source, chunk, checked)).await.is_err() || failed {
