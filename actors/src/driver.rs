@@ -900,6 +900,43 @@ mod tests {
         (signature, [0, 1].map(|rank| spec.plan(rank, Algorithm::Ring).unwrap()))
     }
 
+    /// Runs `plans` on both ranks of a world of 2 at once, rank `r` over
+    /// `links[r]` into `outputs[r]`, lending with `lenders[r]`; fails the
+    /// test on an error or after 60 s.
+    async fn run_world_two(
+        links: [&[Option<Arc<dyn Link>>]; 2],
+        signature: Signature,
+        plans: &[Plan; 2],
+        pools: &[FramePool; 2],
+        outputs: [&mut [u8]; 2],
+        lenders: [Option<Lender>; 2],
+    ) {
+        let (_abort, aborts) = watch::channel(None);
+        let job = |rank: usize, output, lender| Job {
+            rank,
+            links: links[rank],
+            channel: 0,
+            signature,
+            plan: &plans[rank],
+            announce_to: vec![1 - rank],
+            check_from: vec![1 - rank],
+            sign_data: false,
+            input: Bytes::new(),
+            output,
+            timeout: Duration::from_secs(30),
+            pool: &pools[rank],
+            lender,
+            abort: aborts.clone(),
+        };
+        let ([zero, one], [zero_lends, one_lends]) = (outputs, lenders);
+        let (a, b) = (job(0, zero, zero_lends), job(1, one, one_lends));
+        let (a, b) = tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run(a), run(b)) })
+            .await
+            .expect("the all-reduce hung");
+        a.unwrap();
+        b.unwrap();
+    }
+
     #[tokio::test]
     async fn sends_that_find_a_full_shm_ring_wait_for_room_instead_of_copying_into_frames() {
         // Rings of two 1 MiB segments; a 16 MiB ring all-reduce has its
@@ -925,31 +962,9 @@ mod tests {
                 .flat_map(|i| ((i % 1000 + rank * 1000) as f32).to_le_bytes())
                 .collect::<Vec<u8>>()
         });
-        let (_abort, aborts) = watch::channel(None);
         let [first, second] = &mut outputs;
-        let mut jobs = [first, second].into_iter().enumerate().map(|(rank, output)| Job {
-            rank,
-            links: &meshes[rank],
-            channel: 0,
-            signature,
-            plan: &plans[rank],
-            announce_to: vec![1 - rank],
-            check_from: vec![1 - rank],
-            sign_data: false,
-            input: Bytes::new(),
-            output,
-            timeout: Duration::from_secs(30),
-            pool: &pools[rank],
-            lender: None,
-            abort: aborts.clone(),
-        });
-        let (a, b) = (jobs.next().expect("rank 0"), jobs.next().expect("rank 1"));
-        drop(jobs);
-        let (a, b) = tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run(a), run(b)) })
-            .await
-            .expect("the all-reduce hung");
-        a.unwrap();
-        b.unwrap();
+        let links = [&meshes[0][..], &meshes[1][..]];
+        run_world_two(links, signature, &plans, &pools, [first, second], [None, None]).await;
         for output in &outputs {
             for (i, value) in output.chunks_exact(4).enumerate() {
                 let want = (2 * (i % 1000) + 1000) as f32;
@@ -979,31 +994,11 @@ mod tests {
                 )
             });
             let lenders = outputs.each_ref().map(|o| o.lender());
-            let (_abort, aborts) = watch::channel(None);
             let [first, second] = &mut outputs;
-            let mut jobs = [first, second].into_iter().enumerate().map(|(rank, output)| Job {
-                rank,
-                links: &links[rank],
-                channel: 0,
-                signature,
-                plan: &plans[rank],
-                announce_to: vec![1 - rank],
-                check_from: vec![1 - rank],
-                sign_data: false,
-                input: Bytes::new(),
-                output: output.as_mut_slice().expect("nothing lent yet"),
-                timeout: Duration::from_secs(30),
-                pool: &pools[rank],
-                lender: Some(lenders[rank].clone()),
-                abort: aborts.clone(),
-            });
-            let (a, b) = (jobs.next().expect("rank 0"), jobs.next().expect("rank 1"));
-            drop(jobs);
-            let (a, b) = tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(run(a), run(b)) })
-                .await
-                .expect("the all-reduce hung");
-            a.unwrap();
-            b.unwrap();
+            let slices = [first, second].map(|output| output.as_mut_slice().expect("nothing lent yet"));
+            let links = [&links[0][..], &links[1][..]];
+            let lent = lenders.clone().map(Some);
+            run_world_two(links, signature, &plans, &pools, slices, lent).await;
             for (lender, pool) in lenders.iter().zip(&pools) {
                 assert_eq!(
                     lender.outstanding(),
