@@ -1,7 +1,8 @@
 //! Fault injection as a user meets it: the README's `CHORUS_FAULTS` example
 //! under real rank processes, and `chorus::spawn` (ranks in one process)
 //! honouring and checking `CHORUS_FAULTS` and `CHORUS_TRANSPORT` as rank
-//! processes do.
+//! processes do, also at 20 ranks (the tree all-reduce) with a rank killed
+//! or frozen.
 
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -205,4 +206,50 @@ fn the_readme_fault_example_ends_in_a_detected_failure() {
         took < Duration::from_secs(15),
         "the failure must be detected within the heartbeat window (5 s) plus start-up, took {took:?}:\n{text}"
     );
+}
+
+/// 20 in-process ranks (small all-reduces on the tree of ranks that share
+/// threads) under `faults`; each rank's result and the time it took.
+fn twenty_ranks_under(faults: &str) -> (Vec<Result<(), CollectiveError>>, Duration) {
+    let _serial = one_at_a_time();
+    let started = Instant::now();
+    let results = with_env(&[("CHORUS_FAULTS", Some(faults)), ("CHORUS_TRANSPORT", None)], || {
+        let options = InitOptions::default()
+            .heartbeat_timeout(Duration::from_secs(2))
+            .collective_timeout(Duration::from_secs(2));
+        runtime().block_on(within(60, "20 in-process ranks under a fault", async {
+            chorus::spawn_with(20, options, |pg| async move {
+                for _ in 0..1000 {
+                    pg.all_reduce(Tensor::from_slice(&[1.0f32; 2]), ReduceOp::Sum).await?;
+                }
+                Ok::<_, CollectiveError>(())
+            })
+            .await
+        }))
+    })
+    .expect("the group forms");
+    (results, started.elapsed())
+}
+
+#[test]
+fn a_rank_killed_or_frozen_in_a_tree_all_reduce_fails_every_rank() {
+    // Killed: its links close, the tree's neighbours see it at once and
+    // the abort reaches every rank.
+    let (results, took) = twenty_ranks_under("kill(rank=13, after_frames=30)");
+    assert!(results[13].is_err(), "{results:?}");
+    let mut named = false;
+    for (rank, result) in results.iter().enumerate().filter(|(r, _)| *r != 13) {
+        match result {
+            Err(CollectiveError::GroupAborted(aborted)) => named |= aborted.failed_ranks.contains(&13),
+            other => panic!("rank {rank} must see the group aborted: {other:?}"),
+        }
+    }
+    assert!(named, "some rank blames rank 13: {results:?}");
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+
+    // Frozen: it closes nothing and answers nothing; the collective
+    // timeout (2 s) ends every rank's wait.
+    let (results, took) = twenty_ranks_under("freeze(rank=13, after_frames=30)");
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
 }
