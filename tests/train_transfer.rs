@@ -8,7 +8,8 @@
 //! timeout); rank processes over shm (chunks written into the joiner's
 //! memory by cross-memory attach) and QUIC, a chunk corrupted on its way
 //! into a shm ring, a chunk damaged where it landed in the joiner's
-//! memory, and a source frozen between such writes; `verify_state` names
+//! memory, and a source frozen or killed between such writes;
+//! `verify_state` names
 //! a diverged rank.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -507,6 +508,37 @@ fn a_source_silent_between_cross_memory_writes_is_a_timeout_at_the_collective_ti
         text.contains("within 2s (the collective timeout)") || text.contains("timed out after 2"),
         "a deadline of 2 s ended it: {text}"
     );
+}
+
+#[test]
+fn a_source_killed_between_cross_memory_writes_fails_the_transfer_at_once() {
+    // Source 1 is SIGKILLed a few notices into the transfer, after it
+    // began writing into the joiner's memory: its links close, so every
+    // rank fails well before the heartbeat window (60 s) or the
+    // collective timeout (10 s) would say so.
+    let _serial = one_at_a_time();
+    let mut command = bench_command("shm", &["--collective-timeout", "10"]);
+    command
+        .env("CHORUS_FAULTS", "kill(rank=1, after_frames=12)")
+        .env("CHORUS_HEARTBEAT_TIMEOUT", "60")
+        .env(
+            "CHORUS_LOG",
+            "chorus::train::transfer=debug,chorus_transports::fault=warn",
+        );
+    let started = std::time::Instant::now();
+    let output = common::run(&mut command, 90, "chorus bench transfer", common::Stop::Kill);
+    let text = common::joined(&output);
+    assert!(!output.status.success(), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(9),
+        "{:?}: {text}",
+        started.elapsed()
+    );
+    let writing = text
+        .find("writing chunks into the receiver's memory source=1")
+        .unwrap_or_else(|| panic!("source 1 wrote into the joiner's memory: {text}"));
+    let killed = text.find("killing this rank rank=1").expect("the kill acted");
+    assert!(writing < killed, "it died mid-transfer: {text}");
 }
 
 #[test]
