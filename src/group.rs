@@ -604,7 +604,10 @@ async fn start_rank(
 /// in-process links made when first used, so a world of a thousand ranks
 /// fits a laptop. Failure detection is by closed links, without heartbeats
 /// unless `CHORUS_FAULTS` is set (a frozen or partitioned rank is silent).
-/// Returns every rank's result, in rank order.
+/// Each rank's `body` runs on its rank's thread, beside its actor, so it
+/// should not block that thread: blocking work belongs in
+/// `tokio::task::spawn_blocking`. Returns every rank's result, in rank
+/// order; a body that panics is an error naming the panic.
 pub async fn spawn<T, F, Fut>(world: usize, body: F) -> Result<Vec<T>, InitError>
 where
     T: Send + 'static,
@@ -670,10 +673,28 @@ where
                 .map_err(|e| system_error(&format!("a rank failed to start: {e}")))??,
         );
     }
-    let running: Vec<_> = groups.into_iter().map(|group| tokio::spawn(body(group))).collect();
+    // Each body runs on its rank's arbiter, beside its actor: submitting an
+    // operation and waking on its result stay on one thread, where a body on
+    // another runtime pays a cross-thread wake-up for each (1.35-1.7x the
+    // time of a 1024-rank all-reduce). A body that blocks its thread holds
+    // up the ranks that share it, as it would hold up a tokio worker.
+    let running: Vec<_> = groups
+        .into_iter()
+        .map(|group| {
+            let (tx, rx) = oneshot::channel();
+            let arbiter = group.arbiter.handle();
+            let body = body(group);
+            arbiter.spawn(async move {
+                // A task of its own, so a panicking body is reported, not lost.
+                let _ = tx.send(tokio::task::spawn_local(body).await);
+            });
+            rx
+        })
+        .collect();
     let mut results = Vec::with_capacity(world);
     for task in running {
-        results.push(task.await.map_err(|e| system_error(&format!("a rank panicked: {e}")))?);
+        let outcome = task.await.map_err(|_| system_error("a rank's arbiter stopped"))?;
+        results.push(outcome.map_err(|e| system_error(&format!("a rank panicked: {e}")))?);
     }
     Ok(results)
 }

@@ -69,3 +69,23 @@ async fn a_world_of_256_ranks_in_one_process_all_reduces_8_bytes_and_1_mib() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_panics_is_an_error_naming_the_panic() {
+    let outcome = within(
+        30,
+        "a panicking body",
+        spawn(4, |pg| async move {
+            if pg.rank() == 2 {
+                panic!("rank two gives up");
+            }
+            pg.rank()
+        }),
+    )
+    .await;
+    let err = outcome.expect_err("a panicked rank is an error").to_string();
+    assert!(
+        err.contains("panicked") && err.contains("rank two gives up"),
+        "the error names the panic: {err}"
+    );
+}
