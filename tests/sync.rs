@@ -1,5 +1,5 @@
 //! `chorus::sync` (DistributedDataParallel for Rust) on real ranks
-//! (`chorus::spawn`, one actor thread per rank): bucket layout and rebuild,
+//! (`chorus::spawn`, ranks as actors in one process): bucket layout and rebuild,
 //! overlap observed, averages against a naive per-tensor all-reduce, a
 //! small model trained on N ranks against one rank with the whole batch,
 //! the errors, no_sync, the half-precision hooks, and an elastic job that

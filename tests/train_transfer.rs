@@ -1,5 +1,5 @@
 //! Live state transfer (`chorus::train::sync_state`, issue 14) on real
-//! ranks (`chorus::spawn`, one actor thread per rank): joiners get state
+//! ranks (`chorus::spawn`, ranks as actors in one process): joiners get state
 //! byte-equal to the survivors' from 1, 2 and 3 sources; a lagging member
 //! is brought forward; a chunk corrupted on the wire (`corrupt` fault) is
 //! fetched again from another source; mismatched lists and a dying source
@@ -9,8 +9,7 @@
 //! memory by cross-memory attach) and QUIC, a chunk corrupted on its way
 //! into a shm ring, a chunk damaged where it landed in the joiner's
 //! memory, and a source frozen or killed between such writes;
-//! `verify_state` names
-//! a diverged rank.
+//! `verify_state` names a diverged rank.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
