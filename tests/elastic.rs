@@ -126,10 +126,19 @@ async fn sv12_a_generation_that_cannot_form_is_retried_in_the_next() {
         timeout: Duration::from_secs(20),
         poll: Duration::from_millis(10),
     };
+    let arrivals = format!("chorus/{}/g1/elastic/count", config.run_id);
     let ghost = tokio::spawn({
         let store = store.clone();
         async move { join(store, &config, ghost).await }
     });
+    // The ghost arrives first: on a loaded machine its task may start only
+    // after the survivors, seeing rank 2's death, closed generation 1.
+    within(20, "the ghost's arrival", async {
+        while store.add(&arrivals, 0).await.unwrap() < 1 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
     // Rank 2 dies: its links are lost.
     let dead = groups.pop().unwrap();
     let links: Vec<_> = (0..3).filter_map(|r| dead.current().link(r).cloned()).collect();
