@@ -474,16 +474,15 @@ fn a_chunk_damaged_as_it_lands_by_cross_memory_attach_is_fetched_again() {
     assert_eq!(row["cma_bytes"], 3 << 20, "every byte landed intact once: {row}");
 }
 
-#[test]
-fn a_source_silent_between_cross_memory_writes_is_a_timeout_at_the_collective_timeout() {
-    // Source 1 freezes a few notices into the transfer (a freeze changes
-    // no frame, so its link still writes into the joiner's memory); its
-    // heartbeats would take 60 s to be missed, so the transfer's own
-    // deadlines (the collective timeout, 2 s) must end every rank.
+/// Runs the shm transfer bench with `fault` acting on source 1 a few
+/// notices in, its heartbeats out of the picture (60 s); checks that the
+/// run failed and that source 1 had begun writing into the joiner's
+/// memory before `acted` was logged. Returns the output and how long it ran.
+fn fault_between_cross_memory_writes(fault: &str, collective_timeout: &str, acted: &str) -> (String, Duration) {
     let _serial = one_at_a_time();
-    let mut command = bench_command("shm", &["--collective-timeout", "2"]);
+    let mut command = bench_command("shm", &["--collective-timeout", collective_timeout]);
     command
-        .env("CHORUS_FAULTS", "freeze(rank=1, after_frames=12)")
+        .env("CHORUS_FAULTS", fault)
         .env("CHORUS_HEARTBEAT_TIMEOUT", "60")
         .env(
             "CHORUS_LOG",
@@ -491,18 +490,27 @@ fn a_source_silent_between_cross_memory_writes_is_a_timeout_at_the_collective_ti
         );
     let started = std::time::Instant::now();
     let output = common::run(&mut command, 90, "chorus bench transfer", common::Stop::Kill);
+    let took = started.elapsed();
     let text = common::joined(&output);
     assert!(!output.status.success(), "{text}");
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "{:?}: {text}",
-        started.elapsed()
-    );
     let writing = text
         .find("writing chunks into the receiver's memory source=1")
         .unwrap_or_else(|| panic!("source 1 wrote into the joiner's memory: {text}"));
-    let frozen = text.find("freezing this rank rank=1").expect("the freeze acted");
-    assert!(writing < frozen, "it froze mid-transfer: {text}");
+    let at = text
+        .find(acted)
+        .unwrap_or_else(|| panic!("the fault acted ({acted}): {text}"));
+    assert!(writing < at, "it acted mid-transfer: {text}");
+    (text, took)
+}
+
+#[test]
+fn a_source_silent_between_cross_memory_writes_is_a_timeout_at_the_collective_timeout() {
+    // Source 1 freezes (a freeze changes no frame, so its link still
+    // writes into the joiner's memory); the transfer's own deadlines (the
+    // collective timeout, 2 s) must end every rank.
+    let (text, took) =
+        fault_between_cross_memory_writes("freeze(rank=1, after_frames=12)", "2", "freezing this rank rank=1");
+    assert!(took < Duration::from_secs(20), "{took:?}: {text}");
     assert!(
         text.contains("within 2s (the collective timeout)") || text.contains("timed out after 2"),
         "a deadline of 2 s ended it: {text}"
@@ -511,33 +519,12 @@ fn a_source_silent_between_cross_memory_writes_is_a_timeout_at_the_collective_ti
 
 #[test]
 fn a_source_killed_between_cross_memory_writes_fails_the_transfer_at_once() {
-    // Source 1 is SIGKILLed a few notices into the transfer, after it
-    // began writing into the joiner's memory: its links close, so every
-    // rank fails well before the heartbeat window (60 s) or the
-    // collective timeout (10 s) would say so.
-    let _serial = one_at_a_time();
-    let mut command = bench_command("shm", &["--collective-timeout", "10"]);
-    command
-        .env("CHORUS_FAULTS", "kill(rank=1, after_frames=12)")
-        .env("CHORUS_HEARTBEAT_TIMEOUT", "60")
-        .env(
-            "CHORUS_LOG",
-            "chorus::train::transfer=debug,chorus_transports::fault=warn",
-        );
-    let started = std::time::Instant::now();
-    let output = common::run(&mut command, 90, "chorus bench transfer", common::Stop::Kill);
-    let text = common::joined(&output);
-    assert!(!output.status.success(), "{text}");
-    assert!(
-        started.elapsed() < Duration::from_secs(9),
-        "{:?}: {text}",
-        started.elapsed()
-    );
-    let writing = text
-        .find("writing chunks into the receiver's memory source=1")
-        .unwrap_or_else(|| panic!("source 1 wrote into the joiner's memory: {text}"));
-    let killed = text.find("killing this rank rank=1").expect("the kill acted");
-    assert!(writing < killed, "it died mid-transfer: {text}");
+    // Source 1 is SIGKILLed: its links close, so every rank fails well
+    // before the heartbeat window (60 s) or the collective timeout (10 s)
+    // would say so.
+    let (text, took) =
+        fault_between_cross_memory_writes("kill(rank=1, after_frames=12)", "10", "killing this rank rank=1");
+    assert!(took < Duration::from_secs(9), "{took:?}: {text}");
 }
 
 #[test]
