@@ -19,7 +19,7 @@
 //! | 128..136 | `head`: bytes published | writer |
 //! | 136..140, 140..144, 144..148 | `head_seq` (futex), writer sleeping, writer closed | writer |
 //! | 256..264 | `tail`: bytes released | reader |
-//! | 264..268, 268..272, 272..276 | `tail_seq` (futex), reader sleeping, reader closed | reader |
+//! | 264..268, 268..272, 272..276 | `tail_seq` (futex), channels awaited (a mask), reader closed | reader |
 //! | 384..388, 388..1408 | writer's close notice: length, bytes | writer, once |
 //! | 1408..1412, 1412..2432 | reader's close notice: length, bytes | reader, once |
 //!
@@ -62,19 +62,29 @@
 //!    of order wait for the ones before them). A larger frame is cut into
 //!    pieces of a quarter of the ring, consecutive in the ring, which the
 //!    receiver copies into a reused buffer and releases at once.
-//! 6. Sleeping: a side spins for a few microseconds, then reads the futex
-//!    word, raises its sleeping flag, re-checks the index and `FUTEX_WAIT`s
-//!    with a timeout; the other side bumps the word and `FUTEX_WAKE`s after
-//!    moving its index if the flag is up. Every timeout (the liveness
-//!    interval, 100 ms by default) checks the peer's pid, so a peer that died
-//!    without closing is an error, not a hang.
-//! 7. Closing raises this side's closed flag in both rings and wakes every
+//! 6. Reading: records are read in order and filed into bounded
+//!    per-channel queues by whichever thread reads, under one lock. A
+//!    receive that finds its queue empty reads the ring itself, on its own
+//!    thread, polling for up to 50 us (yielding the core between rounds of
+//!    polls); a frame that comes in that time costs no thread a wake-up.
+//!    Then it raises its channel's bit in the `awaited` mask, reads once
+//!    more, and waits: from then on the link's watcher thread reads for it.
+//! 7. Sleeping: the writer spins for a few microseconds for room, then
+//!    reads the futex word, raises its sleeping flag, re-checks `tail` and
+//!    `FUTEX_WAIT`s with a timeout; the reader bumps the word and wakes it
+//!    after moving `tail` if the flag is up. The watcher sleeps on the
+//!    other word; the writer bumps it and wakes it after publishing a
+//!    record whose channel is awaited, or a piece of a frame larger than the
+//!    ring (the rest of the frame needs the room the piece frees). Every
+//!    timeout (the liveness interval, 100 ms by default) checks the peer's
+//!    pid, so a peer that died without closing is an error, not a hang.
+//! 8. Closing raises this side's closed flag in both rings and wakes every
 //!    sleeper; the peer still receives every record published before it.
 //!    A close on purpose ([`Link::close_with`]) first writes its encoded
 //!    [`CloseNotice`] next to the flag (length last), so the peer gets
 //!    [`TransportError::PeerClosed`]; a flag without a notice (a cut, a
-//!    dropped link) is a lost link. Rings of an older version have length 0
-//!    there, which reads as no notice.
+//!    dropped link) is a lost link. A ring of another version is a typed
+//!    error when attaching (rule 3).
 //!
 //! # Copies and costs
 //! A frame that fits the ring is copied once (sender into the ring);
@@ -84,34 +94,34 @@
 //! on the futex for every such sender and wakes them. The
 //! receiver must drop received payloads promptly: a payload held forever
 //! pins its bytes of the ring, and the sender waits once the ring is full
-//! (the collectives reduce from a payload, then drop it). Per link there is
-//! one reader thread that files records into bounded per-channel queues; a
-//! channel whose queue is full stops the reader thread, so frames of other
-//! channels behind it wait too (receive every channel you send on). Peer
+//! (the collectives reduce from a payload, then drop it). A channel whose
+//! queue is full stops reading until a receive of it takes a frame, so
+//! frames of other channels behind it wait too (receive every channel you
+//! send on). Small frames cost a receive that comes in time no thread
+//! hand-off; one that waits costs two (the watcher, then the receiving
+//! task), as every frame did when a reader thread read them all. Peer
 //! liveness uses pids: both processes must share a pid namespace.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
-use std::future::Future;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::pin::pin;
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use tokio::sync::{mpsc, watch};
 
-use crate::link::{ChannelId, CloseNotice, Frame, Link, SendError, TransportError, TransportKind};
+use crate::link::{ChannelId, CloseNotice, Frame, HEARTBEAT_CHANNEL, Link, SendError, TransportError, TransportKind};
 
 /// `chorusR1`: marks a fully initialized ring.
 const MAGIC: u64 = u64::from_le_bytes(*b"chorusR1");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Bytes in front of every record's payload; also the record alignment.
 const RECORD_HEADER: usize = 64;
 /// How many times a side polls before sleeping on the futex: counted, not
@@ -123,6 +133,10 @@ const SPIN_POLLS: u32 = 128;
 /// Payloads up to this size are copied on the calling task when the ring
 /// has room; larger ones are copied on the blocking pool.
 const INLINE_LIMIT: usize = 64 << 10;
+/// How long a receive that finds nothing polls the ring on its own thread
+/// before it waits to be woken: a peer a few microseconds behind then
+/// costs no wake-ups (a wake-up costs 10-25 us here, BENCHMARKS 18).
+const RECEIVE_SPIN: Duration = Duration::from_micros(50);
 
 /// The ring header, at the start of the file. Every field is an atomic, so
 /// both processes may touch it through shared references.
@@ -147,7 +161,7 @@ const NOTICE_BYTES: usize = 1020;
 const _: () = assert!(CloseNotice::MAX_ENCODED <= NOTICE_BYTES);
 
 /// Where one side leaves its [`CloseNotice`] when it closes on purpose
-/// (rule 7): written once, before that side's closed flag.
+/// (rule 8): written once, before that side's closed flag.
 #[repr(C)]
 struct NoticeArea {
     len: AtomicU32,
@@ -188,7 +202,8 @@ struct WriterLine {
 struct ReaderLine {
     tail: AtomicU64,
     tail_seq: AtomicU32,
-    sleeping: AtomicU32,
+    /// Channels ([`channel_bit`]) whose records wake the reader's watcher.
+    awaited: AtomicU32,
     closed: AtomicU32,
 }
 
@@ -839,7 +854,20 @@ struct Queue {
     rx: tokio::sync::Mutex<mpsc::Receiver<Frame>>,
 }
 
-/// What a link's handle and its reader thread share.
+/// Reading the inbound ring: the next record's position, the frame being
+/// reassembled from pieces, a frame waiting for room in its queue.
+#[derive(Default)]
+struct ReadState {
+    pos: u64,
+    pool: BytesMut,
+    /// (channel, tag, total length) of the frame being reassembled.
+    assembling: Option<(ChannelId, u64, u64)>,
+    stalled: Option<(ChannelId, Frame)>,
+    /// A bad record failed the link: nothing after it is read.
+    broken: bool,
+}
+
+/// What a link's handle and its watcher thread share.
 struct Shared {
     me: usize,
     peer: usize,
@@ -847,11 +875,22 @@ struct Shared {
     inbound: Arc<Ring>,
     queues: Mutex<HashMap<ChannelId, Arc<Queue>>>,
     depth: usize,
+    /// Where reading the inbound ring stands; whoever reads holds it.
+    reading: Mutex<ReadState>,
+    /// `reading`'s position, for checks without the lock.
+    read_pos: AtomicU64,
+    /// Whether a frame waits for room in its channel's queue (reading
+    /// stops behind it until a receive of that channel takes a frame).
+    stalled: AtomicBool,
+    /// A read was asked for while another thread was reading ([`Shared::pump`]).
+    pump_wanted: AtomicBool,
+    /// Receives waiting per bit of the reader's `awaited` mask.
+    awaited: Mutex<[u32; 32]>,
     max_frame: usize,
     liveness_interval: Duration,
     /// Why the link failed, once it has.
     closed: watch::Sender<Option<TransportError>>,
-    /// Whether the peer was told (rule 7): only the first close counts.
+    /// Whether the peer was told (rule 8): only the first close counts.
     told: Mutex<bool>,
     /// One writer at a time; owned guards survive a cancelled `send`.
     writing: Arc<tokio::sync::Mutex<()>>,
@@ -908,7 +947,7 @@ impl Shared {
         }
     }
 
-    /// Fails the link (the first error wins) and tells the peer (rule 7),
+    /// Fails the link (the first error wins) and tells the peer (rule 8),
     /// leaving `notice` when this side closes on purpose.
     fn fail(&self, error: TransportError, notice: Option<&CloseNotice>) {
         // Flags first: whoever sees the error here also sees them there.
@@ -1038,7 +1077,10 @@ impl Shared {
         fill(payload);
         let header = self.outbound.header();
         header.writer.head.store(head + record_size(len), Ordering::SeqCst);
-        if header.reader.sleeping.load(Ordering::SeqCst) != 0 {
+        // A piece of a frame larger than the ring always wakes the watcher:
+        // the rest of the frame needs the room it frees.
+        let awaited = header.reader.awaited.load(Ordering::SeqCst) & (1 << channel_bit(channel)) != 0;
+        if awaited || total != len as u64 {
             header.writer.head_seq.fetch_add(1, Ordering::SeqCst);
             futex_wake(&header.writer.head_seq);
         }
@@ -1127,206 +1169,272 @@ impl Shared {
         }
     }
 
-    /// Waits (spinning, then on the futex) until the peer publishes past
-    /// `pos`; returns the new `head`. Records published before a close or a
-    /// death are still returned first.
-    fn wait_data(&self, pos: u64) -> Result<u64, TransportError> {
-        let header = self.inbound.header();
-        for _ in 0..SPIN_POLLS {
-            let head = header.writer.head.load(Ordering::Acquire);
-            if head != pos {
-                return Ok(head);
+    /// Whether records wait in the inbound ring that reading can take now
+    /// (not behind a frame stalled on its channel's full queue).
+    fn records_ready(&self) -> bool {
+        self.inbound.header().writer.head.load(Ordering::SeqCst) != self.read_pos.load(Ordering::SeqCst)
+            && !self.stalled.load(Ordering::SeqCst)
+    }
+
+    /// Polls the inbound ring for up to [`RECEIVE_SPIN`] on the calling
+    /// thread, yielding the core between rounds of polls so that a thread
+    /// with work (the peer, where ranks outnumber cores) gets it. Ends
+    /// early when records come or another thread read some (the watcher,
+    /// woken for another receive, may have filed this one's frame).
+    fn spin_for_records(&self) {
+        let started = Instant::now();
+        let read = self.read_pos.load(Ordering::SeqCst);
+        loop {
+            for _ in 0..SPIN_POLLS {
+                if self.records_ready() || self.read_pos.load(Ordering::SeqCst) != read {
+                    return;
+                }
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
+            if started.elapsed() >= RECEIVE_SPIN {
+                return;
+            }
+            std::thread::yield_now();
         }
+    }
+
+    /// Reads every published record into the channel queues (rule 6), on
+    /// whichever thread calls: a receive or the watcher. When another
+    /// thread is reading, that one reads again before it stops, so nothing
+    /// published before this call is left unread.
+    fn pump(&self) {
+        self.pump_wanted.store(true, Ordering::SeqCst);
+        while self.pump_wanted.swap(false, Ordering::SeqCst) {
+            let Ok(mut state) = self.reading.try_lock() else {
+                return;
+            };
+            if let Err(error) = self.read_published(&mut state) {
+                state.broken = true;
+                drop(state);
+                // This side gives up on purpose (a bad record).
+                let notice = CloseNotice::new(error.to_string());
+                self.fail(error, Some(&notice));
+                return;
+            }
+        }
+    }
+
+    /// Files a frame into its channel's queue; hands it back when the
+    /// queue is full.
+    fn file(&self, channel: ChannelId, frame: Frame) -> Result<(), Frame> {
+        match self.queue(channel).tx.try_send(frame) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(frame)) => Err(frame),
+            Err(mpsc::error::TrySendError::Closed(_)) => unreachable!("the queue owns both ends"),
+        }
+    }
+
+    /// Reads records in order from `state.pos`, validates them and files
+    /// the frames by channel, until nothing more is published or a
+    /// channel's queue is full (that frame waits in `state.stalled`).
+    fn read_published(&self, state: &mut ReadState) -> Result<(), TransportError> {
+        if state.broken {
+            return Ok(());
+        }
+        if let Some((channel, frame)) = state.stalled.take() {
+            if let Err(frame) = self.file(channel, frame) {
+                state.stalled = Some((channel, frame));
+                return Ok(());
+            }
+            self.stalled.store(false, Ordering::SeqCst);
+        }
+        let ring = &self.inbound;
+        loop {
+            let (pos, head) = (state.pos, ring.header().writer.head.load(Ordering::Acquire));
+            if head == pos {
+                return Ok(());
+            }
+            let available = head.wrapping_sub(pos);
+            if available > ring.capacity || available < RECORD_HEADER as u64 {
+                return Err(protocol_error(
+                    self.peer,
+                    format!("head moved to {head} with the reader at {pos}"),
+                ));
+            }
+            let mut record = [0u8; 32];
+            // SAFETY: `pos..pos + 64` is published (`available >= 64`) and
+            // contiguous in the double mapping; the writer does not touch
+            // it until `tail` passes it.
+            unsafe {
+                std::ptr::copy_nonoverlapping(ring.at(pos), record.as_mut_ptr(), record.len());
+            }
+            let field = |at: usize| u64::from_le_bytes(record[at..at + 8].try_into().expect("8 bytes"));
+            let channel = u32::from_le_bytes(record[0..4].try_into().expect("4 bytes"));
+            let (tag, len, total) = (field(8), field(16), field(24));
+            if total > self.max_frame as u64 {
+                return Err(TransportError::FrameTooLarge {
+                    peer: self.peer,
+                    len: total,
+                    limit: self.max_frame,
+                });
+            }
+            // The writer publishes whole records (padding included).
+            if len > total || len > available || record_size(len as usize) > available {
+                return Err(protocol_error(
+                    self.peer,
+                    format!("a record of {len} bytes (frame of {total}) with {available} bytes published"),
+                ));
+            }
+            let (start, end) = (pos, pos + record_size(len as usize));
+            let frame = if state.assembling.is_none() && len == total {
+                let payload = if len == 0 {
+                    ring.release(start, end);
+                    Bytes::new()
+                } else {
+                    Bytes::from_owner(RingSlice {
+                        ring: ring.clone(),
+                        start,
+                        end,
+                        len: len as usize,
+                    })
+                };
+                Some(Frame { tag, payload })
+            } else {
+                self.assemble(state, (channel, tag, total), start, len as usize)?
+            };
+            state.pos = end;
+            self.read_pos.store(end, Ordering::SeqCst);
+            if let Some(frame) = frame
+                && let Err(frame) = self.file(channel, frame)
+            {
+                state.stalled = Some((channel, frame));
+                self.stalled.store(true, Ordering::SeqCst);
+                return Ok(());
+            }
+        }
+    }
+
+    /// Copies the `len`-byte piece at `start` of `frame` (channel, tag,
+    /// total length), a frame larger than the ring, into the pool and
+    /// releases it; returns the frame once its last piece came.
+    fn assemble(
+        &self,
+        state: &mut ReadState,
+        frame: (ChannelId, u64, u64),
+        start: u64,
+        len: usize,
+    ) -> Result<Option<Frame>, TransportError> {
+        let (channel, tag, total) = frame;
+        match state.assembling {
+            None => {
+                // Reclaims the pool once earlier frames are dropped.
+                state.pool.reserve(total as usize);
+                state.assembling = Some(frame);
+            }
+            Some(current) if current == frame => {}
+            Some((c, t, n)) => {
+                return Err(protocol_error(
+                    self.peer,
+                    format!("a piece of frame ({channel}, {tag}, {total} bytes) inside frame ({c}, {t}, {n} bytes)"),
+                ));
+            }
+        }
+        if (state.pool.len() + len) as u64 > total {
+            return Err(protocol_error(
+                self.peer,
+                format!("pieces overflow a {total}-byte frame"),
+            ));
+        }
+        let ring = &self.inbound;
+        // SAFETY: as for the record header: `start + 64 .. + len` is
+        // published, contiguous and not written by the peer.
+        let piece = unsafe { std::slice::from_raw_parts(ring.at(start).add(RECORD_HEADER), len) };
+        state.pool.extend_from_slice(piece);
+        ring.release(start, start + record_size(len));
+        if state.pool.len() as u64 != total {
+            return Ok(None);
+        }
+        state.assembling = None;
+        Ok(Some(Frame {
+            tag,
+            payload: state.pool.split().freeze(),
+        }))
+    }
+
+    /// The watcher thread: reads records for receives that wait (their
+    /// channels' bits in the reader's `awaited` mask make the writer wake
+    /// it) and pieces of frames larger than the ring; fails the link once
+    /// the peer closed its side or died, after reading what it published.
+    fn watch_inbound(&self) {
+        let header = self.inbound.header();
         loop {
             let seq = header.writer.head_seq.load(Ordering::SeqCst);
-            header.reader.sleeping.store(1, Ordering::SeqCst);
-            let head = header.writer.head.load(Ordering::SeqCst);
-            let blocker = if let Some(error) = self.failure() {
-                Some(error)
-            } else if header.writer.closed.load(Ordering::SeqCst) != 0 {
-                Some(self.peer_closed(&header.writer_notice))
-            } else {
-                None
-            };
-            // `head` was read before the closed flag: re-read it so a record
-            // published just before a close is not lost.
-            let head = if blocker.is_some() {
-                header.writer.head.load(Ordering::SeqCst)
-            } else {
-                head
-            };
-            if head != pos || blocker.is_some() {
-                header.reader.sleeping.store(0, Ordering::SeqCst);
-                return match blocker {
-                    Some(error) if head == pos => Err(error),
-                    _ => Ok(head),
-                };
+            self.pump();
+            if self.failure().is_some() {
+                return;
+            }
+            let unread = header.writer.head.load(Ordering::SeqCst) != self.read_pos.load(Ordering::SeqCst);
+            if header.writer.closed.load(Ordering::SeqCst) != 0 && !unread {
+                self.fail(self.peer_closed(&header.writer_notice), None);
+                return;
             }
             let timed_out = futex_wait(&header.writer.head_seq, seq, self.liveness_interval);
-            header.reader.sleeping.store(0, Ordering::SeqCst);
             let pid = header.writer_pid.load(Ordering::Relaxed);
-            if timed_out && !alive(pid) && header.writer.head.load(Ordering::SeqCst) == pos {
-                return Err(self.peer_died(pid));
+            if timed_out && !alive(pid) && header.writer.head.load(Ordering::SeqCst) == self.read_pos.load(Ordering::SeqCst) {
+                self.fail(self.peer_died(pid), None);
+                return;
             }
         }
     }
 
-    /// Files a frame into its channel's queue, waiting while it is full;
-    /// `false` once the link is closed.
-    fn deliver(&self, channel: ChannelId, frame: Frame) -> bool {
-        let queue = self.queue(channel);
-        let frame = match queue.tx.try_send(frame) {
-            Ok(()) => return true,
-            Err(mpsc::error::TrySendError::Full(frame)) => frame,
-            Err(mpsc::error::TrySendError::Closed(_)) => unreachable!("the queue owns both ends"),
-        };
-        let mut closed = self.closed.subscribe();
-        if closed.borrow_and_update().is_some() {
-            return false;
+    /// A frame a receive took from its queue: a frame stalled on a full
+    /// queue may fit now.
+    fn taken(&self, frame: Frame) -> Frame {
+        if self.stalled.load(Ordering::SeqCst) {
+            self.pump();
         }
-        block_on(async {
-            tokio::select! {
-                biased;
-                _ = closed.changed() => false,
-                permit = queue.tx.reserve() => {
-                    permit.expect("the queue owns both ends").send(frame);
-                    true
-                }
-            }
-        })
+        frame
     }
 
-    /// The reader thread: reads records in order, validates them and files
-    /// the frames by channel until the link fails.
-    fn read_loop(&self) {
-        // This side gives up on purpose (a bad record); after a peer's
-        // close or death the notice reaches nobody who needs it.
-        if let Err(error) = self.read_records() {
-            let notice = CloseNotice::new(error.to_string());
-            self.fail(error, Some(&notice));
+    /// Raises `channel`'s bit in the reader's `awaited` mask until the
+    /// guard drops, so the writer wakes the watcher for its records.
+    fn await_channel(self: &Arc<Self>, channel: ChannelId) -> Awaiting {
+        let bit = channel_bit(channel);
+        let mut counts = self.awaited.lock().unwrap_or_else(|p| p.into_inner());
+        counts[bit] += 1;
+        if counts[bit] == 1 {
+            self.inbound.header().reader.awaited.fetch_or(1 << bit, Ordering::SeqCst);
         }
-    }
-
-    fn read_records(&self) -> Result<(), TransportError> {
-        let ring = &self.inbound;
-        let mut pos = 0u64;
-        let mut pool = BytesMut::new();
-        // The frame being reassembled from pieces: (channel, tag, total).
-        let mut assembling: Option<(ChannelId, u64, u64)> = None;
-        loop {
-            let head = self.wait_data(pos)?;
-            while pos != head {
-                let available = head.wrapping_sub(pos);
-                if available > ring.capacity || available < RECORD_HEADER as u64 {
-                    return Err(protocol_error(
-                        self.peer,
-                        format!("head moved to {head} with the reader at {pos}"),
-                    ));
-                }
-                let mut record = [0u8; 32];
-                // SAFETY: `pos..pos + 64` is published (`available >= 64`)
-                // and contiguous in the double mapping; the writer does not
-                // touch it until `tail` passes it.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(ring.at(pos), record.as_mut_ptr(), record.len());
-                }
-                let field = |at: usize| u64::from_le_bytes(record[at..at + 8].try_into().expect("8 bytes"));
-                let channel = u32::from_le_bytes(record[0..4].try_into().expect("4 bytes"));
-                let (tag, len, total) = (field(8), field(16), field(24));
-                if total > self.max_frame as u64 {
-                    return Err(TransportError::FrameTooLarge {
-                        peer: self.peer,
-                        len: total,
-                        limit: self.max_frame,
-                    });
-                }
-                // The writer publishes whole records (padding included).
-                if len > total || len > available || record_size(len as usize) > available {
-                    return Err(protocol_error(
-                        self.peer,
-                        format!("a record of {len} bytes (frame of {total}) with {available} bytes published"),
-                    ));
-                }
-                let (start, end) = (pos, pos + record_size(len as usize));
-                pos = end;
-                if assembling.is_none() && len == total {
-                    let payload = if len == 0 {
-                        ring.release(start, end);
-                        Bytes::new()
-                    } else {
-                        Bytes::from_owner(RingSlice {
-                            ring: ring.clone(),
-                            start,
-                            end,
-                            len: len as usize,
-                        })
-                    };
-                    if !self.deliver(channel, Frame { tag, payload }) {
-                        return Ok(());
-                    }
-                    continue;
-                }
-                match assembling {
-                    None => {
-                        // Reclaims the pool once earlier frames are dropped.
-                        pool.reserve(total as usize);
-                        assembling = Some((channel, tag, total));
-                    }
-                    Some(frame) if frame == (channel, tag, total) => {}
-                    Some((c, t, n)) => {
-                        return Err(protocol_error(
-                            self.peer,
-                            format!(
-                                "a piece of frame ({channel}, {tag}, {total} bytes) inside frame ({c}, {t}, {n} bytes)"
-                            ),
-                        ));
-                    }
-                }
-                if pool.len() as u64 + len > total {
-                    return Err(protocol_error(
-                        self.peer,
-                        format!("pieces overflow a {total}-byte frame"),
-                    ));
-                }
-                // SAFETY: as for the record header: `start + 64 .. + len` is
-                // published, contiguous and not written by the peer.
-                let piece = unsafe { std::slice::from_raw_parts(ring.at(start).add(RECORD_HEADER), len as usize) };
-                pool.extend_from_slice(piece);
-                ring.release(start, end);
-                if pool.len() as u64 == total {
-                    assembling = None;
-                    let payload = pool.split().freeze();
-                    if !self.deliver(channel, Frame { tag, payload }) {
-                        return Ok(());
-                    }
-                }
-            }
+        Awaiting {
+            shared: self.clone(),
+            bit,
         }
     }
 }
 
-/// Wakes a thread parked in [`block_on`].
-struct ThreadWaker(std::thread::Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
+/// Which bit of the `awaited` mask stands for `channel`: heartbeats (always
+/// awaited) have one of their own, so they wake nobody for other frames.
+fn channel_bit(channel: ChannelId) -> usize {
+    if channel == HEARTBEAT_CHANNEL {
+        31
+    } else {
+        (channel % 31) as usize
     }
 }
 
-/// Runs a future on the current (non-runtime) thread; the reader thread
-/// only awaits tokio channels, which need no runtime.
-fn block_on<F: Future>(future: F) -> F::Output {
-    let mut future = pin!(future);
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
-            return out;
+/// A receive waiting on its channel ([`Shared::await_channel`]).
+struct Awaiting {
+    shared: Arc<Shared>,
+    bit: usize,
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        let mut counts = self.shared.awaited.lock().unwrap_or_else(|p| p.into_inner());
+        counts[self.bit] -= 1;
+        if counts[self.bit] == 0 {
+            self.shared
+                .inbound
+                .header()
+                .reader
+                .awaited
+                .fetch_and(!(1 << self.bit), Ordering::SeqCst);
         }
-        std::thread::park();
     }
 }
 
@@ -1351,6 +1459,11 @@ impl ShmLink {
             inbound,
             queues: Mutex::new(HashMap::new()),
             depth: options.depth,
+            reading: Mutex::default(),
+            read_pos: AtomicU64::new(0),
+            stalled: AtomicBool::new(false),
+            pump_wanted: AtomicBool::new(false),
+            awaited: Mutex::default(),
             max_frame: options.max_frame,
             liveness_interval: options.liveness_interval,
             closed: watch::Sender::new(None),
@@ -1358,11 +1471,11 @@ impl ShmLink {
             writing: Arc::new(tokio::sync::Mutex::new(())),
             room: Mutex::new(RoomWaiters::default()),
         });
-        let reader = shared.clone();
+        let watcher = shared.clone();
         // The thread ends once the link fails or closes (close wakes it).
         std::thread::Builder::new()
             .name(format!("chorus-shm-{me}<-{peer}"))
-            .spawn(move || reader.read_loop())
+            .spawn(move || watcher.watch_inbound())
             .expect("spawning a thread");
         Self { peer, shared }
     }
@@ -1458,21 +1571,39 @@ impl Link for ShmLink {
     }
 
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError> {
-        let mut closed = self.shared.closed.subscribe();
-        let queue = self.shared.queue(channel);
+        let shared = &self.shared;
+        let mut closed = shared.closed.subscribe();
+        let queue = shared.queue(channel);
         let mut rx = queue.rx.lock().await;
-        // Frames filed before a failure are still delivered.
         if let Ok(frame) = rx.try_recv() {
-            return Ok(frame);
+            return Ok(shared.taken(frame));
         }
-        if let Some(error) = closed.borrow_and_update().clone() {
-            return rx.try_recv().map_err(|_| error);
+        // Read the ring on this thread: a frame a few microseconds away
+        // then costs no wake-up of this thread or the watcher's. Frames
+        // that time drives are not worth the spin.
+        if channel != HEARTBEAT_CHANNEL && shared.failure().is_none() {
+            shared.spin_for_records();
         }
-        tokio::select! {
-            frame = rx.recv() => Ok(frame.expect("the queue owns both ends")),
-            _ = closed.changed() => {
-                let error = closed.borrow().clone().unwrap_or_else(|| self.shared.closed("closed"));
-                rx.try_recv().map_err(|_| error)
+        shared.pump();
+        if let Ok(frame) = rx.try_recv() {
+            return Ok(shared.taken(frame));
+        }
+        // Nothing yet: the watcher reads for this receive from now on. A
+        // record published before the bit went up woke nobody: read again.
+        let _awaiting = shared.await_channel(channel);
+        shared.pump();
+        loop {
+            // Frames filed before a failure are still delivered.
+            if let Ok(frame) = rx.try_recv() {
+                return Ok(shared.taken(frame));
+            }
+            if let Some(error) = closed.borrow_and_update().clone() {
+                shared.pump();
+                return rx.try_recv().map(|frame| shared.taken(frame)).map_err(|_| error);
+            }
+            tokio::select! {
+                frame = rx.recv() => return Ok(shared.taken(frame.expect("the queue owns both ends"))),
+                _ = closed.changed() => {}
             }
         }
     }
@@ -1503,7 +1634,9 @@ impl Drop for ShmLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
     use std::io::{BufRead, BufReader, Read, Write};
+    use std::pin::pin;
     use std::process::{Child, Command, Stdio};
 
     /// The env var naming a child process's role in the two-process tests.
@@ -1528,8 +1661,12 @@ mod tests {
 
     /// Links 0 -> 1 and 1 -> 0 between two endpoints of this process.
     async fn pair(capacity: usize) -> (ShmLink, ShmLink) {
-        let a = ShmEndpoint::new(0, options(capacity)).unwrap();
-        let b = ShmEndpoint::new(1, options(capacity)).unwrap();
+        pair_with(options(capacity)).await
+    }
+
+    async fn pair_with(options: ShmOptions) -> (ShmLink, ShmLink) {
+        let a = ShmEndpoint::new(0, options.clone()).unwrap();
+        let b = ShmEndpoint::new(1, options).unwrap();
         let (ab, ba) = tokio::join!(
             a.connect(ShmPeer {
                 rank: 1,
@@ -1607,7 +1744,68 @@ mod tests {
                 assert_eq!(frame.tag, seed as u64);
                 assert!(frame.payload == pattern(5 << 20, seed));
             }
-            sender.await.unwrap();
+            // With no receive waiting, the watcher takes the pieces in, so
+            // the send completes before anyone receives.
+            let a = sender.await.unwrap();
+            a.send(4, 9, pattern(3 << 20, 9)).await.unwrap();
+            let frame = b.recv(4).await.unwrap();
+            assert_eq!(frame.tag, 9);
+            assert!(frame.payload == pattern(3 << 20, 9));
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_holds_the_frames_behind_it_until_its_channel_takes_one() {
+        within(async {
+            let (a, b) = pair_with(ShmOptions {
+                depth: 2,
+                ..options(1 << 20)
+            })
+            .await;
+            for tag in 0..3 {
+                a.send(1, tag, pattern(64, 1)).await.unwrap();
+            }
+            a.send(2, 7, Bytes::from_static(b"behind")).await.unwrap();
+            // Channel 1's queue holds two: its third frame waits for room,
+            // and channel 2's frame waits behind it (the module doc).
+            let early = tokio::time::timeout(Duration::from_millis(150), b.recv(2)).await;
+            assert!(early.is_err(), "a frame behind a full queue came: {early:?}");
+            assert_eq!(b.recv(1).await.unwrap().tag, 0);
+            assert_eq!(b.recv(2).await.unwrap().payload, Bytes::from_static(b"behind"));
+            for tag in 1..3 {
+                assert_eq!(b.recv(1).await.unwrap().tag, tag);
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_waiting_receive_is_woken_for_its_channel_only_and_lowers_its_bit_when_done() {
+        within(async {
+            let (a, b) = pair(1 << 20).await;
+            let b = Arc::new(b);
+            let awaited = || b.shared.inbound.header().reader.awaited.load(Ordering::SeqCst);
+            let heartbeat = tokio::spawn({
+                let b = b.clone();
+                async move { b.recv(HEARTBEAT_CHANNEL).await }
+            });
+            let data = tokio::spawn({
+                let b = b.clone();
+                async move { b.recv(3).await }
+            });
+            // Both wait past their polling, with their bits up.
+            while awaited() != (1 << 31 | 1 << 3) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            a.send(3, 1, pattern(10, 3)).await.unwrap();
+            let frame = data.await.unwrap().unwrap();
+            assert_eq!((frame.tag, frame.payload), (1, pattern(10, 3)));
+            assert_eq!(awaited(), 1 << 31, "the data receive is done");
+            assert!(!heartbeat.is_finished(), "a heartbeat receive took another channel's frame");
+            a.send(HEARTBEAT_CHANNEL, 2, Bytes::new()).await.unwrap();
+            assert_eq!(heartbeat.await.unwrap().unwrap().tag, 2);
+            assert_eq!(awaited(), 0);
         })
         .await;
     }
