@@ -15,8 +15,10 @@
 //!    output bytes goes straight into the link ([`Link::poll_send_copy`]),
 //!    and while the link has no room the step waits, receives still
 //!    served, until the link wakes the loop; on a link that takes no
-//!    borrowed payload it copies its region into a frame and hands it to a
-//!    task (either way it counts as done once copied, rule 2 of the plan);
+//!    borrowed payload it copies its region into a frame (an input region
+//!    goes as a view) and sends it, polled once on the spot, so only a send
+//!    that must wait becomes a task (either way it counts as done once
+//!    copied, rule 2 of the plan);
 //!    to a peer in this process, where the plan allows it
 //!    (`Plan::lendable`, the ring) and the region is large, a view of the
 //!    region goes instead ([`Link::send_in_place`], [`crate::lend`]): the
@@ -642,11 +644,18 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                 events
                             });
                             let (events, link) = (events.clone(), link.clone());
-                            tasks.spawn(async move {
+                            let mut send = Box::pin(async move {
                                 if let Err(e) = link.send(channel, tag, payload).await {
                                     let _ = events.send(Event::Failed(e.error.into()));
                                 }
                             });
+                            // Polled once here: a link with room takes the
+                            // frame now, so no task is made for it, and over
+                            // QUIC it leaves in the packet that carries what
+                            // this collective wrote before (its signature).
+                            if send.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending() {
+                                tasks.spawn(send);
+                            }
                             true
                         }
                         Action::Recv { from, tag, dst, then } => {
