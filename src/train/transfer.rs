@@ -939,14 +939,13 @@ async fn receive_round(
                 }
             }
             for ((&chunk, &len), &cma) in list.iter().zip(&lens).zip(&by_cma) {
-                let checked = match recv_tagged(link.as_ref(), source, expected_tag, timeout).await {
-                    Ok(payload) => match Header::read(&payload) {
+                let checked = recv_tagged(link.as_ref(), source, expected_tag, timeout)
+                    .await
+                    .and_then(|payload| match Header::read(&payload) {
                         // A notice: the bytes are in this process's memory already.
                         Some(header) if cma && payload.len() == HEADER => Ok(Checked::Notice(header)),
                         _ => check(source, chunk, len, round, payload),
-                    },
-                    Err(e) => Err(e),
-                };
+                    });
                 let failed = checked.is_err();
                 if tx.send((source, chunk, checked)).await.is_err() || failed {
                     return;

@@ -1375,7 +1375,10 @@ impl Shared {
             }
             let timed_out = futex_wait(&header.writer.head_seq, seq, self.liveness_interval);
             let pid = header.writer_pid.load(Ordering::Relaxed);
-            if timed_out && !alive(pid) && header.writer.head.load(Ordering::SeqCst) == self.read_pos.load(Ordering::SeqCst) {
+            if timed_out
+                && !alive(pid)
+                && header.writer.head.load(Ordering::SeqCst) == self.read_pos.load(Ordering::SeqCst)
+            {
                 self.fail(self.peer_died(pid), None);
                 return;
             }
@@ -1398,7 +1401,11 @@ impl Shared {
         let mut counts = self.awaited.lock().unwrap_or_else(|p| p.into_inner());
         counts[bit] += 1;
         if counts[bit] == 1 {
-            self.inbound.header().reader.awaited.fetch_or(1 << bit, Ordering::SeqCst);
+            self.inbound
+                .header()
+                .reader
+                .awaited
+                .fetch_or(1 << bit, Ordering::SeqCst);
         }
         Awaiting {
             shared: self.clone(),
@@ -1802,7 +1809,10 @@ mod tests {
             let frame = data.await.unwrap().unwrap();
             assert_eq!((frame.tag, frame.payload), (1, pattern(10, 3)));
             assert_eq!(awaited(), 1 << 31, "the data receive is done");
-            assert!(!heartbeat.is_finished(), "a heartbeat receive took another channel's frame");
+            assert!(
+                !heartbeat.is_finished(),
+                "a heartbeat receive took another channel's frame"
+            );
             a.send(HEARTBEAT_CHANNEL, 2, Bytes::new()).await.unwrap();
             assert_eq!(heartbeat.await.unwrap().unwrap().tag, 2);
             assert_eq!(awaited(), 0);
