@@ -226,7 +226,7 @@ pub struct ShmOptions {
     pub capacity: usize,
     /// Largest frame accepted from a peer.
     pub max_frame: usize,
-    /// Frames a channel's receive queue holds before the reader thread waits.
+    /// Frames a channel's receive queue holds before reading stops behind it.
     pub depth: usize,
     /// How long connecting may take.
     pub connect_timeout: Duration,
@@ -1368,8 +1368,11 @@ impl Shared {
             if self.failure().is_some() {
                 return;
             }
+            let closed = header.writer.closed.load(Ordering::SeqCst) != 0;
+            // `head` after the flag: a record published before the close is
+            // read (next turn) before the link fails.
             let unread = header.writer.head.load(Ordering::SeqCst) != self.read_pos.load(Ordering::SeqCst);
-            if header.writer.closed.load(Ordering::SeqCst) != 0 && !unread {
+            if closed && !unread {
                 self.fail(self.peer_closed(&header.writer_notice), None);
                 return;
             }
