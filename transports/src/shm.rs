@@ -1172,8 +1172,12 @@ impl Shared {
     /// Whether records wait in the inbound ring that reading can take now
     /// (not behind a frame stalled on its channel's full queue).
     fn records_ready(&self) -> bool {
+        self.unread() && !self.stalled.load(Ordering::SeqCst)
+    }
+
+    /// Whether the peer published records not read yet.
+    fn unread(&self) -> bool {
         self.inbound.header().writer.head.load(Ordering::SeqCst) != self.read_pos.load(Ordering::SeqCst)
-            && !self.stalled.load(Ordering::SeqCst)
     }
 
     /// Polls the inbound ring for up to [`RECEIVE_SPIN`] on the calling
@@ -1371,17 +1375,13 @@ impl Shared {
             let closed = header.writer.closed.load(Ordering::SeqCst) != 0;
             // `head` after the flag: a record published before the close is
             // read (next turn) before the link fails.
-            let unread = header.writer.head.load(Ordering::SeqCst) != self.read_pos.load(Ordering::SeqCst);
-            if closed && !unread {
+            if closed && !self.unread() {
                 self.fail(self.peer_closed(&header.writer_notice), None);
                 return;
             }
             let timed_out = futex_wait(&header.writer.head_seq, seq, self.liveness_interval);
             let pid = header.writer_pid.load(Ordering::Relaxed);
-            if timed_out
-                && !alive(pid)
-                && header.writer.head.load(Ordering::SeqCst) == self.read_pos.load(Ordering::SeqCst)
-            {
+            if timed_out && !alive(pid) && !self.unread() {
                 self.fail(self.peer_died(pid), None);
                 return;
             }
