@@ -468,6 +468,10 @@ fn bad_input_exits_2_with_what_to_change() {
         (vec!["--master-port", &busy_port, "true"], "pick another --master-port"),
         (vec!["--nproc-per-node", "0", "true"], "give a positive number"),
         (vec!["--nproc-per-node", "2"], "no program to launch"),
+        (
+            vec!["--numa-binding", "cores", "true"],
+            "give node, socket, exclusive or core-complex",
+        ),
     ] {
         let output = run(launch(&args), 15);
         let stderr = String::from_utf8_lossy(&output.stderr);
@@ -475,6 +479,55 @@ fn bad_input_exits_2_with_what_to_change() {
         assert_eq!(stderr.lines().count(), 1, "{args:?}: one line: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
+}
+
+/// `--numa-binding exclusive`: each worker runs on CPUs of its own, and
+/// more workers than CPUs is refused before any starts.
+#[test]
+fn numa_binding_exclusive_gives_each_worker_its_own_cpus() {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let too_many = (cpus + 1).to_string();
+    let output = run(
+        launch(&["--nproc-per-node", &too_many, "--numa-binding", "exclusive", "true"]),
+        15,
+    );
+    let all = text(&output);
+    assert_eq!(output.status.code(), Some(2), "{all}");
+    assert!(all.contains(&format!("physical cores for {too_many} workers")), "{all}");
+    if cpus < 2 {
+        eprintln!("skipped the two-worker half: this host has one CPU");
+        return;
+    }
+    let show = "grep Cpus_allowed_list /proc/self/status";
+    let output = run(
+        launch(&["--nproc-per-node", "2", "--numa-binding", "exclusive", "sh", "-c", show]),
+        30,
+    );
+    let all = text(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if output.status.code() == Some(2) && stderr.contains("physical cores for 2 workers") {
+        eprintln!("skipped the two-worker half: {} CPUs but one physical core", cpus);
+        return;
+    }
+    assert!(output.status.success(), "{all}");
+    assert!(all.contains("--numa-binding exclusive: local ranks on CPUs"), "{all}");
+    let allowed = |rank: usize| -> BTreeSet<usize> {
+        let prefix = format!("[{rank}]: Cpus_allowed_list:");
+        let line = all
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("{all}"));
+        line.trim()
+            .split(',')
+            .flat_map(|part| match part.split_once('-') {
+                Some((a, b)) => a.parse().unwrap()..=b.parse().unwrap(),
+                None => part.parse().unwrap()..=part.parse().unwrap(),
+            })
+            .collect()
+    };
+    let (first, second) = (allowed(0), allowed(1));
+    assert!(!first.is_empty() && !second.is_empty(), "{all}");
+    assert!(first.is_disjoint(&second), "{all}");
 }
 
 /// A PyTorch script written for torchrun (Gloo all-reduce) runs unmodified.

@@ -1002,7 +1002,7 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
             heartbeat_timeout,
             last_call_ms,
             iterations,
-            seed: seed.unwrap_or_else(|| rand_seed()),
+            seed: seed.unwrap_or_else(rand_seed),
             trial_timeout: Duration::from_secs(60),
             compare_torchrun: compare.map(|_| python),
         };

@@ -55,6 +55,8 @@ use serde_json::Value;
 use chorus::group::ProcessGroup;
 use chorus::tensor::Tensor;
 
+use crate::launch::binding::{self, NumaBinding, Topology, format_cpu_list};
+
 /// The Gloo side's script, embedded so that the binary works from anywhere.
 const GLOO_SCRIPT: &str = include_str!("../../python/bench_gloo.py");
 
@@ -214,9 +216,36 @@ pub struct CollectiveArgs {
     /// Python interpreter for --compare gloo.
     #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
     pub python: String,
+    /// Bind each rank process, chorus's and the peer's alike, as `chorus
+    /// launch --numa-binding` does; exclusive falls back to unbound, with a
+    /// note, when the host has fewer cores than ranks.
+    #[arg(long, default_value = "exclusive", value_parser = BINDINGS)]
+    pub numa_binding: String,
     /// Internal: run as one rank process, reading commands on stdin.
     #[arg(long, hide = true)]
     pub worker: bool,
+}
+
+/// `--numa-binding`'s values in the benches.
+pub(crate) const BINDINGS: [&str; 5] = ["exclusive", "none", "node", "socket", "core-complex"];
+
+/// The CPUs of each of `world` rank processes under `--numa-binding mode`
+/// (empty lists: unbound), and a line saying so for the table's header.
+pub(crate) fn rank_cpus(mode: &str, world: usize) -> (Vec<Vec<usize>>, String) {
+    let Ok(binding) = mode.parse::<NumaBinding>() else {
+        return (Vec::new(), "ranks unbound (--numa-binding none)".into());
+    };
+    match Topology::read().and_then(|topology| topology.plan(binding, world)) {
+        Ok(cpus) => {
+            let lists: Vec<String> = cpus.iter().map(|c| format_cpu_list(c)).collect();
+            let note = format!(
+                "ranks bound with --numa-binding {binding}, every side alike: CPUs {}",
+                lists.join(" | ")
+            );
+            (cpus, note)
+        }
+        Err(why) => (Vec::new(), format!("ranks unbound: {why}")),
+    }
 }
 
 /// Parses a size in bytes: `8`, `64K`, `64M`, `1G` (binary multiples, as nccl-tests).
@@ -954,13 +983,15 @@ pub(crate) struct ProcessSide {
 }
 
 impl ProcessSide {
-    /// Starts `world` processes of `program args` with the env:// variables.
+    /// Starts `world` processes of `program args` with the env:// variables,
+    /// rank r bound to `cpus[r]` when that is given and not empty.
     pub(crate) fn start(
         label: String,
         program: &str,
         args: &[String],
         world: usize,
         extra_env: &[(String, String)],
+        cpus: &[Vec<usize>],
     ) -> Result<Self> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -991,6 +1022,16 @@ impl ProcessSide {
                 .stderr(Stdio::piped());
             for (k, v) in extra_env {
                 command.env(k, v);
+            }
+            if let Some(cpus) = cpus.get(rank).filter(|c| !c.is_empty()) {
+                let set = binding::cpu_set(cpus);
+                // SAFETY: the closure runs between fork and exec and only
+                // calls sched_setaffinity.
+                unsafe {
+                    std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
+                        binding::bind_current_process(&set)
+                    });
+                }
             }
             let mut child = command
                 .spawn()
@@ -1102,13 +1143,15 @@ impl ProcessSide {
 
     /// Starts `world` ranks of this binary (`bench --worker` in `flags`) on
     /// `transport`, with a job secret of their own and `extra_env` (named in
-    /// an error), and waits until their group formed.
+    /// an error), bound to `cpus` as [`ProcessSide::start`], and waits until
+    /// their group formed.
     pub(crate) fn start_chorus(
         label: String,
         transport: &str,
         flags: &[String],
         world: usize,
         extra_env: &[(String, String)],
+        cpus: &[Vec<usize>],
         timeout: Duration,
     ) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the chorus binary")?;
@@ -1120,7 +1163,7 @@ impl ProcessSide {
             .collect::<Vec<_>>()
             .join(" ");
         env.push(("CHORUS_JOB_SECRET".to_string(), job_secret()));
-        let mut side = Self::start(label, &exe.to_string_lossy(), flags, world, &env)?;
+        let mut side = Self::start(label, &exe.to_string_lossy(), flags, world, &env, cpus)?;
         side.wait_ready(timeout).context(settings)?;
         Ok(side)
     }
@@ -1386,6 +1429,10 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     // The sides: chorus per transport, then the peer.
     let mut sides: Vec<(Box<dyn Side>, String)> = Vec::new();
     let mut notes = Vec::new();
+    let (cpus, bound) = rank_cpus(&args.numa_binding, args.world);
+    if !args.in_process {
+        notes.push(bound);
+    }
     if args.in_process {
         sides.push((
             Box::new(InProcessSide::start(spec.clone(), args.world)?),
@@ -1410,6 +1457,7 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                 &flags,
                 args.world,
                 &[],
+                &cpus,
                 timeout,
             )?;
             sides.push((Box::new(side), transport));
@@ -1431,6 +1479,7 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                     &flags,
                     args.world,
                     &env,
+                    &cpus,
                 )?;
                 let ready = side.wait_ready(timeout);
                 let _ = std::fs::remove_file(&script);

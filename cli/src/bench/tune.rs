@@ -17,7 +17,7 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use chorus_runtime::collective::{Algorithm, DType, Thresholds};
 
-use super::collective::{ProcessSide, Side, Spread, in_place_median_us, parse_size, sizes};
+use super::collective::{BINDINGS, ProcessSide, Side, Spread, in_place_median_us, parse_size, rank_cpus, sizes};
 
 /// `chorus bench tune` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -49,6 +49,10 @@ pub struct TuneArgs {
     /// Seconds allowed for forming each group and for each size.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// Bind each rank process as `chorus bench` does (its `--numa-binding`),
+    /// so the thresholds hold for the runs they tune.
+    #[arg(long, default_value = "exclusive", value_parser = BINDINGS)]
+    pub numa_binding: String,
 }
 
 /// The all-reduce algorithms that compete at `world` ranks: at two,
@@ -207,6 +211,8 @@ pub fn run(args: &TuneArgs) -> Result<ExitCode> {
         args.timeout.to_string(),
     ])
     .collect();
+    let (cpus, bound) = rank_cpus(&args.numa_binding, args.world);
+    println!("# {bound}");
     let mut transports = args.transport.clone();
     transports.dedup();
     for transport in transports {
@@ -219,6 +225,7 @@ pub fn run(args: &TuneArgs) -> Result<ExitCode> {
                 &flags,
                 args.world,
                 &[algo_env],
+                &cpus,
                 timeout,
             )?);
         }

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use super::binding::NumaBinding;
+
 /// torchrun's default port for a `--rdzv-endpoint` without one.
 pub const DEFAULT_RDZV_PORT: u16 = 29400;
 
@@ -189,6 +191,8 @@ pub struct LaunchConfig {
     pub monitor_interval: Duration,
     /// Grace period between SIGTERM and SIGKILL when stopping workers.
     pub shutdown_timeout: Duration,
+    /// `--numa-binding`: the CPUs each worker is bound to (none when `None`).
+    pub numa_binding: Option<NumaBinding>,
     /// Where per-rank logs go.
     pub log_dir: Option<PathBuf>,
     /// Streams shown on the console and written to the log files.
@@ -252,6 +256,9 @@ is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
                                    without restarting the others' workers
   --monitor-interval S             store polling period, multi-node (default 0.1)
   --shutdown-timeout S             SIGTERM to SIGKILL grace (default 30)
+  --numa-binding MODE              bind each worker to CPUs (default: unbound):
+                                   node, socket, exclusive (cores of its own)
+                                   or core-complex (one last-level cache)
   --log-dir DIR                    write DIR/RUN_ID/attempt_N/RANK/{stdout,stderr}.log
   --tee 0-3, --redirects 0-3       streams teed / only written to the log files
   --local-ranks-filter 0,1         show only these local ranks' output
@@ -283,6 +290,7 @@ const FLAGS: &[(&str, Kind)] = &[
     ("restart-policy", Kind::Value),
     ("monitor-interval", Kind::Value),
     ("shutdown-timeout", Kind::Value),
+    ("numa-binding", Kind::Value),
     ("log-dir", Kind::Value),
     ("tee", Kind::Value),
     ("redirects", Kind::Value),
@@ -629,6 +637,14 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         restart_policy,
         monitor_interval: given.seconds("monitor-interval", 0.1)?,
         shutdown_timeout: given.seconds("shutdown-timeout", 30.0)?,
+        numa_binding: given
+            .get("numa-binding")
+            .map(|(spelled, value)| {
+                value
+                    .parse()
+                    .map_err(|_| invalid(&spelled, &value, &format!("give {}", NumaBinding::CHOICES)))
+            })
+            .transpose()?,
         // With a log directory and no --tee, both streams go to the files too.
         tee: tee.unwrap_or(if log_dir.is_some() {
             Streams::BOTH
@@ -751,6 +767,26 @@ mod tests {
         assert_eq!((c.nproc_per_node, c.max_restarts, c.standalone), (4, 2, true));
         let c = config("--nproc-per-node 2 prog", &env);
         assert_eq!(c.nproc_per_node, 2);
+    }
+
+    #[test]
+    fn numa_binding_takes_torchruns_modes_from_the_flag_or_pet() {
+        assert_eq!(config("prog", &[]).numa_binding, None);
+        assert_eq!(
+            config("--numa_binding=core-complex prog", &[]).numa_binding,
+            Some(NumaBinding::CoreComplex)
+        );
+        let env = [("PET_NUMA_BINDING", "exclusive")];
+        assert_eq!(config("prog", &env).numa_binding, Some(NumaBinding::Exclusive));
+        assert_eq!(
+            config("--numa-binding node prog", &env).numa_binding,
+            Some(NumaBinding::Node)
+        );
+        let Err(ConfigError::Invalid { flag, hint, .. }) = parse_with("--numa-binding cores prog", &[]) else {
+            panic!("--numa-binding cores was taken");
+        };
+        assert_eq!(flag, "--numa-binding");
+        assert!(hint.contains("exclusive"), "{hint}");
     }
 
     #[test]

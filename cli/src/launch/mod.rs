@@ -21,6 +21,8 @@
 //!   its nodes rank, when to admit a waiting node, keep-alives, exit codes.
 //! - `nodes`: serving or reaching the store; the launchers' rounds, their
 //!   key layout and shared secret on it.
+//! - `binding`: `--numa-binding`, each worker's CPUs from `/sys` (a sans-IO
+//!   plan over a [`binding::Topology`]).
 //! - `workers`: the worker processes of one attempt and their output.
 //!
 //! - this file: the driver tying them together ([`main`]).
@@ -55,6 +57,7 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
+pub mod binding;
 pub mod config;
 pub mod env;
 pub mod nodes;
@@ -63,6 +66,7 @@ pub mod workers;
 
 pub use config::{ConfigError, LaunchConfig, Parsed, RestartPolicy};
 
+use binding::{BindingError, Topology};
 use chorus_runtime::rendezvous::{HostId, elastic};
 use chorus_runtime::store::{Store, StoreError};
 use config::{HostFacts, Streams};
@@ -114,6 +118,9 @@ pub enum LaunchError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// `--numa-binding` cannot be met on this host.
+    #[error(transparent)]
+    Binding(#[from] BindingError),
     /// Not enough nodes arrived in time.
     #[error(
         "only {joined} of {expected} nodes joined within {waited:?}; start `chorus launch` with the same --nnodes, --rdzv-id and store address on every node, or raise --rdzv-conf join_timeout"
@@ -242,6 +249,7 @@ impl LaunchError {
             | LaunchError::NotLocal(_)
             | LaunchError::Unresolvable(_)
             | LaunchError::SecretFile { .. }
+            | LaunchError::Binding(_)
             | LaunchError::PolicyMismatch { .. } => 2,
             _ => 1,
         }
@@ -408,12 +416,26 @@ struct Job {
     run_dir: PathBuf,
     /// Whether `run_dir` is ours to remove at the end.
     temporary: bool,
+    /// Each local rank's CPUs (`--numa-binding`); empty when unbound.
+    cpus: Vec<Vec<usize>>,
 }
 
 async fn launch(config: LaunchConfig) -> Result<i32, LaunchError> {
     if !program_exists(&config.command[0]) {
         return Err(LaunchError::ProgramNotFound(config.command[0].clone()));
     }
+    let cpus = match config.numa_binding {
+        Some(mode) => {
+            let cpus = Topology::read()?.plan(mode, config.nproc_per_node)?;
+            let each: Vec<String> = cpus.iter().map(|c| binding::format_cpu_list(c)).collect();
+            say(format!(
+                "--numa-binding {mode}: local ranks on CPUs {}",
+                each.join(" | ")
+            ));
+            cpus
+        }
+        None => Vec::new(),
+    };
     let mut signals = Signals::new()?;
     if config.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
         say(
@@ -449,6 +471,7 @@ async fn launch(config: LaunchConfig) -> Result<i32, LaunchError> {
         secret,
         run_dir,
         temporary,
+        cpus,
     };
     let result = run(&job, &mut signals).await;
     if job.temporary {
@@ -611,7 +634,7 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             // workers started in a later one join it.
             join_running: config.restart_policy == RestartPolicy::Worker && round > 0,
         };
-        let mut workers = Workers::spawn(specs(config, &job_env)?, config.shutdown_timeout).await?;
+        let mut workers = Workers::spawn(specs(job, &job_env)?, config.shutdown_timeout).await?;
         if config.restart_policy == RestartPolicy::Worker {
             match run_elastic_round(job, signals, formed, job_env, &mut workers).await? {
                 ElasticEnd::Exit(code) => return Ok(code),
@@ -794,7 +817,7 @@ async fn run_elastic_round(
                             join_running: true,
                             ..job_env.for_attempt(count, &job.run_dir)
                         };
-                        let spec = spec(config, &new_env, ended.local_rank)?;
+                        let spec = spec(job, &new_env, ended.local_rank)?;
                         match workers.relaunch(spec) {
                             Ok(pid) => say(format!(
                                 "relaunching rank {} alone as pid {pid} (restart {next} of {}{}); the other workers keep running",
@@ -984,14 +1007,15 @@ async fn ended_elsewhere(store: &dyn Store, keys: &Keys, round: u64) -> Result<R
 }
 
 /// The worker specs of one attempt on this node.
-fn specs(config: &LaunchConfig, job_env: &env::JobEnv) -> Result<Vec<WorkerSpec>, LaunchError> {
-    (0..config.nproc_per_node)
-        .map(|local_rank| spec(config, job_env, local_rank))
+fn specs(job: &Job, job_env: &env::JobEnv) -> Result<Vec<WorkerSpec>, LaunchError> {
+    (0..job.config.nproc_per_node)
+        .map(|local_rank| spec(job, job_env, local_rank))
         .collect()
 }
 
 /// The spec of the worker in `local_rank`'s slot in `job_env`'s attempt.
-fn spec(config: &LaunchConfig, job_env: &env::JobEnv, local_rank: usize) -> Result<WorkerSpec, LaunchError> {
+fn spec(job: &Job, job_env: &env::JobEnv, local_rank: usize) -> Result<WorkerSpec, LaunchError> {
+    let config = &job.config;
     let parent = |name: &str| std::env::var(name).ok();
     let rank = job_env.rank(local_rank);
     let dir = env::rank_dir(&job_env.attempt_dir, rank);
@@ -1023,6 +1047,7 @@ fn spec(config: &LaunchConfig, job_env: &env::JobEnv, local_rank: usize) -> Resu
             stderr: !config.redirects.stderr,
         },
         log: config.log_dir.as_ref().map(|_| (dir, logged)),
+        cpus: job.cpus.get(local_rank).cloned().unwrap_or_default(),
     })
 }
 

@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::LaunchError;
+use super::binding;
 use super::config::Streams;
 use super::plan::WorkerExit;
 
@@ -40,6 +41,8 @@ pub struct WorkerSpec {
     pub shown: Streams,
     /// Directory for `stdout.log` / `stderr.log`, with the streams written there.
     pub log: Option<(PathBuf, Streams)>,
+    /// The CPUs it is bound to (`--numa-binding`); empty when unbound.
+    pub cpus: Vec<usize>,
 }
 
 struct Worker {
@@ -196,10 +199,14 @@ fn spawn_one(
     // kill each worker when the launcher dies (the worker's own children
     // are the worker's to handle, as PyTorch's data loaders do).
     let launcher = std::process::id() as libc::pid_t;
+    let cpus = (!spec.cpus.is_empty()).then(|| binding::cpu_set(&spec.cpus));
     // SAFETY: the closure runs in the child between fork and exec and calls
-    // only async-signal-safe functions (prctl, getppid, _exit).
+    // only async-signal-safe functions (prctl, getppid, _exit, sched_setaffinity).
     unsafe {
         command.pre_exec(move || {
+            if let Some(cpus) = &cpus {
+                binding::bind_current_process(cpus)?;
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
