@@ -130,6 +130,31 @@ impl ProcessGroup {
         )
     }
 
+    /// Out of place, as NCCL's `ncclAllReduce(sendbuff, recvbuff)`: every
+    /// rank ends with the reduction of every rank's `input` in `output`,
+    /// which is handed back. `input` (elements of `output`'s dtype, as many)
+    /// is only read, so a caller that keeps it shares it (`Bytes::clone`)
+    /// instead of copying it into `output` first: the first reduction of
+    /// each region reads it. `output`'s contents before do not matter. Other
+    /// ranks may call [`all_reduce`](Self::all_reduce) for the same operation.
+    pub fn all_reduce_into(&self, input: Bytes, output: Tensor, op: ReduceOp) -> Work<Tensor> {
+        let want = output.as_bytes().len();
+        if input.len() != want {
+            return Work::failed(length_error(
+                "all_reduce_into",
+                format!("the input has {} bytes, the output {want}", input.len()),
+            ));
+        }
+        self.submit_tensor(
+            Collective {
+                op: Some(op),
+                input,
+                ..operation(CollectiveKind::AllReduce, output.dtype(), output.len())
+            }
+            .with_output(output),
+        )
+    }
+
     /// Every rank ends with `root`'s `tensor`.
     pub fn broadcast(&self, tensor: Tensor, root: usize) -> Work<Tensor> {
         self.submit_tensor(

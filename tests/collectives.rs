@@ -53,6 +53,35 @@ async fn several_mib_all_reduce_in_process() {
     .await;
 }
 
+/// An out-of-place all-reduce whose input does not match its output is
+/// refused before anything is sent; the group goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_place_all_reduce_with_a_short_input_is_refused() {
+    within(30, "all_reduce_into", async {
+        let results = spawn(2, |pg| async move {
+            let output = Tensor::from_slice(&[0f32; 4]);
+            let short = bytes::Bytes::from(Tensor::from_slice(&[1f32; 3]).into_bytes());
+            let refused = pg.all_reduce_into(short, output.clone(), ReduceOp::Sum).await;
+            let full = bytes::Bytes::from(Tensor::from_slice(&[1f32; 4]).into_bytes());
+            let summed = pg.all_reduce_into(full, output, ReduceOp::Sum).await;
+            pg.destroy().await.unwrap();
+            let values = |t: Tensor| t.to_vec::<f32>().unwrap();
+            (refused.map(values), summed.map(values))
+        })
+        .await
+        .unwrap();
+        for (refused, summed) in results {
+            let error = refused.unwrap_err().to_string();
+            assert!(
+                error.contains("all_reduce_into: the input has 12 bytes, the output 16"),
+                "{error}"
+            );
+            assert_eq!(summed.unwrap(), [2.0; 4]);
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_that_call_different_collectives_all_get_a_desync_error() {
     within(60, "desync", async {

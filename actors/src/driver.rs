@@ -46,7 +46,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use chorus_runtime::collective::{
     Action, Combine, ENCODED_LEN, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId,
-    Tag, finalize_avg, reduce_complete_into, reduce_into,
+    Tag, finalize_avg, reduce_complete_from, reduce_complete_into, reduce_from, reduce_into,
 };
 use chorus_transports::link::{ChannelId, Frame, Link, TransportError};
 use futures_util::StreamExt;
@@ -604,11 +604,12 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                 signed.extend_from_slice(bytes);
                                 (tag, bytes) = (tag | SIGNED, &signed[..]);
                             }
-                            // Straight from the output into the transport
+                            // Straight from the buffer into the transport
                             // (one copy, none into a frame), waiting for room
                             // with the receives still served; a transport
-                            // that takes no borrowed payload gets a frame.
-                            if sign || matches!(src, Region::Output(_)) {
+                            // that takes no borrowed payload gets a frame
+                            // (of the input, without a copy).
+                            {
                                 let (_, waker) = room.get_or_insert_with(|| {
                                     let notify = Arc::new(Notify::new());
                                     (notify.clone(), Waker::from(Arc::new(RoomWaker(notify))))
@@ -684,6 +685,17 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                     match then {
                                         Combine::Copy => target.copy_from_slice(&payload),
                                         Combine::Reduce => reduce_into(op, signature.dtype, target, &payload)?,
+                                        Combine::ReduceInput => {
+                                            reduce_from(op, signature.dtype, target, &input[element(dst)], &payload)?
+                                        }
+                                        Combine::ReduceCompleteInput => reduce_complete_from(
+                                            op,
+                                            signature.dtype,
+                                            target,
+                                            &input[element(dst)],
+                                            &payload,
+                                            plan.world(),
+                                        )?,
                                         Combine::ReduceComplete => {
                                             reduce_complete_into(op, signature.dtype, target, &payload, plan.world())?
                                         }

@@ -319,11 +319,17 @@ impl Handler<Collective> for RankActor {
             world: self.world,
         };
         let algorithm = choose_algorithm(msg.kind, spec.bytes(), self.world, &self.overrides);
-        let key = (spec, self.rank, algorithm);
+        // A reducing collective given an input runs out of place on it.
+        let out_of_place = msg.kind.reduces() && !msg.input.is_empty();
+        let key = (spec, self.rank, algorithm, out_of_place);
         let prepared = match self.plans.get(&key) {
             Some(prepared) => prepared,
             None => {
-                let plan = match spec.plan(self.rank, algorithm) {
+                let planned = match out_of_place {
+                    true => spec.plan_out_of_place(self.rank, algorithm),
+                    false => spec.plan(self.rank, algorithm),
+                };
+                let plan = match planned {
                     Ok(plan) => plan,
                     Err(e) => return immediate(Err(e.into())),
                 };

@@ -4,6 +4,7 @@
 //! dtype and in any summation order, so each rank computes the expected
 //! result on its own.
 
+use bytes::Bytes;
 use chorus_runtime::collective::{DType, ReduceOp};
 use half::{bf16, f16};
 use thiserror::Error;
@@ -175,6 +176,20 @@ pub async fn check_collectives(pg: &ProcessGroup, dtype: DType, count: usize) ->
     for &op in ops {
         let got = pg.all_reduce(encode(dtype, mine), op).await;
         c.expect(&format!("all_reduce {op}"), got, &reduce(op, &everyone))?;
+    }
+    // Out of place into an output holding something else, on every rank,
+    // then on odd ranks only (the forms mix within one operation).
+    let kept = Bytes::from(encode(dtype, mine).into_bytes());
+    for (label, apart) in [
+        ("all_reduce_into", true),
+        ("all_reduce_into on odd ranks", rank % 2 == 1),
+    ] {
+        let stale = encode(dtype, &vec![5; count]);
+        let got = match apart {
+            true => pg.all_reduce_into(kept.clone(), stale, ReduceOp::Sum).await,
+            false => pg.all_reduce(encode(dtype, mine), ReduceOp::Sum).await,
+        };
+        c.expect(label, got, &reduce(ReduceOp::Sum, &everyone))?;
     }
     let root = world - 1;
     let got = pg.reduce(encode(dtype, mine), root, ReduceOp::Sum).await;

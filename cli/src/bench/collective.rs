@@ -25,11 +25,14 @@
 //! hand it back, so:
 //! - *in place*: the buffer is moved in and the returned one is the next
 //!   call's input (no copy);
-//! - *out of place*: the input must survive, so each call first copies it
-//!   into the buffer the previous call handed back, and the copy is timed —
-//!   what a caller that keeps its input pays. Gloo's out of place is the same
-//!   for the collectives torch only has in place (`buf.copy_(x)` first) and
-//!   its native separate-output call for the others.
+//! - *out of place*: the input must survive. An all-reduce uses chorus's
+//!   out-of-place form (`all_reduce_into`: the input shared, the output the
+//!   buffer the previous call handed back), as nccl-tests' separate send and
+//!   receive buffers; the other collectives first copy the input into that
+//!   buffer, and the copy is timed — what a caller that keeps its input
+//!   pays. Gloo's out of place is that copy (`buf.copy_(x)` first) for the
+//!   collectives torch only has in place, all_reduce among them, and its
+//!   native separate-output call for the others.
 //!
 //! # Pure parts (unit-tested)
 //! [`parse_size`], [`sizes`], [`BenchOp`] (byte counts and bus-bandwidth
@@ -47,6 +50,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use bytes::Bytes;
 use chorus_runtime::collective::{DType, ReduceOp};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
@@ -862,15 +866,21 @@ async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw>
     let len = spec.op.input_len(count, world);
     let input = make_tensor(spec.dtype, len, |i| input_value(rank, i));
     let mut raw = Raw::default();
-    // Out of place: the input survives; each call first copies it into the
-    // buffer the previous call handed back (no allocation), as a caller
-    // keeping its input would.
+    // Out of place: the input survives. An all-reduce reads it in place
+    // (`all_reduce_into`, nccl-tests' sendbuff != recvbuff) into the buffer
+    // the previous call handed back; the other collectives first copy it
+    // there (no allocation), as a caller keeping its input would.
     let mut buffer = input.clone();
+    let kept = Bytes::from(input.as_bytes().to_vec());
     for i in 0..spec.warmup + spec.iters {
         let started = Instant::now();
-        let mut bytes = buffer.into_bytes();
-        bytes.copy_from_slice(input.as_bytes());
-        let out = call(group, spec, count, Tensor::from_bytes(spec.dtype, bytes)).await?;
+        let out = if spec.op == BenchOp::AllReduce {
+            group.all_reduce_into(kept.clone(), buffer, spec.redop).await?
+        } else {
+            let mut bytes = buffer.into_bytes();
+            bytes.copy_from_slice(input.as_bytes());
+            call(group, spec, count, Tensor::from_bytes(spec.dtype, bytes)).await?
+        };
         let took = started.elapsed().as_secs_f64() * 1e6;
         buffer = reshape(out, len);
         if i >= spec.warmup {

@@ -10,8 +10,9 @@ use std::sync::Arc;
 use super::schedule::{Algorithm, Spec};
 
 /// What a plan depends on: the collective's arguments, this rank, the
-/// algorithm.
-pub type PlanKey = (Spec, usize, Algorithm);
+/// algorithm, and whether it is the out-of-place form
+/// ([`Spec::plan_out_of_place`]).
+pub type PlanKey = (Spec, usize, Algorithm, bool);
 
 /// Up to `capacity` values derived from plans (a [`Plan`](super::Plan), or
 /// a plan with what a driver derives from it), the oldest dropped first.
@@ -82,7 +83,7 @@ mod tests {
     }
 
     fn plan(cache: &mut PlanCache<Plan>, count: usize, made: &mut usize) -> Result<Arc<Plan>, PlanError> {
-        let key = (spec(count), 3, Algorithm::RecursiveDoubling);
+        let key = (spec(count), 3, Algorithm::RecursiveDoubling, false);
         if let Some(plan) = cache.get(&key) {
             return Ok(plan);
         }
@@ -115,7 +116,7 @@ mod tests {
         assert_eq!(made, 3, "the newest stays");
         plan(&mut cache, 1, &mut made).unwrap();
         assert_eq!(made, 4, "the oldest went");
-        let key = (spec(1), 3, Algorithm::RecursiveDoubling);
+        let key = (spec(1), 3, Algorithm::RecursiveDoubling, false);
         cache.insert(key, key.0.plan(key.1, key.2).unwrap());
         assert_eq!(cache.len(), 2, "a key kept again is not kept twice");
         let mut none = PlanCache::new(0);

@@ -48,7 +48,7 @@ mod tests;
 pub use cache::{PlanCache, PlanKey};
 pub use dtype::{DType, ParseError, ReduceOp};
 pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
-pub use reduce::{ReduceError, finalize_avg, reduce_complete_into, reduce_into};
+pub use reduce::{ReduceError, finalize_avg, reduce_complete_from, reduce_complete_into, reduce_from, reduce_into};
 pub use schedule::{
     Algorithm, CollectiveKind, HALVING_DOUBLING_MAX_BYTES, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_WORLD,
     MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, SHARED_THREADS_TREE_MIN_WORLD, Spec,

@@ -84,6 +84,24 @@ pub enum Combine {
     /// in cache), and a plan with such steps is never divided as a whole
     /// ([`Plan::averages_in_steps`]).
     ReduceComplete,
+    /// As [`Reduce`](Self::Reduce), this rank's values taken from `input`'s
+    /// same range instead of the region: `region = input op payload`. An
+    /// out-of-place plan's first write of a region.
+    ReduceInput,
+    /// As [`ReduceComplete`](Self::ReduceComplete), this rank's values taken
+    /// from `input` as in [`ReduceInput`](Self::ReduceInput).
+    ReduceCompleteInput,
+}
+
+impl Combine {
+    /// The same combination with this rank's values taken from `input`.
+    fn with_input(self) -> Self {
+        match self {
+            Combine::Reduce => Combine::ReduceInput,
+            Combine::ReduceComplete => Combine::ReduceCompleteInput,
+            other => other,
+        }
+    }
 }
 
 /// One step's action.
@@ -195,7 +213,7 @@ impl Plan {
             matches!(
                 s.action,
                 Action::Recv {
-                    then: Combine::ReduceComplete,
+                    then: Combine::ReduceComplete | Combine::ReduceCompleteInput,
                     ..
                 }
             )
@@ -223,11 +241,22 @@ impl Plan {
 
 /// Builds a [`Plan`], deriving each step's dependencies from the `output`
 /// ranges it reads and writes, so algorithms state only what moves where.
+///
+/// Out of place ([`Builder::out_of_place`]), an algorithm written for data
+/// in `output` runs on data in `input` (laid out the same), which stays
+/// untouched, without first copying it over: as each step comes, a region
+/// of `output` not yet written is read from `input` instead (a send of it
+/// sends `input`'s range; a reduction into it reduces `input`'s range with
+/// the payload, [`Combine::ReduceInput`]). A step touching a region only
+/// partly written first copies the unwritten part over, and whatever no
+/// step wrote is copied at the end, so the result is the in-place plan's.
 pub(crate) struct Builder {
     plan: Plan,
     /// Disjoint intervals covering `output`, each with its last writer and
     /// the readers since; split on demand at step boundaries.
     intervals: Vec<Interval>,
+    /// Whether this rank's data is in `input` rather than `output`.
+    out_of_place: bool,
 }
 
 #[derive(Clone)]
@@ -254,7 +283,16 @@ impl Builder {
                 writer: None,
                 readers: Vec::new(),
             }],
+            out_of_place: false,
         }
+    }
+
+    /// A builder whose algorithm, written for data in `output`, finds it in
+    /// an `input` of `output_len` elements instead (see [`Builder`]).
+    pub(crate) fn out_of_place(rank: usize, world: usize, output_len: usize) -> Self {
+        let mut builder = Self::new(rank, world, output_len, output_len);
+        builder.out_of_place = true;
+        builder
     }
 
     /// Sends `src` to `to`; skipped (`None`) when empty.
@@ -278,6 +316,11 @@ impl Builder {
     /// conflicts with on `output`. Zero-length messages (barrier) carry no
     /// data, so their ordering comes from `extra` alone.
     pub(crate) fn push(&mut self, action: Action, extra: &[StepId]) -> StepId {
+        let action = if self.out_of_place {
+            self.reading_input(action)
+        } else {
+            action
+        };
         let id = StepId(self.plan.steps.len() as u32);
         let mut deps: Vec<StepId> = extra.to_vec();
         let (range, write) = match (action.writes(), action.reads()) {
@@ -324,12 +367,92 @@ impl Builder {
         i
     }
 
+    /// Out of place: `action` reading `input` where its region of `output`
+    /// was never written (see [`Builder`]).
+    fn reading_input(&mut self, action: Action) -> Action {
+        let region = match &action {
+            Action::Send {
+                src: Region::Output(r), ..
+            } => r.clone(),
+            Action::Recv {
+                dst,
+                then: Combine::Reduce | Combine::ReduceComplete,
+                ..
+            } => dst.clone(),
+            _ => return action,
+        };
+        let unwritten = self.unwritten(region.clone());
+        if unwritten.first() != Some(&region) {
+            // Written, or partly: the rest of it comes over first.
+            for part in unwritten {
+                self.push(
+                    Action::Copy {
+                        src: part.clone(),
+                        dst: part,
+                    },
+                    &[],
+                );
+            }
+            return action;
+        }
+        match action {
+            Action::Send { to, tag, src } => Action::Send {
+                to,
+                tag,
+                src: match src {
+                    Region::Output(r) => Region::Input(r),
+                    input => input,
+                },
+            },
+            Action::Recv { from, tag, dst, then } => Action::Recv {
+                from,
+                tag,
+                dst,
+                then: then.with_input(),
+            },
+            copy => copy,
+        }
+    }
+
+    /// The parts of `range` of `output` no step has written yet, merged, in order.
+    fn unwritten(&mut self, range: Range<usize>) -> Vec<Range<usize>> {
+        let end = range.end.min(self.plan.output_len);
+        if range.start >= end {
+            return Vec::new();
+        }
+        let (first, last) = (self.split(range.start), self.split(end));
+        let mut parts: Vec<Range<usize>> = Vec::new();
+        for i in first..last {
+            if self.intervals[i].writer.is_some() {
+                continue;
+            }
+            let start = self.intervals[i].start;
+            let stop = self.intervals.get(i + 1).map_or(end, |next| next.start.min(end));
+            match parts.last_mut() {
+                Some(last) if last.end == start => last.end = stop,
+                _ => parts.push(start..stop),
+            }
+        }
+        parts
+    }
+
     /// Marks the plan [`Plan::lendable`]; the algorithm vouches for it.
     pub(crate) fn lendable(&mut self) {
         self.plan.lendable = true;
     }
 
-    pub(crate) fn finish(self) -> Plan {
+    pub(crate) fn finish(mut self) -> Plan {
+        if self.out_of_place {
+            for part in self.unwritten(0..self.plan.output_len) {
+                self.push(
+                    Action::Copy {
+                        src: part.clone(),
+                        dst: part,
+                    },
+                    &[],
+                );
+            }
+        }
         self.plan
     }
 }

@@ -479,6 +479,9 @@ pub enum PlanError {
         /// The algorithm asked for.
         algorithm: Algorithm,
     },
+    /// An out-of-place plan of a collective that has only one form.
+    #[error("{0} has no out-of-place form (only all_reduce, reduce and reduce_scatter have)")]
+    NotOutOfPlace(CollectiveKind),
     /// The buffers are larger than [`MAX_BYTES`].
     #[error("{count} elements of {dtype} per rank over {world} ranks exceed the limit of {MAX_BYTES} bytes")]
     TooLarge {
@@ -522,6 +525,18 @@ impl Spec {
 
     /// The plan for `rank` with `algorithm`.
     pub fn plan(&self, rank: usize, algorithm: Algorithm) -> Result<Plan, PlanError> {
+        self.build(rank, algorithm, false)
+    }
+
+    /// The plan for `rank` with `algorithm` of a collective that is in place
+    /// (all_reduce, reduce, reduce_scatter), made out of place: this rank's
+    /// data is in `input` (as long as the output), which is left as it was,
+    /// and `output` needs no contents before. Ranks may mix both forms.
+    pub fn plan_out_of_place(&self, rank: usize, algorithm: Algorithm) -> Result<Plan, PlanError> {
+        self.build(rank, algorithm, true)
+    }
+
+    fn build(&self, rank: usize, algorithm: Algorithm, out_of_place: bool) -> Result<Plan, PlanError> {
         let Spec {
             kind,
             dtype,
@@ -561,7 +576,11 @@ impl Spec {
             CollectiveKind::Send => (n, 0),
             CollectiveKind::Recv => (0, n),
         };
-        let mut b = Builder::new(rank, world, input_len, output_len);
+        let mut b = match out_of_place {
+            false => Builder::new(rank, world, input_len, output_len),
+            true if kind.reduces() => Builder::out_of_place(rank, world, output_len),
+            true => return Err(PlanError::NotOutOfPlace(kind)),
+        };
         match (kind, algorithm) {
             (CollectiveKind::AllReduce, Algorithm::Ring) => ring::all_reduce(&mut b, rank, world, n, size),
             (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling) => {

@@ -11,7 +11,7 @@ use half::{bf16, f16};
 
 use super::dtype::{DType, ReduceOp};
 use super::plan::{Action, Combine, Plan, Region, StepId, Tag};
-use super::reduce::{reduce_complete_into, reduce_into};
+use super::reduce::{reduce_complete_from, reduce_complete_into, reduce_from, reduce_into};
 
 /// The small integer `v` as one element of `dtype` (wrapping for integers).
 pub(crate) fn encode(dtype: DType, v: i64) -> Vec<u8> {
@@ -143,13 +143,22 @@ pub(crate) fn run(
                         dst_bytes.len()
                     ));
                 }
-                match then {
-                    Combine::Copy => dst_bytes.copy_from_slice(&payload),
-                    Combine::Reduce => reduce_into(op, dtype, dst_bytes, &payload).map_err(|e| e.to_string())?,
-                    Combine::ReduceComplete => {
-                        reduce_complete_into(op, dtype, dst_bytes, &payload, world).map_err(|e| e.to_string())?
+                let done = match then {
+                    Combine::Copy => {
+                        dst_bytes.copy_from_slice(&payload);
+                        Ok(())
                     }
-                }
+                    Combine::Reduce => reduce_into(op, dtype, dst_bytes, &payload),
+                    Combine::ReduceComplete => reduce_complete_into(op, dtype, dst_bytes, &payload, world),
+                    Combine::ReduceInput => {
+                        reduce_from(op, dtype, dst_bytes, slice(&buf.input, dst, size, r)?, &payload)
+                    }
+                    Combine::ReduceCompleteInput => {
+                        let own = slice(&buf.input, dst, size, r)?;
+                        reduce_complete_from(op, dtype, dst_bytes, own, &payload, world)
+                    }
+                };
+                done.map_err(|e| e.to_string())?;
             }
             Action::Copy { src, dst } => {
                 let src_bytes = slice(&buf.input, src, size, r)?.to_vec();

@@ -58,6 +58,9 @@ struct Case {
     algorithm: Algorithm,
     op: ReduceOp,
     seed: u64,
+    /// The ranks (bit r: rank r) that run the out-of-place form, their
+    /// data in `input` (reducing kinds only).
+    out_of_place: u64,
 }
 
 /// Plans every rank, runs them, and compares each rank's result with the
@@ -68,7 +71,9 @@ fn check(case: Case) -> Result<(), String> {
         algorithm,
         op,
         seed,
+        out_of_place,
     } = case;
+    let apart = |r: usize| r < 64 && out_of_place & (1 << r) != 0;
     let Spec {
         kind,
         dtype,
@@ -79,8 +84,12 @@ fn check(case: Case) -> Result<(), String> {
     let size = dtype.size();
     let root = root.unwrap_or(0);
     let plans: Vec<Plan> = (0..world)
-        .map(|r| spec.plan(r, algorithm).map_err(|e| e.to_string()))
-        .collect::<Result<_, _>>()?;
+        .map(|r| match apart(r) {
+            true => spec.plan_out_of_place(r, algorithm),
+            false => spec.plan(r, algorithm),
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
     // Each rank's own data, `count` or `count * world` elements as the kind needs.
     let per_rank = match kind {
         CollectiveKind::Scatter | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => count * world,
@@ -93,6 +102,7 @@ fn check(case: Case) -> Result<(), String> {
         .map(|(r, plan)| {
             let garbage = vec![GARBAGE; plan.output_len() * size];
             let (input, output) = match kind {
+                _ if apart(r) => (own[r].clone(), garbage),
                 CollectiveKind::AllReduce | CollectiveKind::Reduce | CollectiveKind::ReduceScatter => {
                     (Vec::new(), own[r].clone())
                 }
@@ -119,6 +129,9 @@ fn check(case: Case) -> Result<(), String> {
     let block = |r: usize| r * count * size..(r + 1) * count * size;
     let all: Vec<&[u8]> = own.iter().map(Vec::as_slice).collect();
     for (r, buf) in bufs.iter().enumerate() {
+        if apart(r) && buf.input != own[r] {
+            return Err(format!("rank {r}: the out-of-place form changed its input"));
+        }
         let (got, want): (&[u8], Vec<u8>) = match kind {
             CollectiveKind::AllReduce => (&buf.output, reduced(dtype, op, &all)),
             CollectiveKind::Reduce if r == root => (&buf.output, reduced(dtype, op, &all)),
@@ -218,6 +231,7 @@ fn matrix(kind: CollectiveKind, counts: &[usize], stride: usize) -> Vec<Case> {
                             algorithm,
                             op,
                             seed,
+                            out_of_place: 0,
                         });
                     }
                 }
@@ -244,6 +258,92 @@ fn all_reduce_every_algorithm_dtype_and_op() {
 fn reduce_and_reduce_scatter_every_dtype_and_op() {
     every_dtype_and_op(CollectiveKind::Reduce);
     every_dtype_and_op(CollectiveKind::ReduceScatter);
+}
+
+/// Out of place, every rank or every other one (the forms mix), at the
+/// shapes of the in-place tests: the same results, inputs left as they were.
+#[test]
+fn out_of_place_reductions_match_in_place_and_leave_the_input() {
+    for kind in [
+        CollectiveKind::AllReduce,
+        CollectiveKind::Reduce,
+        CollectiveKind::ReduceScatter,
+    ] {
+        for mask in [u64::MAX, 0x5555_5555_5555_5555] {
+            let apart = |cases: Vec<Case>| {
+                cases
+                    .into_iter()
+                    .map(|case| Case {
+                        out_of_place: mask,
+                        ..case
+                    })
+                    .collect::<Vec<_>>()
+            };
+            check_all(apart(matrix(kind, &[7], 3)));
+            check_all(apart(matrix(kind, &[0, 1, 33, 3001], 17)));
+        }
+    }
+}
+
+#[test]
+fn an_out_of_place_ring_reads_the_input_where_in_place_it_copied_nothing() {
+    // World 4, a ring: the first sends read the input, every reduction of
+    // the reduce-scatter takes this rank's values from it, and nothing is
+    // copied over first.
+    let spec = Spec {
+        kind: CollectiveKind::AllReduce,
+        dtype: DType::Float32,
+        count: 1 << 20,
+        root: None,
+        world: 4,
+    };
+    let plan = spec.plan_out_of_place(1, Algorithm::Ring).unwrap();
+    let steps = plan.steps();
+    let count = |f: &dyn Fn(&Action) -> bool| steps.iter().filter(|s| f(&s.action)).count();
+    assert_eq!(plan.input_len(), 1 << 20);
+    assert_eq!(count(&|a| matches!(a, Action::Copy { .. })), 0);
+    let in_place = spec.plan(1, Algorithm::Ring).unwrap();
+    let reductions = in_place
+        .steps()
+        .iter()
+        .filter(|s| {
+            matches!(
+                s.action,
+                Action::Recv {
+                    then: Combine::Reduce | Combine::ReduceComplete,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert!(reductions > 0);
+    assert_eq!(
+        count(&|a| matches!(
+            a,
+            Action::Recv {
+                then: Combine::ReduceInput | Combine::ReduceCompleteInput,
+                ..
+            }
+        )),
+        reductions
+    );
+    assert!(
+        count(&|a| matches!(
+            a,
+            Action::Send {
+                src: Region::Input(_),
+                ..
+            }
+        )) > 0
+    );
+    assert!(matches!(
+        Spec {
+            kind: CollectiveKind::AllGather,
+            ..spec
+        }
+        .plan_out_of_place(0, Algorithm::Ring),
+        Err(PlanError::NotOutOfPlace(CollectiveKind::AllGather))
+    ));
 }
 
 #[test]
@@ -298,6 +398,7 @@ fn several_mib_float32_sum_all_reduce_on_the_ring() {
         algorithm: Algorithm::Ring,
         op: ReduceOp::Sum,
         seed: 7,
+        out_of_place: 0,
     }]);
 }
 
@@ -650,8 +751,9 @@ fn any_case() -> impl Strategy<Value = Case> {
         any::<prop::sample::Index>(),
         any::<prop::sample::Index>(),
         any::<u64>(),
+        any::<u64>(),
     )
-        .prop_map(|(kind, dtype, op, world, count, root, algo, seed)| {
+        .prop_map(|(kind, dtype, op, world, count, root, algo, seed, out_of_place)| {
             let count = if kind == CollectiveKind::Barrier { 0 } else { count };
             Case {
                 spec: Spec {
@@ -664,6 +766,7 @@ fn any_case() -> impl Strategy<Value = Case> {
                 algorithm: *algo.get(kind.algorithms()),
                 op: if kind.reduces() { op } else { ReduceOp::Sum },
                 seed,
+                out_of_place: if kind.reduces() { out_of_place } else { 0 },
             }
         })
 }
