@@ -28,11 +28,15 @@
 //!   than the others had waited in `#n` was on its way to `#n` when a rank
 //!   without a dump ended the wait: it is named as not there yet, not as a
 //!   culprit.
-//! - When every rank entered `#n` and none completed it, the ranks that timed
-//!   out there name the peers whose frames never came (`waiting_for` in their
-//!   entries): those peers are named, unless they timed out waiting for
-//!   someone else themselves (a rank frozen inside a collective still dumps
-//!   once its peers' exits abort it).
+//! - When every rank entered `#n`, the ranks that timed out there name the
+//!   peers whose frames never came (`waiting_for` in their entries): those
+//!   peers are named, unless they completed `#n` or timed out waiting for a
+//!   rank that had not completed it themselves; so is a rank that timed out
+//!   waiting for frames from a rank that completed `#n` (they were sent: a
+//!   rank frozen inside a collective still dumps once its peers' exits
+//!   abort it). Such a finding is
+//!   a cause, so it comes before `#n+1`, which the ranks stuck in `#n` never
+//!   entered.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -412,15 +416,29 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
                     _ => never_entered.push(rank),
                 }
             }
-            // Whom the timed-out ranks waited for, less any rank that itself
-            // timed out waiting for others (a consequence, not the cause).
+            // Whom the timed-out ranks waited for, less the ranks that
+            // completed it (they sent their part) and any rank that itself
+            // timed out waiting for a rank still short of completing it (a
+            // consequence, not the cause). A rank that waited for frames
+            // from a rank that completed it is named too: those frames were
+            // sent, so its own links stalled (a rank frozen inside it).
             let named: Vec<usize> = waiters
                 .iter()
                 .flat_map(|(_, e)| e.waiting_for.iter().copied())
                 .collect();
+            let blocked_on_others = |r: &usize| {
+                waiters
+                    .iter()
+                    .any(|(w, e)| w == r && e.waiting_for.iter().any(|p| !completed.contains(p)))
+            };
+            let stalled = waiters
+                .iter()
+                .filter(|(_, e)| e.waiting_for.iter().any(|p| completed.contains(p)))
+                .map(|(w, _)| *w);
             let mut waited_for: Vec<usize> = named
                 .into_iter()
-                .filter(|r| !waiters.iter().any(|(w, e)| w == r && !e.waiting_for.is_empty()))
+                .filter(|r| !completed.contains(r) && !blocked_on_others(r))
+                .chain(stalled)
                 .collect();
             waited_for.sort_unstable();
             waited_for.dedup();
@@ -440,7 +458,7 @@ fn stuck_collectives(by_rank: &BTreeMap<usize, &RankDump>, missing: &[usize]) ->
     stuck.sort_by_key(|s| {
         let stuck_earlier = |rank: &usize| waits_in.get(rank).is_some_and(|&seq| seq < s.seq);
         (
-            s.never_entered.is_empty() && s.no_dump.is_empty(),
+            s.never_entered.is_empty() && s.no_dump.is_empty() && s.waited_for.is_empty(),
             !s.never_entered.is_empty() && s.never_entered.iter().all(stuck_earlier),
             std::cmp::Reverse(s.waiting.len()),
             s.seq,
@@ -608,7 +626,7 @@ impl fmt::Display for Finding {
                         "{} never entered {what} that {waiting} {verb}",
                         rank_list(&s.never_entered)
                     )?;
-                } else if !s.no_dump.is_empty() || !s.completed.is_empty() {
+                } else if !s.no_dump.is_empty() || (s.waited_for.is_empty() && !s.completed.is_empty()) {
                     write!(f, "{waiting} {verb} {what}")?;
                 } else if !s.waited_for.is_empty() {
                     let timed_out: Vec<usize> = s
@@ -617,12 +635,12 @@ impl fmt::Display for Finding {
                         .copied()
                         .filter(|r| !s.waited_for.contains(r))
                         .collect();
-                    return write!(
+                    write!(
                         f,
                         "{} entered {what} and never sent what {} timed out waiting for (stalled inside it?)",
                         rank_list(&s.waited_for),
                         rank_list(&timed_out)
-                    );
+                    )?;
                 } else {
                     return write!(
                         f,
@@ -1381,6 +1399,52 @@ mod tests {
         let text = dumps[0].encode();
         let parsed = RankDump::parse(&text).unwrap();
         assert_eq!(parsed.entries.last().unwrap().waiting_for, vec![2]);
+    }
+
+    #[test]
+    fn a_rank_frozen_mid_collective_is_named_past_the_one_that_completed_it() {
+        // Rank 2's links froze inside #22: rank 0 timed out waiting for it;
+        // rank 2 timed out waiting for frames rank 1 had sent; rank 1
+        // completed #22 and timed out in #23, which ranks 0 and 2 never
+        // entered because they were stuck in #22.
+        let waits_in_22_for = |peer: usize| {
+            move |r: &mut FlightRecorder| {
+                let id = r.record_scheduled(22, op("all_gather", 13), at(1_000));
+                r.record_started(id, at(1_000));
+                r.record_timed_out(id, at(5_000), "timed out after 4s", vec![peer]);
+            }
+        };
+        let waits_in_23 = |r: &mut FlightRecorder| {
+            let id = r.record_scheduled(22, op("all_gather", 13), at(1_000));
+            r.record_started(id, at(1_000));
+            r.record_completed(id, at(1_001));
+            let id = r.record_scheduled(23, op("gather", 13), at(1_002));
+            r.record_started(id, at(1_002));
+            r.record_timed_out(id, at(5_002), "timed out after 4s", vec![0, 2]);
+        };
+        let dumps = [
+            rank(0, 3, 22, waits_in_22_for(2)),
+            rank(1, 3, 22, waits_in_23),
+            rank(2, 3, 22, waits_in_22_for(1)),
+        ];
+        let report = analyze(&dumps).unwrap();
+        assert_eq!(
+            report.verdict(),
+            "rank 2 entered #22 all_gather(13 x float32) and never sent what rank 0 timed out waiting for (stalled inside it?); rank 1 completed it"
+        );
+        assert_eq!(stuck(&report).waited_for, vec![2]);
+        // Rank 2 also waiting for rank 0, which waits for it: still rank 2,
+        // the one that waited for frames a rank that completed had sent.
+        let dumps = [
+            rank(0, 3, 22, waits_in_22_for(2)),
+            rank(1, 3, 22, waits_in_23),
+            rank(2, 3, 22, |r: &mut FlightRecorder| {
+                let id = r.record_scheduled(22, op("all_gather", 13), at(1_000));
+                r.record_started(id, at(1_000));
+                r.record_timed_out(id, at(5_000), "timed out after 4s", vec![0, 1]);
+            }),
+        ];
+        assert_eq!(stuck(&analyze(&dumps).unwrap()).waited_for, vec![2]);
     }
 
     #[test]
