@@ -53,6 +53,19 @@ async fn several_mib_all_reduce_in_process() {
     .await;
 }
 
+/// Every collective on float32 just past the size from which the driver
+/// copies with non-temporal stores (half the last-level cache), or past 32
+/// MiB where the cache is larger (checking more would cost gigabytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collectives_larger_than_the_cache_in_process() {
+    let bytes = chorus_runtime::collective::streaming_threshold().min(32 << 20);
+    let counts: &'static [usize] = Vec::leak(vec![bytes / 4 + 5]);
+    within(90, "collectives past the streaming threshold", async {
+        check_world(2, &[DType::Float32], counts).await;
+    })
+    .await;
+}
+
 /// An out-of-place all-reduce whose input does not match its output is
 /// refused before anything is sent; the group goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,8 +166,9 @@ async fn a_large_world_checks_signatures_along_its_plan() {
     .await;
 }
 
-/// `chorus launch --nproc-per-node world -- chorus selftest` with `transport`.
-fn selftest_processes(world: usize, transport: &str) {
+/// `chorus launch --nproc-per-node world -- chorus selftest` with `transport`,
+/// more environment and `more` selftest arguments.
+fn selftest_processes(world: usize, transport: &str, env: &[(&str, &str)], more: &[&str]) {
     let mut command = Command::new(CHORUS);
     command
         .args([
@@ -166,9 +180,9 @@ fn selftest_processes(world: usize, transport: &str) {
             "selftest",
             "--timeout",
             "60",
-            "--counts",
-            "0,1,13,2000",
         ])
+        .args(more)
+        .envs(env.iter().copied())
         .env("CHORUS_TRANSPORT", transport);
     let what = format!("selftest of {world} processes over {transport}");
     let output = run(&mut command, 150, &what, Stop::Kill);
@@ -187,14 +201,28 @@ fn selftest_processes(world: usize, transport: &str) {
 #[test]
 fn every_collective_in_separate_processes_over_shared_memory() {
     for world in [2, 3, 5] {
-        selftest_processes(world, "auto");
+        selftest_processes(world, "auto", &[], &["--counts", "0,1,13,2000"]);
     }
+}
+
+/// Each rank writes its peer's ring and its output with non-temporal
+/// stores past the threshold (set to 4 MiB, whatever the cache): every
+/// result still exact.
+#[test]
+fn collectives_larger_than_the_cache_over_shared_memory() {
+    let count = ((4 << 20) / 4 + 5).to_string();
+    selftest_processes(
+        2,
+        "auto",
+        &[(chorus_runtime::collective::STREAMING_THRESHOLD_ENV, "4M")],
+        &["--counts", &count, "--dtypes", "float32"],
+    );
 }
 
 #[test]
 fn every_collective_in_separate_processes_over_quic() {
     for world in [2, 4] {
-        selftest_processes(world, "quic");
+        selftest_processes(world, "quic", &[], &["--counts", "0,1,13,2000"]);
     }
 }
 

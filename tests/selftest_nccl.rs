@@ -72,3 +72,13 @@ fn nccl_selftest_refuses_zero_counts() {
     assert_eq!(output.status.code(), Some(2), "{all}");
     assert!(all.contains("--counts must list element counts of at least 1"), "{all}");
 }
+
+/// `--dtypes` chooses the cpu backend's dtypes; the nccl backend has its
+/// own set, so the flag there is refused, not ignored.
+#[test]
+fn nccl_selftest_refuses_dtypes() {
+    let output = launch_selftest(1, &["--dtypes", "float32"], 60);
+    let all = text(&output);
+    assert_eq!(output.status.code(), Some(2), "{all}");
+    assert!(all.contains("--dtypes is for --backend cpu"), "{all}");
+}

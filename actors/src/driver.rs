@@ -12,7 +12,7 @@
 //!    frame to a peer carries it when every payload to that peer is small;
 //!    either way no data is used before its sender's signature matched.
 //! 2. A step runs once its dependencies have: a copy at once; a send of
-//!    output bytes goes straight into the link ([`Link::poll_send_copy`]),
+//!    output bytes goes straight into the link ([`Link::poll_send_copy_by`]),
 //!    and while the link has no room the step waits, receives still
 //!    served, until the link wakes the loop; on a link that takes no
 //!    borrowed payload it copies its region into a frame (an input region
@@ -26,7 +26,11 @@
 //!    the region waits until the view is released, and the collective
 //!    returns only once every view is;
 //!    a receive once its frame has arrived. An average divides at the
-//!    plan's completing receives when it has them.
+//!    plan's completing receives when it has them. A collective whose
+//!    buffers are larger than half the last-level cache copies (into the
+//!    link, out of a frame, input to output) with non-temporal stores
+//!    ([`copy_streaming`]): its copies would leave the cache before anyone
+//!    read them, and this way they are not read in first.
 //! 3. One receive per peer is pending at a time, polled by the collective
 //!    itself (no task per peer: in a process of many ranks a task and a
 //!    hand-over per frame cost more than the frame), so each peer's frames
@@ -46,7 +50,8 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use chorus_runtime::collective::{
     Action, Combine, ENCODED_LEN, Plan, PlanError, ReduceError, ReduceOp, Region, Signature, SignatureError, StepId,
-    Tag, finalize_avg, reduce_complete_from, reduce_complete_into, reduce_from, reduce_into,
+    Tag, copy_streaming, finalize_avg, reduce_complete_from, reduce_complete_into, reduce_from, reduce_into,
+    streaming_threshold,
 };
 use chorus_transports::link::{ChannelId, Frame, Link, TransportError};
 use futures_util::StreamExt;
@@ -429,6 +434,13 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     let started = Instant::now();
     let deadline = started + timeout;
     let steps = plan.steps();
+    // Data larger than the cache: what this rank copies will have left the
+    // cache before anyone reads it, so copies skip reading it in first.
+    let copy: fn(&mut [u8], &[u8]) = if input.len().max(output.len()) >= streaming_threshold() {
+        copy_streaming
+    } else {
+        <[u8]>::copy_from_slice
+    };
 
     // Frames expected from each peer: its signature, then its data. The
     // peers this collective deals with, sorted: a few, whatever the world.
@@ -560,7 +572,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                             false
                         }
                         Action::Copy { src, dst } => {
-                            output[element(dst)].copy_from_slice(&input[element(src)]);
+                            copy(&mut output[element(dst)], &input[element(src)]);
                             true
                         }
                         Action::Send { to, tag, src } => {
@@ -615,7 +627,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                     (notify.clone(), Waker::from(Arc::new(RoomWaker(notify))))
                                 });
                                 let mut cx = Context::from_waker(waker);
-                                match link.poll_send_copy(&mut cx, channel, tag, bytes) {
+                                match link.poll_send_copy_by(&mut cx, channel, tag, bytes, copy) {
                                     Poll::Ready(Ok(true)) => {
                                         if let Some(peer) = inbox.peer_mut(*to) {
                                             peer.sign = false;
@@ -683,7 +695,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                     }
                                     let op = signature.reduce_op.unwrap_or(ReduceOp::Sum);
                                     match then {
-                                        Combine::Copy => target.copy_from_slice(&payload),
+                                        Combine::Copy => copy(target, &payload),
                                         Combine::Reduce => reduce_into(op, signature.dtype, target, &payload)?,
                                         Combine::ReduceInput => {
                                             reduce_from(op, signature.dtype, target, &input[element(dst)], &payload)?

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use chorus::store::{self, Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
-use chorus::{InitOptions, init_process_group};
+use chorus::{DType, InitOptions, init_process_group};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -54,6 +54,9 @@ enum Commands {
         /// Elements per rank to check, comma-separated [default: 0,1,13,1000 for cpu; 1,4099,1048576 for nccl].
         #[arg(long, value_delimiter = ',')]
         counts: Option<Vec<usize>>,
+        /// Dtypes to check (cpu backend), comma-separated PyTorch names [default: all ten].
+        #[arg(long, value_delimiter = ',')]
+        dtypes: Option<Vec<DType>>,
         /// The backend to check: cpu (every collective and dtype over the mesh) or nccl (one GPU per process, as torchrun starts them; exits 2 where CUDA or NCCL is missing).
         #[arg(long, value_enum, default_value_t)]
         backend: chorus_cli::selftest::SelfTestBackend,
@@ -364,18 +367,29 @@ fn main() -> ExitCode {
             init,
             timeout,
             counts,
+            dtypes,
             backend: chorus_cli::selftest::SelfTestBackend::Cpu,
         } => run_async(selftest(
             init,
             Duration::from_secs(timeout),
             counts.unwrap_or_else(|| vec![0, 1, 13, 1000]),
+            dtypes.unwrap_or_else(|| chorus_cli::selftest::ALL_DTYPES.to_vec()),
         )),
+        Commands::Selftest {
+            dtypes: Some(_),
+            backend: chorus_cli::selftest::SelfTestBackend::Nccl,
+            ..
+        } => {
+            eprintln!("chorus: selftest --backend nccl checks its own dtypes; --dtypes is for --backend cpu");
+            Ok(ExitCode::from(2))
+        }
         // One GPU per process; the probe's message and exit code 2 where
         // CUDA or NCCL is missing, which the launcher reports as the worker's.
         Commands::Selftest {
             init,
             timeout,
             counts,
+            dtypes: None,
             backend: chorus_cli::selftest::SelfTestBackend::Nccl,
         } => run_async(async move {
             use chorus_cli::selftest::nccl;
@@ -507,13 +521,13 @@ async fn check_all_reduce(group: &chorus::ProcessGroup) -> Result<()> {
 }
 
 /// One rank of `chorus selftest`.
-async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<ExitCode> {
+async fn selftest(url: String, timeout: Duration, counts: Vec<usize>, dtypes: Vec<DType>) -> Result<ExitCode> {
     let options = InitOptions::from_url(&url)?
         .timeout(timeout)
         .collective_timeout(timeout);
     let group = init_process_group(options).await?;
     let mut checks = 0;
-    for dtype in chorus_cli::selftest::ALL_DTYPES {
+    for &dtype in &dtypes {
         for &count in &counts {
             checks += chorus_cli::selftest::check_collectives(&group, dtype, count).await?;
         }
@@ -523,7 +537,7 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>) -> Result<
         "selftest: rank {} of {}: {checks} checks passed ({} dtypes, counts {counts:?})",
         group.rank(),
         group.world_size(),
-        chorus_cli::selftest::ALL_DTYPES.len()
+        dtypes.len()
     );
     group.destroy().await?;
     Ok(ExitCode::SUCCESS)

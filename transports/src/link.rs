@@ -246,9 +246,22 @@ pub trait Link: Send + Sync + fmt::Debug {
         tag: u64,
         payload: &[u8],
     ) -> Poll<Result<bool, TransportError>> {
-        match self.poll_send_with(cx, channel, tag, payload.len(), &mut |frame| {
-            frame.copy_from_slice(payload)
-        }) {
+        self.poll_send_copy_by(cx, channel, tag, payload, <[u8]>::copy_from_slice)
+    }
+
+    /// [`poll_send_copy`](Self::poll_send_copy) copying with `copy` where
+    /// the transport's own buffer is written in place: a caller that knows
+    /// the receiver will not find the bytes in cache anyway writes them
+    /// with non-temporal stores.
+    fn poll_send_copy_by(
+        &self,
+        cx: &mut Context<'_>,
+        channel: ChannelId,
+        tag: u64,
+        payload: &[u8],
+        copy: fn(&mut [u8], &[u8]),
+    ) -> Poll<Result<bool, TransportError>> {
+        match self.poll_send_with(cx, channel, tag, payload.len(), &mut |frame| copy(frame, payload)) {
             Poll::Ready(Ok(false)) => Poll::Ready(self.try_send_copy(channel, tag, payload)),
             polled => polled,
         }

@@ -14,6 +14,8 @@
 //!   names.
 //! - `reduce`: [`reduce_into`] and [`finalize_avg`], vectorizable kernels
 //!   over byte buffers of any alignment.
+//! - `copy`: [`copy_streaming`], a copy with non-temporal stores for
+//!   collectives larger than the last-level cache ([`streaming_threshold`]).
 //! - [`plan`]: the schedule representation ([`Plan`], [`Step`], [`Action`])
 //!   and the builder that derives every step's dependencies from the ranges
 //!   it touches.
@@ -30,6 +32,7 @@
 //!   memory, detecting deadlocks, unmatched messages and size mismatches.
 
 mod cache;
+mod copy;
 mod direct;
 mod doubling;
 mod dtype;
@@ -46,6 +49,7 @@ mod sim;
 mod tests;
 
 pub use cache::{PlanCache, PlanKey};
+pub use copy::{STREAMING_MIN_COPY, STREAMING_THRESHOLD_ENV, copy_streaming, parse_cache_size, streaming_threshold};
 pub use dtype::{DType, ParseError, ReduceOp};
 pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
 pub use reduce::{ReduceError, finalize_avg, reduce_complete_from, reduce_complete_into, reduce_from, reduce_into};
