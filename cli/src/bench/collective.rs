@@ -889,7 +889,9 @@ async fn measure(group: &ProcessGroup, spec: &Spec, count: usize) -> Result<Raw>
     }
     // --memory: the peak of the in-place half, where the caller holds one
     // tensor and everything above it is chorus's (the input kept for the
-    // out-of-place half goes first unless --check needs it).
+    // out-of-place half, in both its forms, goes first unless --check
+    // needs it).
+    drop(kept);
     let input = (spec.check || !spec.memory).then_some(input);
     if spec.memory {
         reset_peak_rss();
