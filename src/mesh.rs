@@ -116,9 +116,8 @@ pub(crate) fn faults_from_env(world: usize) -> Result<Option<FaultPlan>, MeshErr
     Ok(plan)
 }
 
-/// Outgoing ring size per peer: the default (a 32 MiB frame in one record)
-/// for up to 8 local peers, less per peer for more, so a rank maps at most
-/// ~256 MiB of rings each way.
+/// Outgoing ring size per peer: a whole 64 MiB bucket in one record for a
+/// few local peers, less per peer for many, so a rank maps at most ~256 MiB.
 fn shm_capacity(local_peers: usize) -> usize {
     let full = ShmOptions::default().capacity;
     (256usize << 20)

@@ -56,17 +56,12 @@
 //!    `[head, head + size)` only once `tail` allows it, then publishes it
 //!    with one `head` store; the reader reads nothing past `head` and the
 //!    writer writes nothing in `[tail, head)`.
-//! 5. A frame whose record fits the ring is one record, handed to a
-//!    receive of its channel without a copy (a `Bytes` over the mapping);
-//!    `tail` passes it once that `Bytes` and all its clones are dropped
-//!    (records released out of order wait for the ones before them). A
-//!    frame read while no receive of its channel is in progress is copied
-//!    out and released at once instead: a frame waiting in its queue for a
-//!    receive that comes later would hold `tail`, and with it everything
-//!    behind it, so a receive of another channel waiting for more than the
-//!    ring holds would never get it. A larger frame is cut into pieces of a
-//!    quarter of the ring, consecutive in the ring, which the receiver
-//!    copies into a reused buffer and releases at once.
+//! 5. A frame whose record fits the ring is one record, handed to the
+//!    receiver without a copy (a `Bytes` over the mapping); `tail` passes it
+//!    once that `Bytes` and all its clones are dropped (records released out
+//!    of order wait for the ones before them). A larger frame is cut into
+//!    pieces of a quarter of the ring, consecutive in the ring, which the
+//!    receiver copies into a reused buffer and releases at once.
 //! 6. Reading: records are read in order and filed into bounded
 //!    per-channel queues by whichever thread reads, under one lock. A
 //!    receive that finds its queue empty reads the ring itself, on its own
@@ -82,10 +77,7 @@
 //!    record whose channel is awaited, or a piece of a frame larger than the
 //!    ring (the rest of the frame needs the room the piece frees). Every
 //!    timeout (the liveness interval, 100 ms by default) checks the peer's
-//!    pid, so a peer that died without closing is an error, not a hang
-//!    (after what it published is read). The watcher reads only when woken,
-//!    so records of a channel nobody awaits wait in the ring for their
-//!    receive (rule 5).
+//!    pid, so a peer that died without closing is an error, not a hang.
 //! 8. Closing raises this side's closed flag in both rings and wakes every
 //!    sleeper; the peer still receives every record published before it.
 //!    A close on purpose ([`Link::close_with`]) first writes its encoded
@@ -116,7 +108,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -247,13 +239,9 @@ pub struct ShmOptions {
 impl Default for ShmOptions {
     fn default() -> Self {
         Self {
-            // A 32 MiB frame (past a 25 MiB gradient bucket, DDP's default)
-            // plus its header is one record, so it reaches the receiver
-            // without a copy; a collective's segments are at most 1 MiB, and
-            // a larger ring only costs memory: both processes keep each
-            // ring resident once used, so a 64 MiB ring put a 64 MiB
-            // all-reduce at 3.2x its tensor in resident memory.
-            capacity: (32 << 20) + (64 << 10),
+            // A 64 MiB frame (a typical gradient bucket) plus its header is
+            // one record, so it reaches the receiver without a copy.
+            capacity: (64 << 20) + (64 << 10),
             max_frame: 1 << 30,
             depth: 16,
             connect_timeout: Duration::from_secs(60),
@@ -864,25 +852,6 @@ impl Drop for RingSlice {
 struct Queue {
     tx: mpsc::Sender<Frame>,
     rx: tokio::sync::Mutex<mpsc::Receiver<Frame>>,
-    /// Receives of this channel in progress: only their frames are filed
-    /// as views of the ring (rule 6).
-    receivers: AtomicUsize,
-}
-
-/// Counts a receive of its channel while it lives.
-struct Receiving<'a>(&'a Queue);
-
-impl<'a> Receiving<'a> {
-    fn new(queue: &'a Queue) -> Self {
-        queue.receivers.fetch_add(1, Ordering::SeqCst);
-        Self(queue)
-    }
-}
-
-impl Drop for Receiving<'_> {
-    fn drop(&mut self) {
-        self.0.receivers.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 /// Reading the inbound ring: the next record's position, the frame being
@@ -962,7 +931,6 @@ impl Shared {
                 Arc::new(Queue {
                     tx,
                     rx: tokio::sync::Mutex::new(rx),
-                    receivers: AtomicUsize::new(0),
                 })
             })
             .clone()
@@ -1321,22 +1289,13 @@ impl Shared {
                 let payload = if len == 0 {
                     ring.release(start, end);
                     Bytes::new()
-                } else if self.queue(channel).receivers.load(Ordering::SeqCst) > 0 {
+                } else {
                     Bytes::from_owner(RingSlice {
                         ring: ring.clone(),
                         start,
                         end,
                         len: len as usize,
                     })
-                } else {
-                    // SAFETY: as for the record header: `start + 64 .. +
-                    // len` is published, contiguous and not written by the
-                    // peer until released below.
-                    let payload = Bytes::copy_from_slice(unsafe {
-                        std::slice::from_raw_parts(ring.at(start).add(RECORD_HEADER), len as usize)
-                    });
-                    ring.release(start, end);
-                    payload
                 };
                 Some(Frame { tag, payload })
             } else {
@@ -1407,17 +1366,9 @@ impl Shared {
     /// the peer closed its side or died, after reading what it published.
     fn watch_inbound(&self) {
         let header = self.inbound.header();
-        // Reads only when woken (or when the peer died): records of
-        // channels nobody awaits stay in the ring for the receive that
-        // comes for them, which takes them without a copy (rule 5). A
-        // receive reads the ring itself before it awaits, so records
-        // published before this thread first waits are not missed.
-        let mut woken = false;
         loop {
             let seq = header.writer.head_seq.load(Ordering::SeqCst);
-            if woken {
-                self.pump();
-            }
+            self.pump();
             if self.failure().is_some() {
                 return;
             }
@@ -1429,15 +1380,10 @@ impl Shared {
                 return;
             }
             let timed_out = futex_wait(&header.writer.head_seq, seq, self.liveness_interval);
-            woken = !timed_out || closed;
             let pid = header.writer_pid.load(Ordering::Relaxed);
-            if timed_out && !alive(pid) {
-                // What it published before it died is still delivered.
-                self.pump();
-                if !self.unread() {
-                    self.fail(self.peer_died(pid), None);
-                    return;
-                }
+            if timed_out && !alive(pid) && !self.unread() {
+                self.fail(self.peer_died(pid), None);
+                return;
             }
         }
     }
@@ -1638,7 +1584,6 @@ impl Link for ShmLink {
         let shared = &self.shared;
         let mut closed = shared.closed.subscribe();
         let queue = shared.queue(channel);
-        let _receiving = Receiving::new(&queue);
         let mut rx = queue.rx.lock().await;
         if let Ok(frame) = rx.try_recv() {
             return Ok(shared.taken(frame));
@@ -1769,21 +1714,12 @@ mod tests {
                 let frame = b.recv(2).await.unwrap();
                 assert_eq!((frame.tag, frame.payload.len()), (1000 + tag, 0));
             }
-            let ring = b.shared.inbound.at(0) as usize..b.shared.inbound.at(0) as usize + (2 << 20);
             for tag in 0..16u64 {
                 let frame = b.recv(1).await.unwrap();
                 assert_eq!(frame.tag, tag);
                 assert_eq!(frame.payload, pattern(100 + tag as usize, 1));
-                // Read while channel 2 was received: copied out (rule 5).
-                assert!(!ring.contains(&(frame.payload.as_ptr() as usize)));
+                assert_eq!(frame.payload.as_ptr() as usize % RECORD_HEADER, 0);
             }
-            // Read for a receive of its own channel: a view of the ring,
-            // 64-byte aligned.
-            a.send(1, 99, pattern(300, 2)).await.unwrap();
-            let frame = b.recv(1).await.unwrap();
-            assert!(ring.contains(&(frame.payload.as_ptr() as usize)));
-            assert_eq!(frame.payload.as_ptr() as usize % RECORD_HEADER, 0);
-            assert_eq!(frame.payload, pattern(300, 2));
             b.send(9, 5, Bytes::from_static(b"back")).await.unwrap();
             assert_eq!(a.recv(9).await.unwrap().payload, Bytes::from_static(b"back"));
             assert_eq!(a.kind(), TransportKind::Shm);
@@ -1791,35 +1727,10 @@ mod tests {
         .await;
     }
 
-    /// Frames filed while nobody receives their channel are copied out of
-    /// the ring, so a frame larger than the ring gets through behind them
-    /// (as views they would hold `tail` and its pieces would never fit).
-    #[tokio::test]
-    async fn frames_nobody_receives_yet_do_not_hold_the_ring() {
-        within(async {
-            let (a, b) = pair(1 << 20).await;
-            for tag in 0..3 {
-                a.send(3, tag, pattern(1000, tag as u8)).await.unwrap();
-            }
-            let sender = tokio::spawn(async move {
-                a.send(4, 9, pattern(5 << 20, 9)).await.unwrap();
-                a
-            });
-            let frame = b.recv(4).await.unwrap();
-            assert!(frame.tag == 9 && frame.payload == pattern(5 << 20, 9));
-            let _a = sender.await.unwrap();
-            for tag in 0..3 {
-                let frame = b.recv(3).await.unwrap();
-                assert_eq!((frame.tag, frame.payload), (tag, pattern(1000, tag as u8)));
-            }
-        })
-        .await;
-    }
-
     #[tokio::test]
     async fn a_64_mib_frame_and_frames_larger_than_the_ring_arrive_intact() {
         within(async {
-            let (a, b) = pair(BIG + (64 << 10)).await;
+            let (a, b) = pair(ShmOptions::default().capacity).await;
             let big = pattern(BIG, 7);
             a.send(0, 1, big.clone()).await.unwrap();
             let frame = b.recv(0).await.unwrap();
