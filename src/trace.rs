@@ -34,9 +34,8 @@
 //!   rank that had not completed it themselves; so is a rank that timed out
 //!   waiting for frames from a rank that completed `#n` (they were sent: a
 //!   rank frozen inside a collective still dumps once its peers' exits
-//!   abort it). Such a finding is
-//!   a cause, so it comes before `#n+1`, which the ranks stuck in `#n` never
-//!   entered.
+//!   abort it). Such a finding is a cause, so it comes before `#n+1`,
+//!   which the ranks stuck in `#n` never entered.
 
 use std::collections::BTreeMap;
 use std::fmt;
