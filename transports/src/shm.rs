@@ -85,6 +85,15 @@
 //!    [`TransportError::PeerClosed`]; a flag without a notice (a cut, a
 //!    dropped link) is a lost link. A ring of another version is a typed
 //!    error when attaching (rule 3).
+//! 9. Frames read but not received (in their channels' queues, or
+//!    waiting for room in one) lie in the ring and hold `tail` back, so
+//!    frames of another channel behind them could wait for room forever
+//!    (a frame larger than the ring, or enough frames to go round it,
+//!    behind a frame its receiver takes only later). When the watcher
+//!    finds the writer sleeping for room and `tail` unmoved for 20 ms with
+//!    such frames in the ring, it copies them out, which releases their
+//!    records. It looks on each wake, at least once per liveness
+//!    interval.
 //!
 //! # Copies and costs
 //! A frame that fits the ring is copied once (sender into the ring);
@@ -94,20 +103,23 @@
 //! on the futex for every such sender and wakes them. The
 //! receiver must drop received payloads promptly: a payload held forever
 //! pins its bytes of the ring, and the sender waits once the ring is full
-//! (the collectives reduce from a payload, then drop it). A channel whose
-//! queue is full stops reading until a receive of it takes a frame, so
-//! frames of other channels behind it wait too (receive every channel you
-//! send on). Small frames cost a receive that comes in time no thread
-//! hand-off; one that waits costs two (the watcher, then the receiving
-//! task), as every frame did when a reader thread read them all. Peer
-//! liveness uses pids: both processes must share a pid namespace.
+//! (the collectives reduce from a payload, then drop it); frames not
+//! received yet are copied out instead when they hold the writer up
+//! (rule 9). A channel whose queue is full stops reading until a receive
+//! of it takes a frame, so frames of other channels behind it wait too
+//! (receive every channel you send on). Small frames cost a receive that
+//! comes in time no thread hand-off; one that waits costs two (the
+//! watcher, then the receiving task), as every frame did when a reader
+//! thread read them all. Peer liveness uses pids: both processes must
+//! share a pid namespace.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -115,7 +127,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, watch};
 
 use crate::link::{ChannelId, CloseNotice, Frame, HEARTBEAT_CHANNEL, Link, SendError, TransportError, TransportKind};
 
@@ -137,6 +149,11 @@ const INLINE_LIMIT: usize = 64 << 10;
 /// before it waits to be woken: a peer a few microseconds behind then
 /// costs no wake-ups (a wake-up costs 10-25 us here, BENCHMARKS 18).
 const RECEIVE_SPIN: Duration = Duration::from_micros(50);
+/// How long the writer may wait for room behind frames read but not
+/// received before they are copied out of the ring (rule 9): long enough
+/// that a receive about to take them usually does, since the copy is then
+/// wasted.
+const UNRECEIVED_GRACE: Duration = Duration::from_millis(20);
 
 /// The ring header, at the start of the file. Every field is an atomic, so
 /// both processes may touch it through shared references.
@@ -732,6 +749,12 @@ impl Ring {
         unsafe { self.map.base.add(self.data_offset + (pos % self.capacity) as usize) }
     }
 
+    /// Whether `ptr` points into the data area (either mapping of it).
+    fn holds(&self, ptr: *const u8) -> bool {
+        let start = self.at(0) as usize;
+        (start..start + 2 * self.capacity as usize).contains(&(ptr as usize))
+    }
+
     /// Bumps both futex words and wakes everyone sleeping on them.
     fn poke(&self) {
         let header = self.header();
@@ -849,9 +872,20 @@ impl Drop for RingSlice {
     }
 }
 
+/// A channel's frames read but not received yet.
+#[derive(Default)]
 struct Queue {
-    tx: mpsc::Sender<Frame>,
-    rx: tokio::sync::Mutex<mpsc::Receiver<Frame>>,
+    frames: Mutex<VecDeque<Frame>>,
+    /// Wakes the receive waiting for the next frame.
+    filed: Notify,
+    /// One receive of a channel at a time, so frames go out in order.
+    receiving: tokio::sync::Mutex<()>,
+}
+
+impl Queue {
+    fn pop(&self) -> Option<Frame> {
+        self.frames.lock().unwrap_or_else(|p| p.into_inner()).pop_front()
+    }
 }
 
 /// Reading the inbound ring: the next record's position, the frame being
@@ -924,16 +958,7 @@ struct RoomWaiters {
 impl Shared {
     fn queue(&self, channel: ChannelId) -> Arc<Queue> {
         let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
-        queues
-            .entry(channel)
-            .or_insert_with(|| {
-                let (tx, rx) = mpsc::channel(self.depth);
-                Arc::new(Queue {
-                    tx,
-                    rx: tokio::sync::Mutex::new(rx),
-                })
-            })
-            .clone()
+        queues.entry(channel).or_default().clone()
     }
 
     fn failure(&self) -> Option<TransportError> {
@@ -1226,11 +1251,15 @@ impl Shared {
     /// Files a frame into its channel's queue; hands it back when the
     /// queue is full.
     fn file(&self, channel: ChannelId, frame: Frame) -> Result<(), Frame> {
-        match self.queue(channel).tx.try_send(frame) {
-            Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Full(frame)) => Err(frame),
-            Err(mpsc::error::TrySendError::Closed(_)) => unreachable!("the queue owns both ends"),
+        let queue = self.queue(channel);
+        let mut frames = queue.frames.lock().unwrap_or_else(|p| p.into_inner());
+        if frames.len() >= self.depth {
+            return Err(frame);
         }
+        frames.push_back(frame);
+        drop(frames);
+        queue.filed.notify_one();
+        Ok(())
     }
 
     /// Reads records in order from `state.pos`, validates them and files
@@ -1366,6 +1395,7 @@ impl Shared {
     /// the peer closed its side or died, after reading what it published.
     fn watch_inbound(&self) {
         let header = self.inbound.header();
+        let mut held_up = None;
         loop {
             let seq = header.writer.head_seq.load(Ordering::SeqCst);
             self.pump();
@@ -1379,13 +1409,82 @@ impl Shared {
                 self.fail(self.peer_closed(&header.writer_notice), None);
                 return;
             }
-            let timed_out = futex_wait(&header.writer.head_seq, seq, self.liveness_interval);
+            let wait = self.free_room_held_by_unreceived(&mut held_up);
+            let timed_out = futex_wait(&header.writer.head_seq, seq, wait);
             let pid = header.writer_pid.load(Ordering::Relaxed);
             if timed_out && !alive(pid) && !self.unread() {
                 self.fail(self.peer_died(pid), None);
                 return;
             }
         }
+    }
+
+    /// Rule 9: once the writer has waited for room for
+    /// [`UNRECEIVED_GRACE`] with `tail` held by frames read but not
+    /// received, copies them out of the ring. `held_up` is `tail` and when
+    /// the wait was first seen; returns how long the watcher may sleep.
+    fn free_room_held_by_unreceived(&self, held_up: &mut Option<(u64, Instant)>) -> Duration {
+        let header = self.inbound.header();
+        let tail = header.reader.tail.load(Ordering::SeqCst);
+        if header.writer.sleeping.load(Ordering::SeqCst) == 0 || !self.holds_unreceived() {
+            *held_up = None;
+            return self.liveness_interval;
+        }
+        match *held_up {
+            Some((since_tail, since)) if since_tail == tail => match UNRECEIVED_GRACE.checked_sub(since.elapsed()) {
+                Some(left) if !left.is_zero() => left,
+                _ => {
+                    self.detach_unreceived();
+                    *held_up = None;
+                    self.liveness_interval
+                }
+            },
+            _ => {
+                *held_up = Some((tail, Instant::now()));
+                UNRECEIVED_GRACE
+            }
+        }
+    }
+
+    /// Whether a frame read but not received still lies in the ring.
+    fn holds_unreceived(&self) -> bool {
+        let in_ring = |frame: &Frame| self.inbound.holds(frame.payload.as_ptr());
+        let queues: Vec<_> = self.queues.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        queues
+            .iter()
+            .any(|queue| queue.frames.lock().unwrap_or_else(|p| p.into_inner()).iter().any(in_ring))
+            || self.with_stalled(|frame| in_ring(frame))
+    }
+
+    /// Copies every frame read but not received out of the ring, which
+    /// releases its record (rule 9).
+    fn detach_unreceived(&self) {
+        let detach = |frame: &mut Frame| {
+            if self.inbound.holds(frame.payload.as_ptr()) {
+                frame.payload = Bytes::copy_from_slice(&frame.payload);
+            }
+        };
+        let queues: Vec<_> = self.queues.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        for queue in queues {
+            queue.frames.lock().unwrap_or_else(|p| p.into_inner()).iter_mut().for_each(detach);
+        }
+        self.with_stalled(|frame| {
+            detach(frame);
+            false
+        });
+    }
+
+    /// Applies `f` to the frame stalled on a full queue, if any; `false`
+    /// without one. Holding the reading lock, it then reads for any
+    /// [`pump`](Self::pump) that found the lock taken meanwhile.
+    fn with_stalled(&self, f: impl FnOnce(&mut Frame) -> bool) -> bool {
+        let mut state = self.reading.lock().unwrap_or_else(|p| p.into_inner());
+        let found = state.stalled.as_mut().is_some_and(|(_, frame)| f(frame));
+        drop(state);
+        if self.pump_wanted.load(Ordering::SeqCst) {
+            self.pump();
+        }
+        found
     }
 
     /// A frame a receive took from its queue: a frame stalled on a full
@@ -1584,8 +1683,8 @@ impl Link for ShmLink {
         let shared = &self.shared;
         let mut closed = shared.closed.subscribe();
         let queue = shared.queue(channel);
-        let mut rx = queue.rx.lock().await;
-        if let Ok(frame) = rx.try_recv() {
+        let _receiving = queue.receiving.lock().await;
+        if let Some(frame) = queue.pop() {
             return Ok(shared.taken(frame));
         }
         // Read the ring on this thread: a frame a few microseconds away
@@ -1595,7 +1694,7 @@ impl Link for ShmLink {
             shared.spin_for_records();
         }
         shared.pump();
-        if let Ok(frame) = rx.try_recv() {
+        if let Some(frame) = queue.pop() {
             return Ok(shared.taken(frame));
         }
         // Nothing yet: the watcher reads for this receive from now on. A
@@ -1603,16 +1702,19 @@ impl Link for ShmLink {
         let _awaiting = shared.await_channel(channel);
         shared.pump();
         loop {
+            // Registered before looking, so a frame filed in between wakes it.
+            let mut filed = pin!(queue.filed.notified());
+            filed.as_mut().enable();
             // Frames filed before a failure are still delivered.
-            if let Ok(frame) = rx.try_recv() {
+            if let Some(frame) = queue.pop() {
                 return Ok(shared.taken(frame));
             }
             if let Some(error) = closed.borrow_and_update().clone() {
                 shared.pump();
-                return rx.try_recv().map(|frame| shared.taken(frame)).map_err(|_| error);
+                return queue.pop().map(|frame| shared.taken(frame)).ok_or(error);
             }
             tokio::select! {
-                frame = rx.recv() => return Ok(shared.taken(frame.expect("the queue owns both ends"))),
+                _ = filed => {}
                 _ = closed.changed() => {}
             }
         }
@@ -1763,6 +1865,50 @@ mod tests {
             assert!(frame.payload == pattern(3 << 20, 9));
         })
         .await;
+    }
+
+    /// Sends three frames on channel 3 that `b` leaves unreceived, then
+    /// `frames` on channel 4 from a task, which need the ring's room.
+    async fn behind_unreceived_frames(frames: Vec<Bytes>) {
+        within(async {
+            let (a, b) = pair(1 << 20).await;
+            for tag in 0..3 {
+                a.send(3, tag, pattern(1000, tag as u8)).await.unwrap();
+            }
+            let sender = tokio::spawn({
+                let frames = frames.clone();
+                async move {
+                    for (tag, frame) in frames.into_iter().enumerate() {
+                        a.send(4, tag as u64, frame).await.unwrap();
+                    }
+                    a
+                }
+            });
+            for (tag, sent) in frames.iter().enumerate() {
+                let frame = tokio::time::timeout(Duration::from_secs(5), b.recv(4))
+                    .await
+                    .unwrap_or_else(|_| panic!("frame {tag} on channel 4 never came: the unreceived frames pin the ring"))
+                    .unwrap();
+                assert_eq!(frame.tag, tag as u64);
+                assert!(frame.payload == *sent);
+            }
+            let _a = sender.await.unwrap();
+            for tag in 0..3 {
+                let frame = b.recv(3).await.unwrap();
+                assert_eq!((frame.tag, frame.payload), (tag, pattern(1000, tag as u8)));
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn unreceived_frames_are_copied_out_when_a_frame_larger_than_the_ring_needs_their_room() {
+        behind_unreceived_frames(vec![pattern(5 << 20, 4)]).await;
+    }
+
+    #[tokio::test]
+    async fn unreceived_frames_are_copied_out_when_later_frames_wrap_the_ring() {
+        behind_unreceived_frames((0..40).map(|seed| pattern(64 << 10, seed)).collect()).await;
     }
 
     #[tokio::test]
