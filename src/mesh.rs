@@ -116,13 +116,19 @@ pub(crate) fn faults_from_env(world: usize) -> Result<Option<FaultPlan>, MeshErr
     Ok(plan)
 }
 
-/// Outgoing ring size per peer: a whole 64 MiB bucket in one record for a
-/// few local peers, less per peer for many, so a rank maps at most ~256 MiB.
+/// Outgoing ring size per peer for a few local peers. Every message of a
+/// collective goes in segments of at most 1 MiB, so the ring only holds how
+/// far a sender runs ahead of its peer: 48 MiB was as fast as 64 MiB for a
+/// 64 MiB all-reduce and 32 MiB was not (BENCHMARKS 21). Both rings of a
+/// link count in each process's resident memory once used.
+const SHM_RING: usize = 48 << 20;
+
+/// Outgoing ring size per peer: [`SHM_RING`] for a few local peers, less
+/// per peer for many, so a rank maps at most ~256 MiB.
 fn shm_capacity(local_peers: usize) -> usize {
-    let full = ShmOptions::default().capacity;
     (256usize << 20)
         .checked_div(local_peers)
-        .map_or(full, |share| share.clamp(4 << 20, full))
+        .map_or(SHM_RING, |share| share.clamp(4 << 20, SHM_RING))
 }
 
 /// This rank's side of the mesh, made before rendezvous.

@@ -403,6 +403,59 @@ fn several_mib_float32_sum_all_reduce_on_the_ring() {
 }
 
 #[test]
+fn direct_messages_of_several_mib_go_in_matching_segments() {
+    // 2.5 MiB of float32 per message: three segments of at most 1 MiB, so
+    // a message streams through a transport buffer smaller than it
+    // (point-to-point messages stay whole: `direct::send`).
+    let count = 5 << 17;
+    let sends = |plan: &Plan| -> Vec<(Tag, usize)> {
+        plan.steps()
+            .iter()
+            .filter_map(|s| match &s.action {
+                Action::Send {
+                    tag,
+                    src: Region::Input(range),
+                    ..
+                } => Some((*tag, range.len())),
+                _ => None,
+            })
+            .collect()
+    };
+    let gather = Spec {
+        kind: CollectiveKind::Gather,
+        dtype: DType::Float32,
+        count,
+        root: Some(1),
+        world: 2,
+    };
+    let sent = sends(&gather.plan(0, Algorithm::Direct).unwrap());
+    assert_eq!(
+        sent,
+        (0..3).map(|s| (Tag::new(0, s), [218454, 218453, 218453][s])).collect::<Vec<_>>()
+    );
+    assert!(sent.iter().all(|&(_, len)| len * 4 <= MAX_SEGMENT_BYTES));
+    for kind in [CollectiveKind::Gather, CollectiveKind::Scatter, CollectiveKind::AllToAll] {
+        check_all([Case {
+            spec: Spec {
+                kind,
+                dtype: DType::Float32,
+                count,
+                root: kind.rooted().then_some(2),
+                world: 3,
+            },
+            algorithm: if kind == CollectiveKind::AllToAll {
+                Algorithm::Pairwise
+            } else {
+                Algorithm::Direct
+            },
+            op: ReduceOp::Sum,
+            seed: 3,
+            out_of_place: 0,
+        }]);
+    }
+}
+
+#[test]
 fn send_meets_recv_for_every_pair() {
     let dtype = DType::Int64;
     for world in 2..=4 {
