@@ -1446,14 +1446,23 @@ impl Shared {
         }
     }
 
+    /// The channels' queues as they are now.
+    fn every_queue(&self) -> Vec<Arc<Queue>> {
+        let queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        queues.values().cloned().collect()
+    }
+
     /// Whether a frame read but not received still lies in the ring.
     fn holds_unreceived(&self) -> bool {
         let in_ring = |frame: &Frame| self.inbound.holds(frame.payload.as_ptr());
-        let queues: Vec<_> = self.queues.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
-        queues
-            .iter()
-            .any(|queue| queue.frames.lock().unwrap_or_else(|p| p.into_inner()).iter().any(in_ring))
-            || self.with_stalled(|frame| in_ring(frame))
+        self.every_queue().iter().any(|queue| {
+            queue
+                .frames
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(in_ring)
+        }) || self.with_stalled(|frame| in_ring(frame))
     }
 
     /// Copies every frame read but not received out of the ring, which
@@ -1464,9 +1473,13 @@ impl Shared {
                 frame.payload = Bytes::copy_from_slice(&frame.payload);
             }
         };
-        let queues: Vec<_> = self.queues.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
-        for queue in queues {
-            queue.frames.lock().unwrap_or_else(|p| p.into_inner()).iter_mut().for_each(detach);
+        for queue in self.every_queue() {
+            queue
+                .frames
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter_mut()
+                .for_each(detach);
         }
         self.with_stalled(|frame| {
             detach(frame);
@@ -1887,7 +1900,9 @@ mod tests {
             for (tag, sent) in frames.iter().enumerate() {
                 let frame = tokio::time::timeout(Duration::from_secs(5), b.recv(4))
                     .await
-                    .unwrap_or_else(|_| panic!("frame {tag} on channel 4 never came: the unreceived frames pin the ring"))
+                    .unwrap_or_else(|_| {
+                        panic!("frame {tag} on channel 4 never came: the unreceived frames pin the ring")
+                    })
                     .unwrap();
                 assert_eq!(frame.tag, tag as u64);
                 assert!(frame.payload == *sent);

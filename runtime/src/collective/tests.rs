@@ -431,10 +431,16 @@ fn direct_messages_of_several_mib_go_in_matching_segments() {
     let sent = sends(&gather.plan(0, Algorithm::Direct).unwrap());
     assert_eq!(
         sent,
-        (0..3).map(|s| (Tag::new(0, s), [218454, 218453, 218453][s])).collect::<Vec<_>>()
+        (0..3)
+            .map(|s| (Tag::new(0, s), [218454, 218453, 218453][s]))
+            .collect::<Vec<_>>()
     );
     assert!(sent.iter().all(|&(_, len)| len * 4 <= MAX_SEGMENT_BYTES));
-    for kind in [CollectiveKind::Gather, CollectiveKind::Scatter, CollectiveKind::AllToAll] {
+    for kind in [
+        CollectiveKind::Gather,
+        CollectiveKind::Scatter,
+        CollectiveKind::AllToAll,
+    ] {
         check_all([Case {
             spec: Spec {
                 kind,
