@@ -42,6 +42,7 @@ down() {
     fi
     for ns in "$a" "$m" "$b"; do ip netns del "$ns" 2>/dev/null || true; done
     if [ -f "$dir/$name.log" ]; then grep -h '^netem: .* forwarded' "$dir/$name.log" >&2 || true; fi
+    rm -f "$dir/$name.log"
 }
 
 case $action in

@@ -368,7 +368,8 @@ fn a_sigkilled_launcher_takes_its_workers_with_it() {
 exec sleep 1000"#,
     );
     let mut command = launch(&["--nproc-per-node", "2"]);
-    command.arg(&worker).env("OUT", dir.path());
+    // Its run directory, which a SIGKILLed launcher cannot remove.
+    command.arg(&worker).env("OUT", dir.path()).env("TMPDIR", dir.path());
     let mut child = command.spawn().unwrap();
     let pids = worker_pids(dir.path(), 2);
     child.kill().unwrap();

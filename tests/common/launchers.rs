@@ -106,6 +106,8 @@ impl Job {
             .env_remove("CHORUS_FAULTS")
             .env_remove("OMP_NUM_THREADS")
             .env("CHORUS", CHORUS)
+            // A launcher SIGKILLed here leaves its run directory behind.
+            .env("TMPDIR", self.out())
             .stdin(Stdio::null())
             .stdout(log("stdout"))
             .stderr(log("stderr"));
