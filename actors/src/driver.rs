@@ -610,24 +610,43 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
                                 Region::Input(r) => &input[element(r)],
                                 Region::Output(r) => &output[element(r)],
                             };
-                            if sign {
-                                signed.clear();
-                                signed.extend_from_slice(&encoded);
-                                signed.extend_from_slice(bytes);
-                                (tag, bytes) = (tag | SIGNED, &signed[..]);
-                            }
                             // Straight from the buffer into the transport
-                            // (one copy, none into a frame), waiting for room
-                            // with the receives still served; a transport
-                            // that takes no borrowed payload gets a frame
-                            // (of the input, without a copy).
+                            // (one copy, none into a frame; the signature
+                            // written in front), waiting for room with the
+                            // receives still served; a transport that takes
+                            // no borrowed payload gets a frame (of the input,
+                            // without a copy, when unsigned).
                             {
                                 let (_, waker) = room.get_or_insert_with(|| {
                                     let notify = Arc::new(Notify::new());
                                     (notify.clone(), Waker::from(Arc::new(RoomWaker(notify))))
                                 });
                                 let mut cx = Context::from_waker(waker);
-                                match link.poll_send_copy_by(&mut cx, channel, tag, bytes, copy) {
+                                let polled = if sign {
+                                    let at = encoded.len();
+                                    let polled = link.poll_send_with(
+                                        &mut cx,
+                                        channel,
+                                        tag | SIGNED,
+                                        at + bytes.len(),
+                                        &mut |frame| {
+                                            frame[..at].copy_from_slice(&encoded);
+                                            copy(&mut frame[at..], bytes);
+                                        },
+                                    );
+                                    if matches!(polled, Poll::Ready(Ok(false))) {
+                                        signed.clear();
+                                        signed.extend_from_slice(&encoded);
+                                        signed.extend_from_slice(bytes);
+                                        (tag, bytes) = (tag | SIGNED, &signed[..]);
+                                        Poll::Ready(link.try_send_copy(channel, tag, bytes))
+                                    } else {
+                                        polled
+                                    }
+                                } else {
+                                    link.poll_send_copy_by(&mut cx, channel, tag, bytes, copy)
+                                };
+                                match polled {
                                     Poll::Ready(Ok(true)) => {
                                         if let Some(peer) = inbox.peer_mut(*to) {
                                             peer.sign = false;
