@@ -62,31 +62,31 @@ pub enum ReduceError {
     EmptyWorld,
 }
 
-/// Dispatches an integer operator to [`combine`] with a closure the compiler
-/// can inline into the loop.
+/// Dispatches an integer operator to `$run` (applied over the buffers)
+/// with a closure the compiler can inline into the loop.
 macro_rules! int_op {
-    ($t:ty, $op:expr, $dst:expr, $src:expr) => {
+    ($t:ty, $op:expr, $run:ident, $($buf:expr),+) => {
         match $op {
-            ReduceOp::Sum | ReduceOp::Avg => combine::<$t>($dst, $src, |a, b| a.wrapping_add(b)),
-            ReduceOp::Prod => combine::<$t>($dst, $src, |a, b| a.wrapping_mul(b)),
-            ReduceOp::Min => combine::<$t>($dst, $src, |a, b| a.min(b)),
-            ReduceOp::Max => combine::<$t>($dst, $src, |a, b| a.max(b)),
-            ReduceOp::BAnd => combine::<$t>($dst, $src, |a, b| a & b),
-            ReduceOp::BOr => combine::<$t>($dst, $src, |a, b| a | b),
-            ReduceOp::BXor => combine::<$t>($dst, $src, |a, b| a ^ b),
+            ReduceOp::Sum | ReduceOp::Avg => $run::<$t>($($buf),+, |a, b| a.wrapping_add(b)),
+            ReduceOp::Prod => $run::<$t>($($buf),+, |a, b| a.wrapping_mul(b)),
+            ReduceOp::Min => $run::<$t>($($buf),+, |a, b| a.min(b)),
+            ReduceOp::Max => $run::<$t>($($buf),+, |a, b| a.max(b)),
+            ReduceOp::BAnd => $run::<$t>($($buf),+, |a, b| a & b),
+            ReduceOp::BOr => $run::<$t>($($buf),+, |a, b| a | b),
+            ReduceOp::BXor => $run::<$t>($($buf),+, |a, b| a ^ b),
         }
     };
 }
 /// Dispatches a float operator (computed in `$acc`) to `$run`, which applies
 /// it over the buffers. Bitwise operators were rejected before.
 macro_rules! float_op {
-    ($acc:ty, $op:expr, $run:path, $dst:expr, $src:expr) => {{
+    ($acc:ty, $op:expr, $run:path, $($buf:expr),+) => {{
         match $op {
-            ReduceOp::Sum | ReduceOp::Avg => $run($dst, $src, |a: $acc, b: $acc| a + b),
-            ReduceOp::Prod => $run($dst, $src, |a: $acc, b: $acc| a * b),
+            ReduceOp::Sum | ReduceOp::Avg => $run($($buf),+, |a: $acc, b: $acc| a + b),
+            ReduceOp::Prod => $run($($buf),+, |a: $acc, b: $acc| a * b),
             // NaN-propagating (torch.minimum); written as selects so it vectorizes.
-            ReduceOp::Min => $run($dst, $src, |a: $acc, b: $acc| if b.is_nan() || b < a { b } else { a }),
-            ReduceOp::Max => $run($dst, $src, |a: $acc, b: $acc| if b.is_nan() || b > a { b } else { a }),
+            ReduceOp::Min => $run($($buf),+, |a: $acc, b: $acc| if b.is_nan() || b < a { b } else { a }),
+            ReduceOp::Max => $run($($buf),+, |a: $acc, b: $acc| if b.is_nan() || b > a { b } else { a }),
             ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => {}
         }
     }};
@@ -108,12 +108,12 @@ pub fn reduce_into(op: ReduceOp, dtype: DType, dst: &mut [u8], src: &[u8]) -> Re
     }
     check_whole(dtype, dst.len())?;
     match dtype {
-        DType::Int8 => int_op!(i8, op, dst, src),
-        DType::UInt8 => int_op!(u8, op, dst, src),
-        DType::Int32 => int_op!(i32, op, dst, src),
-        DType::UInt32 => int_op!(u32, op, dst, src),
-        DType::Int64 => int_op!(i64, op, dst, src),
-        DType::UInt64 => int_op!(u64, op, dst, src),
+        DType::Int8 => int_op!(i8, op, combine, dst, src),
+        DType::UInt8 => int_op!(u8, op, combine, dst, src),
+        DType::Int32 => int_op!(i32, op, combine, dst, src),
+        DType::UInt32 => int_op!(u32, op, combine, dst, src),
+        DType::Int64 => int_op!(i64, op, combine, dst, src),
+        DType::UInt64 => int_op!(u64, op, combine, dst, src),
         DType::Float32 => float_op!(f32, op, combine::<f32>, dst, src),
         DType::Float64 => float_op!(f64, op, combine::<f64>, dst, src),
         DType::Float16 => float_op!(f32, op, combine_half::<f16>, dst, src),
@@ -168,9 +168,34 @@ const FROM_PIECE: usize = 16 << 10;
 
 /// `dst = op(own, src)` element by element: [`reduce_into`] with this
 /// rank's values in `own` rather than in `dst` (an out-of-place plan's
-/// first write of a region), piece by piece.
+/// first write of a region). One pass over the three buffers where they
+/// are aligned for `dtype` and it is not a half-precision type, else
+/// `own` is copied into `dst` a piece at a time and `src` combined in.
 pub fn reduce_from(op: ReduceOp, dtype: DType, dst: &mut [u8], own: &[u8], src: &[u8]) -> Result<(), ReduceError> {
-    in_pieces(dst, own, src, |d, s| reduce_into(op, dtype, d, s))
+    if !op.supports(dtype) {
+        return Err(ReduceError::Unsupported { op, dtype });
+    }
+    for other in [own, src] {
+        if other.len() != dst.len() {
+            return Err(ReduceError::LengthMismatch {
+                dst: dst.len(),
+                src: other.len(),
+            });
+        }
+    }
+    check_whole(dtype, dst.len())?;
+    match dtype {
+        DType::Int8 => int_op!(i8, op, combine_from, dst, own, src),
+        DType::UInt8 => int_op!(u8, op, combine_from, dst, own, src),
+        DType::Int32 => int_op!(i32, op, combine_from, dst, own, src),
+        DType::UInt32 => int_op!(u32, op, combine_from, dst, own, src),
+        DType::Int64 => int_op!(i64, op, combine_from, dst, own, src),
+        DType::UInt64 => int_op!(u64, op, combine_from, dst, own, src),
+        DType::Float32 => float_op!(f32, op, combine_from::<f32>, dst, own, src),
+        DType::Float64 => float_op!(f64, op, combine_from::<f64>, dst, own, src),
+        DType::Float16 | DType::BFloat16 => in_pieces(dst, own, src, |d, s| reduce_into(op, dtype, d, s))?,
+    }
+    Ok(())
 }
 
 /// [`reduce_complete_into`] with this rank's values in `own`, as
@@ -183,6 +208,9 @@ pub fn reduce_complete_from(
     src: &[u8],
     world: usize,
 ) -> Result<(), ReduceError> {
+    if op != ReduceOp::Avg {
+        return reduce_from(op, dtype, dst, own, src);
+    }
     in_pieces(dst, own, src, |d, s| reduce_complete_into(op, dtype, d, s, world))
 }
 
@@ -278,6 +306,30 @@ fn combine<T: Pod>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T + Copy) {
         bytemuck::cast_slice_mut::<T, u8>(b).copy_from_slice(sc);
         zip_with(a, b, f);
         dc.copy_from_slice(bytemuck::cast_slice::<T, u8>(a));
+    }
+}
+
+/// `dst[i] = f(own[i], src[i])` in one pass when all three are aligned for
+/// `T`; otherwise `own` is copied into `dst` a piece at a time and `src`
+/// combined into it ([`combine`]).
+fn combine_from<T: Pod>(dst: &mut [u8], own: &[u8], src: &[u8], f: impl Fn(T, T) -> T + Copy) {
+    if let (Ok(d), Ok(a), Ok(b)) = (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(own),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
+        for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
+            *d = f(*a, *b);
+        }
+        return;
+    }
+    let pieces = dst
+        .chunks_mut(FROM_PIECE)
+        .zip(own.chunks(FROM_PIECE))
+        .zip(src.chunks(FROM_PIECE));
+    for ((dst, own), src) in pieces {
+        dst.copy_from_slice(own);
+        combine::<T>(dst, src, f);
     }
 }
 
@@ -383,19 +435,26 @@ mod tests {
         for dtype in DType::ALL {
             // Two pieces and a bit, so a piece boundary and a short tail occur.
             let n = FROM_PIECE / dtype.size() * 2 + 3;
-            let own = buffer(dtype, &(0..n).map(|i| (i % 7) as i64 - 3).collect::<Vec<_>>());
-            let src = buffer(dtype, &(0..n).map(|i| (i % 5) as i64 - 2).collect::<Vec<_>>());
-            for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(dtype)) {
-                let mut want = own.clone();
-                reduce_into(op, dtype, &mut want, &src).unwrap();
-                let mut got = vec![0x5a; own.len()];
-                reduce_from(op, dtype, &mut got, &own, &src).unwrap();
-                assert_eq!(got, want, "{dtype} {op}");
-                let mut want = own.clone();
-                reduce_complete_into(op, dtype, &mut want, &src, 3).unwrap();
-                let mut got = vec![0x5a; own.len()];
-                reduce_complete_from(op, dtype, &mut got, &own, &src, 3).unwrap();
-                assert_eq!(got, want, "{dtype} {op} completing");
+            let len = n * dtype.size();
+            // Each buffer at offset 0 (the one-pass path, for every dtype
+            // but the half types) and at offset 1 (misaligned: in pieces).
+            for at in [0, 1] {
+                let padded = |values: Vec<u8>| [vec![0x77; at], values].concat();
+                let own = padded(buffer(dtype, &(0..n).map(|i| (i % 7) as i64 - 3).collect::<Vec<_>>()));
+                let src = padded(buffer(dtype, &(0..n).map(|i| (i % 5) as i64 - 2).collect::<Vec<_>>()));
+                let (own, src) = (&own[at..], &src[at..]);
+                for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(dtype)) {
+                    let mut want = own.to_vec();
+                    reduce_into(op, dtype, &mut want, src).unwrap();
+                    let mut got = vec![0x5a; at + len];
+                    reduce_from(op, dtype, &mut got[at..], own, src).unwrap();
+                    assert_eq!(&got[at..], want, "{dtype} {op} at {at}");
+                    let mut want = own.to_vec();
+                    reduce_complete_into(op, dtype, &mut want, src, 3).unwrap();
+                    let mut got = vec![0x5a; at + len];
+                    reduce_complete_from(op, dtype, &mut got[at..], own, src, 3).unwrap();
+                    assert_eq!(&got[at..], want, "{dtype} {op} completing at {at}");
+                }
             }
         }
         let mut dst = [0u8; 8];
