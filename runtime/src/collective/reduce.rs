@@ -172,18 +172,7 @@ const FROM_PIECE: usize = 16 << 10;
 /// are aligned for `dtype` and it is not a half-precision type, else
 /// `own` is copied into `dst` a piece at a time and `src` combined in.
 pub fn reduce_from(op: ReduceOp, dtype: DType, dst: &mut [u8], own: &[u8], src: &[u8]) -> Result<(), ReduceError> {
-    if !op.supports(dtype) {
-        return Err(ReduceError::Unsupported { op, dtype });
-    }
-    for other in [own, src] {
-        if other.len() != dst.len() {
-            return Err(ReduceError::LengthMismatch {
-                dst: dst.len(),
-                src: other.len(),
-            });
-        }
-    }
-    check_whole(dtype, dst.len())?;
+    check_from(op, dtype, dst, own, src)?;
     match dtype {
         DType::Int8 => int_op!(i8, op, combine_from, dst, own, src),
         DType::UInt8 => int_op!(u8, op, combine_from, dst, own, src),
@@ -211,17 +200,32 @@ pub fn reduce_complete_from(
     if op != ReduceOp::Avg {
         return reduce_from(op, dtype, dst, own, src);
     }
-    in_pieces(dst, own, src, |d, s| reduce_complete_into(op, dtype, d, s, world))
+    if world == 0 {
+        return Err(ReduceError::EmptyWorld);
+    }
+    check_from(op, dtype, dst, own, src)?;
+    // One pass for `f32` and `f64`, as in `reduce_complete_into`.
+    match dtype {
+        DType::Float32 => {
+            let w = world as f32;
+            combine_from::<f32>(dst, own, src, move |a, b| (a + b) / w);
+        }
+        DType::Float64 => {
+            let w = world as f64;
+            combine_from::<f64>(dst, own, src, move |a, b| (a + b) / w);
+        }
+        _ => in_pieces(dst, own, src, |d, s| reduce_complete_into(op, dtype, d, s, world))?,
+    }
+    Ok(())
 }
 
-/// Copies `own` into `dst` and combines `src` into it with `combine`, one
-/// [`FROM_PIECE`] at a time.
-fn in_pieces(
-    dst: &mut [u8],
-    own: &[u8],
-    src: &[u8],
-    mut combine: impl FnMut(&mut [u8], &[u8]) -> Result<(), ReduceError>,
-) -> Result<(), ReduceError> {
+/// What [`reduce_from`] and [`reduce_complete_from`] need of their
+/// arguments: an operator `dtype` supports and three buffers of one length
+/// in whole elements.
+fn check_from(op: ReduceOp, dtype: DType, dst: &[u8], own: &[u8], src: &[u8]) -> Result<(), ReduceError> {
+    if !op.supports(dtype) {
+        return Err(ReduceError::Unsupported { op, dtype });
+    }
     for other in [own, src] {
         if other.len() != dst.len() {
             return Err(ReduceError::LengthMismatch {
@@ -230,6 +234,18 @@ fn in_pieces(
             });
         }
     }
+    check_whole(dtype, dst.len())
+}
+
+/// Copies `own` into `dst` (the caller checked they and `src` are of one
+/// length) and combines `src` into it with `combine`, one
+/// [`FROM_PIECE`] at a time.
+fn in_pieces(
+    dst: &mut [u8],
+    own: &[u8],
+    src: &[u8],
+    mut combine: impl FnMut(&mut [u8], &[u8]) -> Result<(), ReduceError>,
+) -> Result<(), ReduceError> {
     let pieces = dst
         .chunks_mut(FROM_PIECE)
         .zip(own.chunks(FROM_PIECE))
