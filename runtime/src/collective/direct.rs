@@ -1,6 +1,6 @@
-//! Schedules with one message per pair: gather and scatter (direct to and
-//! from the root), all-to-all (pairwise exchange), point-to-point send and
-//! receive, and the dissemination barrier.
+//! Schedules with one message per pair (in segments, below): gather and
+//! scatter (direct to and from the root), all-to-all (pairwise exchange),
+//! point-to-point send and receive, and the dissemination barrier.
 //!
 //! Gather and scatter go direct rather than through a tree: a tree would
 //! forward every block `log2 P` times and need scratch on inner ranks, and
