@@ -17,6 +17,8 @@
 //! `P - 1` roundings (about `P * 2^-11` relative error for float16,
 //! `P * 2^-8` for bfloat16). [`finalize_avg`] divides in `f32` and rounds once.
 
+use std::convert::Infallible;
+
 use bytemuck::Pod;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -240,12 +242,12 @@ fn check_from(op: ReduceOp, dtype: DType, dst: &[u8], own: &[u8], src: &[u8]) ->
 /// Copies `own` into `dst` (the caller checked they and `src` are of one
 /// length) and combines `src` into it with `combine`, one
 /// [`FROM_PIECE`] at a time.
-fn in_pieces(
+fn in_pieces<E>(
     dst: &mut [u8],
     own: &[u8],
     src: &[u8],
-    mut combine: impl FnMut(&mut [u8], &[u8]) -> Result<(), ReduceError>,
-) -> Result<(), ReduceError> {
+    mut combine: impl FnMut(&mut [u8], &[u8]) -> Result<(), E>,
+) -> Result<(), E> {
     let pieces = dst
         .chunks_mut(FROM_PIECE)
         .zip(own.chunks(FROM_PIECE))
@@ -339,14 +341,10 @@ fn combine_from<T: Pod>(dst: &mut [u8], own: &[u8], src: &[u8], f: impl Fn(T, T)
         }
         return;
     }
-    let pieces = dst
-        .chunks_mut(FROM_PIECE)
-        .zip(own.chunks(FROM_PIECE))
-        .zip(src.chunks(FROM_PIECE));
-    for ((dst, own), src) in pieces {
-        dst.copy_from_slice(own);
-        combine::<T>(dst, src, f);
-    }
+    let Ok(()) = in_pieces::<Infallible>(dst, own, src, |d, s| {
+        combine::<T>(d, s, f);
+        Ok(())
+    });
 }
 
 /// The loop every path ends in: simple enough for the auto-vectorizer.
