@@ -324,6 +324,18 @@ fn ring_path(dir: &Path, writer_nonce: u64, reader_rank: usize) -> PathBuf {
     dir.join(format!("chorus-{writer_nonce:016x}-to-{reader_rank}"))
 }
 
+/// A record header's fields as bytes (the rest of its 64 bytes is unused):
+/// channel, kind, tag, this record's payload length, the frame's length.
+fn record_header(channel: ChannelId, kind: u32, tag: u64, len: u64, total: u64) -> [u8; 32] {
+    let mut record = [0u8; 32];
+    record[0..4].copy_from_slice(&channel.to_le_bytes());
+    record[4..8].copy_from_slice(&kind.to_le_bytes());
+    record[8..16].copy_from_slice(&tag.to_le_bytes());
+    record[16..24].copy_from_slice(&len.to_le_bytes());
+    record[24..32].copy_from_slice(&total.to_le_bytes());
+    record
+}
+
 fn record_size(payload: usize) -> u64 {
     (RECORD_HEADER + payload).next_multiple_of(RECORD_HEADER) as u64
 }
@@ -1044,7 +1056,9 @@ impl Shared {
         self.closed(format!("rank {} (pid {pid}) died", self.peer))
     }
 
-    /// Where a record of `size` bytes may be written now, if anywhere.
+    /// Where a record of `size` bytes may be written now, if anywhere;
+    /// an empty ring is first skipped to its start (rule 10), which needs
+    /// the writer's lock as a write does.
     fn room(&self, size: u64) -> Result<Option<u64>, TransportError> {
         if let Some(error) = self.write_blocker() {
             return Err(error);
@@ -1067,10 +1081,7 @@ impl Shared {
     /// Publishes a skip record from `head` to `to` (rule 10).
     fn skip_to(&self, head: u64, to: u64) {
         let len = to - head - RECORD_HEADER as u64;
-        let mut record = [0u8; 32];
-        record[4..8].copy_from_slice(&SKIP.to_le_bytes());
-        record[16..24].copy_from_slice(&len.to_le_bytes());
-        record[24..32].copy_from_slice(&len.to_le_bytes());
+        let record = record_header(0, SKIP, 0, len, len);
         // SAFETY: as in `put_with`: `head..to` is free (the caller checked
         // `tail`), and the reader reads nothing past `head`.
         unsafe { std::ptr::copy_nonoverlapping(record.as_ptr(), self.outbound.at(head), record.len()) };
@@ -1122,11 +1133,7 @@ impl Shared {
         len: usize,
         fill: &mut dyn FnMut(&mut [u8]),
     ) {
-        let mut record = [0u8; 32];
-        record[0..4].copy_from_slice(&channel.to_le_bytes());
-        record[8..16].copy_from_slice(&tag.to_le_bytes());
-        record[16..24].copy_from_slice(&(len as u64).to_le_bytes());
-        record[24..32].copy_from_slice(&total.to_le_bytes());
+        let record = record_header(channel, DATA, tag, len as u64, total);
         let at = self.outbound.at(head);
         // SAFETY: the caller found `record_size(len)` bytes free at `head`
         // (`tail` is past them), which the double mapping makes contiguous;
@@ -2321,13 +2328,10 @@ mod tests {
             );
             // A record header (kind, lengths) published alone.
             let forged = |a: &ShmLink, kind: u32, len: u64| {
-                let mut record = [0u8; RECORD_HEADER];
-                record[4..8].copy_from_slice(&kind.to_le_bytes());
-                record[16..24].copy_from_slice(&len.to_le_bytes());
-                record[24..32].copy_from_slice(&len.to_le_bytes());
+                let record = record_header(0, kind, 0, len, len);
                 let ring = &a.shared.outbound;
                 // SAFETY: the ring is empty and only this test writes to it.
-                unsafe { std::ptr::copy_nonoverlapping(record.as_ptr(), ring.at(0), RECORD_HEADER) };
+                unsafe { std::ptr::copy_nonoverlapping(record.as_ptr(), ring.at(0), record.len()) };
                 ring.header().writer.head.store(RECORD_HEADER as u64, Ordering::SeqCst);
                 ring.poke();
             };
