@@ -11,6 +11,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use chorus_actors::buffer::Buffer;
 use chorus_actors::driver::CollectiveError;
 use chorus_actors::rank::Collective;
 use chorus_runtime::collective::{CollectiveKind, DType, ReduceOp};
@@ -78,13 +79,13 @@ fn operation(kind: CollectiveKind, dtype: DType, count: usize) -> Collective {
         root: None,
         op: None,
         input: Bytes::new(),
-        output: Vec::new(),
+        output: Buffer::default(),
         timeout: None,
     }
 }
 
 impl ProcessGroup {
-    fn submit(&self, op: Collective) -> Work<Vec<u8>> {
+    fn submit(&self, op: Collective) -> Work<Buffer> {
         let request = self.actor.send(op);
         Work::new(async move {
             request
@@ -93,11 +94,17 @@ impl ProcessGroup {
         })
     }
 
-    /// Submits `op` and hands its output back as a tensor of its dtype.
-    fn submit_tensor(&self, op: Collective) -> Work<Tensor> {
+    /// Submits `op` as given, its buffers included, and hands its output
+    /// back as a tensor of its dtype: the entry point for bindings, which
+    /// lend their own memory ([`Tensor::from_raw_parts`], then
+    /// [`Tensor::into_shared`] for the input and [`Tensor::into_buffer`]
+    /// for the output) so it is reduced in place. Buffer lengths are
+    /// checked against the operation before anything runs
+    /// ([`CollectiveError::BufferSize`]).
+    pub fn submit_tensor(&self, op: Collective) -> Work<Tensor> {
         let dtype = op.dtype;
         let work = self.submit(op);
-        Work::new(async move { Ok(Tensor::from_bytes(dtype, work.await?)) })
+        Work::new(async move { Ok(Tensor::from_buffer(dtype, work.await?)) })
     }
 
     /// Submits `op`, whose output is of no interest.
@@ -182,7 +189,7 @@ impl ProcessGroup {
     pub fn all_gather(&self, tensor: Tensor) -> Work<Tensor> {
         self.submit_tensor(
             Collective {
-                output: vec![0; tensor.as_bytes().len() * self.world_size()],
+                output: vec![0; tensor.as_bytes().len() * self.world_size()].into(),
                 ..operation(CollectiveKind::AllGather, tensor.dtype(), tensor.len())
             }
             .with_input(tensor),
@@ -200,7 +207,7 @@ impl ProcessGroup {
         self.submit_tensor(
             Collective {
                 root: Some(root),
-                output: vec![0; gathered],
+                output: vec![0; gathered].into(),
                 ..operation(CollectiveKind::Gather, tensor.dtype(), tensor.len())
             }
             .with_input(tensor),
@@ -212,7 +219,7 @@ impl ProcessGroup {
     pub fn scatter(&self, chunks: Option<Tensor>, dtype: DType, count: usize, root: usize) -> Work<Tensor> {
         let scatter = Collective {
             root: Some(root),
-            output: vec![0; count * dtype.size()],
+            output: vec![0; count * dtype.size()].into(),
             ..operation(CollectiveKind::Scatter, dtype, count)
         };
         match (chunks, self.rank() == root) {
@@ -266,7 +273,7 @@ impl ProcessGroup {
         };
         self.submit_tensor(
             Collective {
-                output: vec![0; tensor.as_bytes().len()],
+                output: vec![0; tensor.as_bytes().len()].into(),
                 ..operation(CollectiveKind::AllToAll, tensor.dtype(), count)
             }
             .with_input(tensor),
@@ -293,7 +300,7 @@ impl ProcessGroup {
     pub fn recv(&self, dtype: DType, count: usize, from: usize) -> Work<Tensor> {
         self.submit_tensor(Collective {
             root: Some(from),
-            output: vec![0; count * dtype.size()],
+            output: vec![0; count * dtype.size()].into(),
             ..operation(CollectiveKind::Recv, dtype, count)
         })
     }
@@ -310,14 +317,14 @@ trait Buffers {
 impl Buffers for Collective {
     fn with_input(self, tensor: Tensor) -> Self {
         Collective {
-            input: Bytes::from(tensor.into_bytes()),
+            input: tensor.into_shared(),
             ..self
         }
     }
 
     fn with_output(self, tensor: Tensor) -> Self {
         Collective {
-            output: tensor.into_bytes(),
+            output: tensor.into_buffer(),
             ..self
         }
     }

@@ -462,7 +462,7 @@ impl ElasticGroup {
             None => world_from_env(MAX_WORLD_ENV)?.unwrap_or(config.world_size.max(min_world)),
         };
         let base = Base {
-            single_host: single_host(&config).await,
+            single_host: single_host(&config, options.store_host.as_deref()).await,
             store: opened.store.clone(),
             me: Joiner {
                 old_rank: None,

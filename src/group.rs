@@ -113,6 +113,11 @@ pub struct InitOptions {
     /// The window of the restart budget; `None`: `CHORUS_RESTART_WINDOW`
     /// seconds, else 600 s.
     pub restart_window: Option<Duration>,
+    /// The host a given store ([`InitMethod::Store`]) lives on, e.g. the
+    /// `TCPStore` a PyTorch job already made: it tells whether the job spans
+    /// hosts and which interface reaches them. `None`: the store is in
+    /// this process, so every rank is on this host.
+    pub store_host: Option<String>,
 }
 
 impl Default for InitOptions {
@@ -131,6 +136,7 @@ impl Default for InitOptions {
             last_call: Duration::from_secs(1),
             max_restarts: None,
             restart_window: None,
+            store_host: None,
         }
     }
 }
@@ -329,16 +335,16 @@ pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, In
     let env = |name: &str| std::env::var(name).ok();
     let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
     let opened = rendezvous::open_store(&config, options.timeout).await?;
-    let single_host = single_host(&config).await;
+    let single_host = single_host(&config, options.store_host.as_deref()).await;
     let world = config.world_size;
     form(config, opened, LinkSource::Mesh { single_host, world }, &options).await
 }
 
 /// Whether the whole job is on this host: its store is on loopback, or is
 /// an in-process store.
-pub(crate) async fn single_host(config: &RendezvousConfig) -> bool {
-    match (&config.store, config.master_host()) {
-        (StoreSpec::Given(_), _) => true,
+pub(crate) async fn single_host(config: &RendezvousConfig, store_host: Option<&str>) -> bool {
+    match (&config.store, config.master_host().or(store_host)) {
+        (StoreSpec::Given(_), None) => true,
         (_, Some(host)) => tokio::net::lookup_host((host, 0))
             .await
             .ok()
@@ -357,7 +363,7 @@ pub(crate) async fn form(
     options: &InitOptions,
 ) -> Result<ProcessGroup, InitError> {
     let env = |name: &str| std::env::var(name).ok();
-    let master = match config.master_host() {
+    let master = match config.master_host().or(options.store_host.as_deref()) {
         Some(host) => tokio::net::lookup_host((host, 0))
             .await
             .ok()

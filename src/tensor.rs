@@ -1,7 +1,12 @@
-//! [`Tensor`]: a flat, owned buffer of one dtype, the unit collectives take
-//! and hand back (by ownership: no copy of the caller's buffer beyond what
-//! the algorithm needs).
+//! [`Tensor`]: a flat buffer of one dtype, the unit collectives take and
+//! hand back (by ownership: no copy of the caller's buffer beyond what the
+//! algorithm needs). Its bytes are its own, or memory a binding lends
+//! ([`Tensor::from_raw_parts`]), reduced where it lies.
 
+use std::any::Any;
+
+use bytes::Bytes;
+use chorus_actors::buffer::Buffer;
 use chorus_runtime::collective::DType;
 use half::{bf16, f16};
 use thiserror::Error;
@@ -35,7 +40,7 @@ pub struct DTypeMismatch {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tensor {
     dtype: DType,
-    bytes: Vec<u8>,
+    bytes: Buffer,
 }
 
 impl Tensor {
@@ -43,7 +48,7 @@ impl Tensor {
     pub fn from_slice<T: Element>(values: &[T]) -> Self {
         Self {
             dtype: T::DTYPE,
-            bytes: bytemuck::cast_slice(values).to_vec(),
+            bytes: bytemuck::cast_slice(values).to_vec().into(),
         }
     }
 
@@ -51,7 +56,7 @@ impl Tensor {
     pub fn zeros(dtype: DType, count: usize) -> Self {
         Self {
             dtype,
-            bytes: vec![0; count * dtype.size()],
+            bytes: vec![0; count * dtype.size()].into(),
         }
     }
 
@@ -59,7 +64,48 @@ impl Tensor {
     /// rounded down to whole elements).
     pub fn from_bytes(dtype: DType, mut bytes: Vec<u8>) -> Self {
         bytes.truncate(bytes.len() / dtype.size() * dtype.size());
+        Self {
+            dtype,
+            bytes: bytes.into(),
+        }
+    }
+
+    /// A tensor over `len` bytes at `ptr` that stay where they are: a
+    /// collective reads and writes them in place, and `owner` (which keeps
+    /// them alive, e.g. a reference to a PyTorch tensor) is dropped with the
+    /// last buffer made from them. `len` must be a whole number of elements.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, aligned for
+    /// `dtype` (or `len` must be 0), until `owner` is dropped, and nothing
+    /// else may read or write them meanwhile.
+    pub unsafe fn from_raw_parts(dtype: DType, ptr: *mut u8, len: usize, owner: Box<dyn Any + Send>) -> Self {
+        debug_assert_eq!(len % dtype.size(), 0, "a whole number of {dtype} elements");
+        Self {
+            dtype,
+            // SAFETY: the caller's contract is the buffer's.
+            bytes: unsafe { Buffer::from_raw_parts(ptr, len, owner) },
+        }
+    }
+
+    /// A tensor over a collective's output buffer.
+    pub fn from_buffer(dtype: DType, bytes: Buffer) -> Self {
         Self { dtype, bytes }
+    }
+
+    /// Its buffer, as a collective's output ([`Collective::output`]).
+    ///
+    /// [`Collective::output`]: crate::Collective::output
+    pub fn into_buffer(self) -> Buffer {
+        self.bytes
+    }
+
+    /// Its bytes as a collective's read-only input ([`Collective::input`]),
+    /// without a copy.
+    ///
+    /// [`Collective::input`]: crate::Collective::input
+    pub fn into_shared(self) -> Bytes {
+        self.bytes.into_shared()
     }
 
     /// Its dtype.
@@ -82,9 +128,10 @@ impl Tensor {
         &self.bytes
     }
 
-    /// Its raw bytes, by value.
+    /// Its raw bytes, by value (a copy when they were lent through
+    /// [`Tensor::from_raw_parts`]).
     pub fn into_bytes(self) -> Vec<u8> {
-        self.bytes
+        self.bytes.into_vec()
     }
 
     /// A copy of its elements as `T`.
@@ -95,7 +142,7 @@ impl Tensor {
                 asked: T::DTYPE,
             });
         }
-        Ok(bytemuck::pod_collect_to_vec(&self.bytes))
+        Ok(bytemuck::pod_collect_to_vec(&self.bytes[..]))
     }
 }
 

@@ -1081,7 +1081,7 @@ mod tests {
         let count = 1 << 20;
         let (signature, plans) = ring_all_reduce(count, ReduceOp::Sum);
         let pool = FramePool::default();
-        let mut output = crate::lend::LentOutput::new(1f32.to_le_bytes().repeat(count));
+        let mut output = crate::lend::LentOutput::new(1f32.to_le_bytes().repeat(count).into());
         let lender = output.lender();
         let (_abort, aborts) = watch::channel(None);
         let job = Job {

@@ -18,6 +18,8 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::Notify;
 
+use crate::buffer::Buffer;
+
 #[derive(Default)]
 struct Shared {
     /// Views not yet released.
@@ -25,20 +27,20 @@ struct Shared {
     /// A view was released.
     released: Notify,
     /// The buffer of a [`LentOutput`] that went while views were out.
-    parked: Mutex<Option<Vec<u8>>>,
+    parked: Mutex<Option<Buffer>>,
     /// The buffer went back to its owner: nothing more is lent.
     returned: AtomicBool,
 }
 
 /// A collective's output buffer, lendable to peers in this process.
 pub struct LentOutput {
-    buffer: Vec<u8>,
+    buffer: Buffer,
     shared: Arc<Shared>,
 }
 
 impl LentOutput {
     /// Wraps `buffer`; nothing is lent yet.
-    pub fn new(buffer: Vec<u8>) -> Self {
+    pub fn new(buffer: Buffer) -> Self {
         Self {
             buffer,
             shared: Arc::default(),
@@ -62,7 +64,7 @@ impl LentOutput {
 
     /// The buffer, once every view is released; `None` while one is out
     /// (the buffer then stays parked until it is).
-    pub fn into_inner(mut self) -> Option<Vec<u8>> {
+    pub fn into_inner(mut self) -> Option<Buffer> {
         if self.shared.out.load(Ordering::Acquire) > 0 {
             return None;
         }
@@ -202,7 +204,7 @@ mod tests {
 
     #[test]
     fn a_buffer_dropped_while_lent_stays_readable_until_the_last_view_goes() {
-        let mut output = LentOutput::new(vec![7u8; 1 << 20]);
+        let mut output = LentOutput::new(vec![7u8; 1 << 20].into());
         let lender = output.lender();
         let region = &output.as_mut_slice().unwrap()[4096..8192];
         // SAFETY: nothing writes the buffer in this test.
@@ -224,7 +226,7 @@ mod tests {
 
     #[test]
     fn the_buffer_comes_back_only_once_every_view_is_released() {
-        let mut output = LentOutput::new(vec![1, 2, 3, 4]);
+        let mut output = LentOutput::new(vec![1, 2, 3, 4].into());
         let lender = output.lender();
         let region = &output.as_mut_slice().unwrap()[1..3];
         // SAFETY: nothing writes the buffer in this test.
@@ -242,7 +244,7 @@ mod tests {
         );
         drop(clone);
         let buffer = output.into_inner().unwrap();
-        assert_eq!(buffer, vec![1, 2, 3, 4]);
+        assert_eq!(buffer[..], [1, 2, 3, 4]);
         assert!(
             // SAFETY: as above.
             unsafe { lender.lend(&buffer[..]) }.is_none(),

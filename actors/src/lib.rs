@@ -17,12 +17,15 @@
 //! - [`driver`]: the CPU backend: runs one rank's collective plan (from
 //!   `chorus_runtime::collective`) over its links, with signature exchange
 //!   for desync detection and a deadline.
+//! - [`buffer`]: [`Buffer`](buffer::Buffer), a collective's output: owned, or
+//!   memory its caller lends (a binding's tensor), written in place.
 //! - [`lend`]: regions of a collective's output lent to ranks of this
 //!   process, which read them in place instead of from a copy.
 //! - [`nccl`]: the GPU backend: NCCL through cudarc (loaded at run time,
 //!   probed before use), the unique id exchange through the store, and a
 //!   supervised group (actor, watchdog, abort); rules NC-1..NC-10 in its docs.
 
+pub mod buffer;
 pub mod driver;
 pub mod heartbeat;
 pub mod lend;

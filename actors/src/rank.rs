@@ -44,6 +44,8 @@ use chorus_runtime::collective::{
 };
 use chorus_runtime::flight::{FlightRecorder, write_dump};
 use chorus_transports::link::{ChannelId, Link};
+
+use crate::buffer::Buffer;
 use tracing::Instrument;
 
 use crate::driver::{self, CollectiveError, FramePool, Job};
@@ -97,13 +99,13 @@ pub struct Collective {
     /// The read-only input (empty for in-place collectives).
     pub input: Bytes,
     /// The output buffer, returned with the result.
-    pub output: Vec<u8>,
+    pub output: Buffer,
     /// Overrides the group's timeout for this operation.
     pub timeout: Option<Duration>,
 }
 
 impl Message for Collective {
-    type Result = Result<Vec<u8>, CollectiveError>;
+    type Result = Result<Buffer, CollectiveError>;
 }
 
 /// Sequence number, channel, ranks to announce to, ranks to check.
@@ -272,14 +274,14 @@ impl Actor for RankActor {
 }
 
 impl Handler<Collective> for RankActor {
-    type Result = AtomicResponse<Self, Result<Vec<u8>, CollectiveError>>;
+    type Result = AtomicResponse<Self, Result<Buffer, CollectiveError>>;
 
     fn handle(&mut self, msg: Collective, _ctx: &mut Context<Self>) -> Self::Result {
         let metrics = self.metrics.clone();
         if let Some(metrics) = &metrics {
             metrics.op(msg.kind).started.increment(1);
         }
-        let immediate = |result: Result<Vec<u8>, CollectiveError>| {
+        let immediate = |result: Result<Buffer, CollectiveError>| {
             if let (Some(metrics), Err(_)) = (&metrics, &result) {
                 metrics.op(msg.kind).failed.increment(1);
             }

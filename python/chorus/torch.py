@@ -1,0 +1,448 @@
+"""chorus as a ``torch.distributed`` backend.
+
+Importing this module registers the ``"chorus"`` backend for CPU tensors,
+so unchanged PyTorch code runs on it::
+
+    import chorus.torch  # noqa: F401
+    import torch.distributed as dist
+
+    dist.init_process_group("chorus")  # env://, tcp://, file:// or store=
+    dist.all_reduce(tensor)
+
+Collectives run in chorus (shared memory between ranks on a host, QUIC
+between hosts) on the tensors' own memory: a contiguous CPU tensor is lent
+to the operation in place and kept alive until it ends, and the GIL is
+released while the ranks work. A non-contiguous tensor is refused with a
+``ValueError`` (the result would not land in it); pass ``t.contiguous()``.
+Operations run in the order they are called, as on every torch backend.
+
+Supervision: when a rank dies, freezes or is cut off, every pending and
+later operation of the group raises :class:`chorus.GroupAborted` (a
+``torch.distributed.DistBackendError``) within the heartbeat window
+(``CHORUS_HEARTBEAT_TIMEOUT`` seconds, default 5), naming the rank; ranks
+that call different collectives raise :class:`chorus.DesyncError`.
+
+Differences from Gloo: ``send``/``recv`` tags are not matched (messages
+between two ranks arrive in the order sent), and ``recv`` from any source is
+not offered (name the source rank).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from chorus import _chorus
+from chorus._errors import ChorusError, InvalidArgument
+
+__all__ = ["ChorusProcessGroup", "ChorusWork", "BACKEND"]
+
+BACKEND = "chorus"
+
+_R = dist.ReduceOp.RedOpType
+_OPS = {
+    _R.SUM: "sum",
+    _R.AVG: "avg",
+    _R.PRODUCT: "prod",
+    _R.MIN: "min",
+    _R.MAX: "max",
+    _R.BAND: "band",
+    _R.BOR: "bor",
+    _R.BXOR: "bxor",
+}
+
+
+def _op(reduce_op) -> str:
+    kind = getattr(reduce_op, "op", reduce_op)
+    try:
+        return _OPS[kind]
+    except KeyError:
+        raise InvalidArgument(
+            f"the chorus backend has no reduce op {kind}; it offers SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR"
+        ) from None
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor chorus sees: bool as the bytes it is stored in."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+
+
+def _seconds(timeout) -> Optional[float]:
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    # torch passes a zero or negative timedelta for "no timeout".
+    return seconds if seconds > 0 else None
+
+
+class ChorusWork(dist._Work):
+    """One or more chorus operations in flight, as one torch ``Work``.
+
+    ``finish`` runs once they all succeeded, before ``wait()`` returns and
+    before the future completes (copying results out of scratch buffers for
+    the list forms of the collectives). The future's value is ``result``.
+    """
+
+    def __init__(self, cores: Sequence[_chorus.Work], result, finish: Sequence[Callable[[], None]] = ()):
+        super().__init__()
+        self._cores = list(cores)
+        self._result = result
+        self._finish = list(finish)
+        self._error: Optional[BaseException] = None
+        self._ended = threading.Event()
+        self._left = len(self._cores)
+        self._lock = threading.Lock()
+        self._future: torch.futures.Future = torch.futures.Future()
+        if not self._cores:
+            self._end()
+        for core in self._cores:
+            core.add_done_callback(self._one_done)
+
+    def _one_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._end()
+
+    def _end(self) -> None:
+        for core in self._cores:
+            error = core.exception()
+            if error is not None:
+                self._error = error
+                break
+        if self._error is None:
+            try:
+                for finish in self._finish:
+                    finish()
+            except BaseException as error:  # the caller sees it from wait()
+                self._error = error
+        self._ended.set()
+        if self._error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(self._error)
+
+    def wait(self, timeout=None) -> bool:
+        seconds = _seconds(timeout)
+        for core in self._cores:
+            core.wait(seconds)  # raises the operation's error, or WaitTimeout
+        # The cores ended; the finishing copy runs on the thread that saw the last end.
+        self._ended.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._ended.is_set()
+
+    def is_success(self) -> bool:
+        return self._ended.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self):
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class ChorusProcessGroup(dist.ProcessGroup):
+    """A ``torch.distributed`` process group run by chorus."""
+
+    def __init__(self, core: _chorus.Group, timeout: Optional[float] = None):
+        super().__init__(core.rank, core.world_size)
+        self._core = core
+        self._timeout = timeout
+
+    # -- identity -----------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among the ranks on its host."""
+        return self._core.local_rank
+
+    def shutdown(self) -> None:
+        """Leaves the group on purpose (``destroy_process_group`` calls it):
+        peers see this rank shut down, not fail."""
+        self._core.destroy()
+
+    def abort(self) -> None:
+        self._core.destroy()
+
+    # -- helpers ------------------------------------------------------------
+
+    def _submit(self, kind, count, input=None, output=None, root=None, op=None) -> _chorus.Work:
+        return self._core.submit(
+            kind,
+            count,
+            None if input is None else _raw(input),
+            None if output is None else _raw(output),
+            root,
+            op,
+            self._timeout,
+        )
+
+    def _blocks(self, what: str, tensor: torch.Tensor) -> int:
+        world = self.size()
+        if tensor.numel() % world:
+            raise InvalidArgument(f"{what}: {tensor.numel()} elements do not split into {world} equal blocks")
+        return tensor.numel() // world
+
+    @staticmethod
+    def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise InvalidArgument(f"{what} takes one tensor per rank on the CPU, not {len(tensors)}")
+        return tensors[0]
+
+    # -- all-reduce, broadcast, reduce -------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        cores = [self._submit("all_reduce", t.numel(), output=t, op=op) for t in tensors]
+        return ChorusWork(cores, list(tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        cores = [self._submit("broadcast", t.numel(), output=t, root=root) for t in tensors]
+        return ChorusWork(cores, list(tensors))
+
+    def reduce(self, tensors, opts=None):
+        tensor = self._one(tensors, "reduce")
+        root, op = opts.rootRank, _op(opts.reduceOp)
+        # Ranks other than the root keep their input, as on Gloo: they
+        # reduce a copy (the algorithm leaves partial sums in its buffer).
+        target = tensor if self.rank() == root else tensor.clone()
+        return ChorusWork([self._submit("reduce", tensor.numel(), output=target, root=root, op=op)], [tensor])
+
+    # -- all-gather, gather -------------------------------------------------
+
+    def _check_same(self, what: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
+        if len(tensors) != self.size():
+            raise InvalidArgument(f"{what} needs {self.size()} tensors, one per rank, not {len(tensors)}")
+        for t in tensors:
+            if t.numel() != like.numel() or t.dtype != like.dtype:
+                raise InvalidArgument(
+                    f"{what}: a tensor of {t.numel()} {t.dtype} does not match the input's {like.numel()} {like.dtype}"
+                )
+
+    def _all_gather_list(self, outputs: List[torch.Tensor], tensor: torch.Tensor):
+        """The all-gather into a list: its operation and the copy-out."""
+        self._check_same("all_gather", outputs, tensor)
+        n = tensor.numel()
+        flat = torch.empty(n * self.size(), dtype=tensor.dtype)
+        core = self._submit("all_gather", n, input=tensor, output=flat)
+
+        def finish():
+            for i, out in enumerate(outputs):
+                out.copy_(flat[i * n : (i + 1) * n].view_as(out))
+
+        return core, finish
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        tensor = self._one(input_tensors, "all_gather")
+        core, finish = self._all_gather_list(self._one(output_tensors, "all_gather"), tensor)
+        return ChorusWork([core], output_tensors, [finish])
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        parts = [self._all_gather_list(outs, t) for outs, t in zip(output_lists, input_tensors)]
+        return ChorusWork([c for c, _ in parts], output_lists, [f for _, f in parts])
+
+    def _all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> _chorus.Work:
+        if output.numel() != tensor.numel() * self.size():
+            raise InvalidArgument(
+                f"all_gather_into_tensor: the output has {output.numel()} elements, not "
+                f"{self.size()} x {tensor.numel()}"
+            )
+        return self._submit("all_gather", tensor.numel(), input=tensor, output=output)
+
+    def all_gather_single(self, output, input, opts=None):
+        return ChorusWork([self._all_gather_into(output, input)], [output])
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return ChorusWork([self._all_gather_into(o, i) for o, i in zip(outputs, inputs)], list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        tensor = self._one(input_tensors, "gather")
+        root, n = opts.rootRank, tensor.numel()
+        if self.rank() != root:
+            return ChorusWork([self._submit("gather", n, input=tensor, root=root)], [])
+        outputs = self._one(output_tensors, "gather")
+        self._check_same("gather", outputs, tensor)
+        flat = torch.empty(n * self.size(), dtype=tensor.dtype)
+        core = self._submit("gather", n, input=tensor, output=flat, root=root)
+
+        def finish():
+            for i, out in enumerate(outputs):
+                out.copy_(flat[i * n : (i + 1) * n].view_as(out))
+
+        return ChorusWork([core], output_tensors, [finish])
+
+    def gather_single(self, output, input, opts=None):
+        root = opts.rootRank
+        if self.rank() != root:
+            return ChorusWork([self._submit("gather", input.numel(), input=input, root=root)], [])
+        if output.numel() != input.numel() * self.size():
+            raise InvalidArgument(
+                f"gather_into_tensor: the output has {output.numel()} elements, not {self.size()} x {input.numel()}"
+            )
+        return ChorusWork([self._submit("gather", input.numel(), input=input, output=output, root=root)], [output])
+
+    gather_into_tensor = gather_single
+
+    # -- scatter, reduce-scatter -------------------------------------------
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        output = self._one(output_tensors, "scatter")
+        root = opts.rootRank
+        if self.rank() != root:
+            return ChorusWork([self._submit("scatter", output.numel(), output=output, root=root)], [output])
+        inputs = self._one(input_tensors, "scatter")
+        self._check_same("scatter", inputs, output)
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        return ChorusWork([self._submit("scatter", output.numel(), input=flat, output=output, root=root)], [output])
+
+    def _reduce_scatter_into(self, output: torch.Tensor, flat: torch.Tensor, op: str):
+        """The reduce-scatter of `flat` into `output`: its operation and the copy-out."""
+        n = output.numel()
+        if flat.numel() != n * self.size():
+            raise InvalidArgument(
+                f"reduce_scatter: the input has {flat.numel()} elements, not {self.size()} x {n}"
+            )
+        # Out of place: the input is only read; the rank's block is copied
+        # out of the scratch output.
+        scratch = torch.empty_like(flat)
+        core = self._submit("reduce_scatter", n, input=flat, output=scratch, op=op)
+        start = self.rank() * n
+
+        def finish():
+            output.copy_(scratch[start : start + n].view_as(output))
+
+        return core, finish
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        output = self._one(output_tensors, "reduce_scatter")
+        inputs = self._one(input_tensors, "reduce_scatter")
+        self._check_same("reduce_scatter", inputs, output)
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        core, finish = self._reduce_scatter_into(output, flat, _op(opts.reduceOp))
+        return ChorusWork([core], [output], [finish])
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        core, finish = self._reduce_scatter_into(output, input, _op(opts.reduceOp))
+        return ChorusWork([core], [output], [finish])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op = _op(opts.reduceOp)
+        parts = [self._reduce_scatter_into(o, i, op) for o, i in zip(outputs, inputs)]
+        return ChorusWork([c for c, _ in parts], list(outputs), [f for _, f in parts])
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # -- all-to-all -----------------------------------------------------------
+
+    def _padded_all_to_all(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor]) -> ChorusWork:
+        """All-to-all of blocks of any sizes: every rank pads its blocks to
+        the largest anywhere (agreed by a MAX all-reduce), then copies the
+        received blocks out."""
+        dtype = inputs[0].dtype
+        longest = torch.tensor([max([t.numel() for t in inputs] + [t.numel() for t in outputs])], dtype=torch.int64)
+        self._submit("all_reduce", 1, output=longest, op="max").wait()
+        block = int(longest.item())
+        world = self.size()
+        send = torch.zeros(block * world, dtype=dtype)
+        for i, t in enumerate(inputs):
+            send[i * block : i * block + t.numel()] = t.reshape(-1)
+        received = torch.empty_like(send)
+        core = self._submit("all_to_all", block, input=send, output=received)
+
+        def finish():
+            for i, out in enumerate(outputs):
+                out.copy_(received[i * block : i * block + out.numel()].view_as(out))
+
+        return ChorusWork([core], outputs, [finish])
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        world = self.size()
+        if len(output_tensors) != world or len(input_tensors) != world:
+            raise InvalidArgument(f"all_to_all needs {world} input and {world} output tensors")
+        return self._padded_all_to_all(list(output_tensors), list(input_tensors))
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
+        world = self.size()
+        if not output_split_sizes and not input_split_sizes:
+            count = self._blocks("all_to_all_single", input)
+            if output.numel() != input.numel():
+                raise InvalidArgument(
+                    f"all_to_all_single: the output has {output.numel()} elements, the input {input.numel()}"
+                )
+            return ChorusWork([self._submit("all_to_all", count, input=input, output=output)], [output])
+        ins = _split(input, input_split_sizes, world)
+        outs = _split(output, output_split_sizes, world)
+        return self._padded_all_to_all(outs, ins)
+
+    alltoall_base = all_to_all_single
+
+    # -- barrier, point to point --------------------------------------------
+
+    def barrier(self, opts=None):
+        return ChorusWork([self._submit("barrier", 0)], [])
+
+    def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's name
+        tensor = self._one(tensors, "send")
+        return ChorusWork([self._submit("send", tensor.numel(), input=tensor, root=dstRank)], [tensor])
+
+    def recv(self, tensors, srcRank, tag=0):  # noqa: N803 - torch's name
+        tensor = self._one(tensors, "recv")
+        return ChorusWork([self._submit("recv", tensor.numel(), output=tensor, root=srcRank)], [tensor])
+
+    def recv_anysource(self, tensors, tag=0):
+        raise ChorusError("the chorus backend does not receive from any source: name the source rank in recv()")
+
+
+def _split(tensor: torch.Tensor, sizes, world: int) -> List[torch.Tensor]:
+    """`tensor`'s dim-0 blocks of `sizes` rows (equal blocks when empty)."""
+    if not sizes:
+        sizes = [tensor.shape[0] // world] * world if tensor.dim() > 0 else [0] * world
+    if len(sizes) != world or sum(sizes) != (tensor.shape[0] if tensor.dim() > 0 else 0):
+        raise InvalidArgument(f"all_to_all_single: split sizes {list(sizes)} do not cover the tensor's {tensor.shape[0]} rows")
+    return list(torch.split(tensor, list(sizes)))
+
+
+def _store_host(store) -> Optional[str]:
+    """The host the store torch made lives on (a TCPStore's), else
+    MASTER_ADDR; None when neither says (the store is local)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host = getattr(store, "host", None)
+    return host if host else os.environ.get("MASTER_ADDR")
+
+
+def _create(store, rank: int, world_size: int, timeout) -> ChorusProcessGroup:
+    seconds = _seconds(timeout) or 1800.0
+    core = _chorus.Group.init(store, rank, world_size, seconds, seconds, _store_host(store))
+    return ChorusProcessGroup(core)
+
+
+dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])

@@ -1,0 +1,264 @@
+//! `Group`: one rank's chorus process group, formed through a torch store,
+//! running collectives on CPU tensors where they lie: a contiguous tensor's
+//! memory is lent to the operation (its reference held until the operation
+//! ends) and the GIL is released while the ranks work.
+
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chorus::rendezvous::InitMethod;
+use chorus::{Collective, CollectiveKind, DType, InitOptions, ProcessGroup, ReduceOp, Tensor};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::runtime::runtime;
+use crate::store::TorchStore;
+use crate::work::{Class, Failure, Work};
+
+/// One rank's process group.
+#[pyclass(module = "chorus._chorus", frozen)]
+pub(crate) struct Group {
+    /// `None` once destroyed.
+    group: Mutex<Option<ProcessGroup>>,
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+}
+
+fn seconds(what: &str, value: f64) -> PyResult<Duration> {
+    if value.is_finite() && value > 0.0 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(PyValueError::new_err(format!("{what} must be a positive number of seconds, not {value}")))
+    }
+}
+
+fn invalid(message: String) -> PyErr {
+    Python::attach(|py| Failure::new(Class::InvalidArgument, message).to_err(py))
+}
+
+/// A lent tensor's place in memory, to refuse an input that overlaps the
+/// output (the input is read while the output is written).
+type Span = (usize, usize);
+
+/// `tensor`'s memory as a chorus tensor, in place.
+fn lend(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<(Tensor, Span)> {
+    let device = tensor.getattr("device")?.getattr("type")?.extract::<String>()?;
+    if device != "cpu" {
+        return Err(PyTypeError::new_err(format!(
+            "{what} is on {device}: the chorus backend takes CPU tensors (register it for cpu only, e.g. \
+             backend=\"cpu:chorus,cuda:nccl\")"
+        )));
+    }
+    if !tensor.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(PyValueError::new_err(format!(
+            "{what} is not contiguous: pass tensor.contiguous() (chorus works on the tensor's memory in place, \
+             and a copy would not be written back)"
+        )));
+    }
+    let name = tensor.getattr("dtype")?.str()?.to_string();
+    let dtype = DType::from_str(name.trim_start_matches("torch.")).map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} has dtype {name}, which chorus does not reduce; it takes float16, bfloat16, float32, float64, \
+             int8, uint8, int32, uint32, int64 and uint64"
+        ))
+    })?;
+    let numel = tensor.call_method0("numel")?.extract::<usize>()?;
+    let len = numel * dtype.size();
+    let ptr = tensor.call_method0("data_ptr")?.extract::<usize>()?;
+    if len > 0 && (ptr == 0 || !ptr.is_multiple_of(dtype.size())) {
+        return Err(PyValueError::new_err(format!(
+            "{what}'s memory at {ptr:#x} is not aligned for {dtype}"
+        )));
+    }
+    let owner: Py<PyAny> = tensor.clone().unbind();
+    // SAFETY: a contiguous CPU tensor's `data_ptr()` addresses `numel *
+    // element_size` bytes of its storage, which the tensor reference held
+    // as the owner keeps alive until the operation drops the buffer; the
+    // caller (torch.distributed's contract, as with Gloo) neither reads nor
+    // writes the tensor while the operation runs.
+    let lent = unsafe { Tensor::from_raw_parts(dtype, ptr as *mut u8, len, Box::new(owner)) };
+    Ok((lent, (ptr, ptr + len)))
+}
+
+impl Group {
+    fn with_group<T>(&self, what: &str, f: impl FnOnce(&ProcessGroup) -> T) -> PyResult<T> {
+        let guard = self.group.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref() {
+            Some(group) => Ok(f(group)),
+            None => Err(Python::attach(|py| {
+                Failure::new(
+                    Class::GroupAborted,
+                    format!("{what} on rank {}: the process group was destroyed", self.rank),
+                )
+                .to_err(py)
+            })),
+        }
+    }
+}
+
+#[pymethods]
+impl Group {
+    /// Forms this rank's group through `store` (a `torch.distributed.Store`):
+    /// rendezvous, links to every peer (shared memory on this host, QUIC
+    /// between hosts), supervision. Blocks up to `timeout` seconds with the
+    /// GIL released. `store_host` is the host the store lives on (None: in
+    /// this process), which tells whether the job spans hosts.
+    #[staticmethod]
+    #[pyo3(signature = (store, rank, world_size, timeout, collective_timeout, store_host = None))]
+    fn init(
+        py: Python<'_>,
+        store: Py<PyAny>,
+        rank: usize,
+        world_size: usize,
+        timeout: f64,
+        collective_timeout: f64,
+        store_host: Option<String>,
+    ) -> PyResult<Group> {
+        if world_size == 0 || rank >= world_size {
+            return Err(PyValueError::new_err(format!(
+                "rank {rank} is not in a world of {world_size}: ranks run from 0 to world_size - 1"
+            )));
+        }
+        let store = TorchStore::new(py, store)?;
+        let options = InitOptions {
+            init_method: InitMethod::Store(Arc::new(store)),
+            rank: Some(rank),
+            world_size: Some(world_size),
+            timeout: seconds("timeout", timeout)?,
+            collective_timeout: seconds("collective_timeout", collective_timeout)?,
+            store_host,
+            ..InitOptions::default()
+        };
+        let rt = runtime()?;
+        let formed = py.detach(|| rt.block_on(chorus::init_process_group(options)));
+        let group = formed.map_err(|e| {
+            Failure::new(Class::Backend, format!("chorus could not form the group: {}", chorus::error_report(&e))).to_err(py)
+        })?;
+        Ok(Group {
+            rank: group.rank(),
+            world_size: group.world_size(),
+            local_rank: group.local_rank(),
+            group: Mutex::new(Some(group)),
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// This rank's index among the ranks on its host.
+    #[getter]
+    fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// Submits one collective and returns its `Work` at once; operations
+    /// run in submission order. `kind` is chorus's name (`all_reduce`,
+    /// `broadcast`, `reduce`, `all_gather`, `gather`, `scatter`,
+    /// `reduce_scatter`, `all_to_all`, `barrier`, `send`, `recv`), `count`
+    /// the elements per rank, `input` the read-only input (reducing kinds
+    /// then run out of place), `output` the tensor written in place.
+    #[pyo3(signature = (kind, count, input = None, output = None, root = None, op = None, timeout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        kind: &str,
+        count: usize,
+        input: Option<Bound<'_, PyAny>>,
+        output: Option<Bound<'_, PyAny>>,
+        root: Option<usize>,
+        op: Option<&str>,
+        timeout: Option<f64>,
+    ) -> PyResult<Work> {
+        let kind = CollectiveKind::from_str(kind).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let op = op
+            .map(ReduceOp::from_str)
+            .transpose()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        if let Some(root) = root
+            && root >= self.world_size
+        {
+            return Err(invalid(format!(
+                "{} from rank {root}: the group has ranks 0 to {}",
+                kind.name(),
+                self.world_size - 1
+            )));
+        }
+        let input = input.map(|t| lend(&t, "the input")).transpose()?;
+        let output = output.map(|t| lend(&t, "the output")).transpose()?;
+        if let (Some((i, (a, b))), Some((o, (c, d)))) = (&input, &output)
+            && a < d
+            && c < b
+            && !i.is_empty()
+            && !o.is_empty()
+        {
+            return Err(invalid(format!(
+                "{}: the input and output tensors share memory; pass separate tensors",
+                kind.name()
+            )));
+        }
+        let dtype = match (&input, &output) {
+            (Some((i, _)), Some((o, _))) if i.dtype() != o.dtype() => {
+                return Err(invalid(format!(
+                    "{}: the input is {} but the output {}",
+                    kind.name(),
+                    i.dtype(),
+                    o.dtype()
+                )));
+            }
+            (Some((t, _)), _) | (None, Some((t, _))) => t.dtype(),
+            (None, None) => DType::UInt8,
+        };
+        let collective = Collective {
+            kind,
+            dtype,
+            count,
+            root,
+            op,
+            input: input.map(|(t, _)| t.into_shared()).unwrap_or_default(),
+            output: output.map(|(t, _)| t.into_buffer()).unwrap_or_default(),
+            timeout,
+        };
+        let rt = runtime()?;
+        let (pending, failures) = self.with_group(kind.name(), |group| {
+            let _enter = rt.enter();
+            (group.submit_tensor(collective), group.failures())
+        })?;
+        let (work, state) = Work::pending();
+        rt.spawn(async move {
+            let result = pending.await;
+            state.complete(result.map(drop).map_err(|e| Failure::from_collective(&e, &failures)));
+        });
+        Ok(work)
+    }
+
+    /// Leaves the group on purpose: peers see this rank shut down, not
+    /// fail. Blocks (GIL released) until the links are closed. Later calls
+    /// do nothing.
+    fn destroy(&self, py: Python<'_>) -> PyResult<()> {
+        let group = self.group.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(group) = group {
+            let rt = runtime()?;
+            py.detach(|| rt.block_on(group.destroy())).map_err(|e| {
+                Failure::new(Class::Backend, format!("destroying the group: {}", chorus::error_report(&e))).to_err(py)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Whether the group is still formed (not destroyed).
+    fn is_alive(&self) -> bool {
+        self.group.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+}

@@ -1,0 +1,33 @@
+//! `chorus._chorus`: the extension module of the `chorus` Python package, a
+//! thin binding of the chorus library. The package's Python half
+//! (`python/chorus/`) maps `torch.distributed`'s calls onto it; everything
+//! that moves bytes, supervises or recovers stays in the Rust library.
+//!
+//! # Layout
+//! - [`group`]: `Group`, one rank's process group: forming it through a
+//!   torch store, submitting collectives over tensors lent in place,
+//!   destroying it.
+//! - [`work`]: `Work`, an operation in flight: wait with a timeout, poll,
+//!   done-callbacks (what torch's futures hang on), errors raised as the
+//!   package's exception classes.
+//! - [`store`]: chorus's `Store` over a `torch.distributed.Store` object,
+//!   so ranks meet through whatever store torch made (TCP, file, hash,
+//!   prefixed).
+//! - [`runtime`]: the process's tokio runtime, which drives every
+//!   operation's completion.
+
+mod group;
+mod runtime;
+mod store;
+mod work;
+
+use pyo3::prelude::*;
+
+/// The extension module.
+#[pymodule]
+fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<group::Group>()?;
+    m.add_class::<work::Work>()?;
+    Ok(())
+}
