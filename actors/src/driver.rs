@@ -1042,7 +1042,8 @@ mod tests {
                 crate::lend::LentOutput::new(
                     (0..count)
                         .flat_map(|i| ((i % 1000 + rank * 1000) as f32).to_le_bytes())
-                        .collect(),
+                        .collect::<Vec<u8>>()
+                        .into(),
                 )
             });
             let lenders = outputs.each_ref().map(|o| o.lender());

@@ -16,6 +16,9 @@ use crate::runtime::runtime;
 use crate::store::TorchStore;
 use crate::work::{Class, Failure, Work};
 
+/// How long `destroy` waits for the other ranks to destroy the group too.
+const LEAVE_BARRIER: Duration = Duration::from_secs(30);
+
 /// One rank's process group.
 #[pyclass(module = "chorus._chorus", frozen)]
 pub(crate) struct Group {
@@ -243,16 +246,23 @@ impl Group {
         Ok(work)
     }
 
-    /// Leaves the group on purpose: peers see this rank shut down, not
-    /// fail. Blocks (GIL released) until the links are closed. Later calls
-    /// do nothing.
+    /// Leaves the group on purpose (`destroy_process_group`): a barrier over
+    /// the links first, so every rank has finished its operations, then a
+    /// shutdown that peers see as a departure, not a failure. Needs no
+    /// store: torch's store may already be gone with rank 0. Blocks (GIL
+    /// released) at most `LEAVE_BARRIER` for late peers; later calls do
+    /// nothing.
     fn destroy(&self, py: Python<'_>) -> PyResult<()> {
         let group = self.group.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(group) = group {
             let rt = runtime()?;
-            py.detach(|| rt.block_on(group.destroy())).map_err(|e| {
-                Failure::new(Class::Backend, format!("destroying the group: {}", chorus::error_report(&e))).to_err(py)
-            })?;
+            py.detach(|| {
+                rt.block_on(async move {
+                    // A failed or late barrier changes nothing: this rank leaves either way.
+                    let _ = group.barrier().wait(LEAVE_BARRIER).await;
+                    group.shutdown("the process group was destroyed").await;
+                })
+            });
         }
         Ok(())
     }
