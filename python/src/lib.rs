@@ -4,16 +4,16 @@
 //! that moves bytes, supervises or recovers stays in the Rust library.
 //!
 //! # Layout
-//! - [`group`]: `Group`, one rank's process group: forming it through a
+//! - `group`: `Group`, one rank's process group: forming it through a
 //!   torch store, submitting collectives over tensors lent in place,
 //!   destroying it.
-//! - [`work`]: `Work`, an operation in flight: wait with a timeout, poll,
+//! - `work`: `Work`, an operation in flight: wait with a timeout, poll,
 //!   done-callbacks (what torch's futures hang on), errors raised as the
 //!   package's exception classes.
-//! - [`store`]: chorus's `Store` over a `torch.distributed.Store` object,
+//! - `store`: chorus's `Store` over a `torch.distributed.Store` object,
 //!   so ranks meet through whatever store torch made (TCP, file, hash,
 //!   prefixed).
-//! - [`runtime`]: the process's tokio runtime, which drives every
+//! - `runtime`: the process's tokio runtime, which drives every
 //!   operation's completion.
 
 mod group;
