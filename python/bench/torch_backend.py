@@ -40,8 +40,8 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     sweep = []
-    size = 8
-    while size <= max_bytes:
+    sizes = [8 << (2 * k) for k in range(30) if 8 << (2 * k) < max_bytes] + [max_bytes]
+    for size in sizes:
         t = torch.ones(size // 4)
         reps = max(3, min(iters, (64 << 20) // size))
         for _ in range(2):
@@ -56,7 +56,6 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
         dist.all_reduce(t)
         wrong = int((t != world).sum().item())
         sweep.append({"bytes": size, "us": statistics.median(times) * 1e6, "wrong": wrong})
-        size *= 4
 
     # DDP: 8 layers of 1 Mi parameters (32 MiB of gradients); the backward
     # pass is cheap, so the exposed sync dominates what remains.
