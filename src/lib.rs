@@ -75,6 +75,11 @@ pub struct GpuDoctests;
 
 /// See [`EmbeddingDoctests`].
 #[cfg(doctest)]
+#[doc = include_str!("../docs/supervision.md")]
+pub struct SupervisionDoctests;
+
+/// See [`EmbeddingDoctests`].
+#[cfg(doctest)]
 #[doc = include_str!("../docs/training.md")]
 pub struct TrainingDoctests;
 
