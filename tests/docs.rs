@@ -82,7 +82,8 @@ fn string_literals(source: &str) -> Vec<String> {
                     i += 1;
                 }
             }
-        } else if c == 'r' && (i == 0 || !ident(chars[i - 1]) || matches!(chars[i - 1], 'b' | 'c'))
+        } else if c == 'r'
+            && (i == 0 || !ident(chars[i - 1]) || matches!(chars[i - 1], 'b' | 'c'))
             && matches!(next, Some('"' | '#'))
         {
             // A raw string: r"..." or r#"..."# (also br and cr).
@@ -155,7 +156,10 @@ fn variables_in(text: &str) -> Vec<String> {
             .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
             .unwrap_or(tail.len());
         let name = tail[..len].trim_end_matches('_');
-        let preceded = text[..before].chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_');
+        let preceded = text[..before]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_alphanumeric() || c == '_');
         if !name.is_empty() && !preceded {
             found.push(format!("{PREFIX}{name}"));
         }
@@ -173,7 +177,10 @@ fn table_variables() -> BTreeSet<String> {
             continue;
         };
         if cell.starts_with(PREFIX) {
-            assert!(rows.insert(cell.to_string()), "docs/environment.md: {cell} has two rows");
+            assert!(
+                rows.insert(cell.to_string()),
+                "docs/environment.md: {cell} has two rows"
+            );
         }
     }
     rows
@@ -190,12 +197,21 @@ fn the_environment_table_lists_every_variable_the_code_reads_and_no_other() {
             }
         }
     }
-    assert!(in_code.len() >= 20, "the scan found too few variables: {:?}", in_code.keys());
+    assert!(
+        in_code.len() >= 20,
+        "the scan found too few variables: {:?}",
+        in_code.keys()
+    );
     let table = table_variables();
     let missing: Vec<String> = in_code
         .iter()
         .filter(|(name, _)| !table.contains(*name))
-        .map(|(name, files)| format!("{name} (named in {})", files.iter().cloned().collect::<Vec<_>>().join(", ")))
+        .map(|(name, files)| {
+            format!(
+                "{name} (named in {})",
+                files.iter().cloned().collect::<Vec<_>>().join(", ")
+            )
+        })
         .collect();
     let unread: Vec<&String> = table.iter().filter(|name| !in_code.contains_key(*name)).collect();
     assert!(
@@ -271,7 +287,9 @@ fn link_targets(line: &str) -> Vec<String> {
 }
 
 fn is_written_elsewhere(name: &str) -> bool {
-    WRITTEN_ELSEWHERE.iter().any(|(file, _)| name == *file || name.ends_with(&format!("/{file}")))
+    WRITTEN_ELSEWHERE
+        .iter()
+        .any(|(file, _)| name == *file || name.ends_with(&format!("/{file}")))
 }
 
 #[test]
@@ -309,7 +327,10 @@ fn every_relative_link_in_the_markdown_resolves() {
                     match anchors.get(&resolved) {
                         Some(known) if known.contains(fragment) => {}
                         Some(_) => broken.push(format!("{}: {target}: no such heading", relative(path))),
-                        None => broken.push(format!("{}: {target}: an anchor into a file that is not Markdown", relative(path))),
+                        None => broken.push(format!(
+                            "{}: {target}: an anchor into a file that is not Markdown",
+                            relative(path)
+                        )),
                     }
                 }
             }
@@ -330,7 +351,9 @@ fn markdown_names(text: &str) -> Vec<String> {
             let name_start = text[..start]
                 .rfind(|c: char| !(c.is_alphanumeric() || matches!(c, '_' | '-' | '/' | '.')))
                 .map_or(0, |i| i + 1);
-            let name = text[name_start..start + 3].trim_start_matches("./").trim_start_matches("../");
+            let name = text[name_start..start + 3]
+                .trim_start_matches("./")
+                .trim_start_matches("../");
             if name.len() > 3 && !name.starts_with('/') && !name.starts_with('.') {
                 names.push(name.to_string());
             }
