@@ -62,6 +62,27 @@
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+/// The user guide's code blocks (`docs/`), compiled and run as the README's
+/// are; `tests/docs.rs` checks that every page with Rust code is here.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/embedding.md")]
+pub struct EmbeddingDoctests;
+
+/// See [`EmbeddingDoctests`].
+#[cfg(doctest)]
+#[doc = include_str!("../docs/gpu.md")]
+pub struct GpuDoctests;
+
+/// See [`EmbeddingDoctests`].
+#[cfg(doctest)]
+#[doc = include_str!("../docs/supervision.md")]
+pub struct SupervisionDoctests;
+
+/// See [`EmbeddingDoctests`].
+#[cfg(doctest)]
+#[doc = include_str!("../docs/training.md")]
+pub struct TrainingDoctests;
+
 pub mod collectives;
 pub mod elastic;
 pub mod elastic_nccl;

@@ -1,4 +1,4 @@
-//! Fault injection as a user meets it: the README's `CHORUS_FAULTS` example
+//! Fault injection as a user meets it: the `CHORUS_FAULTS` example of docs/faults.md
 //! under real rank processes, and `chorus::spawn` (ranks in one process)
 //! honouring and checking `CHORUS_FAULTS` and `CHORUS_TRANSPORT` as rank
 //! processes do, also at 20 ranks (the tree all-reduce) with a rank killed
@@ -166,7 +166,7 @@ fn a_rank_process_refuses_a_fault_rule_for_a_rank_outside_the_world() {
     assert_eq!(text.matches("bad fault rule").count(), 1, "said once: {text}");
 }
 
-/// The README's example: a link that loses a frame breaks (the streams are
+/// docs/faults.md's example: a link that loses a frame breaks (the streams are
 /// reliable), and a rank dies; either way the job ends in a failure every
 /// rank detects, within seconds, not at the 30-minute collective timeout.
 #[test]
@@ -192,7 +192,7 @@ fn the_readme_fault_example_ends_in_a_detected_failure() {
             .env_remove("CHORUS_TRANSPORT")
             .env_remove("CHORUS_HEARTBEAT_TIMEOUT"),
         60,
-        "chorus launch with the README's faults",
+        "chorus launch with docs/faults.md's faults",
         LAUNCHER,
     );
     let took = started.elapsed();

@@ -114,7 +114,7 @@ impl BenchOp {
         bytes / (dtype.size() * if self.size_counts_ranks() { world } else { 1 })
     }
 
-    /// busbw / algbw (CONVENTIONS.md section 4).
+    /// busbw / algbw (docs/conventions.md, "nccl-tests output").
     pub fn bus_factor(self, world: usize) -> f64 {
         let n = world as f64;
         match self {

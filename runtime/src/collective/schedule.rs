@@ -17,7 +17,7 @@ pub const MAX_SEGMENT_BYTES: usize = 1 << 20;
 pub const MIN_SEGMENTS_PER_CHUNK: usize = 2;
 
 /// All-reduces up to this size use recursive doubling: `log2 P` latencies,
-/// each moving the whole buffer. On the loopback figures in DESIGN.md (about
+/// each moving the whole buffer. On the early loopback figures (about
 /// 70 us per message, 1-3 GB/s) the whole-buffer cost overtakes the extra
 /// `log2 P` latencies of halving-doubling around 100-500 KiB at `P = 8`; this
 /// stays below that until measured on real links.
