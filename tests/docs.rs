@@ -17,13 +17,6 @@ const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 /// The variables' prefix, spelled so that this file names no variable itself.
 const PREFIX: &str = concat!("CHORUS", "_");
 
-/// Files named in the text but written elsewhere, each with the reason.
-/// An entry here is a promise; delete it once the file is in.
-const WRITTEN_ELSEWHERE: &[(&str, &str)] = &[(
-    "docs/python.md",
-    "the Python package's page, written with the package (python/)",
-)];
-
 /// Every file under the root with one of `extensions`, outside build
 /// output, hidden directories and nested checkouts.
 fn files(extensions: &[&str]) -> Vec<PathBuf> {
@@ -286,12 +279,6 @@ fn link_targets(line: &str) -> Vec<String> {
     targets
 }
 
-fn is_written_elsewhere(name: &str) -> bool {
-    WRITTEN_ELSEWHERE
-        .iter()
-        .any(|(file, _)| name == *file || name.ends_with(&format!("/{file}")))
-}
-
 #[test]
 fn every_relative_link_in_the_markdown_resolves() {
     let markdown = files(&["md"]);
@@ -316,9 +303,6 @@ fn every_relative_link_in_the_markdown_resolves() {
                 } else {
                     path.parent().unwrap().join(file)
                 };
-                if is_written_elsewhere(file) {
-                    continue;
-                }
                 let Ok(resolved) = resolved.canonicalize() else {
                     broken.push(format!("{}: {target}: no such file", relative(path)));
                     continue;
@@ -377,8 +361,7 @@ fn every_markdown_file_the_repository_names_is_in_it() {
         for name in markdown_names(&text) {
             let found = root.join(&name).exists()
                 || path.parent().unwrap().join(&name).exists()
-                || (!name.contains('/') && basenames.contains(&name))
-                || is_written_elsewhere(&name);
+                || (!name.contains('/') && basenames.contains(&name));
             if !found {
                 missing.push(format!("{}: {name}", relative(&path)));
             }

@@ -446,3 +446,7 @@ def _create(store, rank: int, world_size: int, timeout) -> ChorusProcessGroup:
 
 
 dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+
+from chorus._manager import Manager, Step  # noqa: E402  (after the backend's registration)
+
+__all__ += ["Manager", "Step"]

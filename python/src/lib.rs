@@ -13,10 +13,14 @@
 //! - `store`: chorus's `Store` over a `torch.distributed.Store` object,
 //!   so ranks meet through whatever store torch made (TCP, file, hash,
 //!   prefixed).
+//! - `manager`: `Trainer`, chorus's elastic training loop (per-step
+//!   commit, live state transfer to joiners) over a torch model and
+//!   optimizer whose tensors are the state, read and written in place.
 //! - `runtime`: the process's tokio runtime, which drives every
 //!   operation's completion.
 
 mod group;
+mod manager;
 mod runtime;
 mod store;
 mod work;
@@ -29,5 +33,6 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<group::Group>()?;
     m.add_class::<work::Work>()?;
+    m.add_class::<manager::Trainer>()?;
     Ok(())
 }

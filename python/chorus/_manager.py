@@ -1,0 +1,185 @@
+"""Fault-tolerant training of a torch model on chorus's elastic layer."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from chorus import _chorus
+
+
+@dataclass(frozen=True)
+class Step:
+    """The step a member computes."""
+
+    step: int
+    """The committed step it becomes (pick the data and the learning rate from it)."""
+    rank: int
+    world_size: int
+    generation: int
+    global_batch: int
+    grad_scale: float
+    shard: range
+    """This member's samples: positions within the step's global batch."""
+
+
+class Manager:
+    """Trains a torch model fault-tolerantly, the job torchft's ``Manager``
+    does, on chorus's elastic layer (run it under ``chorus launch
+    --restart-policy worker``).
+
+    Every step is committed only when every member's gradient sync
+    succeeded (a vote), so survivors never roll back. When a member dies,
+    freezes or is cut off, the others re-form within the heartbeat window
+    and go on (as a smaller group when ``min_world`` allows: the global
+    batch is re-split); a relaunched or new worker joins at a step boundary
+    and receives the model's parameters, the optimizer's state tensors and
+    ``extra_state`` live from the survivors over the mesh (chunked,
+    striped over every source, checksummed), with no checkpoint file.
+
+    Modes: ``"ddp"`` (gradients summed every step), ``"local-sgd"``
+    (parameters averaged every ``every`` steps), ``"diloco"`` (an outer
+    Nesterov step every ``every`` steps; ``fragments`` > 1 streams it).
+
+    The model's parameters and the optimizer's state must be float32 CPU
+    tensors. The optimizer's state is created at construction (one step of
+    zero gradients, then the parameters restored and step counters reset),
+    so that every member, a joiner too, holds the same entries.
+    ``extra_state`` is any object with ``state_dict()`` and
+    ``load_state_dict()`` (a data position, an RNG, a scheduler), moved with
+    the state.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        mode: str = "ddp",
+        every: int = 10,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        fragments: int = 1,
+        extra_state: Any = None,
+        timeout: float = 300.0,
+        heartbeat_timeout: Optional[float] = None,
+        min_world: Optional[int] = None,
+        max_world: Optional[int] = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.extra_state = extra_state
+        self._mode = (mode, every, outer_lr, outer_momentum, fragments)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        _materialize(optimizer, self._params)
+        self._trainer = _chorus.Trainer(timeout, heartbeat_timeout, min_world, max_world)
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the current generation."""
+        return self._trainer.rank
+
+    @property
+    def generation(self) -> int:
+        """The current generation; a relaunched worker joins one past 0."""
+        return self._trainer.generation
+
+    def _state(self) -> Tuple[List[Tuple[str, torch.Tensor]], List[Tuple[str, torch.Tensor]]]:
+        params = [(f"param.{i}", p.data) for i, p in enumerate(self._params)]
+        state = []
+        for i, p in enumerate(self._params):
+            for key in sorted(self.optimizer.state.get(p, {})):
+                value = self.optimizer.state[p][key]
+                if torch.is_tensor(value):
+                    state.append((f"optim.{i}.{key}", value))
+        return params, state
+
+    def train(
+        self,
+        steps: int,
+        global_batch: int,
+        backward: Callable[[Step], float],
+        on_commit: Optional[Callable[[int, float, int, int], None]] = None,
+    ) -> Dict[str, Any]:
+        """Runs until ``steps`` steps are committed (a joiner: until the job's
+        are). ``backward(step)`` computes the loss summed over the samples
+        ``step.shard`` of the step's global batch, calls ``.backward()`` on
+        it and returns its value; the manager scales and syncs the
+        gradients and runs the optimizer once the step is committed.
+        ``on_commit(step, mean_loss, world_size, generation)`` sees each
+        committed step. Returns the report: steps, applied, adopted,
+        recoveries (each with its phases in ms)."""
+        params, state = self._state()
+        hooks = _Hooks(self, backward)
+        return self._trainer.train(
+            hooks, params, state, steps, global_batch, on_commit or (lambda *_: None), *self._mode
+        )
+
+    def verify(self) -> None:
+        """Raises unless every member holds the same parameters and
+        optimizer state (checksums compared across the members)."""
+        self._trainer.verify(_Hooks(self, lambda step: 0.0), *self._state())
+
+    def destroy(self) -> None:
+        """Leaves the job (after the last step)."""
+        self._trainer.destroy()
+
+
+class _Hooks:
+    """What the Rust trainer calls back."""
+
+    def __init__(self, manager: Manager, backward: Callable[[Step], float]) -> None:
+        self._manager = manager
+        self._backward = backward
+
+    def backward(self, step: Dict[str, Any]) -> float:
+        for p in self._manager._params:
+            p.grad = None
+        start, end = step.pop("shard")
+        return float(self._backward(Step(shard=range(start, end), **step)))
+
+    def grads(self) -> List[torch.Tensor]:
+        out = []
+        for p in self._manager._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+            out.append(p.grad)
+        return out
+
+    def apply(self, step: Dict[str, Any]) -> None:
+        self._manager.optimizer.step()
+
+    def save_extra(self) -> bytes:
+        extra = self._manager.extra_state
+        return pickle.dumps(extra.state_dict()) if extra is not None else b""
+
+    def load_extra(self, data: bytes) -> None:
+        extra = self._manager.extra_state
+        if extra is not None and data:
+            extra.load_state_dict(pickle.loads(data))
+
+
+def _materialize(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
+    """Creates the optimizer's lazily made state, unchanged in effect: one
+    step with zero gradients, the parameters restored, counters reset."""
+    if all(optimizer.state.get(p) for p in params):
+        return
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    for p, g in zip(params, grads):
+        p.grad = g
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key == "step" and torch.is_tensor(value):
+                value.zero_()

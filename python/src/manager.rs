@@ -1,0 +1,413 @@
+//! `Trainer`: chorus's elastic training loop (`chorus::train::train`:
+//! per-step commit vote, survivors never roll back, live state transfer to
+//! joiners) driving a torch model. The model's parameters and the
+//! optimizer's state tensors are the transferred state, read and written in
+//! place through their memory; each step calls back into Python (under the
+//! GIL) to compute the gradients and to run the optimizer.
+
+use std::time::Duration;
+
+use chorus::rendezvous::InitMethod;
+use chorus::sync::ParamBuffer;
+use chorus::train::{Committed, Job, Mode, Step, TrainOptions, TrainState};
+use chorus::{DType, DistributedSync, ElasticGroup, InitOptions, Parameters};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::runtime::runtime;
+use crate::work::{Class, Failure};
+
+/// A float32 tensor's memory, seen as a chorus buffer. Valid while the
+/// tensor (held by the trainer's Python side) lives and is not resized:
+/// torch optimizers update parameters and their state in place.
+struct TensorMemory {
+    ptr: *mut u8,
+    elements: usize,
+}
+
+// SAFETY: plain memory; the trainer runs on one thread at a time and the
+// Python side does not touch the tensors while Rust reads or writes them.
+unsafe impl Send for TensorMemory {}
+
+impl TensorMemory {
+    fn new(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
+        let dtype = tensor.getattr("dtype")?.str()?.to_string();
+        if dtype != "torch.float32" {
+            return Err(PyTypeError::new_err(format!(
+                "{what} is {dtype}: the trainer keeps float32 state (cast the model with .float())"
+            )));
+        }
+        if tensor.getattr("device")?.getattr("type")?.extract::<String>()? != "cpu"
+            || !tensor.call_method0("is_contiguous")?.extract::<bool>()?
+        {
+            return Err(PyValueError::new_err(format!("{what} must be a contiguous CPU tensor")));
+        }
+        let elements = tensor.call_method0("numel")?.extract::<usize>()?;
+        let ptr = tensor.call_method0("data_ptr")?.extract::<usize>()? as *mut u8;
+        Ok(Self { ptr, elements })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        if self.elements == 0 {
+            return &[];
+        }
+        // SAFETY: `numel * 4` bytes of a live float32 tensor (see the type).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.elements * 4) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        if self.elements == 0 {
+            return &mut [];
+        }
+        // SAFETY: as in `bytes`; `&mut self` is the only view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.elements * 4) }
+    }
+}
+
+impl ParamBuffer for TensorMemory {
+    fn dtype(&self) -> DType {
+        DType::Float32
+    }
+    fn len(&self) -> usize {
+        self.elements
+    }
+    fn read_bytes(&self, offset: usize, out: &mut [u8]) {
+        out.copy_from_slice(&self.bytes()[offset..offset + out.len()]);
+    }
+    fn write_bytes(&mut self, offset: usize, data: &[u8]) {
+        self.bytes_mut()[offset..offset + data.len()].copy_from_slice(data);
+    }
+    fn as_bytes(&self) -> Option<&[u8]> {
+        Some(self.bytes())
+    }
+}
+
+/// The torch side of a training job, as chorus's trainer sees it.
+struct TorchJob {
+    /// `(name, parameter memory)`, in the model's order.
+    params: Vec<(String, TensorMemory)>,
+    /// `(name, memory)` of every optimizer state tensor, in a fixed order.
+    optimizer: Vec<(String, TensorMemory)>,
+    /// The Python half: `backward(step) -> loss`, `grads() -> [tensor]`,
+    /// `apply(step)`, `save_extra() -> bytes`, `load_extra(bytes)`.
+    hooks: Py<PyAny>,
+}
+
+fn step_dict<'py>(py: Python<'py>, step: &Step) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("step", step.step)?;
+    dict.set_item("rank", step.rank)?;
+    dict.set_item("world_size", step.world_size)?;
+    dict.set_item("generation", step.generation)?;
+    dict.set_item("global_batch", step.global_batch)?;
+    dict.set_item("grad_scale", step.grad_scale)?;
+    let shard = step.shard();
+    dict.set_item("shard", (shard.start, shard.end))?;
+    Ok(dict)
+}
+
+/// A Python error as the trainer's job error text (with its traceback kind).
+fn job_error(py: Python<'_>, error: PyErr) -> String {
+    let kind = error.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
+    format!("{kind}: {}", error.value(py))
+}
+
+impl Parameters for TorchJob {
+    fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        for (name, memory) in &mut self.params {
+            visit(name, memory);
+        }
+    }
+}
+
+impl TrainState for TorchJob {
+    fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        for (name, memory) in &mut self.optimizer {
+            visit(name, memory);
+        }
+    }
+
+    fn save_extra(&self) -> Vec<u8> {
+        Python::attach(|py| {
+            self.hooks
+                .bind(py)
+                .call_method0("save_extra")
+                .and_then(|b| b.extract::<Vec<u8>>())
+                .unwrap_or_else(|e| {
+                    e.write_unraisable(py, None);
+                    Vec::new()
+                })
+        })
+    }
+
+    fn load_extra(&mut self, bytes: &[u8]) -> Result<(), String> {
+        Python::attach(|py| {
+            self.hooks
+                .bind(py)
+                .call_method1("load_extra", (PyBytes::new(py, bytes),))
+                .map(drop)
+                .map_err(|e| job_error(py, e))
+        })
+    }
+}
+
+impl Job for TorchJob {
+    fn backward(&mut self, step: &Step, grads: &mut DistributedSync<'static>) -> Result<f64, String> {
+        Python::attach(|py| {
+            let hooks = self.hooks.bind(py);
+            let loss = hooks
+                .call_method1("backward", (step_dict(py, step).map_err(|e| job_error(py, e))?,))
+                .and_then(|l| l.extract::<f64>())
+                .map_err(|e| job_error(py, e))?;
+            let computed = hooks
+                .call_method0("grads")
+                .and_then(|g| g.extract::<Vec<Bound<'_, PyAny>>>())
+                .map_err(|e| job_error(py, e))?;
+            // Last parameter first, as a backward pass produces them.
+            for (id, grad) in computed.iter().enumerate().rev() {
+                let memory = TensorMemory::new(grad, "a gradient").map_err(|e| job_error(py, e))?;
+                let view = grads.grad_mut::<f32>(id).map_err(|e| e.to_string())?;
+                if view.len() != memory.elements {
+                    return Err(format!(
+                        "the gradient of parameter {id} has {} elements, the parameter {}",
+                        memory.elements,
+                        view.len()
+                    ));
+                }
+                let source: &[f32] = bytemuck_cast(memory.bytes());
+                for (g, s) in view.iter_mut().zip(source) {
+                    *g = s * step.grad_scale;
+                }
+                grads.mark_ready(id).map_err(|e| e.to_string())?;
+            }
+            Ok(loss)
+        })
+    }
+
+    fn apply(&mut self, step: &Step, grads: &DistributedSync<'static>) -> Result<(), String> {
+        Python::attach(|py| {
+            let hooks = self.hooks.bind(py);
+            let targets = hooks
+                .call_method0("grads")
+                .and_then(|g| g.extract::<Vec<Bound<'_, PyAny>>>())
+                .map_err(|e| job_error(py, e))?;
+            for (id, target) in targets.iter().enumerate() {
+                let mut memory = TensorMemory::new(target, "a gradient").map_err(|e| job_error(py, e))?;
+                let summed = grads.grad::<f32>(id).map_err(|e| e.to_string())?;
+                memory.write_bytes(0, bytemuck_bytes(summed));
+            }
+            hooks
+                .call_method1("apply", (step_dict(py, step).map_err(|e| job_error(py, e))?,))
+                .map(drop)
+                .map_err(|e| job_error(py, e))
+        })
+    }
+}
+
+fn bytemuck_cast(bytes: &[u8]) -> &[f32] {
+    // SAFETY: float32 tensor memory is 4-byte aligned and a whole number of
+    // f32s (`TensorMemory::new` took it from a float32 tensor).
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) }
+}
+
+fn bytemuck_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: any f32 is 4 plain bytes.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}
+
+fn train_mode(name: &str, every: u64, outer_lr: f32, outer_momentum: f32, fragments: u32) -> PyResult<Mode> {
+    match name {
+        "ddp" => Ok(Mode::Ddp),
+        "local-sgd" | "local_sgd" => Ok(Mode::LocalSgd { every }),
+        "diloco" => Ok(Mode::DiLoCo {
+            every,
+            outer_lr,
+            outer_momentum,
+            fragments,
+        }),
+        other => Err(PyValueError::new_err(format!(
+            "mode {other:?}: the trainer runs \"ddp\", \"local-sgd\" or \"diloco\""
+        ))),
+    }
+}
+
+/// One member of an elastic training job.
+#[pyclass(module = "chorus._chorus")]
+pub(crate) struct Trainer {
+    group: Option<ElasticGroup>,
+}
+
+#[pymethods]
+impl Trainer {
+    /// Joins the job's elastic group through the launcher's environment
+    /// (`chorus launch --restart-policy worker`, or torchrun): a relaunched
+    /// worker joins the running generation. `min_world`..`max_world` ranks
+    /// may form a generation (None: the launcher's world size).
+    #[new]
+    #[pyo3(signature = (timeout = 300.0, heartbeat_timeout = None, min_world = None, max_world = None, last_call = 0.3))]
+    fn new(
+        py: Python<'_>,
+        timeout: f64,
+        heartbeat_timeout: Option<f64>,
+        min_world: Option<usize>,
+        max_world: Option<usize>,
+        last_call: f64,
+    ) -> PyResult<Self> {
+        let mut options = InitOptions {
+            init_method: InitMethod::Env,
+            timeout: Duration::from_secs_f64(timeout.max(0.001)),
+            last_call: Duration::from_secs_f64(last_call.max(0.0)),
+            min_world,
+            max_world,
+            ..InitOptions::default()
+        }
+        .restart_budget(1000, Duration::from_secs(600));
+        if let Some(h) = heartbeat_timeout {
+            options = options.heartbeat_timeout(Duration::from_secs_f64(h.max(0.001)));
+        }
+        let rt = runtime()?;
+        let group = py
+            .detach(|| rt.block_on(ElasticGroup::init(options)))
+            .map_err(|e| Failure::new(Class::Backend, format!("joining the job: {}", chorus::error_report(&e))).to_err(py))?;
+        Ok(Self { group: Some(group) })
+    }
+
+    /// This member's rank in the current generation.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.group.as_ref().map_or(0, ElasticGroup::rank)
+    }
+
+    /// The current generation (0: the first; a relaunched worker joins a later one).
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.group.as_ref().map_or(0, ElasticGroup::generation)
+    }
+
+    /// Runs `steps` committed steps. `hooks` is the Python half (see
+    /// `chorus.torch.Manager`); `params` and `optimizer_state` are the float32
+    /// tensors whose memory is the state, in a fixed order; `on_commit(step,
+    /// loss, world_size, generation)` sees each committed step. Returns the
+    /// report as a dict. Blocks with the GIL released between callbacks.
+    #[pyo3(signature = (hooks, params, optimizer_state, steps, global_batch, on_commit, mode = "ddp", every = 10, outer_lr = 0.7, outer_momentum = 0.9, fragments = 1))]
+    #[allow(clippy::too_many_arguments)]
+    fn train(
+        &self,
+        py: Python<'_>,
+        hooks: Py<PyAny>,
+        params: Vec<(String, Bound<'_, PyAny>)>,
+        optimizer_state: Vec<(String, Bound<'_, PyAny>)>,
+        steps: u64,
+        global_batch: usize,
+        on_commit: Py<PyAny>,
+        mode: &str,
+        every: u64,
+        outer_lr: f32,
+        outer_momentum: f32,
+        fragments: u32,
+    ) -> PyResult<Py<PyAny>> {
+        let group = self
+            .group
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
+        let memory = |list: Vec<(String, Bound<'_, PyAny>)>| -> PyResult<Vec<(String, TensorMemory)>> {
+            list.into_iter()
+                .map(|(name, t)| TensorMemory::new(&t, &name).map(|m| (name, m)))
+                .collect()
+        };
+        let mut job = TorchJob {
+            params: memory(params)?,
+            optimizer: memory(optimizer_state)?,
+            hooks,
+        };
+        let options = TrainOptions {
+            mode: train_mode(mode, every, outer_lr, outer_momentum, fragments)?,
+            steps,
+            global_batch,
+            ..TrainOptions::default()
+        };
+        let rt = runtime()?;
+        let outcome = py.detach(|| {
+            rt.block_on(chorus::train::train(group, &mut job, &options, |c: &Committed| {
+                Python::attach(|py| {
+                    if let Err(e) = on_commit.call1(py, (c.step, c.loss, c.world_size, c.generation)) {
+                        e.write_unraisable(py, None);
+                    }
+                });
+            }))
+        });
+        let report = outcome.map_err(|e| {
+            Failure::new(Class::GroupAborted, format!("training stopped: {}", chorus::error_report(&e))).to_err(py)
+        })?;
+        let dict = PyDict::new(py);
+        dict.set_item("steps", report.steps)?;
+        dict.set_item("applied", report.applied)?;
+        dict.set_item("adopted", report.adopted)?;
+        dict.set_item("outer_syncs", report.outer_syncs)?;
+        dict.set_item("rejected", report.rejected)?;
+        let recoveries: Vec<Bound<'_, PyDict>> = report
+            .recoveries
+            .iter()
+            .map(|r| -> PyResult<Bound<'_, PyDict>> {
+                let d = PyDict::new(py);
+                d.set_item("generation", r.generation)?;
+                d.set_item("world_size", r.world_size)?;
+                d.set_item("resumed_step", r.resumed_step)?;
+                d.set_item("bytes", r.bytes)?;
+                d.set_item("rendezvous_ms", r.rendezvous.as_secs_f64() * 1e3)?;
+                d.set_item("transfer_ms", r.transfer.as_secs_f64() * 1e3)?;
+                d.set_item("first_step_ms", r.first_step.as_secs_f64() * 1e3)?;
+                d.set_item("total_ms", r.total().as_secs_f64() * 1e3)?;
+                let at = r
+                    .first_step_at
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                d.set_item("first_step_at", at)?;
+                Ok(d)
+            })
+            .collect::<PyResult<_>>()?;
+        dict.set_item("recoveries", recoveries)?;
+        Ok(dict.into_any().unbind())
+    }
+
+    /// Checks that every member holds the same state (a checksum of every
+    /// entry, the extras included, compared across the members); raises
+    /// naming the first that differs.
+    fn verify(
+        &self,
+        py: Python<'_>,
+        hooks: Py<PyAny>,
+        params: Vec<(String, Bound<'_, PyAny>)>,
+        optimizer_state: Vec<(String, Bound<'_, PyAny>)>,
+    ) -> PyResult<()> {
+        let group = self
+            .group
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
+        let memory = |list: Vec<(String, Bound<'_, PyAny>)>| -> PyResult<Vec<(String, TensorMemory)>> {
+            list.into_iter()
+                .map(|(name, t)| TensorMemory::new(&t, &name).map(|m| (name, m)))
+                .collect()
+        };
+        let mut job = TorchJob {
+            params: memory(params)?,
+            optimizer: memory(optimizer_state)?,
+            hooks,
+        };
+        let rt = runtime()?;
+        let pg = group.current();
+        py.detach(|| rt.block_on(chorus::train::verify_state(&pg, &mut job)))
+            .map_err(|e| Failure::new(Class::Backend, chorus::error_report(&e)).to_err(py))
+    }
+
+    /// Leaves the job on purpose (after the last step).
+    fn destroy(&mut self, py: Python<'_>) -> PyResult<()> {
+        if let Some(group) = self.group.take() {
+            let rt = runtime()?;
+            py.detach(|| rt.block_on(group.destroy()))
+                .map_err(|e| Failure::new(Class::Backend, chorus::error_report(&e)).to_err(py))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,41 @@
+"""chorus.torch.Manager: fault-tolerant training of a torch model, with a
+worker SIGKILLed halfway, through the Python example under chorus launch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs PyTorch (pip install torch)")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHORUS = ROOT / "target" / "release" / "chorus"
+
+
+@pytest.mark.skipif(not CHORUS.exists() and "CHORUS" not in os.environ,
+                    reason="needs the chorus command: cargo build --release -p chorus-cli")
+def test_a_killed_worker_costs_no_step_and_the_loss_matches_the_fault_free_run():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "python" / "train.py"), "--steps", "200", "--fault-step", "80",
+         "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 200
+    assert summary["within"] < 0.02, summary
+    recoveries = summary["recoveries"]
+    assert recoveries and recoveries[0]["resumed_step"] == 80, summary
+    # The survivors went on within the heartbeat window (1 s here).
+    assert recoveries[0]["since_kill_ms"] < 3000, summary
+
+
+def test_bad_example_flags_are_refused_before_anything_starts():
+    for flags, words in [(["--fault-step", "0"], "never fires"), (["--fault-step", "999"], "never fires"),
+                         (["--batch", "3"], "no sample"), (["--world", "1"], "at least 2")]:
+        done = subprocess.run([sys.executable, str(ROOT / "examples" / "python" / "train.py"), *flags],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and words in done.stderr, (flags, done.stderr)
