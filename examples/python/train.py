@@ -50,6 +50,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="heartbeat window (default 1000)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object last")
+    p.add_argument("--keep-logs", action="store_true", help="keep the run directory (workers' logs, progress) and say where")
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.world < 2:
@@ -224,7 +225,10 @@ def main() -> None:
           f"({summary['within'] * 100:.2f}% apart), {summary['steps_per_s']:.1f} steps/s")
     if args.json:
         print(json.dumps(summary))
-    shutil.rmtree(base, ignore_errors=True)
+    if args.keep_logs:
+        print(f"run directory kept: {base}", file=sys.stderr)
+    else:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
