@@ -131,7 +131,12 @@ def worker(args: argparse.Namespace) -> None:
         loss.backward()
         return loss.item()
 
+    commits = []
+
     def on_commit(step: int, loss: float, world: int, generation: int) -> None:
+        commits.append(time.time())
+        if relaunched and len(commits) == 1:
+            (run / "rejoined_at").write_text(str(commits[0]))
         if progress:
             progress.write(f"{step} {loss} {world} {generation}\n")
             progress.flush()
@@ -151,9 +156,13 @@ def worker(args: argparse.Namespace) -> None:
         with torch.no_grad():
             loss = torch.nn.functional.cross_entropy(net(ex), ey).item()
         digest = float(sum(p.detach().double().sum() for p in net.parameters()))
+        gaps = sorted(b - a for a, b in zip(commits, commits[1:]))
         (run / "result.json").write_text(json.dumps({
             "final_loss": loss, "steps": report["steps"], "train_seconds": seconds,
             "recoveries": report["recoveries"], "state_checksum": digest,
+            # The survivors' longest wait between two committed steps, and a typical one.
+            "longest_stall_ms": gaps[-1] * 1e3 if gaps else 0.0,
+            "median_step_ms": gaps[len(gaps) // 2] * 1e3 if gaps else 0.0,
         }))
     manager.destroy()
 
@@ -189,11 +198,14 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
         raise SystemExit(f"the {fault} run ended (exit {done.returncode}) without a result; "
                          f"logs under {run / 'logs'}\n{done.stderr[-2000:]}")
     outcome = json.loads(result.read_text())
-    killed = run / "killed_at"
+    killed, rejoined = run / "killed_at", run / "rejoined_at"
     if killed.exists():
         at = float(killed.read_text())
         for r in outcome["recoveries"]:
             r["since_kill_ms"] = (r["first_step_at"] - at) * 1e3
+        # The relaunched worker's first committed step, if it joined before the end.
+        if rejoined.exists():
+            outcome["replacement_ms"] = (float(rejoined.read_text()) - at) * 1e3
     return outcome
 
 
@@ -218,7 +230,13 @@ def main() -> None:
         "within": abs(run["final_loss"] - reference) / reference,
         "steps": run["steps"], "recoveries": run["recoveries"], "steps_per_s": run["steps"] / run["train_seconds"],
         "fault": args.fault, "fault_step": args.fault_step if args.fault != "none" else None,
+        "longest_stall_ms": run["longest_stall_ms"], "median_step_ms": run["median_step_ms"],
+        "replacement_ms": run.get("replacement_ms"), "state_checksum": run["state_checksum"],
     }
+    if "replacement_ms" in run:
+        print(f"the relaunched worker committed its first step {run['replacement_ms']:.0f} ms after the kill")
+    elif args.fault != "none":
+        print("the relaunched worker found the job finished before it could join (survivors never wait for it)")
     print(f"{args.steps} steps on {args.world} workers, fault {args.fault}"
           + (f" at step {args.fault_step}" if args.fault != "none" else "")
           + f": final loss {run['final_loss']:.4f}, fault-free {reference:.4f} "

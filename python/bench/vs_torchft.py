@@ -1,0 +1,214 @@
+"""chorus.torch.Manager against torchft 0.2.0 on the same job, alternated.
+
+    python3 python/bench/vs_torchft.py [--rounds 3] [--steps 400] [--fault-step 150] [--world 4]
+
+The job: examples/python/train.py's 3-layer MLP on its synthetic 10-class
+data, SGD with momentum, a global batch of 128 split over --world replicas
+of one process each; the last replica is SIGKILLed after --fault-step and
+relaunched at once. chorus: the example under `chorus launch
+--restart-policy worker` (survivors go on as a smaller group; heartbeat 1 s).
+torchft: its Manager, DistributedDataParallel and OptimizerWrapper over
+ProcessGroupGloo, one replica group per process, a lighthouse this script
+starts (`--min_replicas 1 --join_timeout_ms 100 --quorum_tick_ms 100`, its
+default 5 s heartbeat timeout), `min_replica_size=1`, and a loop here that
+relaunches a replica that died. Per run it reports the survivors' longest
+stall between two committed steps, the kill to the replacement's first
+committed step (when it joined before the end), the median step time and
+the final held-out loss; then medians over the rounds and the ratios.
+Needs torch, torchft==0.2.0, the chorus package and the `chorus` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "python" / "train.py"
+
+
+def example():
+    spec = importlib.util.spec_from_file_location("chorus_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchft_replica(args) -> None:
+    """One torchft replica group of one process."""
+    from datetime import timedelta
+
+    import torch
+    from torchft.ddp import DistributedDataParallel
+    from torchft.manager import Manager
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    ex = example()
+    run = Path(args.run_dir)
+    rid, attempt = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["ATTEMPT"])
+    x, y = ex.dataset(args.seed, ex.TRAIN_SAMPLES, 0)
+    net = ex.model(args.hidden, args.seed)
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    # The replica group's own store, as torchrun would serve it (torchft's
+    # Manager connects to it as a client).
+    store = torch.distributed.TCPStore("localhost", int(os.environ["MASTER_PORT"]), is_master=True,
+                                       wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+        load_state_dict=lambda s: (net.load_state_dict(s["model"]), opt.load_state_dict(s["optim"])),
+        state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict()},
+        replica_id=f"replica_{rid}", timeout=timedelta(seconds=10), rank=0, world_size=1,
+    )
+    model = DistributedDataParallel(manager, net)
+    optimizer = OptimizerWrapper(manager, opt)
+    victim = rid == args.world - 1 and attempt == 0
+    commits = []
+    while manager.current_step() < args.steps:
+        step = manager.current_step()
+        optimizer.zero_grad()
+        gen = torch.Generator().manual_seed(args.seed * 7919 + step)
+        batch = torch.randint(0, ex.TRAIN_SAMPLES, (args.batch,), generator=gen)
+        mine = batch[args.batch * rid // args.world : args.batch * (rid + 1) // args.world]
+        loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
+        loss.backward()
+        if optimizer.step() is not False and manager.current_step() > step:
+            commits.append(time.time())
+            if attempt > 0 and len(commits) == 1:
+                (run / "rejoined_at").write_text(str(commits[0]))
+            if victim and manager.current_step() == args.fault_step:
+                (run / "killed_at").write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+    if rid == 0:
+        ex_x, ex_y = ex.dataset(args.seed, ex.EVAL_SAMPLES, 2)
+        with torch.no_grad():
+            final = torch.nn.functional.cross_entropy(net(ex_x), ex_y).item()
+        gaps = sorted(b - a for a, b in zip(commits, commits[1:]))
+        (run / "result.json").write_text(json.dumps({
+            "final_loss": final, "longest_stall_ms": gaps[-1] * 1e3, "median_step_ms": gaps[len(gaps) // 2] * 1e3,
+        }))
+    manager.shutdown(wait=False)
+    del store
+
+
+def run_torchft(args, run: Path) -> dict:
+    run.mkdir(parents=True)
+    lport = free_port()
+    lighthouse = subprocess.Popen(
+        ["torchft_lighthouse", "--min_replicas", "1", "--join_timeout_ms", "100", "--quorum_tick_ms", "100",
+         "--bind", f"[::]:{lport}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs, attempts = {}, {}
+
+    def start(rid: int) -> None:
+        attempts[rid] = attempts.get(rid, -1) + 1
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="localhost", MASTER_PORT=str(free_port()),
+                   REPLICA_GROUP_ID=str(rid), ATTEMPT=str(attempts[rid]), TORCHFT_LIGHTHOUSE=f"http://localhost:{lport}")
+        log = open(run / f"replica{rid}.{attempts[rid]}.log", "w")
+        procs[rid] = subprocess.Popen([sys.executable, __file__, "--torchft-replica", "--run-dir", str(run),
+                                       *common_flags(args)], env=env, stdout=log, stderr=log)
+
+    try:
+        for rid in range(args.world):
+            start(rid)
+        deadline = time.monotonic() + args.timeout
+        while procs and time.monotonic() < deadline:
+            for rid, proc in list(procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del procs[rid]
+                if code != 0 and attempts[rid] < 3:
+                    start(rid)
+            time.sleep(0.05)
+        if procs:
+            raise SystemExit(f"torchft run ran past {args.timeout} s; logs in {run}")
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        lighthouse.kill()
+    outcome = json.loads((run / "result.json").read_text())
+    at = float((run / "killed_at").read_text())
+    rejoined = run / "rejoined_at"
+    outcome["replacement_ms"] = (float(rejoined.read_text()) - at) * 1e3 if rejoined.exists() else None
+    return outcome
+
+
+def run_chorus(args, run: Path) -> dict:
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--json", "--fault", "kill", "--heartbeat-ms", "1000",
+                           *common_flags(args)], capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"chorus run failed:\n{done.stdout}\n{done.stderr[-3000:]}")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"final_loss": summary["final_loss"], "longest_stall_ms": summary["longest_stall_ms"],
+            "median_step_ms": summary["median_step_ms"], "replacement_ms": summary["replacement_ms"]}
+
+
+def common_flags(args) -> list:
+    return ["--world", str(args.world), "--steps", str(args.steps), "--fault-step", str(args.fault_step),
+            "--batch", str(args.batch), "--hidden", str(args.hidden), "--lr", str(args.lr), "--seed", str(args.seed)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--fault-step", type=int, default=150)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--torchft-replica", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.torchft_replica:
+        torchft_replica(args)
+        return
+    base = Path(tempfile.mkdtemp(prefix="chorus-vs-torchft-"))
+    results = {"chorus": [], "torchft": []}
+    for r in range(args.rounds):
+        for side in ("torchft", "chorus") if r % 2 == 0 else ("chorus", "torchft"):
+            print(f"round {r + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
+            run = base / f"{side}{r}"
+            results[side].append(run_torchft(args, run) if side == "torchft" else run_chorus(args, run))
+    fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    print(f"# {args.world} replicas x 1 process, {args.steps} steps, SIGKILL after step {args.fault_step}, "
+          f"{args.rounds} alternated rounds")
+    print(f"# {'':8} {'stall ms':>10} {'replacement ms':>15} {'step ms':>8} {'final loss':>10}")
+    for side in ("torchft", "chorus"):
+        for out in results[side]:
+            print(f"  {side:8} {fmt(out['longest_stall_ms']):>10} {fmt(out['replacement_ms']):>15} "
+                  f"{out['median_step_ms']:>8.2f} {out['final_loss']:>10.4f}")
+    med = {side: {k: statistics.median(o[k] for o in results[side]) for k in ("longest_stall_ms", "median_step_ms", "final_loss")}
+           for side in results}
+    print(f"# medians: survivors' longest stall: chorus {med['chorus']['longest_stall_ms']:.0f} ms, torchft "
+          f"{med['torchft']['longest_stall_ms']:.0f} ms ({med['chorus']['longest_stall_ms'] / med['torchft']['longest_stall_ms']:.3f}x); "
+          f"step: chorus {med['chorus']['median_step_ms']:.2f} ms, torchft {med['torchft']['median_step_ms']:.2f} ms; "
+          f"final loss: chorus {med['chorus']['final_loss']:.4f}, torchft {med['torchft']['final_loss']:.4f}")
+    for side in results:
+        joined = [o["replacement_ms"] for o in results[side] if o["replacement_ms"] is not None]
+        print(f"# {side}: the replacement's first committed step after the kill: "
+              + (f"median {statistics.median(joined):.0f} ms over {len(joined)} run(s)" if joined
+                 else "never (the job finished first)"))
+
+
+if __name__ == "__main__":
+    main()
