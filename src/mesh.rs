@@ -465,24 +465,24 @@ mod tests {
         size: 24 << 30,
     };
 
-    fn capacity(local_ranks: usize, budget: u64, space: TmpfsSpace) -> Result<usize, MeshError> {
+    fn ring_for(local_ranks: usize, budget: u64, space: TmpfsSpace) -> Result<usize, MeshError> {
         shm_capacity(local_ranks, budget, PAGE, Path::new("/dev/shm"), space)
     }
 
     #[test]
     fn a_few_local_ranks_keep_full_rings_and_many_share_the_budget() {
         for ranks in 2..=4 {
-            assert_eq!(capacity(ranks, SHM_BUDGET, ROOMY).unwrap(), SHM_RING, "{ranks} ranks");
+            assert_eq!(ring_for(ranks, SHM_BUDGET, ROOMY).unwrap(), SHM_RING, "{ranks} ranks");
         }
         for ranks in [5, 8, 16, 64] {
-            let ring = capacity(ranks, SHM_BUDGET, ROOMY).unwrap() as u64;
+            let ring = ring_for(ranks, SHM_BUDGET, ROOMY).unwrap() as u64;
             assert!(ring < SHM_RING as u64 && ring % PAGE == 0, "{ranks} ranks: {ring}");
             let host = (ranks * (ranks - 1)) as u64 * ring;
             assert!(host <= SHM_BUDGET && host >= SHM_BUDGET - (ranks * (ranks - 1)) as u64 * PAGE);
         }
-        assert_eq!(capacity(64, SHM_BUDGET, ROOMY).unwrap(), 144 << 10);
+        assert_eq!(ring_for(64, SHM_BUDGET, ROOMY).unwrap(), 144 << 10);
         // A larger budget: the host's rings stay within it, whatever the ranks.
-        assert_eq!(capacity(8, 4 << 30, ROOMY).unwrap(), SHM_RING);
+        assert_eq!(ring_for(8, 4 << 30, ROOMY).unwrap(), SHM_RING);
     }
 
     #[test]
@@ -491,8 +491,8 @@ mod tests {
             free: 64 << 20,
             size: 64 << 20,
         };
-        assert_eq!(capacity(2, SHM_BUDGET, docker).unwrap(), 16 << 20);
-        let err = capacity(128, SHM_BUDGET, ROOMY).unwrap_err();
+        assert_eq!(ring_for(2, SHM_BUDGET, docker).unwrap(), 16 << 20);
+        let err = ring_for(128, SHM_BUDGET, ROOMY).unwrap_err();
         assert!(
             matches!(err, MeshError::ShmBudget { local_ranks: 128, rings: 16256, budget: SHM_BUDGET, needed } if needed == 16256 * SHM_MIN_RING),
             "{err}"
@@ -508,7 +508,7 @@ mod tests {
             free: 40 << 20,
             size: 24 << 30,
         };
-        let err = capacity(8, SHM_BUDGET, full).unwrap_err();
+        let err = ring_for(8, SHM_BUDGET, full).unwrap_err();
         let MeshError::ShmSpace {
             rings,
             capacity,
@@ -531,7 +531,7 @@ mod tests {
             assert!(message.contains(part), "{part:?} not in {message}");
         }
         // A lower budget fits.
-        assert!(capacity(8, 256 << 20, full).is_ok());
+        assert!(ring_for(8, 256 << 20, full).is_ok());
     }
 
     #[test]
