@@ -104,9 +104,9 @@ leave_rings "$PORT"
 "$CHORUS" launch --nproc-per-node 1 --master-port "$PORT2" -- true
 echo "AFTER-LAUNCH=$(rings)"
 leave_rings "$PORT3"
-RANK=1 LOCAL_RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT4" "$CHORUS" selftest --timeout 30 --counts 13 --dtypes float32 &
+RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT4" "$CHORUS" selftest --timeout 30 --counts 13 --dtypes float32 &
 peer=$!
-RANK=0 LOCAL_RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT4" "$CHORUS" selftest --timeout 30 --counts 13 --dtypes float32
+RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT4" "$CHORUS" selftest --timeout 30 --counts 13 --dtypes float32
 wait $peer
 echo "AFTER-NEXT-JOB=$(rings)"
 "#;
