@@ -476,7 +476,10 @@ mod tests {
         }
         for ranks in [5, 8, 16, 64] {
             let ring = ring_for(ranks, SHM_BUDGET, ROOMY).unwrap() as u64;
-            assert!(ring < SHM_RING as u64 && ring % PAGE == 0, "{ranks} ranks: {ring}");
+            assert!(
+                ring < SHM_RING as u64 && ring.is_multiple_of(PAGE),
+                "{ranks} ranks: {ring}"
+            );
             let host = (ranks * (ranks - 1)) as u64 * ring;
             assert!(host <= SHM_BUDGET && host >= SHM_BUDGET - (ranks * (ranks - 1)) as u64 * PAGE);
         }
