@@ -10,6 +10,7 @@
 //! wraps the links with `CHORUS_FAULTS`.
 
 use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
@@ -19,7 +20,7 @@ use chorus_transports::fault::{FaultPlan, FaultSpecError, wrap_links};
 use chorus_transports::link::{Link, TransportError};
 use chorus_transports::netif;
 use chorus_transports::quic::{Fingerprint, QuicEndpoint, QuicIdentity, QuicOptions, QuicPeer};
-use chorus_transports::shm::{ShmEndpoint, ShmOptions, ShmPeer};
+use chorus_transports::shm::{self, ShmEndpoint, ShmOptions, ShmPeer, TmpfsSpace};
 use thiserror::Error;
 
 const QUIC_EXTRA: &str = "quic";
@@ -77,9 +78,52 @@ pub enum MeshError {
         /// Its host.
         host: String,
     },
+    /// `CHORUS_SHM_BUDGET` is not a size.
+    #[error("CHORUS_SHM_BUDGET={0:?} is not a size in bytes (a K, M, G or T suffix allowed: 2G)")]
+    BadShmBudget(String),
+    /// The shared-memory budget gives the local ranks' rings less than the
+    /// smallest ring.
+    #[error(
+        "{local_ranks} ranks share this host's /dev/shm and their rings may use {} MiB (CHORUS_SHM_BUDGET, at most half of /dev/shm), less than the {} MiB their {rings} rings need at the least; raise CHORUS_SHM_BUDGET (and /dev/shm), put fewer ranks on this host or set CHORUS_TRANSPORT=quic",
+        mib(*.budget), mib(*.needed)
+    )]
+    ShmBudget {
+        /// Ranks sharing this host's `/dev/shm`, this one included.
+        local_ranks: usize,
+        /// Their rings, one per ordered pair.
+        rings: u64,
+        /// The budget in effect, bytes.
+        budget: u64,
+        /// The least the rings need, bytes.
+        needed: u64,
+    },
+    /// This rank's rings do not fit in what the tmpfs has free.
+    #[error(
+        "this rank's {rings} shared-memory rings of {} MiB need {} MiB and {} has {} MiB free; lower CHORUS_SHM_BUDGET (the ring memory of all ranks on this host, now {} MiB), free or enlarge {} (docker: --shm-size), or set CHORUS_TRANSPORT=quic",
+        mib(*.capacity), mib(*.needed), dir.display(), mib(*.free), mib(*.budget), dir.display()
+    )]
+    ShmSpace {
+        /// Rings this rank creates.
+        rings: usize,
+        /// Bytes of data per ring.
+        capacity: u64,
+        /// Bytes they need, header pages included.
+        needed: u64,
+        /// Bytes free in the tmpfs.
+        free: u64,
+        /// The tmpfs.
+        dir: PathBuf,
+        /// The budget in effect, bytes.
+        budget: u64,
+    },
     /// The transport failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
+}
+
+/// Bytes in MiB, for messages.
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1 << 20) as f64)
 }
 
 /// Which transport links between processes use (`CHORUS_TRANSPORT`).
@@ -123,12 +167,78 @@ pub(crate) fn faults_from_env(world: usize) -> Result<Option<FaultPlan>, MeshErr
 /// link count in each process's resident memory once used.
 const SHM_RING: usize = 48 << 20;
 
-/// Outgoing ring size per peer: [`SHM_RING`] for a few local peers, less
-/// per peer for many, so a rank maps at most ~256 MiB.
-fn shm_capacity(local_peers: usize) -> usize {
-    (256usize << 20)
-        .checked_div(local_peers)
-        .map_or(SHM_RING, |share| share.clamp(4 << 20, SHM_RING))
+/// The default `CHORUS_SHM_BUDGET`: full-size rings for four ranks on a
+/// host (12 rings), so the 2-4 local ranks the all-reduce figures measure
+/// keep [`SHM_RING`], and more ranks share the same memory. Every pair of
+/// local ranks has two rings whose pages are all reserved, so without a
+/// budget a host's rings grow with the square of its ranks (64 ranks took
+/// a 24 GiB host down).
+const SHM_BUDGET: u64 = 12 * SHM_RING as u64;
+
+/// The smallest ring a budget may give: below it the 1 MiB segments of the
+/// collectives would go in pieces of under 16 KiB, a record (and a copy)
+/// each. 64 ranks fit the default budget with 144 KiB rings.
+const SHM_MIN_RING: u64 = 64 << 10;
+
+/// `CHORUS_SHM_BUDGET`: bytes of ring (data; each ring has one more header
+/// page) that all ranks sharing a host's `/dev/shm` may use together, with
+/// an optional K, M, G or T suffix (powers of 1024).
+fn shm_budget_from_env() -> Result<u64, MeshError> {
+    parse_shm_budget(std::env::var("CHORUS_SHM_BUDGET").ok().as_deref())
+}
+
+/// A `CHORUS_SHM_BUDGET` value; unset or blank is the default.
+fn parse_shm_budget(text: Option<&str>) -> Result<u64, MeshError> {
+    let Some(t) = text.map(str::trim).filter(|t| !t.is_empty()) else {
+        return Ok(SHM_BUDGET);
+    };
+    let (digits, shift) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 10),
+        Some('M') => (&t[..t.len() - 1], 20),
+        Some('G') => (&t[..t.len() - 1], 30),
+        Some('T') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    digits
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .ok_or_else(|| MeshError::BadShmBudget(t.to_string()))
+}
+
+/// Sizes this rank's outbound rings (sans IO): `budget` bytes shared by
+/// `local_ranks` ranks, each with a ring to each other, in whole pages, at
+/// most [`SHM_RING`]. The budget is at most half of the tmpfs, so a small
+/// `/dev/shm` (a container's 64 MiB) gets smaller rings instead of none;
+/// every rank reads the same size, and readers take the size from the
+/// ring, so ranks need not agree anyway. Then this rank's rings (header
+/// pages included) must fit in what is free now: failing here, before
+/// forming, says why, where a full tmpfs later would fail a link.
+fn shm_capacity(local_ranks: usize, budget: u64, page: u64, dir: &Path, space: TmpfsSpace) -> Result<usize, MeshError> {
+    let rings = (local_ranks * local_ranks.saturating_sub(1)).max(1) as u64;
+    let budget = budget.min(space.size / 2);
+    let capacity = (budget / rings / page * page).min(SHM_RING as u64);
+    if capacity < SHM_MIN_RING.next_multiple_of(page) {
+        return Err(MeshError::ShmBudget {
+            local_ranks,
+            rings,
+            budget,
+            needed: rings * SHM_MIN_RING.next_multiple_of(page),
+        });
+    }
+    let needed = (local_ranks as u64 - 1).max(1) * (capacity + page);
+    if needed > space.free {
+        return Err(MeshError::ShmSpace {
+            rings: local_ranks.saturating_sub(1).max(1),
+            capacity,
+            needed,
+            free: space.free,
+            dir: dir.to_path_buf(),
+            budget,
+        });
+    }
+    Ok(capacity as usize)
 }
 
 /// This rank's side of the mesh, made before rendezvous.
@@ -140,6 +250,7 @@ pub(crate) struct MeshPlan {
     fingerprint: Fingerprint,
     secret: Option<JobSecret>,
     faults: Option<FaultPlan>,
+    shm_budget: u64,
 }
 
 /// The message a record's MAC covers: the job, the generation and every
@@ -167,6 +278,7 @@ impl MeshPlan {
     pub(crate) fn prepare(rank: usize, world: usize, single_host: bool, timeout: Duration) -> Result<Self, MeshError> {
         let choice = TransportChoice::from_env()?;
         let faults = faults_from_env(world)?;
+        let shm_budget = shm_budget_from_env()?;
         let secret = JobSecret::from_env();
         if secret.is_none() {
             static WARN: Once = Once::new();
@@ -195,6 +307,7 @@ impl MeshPlan {
             fingerprint: identity.fingerprint(),
             secret,
             faults,
+            shm_budget,
         })
     }
 
@@ -276,6 +389,33 @@ impl MeshPlan {
             });
         }
         let mut links: Vec<Option<Arc<dyn Link>>> = (0..membership.world_size()).map(|_| None).collect();
+        let shm_dir = ShmOptions::default().dir;
+        let ring_capacity = if shm_peers.is_empty() {
+            0
+        } else {
+            // One rank per host clears rings that killed ranks left (of
+            // this job or an earlier one), before the space is counted.
+            if shm_peers.iter().all(|peer| peer.rank > membership.rank) {
+                let removed = shm::remove_dead_rings(&shm_dir);
+                if removed > 0 {
+                    tracing::info!(
+                        "removed {removed} shared-memory rings of dead ranks from {}",
+                        shm_dir.display()
+                    );
+                }
+            }
+            let space = shm::tmpfs_space(&shm_dir).map_err(|e| TransportError::Connect {
+                peer: membership.rank,
+                reason: format!("reading the room in {}: {e}", shm_dir.display()),
+            })?;
+            shm_capacity(
+                shm_peers.len() + 1,
+                self.shm_budget,
+                shm::page_size() as u64,
+                &shm_dir,
+                space,
+            )?
+        };
         // Both sides connect at once, each within `timeout`, and a failure
         // names the peers and addresses that did not answer.
         let shm = async {
@@ -283,8 +423,9 @@ impl MeshPlan {
                 return Ok(Vec::new());
             }
             let options = ShmOptions {
-                capacity: shm_capacity(shm_peers.len()),
+                capacity: ring_capacity,
                 connect_timeout: timeout,
+                dir: shm_dir,
                 ..ShmOptions::default()
             };
             ShmEndpoint::with_nonce(membership.rank, self.shm_nonce, options)
@@ -311,5 +452,103 @@ impl MeshPlan {
             None => links,
         };
         Ok((self.endpoint, links))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: u64 = 4096;
+    const ROOMY: TmpfsSpace = TmpfsSpace {
+        free: 24 << 30,
+        size: 24 << 30,
+    };
+
+    fn ring_for(local_ranks: usize, budget: u64, space: TmpfsSpace) -> Result<usize, MeshError> {
+        shm_capacity(local_ranks, budget, PAGE, Path::new("/dev/shm"), space)
+    }
+
+    #[test]
+    fn a_few_local_ranks_keep_full_rings_and_many_share_the_budget() {
+        for ranks in 2..=4 {
+            assert_eq!(ring_for(ranks, SHM_BUDGET, ROOMY).unwrap(), SHM_RING, "{ranks} ranks");
+        }
+        for ranks in [5, 8, 16, 64] {
+            let ring = ring_for(ranks, SHM_BUDGET, ROOMY).unwrap() as u64;
+            assert!(
+                ring < SHM_RING as u64 && ring.is_multiple_of(PAGE),
+                "{ranks} ranks: {ring}"
+            );
+            let host = (ranks * (ranks - 1)) as u64 * ring;
+            assert!(host <= SHM_BUDGET && host >= SHM_BUDGET - (ranks * (ranks - 1)) as u64 * PAGE);
+        }
+        assert_eq!(ring_for(64, SHM_BUDGET, ROOMY).unwrap(), 144 << 10);
+        // A larger budget: the host's rings stay within it, whatever the ranks.
+        assert_eq!(ring_for(8, 4 << 30, ROOMY).unwrap(), SHM_RING);
+    }
+
+    #[test]
+    fn a_small_tmpfs_halves_the_budget_and_too_many_ranks_for_it_is_an_error() {
+        let docker = TmpfsSpace {
+            free: 64 << 20,
+            size: 64 << 20,
+        };
+        assert_eq!(ring_for(2, SHM_BUDGET, docker).unwrap(), 16 << 20);
+        let err = ring_for(128, SHM_BUDGET, ROOMY).unwrap_err();
+        assert!(
+            matches!(err, MeshError::ShmBudget { local_ranks: 128, rings: 16256, budget: SHM_BUDGET, needed } if needed == 16256 * SHM_MIN_RING),
+            "{err}"
+        );
+        assert!(err.to_string().contains("raise CHORUS_SHM_BUDGET"), "{err}");
+    }
+
+    #[test]
+    fn a_rank_whose_rings_do_not_fit_in_the_free_space_says_how_much_and_how_to_lower_it() {
+        // Others filled the tmpfs: 8 ranks' rings are 10.3 MiB, this
+        // rank's seven need 72 MiB, and 40 MiB is free.
+        let full = TmpfsSpace {
+            free: 40 << 20,
+            size: 24 << 30,
+        };
+        let err = ring_for(8, SHM_BUDGET, full).unwrap_err();
+        let MeshError::ShmSpace {
+            rings,
+            capacity,
+            needed,
+            free,
+            ..
+        } = &err
+        else {
+            panic!("{err}");
+        };
+        assert_eq!((*rings, *free), (7, 40 << 20));
+        assert_eq!(*needed, 7 * (capacity + PAGE));
+        let message = err.to_string();
+        for part in [
+            "need 72.0 MiB",
+            "/dev/shm has 40.0 MiB free",
+            "lower CHORUS_SHM_BUDGET",
+            "576.0 MiB",
+        ] {
+            assert!(message.contains(part), "{part:?} not in {message}");
+        }
+        // A lower budget fits.
+        assert!(ring_for(8, 256 << 20, full).is_ok());
+    }
+
+    #[test]
+    fn budgets_parse_with_binary_suffixes() {
+        assert_eq!(parse_shm_budget(None).unwrap(), SHM_BUDGET);
+        assert_eq!(parse_shm_budget(Some(" ")).unwrap(), SHM_BUDGET);
+        assert_eq!(parse_shm_budget(Some("2G")).unwrap(), 2 << 30);
+        assert_eq!(parse_shm_budget(Some("512m")).unwrap(), 512 << 20);
+        assert_eq!(parse_shm_budget(Some("65536")).unwrap(), 65536);
+        for bad in ["lots", "-1M", "99999999999T"] {
+            assert!(
+                matches!(parse_shm_budget(Some(bad)), Err(MeshError::BadShmBudget(_))),
+                "{bad}"
+            );
+        }
     }
 }

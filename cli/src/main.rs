@@ -183,6 +183,8 @@ struct BenchCommand {
 enum BenchSubcommand {
     /// Data-parallel gradient sync (DistributedSync) on a 25M-parameter model: step time with and without sync.
     Ddp(chorus_cli::bench::ddp::DdpArgs),
+    /// The memory a job takes on this host: peak /dev/shm segments and the processes' summed peak resident memory (`chorus bench memory -- chorus launch --nproc-per-node 64 chorus selftest`).
+    Memory(chorus_cli::bench::memory::MemoryArgs),
     /// In-process ranks and TCP store rendezvous against the world size (8..1024): time and peak memory.
     Scale(chorus_cli::bench::scale::ScaleArgs),
     /// Live state transfer (sync_state) from S sources to one joiner, next to the link's own throughput.
@@ -977,6 +979,9 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
             false => chorus_cli::bench::ddp::run(&args),
         })
         .await?;
+    }
+    if let Some(BenchSubcommand::Memory(args)) = command.command {
+        return tokio::task::spawn_blocking(move || chorus_cli::bench::memory::run(&args)).await?;
     }
     if let Some(BenchSubcommand::Tune(args)) = command.command {
         return tokio::task::spawn_blocking(move || chorus_cli::bench::tune::run(&args)).await?;

@@ -16,6 +16,7 @@
 //! | 16..24, 24..32 | capacity, data offset (the page size) | writer, once |
 //! | 32..40, 40..48 | writer rank, reader rank | writer, once |
 //! | 48..52 | reader pid (non-zero once the reader has attached) | reader, once |
+//! | 56..64 | writer's pid namespace (inode of `/proc/self/ns/pid`, 0 if unknown) | writer, once |
 //! | 128..136 | `head`: bytes published | writer |
 //! | 136..140, 140..144, 144..148 | `head_seq` (futex), writer sleeping, writer closed | writer |
 //! | 256..264 | `tail`: bytes released | reader |
@@ -51,7 +52,11 @@
 //!    [`TransportError::Protocol`]. The reader checks that the file is its
 //!    own user's, maps it, stores its pid, and unlinks the file: from then on
 //!    nothing is left behind whatever happens. A crash between creating and
-//!    the peer's attach (the connect window) leaves the file behind.
+//!    the peer's attach (the connect window) leaves the file behind, until
+//!    [`remove_dead_rings`] finds it: a ring whose writer's pid is dead in
+//!    the writer's own pid namespace is removed (the lowest local rank of
+//!    a mesh sweeps before creating its rings, `chorus launch` once its
+//!    workers are gone).
 //! 4. The writer alone moves `head`, the reader alone moves `tail`;
 //!    `head - tail <= capacity` always. The writer copies a record into
 //!    `[head, head + size)` only once `tail` allows it, then publishes it
@@ -182,6 +187,7 @@ struct Header {
     writer_rank: AtomicU64,
     reader_rank: AtomicU64,
     reader_pid: AtomicU32,
+    writer_pid_ns: AtomicU64,
     writer: WriterLine,
     reader: ReaderLine,
     writer_notice: NoticeArea,
@@ -243,6 +249,7 @@ struct ReaderLine {
 const _: () = assert!(
     std::mem::size_of::<Header>() <= 4096
         && std::mem::offset_of!(Header, reader_pid) == 48
+        && std::mem::offset_of!(Header, writer_pid_ns) == 56
         && std::mem::offset_of!(Header, writer) == 128
         && std::mem::offset_of!(Header, reader) == 256
         && std::mem::offset_of!(Header, writer_notice) == 384
@@ -314,7 +321,8 @@ fn protocol_error(peer: usize, reason: impl std::fmt::Display) -> TransportError
     }
 }
 
-fn page_size() -> usize {
+/// The page size, which ring sizes are multiples of.
+pub fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(size).unwrap_or(4096).max(4096)
@@ -586,15 +594,90 @@ struct Released {
     pending: BTreeMap<u64, u64>,
 }
 
-/// Bytes free for an unprivileged user on the filesystem holding `file`.
-fn free_bytes(file: &File) -> io::Result<u64> {
+/// Room in the tmpfs that holds the rings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TmpfsSpace {
+    /// Bytes free for an unprivileged user.
+    pub free: u64,
+    /// The filesystem's size in bytes.
+    pub size: u64,
+}
+
+/// The room on the filesystem holding `file`.
+fn space_of(file: &File) -> io::Result<TmpfsSpace> {
     // SAFETY: statvfs is plain data; fstatvfs fills it from our own fd.
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: a valid fd and a valid out-pointer.
     if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut stat) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(stat.f_bavail as u64 * stat.f_frsize as u64)
+    let block = stat.f_frsize as u64;
+    Ok(TmpfsSpace {
+        free: stat.f_bavail as u64 * block,
+        size: stat.f_blocks as u64 * block,
+    })
+}
+
+/// The room in the directory `dir` (where [`ShmOptions::dir`] puts rings).
+pub fn tmpfs_space(dir: &Path) -> io::Result<TmpfsSpace> {
+    space_of(&File::open(dir)?)
+}
+
+/// This process's pid namespace (the inode of `/proc/self/ns/pid`), 0 where
+/// `/proc` does not say: a pid only means something within its namespace.
+fn pid_namespace() -> u64 {
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |meta| meta.ino())
+}
+
+/// Removes the ring files in `dir` left by writers that died before their
+/// reader attached (rule 3): files of this user whose header is a chorus
+/// ring written from this pid namespace by a pid that no longer runs.
+/// Anything else (another user's file, a ring of a live writer or of
+/// another pid namespace, whose pids this process cannot check, a file
+/// being initialized) stays. Returns how many it removed.
+pub fn remove_dead_rings(dir: &Path) -> usize {
+    let namespace = pid_namespace();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if namespace == 0 || !name.starts_with("chorus-") || !name.contains("-to-") {
+            continue;
+        }
+        let path = entry.path();
+        // Not followed and a plain file only: opening a FIFO would block.
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !meta.file_type().is_file() || meta.uid() != me {
+            continue;
+        }
+        let mut head = [0u8; 64];
+        let read = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .and_then(|mut file| io::Read::read_exact(&mut file, &mut head));
+        if read.is_err() {
+            continue;
+        }
+        let field = |at: usize, len: usize| {
+            let mut bytes = [0u8; 8];
+            bytes[..len].copy_from_slice(&head[at..at + len]);
+            u64::from_le_bytes(bytes)
+        };
+        let (magic, writer_pid, writer_namespace) = (field(0, 8), field(12, 4) as u32, field(56, 8));
+        if magic == MAGIC && writer_namespace == namespace && !alive(writer_pid) && std::fs::remove_file(&path).is_ok()
+        {
+            removed += 1;
+        }
+    }
+    removed
 }
 
 /// Reserves a ring's pages in the tmpfs (`posix_fallocate`) on a thread of
@@ -647,7 +730,7 @@ impl Ring {
             .open(path)?;
         let ring = (|| {
             let len = (data_offset + capacity) as u64;
-            let free = free_bytes(&file)?;
+            let free = space_of(&file)?.free;
             if free < len {
                 return Err(io::Error::new(
                     io::ErrorKind::StorageFull,
@@ -659,6 +742,7 @@ impl Ring {
             let header = map.header_ref();
             header.version.store(VERSION, Ordering::Relaxed);
             header.writer_pid.store(std::process::id(), Ordering::Relaxed);
+            header.writer_pid_ns.store(pid_namespace(), Ordering::Relaxed);
             header.capacity.store(capacity as u64, Ordering::Relaxed);
             header.data_offset.store(data_offset as u64, Ordering::Relaxed);
             header.writer_rank.store(writer_rank as u64, Ordering::Relaxed);
@@ -1826,6 +1910,8 @@ mod tests {
     const ROLE: &str = "CHORUS_SHM_TEST_ROLE";
     const PARENT_NONCE: &str = "CHORUS_SHM_TEST_PARENT_NONCE";
     const NONCE_LINE: &str = "CHORUS_SHM_TEST_NONCE=";
+    /// Where a child process makes its rings (default: `/dev/shm`).
+    const DIR: &str = "CHORUS_SHM_TEST_DIR";
     const BIG: usize = 64 << 20;
 
     async fn within<T>(fut: impl Future<Output = T>) -> T {
@@ -2459,7 +2545,16 @@ mod tests {
             if role == "tcp-sink" {
                 return tcp_sink();
             }
-            let endpoint = ShmEndpoint::new(1, ShmOptions::default()).unwrap();
+            let options = match std::env::var(DIR) {
+                Ok(dir) => ShmOptions {
+                    dir: dir.into(),
+                    ..ShmOptions::default()
+                },
+                Err(_) => ShmOptions::default(),
+            };
+            // "orphan": the parent never connects back, so the ring stays
+            // in the connect window until the parent kills this process.
+            let endpoint = ShmEndpoint::new(1, options).unwrap();
             println!("{NONCE_LINE}{:016x}", endpoint.nonce());
             std::io::stdout().flush().unwrap();
             let link = endpoint.connect(ShmPeer { rank: 0, nonce: parent }).await.unwrap();
@@ -2506,6 +2601,42 @@ mod tests {
             stream.read_exact(&mut buffer).unwrap();
         }
         stream.write_all(&[1]).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_ring_left_by_a_killed_writer_is_removed_and_live_or_foreign_ones_stay() {
+        within(async {
+            let dir = PathBuf::from(format!("/dev/shm/chorus-sweep-test-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let env = [(DIR, dir.display().to_string())];
+            let mut child = ChildProcess::spawn("orphan", 1, &env);
+            let orphan = ring_path(&dir, child.nonce, 0);
+            // Killed once the ring is initialized (its magic stored last).
+            let initialized = || {
+                let mut magic = [0u8; 8];
+                File::open(&orphan).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && magic == MAGIC.to_le_bytes()
+            };
+            while !initialized() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            child.child.kill().unwrap();
+            child.child.wait().unwrap();
+            let dead_pid = child.child.id();
+            // A ring of this live process, and one that claims the dead
+            // pid in another pid namespace, where that pid may be alive.
+            let live = ring_path(&dir, 2, 3);
+            let (_live_ring, _) = Ring::create(&live, 4096, 2, 3).unwrap();
+            let foreign = ring_path(&dir, 4, 5);
+            let (foreign_ring, _) = Ring::create(&foreign, 4096, 4, 5).unwrap();
+            let header = foreign_ring.header();
+            header.writer_pid.store(dead_pid, Ordering::Relaxed);
+            header.writer_pid_ns.fetch_add(1, Ordering::Relaxed);
+            assert_eq!(remove_dead_rings(&dir), 1);
+            assert!(!orphan.exists(), "the killed writer's ring is still there");
+            assert!(live.exists() && foreign.exists());
+            std::fs::remove_dir_all(&dir).unwrap();
+        })
+        .await;
     }
 
     #[tokio::test]

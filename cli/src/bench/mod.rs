@@ -8,6 +8,8 @@
 //!   `--memory` (peak resident memory) and `--plot`.
 //! - [`ddp`]: `chorus bench ddp`, gradient sync step time with and without
 //!   sync on a 25M-parameter model, with `--compare torch` (PyTorch DDP, Gloo).
+//! - [`memory`]: `chorus bench memory -- COMMAND`, a job's peak `/dev/shm`
+//!   segments and its processes' summed peak resident memory.
 //! - [`plot`]: the set-up every PNG the tools draw shares, and the `--plot`
 //!   PNG (busbw against size).
 //! - [`recovery`]: `chorus bench recovery`, the time an elastic group takes
@@ -23,6 +25,7 @@
 
 pub mod collective;
 pub mod ddp;
+pub mod memory;
 pub mod plot;
 pub mod recovery;
 pub mod scale;

@@ -281,7 +281,11 @@ pub fn main(args: &[String]) -> ExitCode {
             });
         }
     };
-    match runtime.block_on(launch(config)) {
+    let outcome = runtime.block_on(launch(config));
+    // Workers killed while forming leave their rings behind (shm rule 3):
+    // the launcher removes every dead rank's once its own are gone.
+    chorus_transports::shm::remove_dead_rings(&chorus_transports::shm::ShmOptions::default().dir);
+    match outcome {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(error) => fail(&error),
     }
