@@ -49,6 +49,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fault-step", type=int, default=150, help="the last worker dies after this step")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="heartbeat window (default 1000)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--compute-ms", type=float, default=0.0,
+                   help="extra compute per step, as a larger model would need (a sleep; default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.add_argument("--keep-logs", action="store_true", help="keep the run directory (workers' logs, progress) and say where")
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -129,6 +131,8 @@ def worker(args: argparse.Namespace) -> None:
             return 0.0
         loss = torch.nn.functional.cross_entropy(net(x[batch]), y[batch], reduction="sum")
         loss.backward()
+        if args.compute_ms:
+            time.sleep(args.compute_ms / 1e3)
         return loss.item()
 
     commits = []
@@ -189,7 +193,8 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
     cmd = [chorus_command(), "launch", "--nproc-per-node", str(args.world), "--restart-policy", "worker",
            "--max-restarts", "3", "--master-port", str(free_port()), "--log-dir", str(run / "logs"), "--",
            sys.executable, os.path.abspath(__file__), "--run-dir", str(run), "--fault", fault]
-    for flag in ("world", "steps", "batch", "hidden", "lr", "mode", "every", "fault_step", "heartbeat_ms", "seed"):
+    for flag in ("world", "steps", "batch", "hidden", "lr", "mode", "every", "fault_step", "heartbeat_ms", "seed",
+                 "compute_ms"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -4,7 +4,8 @@
 
 The job: examples/python/train.py's 3-layer MLP on its synthetic 10-class
 data, SGD with momentum, a global batch of 128 split over --world replicas
-of one process each; the last replica is SIGKILLed after --fault-step and
+of one process each, --compute-ms of extra compute per step on both sides
+(a sleep standing for a larger model); the last replica is SIGKILLed after --fault-step and
 relaunched at once. chorus: the example under `chorus launch
 --restart-policy worker` (survivors go on as a smaller group; heartbeat 1 s).
 torchft: its Manager, DistributedDataParallel and OptimizerWrapper over
@@ -89,6 +90,8 @@ def torchft_replica(args) -> None:
         mine = batch[args.batch * rid // args.world : args.batch * (rid + 1) // args.world]
         loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
         loss.backward()
+        if args.compute_ms:
+            time.sleep(args.compute_ms / 1e3)
         if optimizer.step() is not False and manager.current_step() > step:
             commits.append(time.time())
             if attempt > 0 and len(commits) == 1:
@@ -162,7 +165,8 @@ def run_chorus(args, run: Path) -> dict:
 
 def common_flags(args) -> list:
     return ["--world", str(args.world), "--steps", str(args.steps), "--fault-step", str(args.fault_step),
-            "--batch", str(args.batch), "--hidden", str(args.hidden), "--lr", str(args.lr), "--seed", str(args.seed)]
+            "--batch", str(args.batch), "--hidden", str(args.hidden), "--lr", str(args.lr), "--seed", str(args.seed),
+            "--compute-ms", str(args.compute_ms)]
 
 
 def main() -> None:
@@ -175,6 +179,9 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--compute-ms", type=float, default=20.0,
+                   help="compute per step added on both sides, as a larger model would need (default 20), so "
+                        "that a relaunched worker can join before the job ends")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--torchft-replica", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)

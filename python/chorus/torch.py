@@ -85,6 +85,10 @@ class ChorusWork(dist._Work):
     ``finish`` runs once they all succeeded, before ``wait()`` returns and
     before the future completes (copying results out of scratch buffers for
     the list forms of the collectives). The future's value is ``result``.
+    Whoever sees the operations end first finishes the work: the thread in
+    ``wait()``, or, once ``get_future()`` was asked for, the chorus thread
+    that runs the done-callbacks (a plain synchronous call never pays for
+    that thread's wake-up).
     """
 
     def __init__(self, cores: Sequence[_chorus.Work], result, finish: Sequence[Callable[[], None]] = ()):
@@ -94,13 +98,9 @@ class ChorusWork(dist._Work):
         self._finish = list(finish)
         self._error: Optional[BaseException] = None
         self._ended = threading.Event()
-        self._left = len(self._cores)
         self._lock = threading.Lock()
-        self._future: torch.futures.Future = torch.futures.Future()
-        if not self._cores:
-            self._end()
-        for core in self._cores:
-            core.add_done_callback(self._one_done)
+        self._future: Optional[torch.futures.Future] = None
+        self._left = len(self._cores)
 
     def _one_done(self) -> None:
         with self._lock:
@@ -110,44 +110,67 @@ class ChorusWork(dist._Work):
             self._end()
 
     def _end(self) -> None:
-        for core in self._cores:
-            error = core.exception()
-            if error is not None:
-                self._error = error
-                break
+        """Finishes the work once (its operations have all ended)."""
+        with self._lock:
+            if self._ended.is_set():
+                return
+            for core in self._cores:
+                error = core.exception()
+                if error is not None:
+                    self._error = error
+                    break
+            if self._error is None:
+                try:
+                    for finish in self._finish:
+                        finish()
+                except BaseException as error:  # the caller sees it from wait()
+                    self._error = error
+            self._ended.set()
+            future = self._future
+        if future is not None:
+            self._complete(future)
+
+    def _complete(self, future: torch.futures.Future) -> None:
         if self._error is None:
-            try:
-                for finish in self._finish:
-                    finish()
-            except BaseException as error:  # the caller sees it from wait()
-                self._error = error
-        self._ended.set()
-        if self._error is None:
-            self._future.set_result(self._result)
+            future.set_result(self._result)
         else:
-            self._future.set_exception(self._error)
+            future.set_exception(self._error)
 
     def wait(self, timeout=None) -> bool:
         seconds = _seconds(timeout)
         for core in self._cores:
             core.wait(seconds)  # raises the operation's error, or WaitTimeout
-        # The cores ended; the finishing copy runs on the thread that saw the last end.
-        self._ended.wait()
+        self._end()
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
+        if not self._ended.is_set() and all(core.is_completed() for core in self._cores):
+            self._end()
         return self._ended.is_set()
 
     def is_success(self) -> bool:
-        return self._ended.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self):
+        self.is_completed()
         return self._error
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._future = future = torch.futures.Future()
+            ended = self._ended.is_set()
+        if ended:
+            self._complete(future)
+        elif not self._cores:
+            self._end()
+        else:
+            for core in self._cores:
+                core.add_done_callback(self._one_done)
+        return future
 
     def result(self):
         return self._result
