@@ -903,7 +903,7 @@ fn progress_loop(
     );
     bar.set_prefix(label);
     *lock_bar() = Some(bar.clone());
-    let mut reported = 0;
+    *lock_injected() = Some((run_dir.clone(), 0));
     let mut curve = Vec::new();
     let mut reader = None;
     let started = Instant::now();
@@ -935,21 +935,38 @@ fn progress_loop(
                 line.clear();
             }
         }
-        let injected = failures(&run_dir);
-        for (_, what) in injected.iter().skip(reported) {
-            print_line(&format!(
-                "train: injected the fault: {what}; the launcher and the others recover from it"
-            ));
-        }
-        reported = injected.len();
+        report_injected();
         if finished {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     bar.finish();
+    *lock_injected() = None;
     *lock_bar() = None;
     curve
+}
+
+/// The run whose injected faults are being reported, and how many were.
+fn lock_injected() -> std::sync::MutexGuard<'static, Option<(PathBuf, usize)>> {
+    static INJECTED: std::sync::Mutex<Option<(PathBuf, usize)>> = std::sync::Mutex::new(None);
+    INJECTED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Prints the faults injected since the last call: before the launcher's
+/// report of a fault, so the fault reads as intended.
+fn report_injected() {
+    let mut injected = lock_injected();
+    let Some((run_dir, reported)) = injected.as_mut() else {
+        return;
+    };
+    let all = failures(run_dir);
+    for (_, what) in all.iter().skip(*reported) {
+        print_line(&format!(
+            "train: injected the fault: {what}; the launcher and the others recover from it"
+        ));
+    }
+    *reported = all.len();
 }
 
 /// The progress bar being drawn, if any.
@@ -1136,7 +1153,10 @@ fn main() -> Result<()> {
         return worker(args);
     }
     args.check(available_memory())?;
-    chorus_cli::launch::print_lines_with(print_line);
+    chorus_cli::launch::print_lines_with(|line| {
+        report_injected();
+        print_line(line);
+    });
     if std::env::var_os("OMP_NUM_THREADS").is_none() {
         // SAFETY: no other thread runs yet. Set here once, for the workers
         // of both runs, rather than noted by the launcher at each.

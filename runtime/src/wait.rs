@@ -76,7 +76,8 @@ pub async fn noting<F: std::future::Future>(future: F, total: Duration, what: im
             output = &mut future => return output,
             () = tokio::time::sleep_until(notes.next_at()) => {
                 if notes.due() {
-                    tracing::info!(target: TARGET, "{}; {}", what(), notes.progress());
+                    let what = what();
+                    tracing::info!(target: TARGET, "{what}; {}", notes.progress());
                 }
             }
         }

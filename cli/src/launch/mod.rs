@@ -692,6 +692,7 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
                 let reports: Vec<PathBuf> = (0..config.nproc_per_node)
                     .map(|local_rank| job_env.error_file(job_env.rank(local_rank)))
                     .collect();
+                await_reports(&job_env.error_file(ended.rank), &reports).await;
                 let (culprit, what) = failure(&workers, &ended, formed.node_rank, round, &reports);
                 report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
                 // End the round before stopping: the others stop at once, and
@@ -841,6 +842,7 @@ async fn run_elastic_round(
                         env.error_file(env.rank(local_rank))
                     })
                     .collect();
+                await_reports(&slot_env.error_file(ended.rank), &reports).await;
                 let (_, what) = failure(workers, &ended, formed.node_rank, slot_env.restart_count, &reports);
                 report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
                 if let Err(error) = publish_exit(job, &slot_env, ended.pid).await {
@@ -1207,16 +1209,31 @@ async fn wait_for_nodes(job: &Job, formed: &nodes::Formed, signals: &mut Signals
     Ok(AllDone::Yes)
 }
 
+/// Once a worker exited on its group's abort (its error file names whom
+/// it blames), the others found the failure at about the same time: waits
+/// until their error files are there too, for half a second at most (a
+/// frozen or dead worker writes none).
+async fn await_reports(exited: &Path, reports: &[PathBuf]) {
+    if !exited.exists() {
+        return;
+    }
+    let until = tokio::time::Instant::now() + Duration::from_millis(500);
+    while tokio::time::Instant::now() < until && !reports.iter().all(|r| r.exists()) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Whom a worker's failure is to be blamed on ("rank 2") and the line
 /// that says what happened. A worker whose group aborts on a peer's
 /// failure names that peer in its error file (`chorus::error_file`), and
 /// the first process to exit is often a healthy rank that found a peer
 /// frozen: the peer is blamed instead. `reports` are the error files of
-/// this node's workers (of their current attempts); the rank most of them
-/// name is blamed, as a rank frozen by fault injection (its own links
-/// frozen, its watchdog running) may name all the others in turn. A
-/// blamed peer is named as this node's worker with its process id where
-/// it is one.
+/// this node's workers (of their current attempts); the rank they name
+/// most is blamed, each report counting `1 / the ranks it names`: a rank
+/// that lost every peer at once is likelier the one cut off (a rank frozen
+/// by fault injection, its links frozen but its watchdog running, names
+/// all the others in turn). A blamed peer is named as this node's worker
+/// with its process id where it is one.
 fn failure(
     workers: &Workers,
     ended: &workers::Ended,
@@ -1228,25 +1245,27 @@ fn failure(
         "rank {} (local rank {} on node {node}, pid {})",
         ended.rank, ended.local_rank, ended.pid
     );
-    let mut votes: Vec<(chorus::error_file::FailedPeer, usize)> = Vec::new();
-    for peer in reports
+    let mut votes: Vec<(chorus::error_file::FailedPeer, f64)> = Vec::new();
+    for report in reports
         .iter()
         .filter_map(|path| chorus::error_file::ErrorReport::read(path))
-        .flat_map(|report| report.failed)
     {
-        match votes
-            .iter_mut()
-            .find(|(p, _)| (p.pid, &p.host) == (peer.pid, &peer.host))
-        {
-            Some((_, n)) => *n += 1,
-            None => votes.push((peer, 1)),
+        let weight = 1.0 / report.failed.len().max(1) as f64;
+        for peer in report.failed {
+            match votes
+                .iter_mut()
+                .find(|(p, _)| (p.pid, &p.host) == (peer.pid, &peer.host))
+            {
+                Some((_, n)) => *n += weight,
+                None => votes.push((peer, weight)),
+            }
         }
     }
-    let most = votes.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    let most = votes.iter().map(|(_, n)| *n).fold(0.0, f64::max);
     let host = HostId::local().hostname;
     let blamed: Vec<(String, String, bool)> = votes
         .into_iter()
-        .filter(|(_, n)| *n == most)
+        .filter(|(_, n)| most - *n < 1e-9)
         .map(
             |(peer, _)| match workers.by_pid(peer.pid).filter(|_| peer.host == host) {
                 Some((rank, local_rank)) => (
