@@ -184,6 +184,12 @@ fn example() -> PathBuf {
 
 /// Runs the example with `args` and `--json`; its last line, parsed.
 fn run_example(args: &[&str], secs: u64) -> serde_json::Value {
+    run_example_with_stderr(args, secs).0
+}
+
+/// Runs the example with `args` and `--json`; its last line, parsed, and
+/// what it printed on stderr.
+fn run_example_with_stderr(args: &[&str], secs: u64) -> (serde_json::Value, String) {
     let plot = std::env::temp_dir().join(format!("chorus-train-test-{}.png", std::process::id()));
     let mut command = Command::new(example());
     command
@@ -196,7 +202,8 @@ fn run_example(args: &[&str], secs: u64) -> serde_json::Value {
     assert!(output.status.success(), "{}", text(&output));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}\n{}", text(&output)))
+    let json = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}\n{}", text(&output)));
+    (json, String::from_utf8_lossy(&output.stderr).into_owned())
 }
 
 /// Every flag is checked before anything starts, with a one-line error:
@@ -254,7 +261,16 @@ fn bad_flags_fail_at_once_with_one_line_each() {
 
 #[test]
 fn after_a_kill_and_rejoin_the_loss_is_the_fault_free_runs() {
-    let run = run_example(&["--fault", "kill", "--steps", "200", "--fault-step", "80"], 90);
+    let (run, stderr) = run_example_with_stderr(&["--fault", "kill", "--steps", "200", "--fault-step", "80"], 90);
+    // The injected fault and its recovery read as expected events: said
+    // before the launcher reports it, no errors from the survivors, no
+    // colour codes off a terminal, no note repeated for each run.
+    assert!(
+        stderr.contains("train: injected the fault: kill of rank 3 at step 80"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("ERROR") && !stderr.contains('\u{1b}'), "{stderr}");
+    assert!(!stderr.contains("OMP_NUM_THREADS"), "{stderr}");
     assert_eq!(run["recoveries"], 1, "{run}");
     // The summary says which fault was injected, and when.
     assert_eq!(
@@ -330,7 +346,7 @@ fn a_frozen_worker_is_left_behind_then_rejoins_and_the_loss_is_the_fault_free_ru
     // SIGSTOP at step 80: only the heartbeats (1 s here) find it; the
     // example kills it once the others went on without it, and its
     // relaunch rejoins before the job ends.
-    let run = run_example(
+    let (run, stderr) = run_example_with_stderr(
         &[
             "--fault",
             "freeze",
@@ -361,6 +377,14 @@ fn a_frozen_worker_is_left_behind_then_rejoins_and_the_loss_is_the_fault_free_ru
         serde_json::json!(["freeze of rank 3 at step 80"]),
         "{run}"
     );
+    // Who killed the frozen worker, and why, comes before the launcher's report of it.
+    let killing = stderr
+        .find("train: killing the frozen rank 3")
+        .unwrap_or_else(|| panic!("{stderr}"));
+    let reported = stderr
+        .find("was killed by signal SIGKILL")
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(killing < reported, "{stderr}");
     assert_reaches_the_reference(&run, 200);
 }
 
