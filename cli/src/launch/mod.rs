@@ -296,8 +296,11 @@ fn say(message: impl std::fmt::Display) {
     print_line(&format!("chorus launch: {message}"));
 }
 
+/// Prints one of the launcher's own lines.
+type PrintLine = Box<dyn Fn(&str) + Send + Sync>;
+
 /// Where the launcher's own lines go, when not to stderr.
-static LINES: std::sync::OnceLock<Box<dyn Fn(&str) + Send + Sync>> = std::sync::OnceLock::new();
+static LINES: std::sync::OnceLock<PrintLine> = std::sync::OnceLock::new();
 
 /// Has the launcher's own lines (its notes and failure reports, not the
 /// workers' output) go to `print` instead of stderr, for the rest of the
