@@ -37,6 +37,18 @@ enum Fault {
     Partition,
 }
 
+impl Fault {
+    /// Its name on the command line.
+    fn name(self) -> &'static str {
+        match self {
+            Fault::None => "none",
+            Fault::Kill => "kill",
+            Fault::Freeze => "freeze",
+            Fault::Partition => "partition",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ModeArg {
     Ddp,
@@ -50,10 +62,12 @@ struct Args {
     /// The failure to inject into the last rank.
     #[arg(long, value_enum, default_value = "kill")]
     fault: Fault,
-    /// The committed step at which it happens.
-    #[arg(long, default_value_t = 150)]
-    fault_step: u64,
-    /// Also kill a worker (rotating over ranks 1..) every SECS seconds (goodput runs).
+    /// The committed step at which it happens, from 1 to --steps - 1
+    /// [default: 3/8 of --steps].
+    #[arg(long)]
+    fault_step: Option<u64>,
+    /// Also kill a worker (rotating over ranks 1..) every SECS seconds
+    /// (goodput runs; not with --fault none).
     #[arg(long)]
     fault_every: Option<f64>,
     /// How replicas are kept together.
@@ -107,13 +121,136 @@ struct Args {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
-    /// Keep the run's directory (the workers' logs; `CHORUS_LOG=info` shows
-    /// each one's phases) and print where it is.
+    /// Keep the run's directory (the workers' logs, where their output
+    /// goes; `CHORUS_LOG=info` shows each one's phases) and print where it is.
     #[arg(long)]
     keep_logs: bool,
     /// (internal) the run's directory, given to the workers.
     #[arg(long, hide = true)]
     run_dir: Option<PathBuf>,
+}
+
+impl Args {
+    /// The step of `--fault`: given, or 3/8 of the way (150 of 400).
+    fn fault_step(&self) -> u64 {
+        self.fault_step.unwrap_or(self.steps * 3 / 8).max(1)
+    }
+
+    /// Checks every flag before anything starts, each mistake a one-line
+    /// error: an option that cannot act (a fault never injected, a sync
+    /// that never runs) would otherwise look like success, and a batch
+    /// too small for the workers would end in a restart loop.
+    fn check(&self, available: Option<u64>) -> Result<()> {
+        let Args {
+            world, steps, batch, ..
+        } = *self;
+        if world < 2 {
+            bail!("--world {world}: at least 2 workers, one to fail and one to go on");
+        }
+        if steps < 2 {
+            bail!("--steps {steps}: at least 2 steps");
+        }
+        if batch < world {
+            bail!(
+                "--batch {batch} with --world {world}: every worker needs a sample per step; give --batch {world} or more"
+            );
+        }
+        if self.hidden == 0 {
+            bail!("--hidden 0: the hidden layers need at least one unit");
+        }
+        if self.heartbeat_ms < 100 {
+            bail!(
+                "--heartbeat-ms {}: at least 100; a shorter window takes a busy worker for frozen",
+                self.heartbeat_ms
+            );
+        }
+        if let Some(step) = self.fault_step
+            && self.fault != Fault::None
+            && !(1..steps).contains(&step)
+        {
+            bail!(
+                "--fault-step {step} with --steps {steps}: the {} would never be injected; give a step from 1 to {}",
+                self.fault.name(),
+                steps - 1
+            );
+        }
+        if let Some(every) = self.fault_every {
+            if !(every.is_finite() && every > 0.0) {
+                bail!("--fault-every {every}: a positive number of seconds");
+            }
+            if self.fault == Fault::None {
+                bail!(
+                    "--fault-every {every} with --fault none: no worker would be killed; give --fault kill (or another)"
+                );
+            }
+        }
+        if self.mode != ModeArg::Ddp && !(1..steps).contains(&self.every) {
+            bail!(
+                "--every {} with --steps {steps}: the replicas would never sync; give 1 to {}",
+                self.every,
+                steps - 1
+            );
+        }
+        if self.mode == ModeArg::Diloco {
+            if !(self.outer_lr.is_finite() && self.outer_lr > 0.0) {
+                bail!("--outer-lr {}: a positive number", self.outer_lr);
+            }
+            if !(0.0..1.0).contains(&self.outer_momentum) {
+                bail!("--outer-momentum {}: from 0 to below 1", self.outer_momentum);
+            }
+        }
+        if self.fragments == 0 || (self.fragments > 1 && self.mode != ModeArg::Diloco) {
+            bail!(
+                "--fragments {}: at least 1, and more only with --mode diloco",
+                self.fragments
+            );
+        }
+        if let Some(dir) = self.plot.parent().filter(|d| !d.as_os_str().is_empty())
+            && !dir.is_dir()
+        {
+            bail!(
+                "--plot {}: the directory {} does not exist",
+                self.plot.display(),
+                dir.display()
+            );
+        }
+        if let Some(available) = available {
+            let needed = self.memory_needed();
+            if needed > available {
+                let gib = |b: u64| b as f64 / f64::from(1 << 30);
+                bail!(
+                    "--world {world} needs about {:.1} GiB ({:.0} MiB per worker, a rough estimate), more than the {:.1} GiB this host has available; give a smaller --world, --hidden or --state-mib",
+                    gib(needed),
+                    needed as f64 / world as f64 / f64::from(1 << 20),
+                    gib(available)
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A rough estimate of the host memory the workers take: each a
+    /// runtime, its data and copies of the state (model, optimizer,
+    /// gradients, a joiner's transfer), plus its shared-memory rings to
+    /// the others (up to 48 MiB each, 256 MiB in all; `chorus::mesh`).
+    fn memory_needed(&self) -> u64 {
+        const BASE: u64 = 100 << 20;
+        const RING: u64 = 48 << 20;
+        const RINGS_MAX: u64 = 256 << 20;
+        let h = self.hidden as u64;
+        let params = (INPUTS as u64 + 1) * h + (h + 1) * h + (h + 1) * CLASSES as u64;
+        let state = 4 * params * 4 + 2 * ((self.state_mib as u64) << 20);
+        let rings = (RING * (self.world as u64 - 1)).min(RINGS_MAX);
+        self.world as u64 * (BASE + state + rings)
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
 }
 
 const INPUTS: usize = 32;
@@ -471,20 +608,34 @@ fn unix_us() -> i64 {
     chorus_cli::bench::recovery::unix_us()
 }
 
-/// Appends the wall-clock time of an injected failure to the run's list.
-fn record_failure(run_dir: &Path) {
+/// Appends an injected failure to the run's list: its wall-clock time and
+/// what it was (`kill of rank 3 at step 150`), for the summary.
+fn record_failure(run_dir: &Path, what: &str) {
     if let Ok(mut file) = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(run_dir.join("failures_us"))
+        .open(run_dir.join("failures"))
     {
-        let _ = writeln!(file, "{}", unix_us());
+        let _ = writeln!(file, "{} {what}", unix_us());
     }
 }
 
-/// Injects `fault` into this worker (called at the fault step).
-fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path) {
-    record_failure(run_dir);
+/// The failures injected into the run in `run_dir`: when (unix
+/// microseconds) and what.
+fn failures(run_dir: &Path) -> Vec<(i64, String)> {
+    std::fs::read_to_string(run_dir.join("failures"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (at, what) = l.split_once(' ')?;
+            Some((at.parse().ok()?, what.to_string()))
+        })
+        .collect()
+}
+
+/// Injects `fault` into this worker, rank `rank`, at committed step `step`.
+fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path, rank: usize, step: u64) {
+    record_failure(run_dir, &format!("{} of rank {rank} at step {step}", fault.name()));
     match fault {
         Fault::None => {}
         Fault::Kill => {
@@ -492,7 +643,7 @@ fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path) {
             unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
         }
         Fault::Freeze => {
-            let _ = std::fs::write(run_dir.join("frozen_pid"), std::process::id().to_string());
+            let _ = std::fs::write(run_dir.join("frozen"), format!("{} {rank}", std::process::id()));
             // SAFETY: kill only sends a signal, to this process.
             unsafe { libc::kill(std::process::id() as i32, libc::SIGSTOP) };
         }
@@ -509,10 +660,7 @@ fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path) {
 
 fn worker(args: Args) -> Result<()> {
     // `CHORUS_LOG=chorus::train=info` shows each transfer and recovery as it happens.
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    chorus_cli::logging::init();
     let run_dir = args
         .run_dir
         .clone()
@@ -588,8 +736,8 @@ fn worker(args: Args) -> Result<()> {
             if let Some(file) = progress.as_mut() {
                 let _ = writeln!(file, "{} {} {} {}", c.step, c.loss, c.world_size, c.generation);
             }
-            if victim && c.step + 1 == args.fault_step {
-                inject(args.fault, &group, &run_dir);
+            if victim && c.step + 1 == args.fault_step() {
+                inject(args.fault, &group, &run_dir, first_rank, args.fault_step());
             }
         })
         .await?;
@@ -604,11 +752,7 @@ fn worker(args: Args) -> Result<()> {
             let eval = Dataset::generate(args.seed, EVAL_SAMPLES, 2);
             let all: Vec<usize> = (0..eval.len()).collect();
             let (loss, _) = job.loss(&eval, &all, false)?;
-            let failures_us: Vec<i64> = std::fs::read_to_string(run_dir.join("failures_us"))
-                .unwrap_or_default()
-                .lines()
-                .filter_map(|l| l.trim().parse().ok())
-                .collect();
+            let failures_us: Vec<i64> = failures(&run_dir).into_iter().map(|(at, _)| at).collect();
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
             let outcome = Outcome {
                 final_loss: f64::from(loss),
@@ -676,6 +820,7 @@ fn free_port() -> Result<u16> {
 fn fault_loop(run_dir: PathBuf, world: usize, every: f64, done: Arc<AtomicBool>) {
     let mut next = 1;
     let mut waited = 0.0;
+    let started = Instant::now();
     while !done.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         waited += 0.1;
@@ -687,7 +832,8 @@ fn fault_loop(run_dir: PathBuf, world: usize, every: f64, done: Arc<AtomicBool>)
             .ok()
             .and_then(|s| s.trim().parse::<i32>().ok());
         if let Some(pid) = pid {
-            record_failure(&run_dir);
+            let at = started.elapsed().as_secs_f64();
+            record_failure(&run_dir, &format!("kill of rank {next} at {at:.1} s"));
             // SAFETY: kill only sends a signal, to a worker of this run.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
@@ -695,21 +841,47 @@ fn fault_loop(run_dir: PathBuf, world: usize, every: f64, done: Arc<AtomicBool>)
     }
 }
 
-/// Kills a frozen worker `after` it froze (twice the heartbeat timeout:
-/// the others have gone on without it), so the launcher relaunches it.
+/// Kills a frozen worker once the others went on without it (rank 0's
+/// progress shows a later generation), or at the latest `after` it froze
+/// (twice the heartbeat timeout), so the launcher relaunches it while the
+/// job still runs and it rejoins.
 fn thaw_loop(run_dir: PathBuf, after: Duration, done: Arc<AtomicBool>) {
     while !done.load(Ordering::Relaxed) {
-        std::thread::sleep(Duration::from_millis(100));
-        if let Some(pid) = std::fs::read_to_string(run_dir.join("frozen_pid"))
-            .ok()
-            .and_then(|s| s.trim().parse::<i32>().ok())
+        std::thread::sleep(Duration::from_millis(50));
+        let frozen = std::fs::read_to_string(run_dir.join("frozen")).unwrap_or_default();
+        let Some((pid, rank)) = frozen
+            .split_once(' ')
+            .and_then(|(pid, rank)| Some((pid.parse::<i32>().ok()?, rank.trim().to_string())))
+        else {
+            continue;
+        };
+        let froze = Instant::now();
+        let generation_at_freeze = latest_generation(&run_dir);
+        while froze.elapsed() < after
+            && latest_generation(&run_dir) == generation_at_freeze
+            && !done.load(Ordering::Relaxed)
         {
-            std::thread::sleep(after);
-            // SAFETY: kill only sends a signal, to the worker that froze itself.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            return;
+            std::thread::sleep(Duration::from_millis(20));
         }
+        let why = match latest_generation(&run_dir) == generation_at_freeze {
+            true => "the others have not gone on without it yet",
+            false => "the others went on without it",
+        };
+        print_line(&format!(
+            "train: killing the frozen rank {rank} (pid {pid}) {:.1} s after it froze ({why}), for the launcher to relaunch it",
+            froze.elapsed().as_secs_f64()
+        ));
+        // SAFETY: kill only sends a signal, to the worker that froze itself.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        return;
     }
+}
+
+/// The generation of rank 0's last committed step, from its progress file.
+fn latest_generation(run_dir: &Path) -> Option<u64> {
+    let progress = std::fs::read_to_string(run_dir.join("progress")).ok()?;
+    let last = progress.lines().rev().find(|l| l.split_whitespace().count() == 4)?;
+    last.split_whitespace().nth(3)?.parse().ok()
 }
 
 /// Shows rank 0's committed steps as they come.
@@ -730,6 +902,8 @@ fn progress_loop(
             .progress_chars("=> "),
     );
     bar.set_prefix(label);
+    *lock_bar() = Some(bar.clone());
+    *lock_injected() = Some((run_dir.clone(), 0));
     let mut curve = Vec::new();
     let mut reader = None;
     let started = Instant::now();
@@ -761,19 +935,60 @@ fn progress_loop(
                 line.clear();
             }
         }
+        report_injected();
         if finished {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     bar.finish();
+    *lock_injected() = None;
+    *lock_bar() = None;
     curve
 }
 
-/// One launched run: its outcome, loss curve and wall time.
+/// The run whose injected faults are being reported, and how many were.
+fn lock_injected() -> std::sync::MutexGuard<'static, Option<(PathBuf, usize)>> {
+    static INJECTED: std::sync::Mutex<Option<(PathBuf, usize)>> = std::sync::Mutex::new(None);
+    INJECTED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Prints the faults injected since the last call: before the launcher's
+/// report of a fault, so the fault reads as intended.
+fn report_injected() {
+    let mut injected = lock_injected();
+    let Some((run_dir, reported)) = injected.as_mut() else {
+        return;
+    };
+    let all = failures(run_dir);
+    for (_, what) in all.iter().skip(*reported) {
+        print_line(&format!(
+            "train: injected the fault: {what}; the launcher and the others recover from it"
+        ));
+    }
+    *reported = all.len();
+}
+
+/// The progress bar being drawn, if any.
+fn lock_bar() -> std::sync::MutexGuard<'static, Option<indicatif::ProgressBar>> {
+    static BAR: std::sync::Mutex<Option<indicatif::ProgressBar>> = std::sync::Mutex::new(None);
+    BAR.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Prints a line on stderr above the progress bar, not through it: the
+/// launcher's notes and the example's own.
+fn print_line(line: &str) {
+    match lock_bar().as_ref() {
+        Some(bar) => bar.suspend(|| eprintln!("{line}")),
+        None => eprintln!("{line}"),
+    }
+}
+
+/// One launched run: its outcome, loss curve and the failures injected.
 struct Run {
     outcome: Outcome,
     curve: Vec<(u64, f64)>,
+    injected: Vec<String>,
 }
 
 fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Result<Run> {
@@ -791,6 +1006,11 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         free_port()?.to_string(),
         "--log-dir".into(),
         run_dir.join("logs").display().to_string(),
+        // The workers' output only into their logs (`--keep-logs`): the
+        // survivors' reports of the injected failure (errors, from where
+        // they stand) would read as if the demo failed.
+        "--redirects".into(),
+        "3".into(),
         "--".into(),
         exe.display().to_string(),
         "--run-dir".into(),
@@ -801,15 +1021,9 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         ModeArg::LocalSgd => "local-sgd",
         ModeArg::Diloco => "diloco",
     };
-    let fault_name = match fault {
-        Fault::None => "none",
-        Fault::Kill => "kill",
-        Fault::Freeze => "freeze",
-        Fault::Partition => "partition",
-    };
     for (flag, value) in [
-        ("--fault", fault_name.to_string()),
-        ("--fault-step", args.fault_step.to_string()),
+        ("--fault", fault.name().to_string()),
+        ("--fault-step", args.fault_step().to_string()),
         ("--mode", mode.to_string()),
         ("--every", args.every.to_string()),
         ("--outer-lr", args.outer_lr.to_string()),
@@ -857,7 +1071,12 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
             run_dir.join("logs").display()
         ),
     };
-    Ok(Run { outcome, curve })
+    let injected = failures(run_dir).into_iter().map(|(_, what)| what).collect();
+    Ok(Run {
+        outcome,
+        curve,
+        injected,
+    })
 }
 
 fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Result<()> {
@@ -909,13 +1128,39 @@ fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Re
     Ok(())
 }
 
+/// What the summary says of the faults: those injected and when, or that
+/// none was (asked for or not).
+fn injected_summary(args: &Args, injected: &[String]) -> String {
+    let asked = format!(
+        "{} of rank {} at step {}",
+        args.fault.name(),
+        args.world - 1,
+        args.fault_step()
+    );
+    let mut text = match injected {
+        [] => "no fault injected".to_string(),
+        all => format!("injected: {}", all.join(", ")),
+    };
+    if args.fault != Fault::None && !injected.contains(&asked) {
+        text.push_str(&format!(" (the {asked} was not: that worker was relaunched before it)"));
+    }
+    text
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if std::env::var_os("RANK").is_some() {
         return worker(args);
     }
-    if args.world < 2 {
-        bail!("--world must be 2 or more");
+    args.check(available_memory())?;
+    chorus_cli::launch::print_lines_with(|line| {
+        report_injected();
+        print_line(line);
+    });
+    if std::env::var_os("OMP_NUM_THREADS").is_none() {
+        // SAFETY: no other thread runs yet. Set here once, for the workers
+        // of both runs, rather than noted by the launcher at each.
+        unsafe { std::env::set_var("OMP_NUM_THREADS", "1") };
     }
     let base = std::env::temp_dir().join(format!("chorus-train-{}", std::process::id()));
     let started = Instant::now();
@@ -948,13 +1193,14 @@ fn main() -> Result<()> {
             );
         }
         println!(
-            "final loss {:.4} (accuracy {:.1}%), fault-free reference {:.4}: {:+.2}%; {} steps in {:.1} s",
+            "final loss {:.4} (accuracy {:.1}%), fault-free reference {:.4}: {:+.2}%; {} steps in {:.1} s; {}",
             o.final_loss,
             o.accuracy * 100.0,
             reference_loss,
             (o.final_loss / reference_loss - 1.0) * 100.0,
             o.steps,
-            o.train_seconds
+            o.train_seconds,
+            injected_summary(&args, &run.injected)
         );
         match &plotted {
             Ok(()) => println!("loss curve: {}", args.plot.display()),
@@ -971,6 +1217,7 @@ fn main() -> Result<()> {
             "reference_loss": reference_loss,
             "accuracy": o.accuracy,
             "recoveries": o.recoveries.len(),
+            "injected": run.injected,
             "recovery_ms": o.recoveries.iter().map(|r| r.since_failure_ms.unwrap_or(r.total_ms)).collect::<Vec<_>>(),
             "phases": o.recoveries,
             "applied": o.applied,

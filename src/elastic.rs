@@ -87,7 +87,7 @@ const JOINER_POLL: Duration = Duration::from_millis(500);
 const RENDEZVOUS_POLL: Duration = Duration::from_millis(20);
 
 /// Why an elastic group could not form, or stopped restarting.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum RestartError {
     /// Forming a generation (peer exchange, links, actor) failed.
     #[error(transparent)]
@@ -142,6 +142,8 @@ pub enum RestartError {
         failures: Vec<GroupAborted>,
     },
 }
+
+chorus_runtime::debug_as_report!(RestartError);
 
 fn describe(failures: &[GroupAborted]) -> String {
     let each: Vec<String> = failures

@@ -31,7 +31,7 @@ use crate::elastic::{ElasticGroup, RestartError};
 use crate::group::ProcessGroup;
 
 /// Why an NCCL generation could not be formed.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum ElasticNcclError {
     /// The unique id exchange or the communicator's init failed.
     #[error(transparent)]
@@ -43,6 +43,8 @@ pub enum ElasticNcclError {
     #[error("the elastic group gave up: {0}")]
     GaveUp(Arc<RestartError>),
 }
+
+chorus_runtime::debug_as_report!(ElasticNcclError);
 
 /// NCCL communicators following an [`ElasticGroup`]: see the module docs.
 pub struct ElasticNccl<B: Backend> {

@@ -44,7 +44,7 @@ use tokio::sync::{oneshot, watch};
 use crate::mesh::{MeshError, MeshPlan, TransportChoice, faults_from_env};
 
 /// Why a group could not be formed.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum InitError {
     /// Configuration, store or exchange failed.
     #[error(transparent)]
@@ -72,6 +72,8 @@ pub enum InitError {
     #[error(transparent)]
     Supervision(#[from] SupervisionConfigError),
 }
+
+chorus_runtime::debug_as_report!(InitError);
 
 /// What [`init_process_group`] needs; PyTorch's arguments by other names.
 #[derive(Debug, Clone)]
@@ -502,8 +504,13 @@ async fn start_rank(
     };
     let metrics = Arc::new(GroupMetrics::new(&config.run_id));
     metrics.formed(generation, membership.world_size());
-    let supervision =
-        Arc::new(Supervision::new(rank, generation, mode, links.clone()).with_metrics((*metrics).clone()));
+    let mut supervision = Supervision::new(rank, generation, mode, links.clone()).with_metrics((*metrics).clone());
+    // A rank process tells its launcher whom it blames; ranks sharing a
+    // process (one error file) leave it to the process.
+    if let (RankThread::Own(_), Some(hook)) = (&arbiter, crate::error_file::hook(&membership)) {
+        supervision = supervision.with_failure_hook(hook);
+    }
+    let supervision = Arc::new(supervision);
     let (actor_supervision, actor_metrics) = (supervision.clone(), metrics.clone());
     // With a trace directory, SIGTERM (a launcher stopping the job) dumps
     // the recorder before the process exits (crate::terminate).

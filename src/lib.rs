@@ -31,6 +31,8 @@
 //! - [`elastic`]: [`ElasticGroup`], a group that restarts itself into a
 //!   new generation after a failure (rules SV-9..SV-13); [`elastic_nccl`]:
 //!   NCCL communicators that follow it through its generations (EN-1..EN-3).
+//! - [`error_file`]: what a rank process whose group aborts writes for its
+//!   launcher (`TORCHELASTIC_ERROR_FILE`), naming the peers it blames.
 //! - [`metrics`]: what a running group reports through the `metrics`
 //!   facade (a table of names), and the `tracing` span of each collective.
 //! - [`nccl_group`]: [`init_nccl_group`], `init_process_group(backend="nccl")`:
@@ -86,6 +88,7 @@ pub struct TrainingDoctests;
 pub mod collectives;
 pub mod elastic;
 pub mod elastic_nccl;
+pub mod error_file;
 pub mod group;
 pub mod mesh;
 pub mod nccl_group;
@@ -113,43 +116,29 @@ pub use sync::{DistributedSync, ParamBuffer, Parameters, SyncError, SyncOptions}
 pub use tensor::{Element, Tensor};
 pub use train::{NamedState, TrainState};
 
-/// `error` and its causes on one line, each cause once: chorus's messages
-/// often quote their cause already, which `{:#}` or a "Caused by" list would
-/// print a second time.
-pub fn error_report(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut report = error.to_string();
-    let mut cause = error.source();
-    while let Some(next) = cause {
-        let text = next.to_string();
-        if !report.contains(&text) {
-            report.push_str(": ");
-            report.push_str(&text);
-        }
-        cause = next.source();
-    }
-    report
-}
+pub use chorus_runtime::error::report as error_report;
 
 #[cfg(test)]
 mod tests {
-    #[derive(Debug, thiserror::Error)]
-    #[error("reading the plan: {source}")]
-    struct Quoting {
-        source: std::io::Error,
-    }
+    use chorus_runtime::rendezvous::RendezvousError;
+    use chorus_runtime::rendezvous::env::{EnvError, Launcher};
 
-    #[derive(Debug, thiserror::Error)]
-    #[error("starting the job")]
-    struct Wrapping(#[source] Quoting);
-
+    /// A `main` that returns `Result<(), Box<dyn Error>>` prints its error
+    /// with `Debug`: the user reads the message, not the error's structure.
     #[test]
-    fn each_cause_is_reported_once() {
-        let error = Wrapping(Quoting {
-            source: std::io::Error::other("disk on fire"),
-        });
-        assert_eq!(
-            super::error_report(&error),
-            "starting the job: reading the plan: disk on fire"
+    fn an_error_returned_from_main_prints_its_message() {
+        let missing = EnvError::Missing {
+            var: "MASTER_ADDR",
+            launcher: Launcher::Env,
+        };
+        let error = crate::InitError::from(RendezvousError::from(missing.clone()));
+        let boxed: Box<dyn std::error::Error> = Box::new(error);
+        let printed = format!("{boxed:?}");
+        assert_eq!(printed, missing.to_string());
+        assert!(
+            printed.starts_with("MASTER_ADDR is not set: ") && printed.contains("chorus launch"),
+            "{printed}"
         );
+        assert!(!printed.contains("Missing {"), "{printed}");
     }
 }

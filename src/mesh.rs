@@ -15,6 +15,7 @@ use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use chorus_runtime::rendezvous::{Membership, PeerRecord};
+use chorus_runtime::wait;
 use chorus_transports::auth::JobSecret;
 use chorus_transports::fault::{FaultPlan, FaultSpecError, wrap_links};
 use chorus_transports::link::{Link, TransportError};
@@ -438,7 +439,17 @@ impl MeshPlan {
             }
             self.endpoint.connect_mesh(&quic_peers).await
         };
-        let (shm, quic) = tokio::join!(shm, quic);
+        let waiting_for = || {
+            let shm: Vec<usize> = shm_peers.iter().map(|p| p.rank).collect();
+            let quic: Vec<String> = quic_peers.iter().map(|p| format!("{} at {}", p.rank, p.addr)).collect();
+            format!(
+                "rank {}: connecting to its peers (shared memory: ranks [{}]; QUIC: ranks [{}])",
+                membership.rank,
+                wait::rank_list(&shm),
+                quic.join(", ")
+            )
+        };
+        let (shm, quic) = wait::noting(async { tokio::join!(shm, quic) }, timeout, waiting_for).await;
         // Each list is indexed by rank, `None` where the other side serves.
         for side in [shm?, quic?] {
             for (rank, link) in side.into_iter().enumerate() {

@@ -26,7 +26,7 @@ use thiserror::Error;
 use crate::InitOptions;
 
 /// Why an NCCL group could not be formed or left.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum NcclInitError {
     /// CUDA or NCCL cannot be used here: the probe's message.
     #[error("{0}")]
@@ -77,6 +77,8 @@ pub enum NcclInitError {
         source: StoreError,
     },
 }
+
+chorus_runtime::debug_as_report!(NcclInitError);
 
 /// One rank of an NCCL group formed by [`init_nccl_group`]: the supervised
 /// [`NcclGroup`] (run operations on [`group`](Self::group)), the backend

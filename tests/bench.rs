@@ -104,6 +104,14 @@ fn all_reduce_table_matches_nccl_tests_and_checks_every_element() {
     );
     // Progress goes to stderr (and is hidden off a terminal), never into the table.
     assert!(!out.stdout.contains('['), "{}", out.stdout);
+    // Piped, the bench still says it runs: a line per finished size.
+    let done: Vec<&str> = out.stderr.lines().filter(|l| l.contains(" B done (")).collect();
+    assert_eq!(done.len(), 5, "{}", out.stderr);
+    assert!(
+        done[0].starts_with("chorus bench: all_reduce 8 B done (1 of 5 sizes): median ") && done[0].ends_with(" us"),
+        "{}",
+        out.stderr
+    );
 }
 
 #[test]

@@ -670,3 +670,80 @@ fn a_stopped_worker_does_not_hold_up_the_end_of_a_failed_job() {
         text(&output)
     );
 }
+
+/// `chorus launch -- chorus ...` runs the launcher's own build, with no
+/// `chorus` on PATH; and `chorus selftest` started alone points at
+/// `chorus launch`.
+#[test]
+fn chorus_launches_chorus_without_it_on_path() {
+    let mut command = launch(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        "chorus",
+        "selftest",
+        "--counts",
+        "13",
+        "--dtypes",
+        "float32",
+        "--timeout",
+        "20",
+    ]);
+    command.env("PATH", "/usr/bin:/bin");
+    let output = run(command, 60);
+    let all = text(&output);
+    assert!(output.status.success(), "{all}");
+    assert!(all.contains("[1]: selftest: rank 1 of 2"), "{all}");
+
+    let mut alone = Command::new(CHORUS);
+    alone
+        .args(["selftest", "--timeout", "5"])
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("LOCAL_RANK")
+        .env_remove("GROUP_RANK")
+        .env_remove("CHORUS_STORE");
+    let output = common::run(&mut alone, 20, "chorus selftest", common::Stop::Kill);
+    let all = text(&output);
+    assert!(!output.status.success(), "{all}");
+    assert!(
+        all.contains("MASTER_ADDR is not set") && all.contains("chorus launch --nproc-per-node"),
+        "{all}"
+    );
+}
+
+/// A rank frozen by fault injection is found by the others, which exit on
+/// the abort: the launcher's summary blames the frozen rank, not the first
+/// process to exit.
+#[test]
+fn the_summary_blames_the_frozen_rank_not_the_first_to_exit() {
+    let traces = tempfile::tempdir().unwrap();
+    let mut command = launch(&["--nproc-per-node", "3", "--", CHORUS, "fault-probe", "--seconds", "60"]);
+    command
+        .env("CHORUS_TRACE_DIR", traces.path())
+        .env("CHORUS_FAULTS", "freeze(rank=2, after=2s)")
+        .env("CHORUS_HEARTBEAT_TIMEOUT", "2")
+        .env_remove("CHORUS_TRANSPORT");
+    let output = run(command, 60);
+    let all = text(&output);
+    assert!(!output.status.success(), "{all}");
+    let summary = all
+        .lines()
+        .find(|l| l.starts_with("chorus launch: rank ") && l.contains("the other workers took it for failed"))
+        .unwrap_or_else(|| panic!("no summary line:\n{all}"));
+    assert!(
+        summary.starts_with("chorus launch: rank 2 (local rank 2 on node 0, pid "),
+        "{summary}\n{all}"
+    );
+    assert!(
+        all.contains("chorus launch: rank 2 failed and --max-restarts 0 is used up"),
+        "{all}"
+    );
+    // The healthy ranks exited on the abort, each leaving its flight-recorder dump.
+    for rank in [0, 1] {
+        let dump = traces.path().join(format!("chorus-trace-g0-r{rank}.json"));
+        assert!(dump.exists(), "rank {rank} left no dump:\n{all}");
+    }
+}

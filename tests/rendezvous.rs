@@ -333,3 +333,30 @@ fn the_transport_follows_chorus_transport() {
         joined(&output)
     );
 }
+
+/// A rank whose peers have not come says, while it waits, whom it waits
+/// for and how long is left; and one whose store is not up yet says so.
+#[test]
+fn a_long_wait_says_whom_it_waits_for() {
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}?rank=0&world_size=3");
+    let output = run(worker(&url, 7, &[]), 30);
+    assert!(!output.status.success());
+    let all = joined(&output);
+    assert!(
+        all.contains(&format!(
+            "rank 0: waiting for ranks 1, 2 of 3 (generation 0) at tcp://127.0.0.1:{port}; 5 s of 7 s"
+        )),
+        "{all}"
+    );
+
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}?rank=1&world_size=2");
+    let output = run(worker(&url, 7, &[]), 30);
+    assert!(!output.status.success());
+    let all = joined(&output);
+    assert!(
+        all.contains(&format!("waiting for the store at tcp://127.0.0.1:{port} (")) && all.contains("s of 7 s"),
+        "{all}"
+    );
+}

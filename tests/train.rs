@@ -184,6 +184,12 @@ fn example() -> PathBuf {
 
 /// Runs the example with `args` and `--json`; its last line, parsed.
 fn run_example(args: &[&str], secs: u64) -> serde_json::Value {
+    run_example_with_stderr(args, secs).0
+}
+
+/// Runs the example with `args` and `--json`; its last line, parsed, and
+/// what it printed on stderr.
+fn run_example_with_stderr(args: &[&str], secs: u64) -> (serde_json::Value, String) {
     let plot = std::env::temp_dir().join(format!("chorus-train-test-{}.png", std::process::id()));
     let mut command = Command::new(example());
     command
@@ -196,13 +202,82 @@ fn run_example(args: &[&str], secs: u64) -> serde_json::Value {
     assert!(output.status.success(), "{}", text(&output));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}\n{}", text(&output)))
+    let json = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}\n{}", text(&output)));
+    (json, String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// Every flag is checked before anything starts, with a one-line error:
+/// an option that can never act is an error, not a silent no-op.
+#[test]
+fn bad_flags_fail_at_once_with_one_line_each() {
+    for (args, needle) in [
+        (
+            &["--fault-step", "0"][..],
+            "--fault-step 0 with --steps 400: the kill would never be injected",
+        ),
+        (&["--fault-step", "99999"], "--fault-step 99999 with --steps 400"),
+        (&["--steps", "100", "--fault-step", "100"], "give a step from 1 to 99"),
+        (
+            &["--batch", "3"],
+            "--batch 3 with --world 4: every worker needs a sample per step",
+        ),
+        (&["--hidden", "0"], "--hidden 0"),
+        (&["--world", "1"], "--world 1: at least 2"),
+        (&["--heartbeat-ms", "0"], "--heartbeat-ms 0"),
+        (
+            &["--fault", "none", "--fault-every", "2"],
+            "--fault-every 2 with --fault none",
+        ),
+        (&["--fault-every", "0"], "--fault-every 0: a positive number of seconds"),
+        (&["--mode", "local-sgd", "--every", "0"], "--every 0 with --steps 400"),
+        (
+            &["--fragments", "2"],
+            "--fragments 2: at least 1, and more only with --mode diloco",
+        ),
+        (
+            &["--plot", "/nonexistent-dir/loss.png"],
+            "the directory /nonexistent-dir does not exist",
+        ),
+        (
+            &["--world", "100000", "--batch", "100000"],
+            "--world 100000 needs about",
+        ),
+    ] {
+        let mut command = Command::new(example());
+        // (A backtrace asked for would be more lines.)
+        command
+            .args(args)
+            .env_remove("RANK")
+            .env_remove("RUST_BACKTRACE")
+            .env_remove("RUST_LIB_BACKTRACE");
+        let output = common::run(&mut command, 20, "examples/train", common::Stop::Kill);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} ran:\n{}", text(&output));
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: one line: {stderr}");
+        assert!(output.stdout.is_empty(), "{args:?} started: {}", text(&output));
+    }
 }
 
 #[test]
 fn after_a_kill_and_rejoin_the_loss_is_the_fault_free_runs() {
-    let run = run_example(&["--fault", "kill", "--steps", "200", "--fault-step", "80"], 90);
+    let (run, stderr) = run_example_with_stderr(&["--fault", "kill", "--steps", "200", "--fault-step", "80"], 90);
+    // The injected fault and its recovery read as expected events: said
+    // before the launcher reports it, no errors from the survivors, no
+    // colour codes off a terminal, no note repeated for each run.
+    assert!(
+        stderr.contains("train: injected the fault: kill of rank 3 at step 80"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("ERROR") && !stderr.contains('\u{1b}'), "{stderr}");
+    assert!(!stderr.contains("OMP_NUM_THREADS"), "{stderr}");
     assert_eq!(run["recoveries"], 1, "{run}");
+    // The summary says which fault was injected, and when.
+    assert_eq!(
+        run["injected"],
+        serde_json::json!(["kill of rank 3 at step 80"]),
+        "{run}"
+    );
     assert_eq!(run["recovery_ms"].as_array().map(Vec::len), Some(1), "{run}");
     let (loss, reference) = (
         run["final_loss"].as_f64().unwrap(),
@@ -267,10 +342,11 @@ fn assert_reaches_the_reference(run: &serde_json::Value, steps: u64) {
 }
 
 #[test]
-fn a_frozen_worker_is_left_behind_and_the_loss_is_the_fault_free_runs() {
+fn a_frozen_worker_is_left_behind_then_rejoins_and_the_loss_is_the_fault_free_runs() {
     // SIGSTOP at step 80: only the heartbeats (1 s here) find it; the
-    // example kills it 2 s after the freeze, and its relaunch may rejoin.
-    let run = run_example(
+    // example kills it once the others went on without it, and its
+    // relaunch rejoins before the job ends.
+    let (run, stderr) = run_example_with_stderr(
         &[
             "--fault",
             "freeze",
@@ -290,6 +366,25 @@ fn a_frozen_worker_is_left_behind_and_the_loss_is_the_fault_free_runs() {
     );
     // Never rolled back: step 79 was committed by all four, 80 is re-run.
     assert_eq!(first["resumed_step"], 80, "{run}");
+    let phases = run["phases"].as_array().cloned().unwrap_or_default();
+    assert_eq!(
+        phases.last().map(|p| p["world_size"].clone()),
+        Some(4.into()),
+        "the frozen worker's relaunch did not rejoin: {run}"
+    );
+    assert_eq!(
+        run["injected"],
+        serde_json::json!(["freeze of rank 3 at step 80"]),
+        "{run}"
+    );
+    // Who killed the frozen worker, and why, comes before the launcher's report of it.
+    let killing = stderr
+        .find("train: killing the frozen rank 3")
+        .unwrap_or_else(|| panic!("{stderr}"));
+    let reported = stderr
+        .find("was killed by signal SIGKILL")
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(killing < reported, "{stderr}");
     assert_reaches_the_reference(&run, 200);
 }
 

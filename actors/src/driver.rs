@@ -84,7 +84,7 @@ fn data_tag(tag: Tag) -> u64 {
 }
 
 /// Why a collective failed on this rank.
-#[derive(Debug, Error, Clone)]
+#[derive(Error, Clone)]
 pub enum CollectiveError {
     /// Ranks called different collectives (or the same with other arguments).
     #[error("collective desync between rank {ours_rank} and rank {theirs_rank}: {detail}")]
@@ -145,6 +145,8 @@ pub enum CollectiveError {
     #[error("{0}")]
     GroupAborted(#[from] GroupAborted),
 }
+
+chorus_runtime::debug_as_report!(CollectiveError);
 
 impl From<SignatureError> for CollectiveError {
     fn from(e: SignatureError) -> Self {

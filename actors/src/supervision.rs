@@ -263,7 +263,7 @@ impl fmt::Display for AbortReason {
 
 /// The group was aborted: what every pending and later operation of this
 /// rank gets, and what [`Supervision::subscribe`] publishes.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[derive(Clone, PartialEq, Eq, Error)]
 #[error("process group (generation {generation}) aborted on rank {rank}: {reason}")]
 pub struct GroupAborted {
     /// The rank that aborted.
@@ -277,6 +277,8 @@ pub struct GroupAborted {
     /// purpose are not among them (SV-14).
     pub failed_ranks: Vec<usize>,
 }
+
+chorus_runtime::debug_as_report!(GroupAborted);
 
 /// The operation a rank is running, as the watchdog sees it.
 #[derive(Debug, Clone, Copy)]
@@ -300,6 +302,25 @@ pub struct Supervision {
     in_flight: Mutex<Option<InFlight>>,
     progress: AtomicU64,
     metrics: Option<GroupMetrics>,
+    on_failure: Option<FailureHook>,
+}
+
+/// Told of the group's abort for a failure ([`Supervision::abort`]) before
+/// any operation is: what it records is there before the program can
+/// exit on the error (a launcher reads it once the process ended).
+pub struct FailureHook(Box<dyn Fn(&GroupAborted) + Send + Sync>);
+
+impl FailureHook {
+    /// A hook calling `hook`.
+    pub fn new(hook: impl Fn(&GroupAborted) + Send + Sync + 'static) -> Self {
+        Self(Box::new(hook))
+    }
+}
+
+impl fmt::Debug for FailureHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FailureHook")
+    }
 }
 
 impl Supervision {
@@ -314,7 +335,14 @@ impl Supervision {
             in_flight: Mutex::new(None),
             progress: AtomicU64::new(0),
             metrics: None,
+            on_failure: None,
         }
+    }
+
+    /// Calls `hook` with the abort when a failure aborts the group.
+    pub fn with_failure_hook(mut self, hook: FailureHook) -> Self {
+        self.on_failure = Some(hook);
+        self
     }
 
     /// Counts aborts and silent peers in `metrics`.
@@ -336,7 +364,7 @@ impl Supervision {
         failed_ranks.sort_unstable();
         failed_ranks.dedup();
         failed_ranks.retain(|&r| r != self.rank);
-        let Some(abort) = self.publish(reason, failed_ranks) else {
+        let Some(abort) = self.publish(reason, failed_ranks, self.on_failure.as_ref()) else {
             return false;
         };
         tracing::error!(rank = self.rank, generation = self.generation, mode = ?self.mode, "{abort}");
@@ -373,7 +401,7 @@ impl Supervision {
     /// Publishes `reason` as the abort unless there was one, without
     /// closing links; returns whether it did.
     fn abort_quietly(&self, reason: AbortReason) -> bool {
-        let Some(abort) = self.publish(reason, Vec::new()) else {
+        let Some(abort) = self.publish(reason, Vec::new(), None) else {
             return false;
         };
         tracing::info!(rank = self.rank, generation = self.generation, "{abort}");
@@ -381,8 +409,13 @@ impl Supervision {
     }
 
     /// Publishes the abort and counts it, unless there was one already:
-    /// the first abort is the group's.
-    fn publish(&self, reason: AbortReason, failed_ranks: Vec<usize>) -> Option<GroupAborted> {
+    /// the first abort is the group's. `hook` hears of it first.
+    fn publish(
+        &self,
+        reason: AbortReason,
+        failed_ranks: Vec<usize>,
+        hook: Option<&FailureHook>,
+    ) -> Option<GroupAborted> {
         let abort = GroupAborted {
             rank: self.rank,
             generation: self.generation,
@@ -392,6 +425,9 @@ impl Supervision {
         let first = self.aborted.send_if_modified(|current| {
             if current.is_some() {
                 return false;
+            }
+            if let Some(hook) = hook {
+                (hook.0)(&abort);
             }
             *current = Some(abort.clone());
             true

@@ -6,6 +6,7 @@
 //! - [`bench`](mod@bench): `chorus bench` measurements.
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).
+//! - [`logging`]: the command's and the examples' log output.
 //! - [`netem`]: `chorus netem`, a userspace link impairer (loss, delay,
 //!   jitter, rate) between two interfaces, for tests across namespaces.
 //! - [`trace`]: `chorus trace DIR`, printing the report of
@@ -16,6 +17,7 @@
 
 pub mod bench;
 pub mod launch;
+pub mod logging;
 pub mod netem;
 pub mod selftest;
 pub mod trace;

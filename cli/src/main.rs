@@ -343,13 +343,7 @@ struct ClientArgs {
 }
 
 fn main() -> ExitCode {
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        // Colour codes only for a terminal, not into files and pipes.
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    chorus_cli::logging::init();
     let cli = Cli::parse();
     let result = match cli.command {
         Commands::Hello(args) => match &args.worker {

@@ -19,9 +19,15 @@
 //! - [`flight`]: the flight recorder (each rank's last N operations in a
 //!   bounded ring, sans IO) and its versioned dump format, read by
 //!   `chorus trace`.
+//! - [`wait`]: long waits (rendezvous, connecting to the store) note who
+//!   they wait for and how long is left.
+//! - [`error`]: [`error::report`] and the `Debug` of the public errors,
+//!   which prints it.
 
 pub mod codec;
 pub mod collective;
+pub mod error;
 pub mod flight;
 pub mod rendezvous;
 pub mod store;
+pub mod wait;

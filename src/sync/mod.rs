@@ -195,7 +195,7 @@ impl SyncOptions {
 }
 
 /// What went wrong while syncing; every message names what to fix.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum SyncError {
     /// A collective failed (the group may be broken or aborted).
     #[error(transparent)]
@@ -286,6 +286,8 @@ pub enum SyncError {
     #[error("gradient sync needs a tokio runtime: call mark_ready inside one")]
     NoRuntime,
 }
+
+chorus_runtime::debug_as_report!(SyncError);
 
 /// One rank whose parameters differ from rank 0's.
 #[derive(Debug, Clone, PartialEq, Eq)]

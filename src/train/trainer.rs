@@ -248,7 +248,7 @@ pub struct TrainReport {
 }
 
 /// Why training stopped.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum TrainError {
     /// The group's supervisor gave up restarting.
     #[error("the elastic group gave up: {0}")]
@@ -282,6 +282,8 @@ pub enum TrainError {
     #[error("parameter '{0}' is not f32; the local modes average f32 parameters")]
     NotF32(String),
 }
+
+chorus_runtime::debug_as_report!(TrainError);
 
 /// Sums the buckets (the members' shares of one global batch) instead of
 /// averaging them.

@@ -162,7 +162,7 @@ pub struct TransferReport {
 }
 
 /// Why the state could not be synced; every message says what to do.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum TransferError {
     /// A collective failed, or the group was aborted (a member died).
     #[error(transparent)]
@@ -229,6 +229,8 @@ pub enum TransferError {
     #[error("state diverged from rank 0 on {}", describe(.0))]
     Diverged(Vec<Diverged>),
 }
+
+chorus_runtime::debug_as_report!(TransferError);
 
 fn describe(ranks: &[Diverged]) -> String {
     ranks

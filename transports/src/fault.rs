@@ -59,12 +59,38 @@ use crate::link::{ChannelId, CloseNotice, Frame, HEARTBEAT_CHANNEL, Link, SendEr
 
 /// A fault specification that could not be parsed.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
-#[error("bad fault rule {rule:?}: {reason}")]
+#[error("bad fault rule {rule:?}{}: {reason}", where_in(rule, *at))]
 pub struct FaultSpecError {
     /// The rule as written.
     pub rule: String,
+    /// The byte offset in `rule` where it stops making sense, when one
+    /// place is to blame.
+    pub at: Option<usize>,
     /// What is wrong with it.
     pub reason: String,
+}
+
+impl FaultSpecError {
+    fn at(rule: &str, at: usize, reason: String) -> Self {
+        Self {
+            rule: rule.to_string(),
+            at: Some(at),
+            reason,
+        }
+    }
+}
+
+/// ` at character N ("the rest")`: where in `rule` an error is, as a
+/// person counts (from 1), with the text from there on.
+fn where_in(rule: &str, at: Option<usize>) -> String {
+    let Some(at) = at.filter(|&at| rule.is_char_boundary(at)) else {
+        return String::new();
+    };
+    let column = rule[..at].chars().count() + 1;
+    match &rule[at..] {
+        "" => format!(" at its end (character {column})"),
+        rest => format!(" at character {column} ({rest:?})"),
+    }
 }
 
 /// Which frames a rule applies to.
@@ -164,22 +190,19 @@ pub struct FaultPlan {
     pub seed: u64,
 }
 
-fn parse_rank(text: &str, rule: &str) -> Result<Option<usize>, FaultSpecError> {
+/// A rank, or `*` for any (`None`); `Err` says what the text is instead.
+fn parse_rank(text: &str) -> Result<Option<usize>, String> {
     let text = text.trim();
     if text == "*" {
         return Ok(None);
     }
-    text.parse().map(Some).map_err(|_| FaultSpecError {
-        rule: rule.to_string(),
-        reason: format!("{text:?} is not a rank or *"),
-    })
+    text.parse()
+        .map(Some)
+        .map_err(|_| format!("{text:?} is not a rank or *"))
 }
 
-fn parse_duration(text: &str, rule: &str) -> Result<Duration, FaultSpecError> {
-    let bad = || FaultSpecError {
-        rule: rule.to_string(),
-        reason: format!("{text:?} is not a duration like 250ms or 2s"),
-    };
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let bad = || format!("{text:?} is not a duration like 250ms or 2s");
     let text = text.trim();
     if let Some(ms) = text.strip_suffix("ms") {
         return ms.trim().parse::<u64>().map(Duration::from_millis).map_err(|_| bad());
@@ -196,6 +219,149 @@ fn parse_duration(text: &str, rule: &str) -> Result<Duration, FaultSpecError> {
     Err(bad())
 }
 
+/// A piece of a rule as written and the byte offset where it starts.
+#[derive(Debug, Clone, Copy)]
+struct Piece<'a> {
+    text: &'a str,
+    at: usize,
+}
+
+/// A rule split into its kind and arguments, before their meaning is read:
+/// `kind(positional, ..., name=value, ...)`.
+struct RuleSyntax<'a> {
+    kind: Piece<'a>,
+    positional: Vec<Piece<'a>>,
+    /// Name, value.
+    named: Vec<(Piece<'a>, Piece<'a>)>,
+    /// Where the closing parenthesis is: a missing argument is missed there.
+    close: usize,
+}
+
+impl<'a> RuleSyntax<'a> {
+    /// Splits `rule`, failing at the first character that does not fit the
+    /// grammar: a rule whose arguments run together (`delay(0->1 ms=5)`)
+    /// is blamed where they meet, not for the argument that then seems
+    /// missing.
+    fn split(rule: &'a str) -> Result<Self, FaultSpecError> {
+        let bytes = rule.as_bytes();
+        let bad = |at: usize, reason: String| FaultSpecError::at(rule, at, reason);
+        let skip_ws = |mut i: usize| {
+            while i < bytes.len() && bytes[i].is_ascii_whitespace() {
+                i += 1;
+            }
+            i
+        };
+        let run = |mut i: usize, fits: &dyn Fn(u8) -> bool| {
+            while i < bytes.len() && fits(bytes[i]) {
+                i += 1;
+            }
+            i
+        };
+        let word = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
+        let kind_end = run(0, &word);
+        if kind_end == 0 {
+            return Err(bad(0, "expected kind(arguments), like drop(0->1)".into()));
+        }
+        let kind = Piece {
+            text: &rule[..kind_end],
+            at: 0,
+        };
+        let mut i = skip_ws(kind_end);
+        if bytes.get(i) != Some(&b'(') {
+            return Err(bad(i, format!("expected ( after {}: kind(arguments)", kind.text)));
+        }
+        i += 1;
+        let (mut positional, mut named) = (Vec::new(), Vec::<(Piece, Piece)>::new());
+        loop {
+            i = skip_ws(i);
+            let Some(&c) = bytes.get(i) else {
+                return Err(bad(i, "missing closing parenthesis".into()));
+            };
+            if c == b')' && positional.is_empty() && named.is_empty() {
+                break;
+            }
+            let start = i;
+            let last = if c.is_ascii_alphabetic() || c == b'_' {
+                let key_end = run(i, &word);
+                let key = Piece {
+                    text: &rule[i..key_end],
+                    at: i,
+                };
+                i = skip_ws(key_end);
+                if bytes.get(i) != Some(&b'=') {
+                    return Err(bad(i, format!("expected = after {}", key.text)));
+                }
+                i = skip_ws(i + 1);
+                let value_end = run(i, &|b| !b.is_ascii_whitespace() && b != b',' && b != b')');
+                if value_end == i {
+                    return Err(bad(i, format!("expected a value for {}=", key.text)));
+                }
+                let value = Piece {
+                    text: &rule[i..value_end],
+                    at: i,
+                };
+                if let Some((earlier, _)) = named.iter().find(|(k, _)| k.text == key.text) {
+                    return Err(bad(key.at, format!("{} is given twice", earlier.text)));
+                }
+                named.push((key, value));
+                i = value_end;
+                &rule[start..i]
+            } else {
+                // Ranks (or `*`) joined by `->`, `<->` or `|`, spaces
+                // allowed around the joins: a link, or a piece of a
+                // partition's sides (`0,1|2,3` is three of them).
+                let item = |i: usize| run(i, &|b| b.is_ascii_digit() || b == b'*');
+                let mut end = item(i);
+                if end == i {
+                    return Err(bad(
+                        i,
+                        "expected an argument: a link like 0->1, ranks like 0,1|2,3, or name=value".into(),
+                    ));
+                }
+                loop {
+                    let j = skip_ws(end);
+                    let join = ["<->", "->", "|"].into_iter().find(|j2| rule[j..].starts_with(j2));
+                    let Some(join) = join else {
+                        if matches!(bytes.get(j), Some(b'-' | b'<' | b'>' | b'=')) {
+                            return Err(bad(j, "expected -> or <-> between two ranks".into()));
+                        }
+                        break;
+                    };
+                    let k = skip_ws(j + join.len());
+                    end = item(k);
+                    if end == k {
+                        return Err(bad(k, format!("expected a rank or * after {join}")));
+                    }
+                }
+                positional.push(Piece {
+                    text: &rule[i..end],
+                    at: i,
+                });
+                i = end;
+                &rule[start..i]
+            };
+            i = skip_ws(i);
+            match bytes.get(i) {
+                Some(b',') => i += 1,
+                Some(b')') => break,
+                None => return Err(bad(i, "missing closing parenthesis".into())),
+                Some(_) => return Err(bad(i, format!("expected , or ) after {last}"))),
+            }
+        }
+        let close = i;
+        let after = skip_ws(close + 1);
+        if after < bytes.len() {
+            return Err(bad(after, "unexpected text after the closing parenthesis".into()));
+        }
+        Ok(Self {
+            kind,
+            positional,
+            named,
+            close,
+        })
+    }
+}
+
 impl FaultPlan {
     /// Parses the `CHORUS_FAULTS` grammar (see the module docs).
     pub fn parse(spec: &str) -> Result<Self, FaultSpecError> {
@@ -204,6 +370,7 @@ impl FaultPlan {
             if let Some(seed) = rule.strip_prefix("seed=") {
                 plan.seed = seed.trim().parse().map_err(|_| FaultSpecError {
                     rule: rule.to_string(),
+                    at: Some("seed=".len()),
                     reason: "the seed must be an unsigned integer".into(),
                 })?;
                 continue;
@@ -222,114 +389,120 @@ impl FaultPlan {
     }
 
     fn parse_rule(rule: &str) -> Result<FaultRule, FaultSpecError> {
-        let bad = |reason: &str| FaultSpecError {
-            rule: rule.to_string(),
-            reason: reason.to_string(),
+        let syntax = RuleSyntax::split(rule)?;
+        let bad = |at: usize, reason: &str| FaultSpecError::at(rule, at, reason.to_string());
+        let mut named = syntax.named.clone();
+        let mut take = |key: &str| {
+            let found = named.iter().position(|(k, _)| k.text == key)?;
+            Some(named.remove(found).1)
         };
-        let (name, rest) = rule.split_once('(').ok_or_else(|| bad("expected kind(arguments)"))?;
-        let args = rest
-            .strip_suffix(')')
-            .ok_or_else(|| bad("missing closing parenthesis"))?;
-        let mut positional = Vec::new();
-        let mut named = std::collections::HashMap::new();
-        for arg in args.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-            match arg.split_once('=') {
-                Some((k, v)) => {
-                    named.insert(k.trim(), v.trim());
-                }
-                None => positional.push(arg),
-            }
+        // A named number, or `default` when it is not given.
+        fn number<T: std::str::FromStr>(
+            value: Option<Piece>,
+            default: T,
+            fail: impl Fn(usize) -> FaultSpecError,
+        ) -> Result<T, FaultSpecError> {
+            value.map_or(Ok(default), |v| v.text.parse().map_err(|_| fail(v.at)))
         }
-        let probability = |named: &mut std::collections::HashMap<&str, &str>| match named.remove("p") {
+        let probability = |p: Option<Piece>| match p {
             Some(p) => p
+                .text
                 .parse::<f64>()
                 .ok()
-                .filter(|p| (0.0..=1.0).contains(p))
-                .ok_or_else(|| bad("p must be between 0 and 1")),
+                .filter(|v| (0.0..=1.0).contains(v))
+                .ok_or_else(|| bad(p.at, "p must be between 0 and 1")),
             None => Ok(1.0),
         };
+        let mut positional = syntax.positional.clone();
         let mut link = None;
-        let kind = match name.trim() {
-            "drop" => FaultKind::Drop(probability(&mut named)?),
+        let kind = match syntax.kind.text {
+            "drop" => FaultKind::Drop(probability(take("p"))?),
             "corrupt" => {
-                let p = probability(&mut named)?;
-                let times = named
-                    .remove("times")
-                    .map_or(Ok(u64::MAX), |n| n.parse().map_err(|_| bad("times must be an integer")))?;
+                let p = probability(take("p"))?;
+                let times = number(take("times"), u64::MAX, |at| bad(at, "times must be an integer"))?;
                 FaultKind::Corrupt(p, times)
             }
             "delay" => {
-                let ms = named.remove("ms").ok_or_else(|| bad("delay needs ms=D"))?;
-                let ms = ms.parse().map_err(|_| bad("ms must be an integer"))?;
-                let jitter = named
-                    .remove("jitter_ms")
-                    .map_or(Ok(0), |j| j.parse().map_err(|_| bad("jitter_ms must be an integer")))?;
+                let ms = take("ms").ok_or_else(|| bad(syntax.close, "delay needs ms=D"))?;
+                let ms = number(Some(ms), 0, |at| bad(at, "ms must be an integer"))?;
+                let jitter = number(take("jitter_ms"), 0, |at| bad(at, "jitter_ms must be an integer"))?;
                 FaultKind::Delay(Duration::from_millis(ms), Duration::from_millis(jitter))
             }
             "partition" => {
-                let joined = positional.join(",");
-                let (left, right) = joined.split_once('|').ok_or_else(|| bad("write partition(0,1|2,3)"))?;
-                let side = |s: &str| -> Result<Vec<usize>, FaultSpecError> {
-                    s.split(',')
-                        .map(str::trim)
-                        .filter(|r| !r.is_empty())
-                        .map(|r| r.parse().map_err(|_| bad("sides list ranks")))
-                        .collect()
-                };
-                link = Some(LinkMatch::Partition(side(left)?, side(right)?));
+                let mut sides = [Vec::new(), Vec::new()];
+                let mut side = 0;
+                for piece in &positional {
+                    for (n, ranks) in piece.text.split('|').enumerate() {
+                        side += usize::from(n > 0);
+                        let rank = ranks.trim().parse().map_err(|_| bad(piece.at, "sides list ranks"))?;
+                        match sides.get_mut(side) {
+                            Some(list) => list.push(rank),
+                            None => return Err(bad(piece.at, "write partition(0,1|2,3)")),
+                        }
+                    }
+                }
+                let at = positional.first().map_or(syntax.close, |p| p.at);
+                if side != 1 || sides.iter().any(Vec::is_empty) {
+                    return Err(bad(at, "write partition(0,1|2,3)"));
+                }
+                let [left, right] = sides;
+                link = Some(LinkMatch::Partition(left, right));
                 positional.clear();
                 FaultKind::Partition
             }
             "close" => FaultKind::Close,
             "kill" | "freeze" => {
-                let rank = named.remove("rank").ok_or_else(|| bad("needs rank=R"))?;
-                let rank = parse_rank(rank, rule)?.ok_or_else(|| bad("rank must be a number"))?;
-                link = Some(LinkMatch::Rank(rank));
-                if name.trim() == "kill" {
+                let rank = take("rank").ok_or_else(|| bad(syntax.close, "needs rank=R"))?;
+                let number = parse_rank(rank.text).map_err(|reason| bad(rank.at, &reason))?;
+                let number = number.ok_or_else(|| bad(rank.at, "rank must be a number"))?;
+                link = Some(LinkMatch::Rank(number));
+                if syntax.kind.text == "kill" {
                     FaultKind::Kill
                 } else {
                     FaultKind::Freeze
                 }
             }
             other => {
-                return Err(bad(&format!(
-                    "unknown kind {other:?}; use drop, delay, corrupt, partition, close, kill or freeze"
-                )));
+                return Err(bad(
+                    syntax.kind.at,
+                    &format!("unknown kind {other:?}; use drop, delay, corrupt, partition, close, kill or freeze"),
+                ));
             }
         };
         let link = match link {
             Some(link) => link,
             None => {
-                let [spec] = positional.as_slice() else {
-                    return Err(bad("name one link, like 0->1, 0<->1 or *->2"));
+                let spec = match positional.as_slice() {
+                    [spec] => spec,
+                    [_, extra, ..] => return Err(bad(extra.at, "name one link, like 0->1, 0<->1 or *->2")),
+                    [] => return Err(bad(syntax.close, "name one link, like 0->1, 0<->1 or *->2")),
                 };
-                if let Some((a, b)) = spec.split_once("<->") {
-                    let (a, b) = (parse_rank(a, rule)?, parse_rank(b, rule)?);
-                    match (a, b) {
+                let rank = |text: &str| parse_rank(text).map_err(|reason| bad(spec.at, &reason));
+                if let Some((a, b)) = spec.text.split_once("<->") {
+                    match (rank(a)?, rank(b)?) {
                         (Some(a), Some(b)) => LinkMatch::Both(a, b),
-                        _ => return Err(bad("<-> needs two ranks; use -> with * instead")),
+                        _ => return Err(bad(spec.at, "<-> needs two ranks; use -> with * instead")),
                     }
-                } else if let Some((a, b)) = spec.split_once("->") {
-                    LinkMatch::Directed(parse_rank(a, rule)?, parse_rank(b, rule)?)
+                } else if let Some((a, b)) = spec.text.split_once("->") {
+                    LinkMatch::Directed(rank(a)?, rank(b)?)
                 } else {
-                    return Err(bad("name one link, like 0->1, 0<->1 or *->2"));
+                    return Err(bad(spec.at, "name one link, like 0->1, 0<->1 or *->2"));
                 }
             }
         };
-        let after = named
-            .remove("after")
-            .map_or(Ok(Duration::ZERO), |t| parse_duration(t, rule))?;
-        let after_frames = named
-            .remove("after_frames")
-            .map_or(Ok(0), |n| n.parse().map_err(|_| bad("after_frames must be an integer")))?;
-        let after_received = named.remove("after_received").map_or(Ok(0), |n| {
-            n.parse().map_err(|_| bad("after_received must be an integer"))
-        })?;
+        let after = match take("after") {
+            Some(t) => parse_duration(t.text).map_err(|reason| bad(t.at, &reason))?,
+            None => Duration::ZERO,
+        };
+        let after_frames = number(take("after_frames"), 0, |at| bad(at, "after_frames must be an integer"))?;
+        let after_received = take("after_received");
+        let after_received_at = after_received.map_or(syntax.close, |p| p.at);
+        let after_received = number(after_received, 0, |at| bad(at, "after_received must be an integer"))?;
         if after_received > 0 && !matches!(kind, FaultKind::Kill | FaultKind::Freeze) {
-            return Err(bad("after_received applies to kill and freeze only"));
+            return Err(bad(after_received_at, "after_received applies to kill and freeze only"));
         }
-        if let Some(unknown) = named.keys().next() {
-            return Err(bad(&format!("unknown argument {unknown:?}")));
+        if let Some((unknown, _)) = named.first() {
+            return Err(bad(unknown.at, &format!("unknown argument {:?}", unknown.text)));
         }
         Ok(FaultRule {
             kind,
@@ -354,6 +527,7 @@ impl FaultPlan {
             if let Some(rank) = ranks.into_iter().find(|&r| r >= world) {
                 return Err(FaultSpecError {
                     rule: rule.text.clone(),
+                    at: None,
                     reason: format!("rank {rank} is out of range for world size {world}"),
                 });
             }
@@ -759,7 +933,8 @@ mod tests {
             ("corrupt(0->1, p=-1)", "between 0 and 1"),
             ("corrupt(0->1, times=once)", "times must be an integer"),
             ("explode(0->1)", "unknown kind"),
-            ("drop(0-1)", "name one link"),
+            ("drop(0-1)", "expected -> or <->"),
+            ("drop(0)", "name one link"),
             ("delay(0->1)", "needs ms"),
             ("kill(3)", "rank=R"),
             ("drop(0->1, after=soon)", "duration"),
@@ -770,6 +945,44 @@ mod tests {
             let err = FaultPlan::parse(spec).unwrap_err();
             assert!(err.to_string().contains(needle), "{spec}: {err}");
         }
+    }
+
+    #[test]
+    fn a_parse_error_points_where_the_rule_stops_making_sense() {
+        for (spec, at, needle) in [
+            // A missing comma is blamed where the arguments meet, not for
+            // the `ms` that then seems missing.
+            ("delay(0->1 ms=5)", "ms=5)", "expected , or ) after 0->1"),
+            (
+                "delay(0->1, ms=5 jitter_ms=2)",
+                "jitter_ms=2)",
+                "expected , or ) after ms=5",
+            ),
+            ("delay(0->1, ms 5)", "5)", "expected = after ms"),
+            ("delay(0->1, ms=five)", "five)", "ms must be an integer"),
+            ("delay(0->1)", ")", "delay needs ms=D"),
+            ("drop(0->, p=1)", ", p=1)", "expected a rank or * after ->"),
+            ("drop(0->1, p=1, p=0)", "p=0)", "p is given twice"),
+            ("drop(0->1, colour=red)", "colour=red)", "unknown argument"),
+            ("drop(0->1, 2->3)", "2->3)", "name one link"),
+            ("drop(0->1) extra", "extra", "after the closing parenthesis"),
+            ("kill(rank=x)", "x)", "not a rank"),
+            ("partition(0,1 2,3)", "2,3)", "expected , or ) after 1"),
+        ] {
+            let err = FaultPlan::parse(spec).unwrap_err();
+            let offset = err.at.unwrap_or_else(|| panic!("{spec}: {err} has no place"));
+            assert_eq!(&spec[offset..], at, "{spec}: {err}");
+            let text = err.to_string();
+            assert!(text.contains(needle), "{spec}: {text}");
+            let column = offset + 1;
+            assert!(text.contains(&format!("character {column}")), "{spec}: {text}");
+        }
+        let err = FaultPlan::parse("drop(0->1").unwrap_err();
+        assert!(err.to_string().contains("at its end"), "{err}");
+        // Spaces around the joins are still welcome.
+        let plan = FaultPlan::parse("drop(0 -> 1); partition(0, 1 | 2, 3)").unwrap();
+        assert_eq!(plan.rules[0].link, LinkMatch::Directed(Some(0), Some(1)));
+        assert_eq!(plan.rules[1].link, LinkMatch::Partition(vec![0, 1], vec![2, 3]));
     }
 
     #[test]

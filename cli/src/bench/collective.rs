@@ -42,7 +42,7 @@
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
 use std::sync::mpsc;
@@ -1524,8 +1524,11 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     // [side][size][round] every rank's answer; the peer's [size][round] (None: that round failed).
     let mut answers: Vec<Vec<Vec<Vec<Raw>>>> = vec![Vec::new(); sides.len()];
     let mut gloo_answers: Vec<Vec<Option<Vec<Raw>>>> = Vec::new();
+    // Piped output shows no table until the end (and no bar where stderr
+    // is not a terminal either): a line per finished size says it runs.
+    let per_size = !std::io::stdout().is_terminal();
     let result: Result<()> = (|| {
-        for &count in &counts {
+        for (done, &count) in counts.iter().enumerate() {
             let bytes = args.op.bytes(count, args.dtype, args.world);
             answers.iter_mut().for_each(|a| a.push(Vec::new()));
             gloo_answers.push(Vec::new());
@@ -1548,6 +1551,32 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                     gloo_answers.last_mut().expect("pushed").push(got);
                     bar.inc(1);
                 }
+            }
+            if per_size {
+                let mut times: Vec<String> = sides
+                    .iter()
+                    .zip(&answers)
+                    .map(|((side, _), sizes)| {
+                        let row = make_row(args, count, &Raw::pool(&sizes[done]));
+                        format!("{} {:.1} us", side.label(), row.oop.median_us)
+                    })
+                    .collect();
+                if let (Some(side), Some(rounds)) = (gloo.as_ref(), gloo_answers.last()) {
+                    let ok: Vec<Vec<Raw>> = rounds.iter().flatten().cloned().collect();
+                    if !ok.is_empty() {
+                        let row = make_row(args, count, &Raw::pool(&ok));
+                        times.push(format!("{} {:.1} us", side.label(), row.oop.median_us));
+                    }
+                }
+                bar.suspend(|| {
+                    eprintln!(
+                        "chorus bench: {} {bytes} B done ({} of {} sizes): median {}",
+                        args.op.name(),
+                        done + 1,
+                        counts.len(),
+                        times.join(", ")
+                    )
+                });
             }
         }
         Ok(())

@@ -292,12 +292,34 @@ pub fn main(args: &[String]) -> ExitCode {
 }
 
 fn fail(error: &LaunchError) -> ExitCode {
-    eprintln!("chorus launch: error: {error}");
+    print_line(&format!("chorus launch: error: {error}"));
     ExitCode::from(error.exit_code())
 }
 
 fn say(message: impl std::fmt::Display) {
-    eprintln!("chorus launch: {message}");
+    print_line(&format!("chorus launch: {message}"));
+}
+
+/// Prints one of the launcher's own lines.
+type PrintLine = Box<dyn Fn(&str) + Send + Sync>;
+
+/// Where the launcher's own lines go, when not to stderr.
+static LINES: std::sync::OnceLock<PrintLine> = std::sync::OnceLock::new();
+
+/// Has the launcher's own lines (its notes and failure reports, not the
+/// workers' output) go to `print` instead of stderr, for the rest of the
+/// process: a program that launches through this library and draws a
+/// progress bar prints them above it (the training example). Returns
+/// whether it took (only the first call does).
+pub fn print_lines_with(print: impl Fn(&str) + Send + Sync + 'static) -> bool {
+    LINES.set(Box::new(print)).is_ok()
+}
+
+fn print_line(line: &str) {
+    match LINES.get() {
+        Some(print) => print(line),
+        None => eprintln!("{line}"),
+    }
 }
 
 /// GPUs visible as `/dev/nvidia<N>`.
@@ -324,6 +346,16 @@ fn program_exists(program: &str) -> bool {
     }
     std::env::var_os("PATH")
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| executable(&dir.join(program))))
+}
+
+/// This launcher's own executable when `program` is `chorus` and the
+/// launcher is the `chorus` command: `chorus launch -- chorus selftest`
+/// then runs the same build, whether or not (and whichever) `chorus` is on
+/// PATH. Not when another program launches through this library (the
+/// examples): its executable is not `chorus`.
+fn own_executable(program: &str) -> Option<String> {
+    let own = std::env::current_exe().ok()?;
+    (program == "chorus" && own.file_name()? == "chorus").then(|| own.display().to_string())
 }
 
 /// `bytes` random bytes from the OS, in hex: a fresh job secret.
@@ -424,7 +456,10 @@ struct Job {
     cpus: Vec<Vec<usize>>,
 }
 
-async fn launch(config: LaunchConfig) -> Result<i32, LaunchError> {
+async fn launch(mut config: LaunchConfig) -> Result<i32, LaunchError> {
+    if let Some(own) = own_executable(&config.command[0]) {
+        config.command[0] = own;
+    }
     if !program_exists(&config.command[0]) {
         return Err(LaunchError::ProgramNotFound(config.command[0].clone()));
     }
@@ -661,10 +696,11 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             },
             Outcome::Failed(ended) => {
                 let tail = workers.tail(ended.rank).await;
-                let what = format!(
-                    "rank {} (local rank {} on node {}, pid {}) {} in attempt {round}",
-                    ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit
-                );
+                let reports: Vec<PathBuf> = (0..config.nproc_per_node)
+                    .map(|local_rank| job_env.error_file(job_env.rank(local_rank)))
+                    .collect();
+                await_reports(&job_env.error_file(ended.rank), &reports).await;
+                let (culprit, what) = failure(&workers, &ended, formed.node_rank, round, &reports);
                 report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
                 // End the round before stopping: the others stop at once, and
                 // none takes this node for hung while its workers wind down.
@@ -691,8 +727,8 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
                         }
                         AfterFailure::GiveUp => {
                             say(format!(
-                                "rank {} failed and --max-restarts {} is used up; exiting",
-                                ended.rank, config.max_restarts
+                                "{culprit} failed and --max-restarts {} is used up; exiting",
+                                config.max_restarts
                             ));
                             bounded(job, nodes::end_job(store, &job.keys, round, ours.what())).await?;
                             return Ok(ended.exit.launcher_code());
@@ -805,10 +841,16 @@ async fn run_elastic_round(
             Outcome::Failed(ended) => {
                 let slot_env = job_env.for_attempt(slot_counts[ended.local_rank], &job.run_dir);
                 let tail = workers.tail(ended.rank).await;
-                let what = format!(
-                    "rank {} (local rank {} on node {}, pid {}) {} in attempt {}",
-                    ended.rank, ended.local_rank, formed.node_rank, ended.pid, ended.exit, slot_env.restart_count
-                );
+                let reports: Vec<PathBuf> = slot_counts
+                    .iter()
+                    .enumerate()
+                    .map(|(local_rank, &count)| {
+                        let env = job_env.for_attempt(count, &job.run_dir);
+                        env.error_file(env.rank(local_rank))
+                    })
+                    .collect();
+                await_reports(&slot_env.error_file(ended.rank), &reports).await;
+                let (_, what) = failure(workers, &ended, formed.node_rank, slot_env.restart_count, &reports);
                 report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
                 if let Err(error) = publish_exit(job, &slot_env, ended.pid).await {
                     workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
@@ -1174,6 +1216,100 @@ async fn wait_for_nodes(job: &Job, formed: &nodes::Formed, signals: &mut Signals
     Ok(AllDone::Yes)
 }
 
+/// Once a worker exited on its group's abort (its error file names whom
+/// it blames), the others found the failure at about the same time: waits
+/// until their error files are there too, for half a second at most (a
+/// frozen or dead worker writes none).
+async fn await_reports(exited: &Path, reports: &[PathBuf]) {
+    if !exited.exists() {
+        return;
+    }
+    let until = tokio::time::Instant::now() + Duration::from_millis(500);
+    while tokio::time::Instant::now() < until && !reports.iter().all(|r| r.exists()) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Whom a worker's failure is to be blamed on ("rank 2") and the line
+/// that says what happened. A worker whose group aborts on a peer's
+/// failure names that peer in its error file (`chorus::error_file`), and
+/// the first process to exit is often a healthy rank that found a peer
+/// frozen: the peer is blamed instead. `reports` are the error files of
+/// this node's workers (of their current attempts); the rank they name
+/// most is blamed, each report counting `1 / the ranks it names`: a rank
+/// that lost every peer at once is likelier the one cut off (a rank frozen
+/// by fault injection, its links frozen but its watchdog running, names
+/// all the others in turn). A blamed peer is named as this node's worker
+/// with its process id where it is one.
+fn failure(
+    workers: &Workers,
+    ended: &workers::Ended,
+    node: usize,
+    attempt: u64,
+    reports: &[PathBuf],
+) -> (String, String) {
+    let exited = format!(
+        "rank {} (local rank {} on node {node}, pid {})",
+        ended.rank, ended.local_rank, ended.pid
+    );
+    let mut votes: Vec<(chorus::error_file::FailedPeer, f64)> = Vec::new();
+    for report in reports
+        .iter()
+        .filter_map(|path| chorus::error_file::ErrorReport::read(path))
+    {
+        let weight = 1.0 / report.failed.len().max(1) as f64;
+        for peer in report.failed {
+            match votes
+                .iter_mut()
+                .find(|(p, _)| (p.pid, &p.host) == (peer.pid, &peer.host))
+            {
+                Some((_, n)) => *n += weight,
+                None => votes.push((peer, weight)),
+            }
+        }
+    }
+    let most = votes.iter().map(|(_, n)| *n).fold(0.0, f64::max);
+    let host = HostId::local().hostname;
+    let blamed: Vec<(String, String, bool)> = votes
+        .into_iter()
+        .filter(|(_, n)| most - *n < 1e-9)
+        .map(
+            |(peer, _)| match workers.by_pid(peer.pid).filter(|_| peer.host == host) {
+                Some((rank, local_rank)) => (
+                    format!("rank {rank}"),
+                    format!("rank {rank} (local rank {local_rank} on node {node}, pid {})", peer.pid),
+                    rank == ended.rank,
+                ),
+                None => (
+                    format!("group rank {}", peer.rank),
+                    format!("group rank {} (pid {} on {})", peer.rank, peer.pid, peer.host),
+                    false,
+                ),
+            },
+        )
+        .collect();
+    let plain = format!("{exited} {} in attempt {attempt}", ended.exit);
+    match blamed.as_slice() {
+        [] => (format!("rank {}", ended.rank), plain),
+        [(culprit, _, true)] => (
+            culprit.clone(),
+            format!("{plain}; the other workers took it for failed"),
+        ),
+        _ => {
+            let culprits: Vec<&str> = blamed.iter().map(|(c, _, _)| c.as_str()).collect();
+            let described: Vec<&str> = blamed.iter().map(|(_, d, _)| d.as_str()).collect();
+            (
+                culprits.join(", "),
+                format!(
+                    "{} failed in attempt {attempt}: the other workers took it for failed, and {exited} {} on it",
+                    described.join(", "),
+                    ended.exit
+                ),
+            )
+        }
+    }
+}
+
 /// Tells which worker failed, how, and what it printed last.
 fn report(what: &str, rank: usize, tail: &[String], error_file: &Path) {
     say(what);
@@ -1182,7 +1318,7 @@ fn report(what: &str, rank: usize, tail: &[String], error_file: &Path) {
     } else {
         say(format!("last {} lines of rank {rank}:", tail.len()));
         for line in tail {
-            eprintln!("  [{rank}]: {line}");
+            print_line(&format!("  [{rank}]: {line}"));
         }
     }
     if error_file.exists() {

@@ -88,6 +88,7 @@ use chorus_runtime::store::{
     EtcdStore, EtcdStoreOptions, Store, StoreError, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions,
     parse_endpoints,
 };
+use chorus_runtime::wait;
 
 use super::LaunchError;
 use super::config::{StorePlan, StoreRole};
@@ -431,6 +432,7 @@ async fn restarts_before(store: &dyn Store, keys: &Keys, round: u64) -> Result<u
 /// checks every node runs as many workers as this one.
 pub async fn join(store: &dyn Store, keys: &Keys, round: &mut u64, me: &Joining<'_>) -> Result<Formed, LaunchError> {
     let start = Instant::now();
+    let mut notes = wait::Notes::new(me.join_timeout);
     let mut entered = None;
     let mut previous: Vec<String> = Vec::new();
     let mut open_with_min: Option<Instant> = None;
@@ -536,6 +538,22 @@ pub async fn join(store: &dyn Store, keys: &Keys, round: &mut u64, me: &Joining<
                     waited: me.join_timeout,
                 }
             });
+        }
+        if notes.due() {
+            let waiting_for = match open {
+                true => format!(
+                    "for nodes to join ({} joined; {}..{} may form it)",
+                    arrivals.len(),
+                    me.min_nodes,
+                    me.max_nodes
+                ),
+                false => "for the running job to admit this launcher".to_string(),
+            };
+            super::say(format!(
+                "round {r}: waiting {waiting_for} at {}; {}",
+                store.location(),
+                notes.progress()
+            ));
         }
         tokio::time::sleep(me.poll).await;
     }

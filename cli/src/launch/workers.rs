@@ -112,6 +112,15 @@ impl Workers {
         })
     }
 
+    /// The global and local rank of this attempt's worker with process id
+    /// `pid`, running or not.
+    pub fn by_pid(&self, pid: u32) -> Option<(usize, usize)> {
+        self.workers
+            .iter()
+            .find(|w| w.pid as u32 == pid)
+            .map(|w| (w.rank, w.local_rank))
+    }
+
     /// The last lines the worker of `rank` printed, once its output is read
     /// to the end (or after a second, if something it started keeps the pipe open).
     pub async fn tail(&mut self, rank: usize) -> Vec<String> {

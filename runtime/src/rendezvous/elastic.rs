@@ -44,6 +44,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::store::{PrefixStore, Store, StoreError};
+use crate::wait::{self, Notes};
 
 /// Key (under `chorus/<run id>/`) holding the newest formed generation, in decimal.
 pub const LATEST_KEY: &str = "elastic/latest";
@@ -441,6 +442,7 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
         scoped.add("newcomers", 1).await?;
     }
     let started = tokio::time::Instant::now();
+    let mut notes = Notes::new(config.timeout);
     let mut min_seen: Option<tokio::time::Instant> = None;
     // The arrivals read so far, and whether they account for the previous generation.
     let mut members: Vec<Joiner> = Vec::new();
@@ -508,7 +510,34 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
                     waited: started.elapsed(),
                 });
             }
-            Step::Wait => tokio::time::sleep(config.poll).await,
+            Step::Wait => {
+                if notes.due() {
+                    let missing = match &reference {
+                        Some(reference) if joined >= config.min_world => {
+                            Some((reference.generation, reference.unaccounted(&members)))
+                        }
+                        _ => None,
+                    };
+                    let waiting_for = match missing {
+                        Some((previous, missing)) if !missing.is_empty() => format!(
+                            "{joined} joined; waiting for ranks {} of generation {previous} to rejoin or be known failed",
+                            wait::rank_list(&missing),
+                        ),
+                        _ => format!(
+                            "{} joined, {}..{} may form it",
+                            joined, config.min_world, config.max_world
+                        ),
+                    };
+                    tracing::info!(
+                        target: wait::TARGET,
+                        "waiting for ranks to form generation {} at {}: {waiting_for}; {}",
+                        config.generation,
+                        store.location(),
+                        notes.progress()
+                    );
+                }
+                tokio::time::sleep(config.poll).await
+            }
         }
     };
     if arrival >= admitted {

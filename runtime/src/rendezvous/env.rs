@@ -127,6 +127,12 @@ fn missing_hint(var: &str, launcher: Launcher) -> String {
         (Launcher::Torchelastic, _) => {
             format!("torchrun sets it with RANK and LOCAL_RANK; set {var} as torchrun would")
         }
+        (Launcher::Env, "MASTER_ADDR" | "MASTER_PORT") => {
+            "a launcher sets it for each rank: start the ranks with `chorus launch --nproc-per-node N -- PROGRAM` \
+             (or torchrun), or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE yourself, \
+             or use tcp://host:port?rank=R&world_size=N"
+                .to_string()
+        }
         (Launcher::Env | Launcher::Kubeflow, "LOCAL_WORLD_SIZE") => {
             "LOCAL_RANK is above 0, so set LOCAL_WORLD_SIZE to the number of ranks on this node"
                 .to_string()

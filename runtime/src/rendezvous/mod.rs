@@ -45,6 +45,7 @@ use crate::store::{
     DEFAULT_PORT, EtcdStore, EtcdStoreOptions, FileStore, FileStoreOptions, PrefixStore, Store, StoreError, TcpStore,
     TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions,
 };
+use crate::wait::{self, Notes};
 
 pub mod elastic;
 pub mod env;
@@ -55,7 +56,7 @@ pub use record::{Claimant, HostId, PeerRecord};
 use env::{EnvError, LaunchEnv, Launcher};
 
 /// Errors of rendezvous, each saying what to change.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum RendezvousError {
     /// The launcher's environment is incomplete or wrong.
     #[error(transparent)]
@@ -157,6 +158,8 @@ pub enum RendezvousError {
     #[error(transparent)]
     Store(#[from] StoreError),
 }
+
+crate::debug_as_report!(RendezvousError);
 
 /// How the ranks meet, as given by the user (PyTorch's `init_method`).
 #[derive(Debug, Clone)]
@@ -757,6 +760,7 @@ pub async fn rendezvous(
     if rank >= world_size {
         return Err(RendezvousError::RankOutOfRange { rank, world_size });
     }
+    let location = store.location();
     let scoped = PrefixStore::new(format!("chorus/{}/g{}", config.run_id, generation), store);
     record.rank = rank as u32;
     let me = Claimant {
@@ -800,25 +804,51 @@ pub async fn rendezvous(
     let keys: Vec<String> = (0..world_size).map(|r| format!("peer/{r}")).collect();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let started = tokio::time::Instant::now();
-    match scoped.wait_timeout(&key_refs, timeout).await {
-        Ok(()) => {}
-        Err(StoreError::Timeout { .. }) => {
-            let mut missing = Vec::new();
-            for (r, key) in keys.iter().enumerate() {
-                if !scoped.check(&[key.as_str()]).await? {
-                    missing.push(r);
+    let deadline = started + timeout;
+    let mut notes = Notes::new(timeout);
+    let missing = async || -> Result<Vec<usize>, StoreError> {
+        let mut missing = Vec::new();
+        for (r, key) in keys.iter().enumerate() {
+            if !scoped.check(&[key.as_str()]).await? {
+                missing.push(r);
+            }
+        }
+        Ok(missing)
+    };
+    // In slices, each ending at the next note: who is missing is said
+    // while the wait goes on, not only once it failed.
+    loop {
+        let until = notes.next_at().min(deadline);
+        // Never 0, which a store may read as "no limit".
+        let slice = until
+            .saturating_duration_since(tokio::time::Instant::now())
+            .max(Duration::from_millis(1));
+        match scoped.wait_timeout(&key_refs, slice).await {
+            Ok(()) => break,
+            Err(StoreError::Timeout { .. }) if tokio::time::Instant::now() < deadline => {
+                if notes.due() {
+                    let missing = missing().await?;
+                    tracing::info!(
+                        target: wait::TARGET,
+                        "rank {rank}: waiting for ranks {} of {world_size} (generation {generation}) at {location}; {}",
+                        wait::rank_list(&missing),
+                        notes.progress()
+                    );
                 }
             }
-            return Err(RendezvousError::Incomplete {
-                generation,
-                arrived: world_size - missing.len(),
-                missing,
-                world_size,
-                waited: started.elapsed(),
-                location: scoped.location(),
-            });
+            Err(StoreError::Timeout { .. }) => {
+                let missing = missing().await?;
+                return Err(RendezvousError::Incomplete {
+                    generation,
+                    arrived: world_size - missing.len(),
+                    missing,
+                    world_size,
+                    waited: started.elapsed(),
+                    location: scoped.location(),
+                });
+            }
+            Err(other) => return Err(other.into()),
         }
-        Err(other) => return Err(other.into()),
     }
     let values = scoped.multi_get(&key_refs).await?;
     // Every key exists now and is never written again: every rank sees

@@ -41,7 +41,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 pub const DEFAULT_PORT: u16 = 29500;
 
 /// Errors from any store.
-#[derive(Debug, Error)]
+#[derive(Error)]
 pub enum StoreError {
     /// A blocking operation ran out of time before its keys appeared.
     #[error(
@@ -154,6 +154,8 @@ pub enum StoreError {
         reason: String,
     },
 }
+
+crate::debug_as_report!(StoreError);
 
 impl StoreError {
     /// Whether this error is a timeout (the store is fine, a key is late).

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 
 use super::super::protocol::{self, Limits, Reply, ReplyShape, Request};
 use super::super::{DEFAULT_TIMEOUT, Store, StoreError, check_sizes};
+use crate::wait::{self, Notes};
 
 /// How long a timed-out wait may spend after its timeout cancelling the
 /// `WAIT` (to keep the connection) and asking which keys are missing.
@@ -101,6 +102,7 @@ impl TcpStore {
         let started = Instant::now();
         let mut attempts = 0u32;
         let mut backoff = Duration::from_millis(10);
+        let mut notes = Notes::new(deadline.saturating_duration_since(started));
         let stream = loop {
             attempts += 1;
             let error = match tokio::time::timeout_at(deadline, self.connect_once()).await {
@@ -116,6 +118,14 @@ impl TcpStore {
                     elapsed: started.elapsed(),
                     source: error,
                 });
+            }
+            if notes.due() {
+                tracing::info!(
+                    target: wait::TARGET,
+                    "waiting for the store at tcp://{} ({error}; is its server up?); {}",
+                    self.addr,
+                    notes.progress()
+                );
             }
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
