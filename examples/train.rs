@@ -231,17 +231,19 @@ impl Args {
 
     /// A rough estimate of the host memory the workers take: each a
     /// runtime, its data and copies of the state (model, optimizer,
-    /// gradients, a joiner's transfer), plus its shared-memory rings to
-    /// the others (up to 48 MiB each, 256 MiB in all; `chorus::mesh`).
+    /// gradients, a joiner's transfer), plus the host's shared-memory
+    /// rings (48 MiB each, at most `CHORUS_SHM_BUDGET`'s default 576 MiB in
+    /// all; `chorus::mesh`).
     fn memory_needed(&self) -> u64 {
         const BASE: u64 = 100 << 20;
         const RING: u64 = 48 << 20;
-        const RINGS_MAX: u64 = 256 << 20;
+        const RINGS_BUDGET: u64 = 576 << 20;
         let h = self.hidden as u64;
         let params = (INPUTS as u64 + 1) * h + (h + 1) * h + (h + 1) * CLASSES as u64;
         let state = 4 * params * 4 + 2 * ((self.state_mib as u64) << 20);
-        let rings = (RING * (self.world as u64 - 1)).min(RINGS_MAX);
-        self.world as u64 * (BASE + state + rings)
+        let world = self.world as u64;
+        let rings = (RING * world * (world - 1)).min(RINGS_BUDGET);
+        world * (BASE + state) + rings
     }
 }
 

@@ -100,10 +100,10 @@ pub mod train;
 
 pub use chorus_actors::buffer::Buffer;
 pub use chorus_actors::driver::CollectiveError;
-pub use chorus_actors::rank::Collective;
 pub use chorus_actors::metrics;
 pub use chorus_actors::nccl;
 pub use chorus_actors::nccl::NcclOp;
+pub use chorus_actors::rank::Collective;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
 pub use chorus_runtime::collective::{CollectiveKind, DType, ReduceOp};
 pub use chorus_runtime::{rendezvous, store};

@@ -27,7 +27,7 @@ elements!(i8 => Int8, u8 => UInt8, i32 => Int32, u32 => UInt32, i64 => Int64, u6
     f16 => Float16, bf16 => BFloat16, f32 => Float32, f64 => Float64);
 
 /// A tensor was used as the wrong type.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[derive(Error, Clone, PartialEq, Eq)]
 #[error("tensor holds {held}, not {asked}")]
 pub struct DTypeMismatch {
     /// The tensor's dtype.
@@ -35,6 +35,8 @@ pub struct DTypeMismatch {
     /// The dtype asked for.
     pub asked: DType,
 }
+
+chorus_runtime::debug_as_report!(DTypeMismatch);
 
 /// A flat buffer of elements of one dtype.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -33,7 +33,9 @@ fn seconds(what: &str, value: f64) -> PyResult<Duration> {
     if value.is_finite() && value > 0.0 {
         Ok(Duration::from_secs_f64(value))
     } else {
-        Err(PyValueError::new_err(format!("{what} must be a positive number of seconds, not {value}")))
+        Err(PyValueError::new_err(format!(
+            "{what} must be a positive number of seconds, not {value}"
+        )))
     }
 }
 
@@ -137,7 +139,11 @@ impl Group {
         let rt = runtime()?;
         let formed = py.detach(|| rt.block_on(chorus::init_process_group(options)));
         let group = formed.map_err(|e| {
-            Failure::new(Class::Backend, format!("chorus could not form the group: {}", chorus::error_report(&e))).to_err(py)
+            Failure::new(
+                Class::Backend,
+                format!("chorus could not form the group: {}", chorus::error_report(&e)),
+            )
+            .to_err(py)
         })?;
         Ok(Group {
             rank: group.rank(),

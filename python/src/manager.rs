@@ -267,9 +267,9 @@ impl Trainer {
             options = options.heartbeat_timeout(Duration::from_secs_f64(h.max(0.001)));
         }
         let rt = runtime()?;
-        let group = py
-            .detach(|| rt.block_on(ElasticGroup::init(options)))
-            .map_err(|e| Failure::new(Class::Backend, format!("joining the job: {}", chorus::error_report(&e))).to_err(py))?;
+        let group = py.detach(|| rt.block_on(ElasticGroup::init(options))).map_err(|e| {
+            Failure::new(Class::Backend, format!("joining the job: {}", chorus::error_report(&e))).to_err(py)
+        })?;
         Ok(Self { group: Some(group) })
     }
 
@@ -338,7 +338,11 @@ impl Trainer {
             }))
         });
         let report = outcome.map_err(|e| {
-            Failure::new(Class::GroupAborted, format!("training stopped: {}", chorus::error_report(&e))).to_err(py)
+            Failure::new(
+                Class::GroupAborted,
+                format!("training stopped: {}", chorus::error_report(&e)),
+            )
+            .to_err(py)
         })?;
         let dict = PyDict::new(py);
         dict.set_item("steps", report.steps)?;

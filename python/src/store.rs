@@ -54,7 +54,10 @@ impl TorchStore {
     /// Wraps `store`, whose `timeout` bounds its blocking calls.
     pub(crate) fn new(py: Python<'_>, store: Py<PyAny>) -> PyResult<Self> {
         let bound = store.bind(py);
-        let timeout = bound.getattr("timeout")?.call_method0("total_seconds")?.extract::<f64>()?;
+        let timeout = bound
+            .getattr("timeout")?
+            .call_method0("total_seconds")?
+            .extract::<f64>()?;
         let location = format!("torch {}", bound.get_type().name()?);
         Ok(Self {
             store: Arc::new(store),
@@ -123,8 +126,10 @@ impl Store for TorchStore {
 
     async fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         let k = key.to_string();
-        self.call(&[key], Duration::ZERO, move |s| s.call_method1("add", (k, delta))?.extract())
-            .await
+        self.call(&[key], Duration::ZERO, move |s| {
+            s.call_method1("add", (k, delta))?.extract()
+        })
+        .await
     }
 
     async fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Bytes, StoreError> {
@@ -153,8 +158,10 @@ impl Store for TorchStore {
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         let k = key.to_string();
-        self.call(&[key], Duration::ZERO, move |s| s.call_method1("delete_key", (k,))?.extract())
-            .await
+        self.call(&[key], Duration::ZERO, move |s| {
+            s.call_method1("delete_key", (k,))?.extract()
+        })
+        .await
     }
 
     async fn num_keys(&self) -> Result<i64, StoreError> {
@@ -219,7 +226,9 @@ impl Store for TorchStore {
 
     async fn queue_len(&self, key: &str) -> Result<i64, StoreError> {
         let k = key.to_string();
-        self.call(&[key], Duration::ZERO, move |s| s.call_method1("queue_len", (k,))?.extract())
-            .await
+        self.call(&[key], Duration::ZERO, move |s| {
+            s.call_method1("queue_len", (k,))?.extract()
+        })
+        .await
     }
 }

@@ -207,7 +207,10 @@ impl Work {
             Some(Err(failure)) => Err(failure.to_err(py)),
             None => Err(Failure::new(
                 Class::WaitTimeout,
-                format!("work not finished within {:?}; it goes on under its own deadline", limit.unwrap_or_default()),
+                format!(
+                    "work not finished within {:?}; it goes on under its own deadline",
+                    limit.unwrap_or_default()
+                ),
             )
             .to_err(py)),
         }
