@@ -258,6 +258,20 @@ def failure(how: str) -> None:
             "is_dist_backend_error": is_torch})
 
 
+def fault_rules() -> None:
+    """CHORUS_FAULTS (set by the test) kills a rank mid-job; the others
+    keep calling all-reduce until it raises."""
+    dist.init_process_group("chorus")
+    t = torch.ones(1024)
+    try:
+        for _ in range(100000):
+            dist.all_reduce(t)
+        out = {"error": "none"}
+    except chorus.ChorusError as e:
+        out = {"error": type(e).__name__, "ranks": list(e.ranks), "message": str(e)}
+    result(out)
+
+
 def desync() -> None:
     dist.init_process_group("chorus")
     t = torch.ones(4)

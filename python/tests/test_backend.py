@@ -55,6 +55,16 @@ def test_a_dead_or_frozen_rank_raises_group_aborted_naming_it_within_the_window(
         assert outcome["next"] == "GroupAborted"
 
 
+def test_fault_rules_act_on_a_python_job():
+    ranks = run("fault_rules", 3, timeout=60, env={"CHORUS_FAULTS": "kill(rank=2, after_frames=40)"},
+                expect_exit={2: "killed by its fault rule"})
+    assert ranks[2].returncode != 0
+    for rank in ranks[:2]:
+        outcome = rank.result()
+        assert outcome["error"] == "GroupAborted", outcome
+        assert 2 in outcome["ranks"], outcome
+
+
 def test_ranks_calling_different_collectives_raise_a_desync_naming_both():
     outcomes = [r.result() for r in run("desync", 2, timeout=60)]
     assert any(o["error"] == "DesyncError" for o in outcomes), outcomes
