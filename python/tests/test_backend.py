@@ -1,5 +1,8 @@
 """The chorus torch.distributed backend, run as real rank processes."""
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install torch)")
@@ -83,3 +86,14 @@ def test_bad_input_raises_a_clear_python_error():
         assert out["healthy_after"] == 2.0
         assert out["mismatched_sizes"] != "none", out
         assert out["after_destroy"].startswith("GroupAborted") and "destroyed" in out["after_destroy"]
+
+
+def test_the_flight_recorder_and_chorus_trace_work_on_a_python_job(tmp_path):
+    chorus_bin = Path(__file__).resolve().parents[2] / "target" / "release" / "chorus"
+    if not chorus_bin.exists():
+        pytest.skip("needs the chorus command: cargo build --release -p chorus-cli")
+    run("failure", 3, args=["freeze"], timeout=60, expect_exit={2: "freeze"},
+        env={"CHORUS_HEARTBEAT_TIMEOUT": "2", "CHORUS_TRACE_DIR": str(tmp_path)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chorus-trace-g0-r0.json", "chorus-trace-g0-r1.json"]
+    report = subprocess.run([str(chorus_bin), "trace", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert "rank 2 left no dump" in report.stdout and "all_reduce" in report.stdout, report.stdout + report.stderr
