@@ -58,10 +58,14 @@ def run(scenario: str, world: int, timeout: float = 60, env: Optional[Dict[str, 
     deadline = time.monotonic() + timeout
     outputs = [""] * world
     hung = []
-    # The ranks meant to freeze last: the others' ends come first.
-    order = sorted(range(world), key=lambda r: r in (expect_exit or {}))
+    # The ranks meant to die or freeze last: once the others are done, a
+    # frozen one gets a second more, then is killed.
+    expected = expect_exit or {}
+    order = sorted(range(world), key=lambda r: r in expected)
     for rank in order:
         proc = procs[rank]
+        if rank in expected and not hung:
+            deadline = min(deadline, time.monotonic() + 1.0)
         try:
             outputs[rank], _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -71,10 +75,9 @@ def run(scenario: str, world: int, timeout: float = 60, env: Optional[Dict[str, 
         outputs[rank], _ = procs[rank].communicate()
     ranks = [Rank(r, p.returncode, outputs[r]) for r, p in enumerate(procs)]
     report = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output}" for r in ranks)
-    expect_exit = expect_exit or {}
-    unexpected = [r for r in hung if r not in expect_exit]
+    unexpected = [r for r in hung if r not in expected]
     assert not unexpected, f"ranks {unexpected} still ran after {timeout} s:\n{report}"
     for r in ranks:
-        if r.rank not in expect_exit:
+        if r.rank not in expected:
             assert r.returncode == 0, f"rank {r.rank} failed:\n{report}"
     return ranks
