@@ -94,6 +94,26 @@ struct TorchJob {
     hooks: Py<PyAny>,
 }
 
+impl TorchJob {
+    /// The job over `params` and `optimizer_state` (named float32 tensors).
+    fn new(
+        hooks: Py<PyAny>,
+        params: Vec<(String, Bound<'_, PyAny>)>,
+        optimizer_state: Vec<(String, Bound<'_, PyAny>)>,
+    ) -> PyResult<Self> {
+        let memory = |list: Vec<(String, Bound<'_, PyAny>)>| -> PyResult<Vec<(String, TensorMemory)>> {
+            list.into_iter()
+                .map(|(name, t)| TensorMemory::new(&t, &name).map(|m| (name, m)))
+                .collect()
+        };
+        Ok(Self {
+            params: memory(params)?,
+            optimizer: memory(optimizer_state)?,
+            hooks,
+        })
+    }
+}
+
 fn step_dict<'py>(py: Python<'py>, step: &Step) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     dict.set_item("step", step.step)?;
@@ -238,6 +258,14 @@ pub(crate) struct Trainer {
     group: Option<ElasticGroup>,
 }
 
+impl Trainer {
+    fn group(&self) -> PyResult<&ElasticGroup> {
+        self.group
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))
+    }
+}
+
 #[pymethods]
 impl Trainer {
     /// Joins the job's elastic group through the launcher's environment
@@ -307,20 +335,8 @@ impl Trainer {
         outer_momentum: f32,
         fragments: u32,
     ) -> PyResult<Py<PyAny>> {
-        let group = self
-            .group
-            .as_ref()
-            .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
-        let memory = |list: Vec<(String, Bound<'_, PyAny>)>| -> PyResult<Vec<(String, TensorMemory)>> {
-            list.into_iter()
-                .map(|(name, t)| TensorMemory::new(&t, &name).map(|m| (name, m)))
-                .collect()
-        };
-        let mut job = TorchJob {
-            params: memory(params)?,
-            optimizer: memory(optimizer_state)?,
-            hooks,
-        };
+        let group = self.group()?;
+        let mut job = TorchJob::new(hooks, params, optimizer_state)?;
         let options = TrainOptions {
             mode: train_mode(mode, every, outer_lr, outer_momentum, fragments)?,
             steps,
@@ -385,20 +401,8 @@ impl Trainer {
         params: Vec<(String, Bound<'_, PyAny>)>,
         optimizer_state: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<()> {
-        let group = self
-            .group
-            .as_ref()
-            .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
-        let memory = |list: Vec<(String, Bound<'_, PyAny>)>| -> PyResult<Vec<(String, TensorMemory)>> {
-            list.into_iter()
-                .map(|(name, t)| TensorMemory::new(&t, &name).map(|m| (name, m)))
-                .collect()
-        };
-        let mut job = TorchJob {
-            params: memory(params)?,
-            optimizer: memory(optimizer_state)?,
-            hooks,
-        };
+        let group = self.group()?;
+        let mut job = TorchJob::new(hooks, params, optimizer_state)?;
         let rt = runtime()?;
         let pg = group.current();
         py.detach(|| rt.block_on(chorus::train::verify_state(&pg, &mut job)))
