@@ -81,6 +81,15 @@ pub const SCOPE_ENV: &str = "CHORUS_ELASTIC_SCOPE";
 /// Set (to 1) for a process that joins a running group: `chorus launch
 /// --restart-policy worker` sets it for relaunched workers and late nodes.
 pub const JOIN_ENV: &str = "CHORUS_ELASTIC_JOIN";
+/// Set by `chorus launch --standby N` for a warm standby worker: the store
+/// key its promotion will be written to. Such a process starts and builds
+/// what it needs like any worker, then waits in [`ElasticGroup::init`]
+/// until the launcher promotes it into a failed worker's slot (writing the
+/// slot's local rank there), and joins the running group as a relaunched
+/// worker would, without paying its start-up.
+pub const STANDBY_ENV: &str = "CHORUS_STANDBY";
+/// How long one wait of a standby worker on its key lasts before it waits again.
+const STANDBY_WAIT: Duration = Duration::from_secs(60);
 /// How often a healthy group looks for processes waiting to join (SV-13).
 const JOINER_POLL: Duration = Duration::from_millis(500);
 /// How often an elastic rendezvous reads the store while waiting.
@@ -389,6 +398,18 @@ async fn wait_for_latest(store: &Arc<dyn Store>, run_id: &str, timeout: Duration
     }
 }
 
+/// Waits, as long as it takes, until the launcher writes `key` (a standby
+/// worker's promotion) and returns what it wrote; fails only when the store does.
+async fn wait_for_promotion(store: &Arc<dyn Store>, key: &str) -> Result<String, RestartError> {
+    loop {
+        match store.wait_timeout(&[key], STANDBY_WAIT).await {
+            Ok(()) => return Ok(String::from_utf8_lossy(&store.get(key).await?).into_owned()),
+            Err(error) if error.is_timeout() => continue,
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
 /// A world-size bound from the environment, if set.
 fn world_from_env(name: &'static str) -> Result<Option<usize>, RestartError> {
     match std::env::var(name).ok().filter(|v| !v.trim().is_empty()) {
@@ -480,6 +501,10 @@ impl ElasticGroup {
             min_world,
             max_world,
         };
+        if let Some(key) = env(STANDBY_ENV).filter(|k| !k.trim().is_empty()) {
+            let slot = wait_for_promotion(&base.store, key.trim()).await?;
+            tracing::info!(target: "chorus::elastic", slot = %slot, "standby worker promoted; joining the running group");
+        }
         let latest = match std::env::var(JOIN_ENV).is_ok_and(|v| v.trim() == "1") {
             // Started to join a running group (a relaunched worker, a late
             // node): wait for its first generation rather than form one.

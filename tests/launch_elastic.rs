@@ -100,6 +100,59 @@ fn a_failed_worker_is_relaunched_alone_and_joins_the_next_generation() {
     assert_eq!(field(ready[1], "pid"), field(done, "pid"), "{all}");
 }
 
+/// `--standby 1`: a warm standby worker waits in its group's init; the
+/// killed worker's slot is given to it at once (no process started then),
+/// a new standby takes its place, and the standbys left at the end are
+/// stopped, so the job ends.
+#[test]
+fn a_warm_standby_takes_the_failed_workers_slot() {
+    let output = launch_probe(
+        &[
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            "--restart-policy",
+            "worker",
+            "--standby",
+            "1",
+        ],
+        &["--iterations", "300", "--kill-rank", "2", "--kill-after", "30"],
+        30,
+    );
+    let all = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{all}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("promoted standby worker s0 (pid"), "{all}");
+    assert!(stderr.contains("into rank 2's slot (restart 1 of 1)"), "{all}");
+    assert!(!stderr.contains("relaunching rank 2 alone"), "{all}");
+    // Nothing a standby printed came before its promotion: it waited in init.
+    assert!(!stdout.lines().any(|l| l.starts_with("[s0]: probe")), "{all}");
+
+    let lines = lines_of(&stdout, 2);
+    let ready: Vec<&&str> = lines.iter().filter(|l| l.contains("event=ready")).collect();
+    assert_eq!(ready.len(), 2, "{all}");
+    assert!(ready[0].contains("gen=0 world=3"), "{all}");
+    assert!(ready[1].contains("world=3"), "the standby joined\n{all}");
+    let promoted_pid = field(ready[1], "pid").unwrap_or_else(|| panic!("no pid\n{all}"));
+    assert!(
+        stderr.contains(&format!("promoted standby worker s0 (pid {promoted_pid})")),
+        "the process that joined is the standby that was promoted\n{all}"
+    );
+    let done = lines
+        .iter()
+        .find(|l| l.contains("event=done"))
+        .unwrap_or_else(|| panic!("the promoted standby did not finish\n{all}"));
+    assert!(done.contains("event=done iterations=300"), "{all}");
+    assert_eq!(field(done, "pid"), Some(promoted_pid), "{all}");
+    for rank in [0, 1] {
+        let lines = lines_of(&stdout, rank);
+        assert_eq!(lines.iter().filter(|l| l.contains("event=ready")).count(), 1, "{all}");
+        assert!(lines.iter().any(|l| l.contains("event=done iterations=300")), "{all}");
+    }
+}
+
 #[test]
 fn a_worker_failing_past_max_restarts_stops_the_others() {
     // --max-restarts 0: the first failure ends the job as with torchrun.

@@ -187,6 +187,10 @@ pub struct LaunchConfig {
     pub max_restarts: u64,
     /// `--restart-policy`: what a restart restarts.
     pub restart_policy: RestartPolicy,
+    /// `--standby N`: warm standby workers kept per node under
+    /// [`RestartPolicy::Worker`]; a failed worker's slot is taken by one at
+    /// once instead of a process started then.
+    pub standby: usize,
     /// How often a multi-node launcher looks at the store for other nodes' news.
     pub monitor_interval: Duration,
     /// Grace period between SIGTERM and SIGKILL when stopping workers.
@@ -254,6 +258,11 @@ is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
                                    joins an elastic program's next generation;
                                    with several nodes, nodes leave and join
                                    without restarting the others' workers
+  --standby N                      keep N warm standby workers per node
+                                   (--restart-policy worker): each starts the
+                                   program, which waits in its elastic group's
+                                   init until a worker fails, then takes its
+                                   slot at once (default 0)
   --monitor-interval S             store polling period, multi-node (default 0.1)
   --shutdown-timeout S             SIGTERM to SIGKILL grace (default 30)
   --numa-binding MODE              bind each worker to CPUs (default: unbound):
@@ -288,6 +297,7 @@ const FLAGS: &[(&str, Kind)] = &[
     ("rdzv-conf", Kind::Value),
     ("max-restarts", Kind::Value),
     ("restart-policy", Kind::Value),
+    ("standby", Kind::Value),
     ("monitor-interval", Kind::Value),
     ("shutdown-timeout", Kind::Value),
     ("numa-binding", Kind::Value),
@@ -565,6 +575,17 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         },
     };
 
+    let standby = given
+        .number::<usize>("standby", "give a number of standby workers, 0 or more")?
+        .unwrap_or(0);
+    if standby > 0 && restart_policy != RestartPolicy::Worker {
+        return Err(invalid(
+            "--standby",
+            &standby.to_string(),
+            "standby workers replace one failed worker; add --restart-policy worker",
+        ));
+    }
+
     let local_ranks_filter = given
         .get("local-ranks-filter")
         .map(|(spelled, value)| {
@@ -635,6 +656,7 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
             .number("max-restarts", "give a number of restarts, 0 or more")?
             .unwrap_or(0),
         restart_policy,
+        standby,
         monitor_interval: given.seconds("monitor-interval", 0.1)?,
         shutdown_timeout: given.seconds("shutdown-timeout", 30.0)?,
         numa_binding: given
@@ -872,6 +894,18 @@ mod tests {
         assert_eq!(config("--master-port 7000 p", &[]).run_id(|| "x".into()), "none");
         assert_eq!(config("p", &[]).run_id(|| "fresh".into()), "fresh");
         assert_eq!(config("--rdzv-id job p", &[]).run_id(|| "x".into()), "job");
+    }
+
+    #[test]
+    fn standby_needs_the_worker_policy() {
+        assert_eq!(config("p", &[]).standby, 0);
+        assert_eq!(config("--restart-policy worker --standby 2 p", &[]).standby, 2);
+        assert_eq!(
+            config("--restart-policy worker p", &[("PET_STANDBY", "1")]).standby,
+            1
+        );
+        assert!(parse_with("--standby 1 p", &[]).is_err());
+        assert!(parse_with("--restart-policy worker --standby x p", &[]).is_err());
     }
 
     #[test]

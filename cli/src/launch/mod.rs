@@ -833,31 +833,108 @@ async fn run_elastic_round(
     let mut restarts = formed.restarts;
     let first_restarts = formed.restarts;
     let first_count = job_env.restart_count;
-    let mut slot_counts = vec![first_count; config.nproc_per_node];
+    let mut slots: Vec<Slot> = (0..config.nproc_per_node)
+        .map(|local_rank| Slot {
+            count: first_count,
+            error_file: job_env.error_file(job_env.rank(local_rank)),
+        })
+        .collect();
+    // Standby workers start as the next relaunch would, and each gets a
+    // fresh promotion key.
+    let mut standbys: Vec<Option<Standby>> = vec![None; config.standby];
+    let mut serial = 0;
+    let next_count = |restarts: u64| first_count + (restarts + 1 - first_restarts);
+    for number in 0..config.standby {
+        let started = start_standby(job, &job_env, workers, number, serial, next_count(restarts));
+        serial += 1;
+        match started {
+            Ok(standby) => standbys[number] = Some(standby),
+            Err(error) => {
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                return Err(error);
+            }
+        }
+    }
     let mut alive = plan::KeepAlives::default();
     loop {
         let outcome = supervise(workers, job, &formed, &mut alive, signals).await;
         match outcome {
-            Outcome::Failed(ended) => {
-                let slot_env = job_env.for_attempt(slot_counts[ended.local_rank], &job.run_dir);
+            Outcome::Failed(ended) if ended.standby.is_some() => {
+                let number = ended.standby.unwrap_or_default();
+                standbys[number] = None;
                 let tail = workers.tail(ended.rank).await;
-                let reports: Vec<PathBuf> = slot_counts
-                    .iter()
-                    .enumerate()
-                    .map(|(local_rank, &count)| {
-                        let env = job_env.for_attempt(count, &job.run_dir);
-                        env.error_file(env.rank(local_rank))
-                    })
-                    .collect();
-                await_reports(&slot_env.error_file(ended.rank), &reports).await;
+                say(format!(
+                    "standby worker s{number} (pid {}) {} before it was needed",
+                    ended.pid, ended.exit
+                ));
+                if ended.exit.success() {
+                    // It chose to leave (e.g. it saw the job ending): not a failure.
+                    continue;
+                }
+                for line in &tail {
+                    print_line(&format!("  [s{number}]: {line}"));
+                }
+                match plan::after_failure(restarts, config.max_restarts) {
+                    AfterFailure::Restart { next } => {
+                        restarts = next;
+                        let started = start_standby(job, &job_env, workers, number, serial, next_count(restarts));
+                        serial += 1;
+                        match started {
+                            Ok(standby) => standbys[number] = Some(standby),
+                            Err(error) => {
+                                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                                return Err(error);
+                            }
+                        }
+                    }
+                    AfterFailure::GiveUp => say(format!(
+                        "--max-restarts {} is used up: going on without standby worker s{number}",
+                        config.max_restarts
+                    )),
+                }
+            }
+            Outcome::Failed(ended) => {
+                let slot_env = job_env.for_attempt(slots[ended.local_rank].count, &job.run_dir);
+                let error_file = slots[ended.local_rank].error_file.clone();
+                let tail = workers.tail(ended.rank).await;
+                let reports: Vec<PathBuf> = slots.iter().map(|slot| slot.error_file.clone()).collect();
+                await_reports(&error_file, &reports).await;
                 let (_, what) = failure(workers, &ended, formed.node_rank, slot_env.restart_count, &reports);
-                report(&what, ended.rank, &tail, &slot_env.error_file(ended.rank));
+                report(&what, ended.rank, &tail, &error_file);
                 if let Err(error) = publish_exit(job, &slot_env, ended.pid).await {
                     workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                     return Err(error);
                 }
                 match plan::after_failure(restarts, config.max_restarts) {
                     AfterFailure::Restart { next } => {
+                        let rank = job_env.rank(ended.local_rank);
+                        match promote(job, workers, &mut standbys, ended.local_rank, rank).await {
+                            Ok(Some((number, pid, slot))) => {
+                                say(format!(
+                                    "promoted standby worker s{number} (pid {pid}) into rank {rank}'s slot (restart {next} of {}{}); the other workers keep running",
+                                    config.max_restarts,
+                                    if multi { " on this node" } else { "" }
+                                ));
+                                slots[ended.local_rank] = slot;
+                                restarts = next;
+                                let started =
+                                    start_standby(job, &job_env, workers, number, serial, next_count(restarts));
+                                serial += 1;
+                                match started {
+                                    Ok(standby) => standbys[number] = Some(standby),
+                                    Err(error) => {
+                                        workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                                        return Err(error);
+                                    }
+                                }
+                                continue;
+                            }
+                            Ok(None) => {}
+                            Err(error) => {
+                                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                                return Err(error);
+                            }
+                        }
                         let count = first_count + (next - first_restarts);
                         let new_env = env::JobEnv {
                             join_running: true,
@@ -877,7 +954,10 @@ async fn run_elastic_round(
                             }
                         }
                         restarts = next;
-                        slot_counts[ended.local_rank] = count;
+                        slots[ended.local_rank] = Slot {
+                            count,
+                            error_file: new_env.error_file(new_env.rank(ended.local_rank)),
+                        };
                     }
                     AfterFailure::GiveUp => {
                         let why = format!(
@@ -904,6 +984,8 @@ async fn run_elastic_round(
                 }
             }
             Outcome::Succeeded => {
+                // Only standby workers are left: there is nothing for them to replace.
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 if !multi {
                     return Ok(ElasticEnd::Exit(0));
                 }
@@ -949,6 +1031,48 @@ async fn run_elastic_round(
             }
         }
     }
+}
+
+/// Starts standby worker `number` with restart count `count` (a new one
+/// after a promotion or a failure takes the same number).
+fn start_standby(
+    job: &Job,
+    job_env: &env::JobEnv,
+    workers: &mut Workers,
+    number: usize,
+    serial: u64,
+    count: u64,
+) -> Result<Standby, LaunchError> {
+    let standby_env = env::JobEnv {
+        join_running: true,
+        ..job_env.for_attempt(count, &job.run_dir)
+    };
+    let (spec, standby) = standby_spec(job, &standby_env, number, serial)?;
+    workers.relaunch(spec)?;
+    Ok(standby)
+}
+
+/// Promotes a running standby worker into the slot of `local_rank`: writes
+/// its promotion key (it then joins the running group) and moves it into
+/// the slot. Returns its number, pid and what the slot now keeps, or
+/// `None` when no standby worker is running.
+async fn promote(
+    job: &Job,
+    workers: &mut Workers,
+    standbys: &mut [Option<Standby>],
+    local_rank: usize,
+    rank: usize,
+) -> Result<Option<(usize, i32, Slot)>, LaunchError> {
+    let Some((number, pid)) = workers.promote(local_rank, rank) else {
+        return Ok(None);
+    };
+    let standby = standbys[number].take().ok_or_else(|| LaunchError::Io {
+        what: format!("promoting standby worker s{number}"),
+        source: std::io::Error::other("it has no promotion key"),
+    })?;
+    let store = job.store.store.as_ref();
+    bounded(job, store.set(&standby.key, local_rank.to_string().as_bytes())).await?;
+    Ok(Some((number, pid, standby.slot)))
 }
 
 /// What the launchers say of a member whose keep-alive stood still.
@@ -1061,10 +1185,69 @@ fn specs(job: &Job, job_env: &env::JobEnv) -> Result<Vec<WorkerSpec>, LaunchErro
 
 /// The spec of the worker in `local_rank`'s slot in `job_env`'s attempt.
 fn spec(job: &Job, job_env: &env::JobEnv, local_rank: usize) -> Result<WorkerSpec, LaunchError> {
+    let dir = env::rank_dir(&job_env.attempt_dir, job_env.rank(local_rank));
+    spec_in(job, job_env, local_rank, dir)
+}
+
+/// A standby worker's spec: the program as a relaunch in `job_env`'s
+/// attempt would run it in slot `number` mod `--nproc-per-node` (its
+/// `RANK` and `LOCAL_RANK` are that slot's until the group ranks it on
+/// joining), kept by the launcher past this node's slots, with its files
+/// under `standby_<serial>/` and the store key of its promotion.
+fn standby_spec(
+    job: &Job,
+    job_env: &env::JobEnv,
+    number: usize,
+    serial: u64,
+) -> Result<(WorkerSpec, Standby), LaunchError> {
+    let dir = job_env.attempt_dir.join(format!("standby_{serial}"));
+    let nproc = job.config.nproc_per_node;
+    let mut spec = spec_in(job, job_env, number % nproc, dir.clone())?;
+    spec.local_rank = nproc + number;
+    let error_file = dir.join("error.json");
+    for (name, value) in &mut spec.env {
+        if name == "TORCHELASTIC_ERROR_FILE" {
+            *value = error_file.display().to_string();
+        }
+    }
+    spec.env.push((
+        chorus::elastic::STANDBY_ENV.to_string(),
+        job.keys.standby(&job.launcher_id, serial),
+    ));
+    spec.standby = Some(number);
+    spec.console = job.config.local_ranks_filter.is_none();
+    let standby = Standby {
+        slot: Slot {
+            count: job_env.restart_count,
+            error_file,
+        },
+        key: job.keys.standby(&job.launcher_id, serial),
+    };
+    Ok((spec, standby))
+}
+
+/// What the launcher keeps of the worker in a slot.
+#[derive(Debug, Clone)]
+struct Slot {
+    /// Its restart count (`TORCHELASTIC_RESTART_COUNT`).
+    count: u64,
+    /// Where it writes its error report.
+    error_file: PathBuf,
+}
+
+/// What the launcher keeps of a standby worker.
+#[derive(Debug, Clone)]
+struct Standby {
+    /// The slot it takes when promoted.
+    slot: Slot,
+    /// The store key its promotion is written to.
+    key: String,
+}
+
+fn spec_in(job: &Job, job_env: &env::JobEnv, local_rank: usize, dir: PathBuf) -> Result<WorkerSpec, LaunchError> {
     let config = &job.config;
     let parent = |name: &str| std::env::var(name).ok();
     let rank = job_env.rank(local_rank);
-    let dir = env::rank_dir(&job_env.attempt_dir, rank);
     // The error file's directory must exist for the worker to write it.
     std::fs::create_dir_all(&dir).map_err(|source| LaunchError::Io {
         what: format!("creating {}", dir.display()),
@@ -1094,6 +1277,7 @@ fn spec(job: &Job, job_env: &env::JobEnv, local_rank: usize) -> Result<WorkerSpe
         },
         log: config.log_dir.as_ref().map(|_| (dir, logged)),
         cpus: job.cpus.get(local_rank).cloned().unwrap_or_default(),
+        standby: None,
     })
 }
 
@@ -1118,7 +1302,8 @@ async fn supervise(
         tokio::select! {
             ended = workers.next_exit() => match ended {
                 None => return Outcome::Succeeded,
-                Some(ended) if !ended.exit.success() => return Outcome::Failed(ended),
+                // A standby worker that ends, even well, is one fewer to promote.
+                Some(ended) if !ended.exit.success() || ended.standby.is_some() => return Outcome::Failed(ended),
                 Some(_) => {}
             },
             signo = signals.recv() => return Outcome::Signaled(signo),

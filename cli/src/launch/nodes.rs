@@ -273,6 +273,12 @@ impl Keys {
         format!("{}/{suffix}", self.prefix)
     }
 
+    /// Where this launcher writes the promotion of its standby worker
+    /// `serial` (each standby it starts gets the next serial).
+    pub fn standby(&self, launcher_id: &str, serial: u64) -> String {
+        self.key(&format!("standby/{launcher_id}/{serial}"))
+    }
+
     fn round_key(&self, round: u64, suffix: &str) -> String {
         format!("{}/a{round}/{suffix}", self.prefix)
     }

@@ -3,7 +3,8 @@
 //! terminal's Ctrl-C reaches only the launcher, which forwards it), their
 //! output prefixed with the rank, teed to log files and kept in a short
 //! ring buffer for failure reports. One worker can be relaunched in its
-//! slot while the others run (`--restart-policy worker`).
+//! slot while the others run (`--restart-policy worker`), or a warm
+//! standby worker promoted into it (`--standby`).
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -43,11 +44,26 @@ pub struct WorkerSpec {
     pub log: Option<(PathBuf, Streams)>,
     /// The CPUs it is bound to (`--numa-binding`); empty when unbound.
     pub cpus: Vec<usize>,
+    /// For a standby worker, its number on this node (its output is labelled
+    /// `s<n>` until it is promoted into a slot).
+    pub standby: Option<usize>,
+}
+
+impl WorkerSpec {
+    fn label(&self) -> String {
+        match self.standby {
+            Some(n) => format!("s{n}"),
+            None => self.rank.to_string(),
+        }
+    }
 }
 
 struct Worker {
     rank: usize,
     local_rank: usize,
+    standby: Option<usize>,
+    /// The prefix of its output lines; a promoted standby's changes.
+    label: Arc<Mutex<String>>,
     pid: i32,
     tail: Arc<Mutex<VecDeque<String>>>,
     readers: Vec<JoinHandle<()>>,
@@ -73,6 +89,8 @@ pub struct Ended {
     pub pid: i32,
     /// How it ended.
     pub exit: WorkerExit,
+    /// Its standby number, when it ended before it was promoted.
+    pub standby: Option<usize>,
 }
 
 impl Workers {
@@ -96,8 +114,17 @@ impl Workers {
         Ok(group)
     }
 
-    /// The next worker to end, or `None` when none is running.
+    /// The next worker (standby ones too) to end, or `None` when no worker
+    /// but standby ones is running: those wait for a failure that can no
+    /// longer come.
     pub async fn next_exit(&mut self) -> Option<Ended> {
+        if !self.workers.iter().any(|w| w.running && w.standby.is_none()) {
+            return None;
+        }
+        self.any_exit().await
+    }
+
+    async fn any_exit(&mut self) -> Option<Ended> {
         if !self.workers.iter().any(|w| w.running) {
             return None;
         }
@@ -109,7 +136,39 @@ impl Workers {
             local_rank: worker.local_rank,
             pid: worker.pid,
             exit,
+            standby: worker.standby,
         })
+    }
+
+    /// Promotes the running standby worker with the lowest number into the
+    /// slot of `local_rank` (global `rank`), whose worker has ended; the
+    /// ended one's entry becomes that standby's, for
+    /// [`Workers::relaunch`] to start a new standby in. Returns the
+    /// standby's number and pid, or `None` when none is running.
+    pub fn promote(&mut self, local_rank: usize, rank: usize) -> Option<(usize, i32)> {
+        let spare = self
+            .workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.running)
+            .filter_map(|(i, w)| Some((w.standby?, i)))
+            .min()?;
+        let (number, index) = spare;
+        let ended = self
+            .workers
+            .iter()
+            .position(|w| !w.running && w.standby.is_none() && w.local_rank == local_rank)?;
+        let spare_local_rank = self.workers[index].local_rank;
+        let promoted = &mut self.workers[index];
+        promoted.standby = None;
+        promoted.local_rank = local_rank;
+        promoted.rank = rank;
+        *lock(&promoted.label) = rank.to_string();
+        let pid = promoted.pid;
+        let vacated = &mut self.workers[ended];
+        vacated.standby = Some(number);
+        vacated.local_rank = spare_local_rank;
+        Some((number, pid))
     }
 
     /// The global and local rank of this attempt's worker with process id
@@ -133,16 +192,26 @@ impl Workers {
 
     /// Starts `spec` again in the slot of its local rank, whose worker has
     /// ended (its output is read, see [`Workers::tail`]); what is left of
-    /// the old worker's process group is killed first. Returns the new pid.
+    /// the old worker's process group is killed first. A standby worker
+    /// with no ended entry of its local rank gets a new one. Returns the new pid.
     pub fn relaunch(&mut self, spec: WorkerSpec) -> Result<i32, LaunchError> {
-        let Some(index) = self.workers.iter().position(|w| w.local_rank == spec.local_rank) else {
+        let Some(index) = self
+            .workers
+            .iter()
+            .position(|w| !w.running && w.local_rank == spec.local_rank)
+        else {
+            if spec.standby.is_some() {
+                let worker = spawn_one(self.workers.len(), spec, self.exits_tx.clone())?;
+                let pid = worker.pid;
+                self.workers.push(worker);
+                return Ok(pid);
+            }
             return Err(LaunchError::Io {
                 what: format!("relaunching local rank {}", spec.local_rank),
                 source: std::io::Error::other("no such worker slot"),
             });
         };
-        let old = &mut self.workers[index];
-        debug_assert!(!old.running, "relaunching a running worker");
+        let old = &self.workers[index];
         // Children the old worker started in its group must not linger.
         signal_group(old.pid, libc::SIGKILL);
         let worker = spawn_one(index, spec, self.exits_tx.clone())?;
@@ -160,12 +229,12 @@ impl Workers {
             // until the grace ran out: resume it so it acts on it now.
             signal_group(worker.pid, libc::SIGCONT);
         }
-        let _ = tokio::time::timeout(grace, async { while self.next_exit().await.is_some() {} }).await;
+        let _ = tokio::time::timeout(grace, async { while self.any_exit().await.is_some() {} }).await;
         // Children a worker started in its group may outlive it: no orphans.
         for worker in &self.workers {
             signal_group(worker.pid, libc::SIGKILL);
         }
-        while self.next_exit().await.is_some() {}
+        while self.any_exit().await.is_some() {}
         for worker in &mut self.workers {
             drain(&mut worker.readers).await;
         }
@@ -233,12 +302,13 @@ fn spawn_one(
     })?;
     let pid = child.id().map_or(0, |id| id as i32);
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+    let label = Arc::new(Mutex::new(spec.label()));
     let mut readers = Vec::new();
     if let Some(stdout) = child.stdout.take() {
-        readers.push(tokio::spawn(relay(stdout, true, spec.clone(), tail.clone())));
+        readers.push(tokio::spawn(relay(stdout, true, spec.clone(), label.clone(), tail.clone())));
     }
     if let Some(stderr) = child.stderr.take() {
-        readers.push(tokio::spawn(relay(stderr, false, spec.clone(), tail.clone())));
+        readers.push(tokio::spawn(relay(stderr, false, spec.clone(), label.clone(), tail.clone())));
     }
     tokio::spawn(async move {
         let exit = match child.wait().await {
@@ -250,6 +320,8 @@ fn spawn_one(
     Ok(Worker {
         rank: spec.rank,
         local_rank: spec.local_rank,
+        standby: spec.standby,
+        label,
         pid,
         tail,
         readers,
@@ -259,7 +331,13 @@ fn spawn_one(
 
 /// Copies one stream line by line: prefixed to the console, to the log file,
 /// into the ring buffer.
-async fn relay(stream: impl AsyncRead + Unpin, stdout: bool, spec: WorkerSpec, tail: Arc<Mutex<VecDeque<String>>>) {
+async fn relay(
+    stream: impl AsyncRead + Unpin,
+    stdout: bool,
+    spec: WorkerSpec,
+    label: Arc<Mutex<String>>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+) {
     let mut file = spec
         .log
         .as_ref()
@@ -288,7 +366,7 @@ async fn relay(stream: impl AsyncRead + Unpin, stdout: bool, spec: WorkerSpec, t
             // One write per line: stderr is unbuffered, and a line written
             // in pieces interleaves with the other stream under `2>&1`. A
             // closed console must not stop the job; the files still get the lines.
-            let prefixed = format!("[{}]: {line}\n", spec.rank);
+            let prefixed = format!("[{}]: {line}\n", lock(&label));
             let _ = if stdout {
                 let mut out = std::io::stdout().lock();
                 out.write_all(prefixed.as_bytes()).and_then(|()| out.flush())
