@@ -844,11 +844,11 @@ async fn run_elastic_round(
     let mut standbys: Vec<Option<Standby>> = vec![None; config.standby];
     let mut serial = 0;
     let next_count = |restarts: u64| first_count + (restarts + 1 - first_restarts);
-    for number in 0..config.standby {
+    for (number, standby) in standbys.iter_mut().enumerate() {
         let started = start_standby(job, &job_env, workers, number, serial, next_count(restarts));
         serial += 1;
         match started {
-            Ok(standby) => standbys[number] = Some(standby),
+            Ok(started) => *standby = Some(started),
             Err(error) => {
                 workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                 return Err(error);
