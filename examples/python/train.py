@@ -1,16 +1,21 @@
 """Fault-tolerant training of a torch model with chorus, killing a worker halfway.
 
-    python3 examples/python/train.py [--world 4] [--steps 400] [--fault kill --fault-step 150]
+    python3 examples/python/train.py [--world 4] [--steps 400] [--fault kill --fault-step 150] [--standby 1]
 
 A 3-layer MLP (torch, on the CPU) learns a synthetic 10-class problem on
 --world processes under `chorus launch --restart-policy worker`, through
 `chorus.torch.Manager`: every step commits only when every member's
-gradient sync succeeded. At --fault-step the last worker is SIGKILLed;
-the survivors re-form within the heartbeat window and go on as a smaller
-group (the global batch re-split), the launcher relaunches the worker, and
-it joins at a step boundary, receiving the model and optimizer state live
-from the survivors. The last line puts the final held-out loss beside a
-fault-free run of the same steps (--json: one object).
+gradient sync succeeded. At --fault-step the last worker fails: SIGKILLed
+(--fault kill), SIGSTOPped (freeze: the heartbeats find it, and it is
+killed twice the heartbeat window later) or cut off (partition: its links
+cut while it runs). The survivors re-form within the heartbeat window and
+go on as a smaller group (the global batch re-split); the launcher
+relaunches the worker, or with --standby promotes a warm standby worker
+that has already imported torch and built the model, and it joins at a
+step boundary, receiving the model and optimizer state (and --state-mib of
+extra state) live from the survivors. The last line puts the final
+held-out loss beside a fault-free run of the same steps (--json: one
+object).
 
 Needs torch, the chorus package (`pip install ./python`) and the `chorus`
 command (`cargo build --release -p chorus-cli`: target/release/chorus is
@@ -45,10 +50,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
     p.add_argument("--mode", choices=["ddp", "local-sgd", "diloco"], default="ddp")
     p.add_argument("--every", type=int, default=10, help="steps between outer syncs in the local modes")
-    p.add_argument("--fault", choices=["none", "kill"], default="kill")
+    p.add_argument("--fault", choices=["none", "kill", "freeze", "partition"], default="kill")
     p.add_argument("--fault-step", type=int, default=150, help="the last worker dies after this step")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="heartbeat window (default 1000)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--standby", type=int, default=0,
+                   help="warm standby workers kept by the launcher (default 0: a failed worker is relaunched)")
+    p.add_argument("--state-mib", type=int, default=0,
+                   help="extra state moved to a joiner with the model, in MiB (default 0)")
     p.add_argument("--compute-ms", type=float, default=0.0,
                    help="extra compute per step, as a larger model would need (a sleep; default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -61,6 +70,8 @@ def parse() -> argparse.Namespace:
         p.error(f"--batch {args.batch} gives some of the {args.world} workers no sample")
     if args.fault != "none" and not 0 < args.fault_step < args.steps:
         p.error(f"--fault-step {args.fault_step} never fires: it must be between 1 and --steps - 1 ({args.steps - 1})")
+    if args.standby < 0 or args.state_mib < 0:
+        p.error("--standby and --state-mib must be 0 or more")
     if args.hidden < 1 or args.steps < 1:
         p.error("--hidden and --steps must be positive")
     return args
@@ -88,6 +99,26 @@ def model(hidden: int, seed: int):
     )
 
 
+class Padding:
+    """Extra state (--state-mib): a tensor every step changes, moved to a
+    joiner with the model; stands for the data position, RNG and other
+    state a real job carries."""
+
+    def __init__(self, mib: int) -> None:
+        import torch
+
+        self.tensor = torch.zeros(mib << 18)
+
+    def advance(self, step: int) -> None:
+        self.tensor[step % max(1, len(self.tensor))] += 1.0
+
+    def state_dict(self) -> dict:
+        return {"tensor": self.tensor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tensor = state["tensor"]
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -113,14 +144,15 @@ def worker(args: argparse.Namespace) -> None:
     net = model(args.hidden, args.seed)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     # Survivors go on without a dead worker; its replacement joins later.
+    padding = Padding(args.state_mib) if args.state_mib else None
     manager = ct.Manager(net, opt, mode=args.mode, every=args.every, heartbeat_timeout=args.heartbeat_ms / 1e3,
-                         min_world=args.world - 1, max_world=args.world, timeout=120)
+                         min_world=args.world - 1, max_world=args.world, timeout=120, extra_state=padding)
     relaunched = manager.generation > 0
     first_rank = manager.rank
     joined.set()
     (run / "pids").mkdir(exist_ok=True)
     (run / "pids" / str(first_rank)).write_text(str(os.getpid()))
-    victim = not relaunched and first_rank == args.world - 1 and args.fault == "kill"
+    victim = not relaunched and first_rank == args.world - 1 and args.fault != "none"
     reporter = first_rank == 0 and not relaunched
     progress = open(run / "progress", "a") if reporter else None
 
@@ -144,9 +176,17 @@ def worker(args: argparse.Namespace) -> None:
         if progress:
             progress.write(f"{step} {loss} {world} {generation}\n")
             progress.flush()
+        if padding:
+            padding.advance(step)
         if victim and step + 1 == args.fault_step:
             (run / "killed_at").write_text(str(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            if args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif args.fault == "freeze":
+                (run / "frozen").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                manager.cut_off()
 
     started = time.monotonic()
     report = manager.train(args.steps, args.batch, backward, on_commit)
@@ -160,6 +200,8 @@ def worker(args: argparse.Namespace) -> None:
         with torch.no_grad():
             loss = torch.nn.functional.cross_entropy(net(ex), ey).item()
         digest = float(sum(p.detach().double().sum() for p in net.parameters()))
+        if padding:
+            digest += float(padding.tensor.double().sum())
         gaps = sorted(b - a for a, b in zip(commits, commits[1:]))
         (run / "result.json").write_text(json.dumps({
             "final_loss": loss, "steps": report["steps"], "train_seconds": seconds,
@@ -188,16 +230,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def kill_frozen(marker: Path, after: float, stop: threading.Event) -> None:
+    while not stop.wait(0.05):
+        if marker.exists():
+            time.sleep(after)
+            try:
+                os.kill(int(marker.read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+            return
+
+
 def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     cmd = [chorus_command(), "launch", "--nproc-per-node", str(args.world), "--restart-policy", "worker",
-           "--max-restarts", "3", "--master-port", str(free_port()), "--log-dir", str(run / "logs"), "--",
+           "--max-restarts", "3", "--standby", str(args.standby), "--master-port", str(free_port()), "--log-dir", str(run / "logs"), "--",
            sys.executable, os.path.abspath(__file__), "--run-dir", str(run), "--fault", fault]
     for flag in ("world", "steps", "batch", "hidden", "lr", "mode", "every", "fault_step", "heartbeat_ms", "seed",
-                 "compute_ms"):
+                 "compute_ms", "state_mib"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    stop = threading.Event()
+    # A frozen worker is found by the others' heartbeats, then killed (as
+    # an operator or a node agent would) so that the launcher replaces it.
+    thaw = threading.Thread(target=kill_frozen, args=(run / "frozen", 2 * args.heartbeat_ms / 1e3, stop), daemon=True)
+    thaw.start()
     done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stop.set()
     result = run / "result.json"
     if not result.exists():
         raise SystemExit(f"the {fault} run ended (exit {done.returncode}) without a result; "
@@ -238,10 +297,11 @@ def main() -> None:
         "longest_stall_ms": run["longest_stall_ms"], "median_step_ms": run["median_step_ms"],
         "replacement_ms": run.get("replacement_ms"), "state_checksum": run["state_checksum"],
     }
+    replaced = "a promoted standby worker" if args.standby else "the relaunched worker"
     if "replacement_ms" in run:
-        print(f"the relaunched worker committed its first step {run['replacement_ms']:.0f} ms after the kill")
-    elif args.fault != "none":
-        print("the relaunched worker found the job finished before it could join (survivors never wait for it)")
+        print(f"{replaced} committed its first step {run['replacement_ms']:.0f} ms after the {args.fault}")
+    elif args.fault in ("kill", "freeze"):
+        print(f"{replaced} found the job finished before it could join (survivors never wait for it)")
     print(f"{args.steps} steps on {args.world} workers, fault {args.fault}"
           + (f" at step {args.fault_step}" if args.fault != "none" else "")
           + f": final loss {run['final_loss']:.4f}, fault-free {reference:.4f} "

@@ -123,6 +123,13 @@ class Manager:
         optimizer state (checksums compared across the members)."""
         self._trainer.verify(_Hooks(self, lambda step: 0.0), *self._state())
 
+    def cut_off(self, reason: str = "injected partition") -> None:
+        """Fault injection: cuts this member's links to every other member
+        while it keeps running, as a network partition would. Every member's
+        current generation aborts; the group re-forms (with this member,
+        whose store is still reachable) and the step is re-run."""
+        self._trainer.cut_links(reason)
+
     def destroy(self) -> None:
         """Leaves the job (after the last step)."""
         self._trainer.destroy()
@@ -156,12 +163,45 @@ class _Hooks:
 
     def save_extra(self) -> bytes:
         extra = self._manager.extra_state
-        return pickle.dumps(extra.state_dict()) if extra is not None else b""
+        return pickle.dumps(_encode(extra.state_dict())) if extra is not None else b""
 
     def load_extra(self, data: bytes) -> None:
         extra = self._manager.extra_state
         if extra is not None and data:
-            extra.load_state_dict(pickle.loads(data))
+            extra.load_state_dict(_decode(pickle.loads(data)))
+
+
+_TENSOR = "__chorus_tensor__"
+
+
+def _encode(value: Any) -> Any:
+    """The extra state with every tensor as (marker, dtype, shape, raw
+    bytes): a pickled tensor's bytes depend on its storage's history (a
+    copy pickles differently), and the members' extras are compared by
+    checksum."""
+    if torch.is_tensor(value):
+        t = value.detach().cpu().contiguous()
+        return (_TENSOR, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_encode(v) for v in value)
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR:
+        _, dtype, shape, data = value
+        dtype = getattr(torch, dtype)
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_decode(v) for v in value)
+    return value
 
 
 def _materialize(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:

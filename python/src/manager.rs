@@ -409,6 +409,19 @@ impl Trainer {
             .map_err(|e| Failure::new(Class::Backend, chorus::error_report(&e)).to_err(py))
     }
 
+    /// Cuts this member's links to every other member of the current
+    /// generation while it keeps running: fault injection, what a network
+    /// partition does to it. Every member's group aborts and re-forms.
+    fn cut_links(&self, reason: &str) -> PyResult<()> {
+        let pg = self.group()?.current();
+        for rank in 0..pg.world_size() {
+            if let Some(link) = pg.link(rank) {
+                link.cut(reason);
+            }
+        }
+        Ok(())
+    }
+
     /// Leaves the job on purpose (after the last step).
     fn destroy(&mut self, py: Python<'_>) -> PyResult<()> {
         if let Some(group) = self.group.take() {

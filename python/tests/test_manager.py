@@ -33,6 +33,36 @@ def test_a_killed_worker_costs_no_step_and_the_loss_matches_the_fault_free_run()
     assert recoveries[0]["since_kill_ms"] < 5000, summary
 
 
+def run_example(*flags):
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "python" / "train.py"), "--json", *flags],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not CHORUS.exists() and "CHORUS" not in os.environ,
+                    reason="needs the chorus command: cargo build --release -p chorus-cli")
+def test_a_warm_standby_takes_the_killed_workers_place_with_the_extra_state():
+    # 20 ms of compute per step leaves 2.4 s after the kill: a standby joins
+    # well within it, as a worker started then (importing torch) may not.
+    summary = run_example("--steps", "200", "--fault-step", "80", "--standby", "1", "--compute-ms", "20",
+                          "--state-mib", "8")
+    assert summary["within"] < 0.02, summary
+    assert summary["replacement_ms"] is not None, f"the standby never joined: {summary}"
+    moved = max(r["bytes"] for r in summary["recoveries"])
+    assert moved >= 8 << 20, f"the extra state was not sent to the joiner: {summary}"
+
+
+@pytest.mark.skipif(not CHORUS.exists() and "CHORUS" not in os.environ,
+                    reason="needs the chorus command: cargo build --release -p chorus-cli")
+@pytest.mark.parametrize("fault", ["freeze", "partition"])
+def test_a_frozen_or_cut_off_worker_costs_no_step(fault):
+    summary = run_example("--steps", "200", "--fault-step", "80", "--fault", fault)
+    assert summary["steps"] == 200
+    assert summary["within"] < 0.02, summary
+    assert summary["recoveries"] and summary["recoveries"][0]["resumed_step"] >= 80, summary
+
+
 def test_bad_example_flags_are_refused_before_anything_starts():
     for flags, words in [(["--fault-step", "0"], "never fires"), (["--fault-step", "999"], "never fires"),
                          (["--batch", "3"], "no sample"), (["--world", "1"], "at least 2")]:
