@@ -7,7 +7,9 @@ data, SGD with momentum, a global batch of 128 split over --world replicas
 of one process each, --compute-ms of extra compute per step on both sides
 (a sleep standing for a larger model); the last replica is SIGKILLed after --fault-step and
 relaunched at once. chorus: the example under `chorus launch
---restart-policy worker` (survivors go on as a smaller group; heartbeat 1 s).
+--restart-policy worker` (survivors go on as a smaller group; heartbeat 1 s),
+once relaunching the killed worker ("chorus") and once promoting a warm
+standby worker in its place (`--standby 1`, "standby").
 torchft: its Manager, DistributedDataParallel and OptimizerWrapper over
 ProcessGroupGloo, one replica group per process, a lighthouse this script
 starts (`--min_replicas 1 --join_timeout_ms 100 --quorum_tick_ms 100`, its
@@ -153,9 +155,10 @@ def run_torchft(args, run: Path) -> dict:
     return outcome
 
 
-def run_chorus(args, run: Path) -> dict:
+def run_chorus(args, run: Path, standby: int) -> dict:
     done = subprocess.run([sys.executable, str(EXAMPLE), "--json", "--fault", "kill", "--heartbeat-ms", "1000",
-                           *common_flags(args)], capture_output=True, text=True, timeout=args.timeout)
+                           "--standby", str(standby), *common_flags(args)],
+                          capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise SystemExit(f"chorus run failed:\n{done.stdout}\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -190,31 +193,45 @@ def main() -> None:
         torchft_replica(args)
         return
     base = Path(tempfile.mkdtemp(prefix="chorus-vs-torchft-"))
-    results = {"chorus": [], "torchft": []}
+    sides = ("torchft", "chorus", "standby")
+    results = {side: [] for side in sides}
     for r in range(args.rounds):
-        for side in ("torchft", "chorus") if r % 2 == 0 else ("chorus", "torchft"):
+        for side in sides if r % 2 == 0 else sides[::-1]:
             print(f"round {r + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
             run = base / f"{side}{r}"
-            results[side].append(run_torchft(args, run) if side == "torchft" else run_chorus(args, run))
+            if side == "torchft":
+                results[side].append(run_torchft(args, run))
+            else:
+                results[side].append(run_chorus(args, run, standby=1 if side == "standby" else 0))
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(f"# {args.world} replicas x 1 process, {args.steps} steps, SIGKILL after step {args.fault_step}, "
           f"{args.rounds} alternated rounds")
     print(f"# {'':8} {'stall ms':>10} {'replacement ms':>15} {'step ms':>8} {'final loss':>10}")
-    for side in ("torchft", "chorus"):
+    for side in sides:
         for out in results[side]:
             print(f"  {side:8} {fmt(out['longest_stall_ms']):>10} {fmt(out['replacement_ms']):>15} "
                   f"{out['median_step_ms']:>8.2f} {out['final_loss']:>10.4f}")
     med = {side: {k: statistics.median(o[k] for o in results[side]) for k in ("longest_stall_ms", "median_step_ms", "final_loss")}
            for side in results}
-    print(f"# medians: survivors' longest stall: chorus {med['chorus']['longest_stall_ms']:.0f} ms, torchft "
-          f"{med['torchft']['longest_stall_ms']:.0f} ms ({med['chorus']['longest_stall_ms'] / med['torchft']['longest_stall_ms']:.3f}x); "
-          f"step: chorus {med['chorus']['median_step_ms']:.2f} ms, torchft {med['torchft']['median_step_ms']:.2f} ms; "
-          f"final loss: chorus {med['chorus']['final_loss']:.4f}, torchft {med['torchft']['final_loss']:.4f}")
-    for side in results:
-        joined = [o["replacement_ms"] for o in results[side] if o["replacement_ms"] is not None]
+    ft = med["torchft"]
+    for side in ("chorus", "standby"):
+        m = med[side]
+        print(f"# medians, {side} against torchft: survivors' longest stall {m['longest_stall_ms']:.0f} ms vs "
+              f"{ft['longest_stall_ms']:.0f} ms ({m['longest_stall_ms'] / ft['longest_stall_ms']:.3f}x); "
+              f"step {m['median_step_ms']:.2f} ms vs {ft['median_step_ms']:.2f} ms "
+              f"({m['median_step_ms'] / ft['median_step_ms']:.2f}x); "
+              f"final loss {m['final_loss']:.4f} vs {ft['final_loss']:.4f}")
+    joined = {}
+    for side in sides:
+        times = [o["replacement_ms"] for o in results[side] if o["replacement_ms"] is not None]
+        joined[side] = statistics.median(times) if times else None
         print(f"# {side}: the replacement's first committed step after the kill: "
-              + (f"median {statistics.median(joined):.0f} ms over {len(joined)} run(s)" if joined
+              + (f"median {joined[side]:.0f} ms over {len(times)} run(s)" if times
                  else "never (the job finished first)"))
+    if joined["torchft"]:
+        for side in ("chorus", "standby"):
+            if joined[side]:
+                print(f"# {side} / torchft, kill to the replacement's first step: {joined[side] / joined['torchft']:.3f}x")
 
 
 if __name__ == "__main__":
