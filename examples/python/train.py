@@ -61,7 +61,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--compute-ms", type=float, default=0.0,
                    help="extra compute per step, as a larger model would need (a sleep; default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
-    p.add_argument("--keep-logs", action="store_true", help="keep the run directory (workers' logs, progress) and say where")
+    p.add_argument("--keep-logs", action="store_true", help="keep the run directory (the launcher's and workers' logs, progress) and say where")
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.world < 2:
@@ -110,7 +110,8 @@ class Padding:
         self.tensor = torch.zeros(mib << 18)
 
     def advance(self, step: int) -> None:
-        self.tensor[step % max(1, len(self.tensor))] += 1.0
+        if len(self.tensor):
+            self.tensor[step % len(self.tensor)] += 1.0
 
     def state_dict(self) -> dict:
         return {"tensor": self.tensor}
@@ -147,13 +148,16 @@ def worker(args: argparse.Namespace) -> None:
     padding = Padding(args.state_mib) if args.state_mib else None
     manager = ct.Manager(net, opt, mode=args.mode, every=args.every, heartbeat_timeout=args.heartbeat_ms / 1e3,
                          min_world=args.world - 1, max_world=args.world, timeout=120, extra_state=padding)
-    relaunched = manager.generation > 0
+    # Roles follow the launcher's slots, not the group's ranks: on a loaded
+    # machine a slow starter may miss the first generation and join the next.
+    relaunched = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     first_rank = manager.rank
     joined.set()
     (run / "pids").mkdir(exist_ok=True)
     (run / "pids" / str(first_rank)).write_text(str(os.getpid()))
-    victim = not relaunched and first_rank == args.world - 1 and args.fault != "none"
-    reporter = first_rank == 0 and not relaunched
+    slot = int(os.environ.get("LOCAL_RANK", "-1"))
+    victim = not relaunched and slot == args.world - 1 and args.fault != "none"
+    reporter = not relaunched and slot == 0
     progress = open(run / "progress", "a") if reporter else None
 
     def backward(step: ct.Step) -> float:
@@ -261,7 +265,9 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
     if not result.exists():
         raise SystemExit(f"the {fault} run ended (exit {done.returncode}) without a result; "
                          f"logs under {run / 'logs'}\n{done.stderr[-2000:]}")
+    (run / "launcher.log").write_text(done.stderr)
     outcome = json.loads(result.read_text())
+    outcome["promotions"] = done.stderr.count("promoted standby worker")
     killed, rejoined = run / "killed_at", run / "rejoined_at"
     if killed.exists():
         at = float(killed.read_text())
@@ -296,6 +302,7 @@ def main() -> None:
         "fault": args.fault, "fault_step": args.fault_step if args.fault != "none" else None,
         "longest_stall_ms": run["longest_stall_ms"], "median_step_ms": run["median_step_ms"],
         "replacement_ms": run.get("replacement_ms"), "state_checksum": run["state_checksum"],
+        "standby_promotions": run["promotions"],
     }
     replaced = "a promoted standby worker" if args.standby else "the relaunched worker"
     if "replacement_ms" in run:

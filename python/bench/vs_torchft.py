@@ -70,14 +70,16 @@ def torchft_replica(args) -> None:
     x, y = ex.dataset(args.seed, ex.TRAIN_SAMPLES, 0)
     net = ex.model(args.hidden, args.seed)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    padding = ex.Padding(args.state_mib)
     # The replica group's own store, as torchrun would serve it (torchft's
     # Manager connects to it as a client).
     store = torch.distributed.TCPStore("localhost", int(os.environ["MASTER_PORT"]), is_master=True,
                                        wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
-        load_state_dict=lambda s: (net.load_state_dict(s["model"]), opt.load_state_dict(s["optim"])),
-        state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict()},
+        load_state_dict=lambda s: (net.load_state_dict(s["model"]), opt.load_state_dict(s["optim"]),
+                                   padding.load_state_dict(s["extra"])),
+        state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict(), "extra": padding.state_dict()},
         replica_id=f"replica_{rid}", timeout=timedelta(seconds=10), rank=0, world_size=1,
     )
     model = DistributedDataParallel(manager, net)
@@ -95,6 +97,7 @@ def torchft_replica(args) -> None:
         if args.compute_ms:
             time.sleep(args.compute_ms / 1e3)
         if optimizer.step() is not False and manager.current_step() > step:
+            padding.advance(step)
             commits.append(time.time())
             if attempt > 0 and len(commits) == 1:
                 (run / "rejoined_at").write_text(str(commits[0]))
@@ -169,7 +172,7 @@ def run_chorus(args, run: Path, standby: int) -> dict:
 def common_flags(args) -> list:
     return ["--world", str(args.world), "--steps", str(args.steps), "--fault-step", str(args.fault_step),
             "--batch", str(args.batch), "--hidden", str(args.hidden), "--lr", str(args.lr), "--seed", str(args.seed),
-            "--compute-ms", str(args.compute_ms)]
+            "--compute-ms", str(args.compute_ms), "--state-mib", str(args.state_mib)]
 
 
 def main() -> None:
@@ -185,6 +188,8 @@ def main() -> None:
     p.add_argument("--compute-ms", type=float, default=20.0,
                    help="compute per step added on both sides, as a larger model would need (default 20), so "
                         "that a relaunched worker can join before the job ends")
+    p.add_argument("--state-mib", type=int, default=0,
+                   help="extra state each side sends to the replacement with the model, in MiB (default 0)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--torchft-replica", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -205,7 +210,7 @@ def main() -> None:
                 results[side].append(run_chorus(args, run, standby=1 if side == "standby" else 0))
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(f"# {args.world} replicas x 1 process, {args.steps} steps, SIGKILL after step {args.fault_step}, "
-          f"{args.rounds} alternated rounds")
+          f"{args.state_mib} MiB of extra state, {args.rounds} alternated rounds")
     print(f"# {'':8} {'stall ms':>10} {'replacement ms':>15} {'step ms':>8} {'final loss':>10}")
     for side in sides:
         for out in results[side]:

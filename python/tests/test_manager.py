@@ -48,7 +48,7 @@ def test_a_warm_standby_takes_the_killed_workers_place_with_the_extra_state():
     summary = run_example("--steps", "200", "--fault-step", "80", "--standby", "1", "--compute-ms", "20",
                           "--state-mib", "8")
     assert summary["within"] < 0.02, summary
-    assert summary["replacement_ms"] is not None, f"the standby never joined: {summary}"
+    assert summary["standby_promotions"] >= 1, f"no standby was promoted: {summary}"
     moved = max(r["bytes"] for r in summary["recoveries"])
     assert moved >= 8 << 20, f"the extra state was not sent to the joiner: {summary}"
 
