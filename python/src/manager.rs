@@ -195,7 +195,8 @@ impl Job for TorchJob {
                         view.len()
                     ));
                 }
-                let source: &[f32] = bytemuck_cast(memory.bytes());
+                let source: &[f32] = bytemuck::try_cast_slice(memory.bytes())
+                    .map_err(|e| format!("the gradient of parameter {id} is not float32 memory: {e}"))?;
                 for (g, s) in view.iter_mut().zip(source) {
                     *g = s * step.grad_scale;
                 }
@@ -215,7 +216,7 @@ impl Job for TorchJob {
             for (id, target) in targets.iter().enumerate() {
                 let mut memory = TensorMemory::new(target, "a gradient").map_err(|e| job_error(py, e))?;
                 let summed = grads.grad::<f32>(id).map_err(|e| e.to_string())?;
-                memory.write_bytes(0, bytemuck_bytes(summed));
+                memory.write_bytes(0, bytemuck::cast_slice(summed));
             }
             hooks
                 .call_method1("apply", (step_dict(py, step).map_err(|e| job_error(py, e))?,))
@@ -223,17 +224,6 @@ impl Job for TorchJob {
                 .map_err(|e| job_error(py, e))
         })
     }
-}
-
-fn bytemuck_cast(bytes: &[u8]) -> &[f32] {
-    // SAFETY: float32 tensor memory is 4-byte aligned and a whole number of
-    // f32s (`TensorMemory::new` took it from a float32 tensor).
-    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) }
-}
-
-fn bytemuck_bytes(values: &[f32]) -> &[u8] {
-    // SAFETY: any f32 is 4 plain bytes.
-    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
 }
 
 fn train_mode(name: &str, every: u64, outer_lr: f32, outer_momentum: f32, fragments: u32) -> PyResult<Mode> {
