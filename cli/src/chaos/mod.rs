@@ -6,7 +6,7 @@
 //! The job is `examples/train.rs` (built beside the `chorus` binary) or the
 //! user's program; either trains through [`chorus::train::train`], whose
 //! commit records (`CHORUS_TRAIN_RECORD`) are the evidence. A run:
-//! 1. for the example, a short fault-free calibration (60 steps) measures
+//! 1. for the example, a short fault-free calibration (200 steps) measures
 //!    the step rate, and the job gets the steps that fill `--duration`;
 //!    the user's program trains its own steps;
 //! 2. the fault-free reference of those steps;
@@ -47,7 +47,7 @@ pub use verdict::{Bounds, Check, Evidence, Verdict};
 const MARKER_ENV: &str = "CHORUS_CHAOS_RUN";
 
 /// Steps of the example's calibration run.
-const CALIBRATION_STEPS: u64 = 60;
+const CALIBRATION_STEPS: u64 = 200;
 
 /// How long a slow rank stands still: well inside the heartbeat window.
 const SLOW: Duration = Duration::from_millis(400);
