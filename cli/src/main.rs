@@ -342,7 +342,7 @@ struct ChaosArgs {
     /// Workers per node.
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
-    /// How long faults are injected (60s, 10m); the example's steps fill it.
+    /// How long the job trains (60s, 10m): the example gets the steps that fill it at the measured fault-free rate; faults go on until it ends.
     #[arg(long, default_value = "60s", value_parser = |s: &str| chorus_cli::chaos::schedule::parse_duration(s))]
     duration: Duration,
     /// Steps for the example instead of filling --duration.
@@ -641,7 +641,7 @@ fn chaos(args: ChaosArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "# chorus chaos: {} nodes x {} workers, seed {}, {} steps; chaos run {:.1} s, reference {:.1} s, {} of {} faults acted",
+            "# chorus chaos: {} nodes x {} workers, seed {}, {} steps; chaos run {:.1} s, reference {:.1} s; {} faults acted, {} hit nothing",
             report.nodes,
             report.nproc_per_node,
             report.seed,
@@ -649,7 +649,7 @@ fn chaos(args: ChaosArgs) -> Result<ExitCode> {
             report.chaos_seconds,
             report.reference_seconds,
             report.faults.iter().filter(|f| f.acted).count(),
-            report.faults.len()
+            report.faults.iter().filter(|f| !f.acted).count(),
         );
         print!("{}", report.verdict.table());
         if let Some(dir) = &report.dir {

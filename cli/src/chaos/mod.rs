@@ -11,7 +11,7 @@
 //!    the user's program trains its own steps;
 //! 2. the fault-free reference of those steps;
 //! 3. the chaos run: the same job, faults at the schedule's times until
-//!    the job ends (killed launchers started again, stopped workers
+//!    the job ends (the schedule spans [`ChaosOptions::horizon`]) (killed launchers started again, stopped workers
 //!    killed for their launcher to relaunch), then what it left behind:
 //!    processes still alive (carrying the run's marker variable) and ring
 //!    files of its processes in `/dev/shm`, both removed and reported;
@@ -75,7 +75,8 @@ pub struct ChaosOptions {
     pub nodes: usize,
     /// Workers per node.
     pub nproc_per_node: usize,
-    /// Faults are injected for this long (the example's steps fill it).
+    /// How long the job trains: the example's steps fill it (faults go on
+    /// until the job ends).
     pub duration: Duration,
     /// Steps for the example instead of filling `duration`.
     pub steps: Option<u64>,
@@ -93,6 +94,15 @@ pub struct ChaosOptions {
     /// Where the runs' files go (kept); `None`: a temporary directory,
     /// removed after a passing run.
     pub dir: Option<PathBuf>,
+}
+
+impl ChaosOptions {
+    /// How long a run may take before it is stopped, and so the
+    /// schedule's length: faults go on until the job ends, however long its
+    /// steps take on a loaded machine (a calibration is a guess).
+    pub fn horizon(&self) -> Duration {
+        Duration::from_secs(60) + self.duration * 4
+    }
 }
 
 /// Why a chaos run could not be judged.
@@ -151,7 +161,7 @@ pub struct ChaosReport {
     pub nproc_per_node: usize,
     /// The seed.
     pub seed: u64,
-    /// Every fault of the schedule and what it did.
+    /// Every fault of the schedule until the job ended, and what it did.
     pub faults: Vec<Injected>,
     /// Seconds the chaos run took, start to end.
     pub chaos_seconds: f64,
@@ -237,13 +247,17 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
     }
     let planned = schedule::schedule(&ScheduleSpec {
         seed: options.seed,
-        duration: options.duration,
+        duration: options.horizon(),
         every: options.every,
         kinds: options.faults.clone(),
         nodes: options.nodes,
         nproc_per_node: options.nproc_per_node,
     });
-    say(&format!("chaos: the chaos run, {} faults planned", planned.len()));
+    say(&format!(
+        "chaos: the chaos run, faults every {:.0}-{:.0} s until the job ends",
+        options.every.0.as_secs_f64(),
+        options.every.1.as_secs_f64()
+    ));
     let chaos = driver.phase("chaos", &dir.join("chaos"), Some(steps), &planned, say)?;
     let evidence = Evidence {
         steps,
@@ -423,7 +437,7 @@ impl Driver<'_> {
                 ended: None,
             });
         }
-        let limit = Duration::from_secs(60) + self.options.duration * 4;
+        let limit = self.options.horizon();
         let mut known: BTreeSet<u32> = BTreeSet::new();
         let mut injected = Vec::new();
         let mut due: Vec<Due> = Vec::new();
@@ -493,16 +507,6 @@ impl Driver<'_> {
             std::thread::sleep(Duration::from_millis(20));
         };
         let seconds = started.elapsed().as_secs_f64();
-        for fault in &faults[next..] {
-            injected.push((
-                Injected {
-                    planned: fault.clone(),
-                    outcome: "not reached: the job had ended".into(),
-                    acted: false,
-                },
-                unix_us(),
-            ));
-        }
         for node in nodes.iter_mut() {
             if let Some(mut child) = node.child.take() {
                 let _ = child.kill();
