@@ -33,7 +33,12 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
         duration: Duration::from_secs(60),
         steps: None,
         every: (Duration::from_secs(10), Duration::from_secs(20)),
-        faults: vec![FaultKind::Kill, FaultKind::Stop, FaultKind::KillLauncher, FaultKind::Slow],
+        faults: vec![
+            FaultKind::Kill,
+            FaultKind::Stop,
+            FaultKind::KillLauncher,
+            FaultKind::Slow,
+        ],
         seed: 3,
         heartbeat: Duration::from_secs(2),
         bounds: Bounds::default(),
@@ -71,7 +76,12 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
         seed: 3,
         duration: horizon,
         every: (Duration::from_secs(10), Duration::from_secs(20)),
-        kinds: vec![FaultKind::Kill, FaultKind::Stop, FaultKind::KillLauncher, FaultKind::Slow],
+        kinds: vec![
+            FaultKind::Kill,
+            FaultKind::Stop,
+            FaultKind::KillLauncher,
+            FaultKind::Slow,
+        ],
         nodes: 3,
         nproc_per_node: 1,
     });

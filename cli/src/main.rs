@@ -352,7 +352,12 @@ struct ChaosArgs {
     #[arg(long, default_value = "10..20", value_parser = |s: &str| chorus_cli::chaos::schedule::parse_range(s))]
     fault_every: (Duration, Duration),
     /// The faults drawn from, comma-separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "kill,stop,kill-launcher,slow")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "kill,stop,kill-launcher,slow"
+    )]
     faults: Vec<chorus_cli::chaos::FaultKind>,
     /// The schedule's seed: the same seed, the same faults at the same times.
     #[arg(long, default_value_t = 1)]

@@ -65,12 +65,8 @@ impl Recorder {
 
     fn open(dir: &Path) -> Option<Self> {
         let path = dir.join(format!("{}.jsonl", std::process::id()));
-        let opened = std::fs::create_dir_all(dir).and_then(|()| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&path)
-        });
+        let opened = std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::OpenOptions::new().create(true).append(true).open(&path));
         match opened {
             Ok(file) => Some(Self {
                 file,

@@ -198,7 +198,10 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
     }
     let (dir, keep) = match &options.dir {
         Some(dir) => (dir.clone(), true),
-        None => (std::env::temp_dir().join(format!("chorus-chaos-{}", std::process::id())), false),
+        None => (
+            std::env::temp_dir().join(format!("chorus-chaos-{}", std::process::id())),
+            false,
+        ),
     };
     std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -217,7 +220,13 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         (Program::Example(_), Some(steps)) => Some(steps),
         (Program::Example(_), None) => {
             say(&format!("chaos: calibrating: {CALIBRATION_STEPS} fault-free steps"));
-            let calibration = driver.phase("calibration", &dir.join("calibration"), Some(CALIBRATION_STEPS), &[], say)?;
+            let calibration = driver.phase(
+                "calibration",
+                &dir.join("calibration"),
+                Some(CALIBRATION_STEPS),
+                &[],
+                say,
+            )?;
             let rate = calibration.rate().ok_or_else(|| ChaosError::Phase {
                 phase: "calibration",
                 why: "too few steps committed to measure a rate".into(),
@@ -358,7 +367,14 @@ impl Driver<'_> {
     }
 
     /// Node `node`'s launcher command.
-    fn launcher(&self, dir: &Path, port: u16, marker: &str, node: usize, program: &[String]) -> Result<Command, ChaosError> {
+    fn launcher(
+        &self,
+        dir: &Path,
+        port: u16,
+        marker: &str,
+        node: usize,
+        program: &[String],
+    ) -> Result<Command, ChaosError> {
         let log = |stream: &str| {
             let path = dir.join(format!("node{node}.{stream}"));
             std::fs::OpenOptions::new()
@@ -372,7 +388,12 @@ impl Driver<'_> {
             .arg("launch")
             .args(["--nnodes", &format!("1:{}", self.options.nodes)])
             .args(["--nproc-per-node", &self.options.nproc_per_node.to_string()])
-            .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &format!("127.0.0.1:{port}")])
+            .args([
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &format!("127.0.0.1:{port}"),
+            ])
             .args(["--rdzv-id", marker])
             .args(["--restart-policy", "worker", "--max-restarts", "100000"])
             .args(["--monitor-interval", "0.1"])
@@ -497,7 +518,9 @@ impl Driver<'_> {
                     unix_us(),
                 ));
             }
-            let running = nodes.iter().any(|n| n.child.is_some() || (n.back_at.is_some() && !finishing));
+            let running = nodes
+                .iter()
+                .any(|n| n.child.is_some() || (n.back_at.is_some() && !finishing));
             if !running && due.is_empty() {
                 break false;
             }
@@ -561,7 +584,11 @@ impl Driver<'_> {
                 Some((self.options.heartbeat * 2, libc::SIGKILL)),
                 "SIGSTOP, SIGKILL twice the heartbeat window later",
             ),
-            FaultKind::Slow => (libc::SIGSTOP, Some((SLOW, libc::SIGCONT)), "SIGSTOP, SIGCONT 400 ms later"),
+            FaultKind::Slow => (
+                libc::SIGSTOP,
+                Some((SLOW, libc::SIGCONT)),
+                "SIGSTOP, SIGCONT 400 ms later",
+            ),
             FaultKind::KillLauncher => {
                 let Some(mut child) = node.child.take() else {
                     return ("the launcher is down already".into(), false);
@@ -612,7 +639,9 @@ fn parents() -> HashMap<u32, u32> {
             continue;
         };
         // After the command's closing parenthesis: state, then the parent.
-        let Some((_, rest)) = stat.rsplit_once(") ") else { continue };
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
         let mut fields = rest.split_whitespace();
         if fields.next() == Some("Z") {
             continue;

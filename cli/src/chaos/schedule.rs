@@ -159,7 +159,10 @@ mod tests {
             parse_range("10..20"),
             Ok((Duration::from_secs(10), Duration::from_secs(20)))
         );
-        assert_eq!(parse_range("15s"), Ok((Duration::from_secs(15), Duration::from_secs(15))));
+        assert_eq!(
+            parse_range("15s"),
+            Ok((Duration::from_secs(15), Duration::from_secs(15)))
+        );
         assert!(parse_range("20..10").is_err() && parse_range("0..5").is_err());
     }
 
@@ -168,7 +171,12 @@ mod tests {
             seed,
             duration: Duration::from_secs(600),
             every: (Duration::from_secs(10), Duration::from_secs(20)),
-            kinds: vec![FaultKind::Kill, FaultKind::Stop, FaultKind::KillLauncher, FaultKind::Slow],
+            kinds: vec![
+                FaultKind::Kill,
+                FaultKind::Stop,
+                FaultKind::KillLauncher,
+                FaultKind::Slow,
+            ],
             nodes: 3,
             nproc_per_node: 2,
         }
@@ -188,7 +196,10 @@ mod tests {
         let mut last = Duration::ZERO;
         for f in &faults {
             let gap = f.at - last;
-            assert!(gap >= Duration::from_secs(10) && gap <= Duration::from_secs(20), "{gap:?}");
+            assert!(
+                gap >= Duration::from_secs(10) && gap <= Duration::from_secs(20),
+                "{gap:?}"
+            );
             assert!(f.at < Duration::from_secs(600));
             assert!(f.node < 3 && f.local_rank < 2);
             last = f.at;

@@ -195,7 +195,12 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
         problems,
     ));
 
-    checks.push(check("one history", String::new(), "no split brain".into(), split_brain(records)));
+    checks.push(check(
+        "one history",
+        String::new(),
+        "no split brain".into(),
+        split_brain(records),
+    ));
     let history = checks.last_mut().expect("pushed");
     history.value = match history.pass {
         true => "one sequence of generations".into(),
@@ -373,7 +378,9 @@ fn split_brain(records: &[CommitRecord]) -> Vec<String> {
     }
     for ((generation, rank), pids) in &holders {
         if pids.len() > 1 {
-            problems.push(format!("rank {rank} of generation {generation} held by processes {pids:?}"));
+            problems.push(format!(
+                "rank {rank} of generation {generation} held by processes {pids:?}"
+            ));
         }
     }
     problems
@@ -391,7 +398,10 @@ fn parameters_differ(records: &[CommitRecord]) -> Vec<String> {
         .iter()
         .filter(|(_, sums)| sums.len() > 1)
         .map(|(step, sums)| {
-            let groups: Vec<String> = sums.iter().map(|(sum, pids)| format!("{sum:016x} on {pids:?}")).collect();
+            let groups: Vec<String> = sums
+                .iter()
+                .map(|(sum, pids)| format!("{sum:016x} on {pids:?}"))
+                .collect();
             format!("step {step}: {}", groups.join(", "))
         })
         .collect()
@@ -405,7 +415,10 @@ fn not_exactly_once(records: &[CommitRecord]) -> Vec<String> {
         if let Some(&before) = last.get(&r.pid)
             && r.step <= before
         {
-            problems.push(format!("process {} committed step {} after step {before}", r.pid, r.step));
+            problems.push(format!(
+                "process {} committed step {} after step {before}",
+                r.pid, r.step
+            ));
         }
         last.insert(r.pid, r.step);
         if r.applied + r.adopted != r.step + 1 {
@@ -565,8 +578,14 @@ mod tests {
         let verdict = judge(&evidence(records), &lenient());
         let history = &verdict.checks[1];
         assert!(!history.pass);
-        assert!(history.problems.iter().any(|p| p.contains("rank 0 of generation 1")), "{history:?}");
-        assert!(history.problems.iter().any(|p| p.contains("world sizes")), "{history:?}");
+        assert!(
+            history.problems.iter().any(|p| p.contains("rank 0 of generation 1")),
+            "{history:?}"
+        );
+        assert!(
+            history.problems.iter().any(|p| p.contains("world sizes")),
+            "{history:?}"
+        );
         assert!(failed(&verdict).contains(&"parameters equal"));
     }
 
@@ -576,8 +595,18 @@ mod tests {
         records.push(rec(5, 3, 0, 3, 6));
         records.push(rec(6, 0, 0, 3, 9));
         let problems = split_brain(&records);
-        assert!(problems.iter().any(|p| p.contains("step 6 committed in generations {1, 3}")), "{problems:?}");
-        assert!(problems.iter().any(|p| p.contains("step 9 committed in generation 0 after")), "{problems:?}");
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("step 6 committed in generations {1, 3}")),
+            "{problems:?}"
+        );
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("step 9 committed in generation 0 after")),
+            "{problems:?}"
+        );
     }
 
     #[test]
@@ -586,7 +615,11 @@ mod tests {
         records[4].checksum = Some(7);
         let verdict = judge(&evidence(records), &lenient());
         assert_eq!(failed(&verdict), ["parameters equal"]);
-        assert!(verdict.checks[2].problems[0].starts_with("step 1:"), "{:?}", verdict.checks[2]);
+        assert!(
+            verdict.checks[2].problems[0].starts_with("step 1:"),
+            "{:?}",
+            verdict.checks[2]
+        );
     }
 
     #[test]
@@ -599,7 +632,10 @@ mod tests {
         let verdict = judge(&evidence(records), &lenient());
         assert!(failed(&verdict).contains(&"exactly once"), "{}", verdict.table());
         let problems = &verdict.checks[3].problems;
-        assert!(problems.iter().any(|p| p.contains("committed step 5 after step 9")), "{problems:?}");
+        assert!(
+            problems.iter().any(|p| p.contains("committed step 5 after step 9")),
+            "{problems:?}"
+        );
 
         let mut records = healthy();
         // The joiner applied step 8 without having adopted step 7.
