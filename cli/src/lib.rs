@@ -3,6 +3,8 @@
 //!
 //! # Layout
 //! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
+//! - [`chaos`]: `chorus chaos`, a training job under random faults from a
+//!   seed, checked against its fault-free run (also for tests: [`chaos::run`]).
 //! - [`bench`](mod@bench): `chorus bench` measurements.
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).
@@ -16,6 +18,7 @@
 //!   and the hidden probes the tests run).
 
 pub mod bench;
+pub mod chaos;
 pub mod launch;
 pub mod logging;
 pub mod netem;

@@ -8,6 +8,9 @@
 //! - `chorus store serve`: a standalone TCPStore-compatible server.
 //! - `chorus store get|set|add|wait|check|delete|keys`: look inside a job's
 //!   store while debugging a stuck rendezvous.
+//! - `chorus chaos`: a training job across N nodes of this host under
+//!   random faults from a seed, checked against its fault-free run
+//!   (`chorus_cli::chaos`).
 //! - `chorus trace DIR [--json]`: name the rank(s) a stuck collective waits
 //!   for, from the flight-recorder dumps in DIR (`chorus::trace`).
 //! - `chorus fault-probe` (hidden): one rank that all-reduces in a loop and
@@ -107,6 +110,8 @@ enum Commands {
     },
     /// Join two interfaces through a lossy, slow link (userspace netem): loss, delay, jitter, rate per direction.
     Netem(NetemArgs),
+    /// Train across N nodes of this host under random faults from a seed, and check the run against a fault-free one.
+    Chaos(Box<ChaosArgs>),
     /// Compare the ranks' flight-recorder dumps (CHORUS_TRACE_DIR) and name the rank(s) a stuck collective waits for.
     Trace {
         /// The directory the ranks dumped into.
@@ -330,6 +335,57 @@ enum StoreCommand {
 }
 
 #[derive(Args)]
+struct ChaosArgs {
+    /// Nodes: one `chorus launch` each, which may be killed whole.
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// Workers per node.
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+    /// How long the job trains (60s, 10m): the example gets the steps that fill it at the measured fault-free rate; faults go on until it ends.
+    #[arg(long, default_value = "60s", value_parser = |s: &str| chorus_cli::chaos::schedule::parse_duration(s))]
+    duration: Duration,
+    /// Steps for the example instead of filling --duration.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Seconds between faults, drawn uniformly from LOW..HIGH (or fixed: 15).
+    #[arg(long, default_value = "10..20", value_parser = |s: &str| chorus_cli::chaos::schedule::parse_range(s))]
+    fault_every: (Duration, Duration),
+    /// The faults drawn from, comma-separated.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "kill,stop,kill-launcher,slow"
+    )]
+    faults: Vec<chorus_cli::chaos::FaultKind>,
+    /// The schedule's seed: the same seed, the same faults at the same times.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The example's heartbeat window, milliseconds; a stopped worker is killed twice it later.
+    #[arg(long, default_value_t = 2000)]
+    heartbeat_ms: u64,
+    /// Lowest goodput (committed steps per second against the fault-free rate).
+    #[arg(long, default_value_t = 0.9)]
+    min_goodput: f64,
+    /// Largest relative difference of the final loss from the fault-free run's.
+    #[arg(long, default_value_t = 0.02)]
+    loss_tolerance: f64,
+    /// Longest recovery allowed, milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    max_recovery_ms: u64,
+    /// Keep the runs' files (records, launcher logs) in this directory.
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// The program to train (through `chorus::train`) instead of examples/train, with its arguments.
+    #[arg(last = true)]
+    program: Vec<String>,
+}
+
+#[derive(Args)]
 struct ClientArgs {
     /// Store address, host:port.
     #[arg(long, default_value = "127.0.0.1:29500")]
@@ -409,6 +465,7 @@ fn main() -> ExitCode {
             .and_then(|runtime| runtime.block_on(bench_command(*command))),
         Commands::Launch { args } => return chorus_cli::launch::main(&args),
         Commands::Netem(args) => netem(args),
+        Commands::Chaos(args) => chaos(*args),
         Commands::Trace { dir, json } => return chorus_cli::trace::main(&dir, json),
         Commands::FaultProbe { init, seconds } => run_async(fault_probe(init, Duration::from_secs(seconds))),
         Commands::ElasticProbe {
@@ -557,6 +614,57 @@ fn netem(args: NetemArgs) -> Result<ExitCode> {
     };
     chorus_cli::netem::run(&options)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `chorus chaos`: the run, its verdict table (or JSON), exit 1 when a check failed.
+fn chaos(args: ChaosArgs) -> Result<ExitCode> {
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let program = match args.program.is_empty() {
+        true => chorus_cli::chaos::Program::Example(exe.with_file_name("examples").join("train")),
+        false => chorus_cli::chaos::Program::Command(args.program),
+    };
+    let options = chorus_cli::chaos::ChaosOptions {
+        program,
+        chorus: exe,
+        nodes: args.nodes,
+        nproc_per_node: args.nproc_per_node,
+        duration: args.duration,
+        steps: args.steps,
+        every: args.fault_every,
+        faults: args.faults,
+        seed: args.seed,
+        heartbeat: Duration::from_millis(args.heartbeat_ms),
+        bounds: chorus_cli::chaos::Bounds {
+            loss_tolerance: args.loss_tolerance,
+            min_goodput: args.min_goodput,
+            max_recovery: Duration::from_millis(args.max_recovery_ms),
+        },
+        dir: args.dir,
+    };
+    let report = chorus_cli::chaos::run(&options, &mut |line| eprintln!("{line}"))?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "# chorus chaos: {} nodes x {} workers, seed {}, {} steps; chaos run {:.1} s, reference {:.1} s; {} faults acted, {} hit nothing",
+            report.nodes,
+            report.nproc_per_node,
+            report.seed,
+            report.steps,
+            report.chaos_seconds,
+            report.reference_seconds,
+            report.faults.iter().filter(|f| f.acted).count(),
+            report.faults.iter().filter(|f| !f.acted).count(),
+        );
+        print!("{}", report.verdict.table());
+        if let Some(dir) = &report.dir {
+            println!("# the runs' files: {}", dir.display());
+        }
+    }
+    Ok(match report.verdict.passed() {
+        true => ExitCode::SUCCESS,
+        false => ExitCode::FAILURE,
+    })
 }
 
 fn rand_seed() -> u64 {

@@ -40,6 +40,7 @@ use chorus_runtime::collective::{DType, ReduceOp};
 use thiserror::Error;
 
 use super::outer::OuterRule;
+use super::record::{self, CommitRecord, Recorder};
 use super::state::{InPlace, TrainState};
 use super::transfer::{TransferError, TransferOptions, sync_state};
 use crate::elastic::{ElasticGroup, RestartError};
@@ -506,6 +507,7 @@ pub async fn train<J: Job>(
     let mut synced: Option<(u64, DistributedSync<'static>)> = None;
     let mut pending: Option<Pending> = None;
     let mut rejections = 0u32;
+    let mut recorder = Recorder::from_env();
     loop {
         // The next outer sync (or fragment sync), once its step is committed.
         let outer_due = outer_mode.and_then(|(every, rule, fragments)| {
@@ -600,12 +602,27 @@ pub async fn train<J: Job>(
                 let (outcome, loss) = run_step(&pg, &mut *job, sync, &step, options.mode == Mode::Ddp).await?;
                 if let Outcome::Committed = outcome {
                     report.applied += 1;
-                    observe(&Committed {
+                    let committed = Committed {
                         step: step.step,
                         loss: loss / options.global_batch.max(1) as f64,
                         world_size: step.world_size,
                         generation,
-                    });
+                    };
+                    if let Some(recorder) = recorder.as_mut() {
+                        recorder.write(&CommitRecord {
+                            pid: std::process::id(),
+                            generation,
+                            rank: step.rank,
+                            world_size: step.world_size,
+                            step: step.step,
+                            loss: committed.loss,
+                            checksum: (options.mode == Mode::Ddp).then(|| record::checksum(&mut *job)),
+                            applied: report.applied,
+                            adopted: report.adopted,
+                            at_us: record::unix_us(),
+                        });
+                    }
+                    observe(&committed);
                 }
                 outcome
             }

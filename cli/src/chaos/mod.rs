@@ -1,0 +1,758 @@
+//! `chorus chaos`: runs a training job across N nodes of this host (one
+//! `chorus launch --restart-policy worker` each, so a whole launcher can be
+//! killed), injects faults from a seeded schedule, and checks what the
+//! members committed against a fault-free run of the same steps.
+//!
+//! The job is `examples/train.rs` (built beside the `chorus` binary) or the
+//! user's program; either trains through [`chorus::train::train`], whose
+//! commit records (`CHORUS_TRAIN_RECORD`) are the evidence. A run:
+//! 1. for the example, a short fault-free calibration (200 steps) measures
+//!    the step rate, and the job gets the steps that fill `--duration`;
+//!    the user's program trains its own steps;
+//! 2. the fault-free reference of those steps;
+//! 3. the chaos run: the same job, faults at the schedule's times until
+//!    the job ends (the schedule spans [`ChaosOptions::horizon`]) (killed launchers started again, stopped workers
+//!    killed for their launcher to relaunch), then what it left behind:
+//!    processes still alive (carrying the run's marker variable) and ring
+//!    files of its processes in `/dev/shm`, both removed and reported;
+//! 4. the [`verdict`].
+//!
+//! The store is served by this process, so every launcher may die.
+//!
+//! # Layout
+//! - [`schedule`]: the seeded fault schedule, sans IO.
+//! - [`verdict`]: the checks over the records, sans IO.
+//! - this file: the driver (processes, signals, files).
+
+pub mod schedule;
+pub mod verdict;
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use chorus::store::{TcpStoreServer, TcpStoreServerOptions};
+use chorus::train::{CommitRecord, RECORD_ENV};
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::bench::recovery::unix_us;
+pub use schedule::{FaultKind, PlannedFault, ScheduleSpec};
+pub use verdict::{Bounds, Check, Evidence, Verdict};
+
+/// The variable every process of a run inherits, so that any left
+/// behind can be found.
+const MARKER_ENV: &str = "CHORUS_CHAOS_RUN";
+
+/// Steps of the example's calibration run.
+const CALIBRATION_STEPS: u64 = 200;
+
+/// How long a slow rank stands still: well inside the heartbeat window.
+const SLOW: Duration = Duration::from_millis(400);
+
+/// A killed launcher is started again after this.
+const LAUNCHER_BACK: Duration = Duration::from_secs(1);
+
+/// The job chaos runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Program {
+    /// `examples/train.rs` at this path: chaos gives it its steps.
+    Example(PathBuf),
+    /// A program and its arguments, training through `chorus::train`.
+    Command(Vec<String>),
+}
+
+/// What `chorus chaos` does.
+#[derive(Debug, Clone)]
+pub struct ChaosOptions {
+    /// The job.
+    pub program: Program,
+    /// The `chorus` binary whose `launch` starts each node.
+    pub chorus: PathBuf,
+    /// Nodes (launchers).
+    pub nodes: usize,
+    /// Workers per node.
+    pub nproc_per_node: usize,
+    /// How long the job trains: the example's steps fill it (faults go on
+    /// until the job ends).
+    pub duration: Duration,
+    /// Steps for the example instead of filling `duration`.
+    pub steps: Option<u64>,
+    /// Gaps between faults, drawn from this range.
+    pub every: (Duration, Duration),
+    /// The kinds of fault.
+    pub faults: Vec<FaultKind>,
+    /// The schedule's seed (also the example's data seed).
+    pub seed: u64,
+    /// The example's heartbeat window; a stopped worker is killed twice it
+    /// after it stopped.
+    pub heartbeat: Duration,
+    /// The checks' bounds.
+    pub bounds: Bounds,
+    /// Where the runs' files go (kept); `None`: a temporary directory,
+    /// removed after a passing run.
+    pub dir: Option<PathBuf>,
+}
+
+impl ChaosOptions {
+    /// How long a run may take before it is stopped, and so the
+    /// schedule's length: faults go on until the job ends, however long its
+    /// steps take on a loaded machine (a calibration is a guess).
+    pub fn horizon(&self) -> Duration {
+        Duration::from_secs(60) + self.duration * 4
+    }
+}
+
+/// Why a chaos run could not be judged.
+#[derive(Debug, Error)]
+pub enum ChaosError {
+    /// Bad options.
+    #[error("{0}")]
+    Options(String),
+    /// A file or process operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A fault-free run failed, so there is nothing to compare against.
+    #[error("the {phase} run failed: {why}; its logs are in {}", dir.display())]
+    Phase {
+        /// Which run.
+        phase: &'static str,
+        /// What went wrong.
+        why: String,
+        /// Its directory.
+        dir: PathBuf,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ChaosError {
+    let what = what.into();
+    move |source| ChaosError::Io { what, source }
+}
+
+/// A fault as it was injected.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Injected {
+    /// The fault planned.
+    #[serde(flatten)]
+    pub planned: PlannedFault,
+    /// What it hit (`pid 1234`), or why it hit nothing.
+    pub outcome: String,
+    /// Whether it acted.
+    pub acted: bool,
+}
+
+/// What a chaos run found.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChaosReport {
+    /// The checks.
+    pub verdict: Verdict,
+    /// Steps the job committed.
+    pub steps: u64,
+    /// Nodes and workers per node.
+    pub nodes: usize,
+    /// Workers per node.
+    pub nproc_per_node: usize,
+    /// The seed.
+    pub seed: u64,
+    /// Every fault of the schedule until the job ended, and what it did.
+    pub faults: Vec<Injected>,
+    /// Seconds the chaos run took, start to end.
+    pub chaos_seconds: f64,
+    /// Seconds the reference took.
+    pub reference_seconds: f64,
+    /// The runs' files, if kept.
+    pub dir: Option<PathBuf>,
+}
+
+/// Runs the reference and the chaos run and judges them; `say` gets a
+/// line per event (faults, phases).
+pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosReport, ChaosError> {
+    if options.nodes == 0 || options.nproc_per_node == 0 {
+        return Err(ChaosError::Options("--nodes and --nproc-per-node: at least 1".into()));
+    }
+    if options.nodes * options.nproc_per_node < 2 {
+        return Err(ChaosError::Options(
+            "at least 2 workers in all: one to fail and one to go on".into(),
+        ));
+    }
+    if options.every.0 > options.every.1 || options.every.0.is_zero() {
+        return Err(ChaosError::Options(format!(
+            "--fault-every {:?}..{:?}: a positive range, low to high",
+            options.every.0, options.every.1
+        )));
+    }
+    if let Program::Example(path) = &options.program
+        && !path.exists()
+    {
+        return Err(ChaosError::Options(format!(
+            "{} missing: build it (cargo build --release --example train) or give a program after --",
+            path.display()
+        )));
+    }
+    let (dir, keep) = match &options.dir {
+        Some(dir) => (dir.clone(), true),
+        None => (
+            std::env::temp_dir().join(format!("chorus-chaos-{}", std::process::id())),
+            false,
+        ),
+    };
+    std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(io("starting the store's runtime"))?;
+    let secret = crate::launch::random_hex(16).map_err(|e| ChaosError::Options(e.to_string()))?;
+    let driver = Driver {
+        options,
+        runtime: &runtime,
+        secret,
+    };
+
+    let steps = match (&options.program, options.steps) {
+        (Program::Example(_), Some(steps)) => Some(steps),
+        (Program::Example(_), None) => {
+            say(&format!("chaos: calibrating: {CALIBRATION_STEPS} fault-free steps"));
+            let calibration = driver.phase(
+                "calibration",
+                &dir.join("calibration"),
+                Some(CALIBRATION_STEPS),
+                &[],
+                say,
+            )?;
+            let rate = calibration.rate().ok_or_else(|| ChaosError::Phase {
+                phase: "calibration",
+                why: "too few steps committed to measure a rate".into(),
+                dir: dir.join("calibration"),
+            })?;
+            let steps = (rate * options.duration.as_secs_f64()).round().max(20.0) as u64;
+            say(&format!(
+                "chaos: {rate:.1} steps/s fault-free: {steps} steps fill {:.0} s",
+                options.duration.as_secs_f64()
+            ));
+            Some(steps)
+        }
+        (Program::Command(_), _) => None,
+    };
+    say("chaos: the fault-free reference");
+    let reference = driver.phase("reference", &dir.join("reference"), steps, &[], say)?;
+    let steps = match steps {
+        Some(steps) => steps,
+        None => reference.records.iter().map(|r| r.step + 1).max().unwrap_or(0),
+    };
+    if reference.records.iter().map(|r| r.step + 1).max() != Some(steps) {
+        return Err(ChaosError::Phase {
+            phase: "reference",
+            why: format!("it did not commit its {steps} steps"),
+            dir: dir.join("reference"),
+        });
+    }
+    let planned = schedule::schedule(&ScheduleSpec {
+        seed: options.seed,
+        duration: options.horizon(),
+        every: options.every,
+        kinds: options.faults.clone(),
+        nodes: options.nodes,
+        nproc_per_node: options.nproc_per_node,
+    });
+    say(&format!(
+        "chaos: the chaos run, faults every {:.0}-{:.0} s until the job ends",
+        options.every.0.as_secs_f64(),
+        options.every.1.as_secs_f64()
+    ));
+    let chaos = driver.phase("chaos", &dir.join("chaos"), Some(steps), &planned, say)?;
+    let evidence = Evidence {
+        steps,
+        records: chaos.records,
+        reference: reference.records,
+        faults: chaos
+            .injected
+            .iter()
+            .filter(|f| f.0.acted)
+            .map(|(f, at)| (*at, f.planned.kind.reforms()))
+            .collect(),
+        orphans: chaos.orphans,
+        leaked_shm: chaos.leaked_shm,
+    };
+    let verdict = verdict::judge(&evidence, &options.bounds);
+    let keep = keep || !verdict.passed();
+    if !keep {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(ChaosReport {
+        verdict,
+        steps,
+        nodes: options.nodes,
+        nproc_per_node: options.nproc_per_node,
+        seed: options.seed,
+        faults: chaos.injected.into_iter().map(|(f, _)| f).collect(),
+        chaos_seconds: chaos.seconds,
+        reference_seconds: reference.seconds,
+        dir: keep.then_some(dir),
+    })
+}
+
+/// What one run (calibration, reference or chaos) left.
+struct PhaseOutcome {
+    records: Vec<CommitRecord>,
+    /// Each fault and when it acted (unix microseconds).
+    injected: Vec<(Injected, i64)>,
+    orphans: Vec<u32>,
+    leaked_shm: Vec<String>,
+    seconds: f64,
+}
+
+impl PhaseOutcome {
+    /// Steps per second past the first fifth of the steps (start-up).
+    fn rate(&self) -> Option<f64> {
+        let last = self.records.iter().map(|r| r.step).max()?;
+        let from = last / 5;
+        let at = |step: u64| self.records.iter().filter(|r| r.step == step).map(|r| r.at_us).min();
+        let (start, end) = (at(from)?, at(last)?);
+        (end > start).then(|| (last - from) as f64 / ((end - start) as f64 / 1e6))
+    }
+}
+
+/// One node: its launcher, while it runs.
+struct Node {
+    child: Option<Child>,
+    /// When a killed launcher is due back.
+    back_at: Option<Instant>,
+    /// Its exit status once it ended by itself.
+    ended: Option<std::process::ExitStatus>,
+}
+
+/// A signal due later.
+struct Due {
+    at: Instant,
+    pid: i32,
+    signal: i32,
+}
+
+struct Driver<'a> {
+    options: &'a ChaosOptions,
+    runtime: &'a tokio::runtime::Runtime,
+    secret: String,
+}
+
+impl Driver<'_> {
+    /// The program's command line after `chorus launch ... --`.
+    fn program(&self, run_dir: &Path, steps: Option<u64>) -> Vec<String> {
+        match &self.options.program {
+            Program::Command(argv) => argv.clone(),
+            Program::Example(path) => {
+                let mut argv = vec![path.display().to_string()];
+                let world = self.options.nodes * self.options.nproc_per_node;
+                for (flag, value) in [
+                    ("--run-dir", run_dir.display().to_string()),
+                    ("--fault", "none".into()),
+                    ("--steps", steps.unwrap_or(CALIBRATION_STEPS).to_string()),
+                    ("--world", world.to_string()),
+                    ("--seed", self.options.seed.to_string()),
+                    ("--heartbeat-ms", self.options.heartbeat.as_millis().to_string()),
+                ] {
+                    argv.push(flag.into());
+                    argv.push(value);
+                }
+                argv
+            }
+        }
+    }
+
+    /// Node `node`'s launcher command.
+    fn launcher(
+        &self,
+        dir: &Path,
+        port: u16,
+        marker: &str,
+        node: usize,
+        program: &[String],
+    ) -> Result<Command, ChaosError> {
+        let log = |stream: &str| {
+            let path = dir.join(format!("node{node}.{stream}"));
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .map_err(io(format!("opening {}", path.display())))
+        };
+        let mut command = Command::new(&self.options.chorus);
+        command
+            .arg("launch")
+            .args(["--nnodes", &format!("1:{}", self.options.nodes)])
+            .args(["--nproc-per-node", &self.options.nproc_per_node.to_string()])
+            .args([
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &format!("127.0.0.1:{port}"),
+            ])
+            .args(["--rdzv-id", marker])
+            .args(["--restart-policy", "worker", "--max-restarts", "100000"])
+            .args(["--monitor-interval", "0.1"])
+            .args([
+                "--rdzv-conf",
+                "join_timeout=120,last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=4",
+            ])
+            .arg("--")
+            .args(program)
+            .env(MARKER_ENV, marker)
+            .env(RECORD_ENV, dir.join("records"))
+            .env("CHORUS_JOB_SECRET", &self.secret)
+            .env("OMP_NUM_THREADS", "1")
+            .env_remove("CHORUS_FAULTS")
+            .stdin(Stdio::null())
+            .stdout(log("stdout")?)
+            .stderr(log("stderr")?);
+        // SAFETY: prctl is async-signal-safe; a launcher must not outlive
+        // this process (a chaos run killed midway).
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        Ok(command)
+    }
+
+    /// One run of the job: `faults` injected at their times until every
+    /// launcher ended, then the leftovers.
+    fn phase(
+        &self,
+        phase: &'static str,
+        dir: &Path,
+        steps: Option<u64>,
+        faults: &[PlannedFault],
+        say: &mut dyn FnMut(&str),
+    ) -> Result<PhaseOutcome, ChaosError> {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir.join("run")).map_err(io(format!("creating {}", dir.display())))?;
+        let server = self
+            .runtime
+            .block_on(TcpStoreServer::bind(
+                "127.0.0.1:0".parse().expect("an address"),
+                TcpStoreServerOptions::default(),
+            ))
+            .map_err(io("serving the job's store"))?;
+        let port = server.local_addr().port();
+        let marker = format!("chaos-{}-{phase}-{port}", std::process::id());
+        let program = self.program(&dir.join("run"), steps);
+        let shm_before = ring_files();
+        let started = Instant::now();
+        let mut nodes = Vec::new();
+        for node in 0..self.options.nodes {
+            let child = self
+                .launcher(dir, port, &marker, node, &program)?
+                .spawn()
+                .map_err(io(format!("starting {}", self.options.chorus.display())))?;
+            nodes.push(Node {
+                child: Some(child),
+                back_at: None,
+                ended: None,
+            });
+        }
+        let limit = self.options.horizon();
+        let mut known: BTreeSet<u32> = BTreeSet::new();
+        let mut injected = Vec::new();
+        let mut due: Vec<Due> = Vec::new();
+        let mut next = 0;
+        let mut last_scan = Instant::now();
+        let timed_out = loop {
+            let now = Instant::now();
+            let mut finishing = false;
+            for node in nodes.iter_mut() {
+                if let Some(child) = node.child.as_mut()
+                    && let Ok(Some(status)) = child.try_wait()
+                {
+                    node.ended = Some(status);
+                    node.child = None;
+                }
+                finishing |= node.ended.is_some();
+            }
+            if now.duration_since(last_scan) > Duration::from_millis(250) {
+                known.extend(workers_of(&nodes).into_values().flatten());
+                last_scan = now;
+            }
+            for d in due.iter().filter(|d| d.at <= now) {
+                // SAFETY: kill only sends a signal, to a worker of this run.
+                unsafe { libc::kill(d.pid, d.signal) };
+            }
+            due.retain(|d| d.at > now);
+            for (i, node) in nodes.iter_mut().enumerate() {
+                if node.back_at.is_some_and(|at| at <= now) {
+                    node.back_at = None;
+                    if !finishing {
+                        say(&format!("chaos: starting node {i}'s launcher again"));
+                        let child = self
+                            .launcher(dir, port, &marker, i, &program)?
+                            .spawn()
+                            .map_err(io(format!("starting {}", self.options.chorus.display())))?;
+                        node.child = Some(child);
+                    }
+                }
+            }
+            while !finishing && next < faults.len() && faults[next].at <= now.duration_since(started) {
+                let fault = faults[next].clone();
+                next += 1;
+                let (outcome, acted) = self.inject(&fault, &mut nodes, &mut due);
+                say(&format!(
+                    "chaos: {:>6.1} s {} node {} worker {}: {outcome}",
+                    fault.at.as_secs_f64(),
+                    fault.kind.name(),
+                    fault.node,
+                    fault.local_rank
+                ));
+                injected.push((
+                    Injected {
+                        planned: fault,
+                        outcome,
+                        acted,
+                    },
+                    unix_us(),
+                ));
+            }
+            let running = nodes
+                .iter()
+                .any(|n| n.child.is_some() || (n.back_at.is_some() && !finishing));
+            if !running && due.is_empty() {
+                break false;
+            }
+            if now.duration_since(started) > limit {
+                break true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        for node in nodes.iter_mut() {
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        // SIGCONT any worker a due signal would have woken.
+        for d in &due {
+            // SAFETY: kill only sends a signal, to a worker of this run.
+            unsafe { libc::kill(d.pid, libc::SIGCONT) };
+        }
+        drop(server);
+        let records = read_records(&dir.join("records"))?;
+        known.extend(records.iter().map(|r| r.pid));
+        let orphans = orphans(&marker);
+        let leaked_shm = leaked_rings(&shm_before, &known);
+        let failed = nodes.iter().filter_map(|n| n.ended).filter(|s| !s.success()).count();
+        say(&format!(
+            "chaos: the {phase} run ended after {seconds:.1} s: {} records{}",
+            records.len(),
+            match failed {
+                0 => String::new(),
+                n => format!(", {n} launchers failed"),
+            }
+        ));
+        if phase != "chaos" && (timed_out || failed > 0) {
+            return Err(ChaosError::Phase {
+                phase,
+                why: match timed_out {
+                    true => format!("it ran past {:.0} s", limit.as_secs_f64()),
+                    false => format!("{failed} launchers exited with an error"),
+                },
+                dir: dir.to_path_buf(),
+            });
+        }
+        Ok(PhaseOutcome {
+            records,
+            injected,
+            orphans,
+            leaked_shm,
+            seconds,
+        })
+    }
+
+    /// Injects `fault`; what it hit and whether it acted.
+    fn inject(&self, fault: &PlannedFault, nodes: &mut [Node], due: &mut Vec<Due>) -> (String, bool) {
+        let node = &mut nodes[fault.node];
+        let (signal, then, outcome) = match fault.kind {
+            FaultKind::Kill => (libc::SIGKILL, None, "SIGKILL"),
+            FaultKind::Stop => (
+                libc::SIGSTOP,
+                Some((self.options.heartbeat * 2, libc::SIGKILL)),
+                "SIGSTOP, SIGKILL twice the heartbeat window later",
+            ),
+            FaultKind::Slow => (
+                libc::SIGSTOP,
+                Some((SLOW, libc::SIGCONT)),
+                "SIGSTOP, SIGCONT 400 ms later",
+            ),
+            FaultKind::KillLauncher => {
+                let Some(mut child) = node.child.take() else {
+                    return ("the launcher is down already".into(), false);
+                };
+                let pid = child.id();
+                let _ = child.kill();
+                let _ = child.wait();
+                node.back_at = Some(Instant::now() + LAUNCHER_BACK);
+                return (format!("killed launcher pid {pid}; back in {LAUNCHER_BACK:?}"), true);
+            }
+        };
+        let Some(launcher) = node.child.as_ref().map(|c| c.id()) else {
+            return ("the node's launcher is down".into(), false);
+        };
+        let mut workers = workers_of_launcher(launcher);
+        workers.sort_unstable();
+        let Some(&pid) = workers.get(fault.local_rank % workers.len().max(1)) else {
+            return ("no worker running (being relaunched)".into(), false);
+        };
+        if due.iter().any(|d| d.pid == pid as i32) {
+            return (format!("worker pid {pid} is stopped already"), false);
+        }
+        let pid = pid as i32;
+        // SAFETY: kill only sends a signal, to a worker of this run.
+        unsafe { libc::kill(pid, signal) };
+        if let Some((after, signal)) = then {
+            due.push(Due {
+                at: Instant::now() + after,
+                pid,
+                signal,
+            });
+        }
+        (format!("worker pid {pid}: {outcome}"), true)
+    }
+}
+
+/// Every process's parent, from `/proc`.
+fn parents() -> HashMap<u32, u32> {
+    let mut out = HashMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // After the command's closing parenthesis: state, then the parent.
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace();
+        if fields.next() == Some("Z") {
+            continue;
+        }
+        if let Some(ppid) = fields.next().and_then(|s| s.parse().ok()) {
+            out.insert(pid, ppid);
+        }
+    }
+    out
+}
+
+/// The live children of process `launcher`.
+fn workers_of_launcher(launcher: u32) -> Vec<u32> {
+    parents()
+        .into_iter()
+        .filter(|&(_, ppid)| ppid == launcher)
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// The workers of each running launcher.
+fn workers_of(nodes: &[Node]) -> HashMap<u32, Vec<u32>> {
+    let launchers: BTreeSet<u32> = nodes.iter().filter_map(|n| n.child.as_ref().map(Child::id)).collect();
+    let mut out: HashMap<u32, Vec<u32>> = HashMap::new();
+    for (pid, ppid) in parents() {
+        if launchers.contains(&ppid) {
+            out.entry(ppid).or_default().push(pid);
+        }
+    }
+    out
+}
+
+/// Every member's records, each member's in the order written. A line cut
+/// short by a kill is skipped.
+fn read_records(dir: &Path) -> Result<Vec<CommitRecord>, ChaosError> {
+    let mut records = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(records);
+    };
+    let mut files: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+    files.sort();
+    for path in files {
+        let file = std::fs::File::open(&path).map_err(io(format!("reading {}", path.display())))?;
+        for line in std::io::BufReader::new(file).lines().map_while(Result::ok) {
+            if let Ok(record) = serde_json::from_str(&line) {
+                records.push(record);
+            }
+        }
+    }
+    Ok(records)
+}
+
+/// Processes still carrying the run's marker, after a grace period for
+/// the last to exit; each is SIGKILLed.
+fn orphans(marker: &str) -> Vec<u32> {
+    let needle = format!("{MARKER_ENV}={marker}");
+    let find = || -> Vec<u32> {
+        parents()
+            .into_keys()
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|env| env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()))
+            })
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut left = find();
+    while !left.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        left = find();
+    }
+    for &pid in &left {
+        // SAFETY: kill only sends a signal, to a process of this run.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    left
+}
+
+/// The shared-memory ring files in `/dev/shm`.
+fn ring_files() -> BTreeSet<PathBuf> {
+    std::fs::read_dir("/dev/shm")
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("chorus-") && n.contains("-to-"))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Ring files that appeared since `before`, written by one of `pids`
+/// (the writer's pid is in the ring's header: magic `chorusR1` at 0, the
+/// pid at 12); each is removed.
+fn leaked_rings(before: &BTreeSet<PathBuf>, pids: &BTreeSet<u32>) -> Vec<String> {
+    let mut leaked = Vec::new();
+    for path in ring_files().difference(before) {
+        let mut head = [0u8; 16];
+        let read = std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head));
+        if read.is_err() || &head[..8] != b"chorusR1" {
+            continue;
+        }
+        let writer = u32::from_le_bytes([head[12], head[13], head[14], head[15]]);
+        if pids.contains(&writer) {
+            let _ = std::fs::remove_file(path);
+            leaked.push(path.display().to_string());
+        }
+    }
+    leaked
+}
