@@ -24,8 +24,9 @@
 //! guarded by the value's revision, retrying when another client won.
 //! Waits read, then watch the key's directory from the revision they read,
 //! so no write in between is missed. A request that failed before it was
-//! sent moves on to the next endpoint; one that failed after is reported,
-//! since it may have been applied.
+//! sent moves on to the next endpoint, as does a read or plain put that
+//! got no reply; a transaction that got none is tried again only when the
+//! key shows it was not applied, and is reported otherwise.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -55,6 +56,9 @@ const MAX_TXN_OPS: usize = 128;
 
 /// The pause before looking again after a watch ended without news.
 const WATCH_RETRY: Duration = Duration::from_millis(50);
+/// How long a read-modify-write whose member went away before replying
+/// waits before reading whether its write was applied.
+const LOST_REPLY_SETTLE: Duration = Duration::from_millis(500);
 
 /// Largest reply read, so a confused server cannot exhaust memory.
 const MAX_REPLY: usize = 256 * 1024 * 1024;
@@ -648,6 +652,11 @@ impl EtcdStore {
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(Failure::NotSent(e))) => e,
                 Ok(Err(Failure::Failed(StoreError::Io { source, .. }))) if retry == Retry::Resend => source,
+                // A member killed between request and reply closes the
+                // connection: the next member answers a request safe to repeat.
+                Ok(Err(Failure::Failed(StoreError::ConnectionClosed { .. }))) if retry == Retry::Resend => {
+                    std::io::Error::new(std::io::ErrorKind::ConnectionReset, "closed before a reply")
+                }
                 // During an election: reads and puts are safe to repeat, and
                 // a member without a leader applied nothing.
                 Ok(Err(Failure::Unavailable(e, not_applied))) if retry == Retry::Resend || not_applied => {
@@ -818,8 +827,22 @@ impl EtcdStore {
             };
             check_sizes(key, &write, &limits())?;
             let body = req::guarded(&etcd_key, mod_revision, vec![req::op_put(&etcd_key, &write)]);
-            if self.txn(body, deadline).await?.0 {
-                return Ok(applied.reply);
+            match self.txn(body, deadline).await {
+                Ok((true, _)) => return Ok(applied.reply),
+                Ok((false, _)) => {}
+                // Sent, then the member went away without a reply: a key
+                // still at the revision read was not written, and the loop
+                // tries again; one written since may be this write, which
+                // must not be applied twice. The pause lets a proposal the
+                // lost member forwarded commit before the key is read.
+                Err(lost @ (StoreError::Io { .. } | StoreError::ConnectionClosed { .. })) => {
+                    tokio::time::sleep(LOST_REPLY_SETTLE).await;
+                    let now = self.range(req::range(&etcd_key), deadline, &[key]).await?;
+                    if now.kvs.first().map_or(0, |kv| kv.mod_revision) != mod_revision {
+                        return Err(lost);
+                    }
+                }
+                Err(error) => return Err(error),
             }
         }
     }
