@@ -143,11 +143,10 @@ fn netns_spof1_the_c10d_store_hosts_death_ends_every_other_launcher_and_rank_nam
             .env_remove("CHORUS_FAULTS");
         job.spawn(host, &mut command);
     }
-    job.wait_until(60, "the group of three never ran", |job| {
-        (1..=3).all(|host| {
-            let log = job.log(host);
-            log.contains("world=3 pid=") && log.contains("event=running")
-        })
+    // Every rank in a generation of three (formed at once, or after a
+    // late rank joined a group of two).
+    job.wait_until(60, "the group of three never formed", |job| {
+        (1..=3).all(|host| job.log(host).lines().any(|l| l.starts_with('[') && l.contains(" world=3 ")))
     });
     cluster.kill(1);
     let killed = Instant::now();

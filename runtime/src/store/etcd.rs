@@ -376,7 +376,10 @@ pub(crate) fn apply(key: &str, current: Option<Bytes>, op: &Rmw<'_>) -> Result<A
     let changed = match op {
         // A matching compare-set writes even an equal value, as PyTorch's does.
         Rmw::CompareSet { expected, .. } => current.as_deref().map_or(expected.is_empty(), |c| c == *expected),
-        _ => true,
+        // Reading a counter (add 0) writes only to create it: its readers
+        // then never replace its writer's receipt (`EtcdStore::was_applied`).
+        Rmw::Add(delta) => *delta != 0 || current.is_none(),
+        Rmw::Append(_) => true,
     };
     Ok(Applied {
         reply,
@@ -1158,6 +1161,10 @@ mod tests {
         let b = |s: &str| Bytes::copy_from_slice(s.as_bytes());
         let add = apply("n", None, &Rmw::Add(5)).unwrap();
         assert_eq!((add.reply.clone(), add.write), (b("5"), Some(b("5"))));
+        let read = apply("n", Some(b("5")), &Rmw::Add(0)).unwrap();
+        assert_eq!((read.reply, read.write), (b("5"), None));
+        let created = apply("n", None, &Rmw::Add(0)).unwrap();
+        assert_eq!(created.write, Some(b("0")));
         assert!(matches!(
             apply("t", Some(b("x")), &Rmw::Add(1)),
             Err(StateError::NotANumber { .. })
