@@ -850,8 +850,10 @@ mod tests {
             operation: "check",
         };
         let lost = |location: &str| {
-            let source = into_lost_store(RestartError::Rendezvous(elastic_rdzv::ElasticError::Store(closed(location))))
-                .expect("a closed connection is a lost store");
+            let source = into_lost_store(RestartError::Rendezvous(elastic_rdzv::ElasticError::Store(closed(
+                location,
+            ))))
+            .expect("a closed connection is a lost store");
             RestartError::StoreLost {
                 location: location.into(),
                 generation: 2,

@@ -68,7 +68,12 @@ impl Launchers {
     }
 
     fn child(&mut self, host: usize) -> &mut Child {
-        &mut self.children.iter_mut().find(|(h, _)| *h == host).expect("a launcher per host").1
+        &mut self
+            .children
+            .iter_mut()
+            .find(|(h, _)| *h == host)
+            .expect("a launcher per host")
+            .1
     }
 
     /// Whether host `host`'s launcher has exited.
@@ -135,8 +140,18 @@ fn netns_spof1_the_c10d_store_hosts_death_ends_every_other_launcher_and_rank_nam
         command
             .args(["launch", "--restart-policy", "worker", "--max-restarts", "2"])
             .args(["--nnodes", "2:3", "--nproc-per-node", "1"])
-            .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &store, "--rdzv-id", "spof1"])
-            .args(["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"])
+            .args([
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &store,
+                "--rdzv-id",
+                "spof1",
+            ])
+            .args([
+                "--rdzv-conf",
+                "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+            ])
             .args(["--", CHORUS, "elastic-probe", "--iterations", "1000000"])
             .env("CHORUS_JOB_SECRET", "spof-test")
             .env("CHORUS_HEARTBEAT_TIMEOUT", HEARTBEAT_S.to_string())
@@ -146,7 +161,11 @@ fn netns_spof1_the_c10d_store_hosts_death_ends_every_other_launcher_and_rank_nam
     // Every rank in a generation of three (formed at once, or after a
     // late rank joined a group of two).
     job.wait_until(60, "the group of three never formed", |job| {
-        (1..=3).all(|host| job.log(host).lines().any(|l| l.starts_with('[') && l.contains(" world=3 ")))
+        (1..=3).all(|host| {
+            job.log(host)
+                .lines()
+                .any(|l| l.starts_with('[') && l.contains(" world=3 "))
+        })
     });
     cluster.kill(1);
     let killed = Instant::now();
@@ -214,7 +233,16 @@ fn reference_loss() -> f64 {
     let plot = std::env::temp_dir().join(format!("chorus-spof-{}.png", std::process::id()));
     let mut command = Command::new(example());
     command
-        .args(["--fault", "none", "--world", "3", "--steps", &STEPS.to_string(), "--json", "--plot"])
+        .args([
+            "--fault",
+            "none",
+            "--world",
+            "3",
+            "--steps",
+            &STEPS.to_string(),
+            "--json",
+            "--plot",
+        ])
         .arg(&plot)
         .env_remove("RANK")
         .env_remove("CHORUS_JOB_SECRET");
@@ -243,7 +271,14 @@ fn start_training(cluster: &Cluster, etcd: &[Etcd], run_id: &str) -> (Launchers,
         command
             .args(["launch", "--restart-policy", "worker", "--max-restarts", "3"])
             .args(["--nnodes", "2:3", "--nproc-per-node", "1"])
-            .args(["--rdzv-backend", "etcd", "--rdzv-endpoint", &endpoint, "--rdzv-id", run_id])
+            .args([
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                run_id,
+            ])
             .args([
                 "--rdzv-conf",
                 "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",

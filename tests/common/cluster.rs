@@ -83,7 +83,10 @@ impl Cluster {
     /// The processes still running on host `host`, one `ps` line each.
     pub(crate) fn processes(&self, host: usize) -> Vec<String> {
         let net = format!("{}-h{host}", self.prefix);
-        let pids = Command::new("ip").args(["netns", "pids", &net]).output().expect("ip netns pids");
+        let pids = Command::new("ip")
+            .args(["netns", "pids", &net])
+            .output()
+            .expect("ip netns pids");
         String::from_utf8_lossy(&pids.stdout)
             .split_whitespace()
             .filter_map(|pid| {

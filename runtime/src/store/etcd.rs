@@ -855,7 +855,10 @@ impl EtcdStore {
                 // Sent, then the member went away without a reply (killed):
                 // the write must be neither lost nor applied twice.
                 Err(lost @ (StoreError::Io { .. } | StoreError::ConnectionClosed { .. })) => {
-                    match self.was_applied(&etcd_key, &receipt_key, mod_revision, &tag, deadline, key).await? {
+                    match self
+                        .was_applied(&etcd_key, &receipt_key, mod_revision, &tag, deadline, key)
+                        .await?
+                    {
                         Some(true) => return Ok(applied.reply),
                         Some(false) => {}
                         None => return Err(lost),
