@@ -139,9 +139,9 @@ pub enum RestartError {
         location: String,
         /// The generation that failed.
         generation: u64,
-        /// What the store did.
+        /// What the store did (boxed: it would make every `RestartError` large).
         #[source]
-        source: StoreError,
+        source: Box<StoreError>,
         /// Every failure seen, oldest first.
         failures: Vec<GroupAborted>,
     },
@@ -780,7 +780,7 @@ async fn supervise(
                     return give_up(RestartError::StoreLost {
                         location: base.store.location(),
                         generation: old_generation,
-                        source,
+                        source: Box::new(source),
                         failures: budget.failures().to_vec(),
                     });
                 }
@@ -857,7 +857,7 @@ mod tests {
             RestartError::StoreLost {
                 location: location.into(),
                 generation: 2,
-                source,
+                source: Box::new(source),
                 failures: vec![failure(2)],
             }
             .to_string()

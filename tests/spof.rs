@@ -307,7 +307,7 @@ fn progress(run_dir: &Path) -> u64 {
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.split_whitespace().next()?.parse().ok())
-        .last()
+        .next_back()
         .unwrap_or(0)
 }
 
