@@ -750,7 +750,10 @@ fn worker(args: Args) -> Result<()> {
             // Every member holds the same model and optimizer state.
             train::verify_state(&pg, &mut job).await?;
         }
-        if reporter {
+        // Rank 0 of the last generation reports: the first rank 0 may be
+        // gone with its host (survivors keep their order, so this is the
+        // lowest surviving first rank).
+        if pg.rank() == 0 {
             let eval = Dataset::generate(args.seed, EVAL_SAMPLES, 2);
             let all: Vec<usize> = (0..eval.len()).collect();
             let (loss, _) = job.loss(&eval, &all, false)?;

@@ -18,6 +18,8 @@
 #                        differs unless --shared-shm
 #   sim-cluster.sh exec PREFIX I -- COMMAND...   run on host I
 #   sim-cluster.sh cut PREFIX I | heal PREFIX I  partition host I / undo it
+#   sim-cluster.sh kill PREFIX I                 SIGKILL everything on host I
+#                                                (the host dies; its net stays)
 #   sim-cluster.sh impair PREFIX I NETEM-ARGS... host I's link through `chorus netem`
 #                                                ($CHORUS or `chorus` on PATH)
 #   sim-cluster.sh down PREFIX                   remove everything PREFIX made
@@ -138,6 +140,14 @@ cmd_exec() {
 cmd_cut() { ip -n "$(ns_link "$1" "$2")" link set dev b down; }
 cmd_heal() { ip -n "$(ns_link "$1" "$2")" link set dev b up; }
 
+# Every process in host I's network namespace, as when the host dies:
+# their sockets close, so peers see resets, not silence (that is `cut`).
+cmd_kill() {
+    local pids
+    pids=$(ip netns pids "$(basename "$(host_net "$1" "$2")")")
+    [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
+}
+
 cmd_impair() {
     local prefix=$1 i=$2
     shift 2
@@ -185,7 +195,8 @@ case ${1:-} in
     exec) shift; [ $# -ge 3 ] || die "usage: exec PREFIX I -- COMMAND..."; cmd_exec "$@" ;;
     cut) shift; cmd_cut "$@" ;;
     heal) shift; cmd_heal "$@" ;;
+    kill) shift; [ $# -eq 2 ] || die "usage: kill PREFIX I"; cmd_kill "$@" ;;
     impair) shift; [ $# -ge 2 ] || die "usage: impair PREFIX I NETEM-ARGS..."; cmd_impair "$@" ;;
     down) shift; [ $# -ge 1 ] || die "usage: down PREFIX"; cmd_down "$@" ;;
-    *) sed -n '2,25p' "$0"; exit 2 ;;
+    *) sed -n '2,27p' "$0"; exit 2 ;;
 esac

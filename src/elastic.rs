@@ -136,6 +136,24 @@ pub enum RestartError {
         /// Every failure seen, oldest first.
         failures: Vec<GroupAborted>,
     },
+    /// The store went out of reach while the group re-formed: the next
+    /// generation cannot meet without it.
+    #[error(
+        "lost the job's store {location} while re-forming the group after generation {generation} ({source}): {}; failures so far: {}",
+        lost_store_hint(location),
+        describe(failures)
+    )]
+    StoreLost {
+        /// Where the store was (`tcp://host:port`, `etcd://...`).
+        location: String,
+        /// The generation that failed.
+        generation: u64,
+        /// What the store did (boxed: it would make every `RestartError` large).
+        #[source]
+        source: Box<StoreError>,
+        /// Every failure seen, oldest first.
+        failures: Vec<GroupAborted>,
+    },
     /// A restart could not form its generation.
     #[error(
         "restart after generation {generation} failed: {source}; failures so far: {}",
@@ -153,6 +171,45 @@ pub enum RestartError {
 }
 
 chorus_runtime::debug_as_report!(RestartError);
+
+/// What losing the store at `location` means and what avoids it: a
+/// store served by one process (`tcp://`, the launcher's c10d store) dies
+/// with its host; etcd is lost only when no member answers.
+fn lost_store_hint(location: &str) -> &'static str {
+    if location.starts_with("etcd://") {
+        "etcd answers at none of its endpoints, and the group cannot re-form without it"
+    } else if location.starts_with("tcp://") {
+        "the process serving it (with `chorus launch`, node 0's launcher) is gone with its host, and the group cannot re-form without it: that store is a single point of failure; `chorus launch --rdzv-backend etcd` with a 3-member etcd cluster avoids it"
+    } else {
+        "the group cannot re-form without it"
+    }
+}
+
+/// `error`'s store error when the store itself is out of reach (its
+/// connection broke, or it stopped answering), as opposed to a late key or
+/// a refused request; otherwise `error` back.
+fn into_lost_store(error: RestartError) -> Result<StoreError, RestartError> {
+    let lost = |e: &StoreError| {
+        matches!(
+            e,
+            StoreError::Unreachable { .. }
+                | StoreError::NoReply { .. }
+                | StoreError::Io { .. }
+                | StoreError::ConnectionClosed { .. }
+        )
+    };
+    match error {
+        RestartError::Store(e)
+        | RestartError::Rendezvous(elastic_rdzv::ElasticError::Store(e))
+        | RestartError::Init(InitError::Store(e))
+        | RestartError::Init(InitError::Rendezvous(RendezvousError::Store(e)))
+            if lost(&e) =>
+        {
+            Ok(e)
+        }
+        error => Err(error),
+    }
+}
 
 fn describe(failures: &[GroupAborted]) -> String {
     let each: Vec<String> = failures
@@ -740,12 +797,22 @@ async fn supervise(
         let mut generation = old_generation + 1;
         let mut survivor = Some(survivor);
         let next = loop {
-            match base.form(generation, &mut survivor).await {
+            let formed = base.form(generation, &mut survivor).await.map_err(into_lost_store);
+            match formed {
                 Ok(next) => break next,
+                // Retrying cannot help: end at once, saying which store is gone.
+                Err(Ok(source)) => {
+                    return give_up(RestartError::StoreLost {
+                        location: base.store.location(),
+                        generation: old_generation,
+                        source: Box::new(source),
+                        failures: budget.failures().to_vec(),
+                    });
+                }
                 // A member admitted to the generation died before it formed
                 // (its records or links never came): a failure of that
                 // generation, retried in the next one under the budget (SV-12).
-                Err(RestartError::Init(error)) => {
+                Err(Err(RestartError::Init(error))) => {
                     let failed_ranks = match &error {
                         InitError::Rendezvous(RendezvousError::Incomplete { missing, .. }) => missing.clone(),
                         _ => Vec::new(),
@@ -765,7 +832,7 @@ async fn supervise(
                     }
                     generation = survivor.as_ref().and_then(|s| s.generation).unwrap_or(generation) + 1;
                 }
-                Err(source) => {
+                Err(Err(source)) => {
                     return give_up(RestartError::RestartFailed {
                         generation: old_generation,
                         source: Box::new(source),
@@ -799,6 +866,47 @@ mod tests {
             reason: AbortReason::OperationFailed("peer 2 closed".into()),
             failed_ranks: vec![2],
         }
+    }
+
+    #[test]
+    fn a_lost_store_is_named_and_only_a_served_one_points_to_etcd() {
+        let closed = |location: &str| StoreError::ConnectionClosed {
+            location: location.into(),
+            operation: "check",
+        };
+        let lost = |location: &str| {
+            let source = into_lost_store(RestartError::Rendezvous(elastic_rdzv::ElasticError::Store(closed(
+                location,
+            ))))
+            .expect("a closed connection is a lost store");
+            RestartError::StoreLost {
+                location: location.into(),
+                generation: 2,
+                source: Box::new(source),
+                failures: vec![failure(2)],
+            }
+            .to_string()
+        };
+        let served = lost("tcp://10.0.0.1:29400");
+        assert!(
+            served.contains("lost the job's store tcp://10.0.0.1:29400")
+                && served.contains("after generation 2")
+                && served.contains("single point of failure")
+                && served.contains("--rdzv-backend etcd"),
+            "{served}"
+        );
+        let in_etcd = lost("etcd://e1:2379,e2:2379/chorus");
+        assert!(
+            in_etcd.contains("etcd answers at none of its endpoints") && !in_etcd.contains("--rdzv-backend"),
+            "{in_etcd}"
+        );
+        // A late key is the store working: not a lost store.
+        let late = StoreError::Timeout {
+            keys: vec!["k".into()],
+            location: "tcp://10.0.0.1:29400".into(),
+            waited: Duration::from_secs(1),
+        };
+        assert!(into_lost_store(RestartError::Store(late)).is_err());
     }
 
     #[test]

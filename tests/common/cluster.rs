@@ -30,6 +30,16 @@ fn script(args: &[&str]) -> Output {
         .expect("run scripts/sim-cluster.sh")
 }
 
+/// `program` on host `host` of the cluster named `prefix` ([`Cluster::command`]).
+pub(crate) fn on_host(prefix: &str, host: usize, program: &str) -> Command {
+    let mut command = Command::new("bash");
+    command
+        .arg(SCRIPT)
+        .args(["exec", prefix, &host.to_string(), "--", program])
+        .stdin(Stdio::null());
+    command
+}
+
 impl Cluster {
     /// Makes `hosts` hosts (`options` as `sim-cluster.sh up` takes them),
     /// or fails the test saying why they cannot be made: the tests that
@@ -58,14 +68,36 @@ impl Cluster {
         Cluster { prefix }
     }
 
-    /// `program` on host `host` (from 1).
+    /// `program` on host `host` (from 1). The child is `program` itself
+    /// (the script execs into it), so killing the child kills it.
     pub(crate) fn command(&self, host: usize, program: &str) -> Command {
-        let mut command = Command::new("bash");
-        command
-            .arg(SCRIPT)
-            .args(["exec", &self.prefix, &host.to_string(), "--", program])
-            .stdin(Stdio::null());
-        command
+        on_host(&self.prefix, host, program)
+    }
+
+    /// SIGKILLs every process on host `host`, as when the host dies.
+    pub(crate) fn kill(&self, host: usize) {
+        let done = script(&["kill", &self.prefix, &host.to_string()]);
+        assert!(done.status.success(), "kill host {host}: {done:?}");
+    }
+
+    /// The processes still running on host `host`, one `ps` line each.
+    pub(crate) fn processes(&self, host: usize) -> Vec<String> {
+        let net = format!("{}-h{host}", self.prefix);
+        let pids = Command::new("ip")
+            .args(["netns", "pids", &net])
+            .output()
+            .expect("ip netns pids");
+        String::from_utf8_lossy(&pids.stdout)
+            .split_whitespace()
+            .filter_map(|pid| {
+                let args = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                let args = String::from_utf8_lossy(&args).replace('\0', " ");
+                // A zombie has exited; only its entry waits for a reaper.
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                let zombie = stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z'));
+                (!zombie).then(|| format!("{pid} {}", args.trim()))
+            })
+            .collect()
     }
 
     /// The cluster's name in `sim-cluster.sh`'s commands.

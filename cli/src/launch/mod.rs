@@ -531,7 +531,7 @@ fn who_is_gone(addr: &str) -> &'static str {
     if addr.starts_with("etcd://") {
         "etcd does not answer at any endpoint, and the job cannot go on without it"
     } else {
-        "the launcher serving it has left, and the job cannot go on without it (as with torchrun's c10d store host)"
+        "the launcher serving it has left, and the job cannot go on without it (as with torchrun's c10d store host): the store on one launcher's host is a single point of failure; `--rdzv-backend etcd` with a 3-member etcd cluster avoids it"
     }
 }
 

@@ -12,7 +12,8 @@
 //! Under the store's prefix `P` (`/chorus` unless the URL names one), a key
 //! `k` of `n` bytes lives in its own directory `P/n/k/`: its value at
 //! `P/n/k/v`, its queue's elements at `P/n/k/q/<nonce>` (ordered by their
-//! creation revision). The length makes directories of different keys
+//! creation revision), the receipt of its last read-modify-write at
+//! `P/r/n/k/w`. The length makes directories of different keys
 //! disjoint (`a` and `a/b` do not nest), so one watch on a directory sees
 //! everything that makes `k` exist, as [`KvState`](super::state::KvState)
 //! defines existence: a value or a non-empty queue.
@@ -24,8 +25,10 @@
 //! guarded by the value's revision, retrying when another client won.
 //! Waits read, then watch the key's directory from the revision they read,
 //! so no write in between is missed. A request that failed before it was
-//! sent moves on to the next endpoint; one that failed after is reported,
-//! since it may have been applied.
+//! sent moves on to the next endpoint, as does a read or plain put that
+//! got no reply; a read-modify-write that got none reads the key and its
+//! receipt (a random tag written in the same transaction) to tell whether
+//! it was applied, and is reported when another write since hides that.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -55,6 +58,9 @@ const MAX_TXN_OPS: usize = 128;
 
 /// The pause before looking again after a watch ended without news.
 const WATCH_RETRY: Duration = Duration::from_millis(50);
+/// How long a read-modify-write whose member went away before replying
+/// waits before reading whether its write was applied ([`EtcdStore::was_applied`]).
+const LOST_REPLY_SETTLE: Duration = Duration::from_millis(500);
 
 /// Largest reply read, so a confused server cannot exhaust memory.
 const MAX_REPLY: usize = 256 * 1024 * 1024;
@@ -157,6 +163,14 @@ impl Layout {
         let mut k = self.dir(key);
         k.push(b'v');
         k
+    }
+
+    /// The receipt of the last read-modify-write of `key` (a random tag
+    /// written in its transaction, to tell whether a write that got no
+    /// reply was applied): outside every key's directory, so it makes
+    /// nothing exist, and not ending in `/v`, so it is no value.
+    pub(crate) fn receipt(&self, key: &str) -> Vec<u8> {
+        format!("{}/r/{}/{}/w", self.prefix, key.len(), key).into_bytes()
     }
 
     pub(crate) fn queue(&self, key: &str) -> Vec<u8> {
@@ -362,7 +376,10 @@ pub(crate) fn apply(key: &str, current: Option<Bytes>, op: &Rmw<'_>) -> Result<A
     let changed = match op {
         // A matching compare-set writes even an equal value, as PyTorch's does.
         Rmw::CompareSet { expected, .. } => current.as_deref().map_or(expected.is_empty(), |c| c == *expected),
-        _ => true,
+        // Reading a counter (add 0) writes only to create it: its readers
+        // then never replace its writer's receipt (`EtcdStore::was_applied`).
+        Rmw::Add(delta) => *delta != 0 || current.is_none(),
+        Rmw::Append(_) => true,
     };
     Ok(Applied {
         reply,
@@ -648,6 +665,11 @@ impl EtcdStore {
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(Failure::NotSent(e))) => e,
                 Ok(Err(Failure::Failed(StoreError::Io { source, .. }))) if retry == Retry::Resend => source,
+                // A member killed between request and reply closes the
+                // connection: the next member answers a request safe to repeat.
+                Ok(Err(Failure::Failed(StoreError::ConnectionClosed { .. }))) if retry == Retry::Resend => {
+                    std::io::Error::new(std::io::ErrorKind::ConnectionReset, "closed before a reply")
+                }
                 // During an election: reads and puts are safe to repeat, and
                 // a member without a leader applied nothing.
                 Ok(Err(Failure::Unavailable(e, not_applied))) if retry == Retry::Resend || not_applied => {
@@ -806,6 +828,7 @@ impl EtcdStore {
         self.check_key(key)?;
         let deadline = self.deadline();
         let etcd_key = self.layout.value(key);
+        let receipt_key = self.layout.receipt(key);
         loop {
             let current = self.range(req::range(&etcd_key), deadline, &[key]).await?;
             let (value, mod_revision) = match current.kvs.into_iter().next() {
@@ -817,11 +840,72 @@ impl EtcdStore {
                 return Ok(applied.reply);
             };
             check_sizes(key, &write, &limits())?;
-            let body = req::guarded(&etcd_key, mod_revision, vec![req::op_put(&etcd_key, &write)]);
-            if self.txn(body, deadline).await?.0 {
-                return Ok(applied.reply);
+            let tag = getrandom::u64().map_err(|e| StoreError::Io {
+                location: self.location(),
+                source: std::io::Error::other(format!("no random receipt: {e}")),
+            })?;
+            let tag = format!("{tag:016x}");
+            let writes = vec![
+                req::op_put(&etcd_key, &write),
+                req::op_put(&receipt_key, tag.as_bytes()),
+            ];
+            match self.txn(req::guarded(&etcd_key, mod_revision, writes), deadline).await {
+                Ok((true, _)) => return Ok(applied.reply),
+                Ok((false, _)) => {}
+                // Sent, then the member went away without a reply (killed):
+                // the write must be neither lost nor applied twice.
+                Err(lost @ (StoreError::Io { .. } | StoreError::ConnectionClosed { .. })) => {
+                    match self
+                        .was_applied(&etcd_key, &receipt_key, mod_revision, &tag, deadline, key)
+                        .await?
+                    {
+                        Some(true) => return Ok(applied.reply),
+                        Some(false) => {}
+                        None => return Err(lost),
+                    }
+                }
+                Err(error) => return Err(error),
             }
         }
+    }
+
+    /// Whether a guarded write of `etcd_key` (guarded on `mod_revision`,
+    /// with receipt `tag`) that got no reply was applied: yes when the
+    /// receipt is still `tag`, no when the key is still at that revision,
+    /// `None` when another read-modify-write came since (it replaced the
+    /// receipt, and may have come after this one). The pause first lets a
+    /// proposal the lost member forwarded commit (reads are linearizable).
+    async fn was_applied(
+        &self,
+        etcd_key: &[u8],
+        receipt_key: &[u8],
+        mod_revision: i64,
+        tag: &str,
+        deadline: Instant,
+        key: &str,
+    ) -> Result<Option<bool>, StoreError> {
+        tokio::time::sleep(LOST_REPLY_SETTLE).await;
+        let both = req::batch(vec![
+            req::op_range(req::range(etcd_key)),
+            req::op_range(req::range(receipt_key)),
+        ]);
+        let reply = self.post("/v3/kv/txn", &both, deadline, Retry::Resend, &[key]).await?;
+        let (_, responses) = parse_txn(&reply).map_err(|e| self.malformed(format!("txn: {e}")))?;
+        let kv = |i: usize| -> Result<Option<Kv>, StoreError> {
+            let range = responses
+                .get(i)
+                .and_then(|r| r.get("response_range"))
+                .unwrap_or(&Value::Null);
+            let range = parse_range(range).map_err(|e| self.malformed(format!("range: {e}")))?;
+            Ok(range.kvs.into_iter().next())
+        };
+        let (value, receipt) = (kv(0)?, kv(1)?);
+        // Only this write carries its tag.
+        if receipt.is_some_and(|r| r.value.as_ref() == tag.as_bytes()) {
+            return Ok(Some(true));
+        }
+        let unchanged = value.map_or(0, |kv| kv.mod_revision) == mod_revision;
+        Ok(unchanged.then_some(false))
     }
 }
 
@@ -1080,6 +1164,10 @@ mod tests {
         let b = |s: &str| Bytes::copy_from_slice(s.as_bytes());
         let add = apply("n", None, &Rmw::Add(5)).unwrap();
         assert_eq!((add.reply.clone(), add.write), (b("5"), Some(b("5"))));
+        let read = apply("n", Some(b("5")), &Rmw::Add(0)).unwrap();
+        assert_eq!((read.reply, read.write), (b("5"), None));
+        let created = apply("n", None, &Rmw::Add(0)).unwrap();
+        assert_eq!(created.write, Some(b("0")));
         assert!(matches!(
             apply("t", Some(b("x")), &Rmw::Add(1)),
             Err(StateError::NotANumber { .. })
