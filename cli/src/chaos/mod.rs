@@ -229,7 +229,12 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
             )?;
             let rate = calibration.rate().ok_or_else(|| ChaosError::Phase {
                 phase: "calibration",
-                why: "too few steps committed to measure a rate".into(),
+                why: match calibration.records.len() {
+                    // The job ran but wrote nothing: a trainer built before
+                    // the records existed (an old build of the example).
+                    0 => "no commit records were written: is the program built from this tree?".into(),
+                    _ => "too few steps committed to measure a rate".into(),
+                },
                 dir: dir.join("calibration"),
             })?;
             let steps = (rate * options.duration.as_secs_f64()).round().max(20.0) as u64;

@@ -859,8 +859,7 @@ async fn run_elastic_round(
     loop {
         let outcome = supervise(workers, job, &formed, &mut alive, signals).await;
         match outcome {
-            Outcome::Failed(ended) if ended.standby.is_some() => {
-                let number = ended.standby.unwrap_or_default();
+            Outcome::Failed(ended @ workers::Ended { standby: Some(number), .. }) => {
                 standbys[number] = None;
                 let tail = workers.tail(ended.rank).await;
                 say(format!(
@@ -1210,10 +1209,8 @@ fn standby_spec(
             *value = error_file.display().to_string();
         }
     }
-    spec.env.push((
-        chorus::elastic::STANDBY_ENV.to_string(),
-        job.keys.standby(&job.launcher_id, serial),
-    ));
+    let key = job.keys.standby(&job.launcher_id, serial);
+    spec.env.push((chorus::elastic::STANDBY_ENV.to_string(), key.clone()));
     spec.standby = Some(number);
     spec.console = job.config.local_ranks_filter.is_none();
     let standby = Standby {
@@ -1221,7 +1218,7 @@ fn standby_spec(
             count: job_env.restart_count,
             error_file,
         },
-        key: job.keys.standby(&job.launcher_id, serial),
+        key,
     };
     Ok((spec, standby))
 }
