@@ -900,10 +900,7 @@ mod tests {
     fn standby_needs_the_worker_policy() {
         assert_eq!(config("p", &[]).standby, 0);
         assert_eq!(config("--restart-policy worker --standby 2 p", &[]).standby, 2);
-        assert_eq!(
-            config("--restart-policy worker p", &[("PET_STANDBY", "1")]).standby,
-            1
-        );
+        assert_eq!(config("--restart-policy worker p", &[("PET_STANDBY", "1")]).standby, 1);
         assert!(parse_with("--standby 1 p", &[]).is_err());
         assert!(parse_with("--restart-policy worker --standby x p", &[]).is_err());
     }

@@ -859,7 +859,11 @@ async fn run_elastic_round(
     loop {
         let outcome = supervise(workers, job, &formed, &mut alive, signals).await;
         match outcome {
-            Outcome::Failed(ended @ workers::Ended { standby: Some(number), .. }) => {
+            Outcome::Failed(
+                ended @ workers::Ended {
+                    standby: Some(number), ..
+                },
+            ) => {
                 standbys[number] = None;
                 let tail = workers.tail(ended.rank).await;
                 say(format!(

@@ -305,10 +305,22 @@ fn spawn_one(
     let label = Arc::new(Mutex::new(spec.label()));
     let mut readers = Vec::new();
     if let Some(stdout) = child.stdout.take() {
-        readers.push(tokio::spawn(relay(stdout, true, spec.clone(), label.clone(), tail.clone())));
+        readers.push(tokio::spawn(relay(
+            stdout,
+            true,
+            spec.clone(),
+            label.clone(),
+            tail.clone(),
+        )));
     }
     if let Some(stderr) = child.stderr.take() {
-        readers.push(tokio::spawn(relay(stderr, false, spec.clone(), label.clone(), tail.clone())));
+        readers.push(tokio::spawn(relay(
+            stderr,
+            false,
+            spec.clone(),
+            label.clone(),
+            tail.clone(),
+        )));
     }
     tokio::spawn(async move {
         let exit = match child.wait().await {
