@@ -101,7 +101,8 @@ def torchft_replica(args) -> None:
             commits.append(time.time())
             if attempt > 0 and len(commits) == 1:
                 (run / "rejoined_at").write_text(str(commits[0]))
-            if victim and manager.current_step() == args.fault_step:
+            # At or past the step: a replica that healed at start may skip it.
+            if victim and manager.current_step() >= args.fault_step:
                 (run / "killed_at").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
     if rid == 0:
