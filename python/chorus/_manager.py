@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -50,7 +51,12 @@ class Manager:
     so that every member, a joiner too, holds the same entries.
     ``extra_state`` is any object with ``state_dict()`` and
     ``load_state_dict()`` (a data position, an RNG, a scheduler), moved with
-    the state.
+    the state: the CPU tensors its ``state_dict()`` holds travel as state
+    entries, raw bytes like the model's (so they must have the same dtype
+    and shape on every member, the joiner's included, as the model's
+    parameters do), the rest pickled. A tensor ``state_dict()`` returns
+    itself (not a copy) is read and written in place; a copy (an RNG's
+    state) is copied into a buffer the manager keeps at each transfer.
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class Manager:
         self._mode = (mode, every, outer_lr, outer_momentum, fragments)
         self._params = [p for p in model.parameters() if p.requires_grad]
         _materialize(optimizer, self._params)
+        self._extras = _ExtraTensors(extra_state)
         self._trainer = _chorus.Trainer(timeout, heartbeat_timeout, min_world, max_world)
 
     @property
@@ -87,7 +94,7 @@ class Manager:
         """The current generation; a relaunched worker joins one past 0."""
         return self._trainer.generation
 
-    def _state(self) -> Tuple[List[Tuple[str, torch.Tensor]], List[Tuple[str, torch.Tensor]]]:
+    def _state(self) -> Tuple[List[Named], List[Named], List[Named]]:
         params = [(f"param.{i}", p.data) for i, p in enumerate(self._params)]
         state = []
         for i, p in enumerate(self._params):
@@ -95,7 +102,7 @@ class Manager:
                 value = self.optimizer.state[p][key]
                 if torch.is_tensor(value):
                     state.append((f"optim.{i}.{key}", value))
-        return params, state
+        return params, state, self._extras.entries
 
     def train(
         self,
@@ -112,10 +119,10 @@ class Manager:
         ``on_commit(step, mean_loss, world_size, generation)`` sees each
         committed step. Returns the report: steps, applied, adopted,
         recoveries (each with its phases in ms)."""
-        params, state = self._state()
+        params, state, extras = self._state()
         hooks = _Hooks(self, backward)
         return self._trainer.train(
-            hooks, params, state, steps, global_batch, on_commit or (lambda *_: None), *self._mode
+            hooks, params, state, extras, steps, global_batch, on_commit or (lambda *_: None), *self._mode
         )
 
     def verify(self) -> None:
@@ -162,35 +169,103 @@ class _Hooks:
         self._manager.optimizer.step()
 
     def save_extra(self) -> bytes:
-        extra = self._manager.extra_state
-        return pickle.dumps(_encode(extra.state_dict())) if extra is not None else b""
+        return self._manager._extras.save()
 
     def load_extra(self, data: bytes) -> None:
-        extra = self._manager.extra_state
-        if extra is not None and data:
-            extra.load_state_dict(_decode(pickle.loads(data)))
+        self._manager._extras.load(data)
 
 
+Named = Tuple[str, torch.Tensor]
 _TENSOR = "__chorus_tensor__"
+_ENTRY = "__chorus_entry__"
 
 
-def _encode(value: Any) -> Any:
-    """The extra state with every tensor as (marker, dtype, shape, raw
-    bytes): a pickled tensor's bytes depend on its storage's history (a
-    copy pickles differently), and the members' extras are compared by
-    checksum."""
+def _tensor_leaves(value: Any) -> List[torch.Tensor]:
+    """The tensors of a state dict, in the order ``_encode`` meets them."""
     if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensor_leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensor_leaves(v)]
+    return []
+
+
+def _movable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not t.is_sparse and t.numel() > 0
+
+
+class _ExtraTensors:
+    """``extra_state``'s tensors as state entries: the bytes travel like
+    the model's, chunked and striped, instead of inside the pickle. Each
+    entry is the tensor ``state_dict()`` returns when it returns the same
+    memory twice (read and written in place), otherwise a buffer of the
+    manager's that each save copies into."""
+
+    def __init__(self, extra: Any) -> None:
+        self._extra = extra
+        self._held: List[torch.Tensor] = []
+        self.entries: List[Named] = []
+        if extra is None:
+            return
+        first = _tensor_leaves(extra.state_dict())
+        again = _tensor_leaves(extra.state_dict())
+        for i, (t, u) in enumerate(zip(first, again)):
+            if not _movable(t):
+                self._held.append(torch.empty(0))
+                continue
+            live = t.is_contiguous() and t.data_ptr() == u.data_ptr()
+            held = t.detach() if live else torch.empty(t.shape, dtype=t.dtype)
+            self._held.append(held)
+            # Dtype and shape in the name: the members' entry lists are
+            # compared by name and byte length.
+            dtype = str(t.dtype).removeprefix("torch.")
+            self.entries.append((f"extra.{i}:{dtype}{list(t.shape)}", held))
+
+    def _slot(self, t: torch.Tensor, index: int) -> Any:
+        held = self._held[index] if index < len(self._held) else None
+        if (held is None or held.numel() == 0 or held.shape != t.shape
+                or held.dtype != t.dtype or not _movable(t)):
+            return _encode(t)
+        if held.data_ptr() != t.data_ptr():
+            held.copy_(t)
+        return (_ENTRY, index)
+
+    def save(self) -> bytes:
+        if self._extra is None:
+            return b""
+        index = itertools.count()
+        return pickle.dumps(_encode(self._extra.state_dict(), lambda t: self._slot(t, next(index))))
+
+    def load(self, data: bytes) -> None:
+        if self._extra is not None and data:
+            self._extra.load_state_dict(_decode(pickle.loads(data), self._held))
+
+
+def _encode(value: Any, tensor: Optional[Callable[[torch.Tensor], Any]] = None) -> Any:
+    """The extra state with every tensor replaced by ``tensor(t)``, by
+    default (marker, dtype, shape, raw bytes): a pickled tensor's bytes
+    depend on its storage's history (a copy pickles differently), and the
+    members' extras are compared by checksum. Tensors are met in
+    ``_tensor_leaves``'s order."""
+    if torch.is_tensor(value):
+        if tensor is not None:
+            return tensor(value)
         t = value.detach().cpu().contiguous()
         return (_TENSOR, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                 t.reshape(-1).view(torch.uint8).numpy().tobytes())
     if isinstance(value, dict):
-        return {k: _encode(v) for k, v in value.items()}
+        return {k: _encode(v, tensor) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_encode(v) for v in value)
+        return type(value)(_encode(v, tensor) for v in value)
     return value
 
 
-def _decode(value: Any) -> Any:
+def _decode(value: Any, entries: List[torch.Tensor]) -> Any:
+    """``_encode``'s inverse; ``(_ENTRY, i)`` is ``entries[i]``, which the
+    transfer has already filled."""
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == _ENTRY:
+        return entries[value[1]]
     if isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR:
         _, dtype, shape, data = value
         dtype = getattr(torch, dtype)
@@ -198,9 +273,9 @@ def _decode(value: Any) -> Any:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
     if isinstance(value, dict):
-        return {k: _decode(v) for k, v in value.items()}
+        return {k: _decode(v, entries) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_decode(v) for v in value)
+        return type(value)(_decode(v, entries) for v in value)
     return value
 
 

@@ -18,12 +18,13 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::runtime::runtime;
 use crate::work::{Class, Failure};
 
-/// A float32 tensor's memory, seen as a chorus buffer. Valid while the
-/// tensor (held by the trainer's Python side) lives and is not resized:
-/// torch optimizers update parameters and their state in place.
+/// A CPU tensor's memory, seen as a chorus buffer. Valid while the tensor
+/// (held by the trainer's Python side) lives and is not resized: torch
+/// optimizers update parameters and their state in place.
 struct TensorMemory {
     ptr: *mut u8,
-    elements: usize,
+    bytes: usize,
+    dtype: DType,
 }
 
 // SAFETY: plain memory; the trainer runs on one thread at a time and the
@@ -31,46 +32,63 @@ struct TensorMemory {
 unsafe impl Send for TensorMemory {}
 
 impl TensorMemory {
-    fn new(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
+    /// A float32 tensor (parameters, gradients, optimizer state).
+    fn float32(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
         let dtype = tensor.getattr("dtype")?.str()?.to_string();
         if dtype != "torch.float32" {
             return Err(PyTypeError::new_err(format!(
                 "{what} is {dtype}: the trainer keeps float32 state (cast the model with .float())"
             )));
         }
+        Self::of(tensor, what, DType::Float32)
+    }
+
+    /// Any tensor's bytes (the extra state's tensors, whose dtype the
+    /// entry's name carries).
+    fn raw(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
+        Self::of(tensor, what, DType::UInt8)
+    }
+
+    fn of(tensor: &Bound<'_, PyAny>, what: &str, dtype: DType) -> PyResult<Self> {
         if tensor.getattr("device")?.getattr("type")?.extract::<String>()? != "cpu"
             || !tensor.call_method0("is_contiguous")?.extract::<bool>()?
         {
             return Err(PyValueError::new_err(format!("{what} must be a contiguous CPU tensor")));
         }
         let elements = tensor.call_method0("numel")?.extract::<usize>()?;
+        let element_size = tensor.call_method0("element_size")?.extract::<usize>()?;
         let ptr = tensor.call_method0("data_ptr")?.extract::<usize>()? as *mut u8;
-        Ok(Self { ptr, elements })
+        Ok(Self {
+            ptr,
+            bytes: elements * element_size,
+            dtype,
+        })
     }
 
     fn bytes(&self) -> &[u8] {
-        if self.elements == 0 {
+        if self.bytes == 0 {
             return &[];
         }
-        // SAFETY: `numel * 4` bytes of a live float32 tensor (see the type).
-        unsafe { std::slice::from_raw_parts(self.ptr, self.elements * 4) }
+        // SAFETY: the `numel * element_size` bytes of a live contiguous
+        // tensor (see the type).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        if self.elements == 0 {
+        if self.bytes == 0 {
             return &mut [];
         }
         // SAFETY: as in `bytes`; `&mut self` is the only view.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.elements * 4) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
     }
 }
 
 impl ParamBuffer for TensorMemory {
     fn dtype(&self) -> DType {
-        DType::Float32
+        self.dtype
     }
     fn len(&self) -> usize {
-        self.elements
+        self.bytes / self.dtype.size()
     }
     fn read_bytes(&self, offset: usize, out: &mut [u8]) {
         out.copy_from_slice(&self.bytes()[offset..offset + out.len()]);
@@ -83,32 +101,36 @@ impl ParamBuffer for TensorMemory {
     }
 }
 
+/// Named tensors, as the Python side hands them over.
+type Named<'py> = Vec<(String, Bound<'py, PyAny>)>;
+
 /// The torch side of a training job, as chorus's trainer sees it.
 struct TorchJob {
     /// `(name, parameter memory)`, in the model's order.
     params: Vec<(String, TensorMemory)>,
     /// `(name, memory)` of every optimizer state tensor, in a fixed order.
     optimizer: Vec<(String, TensorMemory)>,
+    /// `(name, memory)` of the extra state's tensors (moved as entries;
+    /// the rest of the extra state travels pickled).
+    extras: Vec<(String, TensorMemory)>,
     /// The Python half: `backward(step) -> loss`, `grads() -> [tensor]`,
     /// `apply(step)`, `save_extra() -> bytes`, `load_extra(bytes)`.
     hooks: Py<PyAny>,
 }
 
 impl TorchJob {
-    /// The job over `params` and `optimizer_state` (named float32 tensors).
-    fn new(
-        hooks: Py<PyAny>,
-        params: Vec<(String, Bound<'_, PyAny>)>,
-        optimizer_state: Vec<(String, Bound<'_, PyAny>)>,
-    ) -> PyResult<Self> {
-        let memory = |list: Vec<(String, Bound<'_, PyAny>)>| -> PyResult<Vec<(String, TensorMemory)>> {
+    /// The job over `params` and `optimizer_state` (named float32 tensors)
+    /// and `extras` (named tensors of any dtype).
+    fn new(hooks: Py<PyAny>, params: Named<'_>, optimizer_state: Named<'_>, extras: Named<'_>) -> PyResult<Self> {
+        let memory = |list: Named<'_>, view: fn(&Bound<'_, PyAny>, &str) -> PyResult<TensorMemory>| {
             list.into_iter()
-                .map(|(name, t)| TensorMemory::new(&t, &name).map(|m| (name, m)))
-                .collect()
+                .map(|(name, t)| view(&t, &name).map(|m| (name, m)))
+                .collect::<PyResult<Vec<_>>>()
         };
         Ok(Self {
-            params: memory(params)?,
-            optimizer: memory(optimizer_state)?,
+            params: memory(params, TensorMemory::float32)?,
+            optimizer: memory(optimizer_state, TensorMemory::float32)?,
+            extras: memory(extras, TensorMemory::raw)?,
             hooks,
         })
     }
@@ -143,7 +165,7 @@ impl Parameters for TorchJob {
 
 impl TrainState for TorchJob {
     fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
-        for (name, memory) in &mut self.optimizer {
+        for (name, memory) in self.optimizer.iter_mut().chain(&mut self.extras) {
             visit(name, memory);
         }
     }
@@ -186,12 +208,12 @@ impl Job for TorchJob {
                 .map_err(|e| job_error(py, e))?;
             // Last parameter first, as a backward pass produces them.
             for (id, grad) in computed.iter().enumerate().rev() {
-                let memory = TensorMemory::new(grad, "a gradient").map_err(|e| job_error(py, e))?;
+                let memory = TensorMemory::float32(grad, "a gradient").map_err(|e| job_error(py, e))?;
                 let view = grads.grad_mut::<f32>(id).map_err(|e| e.to_string())?;
-                if view.len() != memory.elements {
+                if view.len() != memory.len() {
                     return Err(format!(
                         "the gradient of parameter {id} has {} elements, the parameter {}",
-                        memory.elements,
+                        memory.len(),
                         view.len()
                     ));
                 }
@@ -214,7 +236,7 @@ impl Job for TorchJob {
                 .and_then(|g| g.extract::<Vec<Bound<'_, PyAny>>>())
                 .map_err(|e| job_error(py, e))?;
             for (id, target) in targets.iter().enumerate() {
-                let mut memory = TensorMemory::new(target, "a gradient").map_err(|e| job_error(py, e))?;
+                let mut memory = TensorMemory::float32(target, "a gradient").map_err(|e| job_error(py, e))?;
                 let summed = grads.grad::<f32>(id).map_err(|e| e.to_string())?;
                 memory.write_bytes(0, bytemuck::cast_slice(summed));
             }
@@ -305,17 +327,19 @@ impl Trainer {
 
     /// Runs `steps` committed steps. `hooks` is the Python half (see
     /// `chorus.torch.Manager`); `params` and `optimizer_state` are the float32
-    /// tensors whose memory is the state, in a fixed order; `on_commit(step,
+    /// tensors whose memory is the state, in a fixed order, `extras` the
+    /// extra state's tensors (any dtype); `on_commit(step,
     /// loss, world_size, generation)` sees each committed step. Returns the
     /// report as a dict. Blocks with the GIL released between callbacks.
-    #[pyo3(signature = (hooks, params, optimizer_state, steps, global_batch, on_commit, mode = "ddp", every = 10, outer_lr = 0.7, outer_momentum = 0.9, fragments = 1))]
+    #[pyo3(signature = (hooks, params, optimizer_state, extras, steps, global_batch, on_commit, mode = "ddp", every = 10, outer_lr = 0.7, outer_momentum = 0.9, fragments = 1))]
     #[allow(clippy::too_many_arguments)]
     fn train(
         &self,
         py: Python<'_>,
         hooks: Py<PyAny>,
-        params: Vec<(String, Bound<'_, PyAny>)>,
-        optimizer_state: Vec<(String, Bound<'_, PyAny>)>,
+        params: Named<'_>,
+        optimizer_state: Named<'_>,
+        extras: Named<'_>,
         steps: u64,
         global_batch: usize,
         on_commit: Py<PyAny>,
@@ -326,7 +350,7 @@ impl Trainer {
         fragments: u32,
     ) -> PyResult<Py<PyAny>> {
         let group = self.group()?;
-        let mut job = TorchJob::new(hooks, params, optimizer_state)?;
+        let mut job = TorchJob::new(hooks, params, optimizer_state, extras)?;
         let options = TrainOptions {
             mode: train_mode(mode, every, outer_lr, outer_momentum, fragments)?,
             steps,
@@ -388,11 +412,12 @@ impl Trainer {
         &self,
         py: Python<'_>,
         hooks: Py<PyAny>,
-        params: Vec<(String, Bound<'_, PyAny>)>,
-        optimizer_state: Vec<(String, Bound<'_, PyAny>)>,
+        params: Named<'_>,
+        optimizer_state: Named<'_>,
+        extras: Named<'_>,
     ) -> PyResult<()> {
         let group = self.group()?;
-        let mut job = TorchJob::new(hooks, params, optimizer_state)?;
+        let mut job = TorchJob::new(hooks, params, optimizer_state, extras)?;
         let rt = runtime()?;
         let pg = group.current();
         py.detach(|| rt.block_on(chorus::train::verify_state(&pg, &mut job)))

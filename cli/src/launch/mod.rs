@@ -839,21 +839,11 @@ async fn run_elastic_round(
             error_file: job_env.error_file(job_env.rank(local_rank)),
         })
         .collect();
-    // Standby workers start as the next relaunch would, and each gets a
-    // fresh promotion key.
-    let mut standbys: Vec<Option<Standby>> = vec![None; config.standby];
-    let mut serial = 0;
+    // Standby workers start as the next relaunch would.
+    let mut standbys = Standbys::new(config.standby);
     let next_count = |restarts: u64| first_count + (restarts + 1 - first_restarts);
-    for (number, standby) in standbys.iter_mut().enumerate() {
-        let started = start_standby(job, &job_env, workers, number, serial, next_count(restarts));
-        serial += 1;
-        match started {
-            Ok(started) => *standby = Some(started),
-            Err(error) => {
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                return Err(error);
-            }
-        }
+    for number in 0..config.standby {
+        standbys.start(job, &job_env, workers, number, next_count(restarts)).await?;
     }
     let mut alive = plan::KeepAlives::default();
     loop {
@@ -864,7 +854,7 @@ async fn run_elastic_round(
                     standby: Some(number), ..
                 },
             ) => {
-                standbys[number] = None;
+                standbys.vacate(number);
                 let tail = workers.tail(ended.rank).await;
                 say(format!(
                     "standby worker s{number} (pid {}) {} before it was needed",
@@ -880,15 +870,7 @@ async fn run_elastic_round(
                 match plan::after_failure(restarts, config.max_restarts) {
                     AfterFailure::Restart { next } => {
                         restarts = next;
-                        let started = start_standby(job, &job_env, workers, number, serial, next_count(restarts));
-                        serial += 1;
-                        match started {
-                            Ok(standby) => standbys[number] = Some(standby),
-                            Err(error) => {
-                                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                                return Err(error);
-                            }
-                        }
+                        standbys.start(job, &job_env, workers, number, next_count(restarts)).await?;
                     }
                     AfterFailure::GiveUp => say(format!(
                         "--max-restarts {} is used up: going on without standby worker s{number}",
@@ -911,7 +893,7 @@ async fn run_elastic_round(
                 match plan::after_failure(restarts, config.max_restarts) {
                     AfterFailure::Restart { next } => {
                         let rank = job_env.rank(ended.local_rank);
-                        match promote(job, workers, &mut standbys, ended.local_rank, rank).await {
+                        match standbys.promote(job, workers, ended.local_rank, rank).await {
                             Ok(Some((number, pid, slot))) => {
                                 say(format!(
                                     "promoted standby worker s{number} (pid {pid}) into rank {rank}'s slot (restart {next} of {}{}); the other workers keep running",
@@ -920,16 +902,7 @@ async fn run_elastic_round(
                                 ));
                                 slots[ended.local_rank] = slot;
                                 restarts = next;
-                                let started =
-                                    start_standby(job, &job_env, workers, number, serial, next_count(restarts));
-                                serial += 1;
-                                match started {
-                                    Ok(standby) => standbys[number] = Some(standby),
-                                    Err(error) => {
-                                        workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                                        return Err(error);
-                                    }
-                                }
+                                standbys.start(job, &job_env, workers, number, next_count(restarts)).await?;
                                 continue;
                             }
                             Ok(None) => {}
@@ -1036,46 +1009,80 @@ async fn run_elastic_round(
     }
 }
 
-/// Starts standby worker `number` with restart count `count` (a new one
-/// after a promotion or a failure takes the same number).
-fn start_standby(
-    job: &Job,
-    job_env: &env::JobEnv,
-    workers: &mut Workers,
-    number: usize,
+
+/// This node's standby workers: a slot per `--standby`, each holding the
+/// promotion key of the process started in it.
+struct Standbys {
+    slots: Vec<Option<Standby>>,
+    /// Names each started standby's key and directory; never reused.
     serial: u64,
-    count: u64,
-) -> Result<Standby, LaunchError> {
-    let standby_env = env::JobEnv {
-        join_running: true,
-        ..job_env.for_attempt(count, &job.run_dir)
-    };
-    let (spec, standby) = standby_spec(job, &standby_env, number, serial)?;
-    workers.relaunch(spec)?;
-    Ok(standby)
 }
 
-/// Promotes a running standby worker into the slot of `local_rank`: writes
-/// its promotion key (it then joins the running group) and moves it into
-/// the slot. Returns its number, pid and what the slot now keeps, or
-/// `None` when no standby worker is running.
-async fn promote(
-    job: &Job,
-    workers: &mut Workers,
-    standbys: &mut [Option<Standby>],
-    local_rank: usize,
-    rank: usize,
-) -> Result<Option<(usize, i32, Slot)>, LaunchError> {
-    let Some((number, pid)) = workers.promote(local_rank, rank) else {
-        return Ok(None);
-    };
-    let standby = standbys[number].take().ok_or_else(|| LaunchError::Io {
-        what: format!("promoting standby worker s{number}"),
-        source: std::io::Error::other("it has no promotion key"),
-    })?;
-    let store = job.store.store.as_ref();
-    bounded(job, store.set(&standby.key, local_rank.to_string().as_bytes())).await?;
-    Ok(Some((number, pid, standby.slot)))
+impl Standbys {
+    fn new(count: usize) -> Self {
+        Self {
+            slots: vec![None; count],
+            serial: 0,
+        }
+    }
+
+    /// Starts standby `number` as restart `count` would start a worker.
+    /// On failure every worker is stopped and the error returned, for the
+    /// launcher to end with.
+    async fn start(
+        &mut self,
+        job: &Job,
+        job_env: &env::JobEnv,
+        workers: &mut Workers,
+        number: usize,
+        count: u64,
+    ) -> Result<(), LaunchError> {
+        let serial = self.serial;
+        self.serial += 1;
+        let standby_env = env::JobEnv {
+            join_running: true,
+            ..job_env.for_attempt(count, &job.run_dir)
+        };
+        let started = standby_spec(job, &standby_env, number, serial)
+            .and_then(|(spec, standby)| workers.relaunch(spec).map(|_| standby));
+        match started {
+            Ok(standby) => {
+                self.slots[number] = Some(standby);
+                Ok(())
+            }
+            Err(error) => {
+                workers.stop(libc::SIGTERM, job.config.shutdown_timeout).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Forgets standby `number`, which exited before it was needed.
+    fn vacate(&mut self, number: usize) {
+        self.slots[number] = None;
+    }
+
+    /// Moves a waiting standby into `local_rank`'s slot (as `rank`) and
+    /// writes its promotion key: `(number, pid, slot)`, or `None` when no
+    /// standby waits.
+    async fn promote(
+        &mut self,
+        job: &Job,
+        workers: &mut Workers,
+        local_rank: usize,
+        rank: usize,
+    ) -> Result<Option<(usize, i32, Slot)>, LaunchError> {
+        let Some((number, pid)) = workers.promote(local_rank, rank) else {
+            return Ok(None);
+        };
+        let standby = self.slots[number].take().ok_or_else(|| LaunchError::Io {
+            what: format!("promoting standby worker s{number}"),
+            source: std::io::Error::other("it has no promotion key"),
+        })?;
+        let store = job.store.store.as_ref();
+        bounded(job, store.set(&standby.key, local_rank.to_string().as_bytes())).await?;
+        Ok(Some((number, pid, standby.slot)))
+    }
 }
 
 /// What the launchers say of a member whose keep-alive stood still.
