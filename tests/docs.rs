@@ -4,7 +4,10 @@
 //! - every relative link in the Markdown files resolves (file and anchor),
 //!   and every `*.md` file the sources or the Markdown files name exists;
 //! - every Markdown page with Rust code is compiled as a doc-test of
-//!   `chorus` (an `include_str!` item in `src/lib.rs`).
+//!   `chorus` (an `include_str!` item in `src/lib.rs`);
+//! - ARCHITECTURE.md's rule index lists exactly the numbered rules the
+//!   sources name, each with a file that states it and every test named
+//!   after it, and no rule lacks a test.
 //!
 //! Run: `cargo test --release -p chorus-cli --test docs`.
 
@@ -406,5 +409,125 @@ fn every_markdown_page_with_rust_code_is_compiled() {
         uncompiled.is_empty(),
         "pages with Rust code blocks that src/lib.rs does not compile (add a #[cfg(doctest)] item with #[doc = include_str!(..)]):\n  {}",
         uncompiled.join("\n  ")
+    );
+}
+
+/// The families of numbered rules, spelled apart so that this file states none.
+const RULE_FAMILIES: [&str; 4] = ["SV", "RA", "NC", "EN"];
+
+/// Every rule (`XX-N`) named in `text`.
+fn rules_in(text: &str) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    for family in RULE_FAMILIES {
+        let tag = format!("{family}-");
+        for (at, _) in text.match_indices(&tag) {
+            let before = text[..at].chars().next_back();
+            if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+                continue;
+            }
+            let digits: String = text[at + tag.len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            if !digits.is_empty() {
+                found.insert(format!("{tag}{digits}"));
+            }
+        }
+    }
+    found
+}
+
+/// The rules a test's name says it checks: its leading `xxN_` words.
+fn rules_of_test(name: &str) -> Vec<String> {
+    let mut rules = Vec::new();
+    for word in name.split('_') {
+        let family = word.trim_end_matches(|c: char| c.is_ascii_digit());
+        let number = &word[family.len()..];
+        match RULE_FAMILIES.iter().find(|f| f.eq_ignore_ascii_case(family)) {
+            Some(f) if !number.is_empty() => rules.push(format!("{f}-{number}")),
+            _ => break,
+        }
+    }
+    rules
+}
+
+/// Every function in the Rust sources whose name says it checks a rule.
+fn rule_tests() -> BTreeMap<String, Vec<String>> {
+    let mut by_rule: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for path in files(&["rs"]) {
+        let source = std::fs::read_to_string(&path).unwrap();
+        for (at, _) in source.match_indices("fn ") {
+            let name: String = source[at + 3..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            for rule in rules_of_test(&name) {
+                by_rule.entry(rule).or_default().push(name.clone());
+            }
+        }
+    }
+    by_rule
+}
+
+#[test]
+fn the_rule_index_lists_every_rule_with_its_file_and_tests() {
+    let architecture = std::fs::read_to_string(Path::new(ROOT).join("ARCHITECTURE.md")).unwrap();
+    let index = architecture
+        .split("\n## Rules\n")
+        .nth(1)
+        .expect("ARCHITECTURE.md has a `## Rules` section")
+        .split("\n## ")
+        .next()
+        .unwrap_or_default();
+    let mut in_sources = BTreeSet::new();
+    for path in files(&["rs"]) {
+        in_sources.extend(rules_in(&std::fs::read_to_string(&path).unwrap()));
+    }
+    let tests = rule_tests();
+    let mut indexed = BTreeSet::new();
+    let mut problems = Vec::new();
+    for row in index
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| rule "))
+    {
+        let cells: Vec<&str> = row.trim_matches('|').split(" | ").map(str::trim).collect();
+        let [rule, _, file, named] = cells[..] else {
+            problems.push(format!("a row without 4 cells: {row}"));
+            continue;
+        };
+        indexed.insert(rule.to_owned());
+        if !in_sources.contains(rule) {
+            problems.push(format!("{rule} is in the index, but no source names it"));
+        }
+        let file = file.trim_matches('`');
+        match std::fs::read_to_string(Path::new(ROOT).join(file)) {
+            Ok(text) if rules_in(&text).contains(rule) => {}
+            Ok(_) => problems.push(format!("{rule}: {file} does not state it")),
+            Err(e) => problems.push(format!("{rule}: {file}: {e}")),
+        }
+        let found = tests.get(rule).cloned().unwrap_or_default();
+        for test in named.split(", ").map(|t| t.trim_matches('`')).filter(|t| !t.is_empty()) {
+            if !found.iter().any(|f| f == test) {
+                problems.push(format!("{rule}: no test `{test}` named after it in the sources"));
+            }
+        }
+        for test in &found {
+            if !named.contains(&format!("`{test}`")) {
+                problems.push(format!("{rule}: the index does not list its test `{test}`"));
+            }
+        }
+        if found.is_empty() {
+            problems.push(format!("{rule} has no test named after it"));
+        }
+    }
+    for rule in in_sources.difference(&indexed) {
+        problems.push(format!(
+            "{rule} is named in the sources but not in ARCHITECTURE.md's rule index"
+        ));
+    }
+    assert!(
+        problems.is_empty(),
+        "the rule index is out of step:\n{}",
+        problems.join("\n")
     );
 }

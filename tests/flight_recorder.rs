@@ -79,7 +79,7 @@ fn chorus_trace_names_the_frozen_rank() {
 /// dumps first), so `chorus trace` blames only the rank that died. Several
 /// runs, as the race between the abort and the signal goes either way.
 #[test]
-fn every_survivor_dumps_under_chorus_launch() {
+fn ra5_every_survivor_dumps_under_chorus_launch() {
     let _serial = one_at_a_time();
     for run_number in 0..3 {
         let dir = tempfile::tempdir().unwrap();

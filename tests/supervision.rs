@@ -31,7 +31,7 @@ fn tensor() -> Tensor {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sv1_a_dead_peer_aborts_every_pending_operation() {
+async fn sv1_ra6_a_dead_peer_aborts_every_pending_operation() {
     let results = within(
         20,
         "the group",

@@ -843,7 +843,9 @@ async fn run_elastic_round(
     let mut standbys = Standbys::new(config.standby);
     let next_count = |restarts: u64| first_count + (restarts + 1 - first_restarts);
     for number in 0..config.standby {
-        standbys.start(job, &job_env, workers, number, next_count(restarts)).await?;
+        standbys
+            .start(job, &job_env, workers, number, next_count(restarts))
+            .await?;
     }
     let mut alive = plan::KeepAlives::default();
     loop {
@@ -870,7 +872,9 @@ async fn run_elastic_round(
                 match plan::after_failure(restarts, config.max_restarts) {
                     AfterFailure::Restart { next } => {
                         restarts = next;
-                        standbys.start(job, &job_env, workers, number, next_count(restarts)).await?;
+                        standbys
+                            .start(job, &job_env, workers, number, next_count(restarts))
+                            .await?;
                     }
                     AfterFailure::GiveUp => say(format!(
                         "--max-restarts {} is used up: going on without standby worker s{number}",
@@ -902,7 +906,9 @@ async fn run_elastic_round(
                                 ));
                                 slots[ended.local_rank] = slot;
                                 restarts = next;
-                                standbys.start(job, &job_env, workers, number, next_count(restarts)).await?;
+                                standbys
+                                    .start(job, &job_env, workers, number, next_count(restarts))
+                                    .await?;
                                 continue;
                             }
                             Ok(None) => {}
@@ -1008,7 +1014,6 @@ async fn run_elastic_round(
         }
     }
 }
-
 
 /// This node's standby workers: a slot per `--standby`, each holding the
 /// promotion key of the process started in it.
