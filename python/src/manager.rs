@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use chorus::rendezvous::InitMethod;
 use chorus::sync::ParamBuffer;
-use chorus::train::{Committed, Job, Mode, Step, TrainOptions, TrainState};
+use chorus::train::{Committed, InPlace, Job, Mode, Step, TrainOptions, TrainState};
 use chorus::{DType, DistributedSync, ElasticGroup, InitOptions, Parameters};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -18,13 +18,15 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::runtime::runtime;
 use crate::work::{Class, Failure};
 
-/// A CPU tensor's memory, seen as a chorus buffer. Valid while the tensor
-/// (held by the trainer's Python side) lives and is not resized: torch
-/// optimizers update parameters and their state in place.
+/// A CPU tensor's memory, seen as a chorus buffer, and the tensor, held so
+/// that the memory lives as long as this does. Valid while the tensor is
+/// not resized or given new storage: torch optimizers update parameters
+/// and their state in place.
 struct TensorMemory {
     ptr: *mut u8,
     bytes: usize,
     dtype: DType,
+    _tensor: Py<PyAny>,
 }
 
 // SAFETY: plain memory; the trainer runs on one thread at a time and the
@@ -62,6 +64,7 @@ impl TensorMemory {
             ptr,
             bytes: elements * element_size,
             dtype,
+            _tensor: tensor.clone().unbind(),
         })
     }
 
@@ -98,6 +101,9 @@ impl ParamBuffer for TensorMemory {
     }
     fn as_bytes(&self) -> Option<&[u8]> {
         Some(self.bytes())
+    }
+    fn as_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self.bytes_mut())
     }
 }
 
@@ -164,6 +170,17 @@ impl Parameters for TorchJob {
 }
 
 impl TrainState for TorchJob {
+    /// Lets sibling rank processes write a joiner's state straight into
+    /// its tensors (cross-memory attach), one copy instead of two.
+    fn buffers_in_place(&self) -> Option<InPlace> {
+        // SAFETY: every buffer visited is a `TensorMemory` whose tensor it
+        // holds, so the memory lives as long as the job; the Python side
+        // does not run while a transfer does (the trainer calls it between
+        // steps), and torch updates parameters, optimizer state and the
+        // manager's extra buffers in place, never reallocating them.
+        Some(unsafe { InPlace::promise() })
+    }
+
     fn visit_optimizer(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
         for (name, memory) in self.optimizer.iter_mut().chain(&mut self.extras) {
             visit(name, memory);
