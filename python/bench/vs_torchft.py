@@ -82,6 +82,20 @@ def torchft_replica(args) -> None:
         state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict(), "extra": padding.state_dict()},
         replica_id=f"replica_{rid}", timeout=timedelta(seconds=10), rank=0, world_size=1,
     )
+    if attempt > 0:
+        # The replacement's state transfer: torchft's HTTP fetch of the
+        # survivors' state dict (its deserialization included, as chorus's
+        # figure includes the checksums).
+        transport = manager._checkpoint_transport
+        receive = transport.recv_checkpoint
+
+        def timed(*a, **kw):
+            started = time.monotonic()
+            state = receive(*a, **kw)
+            (run / "transfer_ms").write_text(str((time.monotonic() - started) * 1e3))
+            return state
+
+        transport.recv_checkpoint = timed
     model = DistributedDataParallel(manager, net)
     optimizer = OptimizerWrapper(manager, opt)
     victim = rid == args.world - 1 and attempt == 0
@@ -156,6 +170,8 @@ def run_torchft(args, run: Path) -> dict:
     at = float((run / "killed_at").read_text())
     rejoined = run / "rejoined_at"
     outcome["replacement_ms"] = (float(rejoined.read_text()) - at) * 1e3 if rejoined.exists() else None
+    transfer = run / "transfer_ms"
+    outcome["transfer_ms"] = float(transfer.read_text()) if transfer.exists() else None
     return outcome
 
 
@@ -166,8 +182,11 @@ def run_chorus(args, run: Path, standby: int) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"chorus run failed:\n{done.stdout}\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
+    # The transfer into the replacement: the recovery that moved state.
+    moved = [r["transfer_ms"] for r in summary["recoveries"] if r["bytes"] > 0]
     return {"final_loss": summary["final_loss"], "longest_stall_ms": summary["longest_stall_ms"],
-            "median_step_ms": summary["median_step_ms"], "replacement_ms": summary["replacement_ms"]}
+            "median_step_ms": summary["median_step_ms"], "replacement_ms": summary["replacement_ms"],
+            "transfer_ms": moved[-1] if moved else None}
 
 
 def common_flags(args) -> list:
@@ -212,11 +231,11 @@ def main() -> None:
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(f"# {args.world} replicas x 1 process, {args.steps} steps, SIGKILL after step {args.fault_step}, "
           f"{args.state_mib} MiB of extra state, {args.rounds} alternated rounds")
-    print(f"# {'':8} {'stall ms':>10} {'replacement ms':>15} {'step ms':>8} {'final loss':>10}")
+    print(f"# {'':8} {'stall ms':>10} {'replacement ms':>15} {'transfer ms':>12} {'step ms':>8} {'final loss':>10}")
     for side in sides:
         for out in results[side]:
             print(f"  {side:8} {fmt(out['longest_stall_ms']):>10} {fmt(out['replacement_ms']):>15} "
-                  f"{out['median_step_ms']:>8.2f} {out['final_loss']:>10.4f}")
+                  f"{fmt(out['transfer_ms']):>12} {out['median_step_ms']:>8.2f} {out['final_loss']:>10.4f}")
     med = {side: {k: statistics.median(o[k] for o in results[side]) for k in ("longest_stall_ms", "median_step_ms", "final_loss")}
            for side in results}
     ft = med["torchft"]
@@ -238,6 +257,14 @@ def main() -> None:
         for side in ("chorus", "standby"):
             if joined[side]:
                 print(f"# {side} / torchft, kill to the replacement's first step: {joined[side] / joined['torchft']:.3f}x")
+    moved = {side: [o["transfer_ms"] for o in results[side] if o["transfer_ms"] is not None] for side in sides}
+    if args.state_mib and moved["torchft"]:
+        ft_ms = statistics.median(moved["torchft"])
+        for side in ("chorus", "standby"):
+            if moved[side]:
+                ms = statistics.median(moved[side])
+                print(f"# state transfer into the replacement, {side} against torchft: median {ms:.0f} ms vs "
+                      f"{ft_ms:.0f} ms: {ft_ms / ms:.2f}x torchft's throughput")
 
 
 if __name__ == "__main__":
