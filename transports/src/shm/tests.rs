@@ -434,6 +434,67 @@ async fn a_receiver_holding_payloads_makes_the_sender_wait() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_dropped_loses_nothing_and_lowers_its_bit() {
+    within(async {
+        let (a, b) = pair(1 << 20).await;
+        let cut = crate::link::tests::receives_cut_short_lose_nothing(&a, Arc::new(b), 200).await;
+        assert!(cut > 0, "no receive was cut short: the test shows nothing");
+    })
+    .await;
+    // A receive dropped while it waits, its bit up: the bit goes down and
+    // the frame that comes later is the next receive's.
+    within(async {
+        let (a, b) = pair(1 << 20).await;
+        let bit = || b.shared.inbound.header().reader.awaited.load(Ordering::SeqCst);
+        let waited = tokio::time::timeout(Duration::from_millis(50), b.recv(5)).await;
+        assert!(waited.is_err(), "nothing was sent");
+        assert_eq!(bit(), 0, "a dropped receive lowers its channel's bit");
+        a.send(5, 1, Bytes::from_static(b"later")).await.unwrap();
+        assert_eq!(b.recv(5).await.unwrap().payload, Bytes::from_static(b"later"));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_send_dropped_after_it_began_finishes_its_frame_and_one_dropped_before_sends_nothing() {
+    within(async {
+        let (a, b) = pair(1 << 20).await;
+        // The receiver holds a record at the ring's start, so `tail` stays
+        // there: a quarter-ring piece fits after it, the next ones do not.
+        a.send(1, 0, pattern(600 << 10, 1)).await.unwrap();
+        let held = b.recv(1).await.unwrap();
+        let big = pattern(5 << 20, 2);
+        let begun = tokio::time::timeout(Duration::from_millis(200), a.send(2, 1, big.clone())).await;
+        assert!(begun.is_err(), "the frame cannot be sent while the ring is held");
+        let head = a.shared.outbound.header().writer.head.load(Ordering::SeqCst);
+        assert!(
+            head > (600 << 10) + (256 << 10),
+            "the dropped send wrote no piece (head {head})"
+        );
+        // Behind the frame still being written, a send that never got the
+        // writer is dropped: it sends nothing.
+        let behind = tokio::time::timeout(Duration::from_millis(50), a.send(3, 2, pattern(10, 3))).await;
+        assert!(behind.is_err(), "a send behind a frame being written must wait");
+        drop(held);
+        let frame = b.recv(2).await.unwrap();
+        assert_eq!(frame.tag, 1);
+        assert!(frame.payload == big, "the dropped send's frame arrives whole");
+        a.send(4, 3, pattern(10, 4)).await.unwrap();
+        assert_eq!(
+            b.recv(4).await.unwrap().payload,
+            pattern(10, 4),
+            "later frames follow it"
+        );
+        let late = tokio::time::timeout(Duration::from_millis(100), b.recv(3)).await;
+        assert!(
+            late.is_err(),
+            "the send dropped before it began sent its frame: {late:?}"
+        );
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn close_fails_both_sides_after_delivering_what_was_sent() {
     within(async {
