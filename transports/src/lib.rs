@@ -15,6 +15,10 @@
 //!   certificates, tuned for throughput.
 //! - [`shm`]: links between processes of one host over shared-memory rings
 //!   in `/dev/shm` (one copy per byte; received payloads point into the ring).
+//!   A folder: the endpoint in `shm/mod.rs`, the records sans IO in
+//!   [`shm::ring`] (a cursor the tests and the `shm_ring` fuzz target drive
+//!   over a byte slice), the mapping and futex waits in `shm/mapped.rs`, the
+//!   link in `shm/link.rs`, the tests in `shm/tests.rs` and `shm/tests/`.
 //! - [`scoped`]: a subgroup's view of a link (channels shifted past the
 //!   parent group's, peers renamed to subgroup ranks).
 //! - [`netif`]: choosing the addresses a rank publishes at rendezvous (most

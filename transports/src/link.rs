@@ -17,6 +17,25 @@
 //!   once ([`Link::try_send_copy`]): one copy per byte instead of two. A
 //!   caller that produces the payload may write it in the transport's
 //!   buffer itself ([`Link::poll_send_with`]).
+//!
+//! # Cancel safety
+//! What happens to a [`Link::send`] or [`Link::recv`] future dropped before
+//! it completes (a `select!` branch that lost, a timeout, an aborted
+//! collective), per implementation; each method's own section says it
+//! again. In short: in-process and shared-memory links never lose or tear
+//! a frame, QUIC links keep the framing only if a dropped operation had not
+//! begun moving its frame's bytes.
+//!
+//! | | `send` dropped | `recv` dropped |
+//! |---|---|---|
+//! | [`local`](crate::local) | nothing sent (the frame is queued in the poll that returns `Ok`) | nothing lost |
+//! | [`shm`](crate::shm) | nothing sent while it waits behind another send; once it holds the writer, the frame is sent whole in the background | nothing lost |
+//! | [`quic`](crate::quic) | nothing sent before its first byte is written; after that, the channel's stream may end mid-frame and its later frames are misread | nothing lost before the frame's first byte is read; after that, the channel's framing is lost |
+//! | [`fault`](crate::fault) | as the link it wraps; dropped during an injected delay, nothing sent (the frame still counts toward `after_frames`) | as the link it wraps |
+//!
+//! The poll-based sends ([`Link::poll_send_copy`], [`Link::poll_send_with`])
+//! and the `try_` forms take nothing unless they return `Ok(true)`: dropping
+//! a caller that polled them loses nothing.
 
 use std::fmt;
 use std::task::{Context, Poll};
@@ -216,6 +235,17 @@ pub trait Link: Send + Sync + fmt::Debug {
     fn kind(&self) -> TransportKind;
 
     /// Sends one frame on `channel`, waiting while the transport has no room.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a dropped `send` may or may not have sent its frame,
+    /// and its payload is not handed back. No implementation here sends
+    /// part of a frame and goes on: an in-process link queues the frame in
+    /// the poll that returns `Ok`; a shared-memory link, once its send holds
+    /// the ring's writer, finishes the frame on a blocking thread (later
+    /// sends wait for it), and before that sends nothing. A QUIC send
+    /// dropped while writing leaves its channel's stream mid-frame: the
+    /// peer misreads that channel's later frames, so a caller that drops a
+    /// QUIC send it started must give up the link (the module doc).
     async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError>;
 
     /// Sends a copy of `payload` as one frame now if the transport has room
@@ -307,6 +337,15 @@ pub trait Link: Send + Sync + fmt::Debug {
     }
 
     /// Receives the next frame of `channel`.
+    ///
+    /// # Cancel safety
+    /// In-process and shared-memory links: cancel safe. A frame is taken
+    /// from its channel's queue only in the poll that returns it, so a
+    /// `recv` dropped while it waits loses nothing: the next `recv` of the
+    /// channel gets the frame. QUIC links: cancel safe only while no byte
+    /// of the next frame has been read; a `recv` dropped part-way through
+    /// a frame loses the bytes it read, and the channel's framing with
+    /// them (the module doc).
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError>;
 
     /// Closes the link on purpose: pending and later operations on both
@@ -368,9 +407,10 @@ impl FrameHeader {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::sync::Arc;
 
     proptest! {
         #[test]
@@ -418,6 +458,60 @@ mod tests {
         assert_eq!(borrowed(vec![1; 1 << 20]).await, Ok(false));
         tx.close("done");
         assert!(borrowed(b"late".to_vec()).await.is_err(), "a closed link refuses");
+    }
+
+    /// Receives `count` frames on `rx`'s channel 0 that `tx` sends one at a
+    /// time, each receive a task aborted right after the send: wherever
+    /// the abort lands, every frame arrives once, in order (the module
+    /// doc's cancel safety). Returns how many receives were cut short.
+    pub(crate) async fn receives_cut_short_lose_nothing(tx: &dyn Link, rx: Arc<dyn Link>, count: u64) -> u64 {
+        let mut cut = 0;
+        let mut got = Vec::new();
+        for tag in 0..count {
+            let receive = tokio::spawn({
+                let rx = rx.clone();
+                async move { rx.recv(0).await }
+            });
+            // Every other receive first waits for its frame.
+            if tag % 2 == 1 {
+                tokio::task::yield_now().await;
+            }
+            tx.send(0, tag, Bytes::from(tag.to_le_bytes().to_vec())).await.unwrap();
+            receive.abort();
+            match receive.await {
+                Ok(frame) => got.push(frame.unwrap().tag),
+                Err(e) => {
+                    assert!(e.is_cancelled(), "{e}");
+                    cut += 1;
+                    let frame = tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv(0))
+                        .await
+                        .unwrap_or_else(|_| panic!("frame {tag} was lost with the receive cut short"))
+                        .unwrap();
+                    got.push(frame.tag);
+                }
+            }
+        }
+        assert_eq!(got, (0..count).collect::<Vec<_>>());
+        cut
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_local_receive_dropped_loses_nothing_and_a_local_send_dropped_sends_nothing() {
+        let (tx, rx) = crate::local::LocalLink::pair_with_depth(0, 1, 2);
+        let rx: Arc<dyn Link> = Arc::new(rx);
+        let cut = receives_cut_short_lose_nothing(&tx, rx.clone(), 200).await;
+        assert!(cut > 0, "no receive was cut short: the test shows nothing");
+        // A send waiting for room in a full channel, dropped: nothing sent.
+        for tag in 0..2 {
+            tx.send(1, tag, Bytes::new()).await.unwrap();
+        }
+        let waited = tokio::time::timeout(std::time::Duration::from_millis(50), tx.send(1, 9, Bytes::new())).await;
+        assert!(waited.is_err(), "a full channel must make the send wait");
+        for tag in 0..2 {
+            assert_eq!(rx.recv(1).await.unwrap().tag, tag);
+        }
+        let late = tokio::time::timeout(std::time::Duration::from_millis(50), rx.recv(1)).await;
+        assert!(late.is_err(), "the dropped send's frame came: {late:?}");
     }
 
     #[test]
