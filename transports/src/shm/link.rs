@@ -1,6 +1,6 @@
-//! [`ShmLink`] over two mapped rings: the writer (rules 4, 5, 10), reading
-//! records into per-channel queues (rule 6), receives that poll then wait,
-//! the watcher thread (rules 7, 9), closing (rule 8).
+//! [`ShmLink`] over two mapped rings: the writer (SHM-4, SHM-5, SHM-10), reading
+//! records into per-channel queues (SHM-6), receives that poll then wait,
+//! the watcher thread (SHM-7, SHM-9), closing (SHM-8).
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::pin;
@@ -32,7 +32,7 @@ const INLINE_LIMIT: usize = 64 << 10;
 /// costs no wake-ups (a wake-up costs 10-25 us here, BENCHMARKS 18).
 const RECEIVE_SPIN: Duration = Duration::from_micros(50);
 /// How long the writer may wait for room behind frames read but not
-/// received before they are copied out of the ring (rule 9): long enough
+/// received before they are copied out of the ring (SHM-9): long enough
 /// that a receive about to take them usually does, since the copy is then
 /// wasted.
 const UNRECEIVED_GRACE: Duration = Duration::from_millis(20);
@@ -52,7 +52,7 @@ impl AsRef<[u8]> for RingSlice {
         // capacity`, so the slice lies in the double-mapped data area, which
         // `ring` keeps mapped; the writer does not write `[tail, head)` and
         // `tail` stays at or before `start` until this value is dropped
-        // (rule 4).
+        // (SHM-4).
         unsafe { std::slice::from_raw_parts(self.ring.at(self.start).add(RECORD_HEADER), self.len) }
     }
 }
@@ -117,7 +117,7 @@ pub(super) struct Shared {
     liveness_interval: Duration,
     /// Why the link failed, once it has.
     closed: watch::Sender<Option<TransportError>>,
-    /// Whether the peer was told (rule 8): only the first close counts.
+    /// Whether the peer was told (SHM-8): only the first close counts.
     told: Mutex<bool>,
     /// One writer at a time; owned guards survive a cancelled `send`.
     writing: Arc<tokio::sync::Mutex<()>>,
@@ -165,7 +165,7 @@ impl Shared {
         }
     }
 
-    /// Fails the link (the first error wins) and tells the peer (rule 8),
+    /// Fails the link (the first error wins) and tells the peer (SHM-8),
     /// leaving `notice` when this side closes on purpose.
     fn fail(&self, error: TransportError, notice: Option<&CloseNotice>) {
         // Flags first: whoever sees the error here also sees them there.
@@ -223,7 +223,7 @@ impl Shared {
     }
 
     /// Where a record of `size` bytes may be written now, if anywhere;
-    /// an empty ring is first skipped to its start (rule 10), which needs
+    /// an empty ring is first skipped to its start (SHM-10), which needs
     /// the writer's lock as a write does.
     fn room(&self, size: u64) -> Result<Option<u64>, TransportError> {
         if let Some(error) = self.write_blocker() {
@@ -242,7 +242,7 @@ impl Shared {
         })
     }
 
-    /// Publishes a skip record from `head` to `to` (rule 10).
+    /// Publishes a skip record from `head` to `to` (SHM-10).
     fn skip_to(&self, head: u64, to: u64) {
         let record = RecordHeader::skip(head, to).encode();
         // SAFETY: as in `put_with`: `head..to` is free (the caller checked
@@ -278,7 +278,7 @@ impl Shared {
         }
     }
 
-    /// Copies one record to `head` and publishes it (rule 4).
+    /// Copies one record to `head` and publishes it (SHM-4).
     pub(super) fn put(&self, head: u64, channel: ChannelId, tag: u64, total: u64, piece: &[u8]) {
         self.put_with(head, channel, tag, total, piece.len(), &mut |payload| {
             payload.copy_from_slice(piece)
@@ -286,7 +286,7 @@ impl Shared {
     }
 
     /// Writes one record of `len` payload bytes to `head`, the payload by
-    /// `fill` in place, and publishes it (rule 4).
+    /// `fill` in place, and publishes it (SHM-4).
     fn put_with(
         &self,
         head: u64,
@@ -353,7 +353,7 @@ impl Shared {
     }
 
     /// Writes a frame, waiting for room: one record if it fits the ring,
-    /// otherwise pieces of a quarter ring (rule 5).
+    /// otherwise pieces of a quarter ring (SHM-5).
     fn write(&self, channel: ChannelId, tag: u64, payload: &[u8]) -> Result<(), TransportError> {
         let total = payload.len() as u64;
         let capacity = self.outbound.capacity as usize;
@@ -440,7 +440,7 @@ impl Shared {
         }
     }
 
-    /// Reads every published record into the channel queues (rule 6), on
+    /// Reads every published record into the channel queues (SHM-6), on
     /// whichever thread calls: a receive or the watcher. When another
     /// thread is reading, that one reads again before it stops, so nothing
     /// published before this call is left unread.
@@ -609,7 +609,7 @@ impl Shared {
         }
     }
 
-    /// Rule 9: once the writer has waited for room for
+    /// SHM-9: once the writer has waited for room for
     /// [`UNRECEIVED_GRACE`] with `tail` held by frames read but not
     /// received, copies them out of the ring. `held_up` is `tail` and when
     /// the wait was first seen; returns how long the watcher may sleep.
@@ -656,7 +656,7 @@ impl Shared {
     }
 
     /// Copies every frame read but not received out of the ring, which
-    /// releases its record (rule 9).
+    /// releases its record (SHM-9).
     fn detach_unreceived(&self) {
         let detach = |frame: &mut Frame| {
             if self.inbound.holds(frame.payload.as_ptr()) {
@@ -874,7 +874,7 @@ impl Link for ShmLink {
     ) -> Poll<Result<bool, TransportError>> {
         let size = record_size(len);
         // A frame cut into pieces must be finished once begun, which only
-        // an owned payload outlives a dropped send for (rule 5).
+        // an owned payload outlives a dropped send for (SHM-5).
         if size > self.shared.outbound.capacity {
             return Poll::Ready(Ok(false));
         }

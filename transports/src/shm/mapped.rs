@@ -44,7 +44,7 @@ const NOTICE_BYTES: usize = 1020;
 const _: () = assert!(CloseNotice::MAX_ENCODED <= NOTICE_BYTES);
 
 /// Where one side leaves its [`CloseNotice`] when it closes on purpose
-/// (rule 8): written once, before that side's closed flag.
+/// (SHM-8): written once, before that side's closed flag.
 #[repr(C)]
 pub(super) struct NoticeArea {
     len: AtomicU32,
@@ -205,7 +205,7 @@ impl Mapping {
 }
 
 /// Reserves a ring's pages in the tmpfs (`posix_fallocate`) on a thread of
-/// its own (rule 2), so a full tmpfs fails the link rather than `SIGBUS`ing
+/// its own (SHM-2), so a full tmpfs fails the link rather than `SIGBUS`ing
 /// the writer later; records why it failed in `failed`. Only the file is
 /// touched, not the mapping: the connecting and running ranks need their
 /// process's mmap lock, which `MAP_POPULATE` or `MADV_POPULATE_WRITE` would

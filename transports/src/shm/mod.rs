@@ -27,87 +27,87 @@
 //! `head` and `tail` count bytes since the ring was made and never wrap; a
 //! position `p` lives at data offset `p % capacity`. A record is a 64-byte
 //! header (`u32` channel, `u32` kind: 0 a frame or a piece of one, 1
-//! skipped space (rule 10); `u64` tag, `u64` length of this record's
+//! skipped space (SHM-10); `u64` tag, `u64` length of this record's
 //! payload, `u64` length of the whole frame) then the payload, padded to a
 //! multiple of 64 bytes, so payloads are 64-byte aligned.
 //!
-//! # Protocol
-//! 1. A rank draws a random 64-bit nonce ([`ShmEndpoint::new`]) and
-//!    publishes it through rendezvous; the nonce names its rings, so names
-//!    never collide across processes or runs.
-//! 2. Connecting ([`ShmEndpoint::connect_mesh`]) first creates every
-//!    outbound ring (`O_EXCL`, mode 0600, sized with `ftruncate` after
-//!    checking that the tmpfs has room for it, so a small `/dev/shm` is an
-//!    error now rather than a `SIGBUS` later), then attaches every inbound
-//!    ring, then waits until every peer has attached to this rank's rings.
-//!    Both sides of a pair must connect concurrently. The ring's pages are
-//!    reserved (`posix_fallocate`) by a background thread, not while
-//!    connecting, and mapped in by faults on first use: reserving and
-//!    `MAP_POPULATE`-ing 64 MiB rings to every local peer took 0.1-0.7 s on
-//!    2 cores, most of a group restart, and populating them in the
-//!    background held the mmap lock the ranks need (0.1-0.5 s more). A ring
-//!    that does not fit fails its link before the writer's next record.
-//! 3. The writer fills the header and stores the magic last; a reader that
-//!    finds magic 0 waits, any other wrong magic, version or size is a typed
-//!    [`TransportError::Protocol`]. The reader checks that the file is its
-//!    own user's, maps it, stores its pid, and unlinks the file: from then on
-//!    nothing is left behind whatever happens. A crash between creating and
-//!    the peer's attach (the connect window) leaves the file behind, until
-//!    [`remove_dead_rings`] finds it: a ring whose writer's pid is dead in
-//!    the writer's own pid namespace is removed (the lowest local rank of
-//!    a mesh sweeps before creating its rings, `chorus launch` once its
-//!    workers are gone).
-//! 4. The writer alone moves `head`, the reader alone moves `tail`;
-//!    `head - tail <= capacity` always. The writer copies a record into
-//!    `[head, head + size)` only once `tail` allows it, then publishes it
-//!    with one `head` store; the reader reads nothing past `head` and the
-//!    writer writes nothing in `[tail, head)`.
-//! 5. A frame whose record fits the ring is one record, handed to the
-//!    receiver without a copy (a `Bytes` over the mapping); `tail` passes it
-//!    once that `Bytes` and all its clones are dropped (records released out
-//!    of order wait for the ones before them). A larger frame is cut into
-//!    pieces of a quarter of the ring, consecutive in the ring, which the
-//!    receiver copies into a reused buffer and releases at once.
-//! 6. Reading: records are read in order and filed into bounded
-//!    per-channel queues by whichever thread reads, under one lock. A
-//!    receive that finds its queue empty reads the ring itself, on its own
-//!    thread, polling for up to 50 us (yielding the core between rounds of
-//!    polls); a frame that comes in that time costs no thread a wake-up.
-//!    Then it raises its channel's bit in the `awaited` mask, reads once
-//!    more, and waits: from then on the link's watcher thread reads for it.
-//! 7. Sleeping: the writer spins for a few microseconds for room, then
-//!    reads the futex word, raises its sleeping flag, re-checks `tail` and
-//!    `FUTEX_WAIT`s with a timeout; the reader bumps the word and wakes it
-//!    after moving `tail` if the flag is up. The watcher sleeps on the
-//!    other word; the writer bumps it and wakes it after publishing a
-//!    record whose channel is awaited, or a piece of a frame larger than the
-//!    ring (the rest of the frame needs the room the piece frees). Every
-//!    timeout (the liveness interval, 100 ms by default) checks the peer's
-//!    pid, so a peer that died without closing is an error, not a hang.
-//! 8. Closing raises this side's closed flag in both rings and wakes every
-//!    sleeper; the peer still receives every record published before it.
-//!    A close on purpose ([`Link::close_with`]) first writes its encoded
-//!    [`CloseNotice`](crate::link::CloseNotice) next to the flag (length last), so the peer gets
-//!    [`TransportError::PeerClosed`]; a flag without a notice (a cut, a
-//!    dropped link) is a lost link. A ring of another version is a typed
-//!    error when attaching (rule 3).
-//! 9. Frames read but not received (in their channels' queues, or
-//!    waiting for room in one) lie in the ring and hold `tail` back, so
-//!    frames of another channel behind them could wait for room forever
-//!    (a frame larger than the ring, or enough frames to go round it,
-//!    behind a frame its receiver takes only later). When the watcher
-//!    finds the writer sleeping for room and `tail` unmoved for 20 ms with
-//!    such frames in the ring, it copies them out, which releases their
-//!    records. It looks on each wake, at least once per liveness
-//!    interval.
-//! 10. A writer that finds the ring empty (`tail == head`) 1 MiB or more
-//!     into it, with the record fitting before that point, publishes a
-//!     skip record to the ring's end and writes at its start: the lines it
-//!     writes were written and read a moment ago and are still in the
-//!     cache, instead of lines never touched since the last lap (a
-//!     2 MiB all-reduce ran 2.5x faster, BENCHMARKS 22). The reader
-//!     releases a skip record as it reads it. A ring in use goes on as
-//!     before, so a backlog still has the whole ring.
+//! # Protocol (rules SHM-1..SHM-10)
+//! - SHM-1: A rank draws a random 64-bit nonce ([`ShmEndpoint::new`]) and
+//!   publishes it through rendezvous; the nonce names its rings, so names
+//!   never collide across processes or runs.
+//! - SHM-2: Connecting ([`ShmEndpoint::connect_mesh`]) first creates every
+//!   outbound ring (`O_EXCL`, mode 0600, sized with `ftruncate` after
+//!   checking that the tmpfs has room for it, so a small `/dev/shm` is an
+//!   error now rather than a `SIGBUS` later), then attaches every inbound
+//!   ring, then waits until every peer has attached to this rank's rings.
+//!   Both sides of a pair must connect concurrently. The ring's pages are
+//!   reserved (`posix_fallocate`) by a background thread, not while
+//!   connecting, and mapped in by faults on first use: reserving and
+//!   `MAP_POPULATE`-ing 64 MiB rings to every local peer took 0.1-0.7 s on
+//!   2 cores, most of a group restart, and populating them in the
+//!   background held the mmap lock the ranks need (0.1-0.5 s more). A ring
+//!   that does not fit fails its link before the writer's next record.
+//! - SHM-3: The writer fills the header and stores the magic last; a reader that
+//!   finds magic 0 waits, any other wrong magic, version or size is a typed
+//!   [`TransportError::Protocol`]. The reader checks that the file is its
+//!   own user's, maps it, stores its pid, and unlinks the file: from then on
+//!   nothing is left behind whatever happens. A crash between creating and
+//!   the peer's attach (the connect window) leaves the file behind, until
+//!   [`remove_dead_rings`] finds it: a ring whose writer's pid is dead in
+//!   the writer's own pid namespace is removed (the lowest local rank of
+//!   a mesh sweeps before creating its rings, `chorus launch` once its
+//!   workers are gone).
+//! - SHM-4: The writer alone moves `head`, the reader alone moves `tail`;
+//!   `head - tail <= capacity` always. The writer copies a record into
+//!   `[head, head + size)` only once `tail` allows it, then publishes it
+//!   with one `head` store; the reader reads nothing past `head` and the
+//!   writer writes nothing in `[tail, head)`.
+//! - SHM-5: A frame whose record fits the ring is one record, handed to the
+//!   receiver without a copy (a `Bytes` over the mapping); `tail` passes it
+//!   once that `Bytes` and all its clones are dropped (records released out
+//!   of order wait for the ones before them). A larger frame is cut into
+//!   pieces of a quarter of the ring, consecutive in the ring, which the
+//!   receiver copies into a reused buffer and releases at once.
+//! - SHM-6: Reading: records are read in order and filed into bounded
+//!   per-channel queues by whichever thread reads, under one lock. A
+//!   receive that finds its queue empty reads the ring itself, on its own
+//!   thread, polling for up to 50 us (yielding the core between rounds of
+//!   polls); a frame that comes in that time costs no thread a wake-up.
+//!   Then it raises its channel's bit in the `awaited` mask, reads once
+//!   more, and waits: from then on the link's watcher thread reads for it.
+//! - SHM-7: Sleeping: the writer spins for a few microseconds for room, then
+//!   reads the futex word, raises its sleeping flag, re-checks `tail` and
+//!   `FUTEX_WAIT`s with a timeout; the reader bumps the word and wakes it
+//!   after moving `tail` if the flag is up. The watcher sleeps on the
+//!   other word; the writer bumps it and wakes it after publishing a
+//!   record whose channel is awaited, or a piece of a frame larger than the
+//!   ring (the rest of the frame needs the room the piece frees). Every
+//!   timeout (the liveness interval, 100 ms by default) checks the peer's
+//!   pid, so a peer that died without closing is an error, not a hang.
+//! - SHM-8: Closing raises this side's closed flag in both rings and wakes every
+//!   sleeper; the peer still receives every record published before it.
+//!   A close on purpose ([`Link::close_with`]) first writes its encoded
+//!   [`CloseNotice`](crate::link::CloseNotice) next to the flag (length last), so the peer gets
+//!   [`TransportError::PeerClosed`]; a flag without a notice (a cut, a
+//!   dropped link) is a lost link. A ring of another version is a typed
+//!   error when attaching (SHM-3).
+//! - SHM-9: Frames read but not received (in their channels' queues, or
+//!   waiting for room in one) lie in the ring and hold `tail` back, so
+//!   frames of another channel behind them could wait for room forever
+//!   (a frame larger than the ring, or enough frames to go round it,
+//!   behind a frame its receiver takes only later). When the watcher
+//!   finds the writer sleeping for room and `tail` unmoved for 20 ms with
+//!   such frames in the ring, it copies them out, which releases their
+//!   records. It looks on each wake, at least once per liveness
+//!   interval.
+//! - SHM-10: A writer that finds the ring empty (`tail == head`) 1 MiB or more
+//!   into it, with the record fitting before that point, publishes a
+//!   skip record to the ring's end and writes at its start: the lines it
+//!   writes were written and read a moment ago and are still in the
+//!   cache, instead of lines never touched since the last lap (a
+//!   2 MiB all-reduce ran 2.5x faster, BENCHMARKS 22). The reader
+//!   releases a skip record as it reads it. A ring in use goes on as
+//!   before, so a backlog still has the whole ring.
 //!
 //! # Copies and costs
 //! A frame that fits the ring is copied once (sender into the ring);
@@ -119,7 +119,7 @@
 //! pins its bytes of the ring, and the sender waits once the ring is full
 //! (the collectives reduce from a payload, then drop it); frames not
 //! received yet are copied out instead when they hold the writer up
-//! (rule 9). A channel whose queue is full stops reading until a receive
+//! (SHM-9). A channel whose queue is full stops reading until a receive
 //! of it takes a frame, so frames of other channels behind it wait too
 //! (receive every channel you send on). Small frames cost a receive that
 //! comes in time no thread hand-off; one that waits costs two (the
@@ -128,18 +128,18 @@
 //! share a pid namespace.
 //!
 //! # Layout
-//! - this file: the options, the endpoint (connecting, rule 2 and 3),
+//! - this file: the options, the endpoint (connecting, SHM-2 and SHM-3),
 //!   sweeping rings of dead writers, tmpfs space.
 //! - [`ring`]: the records sans IO, public so that tests and the `shm_ring`
 //!   fuzz target drive them over a byte slice: where the writer puts a
-//!   record ([`ring::place`], rules 4 and 10), the reader's walk over
-//!   published records with every check ([`ring::ReadCursor`], rules 4, 5
+//!   record ([`ring::place`], SHM-4 and SHM-10), the reader's walk over
+//!   published records with every check ([`ring::ReadCursor`], SHM-4, SHM-5
 //!   and 10), when `tail` moves ([`ring::Released`]).
 //! - `mapped`: the ring in `/dev/shm`: header layout, the double mapping,
-//!   futex waits and wakes, the peer's liveness by pid (rules 3, 7).
-//! - `link`: [`ShmLink`] on top: the writer (rules 4, 5, 10), reading into
-//!   per-channel queues (rule 6), the watcher thread (rules 7, 9), closing
-//!   (rule 8).
+//!   futex waits and wakes, the peer's liveness by pid (SHM-3, SHM-7).
+//! - `link`: [`ShmLink`] on top: the writer (SHM-4, SHM-5, SHM-10), reading into
+//!   per-channel queues (SHM-6), the watcher thread (SHM-7, SHM-9), closing
+//!   (SHM-8).
 //! - `tests`: the link's tests (a test per numbered rule, two-process
 //!   tests), and `tests/ring.rs`, the cursor's.
 
@@ -295,7 +295,7 @@ impl ShmEndpoint {
     async fn connect_all(&self, peers: &[ShmPeer]) -> Result<Vec<ShmLink>, TransportError> {
         let peers: Vec<ShmPeer> = peers.iter().copied().filter(|p| p.rank != self.rank).collect();
         let deadline = Instant::now() + self.options.connect_timeout;
-        // Files this rank made and no peer has unlinked yet (rule 3).
+        // Files this rank made and no peer has unlinked yet (SHM-3).
         let mut created = Created(Vec::new());
         let mut outbound = Vec::new();
         for peer in &peers {
@@ -345,7 +345,7 @@ impl ShmEndpoint {
     async fn attach(&self, path: &Path, peer: ShmPeer, deadline: Instant) -> Result<Ring, TransportError> {
         loop {
             if let Some(ring) = Ring::open(path, peer.rank, self.rank)? {
-                // Mapped: the name is no longer needed (rule 3).
+                // Mapped: the name is no longer needed (SHM-3).
                 let _ = std::fs::remove_file(path);
                 return Ok(ring);
             }
@@ -411,7 +411,7 @@ fn pid_namespace() -> u64 {
 }
 
 /// Removes the ring files in `dir` left by writers that died before their
-/// reader attached (rule 3): files of this user whose header is a chorus
+/// reader attached (SHM-3): files of this user whose header is a chorus
 /// ring written from this pid namespace by a pid that no longer runs.
 /// Anything else (another user's file, a ring of a live writer or of
 /// another pid namespace, whose pids this process cannot check, a file

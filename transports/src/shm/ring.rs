@@ -1,6 +1,6 @@
-//! The ring's records, sans IO: where the writer puts a record (rules 4,
-//! 5, 10), how the reader walks and checks what was published (rules 4, 5,
-//! 10) and when `tail` moves (rule 5), as plain functions of positions and
+//! The ring's records, sans IO: where the writer puts a record (SHM-4,
+//! SHM-5, SHM-10), how the reader walks and checks what was published (SHM-4, SHM-5,
+//! SHM-10) and when `tail` moves (SHM-5), as plain functions of positions and
 //! header bytes. The mapped ring (`shm/mapped.rs`) and the link on top
 //! ([`ShmLink`](super::ShmLink)) do the memory and the waiting; the unit tests and the
 //! `shm_ring` fuzz target drive these over a byte slice instead.
@@ -23,9 +23,9 @@ pub const RECORD_HEADER: usize = 64;
 pub const RECORD_FIELDS: usize = 32;
 /// A record's kind (bytes 4..8 of its header): a frame or a piece of one.
 pub const DATA: u32 = 0;
-/// A record's kind: space the writer skipped, with no frame (rule 10).
+/// A record's kind: space the writer skipped, with no frame (SHM-10).
 pub const SKIP: u32 = 1;
-/// How far into the ring an empty ring starts over at its start (rule 10).
+/// How far into the ring an empty ring starts over at its start (SHM-10).
 pub const RESTART_AFTER: u64 = 1 << 20;
 
 /// A record header's fields, as the writer stores them (little-endian):
@@ -45,7 +45,7 @@ pub struct RecordHeader {
 }
 
 impl RecordHeader {
-    /// The header of a skip record from `from` to `to` (rule 10).
+    /// The header of a skip record from `from` to `to` (SHM-10).
     #[inline]
     pub fn skip(from: u64, to: u64) -> Self {
         let len = to - from - RECORD_HEADER as u64;
@@ -97,7 +97,7 @@ pub fn record_size(payload: u64) -> Option<u64> {
 }
 
 /// Payload bytes in each piece of a frame whose record does not fit a ring
-/// of `capacity` bytes: a quarter of the ring, less its header (rule 5).
+/// of `capacity` bytes: a quarter of the ring, less its header (SHM-5).
 #[inline]
 pub fn piece_len(capacity: u64) -> usize {
     (capacity as usize / 4).max(2 * RECORD_HEADER) - RECORD_HEADER
@@ -110,7 +110,7 @@ pub enum Place {
     At(u64),
     /// The ring is empty far into its lap: a skip record
     /// ([`RecordHeader::skip`]) from `head` to `at`, the lap's end, then
-    /// the record at `at` (rule 10).
+    /// the record at `at` (SHM-10).
     Restart {
         /// The lap's end.
         at: u64,
@@ -120,7 +120,7 @@ pub enum Place {
 }
 
 /// Where a record of `size` bytes goes in a ring of `capacity` bytes with
-/// the writer at `head` and the reader's `tail` (rules 4, 10). The writer
+/// the writer at `head` and the reader's `tail` (SHM-4, SHM-10). The writer
 /// alone moves `head`, in multiples of [`RECORD_HEADER`]; a `tail` past
 /// `head` (a broken reader) is no room.
 #[inline]
@@ -142,7 +142,7 @@ pub fn place(head: u64, tail: u64, capacity: u64, size: u64) -> Place {
 
 /// Released ranges of a ring not yet contiguous with `tail`: records are
 /// released in any order (a received payload is dropped when its owner
-/// likes), `tail` passes a record once it and all before it are (rule 5).
+/// likes), `tail` passes a record once it and all before it are (SHM-5).
 #[derive(Debug, Default)]
 pub struct Released {
     tail: u64,
@@ -175,7 +175,7 @@ impl Released {
 /// A published record, as [`ReadCursor::next`] read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Record {
-    /// Skipped space (rule 10): released as read.
+    /// Skipped space (SHM-10): released as read.
     Skip {
         /// Where the record starts.
         start: u64,
@@ -196,7 +196,7 @@ pub enum Record {
         /// Payload bytes.
         len: usize,
     },
-    /// A piece of a frame larger than the ring (rule 5): its `len` bytes at
+    /// A piece of a frame larger than the ring (SHM-5): its `len` bytes at
     /// `start + RECORD_HEADER` follow the frame's first `filled`; the frame
     /// is whole once `filled + len == total`.
     Piece {
@@ -286,7 +286,7 @@ pub enum RecordError {
     },
 }
 
-/// The frame whose pieces are coming (rule 5).
+/// The frame whose pieces are coming (SHM-5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Assembly {
     channel: ChannelId,
@@ -295,7 +295,7 @@ struct Assembly {
     filled: u64,
 }
 
-/// The reader's walk over published records (rules 4, 5, 10): where the
+/// The reader's walk over published records (SHM-4, SHM-5, SHM-10): where the
 /// next record starts and which frame's pieces are coming. It reads
 /// nothing past `head` and checks every record against what was published
 /// before handing it out.

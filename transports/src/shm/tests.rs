@@ -1,5 +1,6 @@
-//! The link's tests: one per numbered rule of the module doc at least,
-//! and the two-process ones (a child process runs [`child_process`]).
+//! The link's tests, named after the rules of the module doc they check
+//! (`shm4_...`), and the two-process ones (a child process runs
+//! [`child_process`]).
 //! The cursor's own tests are in `tests/ring.rs`.
 
 use std::future::Future;
@@ -70,8 +71,20 @@ fn pattern(len: usize, seed: u8) -> Bytes {
     Bytes::from((0..len).map(|i| (i % 251) as u8 ^ seed).collect::<Vec<u8>>())
 }
 
+#[test]
+fn shm1_every_endpoint_draws_its_own_nonce_and_names_its_rings_by_it() {
+    let nonces: std::collections::HashSet<u64> = (0..256)
+        .map(|_| ShmEndpoint::new(0, ShmOptions::default()).expect("a nonce").nonce())
+        .collect();
+    assert_eq!(nonces.len(), 256, "two endpoints drew the same nonce");
+    let dir = Path::new("/dev/shm");
+    let (a, b) = (ring_path(dir, 1, 3), ring_path(dir, 2, 3));
+    assert_ne!(a, b, "rings of two writers to one reader share a name");
+    assert_eq!(a, dir.join("chorus-0000000000000001-to-3"));
+}
+
 #[tokio::test]
-async fn frames_on_several_channels_arrive_in_order_and_apart() {
+async fn shm6_frames_on_several_channels_arrive_in_order_and_apart() {
     within(async {
         let (a, b) = pair(1 << 20).await;
         // Within the queue depth (16): a channel left unread beyond it
@@ -99,7 +112,7 @@ async fn frames_on_several_channels_arrive_in_order_and_apart() {
 }
 
 #[tokio::test]
-async fn an_empty_ring_starts_over_at_its_start_and_a_busy_one_goes_on() {
+async fn shm10_an_empty_ring_starts_over_at_its_start_and_a_busy_one_goes_on() {
     within(async {
         let (a, b) = pair(4 << 20).await;
         let capacity = b.shared.inbound.capacity as usize;
@@ -154,7 +167,7 @@ async fn an_empty_ring_starts_over_at_its_start_and_a_busy_one_goes_on() {
 }
 
 #[tokio::test]
-async fn a_64_mib_frame_and_frames_larger_than_the_ring_arrive_intact() {
+async fn shm5_a_64_mib_frame_and_frames_larger_than_the_ring_arrive_intact() {
     within(async {
         let (a, b) = pair(ShmOptions::default().capacity).await;
         let big = pattern(BIG, 7);
@@ -226,17 +239,17 @@ async fn behind_unreceived_frames(frames: Vec<Bytes>) {
 }
 
 #[tokio::test]
-async fn unreceived_frames_are_copied_out_when_a_frame_larger_than_the_ring_needs_their_room() {
+async fn shm9_unreceived_frames_are_copied_out_when_a_frame_larger_than_the_ring_needs_their_room() {
     behind_unreceived_frames(vec![pattern(5 << 20, 4)]).await;
 }
 
 #[tokio::test]
-async fn unreceived_frames_are_copied_out_when_later_frames_wrap_the_ring() {
+async fn shm9_unreceived_frames_are_copied_out_when_later_frames_wrap_the_ring() {
     behind_unreceived_frames((0..40).map(|seed| pattern(64 << 10, seed)).collect()).await;
 }
 
 #[tokio::test]
-async fn a_full_queue_holds_the_frames_behind_it_until_its_channel_takes_one() {
+async fn shm6_a_full_queue_holds_the_frames_behind_it_until_its_channel_takes_one() {
     within(async {
         let (a, b) = pair_with(ShmOptions {
             depth: 2,
@@ -261,7 +274,7 @@ async fn a_full_queue_holds_the_frames_behind_it_until_its_channel_takes_one() {
 }
 
 #[tokio::test]
-async fn a_waiting_receive_is_woken_for_its_channel_only_and_lowers_its_bit_when_done() {
+async fn shm6_shm7_a_waiting_receive_is_woken_for_its_channel_only_and_lowers_its_bit_when_done() {
     within(async {
         let (a, b) = pair(1 << 20).await;
         let b = Arc::new(b);
@@ -322,7 +335,7 @@ async fn a_borrowed_payload_goes_straight_in_only_when_the_ring_has_room() {
 }
 
 #[tokio::test]
-async fn a_borrowed_send_waits_for_room_and_fails_when_the_peer_goes() {
+async fn shm7_a_borrowed_send_waits_for_room_and_fails_when_the_peer_goes() {
     within(async {
         let (a, b) = pair(64 << 10).await;
         let piece = pattern((16 << 10) - RECORD_HEADER, 5);
@@ -405,7 +418,7 @@ async fn a_filled_send_writes_in_the_ring_only_once_it_has_room() {
 }
 
 #[tokio::test]
-async fn a_receiver_holding_payloads_makes_the_sender_wait() {
+async fn shm5_a_receiver_holding_payloads_makes_the_sender_wait() {
     within(async {
         let (a, b) = pair(64 << 10).await;
         // 4 records of 16 KiB fill the ring; the receiver keeps them all.
@@ -496,7 +509,7 @@ async fn a_send_dropped_after_it_began_finishes_its_frame_and_one_dropped_before
 }
 
 #[tokio::test]
-async fn close_fails_both_sides_after_delivering_what_was_sent() {
+async fn shm8_close_fails_both_sides_after_delivering_what_was_sent() {
     within(async {
         let (a, b) = pair(1 << 20).await;
         a.send(0, 1, Bytes::from_static(b"last words")).await.unwrap();
@@ -514,7 +527,7 @@ async fn close_fails_both_sides_after_delivering_what_was_sent() {
 }
 
 #[tokio::test]
-async fn a_close_on_purpose_carries_its_notice_both_ways_and_a_cut_or_a_drop_does_not() {
+async fn shm8_a_close_on_purpose_carries_its_notice_both_ways_and_a_cut_or_a_drop_does_not() {
     within(async {
         let notice = CloseNotice {
             reason: "rank 0 aborted: rank 2 (pid 7) died".into(),
@@ -549,7 +562,7 @@ async fn a_close_on_purpose_carries_its_notice_both_ways_and_a_cut_or_a_drop_doe
 }
 
 #[tokio::test]
-async fn a_ring_with_a_bad_header_is_a_typed_error_and_leaks_nothing() {
+async fn shm3_a_ring_with_a_bad_header_is_a_typed_error_and_leaks_nothing() {
     within(async {
         let b = ShmEndpoint::new(1, options(4096)).unwrap();
         let fake = 0x5eed_u64;
@@ -573,7 +586,7 @@ async fn a_ring_with_a_bad_header_is_a_typed_error_and_leaks_nothing() {
 }
 
 #[tokio::test]
-async fn forged_record_lengths_are_typed_errors() {
+async fn shm4_forged_record_lengths_are_typed_errors() {
     within(async {
         let (a, b) = pair(64 << 10).await;
         // A frame announced far over the receiver's limit.
@@ -600,7 +613,7 @@ async fn forged_record_lengths_are_typed_errors() {
             ring.poke();
         };
         // A record of an unknown kind, and skipped space longer than
-        // what was published (rule 10).
+        // what was published (SHM-10).
         for kind in [7, SKIP] {
             let (a, b) = pair(64 << 10).await;
             forged(&a, kind, 1000);
@@ -627,7 +640,7 @@ async fn forged_record_lengths_are_typed_errors() {
 }
 
 #[tokio::test]
-async fn a_peer_that_never_comes_times_out() {
+async fn shm2_a_peer_that_never_comes_times_out() {
     within(async {
         let a = ShmEndpoint::new(
             0,
@@ -782,7 +795,7 @@ fn tcp_sink() {
 }
 
 #[tokio::test]
-async fn a_ring_left_by_a_killed_writer_is_removed_and_live_or_foreign_ones_stay() {
+async fn shm3_a_ring_left_by_a_killed_writer_is_removed_and_live_or_foreign_ones_stay() {
     within(async {
         let dir = PathBuf::from(format!("/dev/shm/chorus-sweep-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -840,7 +853,7 @@ async fn two_processes_exchange_frames_on_several_channels() {
 }
 
 #[tokio::test]
-async fn a_peer_killed_with_sigkill_fails_sends_and_receives_within_seconds() {
+async fn shm7_a_peer_killed_with_sigkill_fails_sends_and_receives_within_seconds() {
     within(async {
         let (link, mut child) = with_child("hold", &[]).await;
         assert_eq!(link.recv(0).await.unwrap().tag, 7);

@@ -70,7 +70,7 @@ impl SliceRing {
         true
     }
 
-    /// The records of a frame as the link's writer cuts it (rule 5).
+    /// The records of a frame as the link's writer cuts it (SHM-5).
     fn pieces(&self, payload: &[u8]) -> Vec<Vec<u8>> {
         if record_size(payload.len() as u64).unwrap() <= self.capacity() {
             return vec![payload.to_vec()];
@@ -174,7 +174,7 @@ fn payloads(got: &[Got]) -> Vec<(u32, u64, Vec<u8>)> {
 }
 
 #[test]
-fn records_crossing_the_end_of_the_ring_arrive_intact() {
+fn shm4_records_crossing_the_end_of_the_ring_arrive_intact() {
     let mut ring = SliceRing::new(4096, 1 << 20);
     // Sizes that are not multiples of 64 leave padding; 7 laps of the ring.
     let frames: Vec<_> = (0..60u64)
@@ -192,7 +192,7 @@ fn records_crossing_the_end_of_the_ring_arrive_intact() {
 }
 
 #[test]
-fn an_empty_ring_far_into_its_lap_restarts_after_a_skip_record() {
+fn shm10_an_empty_ring_far_into_its_lap_restarts_after_a_skip_record() {
     let capacity = 4 << 20;
     let mut ring = SliceRing::new(capacity, 8 << 20);
     // Busy: two frames not yet released carry the writer past RESTART_AFTER.
@@ -229,7 +229,7 @@ fn an_empty_ring_far_into_its_lap_restarts_after_a_skip_record() {
 }
 
 #[test]
-fn frames_larger_than_the_ring_come_in_pieces_of_a_quarter_ring() {
+fn shm5_frames_larger_than_the_ring_come_in_pieces_of_a_quarter_ring() {
     let mut ring = SliceRing::new(4096, 1 << 20);
     assert_eq!(piece_len(4096), 1024 - RECORD_HEADER);
     let frames = vec![
@@ -245,7 +245,7 @@ fn frames_larger_than_the_ring_come_in_pieces_of_a_quarter_ring() {
 }
 
 #[test]
-fn tail_passes_a_record_once_it_and_every_one_before_it_are_released() {
+fn shm5_tail_passes_a_record_once_it_and_every_one_before_it_are_released() {
     let mut released = Released::default();
     assert_eq!(released.release(64, 128), None);
     assert_eq!(released.release(128, 256), None);
@@ -255,7 +255,7 @@ fn tail_passes_a_record_once_it_and_every_one_before_it_are_released() {
 }
 
 #[test]
-fn a_full_ring_has_no_room_and_a_tail_past_head_is_none() {
+fn shm4_a_full_ring_has_no_room_and_a_tail_past_head_is_none() {
     assert_eq!(place(0, 0, 4096, 4096), Place::At(0));
     assert_eq!(place(64, 0, 4096, 4096), Place::Full);
     assert_eq!(place(4096, 64, 4096, 64), Place::At(4096));
@@ -263,7 +263,7 @@ fn a_full_ring_has_no_room_and_a_tail_past_head_is_none() {
 }
 
 #[test]
-fn forged_records_are_typed_errors_and_never_read_past_head() {
+fn shm4_forged_records_are_typed_errors_and_never_read_past_head() {
     let header = |kind, len, total| RecordHeader {
         channel: 5,
         kind,
