@@ -648,11 +648,11 @@ impl<'a> Collective<'a> {
             while self.first_open < steps.len() && self.done[self.first_open] {
                 self.first_open += 1;
             }
-            for index in self.first_open..steps.len() {
+            for (index, step) in steps.iter().enumerate().skip(self.first_open) {
                 if self.done[index] || !plan.deps(StepId(index as u32)).iter().all(|d| self.done[d.index()]) {
                     continue;
                 }
-                let ran = match self.step(&steps[index].action) {
+                let ran = match self.step(&step.action) {
                     Ok(ran) => ran,
                     // A link's failure may be the echo of a desync.
                     Err(e @ CollectiveError::Transport(_)) => return Err(self.explain(e).await),
