@@ -42,6 +42,7 @@
 //!    once, whatever it waits on, with the abort as its error.
 
 use std::future::Future;
+use std::ops::Range;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
@@ -62,7 +63,7 @@ use crate::supervision::GroupAborted;
 use thiserror::Error;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
 /// The tag of a signature frame (data tags pack round and segment).
 const SIGNATURE_TAG: u64 = u64::MAX;
@@ -413,41 +414,572 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
 }
 
 async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
-    let Job {
-        rank,
-        links,
-        channel,
-        signature,
-        plan,
-        announce_to,
-        check_from,
-        sign_data,
-        input,
-        output,
-        timeout,
-        pool,
-        lender,
-        abort: _,
-    } = job;
-    let lender = lender.filter(|_| plan.lendable());
-    let size = signature.dtype.size();
-    check_len(&signature, "input", input.len(), plan.input_len() * size)?;
-    check_len(&signature, "output", output.len(), plan.output_len() * size)?;
-    let started = Instant::now();
-    let deadline = started + timeout;
-    let steps = plan.steps();
-    // Data larger than the cache: what this rank copies will have left the
-    // cache before anyone reads it, so copies skip reading it in first.
-    let copy: fn(&mut [u8], &[u8]) = if input.len().max(output.len()) >= streaming_threshold() {
-        copy_streaming
-    } else {
-        <[u8]>::copy_from_slice
-    };
+    let timeout = job.timeout;
+    let (mut collective, announce) = Collective::new(job)?;
+    collective.announce(&announce).await?;
+    // One timer for the whole collective, not one per wait.
+    let expiry = tokio::time::sleep_until(collective.started + timeout);
+    tokio::pin!(expiry);
+    let result = collective.drive(expiry).await;
+    collective.complete(result).await
+}
 
-    // Frames expected from each peer: its signature, then its data. The
-    // peers this collective deals with, sorted: a few, whatever the world.
-    let mut peers = check_from.clone();
-    for step in steps {
+/// One collective on this rank: its buffers, links and progress, made once
+/// and borrowed by each step, so that running a step allocates nothing.
+struct Collective<'a> {
+    rank: usize,
+    links: &'a [Option<Arc<dyn Link>>],
+    channel: ChannelId,
+    signature: Signature,
+    /// The signature as it goes on the wire.
+    encoded: [u8; ENCODED_LEN],
+    plan: &'a Plan,
+    /// Bytes per element.
+    size: usize,
+    input: Bytes,
+    output: &'a mut [u8],
+    /// Data larger than the cache: what this rank copies will have left the
+    /// cache before anyone reads it, so copies skip reading it in first.
+    copy: fn(&mut [u8], &[u8]),
+    pool: &'a FramePool,
+    lender: Option<Lender>,
+    started: Instant,
+    inbox: Inbox<'a>,
+    /// By step: whether it has run.
+    done: Vec<bool>,
+    /// Steps not yet run.
+    remaining: usize,
+    /// Every step before it has run.
+    first_open: usize,
+    /// Frames that came before their receive could run: few at a time.
+    arrived: Vec<(usize, u64, Bytes)>,
+    /// Regions lent to peers, and whether a write waits for one's release.
+    leases: Leases,
+    blocked_on_lease: bool,
+    /// Send tasks, made for sends that could not be handed over at once,
+    /// and the channel they report failures on.
+    tasks: JoinSet<()>,
+    events: Option<mpsc::UnboundedSender<Event>>,
+    /// Woken by a link that has room again for a send that found none;
+    /// made when a send first finds none.
+    room: Option<(Arc<Notify>, Waker)>,
+    /// A signature and the data it is carried with.
+    signed: Vec<u8>,
+}
+
+impl<'a> Collective<'a> {
+    /// Checks the buffers and starts the receives; also returns the peers
+    /// to announce this rank's signature to.
+    fn new(job: Job<'a>) -> Result<(Self, Vec<usize>), CollectiveError> {
+        let Job {
+            rank,
+            links,
+            channel,
+            signature,
+            plan,
+            announce_to,
+            check_from,
+            sign_data,
+            input,
+            output,
+            timeout: _,
+            pool,
+            lender,
+            abort: _,
+        } = job;
+        let size = signature.dtype.size();
+        check_len(&signature, "input", input.len(), plan.input_len() * size)?;
+        check_len(&signature, "output", output.len(), plan.output_len() * size)?;
+        let copy: fn(&mut [u8], &[u8]) = if input.len().max(output.len()) >= streaming_threshold() {
+            copy_streaming
+        } else {
+            <[u8]>::copy_from_slice
+        };
+        let mut collective = Collective {
+            rank,
+            links,
+            channel,
+            signature,
+            encoded: signature.encode(),
+            plan,
+            size,
+            input,
+            output,
+            copy,
+            pool,
+            lender: lender.filter(|_| plan.lendable()),
+            started: Instant::now(),
+            inbox: Inbox {
+                links,
+                channel,
+                arrivals: FuturesUnordered::new(),
+                peers: peers(plan, &check_from, sign_data),
+                unverified: 0,
+                failures: None,
+            },
+            done: vec![false; plan.steps().len()],
+            remaining: plan.steps().len(),
+            first_open: 0,
+            arrived: Vec::new(),
+            leases: Leases::default(),
+            blocked_on_lease: false,
+            tasks: JoinSet::new(),
+            events: None,
+            room: None,
+            signed: Vec::new(),
+        };
+        let announce = collective.expect_frames(announce_to, &check_from, sign_data)?;
+        Ok((collective, announce))
+    }
+
+    /// Counts the frames each peer owes (its signature, then its data) and
+    /// starts a receive from each that owes any (rule 3). Returns the peers
+    /// to announce to: `announce_to`, and with `sign_data` those sent data
+    /// too large to carry the signature.
+    fn expect_frames(
+        &mut self,
+        mut announce: Vec<usize>,
+        check_from: &[usize],
+        sign_data: bool,
+    ) -> Result<Vec<usize>, CollectiveError> {
+        let inbox = &mut self.inbox;
+        for &peer in check_from {
+            let state = inbox.peer_mut(peer).expect("listed");
+            if !state.unverified {
+                state.unverified = true;
+                state.owed += 1;
+                inbox.unverified += 1;
+            }
+        }
+        for step in self.plan.steps() {
+            match &step.action {
+                Action::Recv { from, dst, .. } => {
+                    let state = inbox.peer_mut(*from).expect("listed");
+                    state.owed += 1;
+                    // Its signature comes with its data, or on its own
+                    // before data too large to carry it in (as it sends).
+                    if sign_data && !check_from.contains(from) {
+                        state.large_in |= dst.len() * self.size > SIGNED_MAX;
+                        if !state.unverified {
+                            state.unverified = true;
+                            inbox.unverified += 1;
+                        }
+                    }
+                }
+                Action::Send { to, src, .. } if sign_data && !announce.contains(to) => {
+                    let state = inbox.peer_mut(*to).expect("listed");
+                    let (Region::Input(r) | Region::Output(r)) = src;
+                    state.sign = true;
+                    state.large_out |= r.len() * self.size > SIGNED_MAX;
+                }
+                _ => {}
+            }
+        }
+        for index in 0..inbox.peers.len() {
+            let (peer, state) = &mut inbox.peers[index];
+            let peer = *peer;
+            if state.large_in {
+                state.owed += 1;
+            }
+            if state.sign && state.large_out {
+                state.sign = false;
+                announce.push(peer);
+            }
+            if state.owed > 0 {
+                state.owed -= 1;
+                // Every peer that owes frames must have a link (an error naming it).
+                link(self.links, self.rank, peer)?;
+                inbox.receive(peer);
+            }
+        }
+        Ok(announce)
+    }
+
+    /// Sends this rank's signature to `peers` (rule 1), before anything can
+    /// fail here, so that even a rank that detects a desync first has told
+    /// every other rank what it was calling.
+    async fn announce(&mut self, peers: &[usize]) -> Result<(), CollectiveError> {
+        for &peer in peers {
+            let link = link(self.links, self.rank, peer)?;
+            // Copied straight into the link when it has room (no frame, no
+            // waiting future); otherwise, or on a failure, the send below.
+            if let Ok(true) = link.try_send_copy(self.channel, SIGNATURE_TAG, &self.encoded) {
+                continue;
+            }
+            let sent = link
+                .send(self.channel, SIGNATURE_TAG, Bytes::copy_from_slice(&self.encoded))
+                .await;
+            if let Err(e) = sent {
+                // The pending receives are polled through the grace period
+                // (`explain_failure`) and dropped with the inbox afterwards.
+                return Err(self.explain(e.error.into()).await);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the steps as they become ready, waiting between for frames,
+    /// room in a link or a lent region's release, until every step has run,
+    /// every signature matched and no peer reads the output any more.
+    async fn drive(&mut self, mut expiry: Pin<&mut Sleep>) -> Result<(), CollectiveError> {
+        loop {
+            self.run_ready().await?;
+            // The output goes back (or is averaged) only once no peer
+            // reads it any more.
+            let lent = self.lender.as_ref().is_some_and(|l| l.outstanding() > 0);
+            if self.remaining == 0 && self.inbox.unverified == 0 && !lent {
+                return Ok(());
+            }
+            let wait_release = self.blocked_on_lease || (self.remaining == 0 && lent);
+            if let Some(event) = self.wait(expiry.as_mut(), wait_release).await? {
+                self.accept(event).await?;
+            }
+        }
+    }
+
+    /// Runs every step whose dependencies have run, until none can (rule 2).
+    async fn run_ready(&mut self) -> Result<(), CollectiveError> {
+        let plan = self.plan;
+        let steps = plan.steps();
+        self.blocked_on_lease = false;
+        let mut progressed = true;
+        while progressed {
+            progressed = false;
+            while self.first_open < steps.len() && self.done[self.first_open] {
+                self.first_open += 1;
+            }
+            for (index, step) in steps.iter().enumerate().skip(self.first_open) {
+                if self.done[index] || !plan.deps(StepId(index as u32)).iter().all(|d| self.done[d.index()]) {
+                    continue;
+                }
+                let ran = match self.step(&step.action) {
+                    Ok(ran) => ran,
+                    // A link's failure may be the echo of a desync.
+                    Err(e @ CollectiveError::Transport(_)) => return Err(self.explain(e).await),
+                    Err(e) => return Err(e),
+                };
+                if ran {
+                    self.done[index] = true;
+                    self.remaining -= 1;
+                    progressed = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one ready step; false when it must wait (for its frame, room
+    /// in its link, or a lent region's release).
+    fn step(&mut self, action: &Action) -> Result<bool, CollectiveError> {
+        match action {
+            Action::Copy { src, dst } => {
+                let (src, dst) = (self.bytes(src), self.bytes(dst));
+                if self.leases.busy(&dst) {
+                    self.blocked_on_lease = true;
+                    return Ok(false);
+                }
+                (self.copy)(&mut self.output[dst], &self.input[src]);
+                Ok(true)
+            }
+            Action::Send { to, tag, src } => self.send(*to, data_tag(*tag), src),
+            Action::Recv { from, tag, dst, then } => self.receive(*from, data_tag(*tag), dst, *then),
+        }
+    }
+
+    /// The bytes of the elements `r`.
+    fn bytes(&self, r: &Range<usize>) -> Range<usize> {
+        r.start * self.size..r.end * self.size
+    }
+
+    /// Runs a send: lent to an in-process peer, else copied straight into
+    /// the link, else handed over as a frame. False while the link has no
+    /// room (the loop is woken when it has).
+    fn send(&mut self, to: usize, tag: u64, src: &Region) -> Result<bool, CollectiveError> {
+        let link = link(self.links, self.rank, to)?;
+        let sign = self.inbox.peer(to).is_some_and(|p| p.sign);
+        let (Region::Input(r) | Region::Output(r)) = src;
+        let region = self.bytes(r);
+        let lendable = matches!(src, Region::Output(_)) && !sign && region.len() >= LEND_MIN_BYTES;
+        if lendable && self.lend(link, to, tag, region.clone())? {
+            return Ok(true);
+        }
+        match self.send_copy(link, tag, src, region.clone(), sign) {
+            Poll::Ready(Ok(true)) => {
+                if let Some(peer) = self.inbox.peer_mut(to) {
+                    peer.sign = false;
+                }
+                Ok(true)
+            }
+            Poll::Pending => Ok(false),
+            Poll::Ready(Err(e)) => Err(e.into()),
+            Poll::Ready(Ok(false)) => {
+                self.send_frame(link, to, tag, src, region, sign);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Sends a view of the output's `region` to `to`, a peer in this
+    /// process that reads it in place; false when no view can go (the
+    /// link or the buffer takes none).
+    fn lend(
+        &mut self,
+        link: &Arc<dyn Link>,
+        to: usize,
+        tag: u64,
+        region: Range<usize>,
+    ) -> Result<bool, CollectiveError> {
+        let Some(lender) = &self.lender else {
+            return Ok(false);
+        };
+        // SAFETY: every write of the output waits for the leases over it
+        // (`leases.busy`).
+        let Some((view, lease)) = (unsafe { lender.lend(&self.output[region.clone()]) }) else {
+            return Ok(false);
+        };
+        if !link.send_in_place(self.channel, tag, &view)? {
+            return Ok(false);
+        }
+        self.leases.push(region, to, lease);
+        Ok(true)
+    }
+
+    /// Copies a send's bytes straight from the buffer into the transport
+    /// (one copy, none into a frame; the signature written in front when
+    /// `sign`), or registers for room; `Ready(Ok(false))` when the link
+    /// takes no borrowed payload (then `signed` holds a signed payload).
+    fn send_copy(
+        &mut self,
+        link: &Arc<dyn Link>,
+        tag: u64,
+        src: &Region,
+        region: Range<usize>,
+        sign: bool,
+    ) -> Poll<Result<bool, TransportError>> {
+        let (copy, encoded) = (self.copy, &self.encoded);
+        let bytes = match src {
+            Region::Input(_) => &self.input[region],
+            Region::Output(_) => &self.output[region],
+        };
+        let (_, waker) = self.room.get_or_insert_with(|| {
+            let notify = Arc::new(Notify::new());
+            (notify.clone(), Waker::from(Arc::new(RoomWaker(notify))))
+        });
+        let mut cx = Context::from_waker(waker);
+        if !sign {
+            return link.poll_send_copy_by(&mut cx, self.channel, tag, bytes, copy);
+        }
+        let at = encoded.len();
+        let polled = link.poll_send_with(&mut cx, self.channel, tag | SIGNED, at + bytes.len(), &mut |frame| {
+            frame[..at].copy_from_slice(encoded);
+            copy(&mut frame[at..], bytes);
+        });
+        if !matches!(polled, Poll::Ready(Ok(false))) {
+            return polled;
+        }
+        self.signed.clear();
+        self.signed.extend_from_slice(encoded);
+        self.signed.extend_from_slice(bytes);
+        Poll::Ready(link.try_send_copy(self.channel, tag | SIGNED, &self.signed))
+    }
+
+    /// Hands a send to its link as a frame (of the input, without a copy,
+    /// when unsigned; else pooled): polled once here, so that a link with
+    /// room takes it now and no task is made for it, and over QUIC it leaves
+    /// in the packet that carries what this collective wrote before (its
+    /// signature). It counts as done either way (rule 2 of the plan).
+    fn send_frame(
+        &mut self,
+        link: &Arc<dyn Link>,
+        to: usize,
+        tag: u64,
+        src: &Region,
+        region: Range<usize>,
+        sign: bool,
+    ) {
+        let (tag, payload) = match src {
+            // `send_copy` left the signed payload in `signed`.
+            _ if sign => (tag | SIGNED, self.pool.frame(&self.signed)),
+            Region::Input(_) => (tag, self.input.slice(region)),
+            Region::Output(_) => (tag, self.pool.frame(&self.output[region])),
+        };
+        if let Some(peer) = self.inbox.peer_mut(to) {
+            peer.sign = false;
+        }
+        let events = self.events.get_or_insert_with(|| {
+            let (events, failures) = mpsc::unbounded_channel();
+            self.inbox.failures = Some(failures);
+            events
+        });
+        let (events, link, channel) = (events.clone(), link.clone(), self.channel);
+        let mut send = Box::pin(async move {
+            if let Err(e) = link.send(channel, tag, payload).await {
+                let _ = events.send(Event::Failed(e.error.into()));
+            }
+        });
+        if send.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending() {
+            self.tasks.spawn(send);
+        }
+    }
+
+    /// Runs a receive whose frame has arrived, copying or reducing it into
+    /// its region; false while it has not, or the region is still lent.
+    fn receive(&mut self, from: usize, tag: u64, dst: &Range<usize>, then: Combine) -> Result<bool, CollectiveError> {
+        let Some(at) = self.arrived.iter().position(|(f, t, _)| (*f, *t) == (from, tag)) else {
+            return Ok(false);
+        };
+        let dst = self.bytes(dst);
+        // A region still lent waits for its release (checked only once
+        // there is something to write).
+        if self.leases.busy(&dst) {
+            self.blocked_on_lease = true;
+            return Ok(false);
+        }
+        let (_, _, payload) = self.arrived.swap_remove(at);
+        let (op, dtype, world) = (
+            self.signature.reduce_op.unwrap_or(ReduceOp::Sum),
+            self.signature.dtype,
+            self.plan.world(),
+        );
+        let (input, target) = (&self.input, &mut self.output[dst.clone()]);
+        if payload.len() != target.len() {
+            return Err(CollectiveError::Protocol {
+                peer: from,
+                reason: format!("sent {} bytes for a {}-byte segment", payload.len(), target.len()),
+            });
+        }
+        match then {
+            Combine::Copy => (self.copy)(target, &payload),
+            Combine::Reduce => reduce_into(op, dtype, target, &payload)?,
+            Combine::ReduceInput => reduce_from(op, dtype, target, &input[dst], &payload)?,
+            Combine::ReduceCompleteInput => reduce_complete_from(op, dtype, target, &input[dst], &payload, world)?,
+            Combine::ReduceComplete => reduce_complete_into(op, dtype, target, &payload, world)?,
+        }
+        Ok(true)
+    }
+
+    /// Waits for the next frame or failure; `None` when a link has room
+    /// again or a peer released a lent region (the steps run again). At the
+    /// deadline, fails naming the ranks waited for (rule 4).
+    async fn wait(&mut self, expiry: Pin<&mut Sleep>, wait_release: bool) -> Result<Option<Event>, CollectiveError> {
+        let (room, lender) = (&self.room, &self.lender);
+        let has_room = async {
+            match room {
+                Some((notify, _)) => notify.notified().await,
+                None => std::future::pending().await,
+            }
+        };
+        let released = async {
+            match lender {
+                Some(lender) => lender.released().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            event = self.inbox.next() => Ok(Some(event)),
+            () = has_room => Ok(None),
+            () = released, if wait_release => Ok(None),
+            () = expiry => Err(self.timed_out()),
+        }
+    }
+
+    /// The error at the deadline: it names the ranks whose signature or
+    /// frames never came, that hold a lent region, or that do not drain the
+    /// link of a send that could run.
+    fn timed_out(&mut self) -> CollectiveError {
+        let mut waiting_for: Vec<usize> = self.inbox.waiting_for_signatures().collect();
+        waiting_for.extend(self.leases.holders());
+        for (index, step) in self.plan.steps().iter().enumerate() {
+            let ready = || {
+                self.plan
+                    .deps(StepId(index as u32))
+                    .iter()
+                    .all(|d| self.done[d.index()])
+            };
+            match (self.done[index], &step.action) {
+                (false, Action::Recv { from, .. }) => waiting_for.push(*from),
+                (false, Action::Send { to, .. }) if ready() => waiting_for.push(*to),
+                _ => {}
+            }
+        }
+        waiting_for.sort_unstable();
+        waiting_for.dedup();
+        CollectiveError::Timeout {
+            signature: self.signature,
+            rank: self.rank,
+            waited: self.started.elapsed(),
+            waiting_for,
+        }
+    }
+
+    /// Takes in an event: a signature is checked, a data frame kept for its
+    /// receive (the signature it carries checked first), a send task's
+    /// failure ends the collective.
+    async fn accept(&mut self, event: Event) -> Result<(), CollectiveError> {
+        match event {
+            Event::Failed(e) => Err(self.explain(e).await),
+            Event::Frame {
+                from,
+                tag: SIGNATURE_TAG,
+                payload,
+            } => self.inbox.verify(&self.signature, self.rank, from, &payload),
+            Event::Frame { from, tag, payload } => {
+                let (tag, theirs, payload) = split_signed(from, tag, payload)?;
+                if let Some(theirs) = theirs {
+                    self.inbox.verify(&self.signature, self.rank, from, &theirs)?;
+                }
+                if self.inbox.peer(from).is_some_and(|p| p.unverified) {
+                    return Err(CollectiveError::Protocol {
+                        peer: from,
+                        reason: "data arrived before its signature".into(),
+                    });
+                }
+                self.arrived.push((from, tag, payload));
+                Ok(())
+            }
+        }
+    }
+
+    /// A link's failure, or the desync it echoes (`explain_failure`).
+    async fn explain(&mut self, failure: CollectiveError) -> CollectiveError {
+        explain_failure(failure, &self.signature, self.rank, &mut self.inbox).await
+    }
+
+    /// Ends the collective: on failure its send tasks are aborted; else
+    /// they are joined (sends must be handed over before the next
+    /// collective reuses the channel) and an average the steps did not
+    /// divide is divided.
+    async fn complete(mut self, result: Result<(), CollectiveError>) -> Result<(), CollectiveError> {
+        if result.is_err() {
+            self.tasks.abort_all();
+            return result;
+        }
+        while let Some(joined) = self.tasks.join_next().await {
+            if joined.is_err() {
+                return Err(CollectiveError::Broken("a transport task panicked".into()));
+            }
+        }
+        if let Some(failures) = &mut self.inbox.failures {
+            while let Ok(event) = failures.try_recv() {
+                if let Event::Failed(e) = event {
+                    return Err(e);
+                }
+            }
+        }
+        if self.signature.reduce_op == Some(ReduceOp::Avg) && !self.plan.averages_in_steps() {
+            finalize_avg(self.signature.dtype, self.output, self.plan.world())?;
+        }
+        Ok(())
+    }
+}
+
+/// The peers a collective deals with, sorted (a few, whatever the world):
+/// those whose signatures it checks, receives from, and with `sign_data`
+/// sends to.
+fn peers(plan: &Plan, check_from: &[usize], sign_data: bool) -> Vec<(usize, PeerState)> {
+    let mut peers = check_from.to_vec();
+    for step in plan.steps() {
         match &step.action {
             Action::Recv { from, .. } => peers.push(*from),
             Action::Send { to, .. } if sign_data => peers.push(*to),
@@ -456,395 +988,7 @@ async fn run_plan(job: Job<'_>) -> Result<(), CollectiveError> {
     }
     peers.sort_unstable();
     peers.dedup();
-    let mut inbox = Inbox {
-        links,
-        channel,
-        arrivals: FuturesUnordered::new(),
-        peers: peers.into_iter().map(|peer| (peer, PeerState::default())).collect(),
-        unverified: 0,
-        failures: None,
-    };
-    for &peer in &check_from {
-        let state = inbox.peer_mut(peer).expect("listed");
-        if !state.unverified {
-            state.unverified = true;
-            state.owed += 1;
-            inbox.unverified += 1;
-        }
-    }
-    let mut announce = announce_to;
-    for step in steps {
-        match &step.action {
-            Action::Recv { from, dst, .. } => {
-                let state = inbox.peer_mut(*from).expect("listed");
-                state.owed += 1;
-                // Its signature comes with its data, or on its own
-                // before data too large to carry it in (as it sends).
-                if sign_data && !check_from.contains(from) {
-                    state.large_in |= dst.len() * size > SIGNED_MAX;
-                    if !state.unverified {
-                        state.unverified = true;
-                        inbox.unverified += 1;
-                    }
-                }
-            }
-            Action::Send { to, src, .. } if sign_data && !announce.contains(to) => {
-                let state = inbox.peer_mut(*to).expect("listed");
-                let (Region::Input(r) | Region::Output(r)) = src;
-                state.sign = true;
-                state.large_out |= r.len() * size > SIGNED_MAX;
-            }
-            _ => {}
-        }
-    }
-    for index in 0..inbox.peers.len() {
-        let (peer, state) = &mut inbox.peers[index];
-        let peer = *peer;
-        if state.large_in {
-            state.owed += 1;
-        }
-        if state.sign && state.large_out {
-            state.sign = false;
-            announce.push(peer);
-        }
-        if state.owed > 0 {
-            state.owed -= 1;
-            // Every peer that owes frames must have a link (an error naming it).
-            link(links, rank, peer)?;
-            inbox.receive(peer);
-        }
-    }
-    // Sent before anything can fail here, so that even a rank that detects
-    // a desync first has told every other rank what it was calling.
-    let encoded = signature.encode();
-    for &peer in &announce {
-        let link = link(links, rank, peer)?;
-        // Copied straight into the link when it has room (no frame, no
-        // waiting future); otherwise, or on a failure, the send below.
-        if let Ok(true) = link.try_send_copy(channel, SIGNATURE_TAG, &encoded) {
-            continue;
-        }
-        let sent = link
-            .send(channel, SIGNATURE_TAG, Bytes::copy_from_slice(&encoded))
-            .await;
-        if let Err(e) = sent {
-            // The pending receives are polled through the grace period
-            // (`explain_failure`) and dropped with the inbox afterwards.
-            return Err(explain_failure(e.error.into(), &signature, rank, &mut inbox).await);
-        }
-    }
-
-    // Send tasks, made for sends that could not be handed over at once,
-    // and the channel they report failures on.
-    let mut tasks = JoinSet::new();
-    let mut events = None;
-    // Woken by a link that has room again for a send that found none;
-    // made when a send first finds none.
-    let mut room: Option<(Arc<Notify>, Waker)> = None;
-    // A signature and the data it is carried with.
-    let mut signed = Vec::new();
-    let mut done = vec![false; steps.len()];
-    let mut remaining = steps.len();
-    let mut first_open = 0;
-    // Frames that came before their receive could run: few at a time.
-    let mut arrived: Vec<(usize, u64, Bytes)> = Vec::new();
-    // Regions lent to peers, and whether a write waits for one's release.
-    let mut leases = Leases::default();
-    let mut blocked_on_lease = false;
-    let element = |r: &std::ops::Range<usize>| r.start * size..r.end * size;
-    // One timer for the whole collective, not one per wait.
-    let expiry = tokio::time::sleep_until(deadline);
-    tokio::pin!(expiry);
-    let result = async {
-        loop {
-            let mut progressed = true;
-            blocked_on_lease = false;
-            while progressed {
-                progressed = false;
-                while first_open < steps.len() && done[first_open] {
-                    first_open += 1;
-                }
-                for index in first_open..steps.len() {
-                    if done[index] || !plan.deps(StepId(index as u32)).iter().all(|d| done[d.index()]) {
-                        continue;
-                    }
-                    let finished = match &steps[index].action {
-                        Action::Copy { dst, .. } if leases.busy(&element(dst)) => {
-                            blocked_on_lease = true;
-                            false
-                        }
-                        Action::Copy { src, dst } => {
-                            copy(&mut output[element(dst)], &input[element(src)]);
-                            true
-                        }
-                        Action::Send { to, tag, src } => {
-                            let link = link(links, rank, *to)?;
-                            let sign = inbox.peer(*to).is_some_and(|p| p.sign);
-                            // An in-process peer reads the region in place.
-                            let region = element(match src {
-                                Region::Input(r) | Region::Output(r) => r,
-                            });
-                            let lent = match (src, &lender) {
-                                // SAFETY: every write of the output waits for
-                                // the leases over it (`leases.busy`).
-                                (Region::Output(_), Some(lender)) if !sign && region.len() >= LEND_MIN_BYTES => unsafe {
-                                    lender.lend(&output[region.clone()])
-                                },
-                                _ => None,
-                            };
-                            if let Some((view, lease)) = lent {
-                                match link.send_in_place(channel, data_tag(*tag), &view) {
-                                    Ok(true) => {
-                                        leases.push(region, *to, lease);
-                                        done[index] = true;
-                                        remaining -= 1;
-                                        progressed = true;
-                                        continue;
-                                    }
-                                    Ok(false) => {}
-                                    Err(e) => {
-                                        return Err(explain_failure(e.into(), &signature, rank, &mut inbox).await);
-                                    }
-                                }
-                            }
-                            let mut tag = data_tag(*tag);
-                            let mut bytes = match src {
-                                Region::Input(r) => &input[element(r)],
-                                Region::Output(r) => &output[element(r)],
-                            };
-                            // Straight from the buffer into the transport
-                            // (one copy, none into a frame; the signature
-                            // written in front), waiting for room with the
-                            // receives still served; a transport that takes
-                            // no borrowed payload gets a frame (of the input,
-                            // without a copy, when unsigned).
-                            {
-                                let (_, waker) = room.get_or_insert_with(|| {
-                                    let notify = Arc::new(Notify::new());
-                                    (notify.clone(), Waker::from(Arc::new(RoomWaker(notify))))
-                                });
-                                let mut cx = Context::from_waker(waker);
-                                let polled = if sign {
-                                    let at = encoded.len();
-                                    let polled = link.poll_send_with(
-                                        &mut cx,
-                                        channel,
-                                        tag | SIGNED,
-                                        at + bytes.len(),
-                                        &mut |frame| {
-                                            frame[..at].copy_from_slice(&encoded);
-                                            copy(&mut frame[at..], bytes);
-                                        },
-                                    );
-                                    if matches!(polled, Poll::Ready(Ok(false))) {
-                                        signed.clear();
-                                        signed.extend_from_slice(&encoded);
-                                        signed.extend_from_slice(bytes);
-                                        (tag, bytes) = (tag | SIGNED, &signed[..]);
-                                        Poll::Ready(link.try_send_copy(channel, tag, bytes))
-                                    } else {
-                                        polled
-                                    }
-                                } else {
-                                    link.poll_send_copy_by(&mut cx, channel, tag, bytes, copy)
-                                };
-                                match polled {
-                                    Poll::Ready(Ok(true)) => {
-                                        if let Some(peer) = inbox.peer_mut(*to) {
-                                            peer.sign = false;
-                                        }
-                                        done[index] = true;
-                                        remaining -= 1;
-                                        progressed = true;
-                                        continue;
-                                    }
-                                    Poll::Pending => continue,
-                                    Poll::Ready(Err(e)) => {
-                                        return Err(explain_failure(e.into(), &signature, rank, &mut inbox).await);
-                                    }
-                                    Poll::Ready(Ok(false)) => {}
-                                }
-                            }
-                            let payload = match src {
-                                Region::Input(r) if !sign => input.slice(element(r)),
-                                _ => pool.frame(bytes),
-                            };
-                            if let Some(peer) = inbox.peer_mut(*to) {
-                                peer.sign = false;
-                            }
-                            let events = events.get_or_insert_with(|| {
-                                let (events, failures) = mpsc::unbounded_channel();
-                                inbox.failures = Some(failures);
-                                events
-                            });
-                            let (events, link) = (events.clone(), link.clone());
-                            let mut send = Box::pin(async move {
-                                if let Err(e) = link.send(channel, tag, payload).await {
-                                    let _ = events.send(Event::Failed(e.error.into()));
-                                }
-                            });
-                            // Polled once here: a link with room takes the
-                            // frame now, so no task is made for it, and over
-                            // QUIC it leaves in the packet that carries what
-                            // this collective wrote before (its signature).
-                            if send.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending() {
-                                tasks.spawn(send);
-                            }
-                            true
-                        }
-                        Action::Recv { from, tag, dst, then } => {
-                            let tag = data_tag(*tag);
-                            match arrived.iter().position(|(f, t, _)| (*f, *t) == (*from, tag)) {
-                                // A region still lent waits for its release
-                                // (checked only once there is something to write).
-                                Some(_) if leases.busy(&element(dst)) => {
-                                    blocked_on_lease = true;
-                                    false
-                                }
-                                Some(at) => {
-                                    let (_, _, payload) = arrived.swap_remove(at);
-                                    let target = &mut output[element(dst)];
-                                    if payload.len() != target.len() {
-                                        return Err(CollectiveError::Protocol {
-                                            peer: *from,
-                                            reason: format!(
-                                                "sent {} bytes for a {}-byte segment",
-                                                payload.len(),
-                                                target.len()
-                                            ),
-                                        });
-                                    }
-                                    let op = signature.reduce_op.unwrap_or(ReduceOp::Sum);
-                                    match then {
-                                        Combine::Copy => copy(target, &payload),
-                                        Combine::Reduce => reduce_into(op, signature.dtype, target, &payload)?,
-                                        Combine::ReduceInput => {
-                                            reduce_from(op, signature.dtype, target, &input[element(dst)], &payload)?
-                                        }
-                                        Combine::ReduceCompleteInput => reduce_complete_from(
-                                            op,
-                                            signature.dtype,
-                                            target,
-                                            &input[element(dst)],
-                                            &payload,
-                                            plan.world(),
-                                        )?,
-                                        Combine::ReduceComplete => {
-                                            reduce_complete_into(op, signature.dtype, target, &payload, plan.world())?
-                                        }
-                                    }
-                                    true
-                                }
-                                None => false,
-                            }
-                        }
-                    };
-                    if finished {
-                        done[index] = true;
-                        remaining -= 1;
-                        progressed = true;
-                    }
-                }
-            }
-            // The output goes back (or is averaged) only once no peer
-            // reads it any more.
-            let lent = lender.as_ref().is_some_and(|l| l.outstanding() > 0);
-            if remaining == 0 && inbox.unverified == 0 && !lent {
-                return Ok(());
-            }
-            let wait_release = blocked_on_lease || (remaining == 0 && lent);
-            let has_room = async {
-                match &room {
-                    Some((notify, _)) => notify.notified().await,
-                    None => std::future::pending().await,
-                }
-            };
-            let event = tokio::select! {
-                biased;
-                event = inbox.next() => event,
-                // A link has room for a send that waited: try again.
-                () = has_room => continue,
-                // A peer released a region a write or the end waits for.
-                () = async {
-                    match &lender {
-                        Some(lender) => lender.released().await,
-                        None => std::future::pending().await,
-                    }
-                }, if wait_release => continue,
-                () = &mut expiry => {
-                    let mut waiting_for: Vec<usize> = inbox.waiting_for_signatures().collect();
-                    // Peers that never released a region lent to them.
-                    waiting_for.extend(leases.holders());
-                    for (index, step) in steps.iter().enumerate() {
-                        let ready = || plan.deps(StepId(index as u32)).iter().all(|d| done[d.index()]);
-                        match (done[index], &step.action) {
-                            (false, Action::Recv { from, .. }) => waiting_for.push(*from),
-                            // A send that could run waits for room: its
-                            // peer does not drain the link.
-                            (false, Action::Send { to, .. }) if ready() => waiting_for.push(*to),
-                            _ => {}
-                        }
-                    }
-                    waiting_for.sort_unstable();
-                    waiting_for.dedup();
-                    return Err(CollectiveError::Timeout {
-                        signature,
-                        rank,
-                        waited: started.elapsed(),
-                        waiting_for,
-                    });
-                }
-            };
-            match event {
-                Event::Failed(e) => {
-                    return Err(explain_failure(e, &signature, rank, &mut inbox).await);
-                }
-                Event::Frame {
-                    from,
-                    tag: SIGNATURE_TAG,
-                    payload,
-                } => inbox.verify(&signature, rank, from, &payload)?,
-                Event::Frame { from, tag, payload } => {
-                    let (tag, payload) = match split_signed(from, tag, payload)? {
-                        (tag, Some(theirs), data) => {
-                            inbox.verify(&signature, rank, from, &theirs)?;
-                            (tag, data)
-                        }
-                        (tag, None, data) => (tag, data),
-                    };
-                    if inbox.peer(from).is_some_and(|p| p.unverified) {
-                        return Err(CollectiveError::Protocol {
-                            peer: from,
-                            reason: "data arrived before its signature".into(),
-                        });
-                    }
-                    arrived.push((from, tag, payload));
-                }
-            }
-        }
-    }
-    .await;
-    if result.is_err() {
-        tasks.abort_all();
-        return result;
-    }
-    // Sends must be handed over before the next collective reuses the channel.
-    while let Some(joined) = tasks.join_next().await {
-        if joined.is_err() {
-            return Err(CollectiveError::Broken("a transport task panicked".into()));
-        }
-    }
-    if let Some(failures) = &mut inbox.failures {
-        while let Ok(event) = failures.try_recv() {
-            if let Event::Failed(e) = event {
-                return Err(e);
-            }
-        }
-    }
-    if signature.reduce_op == Some(ReduceOp::Avg) && !plan.averages_in_steps() {
-        finalize_avg(signature.dtype, output, plan.world())?;
-    }
-    Ok(())
+    peers.into_iter().map(|peer| (peer, PeerState::default())).collect()
 }
 
 /// A data frame's tag and payload, and the signature it carries

@@ -15,11 +15,10 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
 use cudarc::nccl::sys;
 
+use super::code::NcclCode;
 use super::comm::{Backend, Communicator, DeviceBuffer};
 use super::probe::{NcclVersion, probe};
-use super::types::{
-    CommStatus, NcclCode, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op,
-};
+use super::types::{CommStatus, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op};
 use chorus_runtime::collective::{CollectiveKind, ReduceOp};
 
 /// How long an abort that returned `ncclInProgress` is polled before the

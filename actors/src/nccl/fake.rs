@@ -19,8 +19,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use chorus_runtime::collective::{CollectiveKind, ReduceOp, finalize_avg, reduce_into};
 
+use super::code::NcclCode;
 use super::comm::{Backend, Communicator, DeviceBuffer};
-use super::types::{CommStatus, NcclCode, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId};
+use super::types::{CommStatus, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // No code path panics while holding these locks; recover the data if one ever does.

@@ -625,7 +625,7 @@ impl<C: Communicator> Drop for NcclGroup<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nccl::types::NcclCode;
+    use crate::nccl::code::NcclCode;
 
     fn op(what: &str, deadline_in: u64, t0: Instant) -> InFlight {
         InFlight {

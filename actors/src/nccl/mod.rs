@@ -56,8 +56,10 @@
 //! without calling `ncclCommAbort`, as PyTorch's does.
 //!
 //! # Layout
+//! - `code`: [`NcclCode`], NCCL's result codes.
 //! - `probe`: [`probe`], NC-1.
-//! - `types`: [`NcclOp`], the dtype and operator mapping, [`NcclError`].
+//! - `types`: [`NcclOp`], the dtype and operator mapping, [`NcclError`]
+//!   (which wraps the probe's [`ProbeError`]; the probe uses none of it).
 //! - `comm`: the [`Backend`] and [`Communicator`] traits the rest is written
 //!   against.
 //! - `cuda`: the real implementation ([`CudaBackend`], [`CudaComm`],
@@ -69,6 +71,7 @@
 //! - `group`: [`NcclGroup`], its actor and its watchdog.
 
 mod bootstrap;
+mod code;
 mod comm;
 mod cuda;
 pub mod fake;
@@ -77,10 +80,9 @@ mod probe;
 mod types;
 
 pub use bootstrap::{BootstrapError, CommKey, exchange_unique_id, init_communicator, wait_ready};
+pub use code::NcclCode;
 pub use comm::{Backend, Communicator, DeviceBuffer};
 pub use cuda::{CudaBackend, CudaBuffer, CudaComm};
 pub use group::{Buffers, DEFAULT_TIMEOUT, NcclCollective, NcclGroup, NcclGroupConfig, NcclOpError, NcclRankActor};
 pub use probe::{Availability, MIN_NCCL, NcclVersion, ProbeError, REQUIRED_SYMBOLS, probe};
-pub use types::{
-    CommStatus, NcclCode, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op,
-};
+pub use types::{CommStatus, NcclError, NcclOp, P2pCall, UNIQUE_ID_BYTES, UniqueId, nccl_data_type, nccl_red_op};

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys::{CUresult, cudaError_enum};
 use thiserror::Error;
 
-use super::types::NcclCode;
+use super::code::NcclCode;
 
 /// The oldest NCCL with non-blocking communicators (`ncclConfig_t.blocking`,
 /// `ncclCommInitRankConfig`), which the backend needs so that init and abort

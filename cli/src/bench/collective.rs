@@ -59,6 +59,7 @@ use serde_json::Value;
 use chorus::group::ProcessGroup;
 use chorus::tensor::Tensor;
 
+use super::common::{PeerError, Spread, free_port, job_secret, median, python_peer, torchrun_env};
 use crate::launch::binding::{self, NumaBinding, Topology, format_cpu_list};
 
 /// The Gloo side's script, embedded so that the binary works from anywhere.
@@ -313,58 +314,9 @@ impl Half {
         };
         Self {
             avg_us,
-            median_us: median(&mut per_iter),
+            median_us: median(&mut per_iter).unwrap_or(f64::NAN),
             wrong,
         }
-    }
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
-}
-
-/// The median of a value measured once per round, and its range.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Spread {
-    /// Median over the rounds.
-    pub median: f64,
-    /// Smallest round.
-    pub min: f64,
-    /// Largest round.
-    pub max: f64,
-    /// Rounds with a finite value.
-    pub rounds: usize,
-}
-
-impl Spread {
-    /// The spread of `values`, ignoring the non-finite ones (a failed round).
-    pub fn of(values: &[f64]) -> Self {
-        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-        Spread {
-            median: median(&mut v),
-            min: v.first().copied().unwrap_or(f64::NAN),
-            max: v.last().copied().unwrap_or(f64::NAN),
-            rounds: v.len(),
-        }
-    }
-
-    /// `1.50x`, or `1.50x [1.20-1.80]` over several rounds.
-    fn format(&self) -> String {
-        let range = if self.rounds > 1 {
-            format!("[{:.2}-{:.2}]", self.min, self.max)
-        } else {
-            String::new()
-        };
-        format!("{:>6.2}x {range:>13}", self.median)
     }
 }
 
@@ -1005,10 +957,7 @@ impl ProcessSide {
         extra_env: &[(String, String)],
         cpus: &[Vec<usize>],
     ) -> Result<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .context("finding a free port")?
-            .port();
+        let port = free_port().context("finding a free port")?;
         let (tx, lines) = mpsc::channel();
         let stderr = Arc::new(Mutex::new(vec![VecDeque::new(); world]));
         let mut side = Self {
@@ -1021,14 +970,9 @@ impl ProcessSide {
         };
         for rank in 0..world {
             let mut command = Command::new(program);
+            torchrun_env(&mut command, rank, world, port);
             command
                 .args(args)
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
@@ -1328,15 +1272,6 @@ impl Side for InProcessSide {
 
 // ----------------------------------------------------------------- driver
 
-/// A random job secret for the rank processes, as `chorus launch` hands out.
-pub(crate) fn job_secret() -> String {
-    let mut bytes = [0u8; 16];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = std::io::Read::read_exact(&mut f, &mut bytes);
-    }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// The flags a worker (chorus or Gloo) needs to measure what the parent asks.
 fn worker_flags(args: &CollectiveArgs) -> Vec<String> {
     vec![
@@ -1373,27 +1308,6 @@ fn make_row(args: &CollectiveArgs, count: usize, raws: &[Raw]) -> Row {
             raws.iter().map(|r| r.wrong_ip).sum(),
         ),
         peak_rss: raws.iter().filter_map(|r| r.peak_rss).max(),
-    }
-}
-
-/// Whether `python` can import torch.distributed; its version or why not.
-pub(crate) fn torch_version(python: &str) -> Result<String, String> {
-    match Command::new(python)
-        .args([
-            "-c",
-            "import torch, torch.distributed as d; assert d.is_gloo_available(); print(torch.__version__)",
-        ])
-        .stdin(Stdio::null())
-        .output()
-    {
-        Ok(out) if out.status.success() => Ok(String::from_utf8_lossy(&out.stdout).trim().to_string()),
-        Ok(out) => Err(String::from_utf8_lossy(&out.stderr)
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("import failed")
-            .to_string()),
-        Err(e) => Err(format!("cannot run {python}: {e}")),
     }
 }
 
@@ -1478,13 +1392,12 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     let mut peer_label = None;
     let mut gloo: Option<ProcessSide> = None;
     if args.compare == Some(Peer::Gloo) {
-        match torch_version(&args.python) {
-            Ok(version) => {
-                let script = std::env::temp_dir().join(format!("chorus-bench-gloo-{}.py", std::process::id()));
-                std::fs::write(&script, GLOO_SCRIPT).context("writing the Gloo script")?;
-                let mut flags = vec!["-u".to_string(), script.to_string_lossy().into_owned()];
+        match python_peer(&args.python, "gloo", GLOO_SCRIPT) {
+            Ok(peer) => {
+                let mut flags = vec!["-u".to_string(), peer.script.path().to_string_lossy().into_owned()];
                 flags.extend(worker_flags(args));
                 let env = vec![("OMP_NUM_THREADS".to_string(), "1".to_string())];
+                let version = peer.version;
                 let mut side = ProcessSide::start(
                     format!("gloo (torch {version})"),
                     &args.python,
@@ -1493,8 +1406,9 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                     &env,
                     &cpus,
                 )?;
+                // The ranks have read the script once their group formed.
                 let ready = side.wait_ready(timeout);
-                let _ = std::fs::remove_file(&script);
+                drop(peer.script);
                 match ready {
                     Ok(()) => {
                         peer_label = Some(format!("torch {version} gloo"));
@@ -1503,10 +1417,10 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                     Err(e) => notes.push(format!("--compare gloo: Gloo did not start ({e:#}); no comparison")),
                 }
             }
-            Err(why) => notes.push(format!(
-                "--compare gloo: {} cannot import torch ({why}); no comparison (pip install torch to enable it)",
-                args.python
+            Err(e @ PeerError::NoTorch { .. }) => notes.push(format!(
+                "--compare gloo: {e}; no comparison (pip install torch to enable it)"
             )),
+            Err(e) => return Err(e).context("the Gloo script"),
         }
     }
     for note in &notes {

@@ -28,6 +28,8 @@ use chorus::sync::{
 };
 use chorus::tensor::Tensor;
 
+use super::common::{PeerError, Spread, free_port, job_secret, median, python_peer, torchrun_env};
+
 /// PyTorch DDP's side, embedded so that the binary works from anywhere.
 const TORCH_SCRIPT: &str = include_str!("../../python/ddp_bench.py");
 
@@ -113,7 +115,7 @@ fn round_median(rounds: &[Vec<Value>], row: &Value, key: &str) -> f64 {
         .filter(|r| r["library"] == row["library"])
         .filter_map(|r| r[key].as_f64())
         .collect();
-    super::collective::Spread::of(&values).median
+    Spread::of(&values).median
 }
 
 /// A parameter count: digits with an optional K or M (powers of 1000).
@@ -227,11 +229,6 @@ struct ChorusLine {
     timeline: Vec<BucketSpan>,
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
-}
-
 /// [`run_worker`] on a runtime of its own with two worker threads, so
 /// that hooks' futures (and the timeline's end times) complete while the
 /// backward pass holds the calling thread, as in a training program on
@@ -318,7 +315,10 @@ pub async fn run_worker(args: &DdpArgs) -> Result<()> {
         }
     }
     if group.rank() == 0 {
-        let (step_ms, no_sync_ms) = (median(with_sync), median(without));
+        let (step_ms, no_sync_ms) = (
+            median(&mut with_sync).unwrap_or(f64::NAN),
+            median(&mut without).unwrap_or(f64::NAN),
+        );
         timeline.sort_by_key(|s: &BucketSpan| s.index);
         let line = ChorusLine {
             library: "chorus",
@@ -352,18 +352,13 @@ pub(super) fn run_ranks(
     env: &[(&str, String)],
     timeout: Duration,
 ) -> Result<Value> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = free_port()?;
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..world {
         let mut command = Command::new(program);
+        torchrun_env(&mut command, rank, world, port);
         command
             .args(args)
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
             .stdin(Stdio::null())
             .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
             .stderr(Stdio::inherit());
@@ -460,38 +455,31 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
             args.world,
             &[
                 ("CHORUS_TRANSPORT", args.transport.clone()),
-                ("CHORUS_JOB_SECRET", super::collective::job_secret()),
+                ("CHORUS_JOB_SECRET", job_secret()),
             ],
             timeout,
         )?);
         if args.compare == Some(DdpPeer::Torch) {
-            match super::collective::torch_version(&args.python) {
-                Err(why) => eprintln!(
-                    "# skipping --compare torch: {} cannot import torch ({why})",
-                    args.python
-                ),
-                Ok(_) => {
-                    let dir = tempfile_dir()?;
-                    let script = dir.join("ddp_bench.py");
-                    std::fs::write(&script, TORCH_SCRIPT)?;
+            match python_peer(&args.python, "ddp", TORCH_SCRIPT) {
+                Err(e @ PeerError::NoTorch { .. }) => eprintln!("# skipping --compare torch: {e}"),
+                Err(e) => return Err(e).context("the torch DDP script"),
+                Ok(peer) => {
                     let sizes: Vec<String> = shapes.iter().map(|(_, n)| n.to_string()).collect();
                     let torch_args = vec![
-                        script.to_string_lossy().into_owned(),
+                        peer.script.path().to_string_lossy().into_owned(),
                         sizes.join(","),
                         args.steps.to_string(),
                         args.warmup.to_string(),
                         args.bucket_cap_mb.to_string(),
                         u8::from(args.torch_bucket_view).to_string(),
                     ];
-                    let row = run_ranks(
+                    rows.push(run_ranks(
                         &args.python,
                         &torch_args,
                         args.world,
                         &[("OMP_NUM_THREADS", "1".into())],
                         timeout,
-                    );
-                    let _ = std::fs::remove_dir_all(&dir);
-                    rows.push(row?);
+                    )?);
                 }
             }
         }
@@ -556,7 +544,7 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
             .iter()
             .filter_map(|r| Some(r.first()?["step_ms"].as_f64()? / r.get(1)?["step_ms"].as_f64()?))
             .collect();
-        let spread = super::collective::Spread::of(&ratios);
+        let spread = Spread::of(&ratios);
         println!(
             "# chorus/torch step_ms: {:.2}x, median of {} rounds [{:.2}-{:.2}]",
             spread.median, spread.rounds, spread.min, spread.max
@@ -669,13 +657,6 @@ struct BucketSpanRow {
     end: f64,
 }
 
-/// A fresh private directory for the embedded script.
-fn tempfile_dir() -> Result<std::path::PathBuf> {
-    let dir = std::env::temp_dir().join(format!("chorus-bench-ddp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -704,7 +685,8 @@ mod tests {
 
     #[test]
     fn a_timeline_draws_into_a_png() {
-        let dir = tempfile_dir().unwrap();
+        let dir = std::env::temp_dir().join(format!("chorus-bench-ddp-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("timeline.png");
         let row = serde_json::json!({
             "library": "chorus", "backward_ms": 12.0, "step_ms": 40.0, "no_sync_ms": 13.0,

@@ -6,6 +6,10 @@
 //!   collective over a sweep of sizes, with `--compare gloo` (PyTorch's Gloo
 //!   in the same invocation, alternating per size and `--rounds`), `--json`,
 //!   `--memory` (peak resident memory) and `--plot`.
+//! - [`common`]: what the benches share: [`common::median`] and
+//!   [`common::Spread`], the torchrun environment of rank processes and
+//!   their job secret, a Python peer's start-up (torch's version, its
+//!   embedded script written out for the run).
 //! - [`ddp`]: `chorus bench ddp`, gradient sync step time with and without
 //!   sync on a 25M-parameter model, with `--compare torch` (PyTorch DDP, Gloo).
 //! - [`memory`]: `chorus bench memory -- COMMAND`, a job's peak `/dev/shm`
@@ -24,6 +28,7 @@
 //!   across sizes and the measured switch points (`CHORUS_ALGO_THRESHOLDS`).
 
 pub mod collective;
+pub mod common;
 pub mod ddp;
 pub mod memory;
 pub mod plot;

@@ -32,6 +32,8 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
+use super::common::{PeerError, median, python_peer};
+
 /// What `chorus bench recovery` does.
 #[derive(Debug, Clone)]
 pub struct RecoveryBench {
@@ -225,13 +227,13 @@ impl Summary {
             v.sort_by(f64::total_cmp);
             v
         };
-        let detect = sorted(TrialOutcome::detected_us);
-        let recover = sorted(TrialOutcome::recovered_us);
+        let mut detect = sorted(TrialOutcome::detected_us);
+        let mut recover = sorted(TrialOutcome::recovered_us);
         let nearest = |v: &[f64], q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
         Some(Self {
             trials: outcomes.len(),
-            detect_median_ms: nearest(&detect, 0.5),
-            recover_median_ms: nearest(&recover, 0.5),
+            detect_median_ms: median(&mut detect).unwrap_or(f64::NAN),
+            recover_median_ms: median(&mut recover).unwrap_or(f64::NAN),
             recover_p90_ms: nearest(&recover, 0.9),
             recover_max_ms: recover[recover.len() - 1],
         })
@@ -487,19 +489,13 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
     let mut outcomes = Vec::new();
     let mut failures = 0;
     let torchrun = match &bench.compare_torchrun {
-        Some(python) => match super::collective::torch_version(python) {
-            Ok(version) => {
-                let script = std::env::temp_dir().join(format!("chorus-bench-recovery-{}.py", std::process::id()));
-                std::fs::write(&script, TORCHRUN_SCRIPT)
-                    .map_err(|e| RecoveryError::Setup(format!("writing {}: {e}", script.display())))?;
-                Some((python.clone(), version, script))
-            }
-            Err(why) => {
-                eprintln!(
-                    "--compare torchrun: {python} cannot import torch ({why}); no comparison (pip install torch to enable it)"
-                );
+        Some(python) => match python_peer(python, "recovery", TORCHRUN_SCRIPT) {
+            Ok(peer) => Some((python.clone(), peer)),
+            Err(e @ PeerError::NoTorch { .. }) => {
+                eprintln!("--compare torchrun: {e}; no comparison (pip install torch to enable it)");
                 None
             }
+            Err(e) => return Err(RecoveryError::Setup(e.to_string())),
         },
         None => None,
     };
@@ -513,9 +509,10 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
             bench.trials
         );
         println!("# recovery = kill -> first all_reduce of generation 1 completed on every survivor");
-        if let Some((_, version, _)) = &torchrun {
+        if let Some((_, peer)) = &torchrun {
             println!(
-                "# torchrun (torch {version} gloo, --max-restarts 1) measured in the same run, trials alternating"
+                "# torchrun (torch {} gloo, --max-restarts 1) measured in the same run, trials alternating",
+                peer.version
             );
         }
         println!("#  trial  runtime   killed  detect(ms)  recovery(ms)");
@@ -562,10 +559,10 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
                 eprintln!("chorus bench recovery: {error}");
             }
         }
-        if let Some((python, _, script)) = &torchrun {
+        if let Some((python, peer)) = &torchrun {
             let killed = schedule.below(bench.world as u64) as usize;
             let kill_after = 20 + schedule.below(10);
-            let (task_bench, python, script) = (bench.clone(), python.clone(), script.clone());
+            let (task_bench, python, script) = (bench.clone(), python.clone(), peer.script.path().to_path_buf());
             let result = tokio::task::spawn_blocking(move || {
                 run_torchrun_trial(&task_bench, &python, &script, killed, kill_after)
             })
@@ -605,9 +602,9 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
             }
         }
     }
-    if let Some((_, _, script)) = &torchrun {
-        let _ = std::fs::remove_file(script);
-    }
+    // The script goes once every trial ran.
+    let compared = torchrun.is_some();
+    drop(torchrun);
     if let Some(summary) = Summary::of(&outcomes) {
         if json {
             println!(
@@ -632,12 +629,10 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
             );
         }
     }
-    if torchrun.is_some() {
+    if compared {
         let recovered = torchrun_us.len();
-        let median = (!torchrun_us.is_empty()).then(|| {
-            torchrun_us.sort_unstable();
-            torchrun_us[(recovered - 1) / 2] as f64 / 1e3
-        });
+        let mut torchrun_ms: Vec<f64> = torchrun_us.iter().map(|&us| us as f64 / 1e3).collect();
+        let median = median(&mut torchrun_ms);
         let ours = Summary::of(&outcomes).map(|s| s.recover_median_ms);
         if json {
             println!(
@@ -738,7 +733,8 @@ mod tests {
         let outcomes: Vec<_> = (1..=10).map(|i| outcome(i * 100_000)).collect();
         let summary = Summary::of(&outcomes).unwrap();
         assert_eq!(summary.trials, 10);
-        assert_eq!(summary.recover_median_ms, 500.0);
+        // An even count: the mean of the two middle trials.
+        assert_eq!(summary.recover_median_ms, 550.0);
         assert_eq!(summary.recover_p90_ms, 900.0);
         assert_eq!(summary.recover_max_ms, 1000.0);
         assert_eq!(summary.detect_median_ms, 100.0);

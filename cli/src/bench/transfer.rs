@@ -25,6 +25,8 @@ use chorus::group::ProcessGroup;
 use chorus::tensor::Tensor;
 use chorus::train::{NamedState, TransferOptions, sync_state, verify_state};
 
+use super::common::{job_secret, median};
+
 /// The channel of the plain link measurement (beside the transfer's).
 const LINK_CHANNEL: u32 = 0xFFFF_FE00;
 
@@ -128,11 +130,6 @@ fn path(cma: u64, data: u64, kind: chorus::link::TransportKind) -> &'static str 
     }
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 /// A state of `size` bytes in four float32 entries (the last one takes
 /// the rest), entry `i` filled with `fill + i * step`.
 fn state_of(size: usize, fill: f32, step: f32) -> NamedState {
@@ -202,8 +199,8 @@ pub async fn run_worker(args: &TransferArgs) -> Result<()> {
         .await
         .context("the joiner's state differs")?;
     if me == 0 {
-        let seconds = median(transfers);
-        let link_gbps = median(links);
+        let seconds = median(&mut transfers).unwrap_or(f64::NAN);
+        let link_gbps = median(&mut links).unwrap_or(f64::NAN);
         let transfer_gbps = bytes as f64 / seconds / 1e9;
         let kind = group.link(joiner).context("no link to the joiner")?.kind();
         let row = Row {
@@ -284,7 +281,7 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
                 }
                 let env = [
                     ("CHORUS_TRANSPORT", transport.clone()),
-                    ("CHORUS_JOB_SECRET", super::collective::job_secret()),
+                    ("CHORUS_JOB_SECRET", job_secret()),
                 ];
                 let row = super::ddp::run_ranks(&exe, &worker, sources + 1, &env, timeout)
                     .with_context(|| format!("{transport}, {size} B, {sources} sources"))?;

@@ -26,6 +26,8 @@ use chorus_transports::quic::{Congestion, QuicEndpoint, QuicIdentity, QuicOption
 use chorus_transports::shm::{ShmEndpoint, ShmOptions, ShmPeer};
 use thiserror::Error;
 
+use super::common::median;
+
 /// Why a benchmark could not run.
 #[derive(Debug, Error)]
 pub enum BenchError {
@@ -83,11 +85,6 @@ pub struct PathResult {
 
 /// Every path, in the default order.
 pub const PATHS: [&str; 3] = ["tcp", "quic", "shm"];
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
 
 /// Rank 0: hosts the store, starts rank 1 (`chorus_exe bench transport --peer-store ...`),
 /// and returns every path's medians and the single-thread memcpy bandwidth.
@@ -150,8 +147,8 @@ pub async fn run_leader(
         .zip(samples.iter_mut())
         .map(|(path, (gbps, rtt))| PathResult {
             path,
-            gbps: median(gbps),
-            rtt_us: median(rtt),
+            gbps: median(gbps).unwrap_or(f64::NAN),
+            rtt_us: median(rtt).unwrap_or(f64::NAN),
         })
         .collect();
     Ok((results, memcpy_gbps(bench.size)))
@@ -327,7 +324,7 @@ fn tcp_leader(listener: TcpListener, bench: &TransportBench) -> Result<(f64, f64
         stream.read_exact(&mut ping).map_err(io("tcp"))?;
         rtts.push(sent.elapsed().as_secs_f64() * 1e6);
     }
-    Ok((gbps, median(&mut rtts)))
+    Ok((gbps, median(&mut rtts).unwrap_or(f64::NAN)))
 }
 
 fn tcp_peer(addr: SocketAddr, bench: &TransportBench) -> Result<(), BenchError> {
@@ -378,7 +375,7 @@ async fn link_leader(link: &Arc<dyn Link>, bench: &TransportBench) -> Result<(f6
         link.recv(2).await.map_err(link_error)?;
         rtts.push(sent.elapsed().as_secs_f64() * 1e6);
     }
-    Ok((gbps, median(&mut rtts)))
+    Ok((gbps, median(&mut rtts).unwrap_or(f64::NAN)))
 }
 
 async fn link_peer(link: &Arc<dyn Link>, bench: &TransportBench) -> Result<(), BenchError> {
@@ -418,5 +415,5 @@ pub fn memcpy_gbps(size: usize) -> f64 {
         std::hint::black_box(&target);
         samples.push(size as f64 / started.elapsed().as_secs_f64() / 1e9);
     }
-    median(&mut samples)
+    median(&mut samples).unwrap_or(f64::NAN)
 }

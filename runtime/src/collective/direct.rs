@@ -7,7 +7,7 @@
 //! the root's link carries `(P - 1) * count` either way.
 //!
 //! Every message of gather, scatter and all-to-all goes in segments of at
-//! most [`MAX_SEGMENT_BYTES`](super::schedule::MAX_SEGMENT_BYTES), as the
+//! most [`MAX_SEGMENT_BYTES`](super::MAX_SEGMENT_BYTES), as the
 //! ring's do: a large one then streams through a transport's buffers (a
 //! shared-memory ring smaller than the message, a QUIC stream's window)
 //! and the receiver copies one segment out while the next comes in.
@@ -15,7 +15,7 @@
 use std::ops::Range;
 
 use super::plan::{Action, Builder, Combine, Region, StepId, Tag};
-use super::ring::{part, segments};
+use super::segment::{part, segments};
 
 /// Block `i` of `count` elements.
 fn block(i: usize, count: usize) -> Range<usize> {

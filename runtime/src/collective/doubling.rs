@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use super::plan::{Builder, Combine, Region, Tag};
-use super::ring::bound;
+use super::segment::bound;
 
 /// A rank's place in the power-of-two group.
 enum Role {

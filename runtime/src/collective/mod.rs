@@ -24,7 +24,10 @@
 //! - `ring`, `doubling`, `tree`, `direct`: the algorithms (segmented
 //!   pipelined rings; recursive doubling and halving-doubling with folding
 //!   for non-powers of two; binomial trees; direct and pairwise exchanges and
-//!   the dissemination barrier).
+//!   the dissemination barrier). `schedule` uses them; they use none of it
+//!   nor each other.
+//! - `segment`: how the algorithms cut buffers ([`MAX_SEGMENT_BYTES`],
+//!   [`MIN_SEGMENTS_PER_CHUNK`], nearly equal parts); it uses no algorithm.
 //! - `cache`: [`PlanCache`], a rank's plans kept for repeated calls.
 //! - `signature`: [`Signature`], its 32-byte encoding, and mismatch reports
 //!   for desync detection.
@@ -40,6 +43,7 @@ pub mod plan;
 mod reduce;
 mod ring;
 mod schedule;
+mod segment;
 mod signature;
 mod tree;
 
@@ -54,8 +58,8 @@ pub use dtype::{DType, ParseError, ReduceOp};
 pub use plan::{Action, Combine, Plan, Region, Step, StepId, Tag};
 pub use reduce::{ReduceError, finalize_avg, reduce_complete_from, reduce_complete_into, reduce_from, reduce_into};
 pub use schedule::{
-    Algorithm, CollectiveKind, HALVING_DOUBLING_MAX_BYTES, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_WORLD,
-    MIN_SEGMENTS_PER_CHUNK, Overrides, PlanError, RECURSIVE_DOUBLING_MAX_BYTES, SHARED_THREADS_TREE_MIN_WORLD, Spec,
-    Thresholds, choose_algorithm,
+    Algorithm, CollectiveKind, HALVING_DOUBLING_MAX_BYTES, MAX_BYTES, MAX_WORLD, Overrides, PlanError,
+    RECURSIVE_DOUBLING_MAX_BYTES, SHARED_THREADS_TREE_MIN_WORLD, Spec, Thresholds, choose_algorithm,
 };
+pub use segment::{MAX_SEGMENT_BYTES, MIN_SEGMENTS_PER_CHUNK};
 pub use signature::{ENCODED_LEN, Signature, SignatureError};

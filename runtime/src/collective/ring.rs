@@ -9,29 +9,7 @@
 use std::ops::Range;
 
 use super::plan::{Builder, Combine, Region, Tag};
-use super::schedule::{MAX_SEGMENT_BYTES, MIN_SEGMENTS_PER_CHUNK};
-
-/// Start of part `i` when `n` is cut into `parts` nearly equal parts (the
-/// first `n % parts` one element longer); `bound(n, parts, parts) == n`.
-pub(crate) fn bound(n: usize, parts: usize, i: usize) -> usize {
-    i * (n / parts) + i.min(n % parts)
-}
-
-/// Part `i` of `range` cut into `parts` nearly equal parts.
-pub(crate) fn part(range: &Range<usize>, parts: usize, i: usize) -> Range<usize> {
-    let n = range.len();
-    range.start + bound(n, parts, i)..range.start + bound(n, parts, i + 1)
-}
-
-/// Segments per chunk: at most [`MAX_SEGMENT_BYTES`] each, at least
-/// [`MIN_SEGMENTS_PER_CHUNK`] (so a ring has at least `2P` in flight), at
-/// most one per element.
-pub(crate) fn segments(chunk_len: usize, elem_size: usize, min: usize) -> usize {
-    (chunk_len * elem_size)
-        .div_ceil(MAX_SEGMENT_BYTES)
-        .max(min)
-        .min(chunk_len.max(1))
-}
+use super::segment::{MIN_SEGMENTS_PER_CHUNK, part, segments};
 
 /// A ring over `chunks` (the `P` chunk ranges of `output`), for `rank`.
 struct Ring<'a> {
@@ -155,22 +133,6 @@ mod tests {
     use crate::collective::plan::Action;
 
     #[test]
-    fn parts_cover_the_range_in_order() {
-        for n in [0, 1, 7, 64] {
-            for parts in 1..=9 {
-                let r = 3..3 + n;
-                let ps: Vec<_> = (0..parts).map(|i| part(&r, parts, i)).collect();
-                assert_eq!(ps[0].start, 3);
-                assert_eq!(ps[parts - 1].end, 3 + n);
-                assert!(
-                    ps.windows(2)
-                        .all(|w| w[0].end == w[1].start && w[0].len() >= w[1].len())
-                );
-            }
-        }
-    }
-
-    #[test]
     fn only_the_all_reduces_last_reduce_round_completes_its_chunk() {
         for world in [2, 3, 5] {
             for rank in 0..world {
@@ -200,15 +162,5 @@ mod tests {
         let mut b = Builder::new(0, 3, 0, 3000);
         reduce_scatter(&mut b, 0, 3, 1000, 4);
         assert!(!b.finish().averages_in_steps());
-    }
-
-    #[test]
-    fn segments_follow_gloos_rule() {
-        // At least two per chunk, at most 1 MiB each, never empty.
-        assert_eq!(segments(1000, 4, 2), 2);
-        assert_eq!(segments(1, 4, 2), 1);
-        assert_eq!(segments(0, 4, 2), 1);
-        assert_eq!(segments(3 << 20, 1, 2), 3);
-        assert_eq!(segments((3 << 20) + 1, 1, 2), 4);
     }
 }

@@ -9,13 +9,6 @@ use super::dtype::{DType, ParseError};
 use super::plan::{Builder, Plan};
 use super::{direct, doubling, ring, tree};
 
-/// Largest segment a ring or tree sends as one message (Gloo's 1 MiB).
-pub const MAX_SEGMENT_BYTES: usize = 1 << 20;
-
-/// Fewest segments per ring chunk, so a ring of `P` ranks has at least `2P`
-/// segments and sending one overlaps reducing the next (Gloo's rule).
-pub const MIN_SEGMENTS_PER_CHUNK: usize = 2;
-
 /// All-reduces up to this size use recursive doubling: `log2 P` latencies,
 /// each moving the whole buffer. On the early loopback figures (about
 /// 70 us per message, 1-3 GB/s) the whole-buffer cost overtakes the extra

@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use super::plan::{Builder, Combine, Region, Tag};
-use super::ring::{part, segments};
+use super::segment::{part, segments};
 
 /// Ranks relative to a root.
 struct Tree {
