@@ -29,6 +29,7 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
         program: Program::Example(example()),
         chorus: PathBuf::from(CHORUS),
         nodes: 3,
+        hosts: false,
         nproc_per_node: 1,
         duration: Duration::from_secs(60),
         steps: None,
@@ -84,6 +85,7 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
         ],
         nodes: 3,
         nproc_per_node: 1,
+        hosts: false,
     });
     let planned: Vec<_> = report.faults.iter().map(|f| f.planned.clone()).collect();
     assert_eq!(planned, again[..planned.len()]);
