@@ -8,8 +8,9 @@
 //! - `chorus store serve`: a standalone TCPStore-compatible server.
 //! - `chorus store get|set|add|wait|check|delete|keys`: look inside a job's
 //!   store while debugging a stuck rendezvous.
-//! - `chorus chaos`: a training job across N nodes of this host under
-//!   random faults from a seed, checked against its fault-free run
+//! - `chorus chaos`: a training job across N nodes of this host (or N
+//!   simulated hosts, `--hosts`, with partitions and lossy and slow links)
+//!   under random faults from a seed, checked against its fault-free run
 //!   (`chorus_cli::chaos`).
 //! - `chorus trace DIR [--json]`: name the rank(s) a stuck collective waits
 //!   for, from the flight-recorder dumps in DIR (`chorus::trace`).
