@@ -220,6 +220,10 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
             kind.name()
         )));
     }
+    // SAFETY: geteuid has no preconditions.
+    if options.hosts && unsafe { libc::geteuid() } != 0 {
+        return Err(HostsError::NotRoot.into());
+    }
     if let Program::Example(path) = &options.program
         && !path.exists()
     {
