@@ -2,6 +2,8 @@
 //! (one `chorus launch` each) for a minute of faults from a fixed seed
 //! (worker SIGKILL and SIGSTOP, a whole launcher SIGKILLed, a slow rank),
 //! checked against its fault-free run; every check of the verdict must pass.
+//! `netns_` (root, ignored unless asked for): the same across 3 simulated
+//! hosts (`chorus chaos --hosts 3`), with a partition and a slow link.
 
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -23,12 +25,113 @@ fn example() -> PathBuf {
     exe
 }
 
+/// Runs `options` on a thread, failing the test past `secs`; the report
+/// and what the run said.
+fn run_within(options: ChaosOptions, secs: u64) -> (chaos::ChaosReport, String) {
+    let (tx, rx) = mpsc::channel();
+    let (lines_tx, lines) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        let report = chaos::run(&options, &mut |line| {
+            let _ = lines_tx.send(line.to_string());
+        });
+        let _ = tx.send(report);
+    });
+    let report = rx.recv_timeout(Duration::from_secs(secs));
+    let said: Vec<String> = lines.try_iter().collect();
+    let said = said.join("\n");
+    match report {
+        Ok(Ok(report)) => (report, said),
+        Ok(Err(e)) => panic!("the chaos run could not be judged: {e}\n{said}"),
+        Err(_) => panic!("the chaos run did not end within {secs} s\n{said}"),
+    }
+}
+
+#[test]
+#[ignore = "needs root: network namespaces (CI runs it as root: --ignored netns_)"]
+fn netns_a_minute_of_faults_across_three_simulated_hosts_passes_every_check() {
+    let kinds = vec![
+        FaultKind::Kill,
+        FaultKind::Stop,
+        FaultKind::KillLauncher,
+        FaultKind::Slow,
+        FaultKind::Partition,
+        FaultKind::LossyLink,
+        FaultKind::SlowLink,
+    ];
+    let options = ChaosOptions {
+        program: Program::Example(example()),
+        chorus: PathBuf::from(CHORUS),
+        nodes: 3,
+        hosts: true,
+        nproc_per_node: 1,
+        duration: Duration::from_secs(60),
+        steps: None,
+        every: (Duration::from_secs(10), Duration::from_secs(20)),
+        faults: kinds.clone(),
+        // Its schedule: a partition at 12.6 s, a slow link at 22.8 s, a
+        // worker killed at 41.7 s.
+        seed: 97,
+        heartbeat: Duration::from_secs(2),
+        // The slow links slow the job by design, and on CI's 2 shared cores
+        // the fault-free rate itself moves by a fifth from run to run
+        // (measured: 0.77 with every other check passing); the 0.9 of the
+        // 10-minute target is measured, not asserted, here.
+        bounds: Bounds {
+            min_goodput: 0.6,
+            ..Bounds::default()
+        },
+        dir: None,
+    };
+    let horizon = options.horizon();
+    // Calibration, the reference and the chaos run, a minute each at most
+    // but the calibration, with room for a loaded machine.
+    let (report, said) = run_within(options, 420);
+    let table = report.verdict.table();
+    assert!(report.hosts, "not run across simulated hosts");
+    assert!(report.verdict.passed(), "{table}\n{said}");
+    for kind in [FaultKind::Partition, FaultKind::SlowLink, FaultKind::Kill] {
+        assert!(
+            report.faults.iter().any(|f| f.acted && f.planned.kind == kind),
+            "no {} fault acted\n{table}\n{said}",
+            kind.name()
+        );
+    }
+    assert!(
+        said.contains("partition of node 0 undone") && said.contains("starting node 0's launcher again"),
+        "the partitioned host's launcher did not come back after the heal\n{said}"
+    );
+    assert!(
+        report.verdict.recovery.as_ref().is_some_and(|r| r.count >= 2),
+        "too few recoveries measured\n{table}\n{said}"
+    );
+    let again = chaos::schedule::schedule(&chaos::ScheduleSpec {
+        seed: 97,
+        duration: horizon,
+        every: (Duration::from_secs(10), Duration::from_secs(20)),
+        kinds,
+        nodes: 3,
+        nproc_per_node: 1,
+        hosts: true,
+    });
+    let planned: Vec<_> = report.faults.iter().map(|f| f.planned.clone()).collect();
+    assert_eq!(planned, again[..planned.len()]);
+    // Nothing of the hosts is left.
+    let netns = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
+    let left = String::from_utf8_lossy(&netns.stdout).into_owned();
+    let ours = format!("chaos{}-", std::process::id());
+    assert!(!left.contains(&ours), "namespaces left: {left}");
+}
+
 #[test]
 fn a_minute_of_faults_on_three_nodes_passes_every_check() {
     let options = ChaosOptions {
         program: Program::Example(example()),
         chorus: PathBuf::from(CHORUS),
         nodes: 3,
+        hosts: false,
         nproc_per_node: 1,
         duration: Duration::from_secs(60),
         steps: None,
@@ -45,24 +148,9 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
         dir: None,
     };
     let horizon = options.horizon();
-    let (tx, rx) = mpsc::channel();
-    let (lines_tx, lines) = mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        let report = chaos::run(&options, &mut |line| {
-            let _ = lines_tx.send(line.to_string());
-        });
-        let _ = tx.send(report);
-    });
     // Calibration, the reference (about a minute) and the chaos run (a
     // minute and its recoveries), with room for a loaded machine.
-    let report = rx.recv_timeout(Duration::from_secs(420));
-    let said: Vec<String> = lines.try_iter().collect();
-    let said = said.join("\n");
-    let report = match report {
-        Ok(Ok(report)) => report,
-        Ok(Err(e)) => panic!("the chaos run could not be judged: {e}\n{said}"),
-        Err(_) => panic!("the chaos run did not end within 420 s\n{said}"),
-    };
+    let (report, said) = run_within(options, 420);
     let table = report.verdict.table();
     assert!(report.verdict.passed(), "{table}\n{said}");
     let acted = report.faults.iter().filter(|f| f.acted).count();
@@ -84,6 +172,7 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
         ],
         nodes: 3,
         nproc_per_node: 1,
+        hosts: false,
     });
     let planned: Vec<_> = report.faults.iter().map(|f| f.planned.clone()).collect();
     assert_eq!(planned, again[..planned.len()]);

@@ -4,7 +4,8 @@
 //! # Layout
 //! - [`launch`]: `chorus launch`, a torchrun-compatible launcher.
 //! - [`chaos`]: `chorus chaos`, a training job under random faults from a
-//!   seed, checked against its fault-free run (also for tests: [`chaos::run`]).
+//!   seed (across simulated hosts with network faults too, `--hosts`),
+//!   checked against its fault-free run (also for tests: [`chaos::run`]).
 //! - [`bench`](mod@bench): `chorus bench` measurements.
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).

@@ -8,8 +8,9 @@
 //! - `chorus store serve`: a standalone TCPStore-compatible server.
 //! - `chorus store get|set|add|wait|check|delete|keys`: look inside a job's
 //!   store while debugging a stuck rendezvous.
-//! - `chorus chaos`: a training job across N nodes of this host under
-//!   random faults from a seed, checked against its fault-free run
+//! - `chorus chaos`: a training job across N nodes of this host (or N
+//!   simulated hosts, `--hosts`, with partitions and lossy and slow links)
+//!   under random faults from a seed, checked against its fault-free run
 //!   (`chorus_cli::chaos`).
 //! - `chorus trace DIR [--json]`: name the rank(s) a stuck collective waits
 //!   for, from the flight-recorder dumps in DIR (`chorus::trace`).
@@ -337,8 +338,11 @@ enum StoreCommand {
 #[derive(Args)]
 struct ChaosArgs {
     /// Nodes: one `chorus launch` each, which may be killed whole.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, conflicts_with = "hosts")]
     nodes: usize,
+    /// N simulated hosts (network namespaces, root only), one node each; adds the network faults (partition, lossy-link, slow-link) to the default --faults.
+    #[arg(long)]
+    hosts: Option<usize>,
     /// Workers per node.
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
@@ -351,13 +355,8 @@ struct ChaosArgs {
     /// Seconds between faults, drawn uniformly from LOW..HIGH (or fixed: 15).
     #[arg(long, default_value = "10..20", value_parser = |s: &str| chorus_cli::chaos::schedule::parse_range(s))]
     fault_every: (Duration, Duration),
-    /// The faults drawn from, comma-separated.
-    #[arg(
-        long,
-        value_enum,
-        value_delimiter = ',',
-        default_value = "kill,stop,kill-launcher,slow"
-    )]
+    /// The faults drawn from, comma-separated [default: kill,stop,kill-launcher,slow; with --hosts also partition,lossy-link,slow-link].
+    #[arg(long, value_enum, value_delimiter = ',')]
     faults: Vec<chorus_cli::chaos::FaultKind>,
     /// The schedule's seed: the same seed, the same faults at the same times.
     #[arg(long, default_value_t = 1)]
@@ -623,15 +622,27 @@ fn chaos(args: ChaosArgs) -> Result<ExitCode> {
         true => chorus_cli::chaos::Program::Example(exe.with_file_name("examples").join("train")),
         false => chorus_cli::chaos::Program::Command(args.program),
     };
+    let faults = match args.faults.is_empty() {
+        false => args.faults,
+        true => {
+            use chorus_cli::chaos::FaultKind::*;
+            let mut kinds = vec![Kill, Stop, KillLauncher, Slow];
+            if args.hosts.is_some() {
+                kinds.extend([Partition, LossyLink, SlowLink]);
+            }
+            kinds
+        }
+    };
     let options = chorus_cli::chaos::ChaosOptions {
         program,
         chorus: exe,
-        nodes: args.nodes,
+        nodes: args.hosts.unwrap_or(args.nodes),
+        hosts: args.hosts.is_some(),
         nproc_per_node: args.nproc_per_node,
         duration: args.duration,
         steps: args.steps,
         every: args.fault_every,
-        faults: args.faults,
+        faults,
         seed: args.seed,
         heartbeat: Duration::from_millis(args.heartbeat_ms),
         bounds: chorus_cli::chaos::Bounds {
@@ -646,8 +657,12 @@ fn chaos(args: ChaosArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "# chorus chaos: {} nodes x {} workers, seed {}, {} steps; chaos run {:.1} s, reference {:.1} s; {} faults acted, {} hit nothing",
+            "# chorus chaos: {} {} x {} workers, seed {}, {} steps; chaos run {:.1} s, reference {:.1} s; {} faults acted, {} hit nothing",
             report.nodes,
+            match report.hosts {
+                true => "simulated hosts",
+                false => "nodes",
+            },
             report.nproc_per_node,
             report.seed,
             report.steps,

@@ -19,11 +19,22 @@
 //!
 //! The store is served by this process, so every launcher may die.
 //!
+//! With [`ChaosOptions::hosts`] (`--hosts N`, root only) each node runs on
+//! a simulated host of its own ([`hosts`]: network namespaces, a `/dev/shm`
+//! and a host name each), the store on a switch no fault touches, and the
+//! schedule also draws network faults: partitions, lossy and slow links.
+//! A partitioned host's launcher loses the store and exits (its workers
+//! stopped) after its keep-alive window, the others re-form without it;
+//! it is started again once the partition heals and its node rejoins.
+//! The hosts are removed at the end, on error and on Ctrl-C too.
+//!
 //! # Layout
 //! - [`schedule`]: the seeded fault schedule, sans IO.
 //! - [`verdict`]: the checks over the records, sans IO.
+//! - [`hosts`]: the simulated hosts (namespaces, links, impairers).
 //! - this file: the driver (processes, signals, files).
 
+pub mod hosts;
 pub mod schedule;
 pub mod verdict;
 
@@ -31,6 +42,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use chorus::store::{TcpStoreServer, TcpStoreServerOptions};
@@ -39,6 +51,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::bench::recovery::unix_us;
+pub use hosts::{Hosts, HostsError};
 pub use schedule::{FaultKind, PlannedFault, ScheduleSpec};
 pub use verdict::{Bounds, Check, Evidence, Verdict};
 
@@ -73,6 +86,9 @@ pub struct ChaosOptions {
     pub chorus: PathBuf,
     /// Nodes (launchers).
     pub nodes: usize,
+    /// Whether each node runs on a simulated host of its own (root only),
+    /// which the network faults need.
+    pub hosts: bool,
     /// Workers per node.
     pub nproc_per_node: usize,
     /// How long the job trains: the example's steps fill it (faults go on
@@ -119,6 +135,12 @@ pub enum ChaosError {
         /// The error.
         source: std::io::Error,
     },
+    /// The simulated hosts could not be made or changed.
+    #[error(transparent)]
+    Hosts(#[from] HostsError),
+    /// SIGINT, SIGTERM or SIGHUP came; the run was stopped and cleaned up.
+    #[error("interrupted; the run's processes and hosts were removed")]
+    Interrupted,
     /// A fault-free run failed, so there is nothing to compare against.
     #[error("the {phase} run failed: {why}; its logs are in {}", dir.display())]
     Phase {
@@ -157,6 +179,8 @@ pub struct ChaosReport {
     pub steps: u64,
     /// Nodes and workers per node.
     pub nodes: usize,
+    /// Whether each node ran on a simulated host of its own.
+    pub hosts: bool,
     /// Workers per node.
     pub nproc_per_node: usize,
     /// The seed.
@@ -188,6 +212,18 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
             options.every.0, options.every.1
         )));
     }
+    if !options.hosts
+        && let Some(kind) = options.faults.iter().find(|k| k.network())
+    {
+        return Err(ChaosError::Options(format!(
+            "the {} fault acts between simulated hosts: give --hosts N",
+            kind.name()
+        )));
+    }
+    // SAFETY: geteuid has no preconditions.
+    if options.hosts && unsafe { libc::geteuid() } != 0 {
+        return Err(HostsError::NotRoot.into());
+    }
     if let Program::Example(path) = &options.program
         && !path.exists()
     {
@@ -210,10 +246,20 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         .build()
         .map_err(io("starting the store's runtime"))?;
     let secret = crate::launch::random_hex(16).map_err(|e| ChaosError::Options(e.to_string()))?;
-    let driver = Driver {
+    let _signals = Interrupts::catch();
+    let mut hosts = match options.hosts {
+        true => {
+            say(&format!("chaos: making {} simulated hosts", options.nodes));
+            let root = std::env::temp_dir().join(format!("chorus-chaos-hosts-{}", std::process::id()));
+            Some(Hosts::up(&std::process::id().to_string(), options.nodes, &root)?)
+        }
+        false => None,
+    };
+    let mut driver = Driver {
         options,
         runtime: &runtime,
         secret,
+        hosts: hosts.as_mut(),
     };
 
     let steps = match (&options.program, options.steps) {
@@ -266,6 +312,7 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         kinds: options.faults.clone(),
         nodes: options.nodes,
         nproc_per_node: options.nproc_per_node,
+        hosts: options.hosts,
     });
     say(&format!(
         "chaos: the chaos run, faults every {:.0}-{:.0} s until the job ends",
@@ -288,6 +335,9 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
     };
     let verdict = verdict::judge(&evidence, &options.bounds);
     let keep = keep || !verdict.passed();
+    // The hosts' tmpfs mounts go before the directory may.
+    drop(driver);
+    drop(hosts);
     if !keep {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -295,6 +345,7 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         verdict,
         steps,
         nodes: options.nodes,
+        hosts: options.hosts,
         nproc_per_node: options.nproc_per_node,
         seed: options.seed,
         faults: chaos.injected.into_iter().map(|(f, _)| f).collect(),
@@ -332,6 +383,10 @@ struct Node {
     back_at: Option<Instant>,
     /// Its exit status once it ended by itself.
     ended: Option<std::process::ExitStatus>,
+    /// Until when its host is partitioned, once it was while this launcher
+    /// ran: a launcher that then exits failing lost the store, and is
+    /// started again after the heal.
+    cut_until: Option<Instant>,
 }
 
 /// A signal due later.
@@ -341,10 +396,58 @@ struct Due {
     signal: i32,
 }
 
+/// A network fault to undo later.
+struct Undo {
+    at: Instant,
+    /// The node, from 0 (its host is `node + 1`).
+    node: usize,
+    kind: FaultKind,
+}
+
+/// Set by [`Interrupts`]' handler.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn interrupted(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// SIGINT, SIGTERM and SIGHUP noted (the run stops at its next turn and
+/// cleans up) instead of ending the process, while this lives; the
+/// previous handlers come back when it drops.
+struct Interrupts {
+    previous: Vec<(libc::c_int, libc::sighandler_t)>,
+}
+
+impl Interrupts {
+    fn catch() -> Self {
+        INTERRUPTED.store(false, Ordering::SeqCst);
+        let previous = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP]
+            .into_iter()
+            .map(|signo| {
+                // SAFETY: the handler only stores to an atomic.
+                let old =
+                    unsafe { libc::signal(signo, interrupted as extern "C" fn(libc::c_int) as libc::sighandler_t) };
+                (signo, old)
+            })
+            .collect();
+        Self { previous }
+    }
+}
+
+impl Drop for Interrupts {
+    fn drop(&mut self) {
+        for &(signo, old) in &self.previous {
+            // SAFETY: puts back the handler that was there.
+            unsafe { libc::signal(signo, old) };
+        }
+    }
+}
+
 struct Driver<'a> {
     options: &'a ChaosOptions,
     runtime: &'a tokio::runtime::Runtime,
     secret: String,
+    hosts: Option<&'a mut Hosts>,
 }
 
 impl Driver<'_> {
@@ -371,15 +474,15 @@ impl Driver<'_> {
         }
     }
 
-    /// Node `node`'s launcher command.
-    fn launcher(
+    /// Starts node `node`'s launcher (on its host, with hosts).
+    fn launch(
         &self,
         dir: &Path,
-        port: u16,
+        store: &str,
         marker: &str,
         node: usize,
         program: &[String],
-    ) -> Result<Command, ChaosError> {
+    ) -> Result<Child, ChaosError> {
         let log = |stream: &str| {
             let path = dir.join(format!("node{node}.{stream}"));
             std::fs::OpenOptions::new()
@@ -393,12 +496,7 @@ impl Driver<'_> {
             .arg("launch")
             .args(["--nnodes", &format!("1:{}", self.options.nodes)])
             .args(["--nproc-per-node", &self.options.nproc_per_node.to_string()])
-            .args([
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                &format!("127.0.0.1:{port}"),
-            ])
+            .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", store])
             .args(["--rdzv-id", marker])
             .args(["--restart-policy", "worker", "--max-restarts", "100000"])
             .args(["--monitor-interval", "0.1"])
@@ -416,6 +514,11 @@ impl Driver<'_> {
             .stdin(Stdio::null())
             .stdout(log("stdout")?)
             .stderr(log("stderr")?);
+        // Entered in the child (after the hooks below), so kept open until spawned.
+        let _host = match &self.hosts {
+            Some(hosts) => Some(hosts.enter(node + 1, &mut command)?),
+            None => None,
+        };
         // SAFETY: prctl is async-signal-safe; a launcher must not outlive
         // this process (a chaos run killed midway).
         unsafe {
@@ -424,13 +527,47 @@ impl Driver<'_> {
                 Ok(())
             });
         }
-        Ok(command)
+        command
+            .spawn()
+            .map_err(io(format!("starting {}", self.options.chorus.display())))
+    }
+
+    /// The store, on the switch with hosts, and its address for the launchers.
+    fn serve_store(&self) -> Result<(TcpStoreServer, String), ChaosError> {
+        let server = match &self.hosts {
+            Some(hosts) => {
+                let listener = hosts.listen_on_switch(0)?;
+                listener.set_nonblocking(true).map_err(io("serving the job's store"))?;
+                let _entered = self.runtime.enter();
+                let listener = tokio::net::TcpListener::from_std(listener).map_err(io("serving the job's store"))?;
+                TcpStoreServer::serve(listener, TcpStoreServerOptions::default())
+            }
+            None => self
+                .runtime
+                .block_on(TcpStoreServer::bind(
+                    "127.0.0.1:0".parse().expect("an address"),
+                    TcpStoreServerOptions::default(),
+                ))
+                .map_err(io("serving the job's store"))?,
+        };
+        let addr = server.local_addr().to_string();
+        Ok((server, addr))
+    }
+
+    /// The directories whose ring files are checked: `/dev/shm` and each
+    /// host's.
+    fn shm_dirs(&self) -> Vec<PathBuf> {
+        let mut dirs = vec![PathBuf::from("/dev/shm")];
+        if let Some(hosts) = &self.hosts {
+            dirs.extend((1..=hosts.count()).map(|i| hosts.shm(i)));
+        }
+        dirs
     }
 
     /// One run of the job: `faults` injected at their times until every
     /// launcher ended, then the leftovers.
     fn phase(
-        &self,
+        &mut self,
         phase: &'static str,
         dir: &Path,
         steps: Option<u64>,
@@ -439,101 +576,124 @@ impl Driver<'_> {
     ) -> Result<PhaseOutcome, ChaosError> {
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir.join("run")).map_err(io(format!("creating {}", dir.display())))?;
-        let server = self
-            .runtime
-            .block_on(TcpStoreServer::bind(
-                "127.0.0.1:0".parse().expect("an address"),
-                TcpStoreServerOptions::default(),
-            ))
-            .map_err(io("serving the job's store"))?;
-        let port = server.local_addr().port();
-        let marker = format!("chaos-{}-{phase}-{port}", std::process::id());
+        let (server, store) = self.serve_store()?;
+        let marker = format!("chaos-{}-{phase}-{store}", std::process::id());
         let program = self.program(&dir.join("run"), steps);
-        let shm_before = ring_files();
+        let shm_before: BTreeSet<PathBuf> = self.shm_dirs().iter().flat_map(|d| ring_files(d)).collect();
         let started = Instant::now();
         let mut nodes = Vec::new();
+        let mut stopped = None;
         for node in 0..self.options.nodes {
-            let child = self
-                .launcher(dir, port, &marker, node, &program)?
-                .spawn()
-                .map_err(io(format!("starting {}", self.options.chorus.display())))?;
-            nodes.push(Node {
-                child: Some(child),
-                back_at: None,
-                ended: None,
-            });
+            match self.launch(dir, &store, &marker, node, &program) {
+                Ok(child) => nodes.push(Node {
+                    child: Some(child),
+                    back_at: None,
+                    ended: None,
+                    cut_until: None,
+                }),
+                Err(e) => {
+                    stopped = Some(e);
+                    break;
+                }
+            }
         }
         let limit = self.options.horizon();
         let mut known: BTreeSet<u32> = BTreeSet::new();
         let mut injected = Vec::new();
         let mut due: Vec<Due> = Vec::new();
+        let mut undo: Vec<Undo> = Vec::new();
         let mut next = 0;
         let mut last_scan = Instant::now();
-        let timed_out = loop {
-            let now = Instant::now();
-            let mut finishing = false;
-            for node in nodes.iter_mut() {
-                if let Some(child) = node.child.as_mut()
-                    && let Ok(Some(status)) = child.try_wait()
-                {
-                    node.ended = Some(status);
-                    node.child = None;
+        let timed_out = stopped.is_none()
+            && loop {
+                let now = Instant::now();
+                if INTERRUPTED.load(Ordering::SeqCst) {
+                    stopped = Some(ChaosError::Interrupted);
+                    break false;
                 }
-                finishing |= node.ended.is_some();
-            }
-            if now.duration_since(last_scan) > Duration::from_millis(250) {
-                known.extend(workers_of(&nodes).into_values().flatten());
-                last_scan = now;
-            }
-            for d in due.iter().filter(|d| d.at <= now) {
-                // SAFETY: kill only sends a signal, to a worker of this run.
-                unsafe { libc::kill(d.pid, d.signal) };
-            }
-            due.retain(|d| d.at > now);
-            for (i, node) in nodes.iter_mut().enumerate() {
-                if node.back_at.is_some_and(|at| at <= now) {
-                    node.back_at = None;
-                    if !finishing {
-                        say(&format!("chaos: starting node {i}'s launcher again"));
-                        let child = self
-                            .launcher(dir, port, &marker, i, &program)?
-                            .spawn()
-                            .map_err(io(format!("starting {}", self.options.chorus.display())))?;
-                        node.child = Some(child);
+                let mut finishing = false;
+                for node in nodes.iter_mut() {
+                    if let Some(child) = node.child.as_mut()
+                        && let Ok(Some(status)) = child.try_wait()
+                    {
+                        node.child = None;
+                        match node.cut_until {
+                            // Cut off from the store: back after the heal.
+                            Some(until) if !status.success() => {
+                                node.back_at = Some(until.max(now) + LAUNCHER_BACK);
+                            }
+                            _ => node.ended = Some(status),
+                        }
+                    }
+                    finishing |= node.ended.is_some();
+                }
+                if now.duration_since(last_scan) > Duration::from_millis(250) {
+                    known.extend(workers_of(&nodes).into_values().flatten());
+                    last_scan = now;
+                }
+                for d in due.iter().filter(|d| d.at <= now) {
+                    // SAFETY: kill only sends a signal, to a worker of this run.
+                    unsafe { libc::kill(d.pid, d.signal) };
+                }
+                due.retain(|d| d.at > now);
+                for u in undo.iter().filter(|u| u.at <= now) {
+                    say(&format!("chaos: {} of node {} undone", u.kind.name(), u.node));
+                    if let Err(e) = self.undo(u) {
+                        stopped = Some(e);
                     }
                 }
-            }
-            while !finishing && next < faults.len() && faults[next].at <= now.duration_since(started) {
-                let fault = faults[next].clone();
-                next += 1;
-                let (outcome, acted) = self.inject(&fault, &mut nodes, &mut due);
-                say(&format!(
-                    "chaos: {:>6.1} s {} node {} worker {}: {outcome}",
-                    fault.at.as_secs_f64(),
-                    fault.kind.name(),
-                    fault.node,
-                    fault.local_rank
-                ));
-                injected.push((
-                    Injected {
-                        planned: fault,
-                        outcome,
-                        acted,
-                    },
-                    unix_us(),
-                ));
-            }
-            let running = nodes
-                .iter()
-                .any(|n| n.child.is_some() || (n.back_at.is_some() && !finishing));
-            if !running && due.is_empty() {
-                break false;
-            }
-            if now.duration_since(started) > limit {
-                break true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
+                undo.retain(|u| u.at > now);
+                for (i, node) in nodes.iter_mut().enumerate() {
+                    if node.back_at.is_some_and(|at| at <= now) {
+                        node.back_at = None;
+                        if !finishing && stopped.is_none() {
+                            say(&format!("chaos: starting node {i}'s launcher again"));
+                            match self.launch(dir, &store, &marker, i, &program) {
+                                Ok(child) => node.child = Some(child),
+                                Err(e) => stopped = Some(e),
+                            }
+                            node.cut_until = None;
+                        }
+                    }
+                }
+                while stopped.is_none()
+                    && !finishing
+                    && next < faults.len()
+                    && faults[next].at <= now.duration_since(started)
+                {
+                    let fault = faults[next].clone();
+                    next += 1;
+                    let (outcome, acted) = self.inject(&fault, dir, &mut nodes, &mut due, &mut undo);
+                    say(&format!(
+                        "chaos: {:>6.1} s {} node {} worker {}: {outcome}",
+                        fault.at.as_secs_f64(),
+                        fault.kind.name(),
+                        fault.node,
+                        fault.local_rank
+                    ));
+                    injected.push((
+                        Injected {
+                            planned: fault,
+                            outcome,
+                            acted,
+                        },
+                        unix_us(),
+                    ));
+                }
+                if stopped.is_some() {
+                    break false;
+                }
+                let running = nodes
+                    .iter()
+                    .any(|n| n.child.is_some() || (n.back_at.is_some() && !finishing));
+                if !running && due.is_empty() {
+                    break false;
+                }
+                if now.duration_since(started) > limit {
+                    break true;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
         let seconds = started.elapsed().as_secs_f64();
         for node in nodes.iter_mut() {
             if let Some(mut child) = node.child.take() {
@@ -546,11 +706,26 @@ impl Driver<'_> {
             // SAFETY: kill only sends a signal, to a worker of this run.
             unsafe { libc::kill(d.pid, libc::SIGCONT) };
         }
+        // The network as it was, for the next run (an error here is reported
+        // after the leftovers are cleared).
+        for u in &undo {
+            if let Err(e) = self.undo(u) {
+                stopped.get_or_insert(e);
+            }
+        }
         drop(server);
         let records = read_records(&dir.join("records"))?;
         known.extend(records.iter().map(|r| r.pid));
-        let orphans = orphans(&marker);
-        let leaked_shm = leaked_rings(&shm_before, &known);
+        let net_inodes = self.hosts.as_ref().map(|h| h.net_inodes()).unwrap_or_default();
+        let orphans = orphans(&marker, &net_inodes);
+        let leaked_shm: Vec<String> = self
+            .shm_dirs()
+            .iter()
+            .flat_map(|d| leaked_rings(d, &shm_before, &known))
+            .collect();
+        if let Some(e) = stopped {
+            return Err(e);
+        }
         let failed = nodes.iter().filter_map(|n| n.ended).filter(|s| !s.success()).count();
         say(&format!(
             "chaos: the {phase} run ended after {seconds:.1} s: {} records{}",
@@ -579,8 +754,77 @@ impl Driver<'_> {
         })
     }
 
+    /// Undoes network fault `u`.
+    fn undo(&mut self, u: &Undo) -> Result<(), ChaosError> {
+        let Some(hosts) = self.hosts.as_mut() else {
+            return Ok(());
+        };
+        match u.kind {
+            FaultKind::Partition => hosts.partition(u.node + 1, false)?,
+            _ => hosts.clear(u.node + 1)?,
+        }
+        Ok(())
+    }
+
+    /// Injects a network fault on `fault.node`'s host.
+    fn inject_network(
+        &mut self,
+        fault: &PlannedFault,
+        dir: &Path,
+        node: &mut Node,
+        undo: &mut Vec<Undo>,
+    ) -> Result<(String, bool), ChaosError> {
+        let chorus = self.options.chorus.clone();
+        let Some(hosts) = self.hosts.as_mut() else {
+            return Ok(("no simulated hosts".into(), false));
+        };
+        let host = fault.node + 1;
+        if undo.iter().any(|u| u.node == fault.node) {
+            return Ok(("the host's network is faulty already".into(), false));
+        }
+        let until = Instant::now() + fault.kind.lasts();
+        let lasts = fault.kind.lasts().as_secs_f64();
+        let outcome = match fault.kind {
+            FaultKind::Partition => {
+                hosts.partition(host, true)?;
+                node.cut_until = Some(until);
+                format!("host {host} cut off for {lasts:.0} s")
+            }
+            kind => {
+                let flags = match kind {
+                    FaultKind::LossyLink => vec!["--loss".to_string(), schedule::LOSS.to_string()],
+                    _ => vec!["--delay-ms".to_string(), schedule::DELAY.as_millis().to_string()],
+                };
+                let path = dir.join(format!("netem{host}.log"));
+                let log = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(io(format!("opening {}", path.display())))?;
+                let pid = hosts.impair(host, &chorus, &flags, log)?;
+                format!(
+                    "host {host}'s link through chorus netem {} (pid {pid}) for {lasts:.0} s",
+                    flags.join(" ")
+                )
+            }
+        };
+        undo.push(Undo {
+            at: until,
+            node: fault.node,
+            kind: fault.kind,
+        });
+        Ok((outcome, true))
+    }
+
     /// Injects `fault`; what it hit and whether it acted.
-    fn inject(&self, fault: &PlannedFault, nodes: &mut [Node], due: &mut Vec<Due>) -> (String, bool) {
+    fn inject(
+        &mut self,
+        fault: &PlannedFault,
+        dir: &Path,
+        nodes: &mut [Node],
+        due: &mut Vec<Due>,
+        undo: &mut Vec<Undo>,
+    ) -> (String, bool) {
         let node = &mut nodes[fault.node];
         let (signal, then, outcome) = match fault.kind {
             FaultKind::Kill => (libc::SIGKILL, None, "SIGKILL"),
@@ -601,8 +845,13 @@ impl Driver<'_> {
                 let pid = child.id();
                 let _ = child.kill();
                 let _ = child.wait();
-                node.back_at = Some(Instant::now() + LAUNCHER_BACK);
+                node.back_at = Some(node.cut_until.unwrap_or(Instant::now()).max(Instant::now()) + LAUNCHER_BACK);
                 return (format!("killed launcher pid {pid}; back in {LAUNCHER_BACK:?}"), true);
+            }
+            FaultKind::Partition | FaultKind::LossyLink | FaultKind::SlowLink => {
+                return self
+                    .inject_network(fault, dir, node, undo)
+                    .unwrap_or_else(|e| (format!("failed: {e}"), false));
             }
         };
         let Some(launcher) = node.child.as_ref().map(|c| c.id()) else {
@@ -699,9 +948,11 @@ fn read_records(dir: &Path) -> Result<Vec<CommitRecord>, ChaosError> {
     Ok(records)
 }
 
-/// Processes still carrying the run's marker, after a grace period for
+/// Processes still carrying the run's marker or in one of the network
+/// namespaces `net_inodes` (the simulated hosts'), after a grace period for
 /// the last to exit; each is SIGKILLed.
-fn orphans(marker: &str) -> Vec<u32> {
+fn orphans(marker: &str, net_inodes: &[u64]) -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt;
     let needle = format!("{MARKER_ENV}={marker}");
     let find = || -> Vec<u32> {
         parents()
@@ -709,6 +960,7 @@ fn orphans(marker: &str) -> Vec<u32> {
             .filter(|pid| {
                 std::fs::read(format!("/proc/{pid}/environ"))
                     .is_ok_and(|env| env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()))
+                    || std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| net_inodes.contains(&m.ino()))
             })
             .collect()
     };
@@ -725,9 +977,9 @@ fn orphans(marker: &str) -> Vec<u32> {
     left
 }
 
-/// The shared-memory ring files in `/dev/shm`.
-fn ring_files() -> BTreeSet<PathBuf> {
-    std::fs::read_dir("/dev/shm")
+/// The shared-memory ring files in `dir` (a `/dev/shm`).
+fn ring_files(dir: &Path) -> BTreeSet<PathBuf> {
+    std::fs::read_dir(dir)
         .map(|entries| {
             entries
                 .flatten()
@@ -742,12 +994,12 @@ fn ring_files() -> BTreeSet<PathBuf> {
         .unwrap_or_default()
 }
 
-/// Ring files that appeared since `before`, written by one of `pids`
-/// (the writer's pid is in the ring's header: magic `chorusR1` at 0, the
-/// pid at 12); each is removed.
-fn leaked_rings(before: &BTreeSet<PathBuf>, pids: &BTreeSet<u32>) -> Vec<String> {
+/// Ring files in `dir` that appeared since `before`, written by one of
+/// `pids` (the writer's pid is in the ring's header: magic `chorusR1` at 0,
+/// the pid at 12); each is removed.
+fn leaked_rings(dir: &Path, before: &BTreeSet<PathBuf>, pids: &BTreeSet<u32>) -> Vec<String> {
     let mut leaked = Vec::new();
-    for path in ring_files().difference(before) {
+    for path in ring_files(dir).difference(before) {
         let mut head = [0u8; 16];
         let read = std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head));
         if read.is_err() || &head[..8] != b"chorusR1" {

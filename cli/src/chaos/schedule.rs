@@ -2,7 +2,8 @@
 //! it is and which node and worker it aims at. The same seed, duration,
 //! interval, kinds and shape give the same schedule; which process a
 //! target names is resolved only when the fault is injected (a relaunched
-//! worker has a new pid).
+//! worker has a new pid). The network kinds ([`FaultKind::network`]) are
+//! drawn only across simulated hosts ([`ScheduleSpec::hosts`]).
 
 use std::time::Duration;
 
@@ -26,7 +27,31 @@ pub enum FaultKind {
     /// A slow rank: a worker stopped for a moment shorter than the
     /// heartbeat window, then continued; the group waits for it.
     Slow,
+    /// Simulated hosts only: the node's host taken off the network (from
+    /// the other hosts and the store) for [`PARTITION`], then back. Its
+    /// launcher loses the store and exits, the others re-form without it;
+    /// it is started again after the heal and its node rejoins.
+    Partition,
+    /// Simulated hosts only: the host's link drops [`LOSS`] of its frames,
+    /// each direction, for [`IMPAIRED`]; the group goes on.
+    LossyLink,
+    /// Simulated hosts only: the host's link delays every frame by
+    /// [`DELAY`], each direction, for [`IMPAIRED`]; the group goes on.
+    SlowLink,
 }
+
+/// How long a partition lasts: past the launchers' keep-alive window, so
+/// the group re-forms without the host.
+pub const PARTITION: Duration = Duration::from_secs(4);
+
+/// How long a lossy or slow link lasts.
+pub const IMPAIRED: Duration = Duration::from_secs(3);
+
+/// The frames a lossy link drops, as `chorus netem --loss` takes it.
+pub const LOSS: &str = "2%";
+
+/// The delay of a slow link, each direction.
+pub const DELAY: Duration = Duration::from_millis(5);
 
 impl FaultKind {
     /// Its name on the command line.
@@ -36,13 +61,31 @@ impl FaultKind {
             FaultKind::Stop => "stop",
             FaultKind::KillLauncher => "kill-launcher",
             FaultKind::Slow => "slow",
+            FaultKind::Partition => "partition",
+            FaultKind::LossyLink => "lossy-link",
+            FaultKind::SlowLink => "slow-link",
+        }
+    }
+
+    /// Whether it acts on the network between simulated hosts (so needs
+    /// them).
+    pub fn network(self) -> bool {
+        matches!(self, FaultKind::Partition | FaultKind::LossyLink | FaultKind::SlowLink)
+    }
+
+    /// How long it lasts before it is undone (zero: an instant fault).
+    pub fn lasts(self) -> Duration {
+        match self {
+            FaultKind::Partition => PARTITION,
+            FaultKind::LossyLink | FaultKind::SlowLink => IMPAIRED,
+            FaultKind::Kill | FaultKind::Stop | FaultKind::KillLauncher | FaultKind::Slow => Duration::ZERO,
         }
     }
 
     /// Whether the fault makes the group re-form (a member leaves), so
     /// that its recovery time is measured.
     pub fn reforms(self) -> bool {
-        !matches!(self, FaultKind::Slow)
+        !matches!(self, FaultKind::Slow | FaultKind::LossyLink | FaultKind::SlowLink)
     }
 }
 
@@ -54,7 +97,7 @@ pub struct PlannedFault {
     pub at: Duration,
     /// What.
     pub kind: FaultKind,
-    /// The node (launcher) it strikes.
+    /// The node (launcher, and its host) it strikes.
     pub node: usize,
     /// The worker of that node, by local rank (not used by `kill-launcher`).
     pub local_rank: usize,
@@ -80,6 +123,9 @@ pub struct ScheduleSpec {
     pub nodes: usize,
     /// Workers per node.
     pub nproc_per_node: usize,
+    /// Whether each node is a simulated host of its own; without, the
+    /// network kinds are left out of the draw.
+    pub hosts: bool,
 }
 
 /// The faults of `spec`, in time order.
@@ -88,7 +134,13 @@ pub fn schedule(spec: &ScheduleSpec) -> Vec<PlannedFault> {
     let (low, high) = (spec.every.0.as_millis() as u64, spec.every.1.as_millis() as u64);
     let mut faults = Vec::new();
     let mut at = Duration::ZERO;
-    if spec.kinds.is_empty() {
+    let kinds: Vec<FaultKind> = spec
+        .kinds
+        .iter()
+        .copied()
+        .filter(|k| spec.hosts || !k.network())
+        .collect();
+    if kinds.is_empty() {
         return faults;
     }
     loop {
@@ -96,7 +148,7 @@ pub fn schedule(spec: &ScheduleSpec) -> Vec<PlannedFault> {
         if at >= spec.duration || high == 0 {
             return faults;
         }
-        let kind = spec.kinds[rng.below(spec.kinds.len() as u64) as usize];
+        let kind = kinds[rng.below(kinds.len() as u64) as usize];
         let node = rng.below(spec.nodes as u64) as usize;
         let local_rank = rng.below(spec.nproc_per_node as u64) as usize;
         faults.push(PlannedFault {
@@ -179,7 +231,48 @@ mod tests {
             ],
             nodes: 3,
             nproc_per_node: 2,
+            hosts: false,
         }
+    }
+
+    fn with_hosts(seed: u64) -> ScheduleSpec {
+        let mut spec = spec(seed);
+        spec.kinds
+            .extend([FaultKind::Partition, FaultKind::LossyLink, FaultKind::SlowLink]);
+        spec.hosts = true;
+        spec
+    }
+
+    #[test]
+    fn network_faults_come_only_across_simulated_hosts() {
+        let mut without = with_hosts(1);
+        without.hosts = false;
+        let faults = schedule(&without);
+        assert!(!faults.is_empty());
+        assert!(faults.iter().all(|f| !f.kind.network()), "{faults:?}");
+        // Without hosts the network kinds are not drawn at all: the
+        // schedule is the one of the other kinds alone.
+        assert_eq!(faults, schedule(&spec(1)));
+        let faults = schedule(&with_hosts(1));
+        assert_eq!(faults, schedule(&with_hosts(1)));
+        for kind in with_hosts(1).kinds {
+            assert!(faults.iter().any(|f| f.kind == kind), "{kind:?} never drawn");
+        }
+        // Only network kinds, and no hosts: nothing.
+        let mut only = with_hosts(1);
+        only.kinds = vec![FaultKind::Partition, FaultKind::SlowLink];
+        only.hosts = false;
+        assert!(schedule(&only).is_empty());
+    }
+
+    #[test]
+    fn a_network_fault_is_undone_before_the_next_fault_at_the_default_interval() {
+        // Faults do not pile up on one host at --fault-every 10..20.
+        for kind in [FaultKind::Partition, FaultKind::LossyLink, FaultKind::SlowLink] {
+            assert!(kind.lasts() > Duration::ZERO && kind.lasts() < Duration::from_secs(10));
+        }
+        assert!(!FaultKind::LossyLink.reforms() && !FaultKind::SlowLink.reforms());
+        assert!(FaultKind::Partition.reforms());
     }
 
     #[test]
