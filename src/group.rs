@@ -71,6 +71,155 @@ pub enum InitError {
     /// The supervision settings (error-handling mode, timeouts) are wrong.
     #[error(transparent)]
     Supervision(#[from] SupervisionConfigError),
+    /// A stage of initialisation ran out of what was left of the one
+    /// `timeout` every stage shares; `cause` is the stage's own error
+    /// (`None` when it had none to give, e.g. a host lookup that hung).
+    #[error(
+        "initialisation ran out of its {timeout:?} timeout while {stage}{}",
+        cause.as_ref().map(|cause| format!(": {cause}")).unwrap_or_default()
+    )]
+    TimedOut {
+        /// The stage that was running.
+        stage: InitStage,
+        /// The whole timeout ([`InitOptions::timeout`]).
+        timeout: Duration,
+        /// What the stage reported when its time ran out.
+        cause: Option<Box<InitError>>,
+    },
+}
+
+impl InitError {
+    /// The error behind a [`InitError::TimedOut`] (the stage's own), else
+    /// this one.
+    pub fn cause(&self) -> &InitError {
+        match self {
+            InitError::TimedOut { cause: Some(cause), .. } => cause.cause(),
+            other => other,
+        }
+    }
+
+    /// The error behind a [`InitError::TimedOut`] (the stage's own), else
+    /// this one: for matching on what went wrong whichever stage ran out.
+    pub fn into_cause(self) -> InitError {
+        match self {
+            InitError::TimedOut { cause: Some(cause), .. } => cause.into_cause(),
+            other => other,
+        }
+    }
+}
+
+/// The stages of forming a group, in order; a timeout names the one that
+/// ran out ([`InitError::TimedOut`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InitStage {
+    /// Opening the store (serving it on rank 0 of `tcp://`, connecting).
+    StoreConnect,
+    /// Looking up the master's (the store's) host.
+    MasterLookup,
+    /// Publishing this rank's record and waiting for every peer's.
+    Rendezvous,
+    /// Connecting the links to every peer.
+    MeshConnect,
+}
+
+impl std::fmt::Display for InitStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            InitStage::StoreConnect => "connecting to the store",
+            InitStage::MasterLookup => "looking up the master host",
+            InitStage::Rendezvous => "waiting for every rank's record (rendezvous)",
+            InitStage::MeshConnect => "connecting to the peers",
+        })
+    }
+}
+
+/// The one deadline of forming a group: each stage gets what is left of
+/// the timeout, so the whole ends within it (not a timeout per stage).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline {
+    at: tokio::time::Instant,
+    timeout: Duration,
+}
+
+impl Deadline {
+    /// A deadline `timeout` from now.
+    pub(crate) fn after(timeout: Duration) -> Self {
+        Self {
+            at: tokio::time::Instant::now() + timeout,
+            timeout,
+        }
+    }
+
+    /// The time left, at least 1 ms: a store may read a limit of 0 as none.
+    fn left(&self) -> Duration {
+        self.at
+            .saturating_duration_since(tokio::time::Instant::now())
+            .max(Duration::from_millis(1))
+    }
+
+    /// Runs `stage` with the time left; an error it returns once the
+    /// deadline passed is its running out, named as such.
+    async fn stage<T, E, F>(&self, stage: InitStage, run: impl FnOnce(Duration) -> F) -> Result<T, InitError>
+    where
+        E: Into<InitError>,
+        F: std::future::Future<Output = Result<T, E>>,
+    {
+        run(self.left()).await.map_err(|error| {
+            let error = error.into();
+            match tokio::time::Instant::now() >= self.at {
+                true => self.ran_out(stage, Some(error)),
+                false => error,
+            }
+        })
+    }
+
+    fn ran_out(&self, stage: InitStage, cause: Option<InitError>) -> InitError {
+        InitError::TimedOut {
+            stage,
+            timeout: self.timeout,
+            cause: cause.map(Box::new),
+        }
+    }
+}
+
+/// The master's (the store's) host, looked up once per process: whether
+/// the whole job is on this host, and the address whose route chooses the
+/// addresses to publish.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Master {
+    /// Its first address, when it has a host that resolved.
+    pub(crate) ip: Option<IpAddr>,
+    /// Whether the whole job is on this host: the store is on loopback, or
+    /// is an in-process store.
+    pub(crate) single_host: bool,
+}
+
+impl Master {
+    /// Looks the host up within `deadline`; a lookup that fails leaves
+    /// the address unknown (and the job taken to span hosts), one that
+    /// outlasts the deadline is an error.
+    pub(crate) async fn resolve(
+        config: &RendezvousConfig,
+        store_host: Option<&str>,
+        deadline: &Deadline,
+    ) -> Result<Self, InitError> {
+        let host = config.master_host().or(store_host);
+        let ip = match host {
+            Some(host) => tokio::time::timeout_at(deadline.at, tokio::net::lookup_host((host, 0)))
+                .await
+                .map_err(|_| deadline.ran_out(InitStage::MasterLookup, None))?
+                .ok()
+                .and_then(|mut addrs| addrs.next())
+                .map(|a| a.ip()),
+            None => None,
+        };
+        let single_host = match (&config.store, host) {
+            (StoreSpec::Given(_), None) => true,
+            (_, Some(_)) => ip.is_some_and(|ip| ip.is_loopback()),
+            _ => false,
+        };
+        Ok(Self { ip, single_host })
+    }
 }
 
 chorus_runtime::debug_as_report!(InitError);
@@ -84,10 +233,11 @@ pub struct InitOptions {
     pub rank: Option<usize>,
     /// The world size, when not in the URL or the environment.
     pub world_size: Option<usize>,
-    /// Limit on connecting to the store, on each store operation and on
-    /// the whole rendezvous (default 300 s, PyTorch's store default). A
-    /// conflict (another world size, a rank claimed twice) fails every rank
-    /// at once instead.
+    /// Limit on forming the group, all stages together (connecting to the
+    /// store, looking up its host, the rendezvous, connecting to the peers:
+    /// each gets what the ones before it left), and on each store operation
+    /// (default 300 s, PyTorch's store default). A conflict (another world
+    /// size, a rank claimed twice) fails every rank at once instead.
     pub timeout: Duration,
     /// Default limit on each collective (PyTorch's default for Gloo: 30 min).
     pub collective_timeout: Duration,
@@ -320,7 +470,7 @@ fn overrides() -> Result<Overrides, InitError> {
 pub(crate) enum LinkSource {
     /// The QUIC mesh, set up on the rank's arbiter; `world` bounds the
     /// ranks of every generation (the fault plan is checked against it).
-    Mesh { single_host: bool, world: usize },
+    Mesh { world: usize },
     /// In-process links made by [`spawn`], and their mesh; its watcher
     /// stands in for heartbeats unless `heartbeats` (injected faults can
     /// silence a rank, which only heartbeats notice).
@@ -332,47 +482,31 @@ pub(crate) enum LinkSource {
 }
 
 /// Forms the group: resolves the configuration, opens the store, publishes
-/// this rank's addresses and waits for every peer's.
+/// this rank's addresses and waits for every peer's, all within
+/// [`InitOptions::timeout`] (an error names the stage that ran out).
 pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, InitError> {
+    let deadline = Deadline::after(options.timeout);
     let env = |name: &str| std::env::var(name).ok();
     let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
-    let opened = rendezvous::open_store(&config, options.timeout).await?;
-    let single_host = single_host(&config, options.store_host.as_deref()).await;
+    let opened = deadline
+        .stage(InitStage::StoreConnect, |left| rendezvous::open_store(&config, left))
+        .await?;
+    let master = Master::resolve(&config, options.store_host.as_deref(), &deadline).await?;
     let world = config.world_size;
-    form(config, opened, LinkSource::Mesh { single_host, world }, &options).await
-}
-
-/// Whether the whole job is on this host: its store is on loopback, or is
-/// an in-process store.
-pub(crate) async fn single_host(config: &RendezvousConfig, store_host: Option<&str>) -> bool {
-    match (&config.store, config.master_host().or(store_host)) {
-        (StoreSpec::Given(_), None) => true,
-        (_, Some(host)) => tokio::net::lookup_host((host, 0))
-            .await
-            .ok()
-            .and_then(|mut addrs| addrs.next())
-            .is_some_and(|a| a.ip().is_loopback()),
-        _ => false,
-    }
+    form(config, opened, LinkSource::Mesh { world }, master, &options, deadline).await
 }
 
 /// Rendezvous, links and actor: the part of forming a group shared by
-/// separate processes and [`spawn`].
+/// separate processes and [`spawn`]; its stages share `deadline`.
 pub(crate) async fn form(
     config: RendezvousConfig,
     opened: rendezvous::OpenedStore,
     source: LinkSource,
+    master: Master,
     options: &InitOptions,
+    deadline: Deadline,
 ) -> Result<ProcessGroup, InitError> {
     let env = |name: &str| std::env::var(name).ok();
-    let master = match config.master_host().or(options.store_host.as_deref()) {
-        Some(host) => tokio::net::lookup_host((host, 0))
-            .await
-            .ok()
-            .and_then(|mut addrs| addrs.next())
-            .map(|a| a.ip()),
-        None => None,
-    };
     let arbiter = match &source {
         LinkSource::Mesh { .. } => RankThread::Own(system::new_arbiter()?),
         LinkSource::Local { .. } => RankThread::Shared(system::shared_arbiter(config.rank, config.world_size)?),
@@ -381,22 +515,33 @@ pub(crate) async fn form(
         rank: config.rank as u32,
         host: HostId::local(),
         pid: std::process::id(),
-        addrs: netif::local_addresses(master, &env)?,
+        addrs: netif::local_addresses(master.ip, &env)?,
         extras: Vec::new(),
     };
     let (membership, endpoint, links, local) = match source {
-        LinkSource::Mesh { single_host, world } => {
-            let (rank, timeout) = (config.rank, options.timeout);
+        LinkSource::Mesh { world } => {
+            let (rank, single_host, left) = (config.rank, master.single_host, deadline.left());
             let plan = on_arbiter(
                 &arbiter,
-                async move { MeshPlan::prepare(rank, world, single_host, timeout) },
+                async move { MeshPlan::prepare(rank, world, single_host, left) },
             )
             .await??;
             plan.publish(&mut record, &config.run_id, config.generation);
-            let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
-            let (known, run_id, timeout) = (membership.clone(), config.run_id.clone(), options.timeout);
-            let (endpoint, links) =
-                on_arbiter(&arbiter, async move { plan.connect(&known, &run_id, timeout).await }).await??;
+            let store = opened.store.clone();
+            let membership = deadline
+                .stage(InitStage::Rendezvous, |left| {
+                    rendezvous::rendezvous(store, &config, record, left)
+                })
+                .await?;
+            let (known, run_id, arbiter) = (membership.clone(), config.run_id.clone(), &arbiter);
+            let (endpoint, links) = deadline
+                .stage(InitStage::MeshConnect, |left| async move {
+                    on_arbiter(arbiter, async move { plan.connect(&known, &run_id, left).await })
+                        .await
+                        .map_err(InitError::from)?
+                        .map_err(InitError::from)
+                })
+                .await?;
             (membership, Some(endpoint), links, None)
         }
         LinkSource::Local {
@@ -404,7 +549,12 @@ pub(crate) async fn form(
             links,
             heartbeats,
         } => {
-            let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
+            let store = opened.store.clone();
+            let membership = deadline
+                .stage(InitStage::Rendezvous, |left| {
+                    rendezvous::rendezvous(store, &config, record, left)
+                })
+                .await?;
             (membership, None, links, (!heartbeats).then_some(mesh))
         }
     };
@@ -664,8 +814,10 @@ where
             ..options.clone()
         };
         forming.push(tokio::spawn(async move {
+            let deadline = Deadline::after(options.timeout);
             let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &|_| None)?;
             let opened = rendezvous::open_store(&config, options.timeout).await?;
+            let master = Master::resolve(&config, options.store_host.as_deref(), &deadline).await?;
             let heartbeats = faulty;
             form(
                 config,
@@ -675,7 +827,9 @@ where
                     links,
                     heartbeats,
                 },
+                master,
                 &options,
+                deadline,
             )
             .await
         }));
@@ -943,5 +1097,58 @@ impl ProcessGroup {
             server.shutdown().await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chorus_runtime::store::TcpStoreServerOptions;
+    use std::time::Instant;
+
+    /// The store comes up only after 1 s and rank 0 never comes: the
+    /// rendezvous gets what the store's connection left of the 2 s, so the
+    /// whole init fails at 2 s (not 1 s + 2 s), naming the rendezvous.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_stage_shares_one_deadline_and_the_error_names_the_one_that_ran_out() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+        let late_store = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            TcpStoreServer::bind(addr, TcpStoreServerOptions::default()).await
+        });
+        let timeout = Duration::from_secs(2);
+        let options = InitOptions::from_url(&format!("tcp://127.0.0.1:{port}"))
+            .expect("a tcp:// URL")
+            .rank(1)
+            .world_size(2)
+            .timeout(timeout);
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(Duration::from_secs(20), init_process_group(options))
+            .await
+            .expect("init_process_group did not end within 20 s of its 2 s timeout");
+        let took = started.elapsed();
+        let _server = late_store.await.expect("the store task").expect("the store binds");
+        let error = outcome.expect_err("rank 0 never came, so the group cannot form");
+        assert!(
+            matches!(&error, InitError::TimedOut { stage: InitStage::Rendezvous, timeout: t, cause: Some(_) } if *t == timeout),
+            "{error}"
+        );
+        assert!(
+            matches!(error.cause(), InitError::Rendezvous(RendezvousError::Incomplete { missing, .. }) if missing == &[0]),
+            "{error}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.starts_with("initialisation ran out of its 2s timeout while waiting for every rank's record (rendezvous): rendezvous of generation 0 timed out"),
+            "{message}"
+        );
+        assert!(
+            took >= Duration::from_millis(1900) && took < timeout + Duration::from_millis(700),
+            "init took {took:?}, its timeout was {timeout:?}"
+        );
     }
 }

@@ -23,8 +23,8 @@
 //!
 //! # Layout
 //! - [`group`]: [`init_process_group`] and the [`ProcessGroup`] handle it
-//!   returns (rendezvous, store, membership, links to every peer;
-//!   collectives land here next).
+//!   returns (rendezvous, store, membership, links to every peer), its
+//!   stages under one deadline ([`InitStage`]).
 //! - [`collectives`]: every `torch.distributed` collective on a
 //!   [`ProcessGroup`], each returning a [`Work`]; [`tensor`]: the owned
 //!   buffers they take and hand back.
@@ -110,7 +110,7 @@ pub use chorus_runtime::{rendezvous, store};
 pub use chorus_transports::{fault, link, netif};
 pub use collectives::Work;
 pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
-pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
+pub use group::{InitError, InitOptions, InitStage, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use nccl_group::{NcclInitError, NcclProcessGroup, init_nccl_group, init_nccl_group_with};
 pub use sync::{DistributedSync, ParamBuffer, Parameters, SyncError, SyncOptions};
 pub use tensor::{Element, Tensor};

@@ -449,7 +449,17 @@ impl MeshPlan {
                 quic.join(", ")
             )
         };
-        let (shm, quic) = wait::noting(async { tokio::join!(shm, quic) }, timeout, waiting_for).await;
+        // The QUIC endpoint's own limit was set before the rendezvous, from
+        // more time than is left now: this one ends the stage on time.
+        let (shm, quic) = tokio::time::timeout(
+            timeout,
+            wait::noting(async { tokio::join!(shm, quic) }, timeout, waiting_for),
+        )
+        .await
+        .map_err(|_| TransportError::Connect {
+            peer: membership.rank,
+            reason: format!("the mesh did not form within {timeout:?}: {}", waiting_for()),
+        })?;
         // Each list is indexed by rank, `None` where the other side serves.
         for side in [shm?, quic?] {
             for (rank, link) in side.into_iter().enumerate() {
