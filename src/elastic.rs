@@ -523,6 +523,7 @@ impl ElasticGroup {
         options: InitOptions,
         on_give_up: impl Fn(&RestartError) + Send + Sync + 'static,
     ) -> Result<Self, RestartError> {
+        let options = options.with_env_defaults()?;
         let env = |name: &str| std::env::var(name).ok();
         let mut config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)
             .map_err(InitError::from)?;

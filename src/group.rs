@@ -32,7 +32,8 @@ use chorus_runtime::rendezvous::{
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use chorus_runtime::store::{HashStore, PrefixStore};
-use chorus_transports::fault::wrap_links;
+use chorus_transports::auth::JobSecret;
+use chorus_transports::fault::{FaultPlan, wrap_links};
 use chorus_transports::link::Link;
 use chorus_transports::local::LocalMesh;
 use chorus_transports::netif::{self, NetifError};
@@ -41,7 +42,7 @@ use chorus_transports::scoped::ScopedLink;
 use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 
-use crate::mesh::{MeshError, MeshPlan, TransportChoice, faults_from_env};
+use crate::mesh::{LinkOptions, MeshError, MeshPlan, TransportChoice, checked_faults};
 
 /// Why a group could not be formed.
 #[derive(Error)]
@@ -270,7 +271,21 @@ pub struct InitOptions {
     /// hosts and which interface reaches them. `None`: the store is in
     /// this process, so every rank is on this host.
     pub store_host: Option<String>,
+    /// Which transport links between rank processes use; `None`:
+    /// `CHORUS_TRANSPORT`, else auto ([`InitOptions::with_env_defaults`]).
+    pub transport: Option<TransportChoice>,
+    /// Faults to inject into the links (`docs/faults.md`); `None`:
+    /// `CHORUS_FAULTS`, else none.
+    pub faults: Option<FaultPlan>,
+    /// The secret every rank signs its record with (all ranks must have
+    /// the same); `None`: `CHORUS_JOB_SECRET`, else records go unsigned.
+    pub job_secret: Option<JobSecret>,
 }
+
+/// The variables [`InitOptions::with_env_defaults`] reads.
+const TRANSPORT_ENV: &str = "CHORUS_TRANSPORT";
+const FAULTS_ENV: &str = "CHORUS_FAULTS";
+const JOB_SECRET_ENV: &str = "CHORUS_JOB_SECRET";
 
 impl Default for InitOptions {
     fn default() -> Self {
@@ -289,6 +304,9 @@ impl Default for InitOptions {
             max_restarts: None,
             restart_window: None,
             store_host: None,
+            transport: None,
+            faults: None,
+            job_secret: None,
         }
     }
 }
@@ -362,6 +380,65 @@ impl InitOptions {
         self.max_restarts = Some(max_restarts);
         self.restart_window = Some(window);
         self
+    }
+
+    /// Sets the transport between rank processes, over `CHORUS_TRANSPORT`.
+    pub fn transport(mut self, transport: TransportChoice) -> Self {
+        self.transport = Some(transport);
+        self
+    }
+
+    /// Sets the faults to inject, over `CHORUS_FAULTS`.
+    pub fn faults(mut self, plan: FaultPlan) -> Self {
+        self.faults = Some(plan);
+        self
+    }
+
+    /// Sets the job secret, over `CHORUS_JOB_SECRET`.
+    pub fn job_secret(mut self, secret: JobSecret) -> Self {
+        self.job_secret = Some(secret);
+        self
+    }
+
+    /// Fills the transport, the fault plan and the job secret, where not
+    /// set in code, from the environment (`CHORUS_TRANSPORT`,
+    /// `CHORUS_FAULTS`, `CHORUS_JOB_SECRET`: the launcher's way in). The
+    /// one place the library reads them; [`init_process_group`],
+    /// [`spawn_with`] and [`ElasticGroup::init`](crate::ElasticGroup::init)
+    /// call it, so what is set in code wins. A value that does not parse
+    /// is an error naming its variable.
+    pub fn with_env_defaults(self) -> Result<Self, InitError> {
+        self.defaults_from(&|name| std::env::var(name).ok())
+    }
+
+    fn defaults_from(mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, InitError> {
+        if self.transport.is_none() {
+            self.transport = Some(match env(TRANSPORT_ENV) {
+                Some(text) => TransportChoice::parse(&text)?,
+                None => TransportChoice::Auto,
+            });
+        }
+        if self.faults.is_none() {
+            self.faults = env(FAULTS_ENV)
+                .map(|spec| FaultPlan::parse(&spec))
+                .transpose()
+                .map_err(MeshError::Faults)?;
+        }
+        if self.job_secret.is_none() {
+            self.job_secret = env(JOB_SECRET_ENV)
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| JobSecret::new(s.trim().as_bytes()));
+        }
+        Ok(self)
+    }
+
+    /// What the links are made with (after [`Self::with_env_defaults`]).
+    fn link_options(&self) -> LinkOptions {
+        LinkOptions {
+            transport: self.transport.unwrap_or(TransportChoice::Auto),
+            faults: self.faults.clone(),
+            secret: self.job_secret.clone(),
+        }
     }
 }
 
@@ -486,6 +563,7 @@ pub(crate) enum LinkSource {
 /// [`InitOptions::timeout`] (an error names the stage that ran out).
 pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, InitError> {
     let deadline = Deadline::after(options.timeout);
+    let options = options.with_env_defaults()?;
     let env = |name: &str| std::env::var(name).ok();
     let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
     let opened = deadline
@@ -520,11 +598,11 @@ pub(crate) async fn form(
     };
     let (membership, endpoint, links, local) = match source {
         LinkSource::Mesh { world } => {
-            let (rank, single_host, left) = (config.rank, master.single_host, deadline.left());
-            let plan = on_arbiter(
-                &arbiter,
-                async move { MeshPlan::prepare(rank, world, single_host, left) },
-            )
+            let (rank, single_host, left, links) =
+                (config.rank, master.single_host, deadline.left(), options.link_options());
+            let plan = on_arbiter(&arbiter, async move {
+                MeshPlan::prepare(rank, world, single_host, left, links)
+            })
             .await??;
             plan.publish(&mut record, &config.run_id, config.generation);
             let store = opened.store.clone();
@@ -766,7 +844,7 @@ async fn start_rank(
 /// share one thread per core, meet on an in-process store and talk over
 /// in-process links made when first used, so a world of a thousand ranks
 /// fits a laptop. Failure detection is by closed links, without heartbeats
-/// unless `CHORUS_FAULTS` is set (a frozen or partitioned rank is silent).
+/// unless faults are injected (a frozen or partitioned rank is silent).
 /// Each rank's `body` runs on its rank's thread, beside its actor, so it
 /// should not block that thread: blocking work belongs in
 /// `tokio::task::spawn_blocking`. Returns every rank's result, in rank
@@ -783,20 +861,22 @@ where
 /// [`spawn`] with `options` for every rank (timeouts, heartbeat window,
 /// error handling); their init method, rank and world size are ignored.
 ///
-/// The environment is read as by rank processes: `CHORUS_FAULTS` injects
-/// faults into the in-process links (`kill` closes every link of the rank),
-/// and a bad `CHORUS_FAULTS` or `CHORUS_TRANSPORT` is an error. The ranks
-/// talk over in-process links whatever transport `CHORUS_TRANSPORT` names.
+/// The options' fault plan (by default `CHORUS_FAULTS`,
+/// [`InitOptions::with_env_defaults`]) is injected into the in-process
+/// links (`kill` closes every link of the rank), and a bad `CHORUS_FAULTS`
+/// or `CHORUS_TRANSPORT` is an error. The ranks talk over in-process links
+/// whatever transport the options name.
 pub async fn spawn_with<T, F, Fut>(world: usize, options: InitOptions, body: F) -> Result<Vec<T>, InitError>
 where
     T: Send + 'static,
     F: Fn(ProcessGroup) -> Fut,
     Fut: std::future::Future<Output = T> + Send + 'static,
 {
-    if TransportChoice::from_env()? != TransportChoice::Auto {
-        tracing::debug!("CHORUS_TRANSPORT applies to rank processes; chorus::spawn's ranks use in-process links");
+    let options = options.with_env_defaults()?;
+    if options.transport != Some(TransportChoice::Auto) {
+        tracing::debug!("the transport choice applies to rank processes; chorus::spawn's ranks use in-process links");
     }
-    let faults = faults_from_env(world)?;
+    let faults = checked_faults(options.faults.clone(), world)?;
     let store: Arc<dyn Store> = Arc::new(HashStore::default());
     let mesh = LocalMesh::new(world);
     let mut groups = Vec::with_capacity(world);
@@ -1103,18 +1183,126 @@ impl ProcessGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{CollectiveError, ReduceOp, Tensor};
     use chorus_runtime::store::TcpStoreServerOptions;
+    use std::collections::HashMap;
     use std::time::Instant;
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port()
+    }
+
+    #[test]
+    fn options_set_in_code_win_over_the_environment_and_the_others_come_from_it() {
+        let vars: HashMap<&str, &str> = [
+            (TRANSPORT_ENV, "shm"),
+            (FAULTS_ENV, "not a plan"),
+            (JOB_SECRET_ENV, " from-the-env "),
+        ]
+        .into();
+        let env = |name: &str| vars.get(name).map(|v| v.to_string());
+        let plan = FaultPlan::parse("kill(rank=1)").unwrap();
+        let set = InitOptions::default()
+            .transport(TransportChoice::Quic)
+            .faults(plan.clone())
+            .job_secret(JobSecret::new(b"from-code"))
+            .defaults_from(&env)
+            .expect("a bad CHORUS_FAULTS is not read when the plan is set in code");
+        assert_eq!(set.transport, Some(TransportChoice::Quic));
+        assert_eq!(set.faults, Some(plan));
+        let signed = |options: &InitOptions| options.job_secret.as_ref().map(|s| s.sign(b"record"));
+        assert_eq!(signed(&set), Some(JobSecret::new(b"from-code").sign(b"record")));
+
+        let unset = InitOptions::default().defaults_from(&|name| match name {
+            FAULTS_ENV => None,
+            name => env(name),
+        });
+        let unset = unset.expect("the environment's values parse");
+        assert_eq!(unset.transport, Some(TransportChoice::Shm));
+        assert_eq!(unset.faults, None);
+        assert_eq!(signed(&unset), Some(JobSecret::new(b"from-the-env").sign(b"record")));
+        let error = InitOptions::default().defaults_from(&env).unwrap_err();
+        assert!(matches!(error, InitError::Mesh(MeshError::Faults(_))), "{error}");
+        let none = InitOptions::default().defaults_from(&|_| None).unwrap();
+        assert_eq!(
+            (none.transport, none.faults, none.job_secret.is_none()),
+            (Some(TransportChoice::Auto), None, true)
+        );
+    }
+
+    /// A plan in the options kills rank 2 of a `spawn`ed group, with no
+    /// `CHORUS_FAULTS` (this binary sets none).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fault_plan_given_in_code_acts() {
+        let options = InitOptions::default()
+            .heartbeat_timeout(Duration::from_secs(2))
+            .faults(FaultPlan::parse("kill(rank=2, after_frames=20)").unwrap());
+        let run = spawn_with(3, options, |pg| async move {
+            for _ in 0..1000 {
+                pg.all_reduce(Tensor::from_slice(&[1.0f32; 64]), ReduceOp::Sum).await?;
+            }
+            Ok::<_, CollectiveError>(())
+        });
+        let results = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("3 in-process ranks, one killed, did not end within 60 s")
+            .expect("the group forms");
+        for (rank, result) in results.iter().enumerate() {
+            assert!(result.is_err(), "rank {rank} must fail: rank 2 is killed: {results:?}");
+        }
+    }
+
+    /// Two rank processes' worth of `init_process_group` in this one: the
+    /// secrets set in code sign and check the records.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_secret_given_in_code_signs_and_checks_the_records() {
+        let pair = |secrets: [&'static [u8]; 2]| async move {
+            let url = format!("tcp://127.0.0.1:{}", free_port());
+            let ranks = (0..2).map(|rank| {
+                let options = InitOptions::from_url(&url)
+                    .expect("a tcp:// URL")
+                    .rank(rank)
+                    .world_size(2)
+                    .timeout(Duration::from_secs(20))
+                    .job_secret(JobSecret::new(secrets[rank]));
+                tokio::spawn(init_process_group(options))
+            });
+            let mut formed = Vec::new();
+            for rank in ranks.collect::<Vec<_>>() {
+                let outcome = tokio::time::timeout(Duration::from_secs(60), rank)
+                    .await
+                    .expect("init_process_group did not end within 60 s of its 20 s timeout");
+                formed.push(outcome.expect("the rank's task"));
+            }
+            formed
+        };
+        let formed = pair([b"one secret", b"one secret"]).await;
+        let mut groups = Vec::new();
+        for group in formed {
+            groups.push(group.expect("ranks with one secret form"));
+        }
+        let leaving = groups.into_iter().map(|group| tokio::spawn(group.destroy()));
+        for left in leaving.collect::<Vec<_>>() {
+            left.await.expect("the rank's task").expect("destroy");
+        }
+        for (rank, outcome) in pair([b"one secret", b"another"]).await.into_iter().enumerate() {
+            let error = outcome.expect_err("ranks with different secrets must not form");
+            assert!(
+                matches!(error, InitError::Mesh(MeshError::Unauthenticated { rank: peer, .. }) if peer == 1 - rank),
+                "rank {rank}: {error}"
+            );
+        }
+    }
 
     /// The store comes up only after 1 s and rank 0 never comes: the
     /// rendezvous gets what the store's connection left of the 2 s, so the
     /// whole init fails at 2 s (not 1 s + 2 s), naming the rendezvous.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_stage_shares_one_deadline_and_the_error_names_the_one_that_ran_out() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let port = free_port();
         let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
         let late_store = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_secs(1)).await;
