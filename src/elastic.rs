@@ -513,6 +513,13 @@ impl ElasticGroup {
     ///
     /// A process that finds the job already running (a relaunched worker, a
     /// new node) joins its next generation as a new member.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, as [`init_process_group`](crate::init_process_group):
+    /// dropped after its elastic rendezvous admitted this process, the
+    /// generation waits for it and fails to form, and the others retry
+    /// without it.
     pub async fn init(options: InitOptions) -> Result<Self, RestartError> {
         Self::init_with(options, exit_on_give_up).await
     }
@@ -642,6 +649,11 @@ impl ElasticGroup {
 
     /// Waits until a generation after `generation` runs and returns it, or
     /// returns why the supervisor gave up.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only watches; the supervisor re-forms the group
+    /// whether or not anyone waits.
     pub async fn next_generation(&self, generation: u64) -> Result<Arc<ProcessGroup>, Arc<RestartError>> {
         let mut current = self.shared.current.subscribe();
         let mut gave_up = self.shared.gave_up.subscribe();

@@ -561,6 +561,13 @@ pub(crate) enum LinkSource {
 /// Forms the group: resolves the configuration, opens the store, publishes
 /// this rank's addresses and waits for every peer's, all within
 /// [`InitOptions::timeout`] (an error names the stage that ran out).
+///
+/// # Cancel safety
+///
+/// Not cancel safe. Dropped after its rendezvous claimed this rank, the
+/// rank stays claimed in this generation (a second call fails as a rank
+/// claimed twice), and the peers fail their rendezvous, or their first
+/// operation, for want of it. Bound it with [`InitOptions::timeout`].
 pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, InitError> {
     let deadline = Deadline::after(options.timeout);
     let options = options.with_env_defaults()?;
@@ -849,6 +856,11 @@ async fn start_rank(
 /// should not block that thread: blocking work belongs in
 /// `tokio::task::spawn_blocking`. Returns every rank's result, in rank
 /// order; a body that panics is an error naming the panic.
+///
+/// # Cancel safety
+///
+/// Dropping it does not stop the ranks: each body runs on as a task of its
+/// rank's thread until it ends; only the results are lost.
 pub async fn spawn<T, F, Fut>(world: usize, body: F) -> Result<Vec<T>, InitError>
 where
     T: Send + 'static,
@@ -981,6 +993,13 @@ impl ProcessGroup {
     /// that tells peers this rank is gone (they abort at once instead of
     /// waiting out a heartbeat window). A store this rank serves stops
     /// with it, so in a job that lives on, leave the serving rank last.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect: the leaving (operations failed, links closed
+    /// with the notice) is done before its first await; what a drop skips
+    /// is waiting for the queue to drain and for a served store to stop,
+    /// which dropping the group then does.
     pub async fn shutdown(mut self, why: &str) {
         self.leave_now(why);
         // Behind the queued operations: once it is handled they have all
@@ -1059,6 +1078,12 @@ impl ProcessGroup {
     /// same ranks (a mismatch is an error naming both lists); members get
     /// the subgroup, where they have rank = their position in the sorted
     /// `ranks`, others `None`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: dropped after it agreed on the subgroup's number in
+    /// the store, this rank skips a number the others used, and its next
+    /// `new_group` pairs with their next one, the ranks out of step.
     pub async fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>, InitError> {
         let index = self.subgroups.fetch_add(1, Ordering::SeqCst);
         let mut members = ranks.to_vec();
@@ -1137,6 +1162,12 @@ impl ProcessGroup {
     }
 
     /// Waits until every rank has reached the barrier named `name`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: dropped after this rank counted itself in, calling
+    /// it again with the same name counts it twice (the barrier may open
+    /// before every rank came). Use a new name to retry.
     pub async fn store_barrier(&self, name: &str) -> Result<(), InitError> {
         let prefix = format!("chorus/{}/g{}/barrier/{name}", self.config.run_id, self.generation());
         let arrived = self.store.add(&format!("{prefix}/count"), 1).await?;
@@ -1169,6 +1200,12 @@ impl ProcessGroup {
     /// Leaves the group once every rank is leaving, so rank 0 stops serving
     /// the store only when nobody needs it. Heartbeats stop first (SV-8): a
     /// peer that passed the barrier and exited is not a failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping it half-way drops the group: this rank said goodbye and
+    /// may be counted in the last barrier, so the others may pass it while
+    /// a store this rank serves stops at once under them.
     pub async fn destroy(mut self) -> Result<(), InitError> {
         self.leave().await?;
         // Our own connection must not hold the server's shutdown open.
@@ -1260,14 +1297,18 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_job_secret_given_in_code_signs_and_checks_the_records() {
         let pair = |secrets: [&'static [u8]; 2]| async move {
-            let url = format!("tcp://127.0.0.1:{}", free_port());
+            // A store no rank serves: a rank that fails does not take it
+            // from the other in the middle of its rendezvous.
+            let store: Arc<dyn Store> = Arc::new(HashStore::default());
             let ranks = (0..2).map(|rank| {
-                let options = InitOptions::from_url(&url)
-                    .expect("a tcp:// URL")
-                    .rank(rank)
-                    .world_size(2)
-                    .timeout(Duration::from_secs(20))
-                    .job_secret(JobSecret::new(secrets[rank]));
+                let options = InitOptions {
+                    init_method: InitMethod::Store(store.clone()),
+                    ..InitOptions::default()
+                }
+                .rank(rank)
+                .world_size(2)
+                .timeout(Duration::from_secs(20))
+                .job_secret(JobSecret::new(secrets[rank]));
                 tokio::spawn(init_process_group(options))
             });
             let mut formed = Vec::new();
