@@ -4,6 +4,13 @@
 //! at once (PyTorch's `async_op=True`): await it, or [`Work::wait`] with a
 //! timeout. Operations run in submission order. Buffers are moved in and
 //! handed back; the handle is `Send` and works from any tokio runtime.
+//!
+//! # Cancel safety
+//!
+//! The collectives themselves are not `async`: each submits at once and
+//! returns a [`Work`]. What dropping a [`Work`] (or a future awaiting it,
+//! such as [`Work::wait`] or a `select!` branch) does depends on whether
+//! the rank's actor has started the operation; see [`Work`].
 
 use std::future::Future;
 use std::pin::Pin;
@@ -22,7 +29,24 @@ use crate::tensor::Tensor;
 type Pending<T> = Pin<Box<dyn Future<Output = Result<T, CollectiveError>> + Send>>;
 
 /// An operation in flight.
-#[must_use = "a collective runs whether or not its Work is awaited, but its result and errors are in the Work"]
+///
+/// # Cancel safety
+///
+/// Not cancel safe before the operation starts; safe after. Dropping the
+/// `Work` (or a future awaiting it) *before* the rank's actor took the
+/// operation up cancels it on this rank alone: the actor skips a request
+/// nobody waits for, so this rank's next operation is matched with the
+/// peers' dropped one and the ranks fall out of step (the desync check
+/// fails them when the two operations differ, a collective timeout
+/// otherwise). Ranks made by [`crate::spawn`] run their body on the
+/// actor's thread, so a `Work` dropped before the body next awaits is
+/// always skipped; a rank process races its actor. Dropping it *after*
+/// the operation started (a `select!` or [`Work::wait`] that gave up
+/// while the operation waited for peers) leaves the operation running in
+/// the background: it completes, or fails by its own deadline, with the
+/// peers, later operations queue behind it, and only its result is lost.
+/// Await every `Work` to the end, or give up on the group.
+#[must_use = "a Work dropped before its operation starts cancels it on this rank alone (see Work's cancel safety), and its result and errors are in the Work"]
 pub struct Work<T> {
     pending: Pending<T>,
 }
@@ -46,6 +70,11 @@ impl<T: Send + 'static> Work<T> {
 
     /// Waits up to `timeout` (PyTorch's `work.wait(timeout)`); the operation
     /// keeps its own deadline either way.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Work`]'s: giving up here after the operation started leaves it
+    /// running in the background.
     pub async fn wait(self, timeout: Duration) -> Result<T, CollectiveError> {
         match tokio::time::timeout(timeout, self).await {
             Ok(result) => result,
@@ -327,5 +356,84 @@ impl Buffers for Collective {
             output: tensor.into_buffer(),
             ..self
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{CollectiveError, InitOptions, ReduceOp, Tensor, spawn_with};
+    use std::time::Duration;
+
+    fn first(tensor: &Tensor) -> f32 {
+        tensor.to_vec::<f32>().expect("float32")[0]
+    }
+
+    async fn within<T>(what: &str, run: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .unwrap_or_else(|_| panic!("{what} did not end within 60 s"))
+    }
+
+    /// A `Work` dropped after its operation started: the operation still
+    /// runs with the peers, and the next one follows it in step.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_work_dropped_once_started_completes_in_the_background() {
+        let sums = within(
+            "2 ranks, one giving up on a started all-reduce",
+            spawn_with(2, InitOptions::default(), |pg| async move {
+                let rank = pg.rank() as f32;
+                if pg.rank() == 0 {
+                    // Rank 1 comes after 500 ms: this wait gives up half-way.
+                    let gave_up = pg
+                        .all_reduce(Tensor::from_slice(&[1.0f32]), ReduceOp::Sum)
+                        .wait(Duration::from_millis(100))
+                        .await;
+                    assert!(gave_up.is_err(), "rank 1 had not come yet");
+                } else {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    let first_sum = pg.all_reduce(Tensor::from_slice(&[10.0f32]), ReduceOp::Sum).await?;
+                    assert_eq!(first(&first_sum), 11.0, "rank 0's dropped all-reduce ran");
+                }
+                let next = pg
+                    .all_reduce(Tensor::from_slice(&[100.0 + rank]), ReduceOp::Sum)
+                    .await?;
+                Ok::<_, CollectiveError>(first(&next))
+            }),
+        )
+        .await
+        .expect("the group forms");
+        for (rank, sum) in sums.into_iter().enumerate() {
+            assert_eq!(sum.expect("in step"), 201.0, "rank {rank}");
+        }
+    }
+
+    /// A `Work` dropped before the actor took it up: this rank never runs
+    /// the operation, so its next one meets the peer's first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_work_dropped_before_it_started_is_skipped_on_that_rank_alone() {
+        let options = InitOptions::default().collective_timeout(Duration::from_secs(2));
+        let results = within(
+            "2 ranks, one dropping a Work at once",
+            spawn_with(2, options, |pg| async move {
+                if pg.rank() == 0 {
+                    drop(pg.all_reduce(Tensor::from_slice(&[1.0f32]), ReduceOp::Sum));
+                    let sum = pg.all_reduce(Tensor::from_slice(&[2.0f32]), ReduceOp::Sum).await?;
+                    return Ok::<_, CollectiveError>(vec![first(&sum)]);
+                }
+                let sum = pg.all_reduce(Tensor::from_slice(&[10.0f32]), ReduceOp::Sum).await?;
+                // Rank 0 has nothing left to pair this one with.
+                let second = pg.all_reduce(Tensor::from_slice(&[20.0f32]), ReduceOp::Sum).await;
+                assert!(second.is_err(), "rank 0 ran one all-reduce, not two: {second:?}");
+                Ok(vec![first(&sum)])
+            }),
+        )
+        .await
+        .expect("the group forms");
+        let sums: Vec<Vec<f32>> = results.into_iter().map(|r| r.expect("the first sum")).collect();
+        assert_eq!(
+            sums,
+            [vec![12.0], vec![12.0]],
+            "rank 0's second all-reduce met rank 1's first"
+        );
     }
 }

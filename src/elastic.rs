@@ -58,7 +58,7 @@ use thiserror::Error;
 use tokio::sync::{broadcast, watch};
 
 use crate::collectives::Work;
-use crate::group::{InitError, InitOptions, LinkSource, ProcessGroup, form, single_host};
+use crate::group::{Deadline, InitError, InitOptions, LinkSource, Master, ProcessGroup, form};
 use crate::tensor::Tensor;
 use chorus_runtime::collective::ReduceOp;
 
@@ -198,15 +198,17 @@ fn into_lost_store(error: RestartError) -> Result<StoreError, RestartError> {
                 | StoreError::ConnectionClosed { .. }
         )
     };
+    let lost_in_init = |e: &InitError| match e.cause() {
+        InitError::Store(e) | InitError::Rendezvous(RendezvousError::Store(e)) => lost(e),
+        _ => false,
+    };
     match error {
-        RestartError::Store(e)
-        | RestartError::Rendezvous(elastic_rdzv::ElasticError::Store(e))
-        | RestartError::Init(InitError::Store(e))
-        | RestartError::Init(InitError::Rendezvous(RendezvousError::Store(e)))
-            if lost(&e) =>
-        {
-            Ok(e)
-        }
+        RestartError::Store(e) | RestartError::Rendezvous(elastic_rdzv::ElasticError::Store(e)) if lost(&e) => Ok(e),
+        // Whichever stage ran out of time when the store went.
+        RestartError::Init(e) if lost_in_init(&e) => match e.into_cause() {
+            InitError::Store(e) | InitError::Rendezvous(RendezvousError::Store(e)) => Ok(e),
+            other => Err(RestartError::Init(other)),
+        },
         error => Err(error),
     }
 }
@@ -282,7 +284,8 @@ impl RestartBudget {
 struct Base {
     config: RendezvousConfig,
     store: Arc<dyn Store>,
-    single_host: bool,
+    /// Looked up once, for every generation.
+    master: Master,
     options: InitOptions,
     min_world: usize,
     max_world: usize,
@@ -361,11 +364,10 @@ impl Base {
             let group = form(
                 config,
                 opened,
-                LinkSource::Mesh {
-                    single_host: self.single_host,
-                    world: self.max_world,
-                },
+                LinkSource::Mesh { world: self.max_world },
+                self.master,
                 &self.options,
+                Deadline::after(self.options.timeout),
             )
             .await?;
             elastic_rdzv::publish_latest(&self.store, &self.config.run_id, generation).await?;
@@ -511,6 +513,13 @@ impl ElasticGroup {
     ///
     /// A process that finds the job already running (a relaunched worker, a
     /// new node) joins its next generation as a new member.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, as [`init_process_group`](crate::init_process_group):
+    /// dropped after its elastic rendezvous admitted this process, the
+    /// generation waits for it and fails to form, and the others retry
+    /// without it.
     pub async fn init(options: InitOptions) -> Result<Self, RestartError> {
         Self::init_with(options, exit_on_give_up).await
     }
@@ -521,6 +530,7 @@ impl ElasticGroup {
         options: InitOptions,
         on_give_up: impl Fn(&RestartError) + Send + Sync + 'static,
     ) -> Result<Self, RestartError> {
+        let options = options.with_env_defaults()?;
         let env = |name: &str| std::env::var(name).ok();
         let mut config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)
             .map_err(InitError::from)?;
@@ -542,7 +552,12 @@ impl ElasticGroup {
             None => world_from_env(MAX_WORLD_ENV)?.unwrap_or(config.world_size.max(min_world)),
         };
         let base = Base {
-            single_host: single_host(&config, options.store_host.as_deref()).await,
+            master: Master::resolve(
+                &config,
+                options.store_host.as_deref(),
+                &Deadline::after(options.timeout),
+            )
+            .await?,
             store: opened.store.clone(),
             me: Joiner {
                 old_rank: None,
@@ -634,6 +649,11 @@ impl ElasticGroup {
 
     /// Waits until a generation after `generation` runs and returns it, or
     /// returns why the supervisor gave up.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only watches; the supervisor re-forms the group
+    /// whether or not anyone waits.
     pub async fn next_generation(&self, generation: u64) -> Result<Arc<ProcessGroup>, Arc<RestartError>> {
         let mut current = self.shared.current.subscribe();
         let mut gave_up = self.shared.gave_up.subscribe();
@@ -813,7 +833,7 @@ async fn supervise(
                 // (its records or links never came): a failure of that
                 // generation, retried in the next one under the budget (SV-12).
                 Err(Err(RestartError::Init(error))) => {
-                    let failed_ranks = match &error {
+                    let failed_ranks = match error.cause() {
                         InitError::Rendezvous(RendezvousError::Incomplete { missing, .. }) => missing.clone(),
                         _ => Vec::new(),
                     };

@@ -32,7 +32,8 @@ use chorus_runtime::rendezvous::{
 };
 use chorus_runtime::store::{DEFAULT_TIMEOUT, Store, StoreError, TcpStoreServer};
 use chorus_runtime::store::{HashStore, PrefixStore};
-use chorus_transports::fault::wrap_links;
+use chorus_transports::auth::JobSecret;
+use chorus_transports::fault::{FaultPlan, wrap_links};
 use chorus_transports::link::Link;
 use chorus_transports::local::LocalMesh;
 use chorus_transports::netif::{self, NetifError};
@@ -41,7 +42,7 @@ use chorus_transports::scoped::ScopedLink;
 use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 
-use crate::mesh::{MeshError, MeshPlan, TransportChoice, faults_from_env};
+use crate::mesh::{LinkOptions, MeshError, MeshPlan, TransportChoice, checked_faults};
 
 /// Why a group could not be formed.
 #[derive(Error)]
@@ -71,6 +72,155 @@ pub enum InitError {
     /// The supervision settings (error-handling mode, timeouts) are wrong.
     #[error(transparent)]
     Supervision(#[from] SupervisionConfigError),
+    /// A stage of initialisation ran out of what was left of the one
+    /// `timeout` every stage shares; `cause` is the stage's own error
+    /// (`None` when it had none to give, e.g. a host lookup that hung).
+    #[error(
+        "initialisation ran out of its {timeout:?} timeout while {stage}{}",
+        cause.as_ref().map(|cause| format!(": {cause}")).unwrap_or_default()
+    )]
+    TimedOut {
+        /// The stage that was running.
+        stage: InitStage,
+        /// The whole timeout ([`InitOptions::timeout`]).
+        timeout: Duration,
+        /// What the stage reported when its time ran out.
+        cause: Option<Box<InitError>>,
+    },
+}
+
+impl InitError {
+    /// The error behind a [`InitError::TimedOut`] (the stage's own), else
+    /// this one.
+    pub fn cause(&self) -> &InitError {
+        match self {
+            InitError::TimedOut { cause: Some(cause), .. } => cause.cause(),
+            other => other,
+        }
+    }
+
+    /// The error behind a [`InitError::TimedOut`] (the stage's own), else
+    /// this one: for matching on what went wrong whichever stage ran out.
+    pub fn into_cause(self) -> InitError {
+        match self {
+            InitError::TimedOut { cause: Some(cause), .. } => cause.into_cause(),
+            other => other,
+        }
+    }
+}
+
+/// The stages of forming a group, in order; a timeout names the one that
+/// ran out ([`InitError::TimedOut`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InitStage {
+    /// Opening the store (serving it on rank 0 of `tcp://`, connecting).
+    StoreConnect,
+    /// Looking up the master's (the store's) host.
+    MasterLookup,
+    /// Publishing this rank's record and waiting for every peer's.
+    Rendezvous,
+    /// Connecting the links to every peer.
+    MeshConnect,
+}
+
+impl std::fmt::Display for InitStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            InitStage::StoreConnect => "connecting to the store",
+            InitStage::MasterLookup => "looking up the master host",
+            InitStage::Rendezvous => "waiting for every rank's record (rendezvous)",
+            InitStage::MeshConnect => "connecting to the peers",
+        })
+    }
+}
+
+/// The one deadline of forming a group: each stage gets what is left of
+/// the timeout, so the whole ends within it (not a timeout per stage).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline {
+    at: tokio::time::Instant,
+    timeout: Duration,
+}
+
+impl Deadline {
+    /// A deadline `timeout` from now.
+    pub(crate) fn after(timeout: Duration) -> Self {
+        Self {
+            at: tokio::time::Instant::now() + timeout,
+            timeout,
+        }
+    }
+
+    /// The time left, at least 1 ms: a store may read a limit of 0 as none.
+    fn left(&self) -> Duration {
+        self.at
+            .saturating_duration_since(tokio::time::Instant::now())
+            .max(Duration::from_millis(1))
+    }
+
+    /// Runs `stage` with the time left; an error it returns once the
+    /// deadline passed is its running out, named as such.
+    async fn stage<T, E, F>(&self, stage: InitStage, run: impl FnOnce(Duration) -> F) -> Result<T, InitError>
+    where
+        E: Into<InitError>,
+        F: std::future::Future<Output = Result<T, E>>,
+    {
+        run(self.left()).await.map_err(|error| {
+            let error = error.into();
+            match tokio::time::Instant::now() >= self.at {
+                true => self.ran_out(stage, Some(error)),
+                false => error,
+            }
+        })
+    }
+
+    fn ran_out(&self, stage: InitStage, cause: Option<InitError>) -> InitError {
+        InitError::TimedOut {
+            stage,
+            timeout: self.timeout,
+            cause: cause.map(Box::new),
+        }
+    }
+}
+
+/// The master's (the store's) host, looked up once per process: whether
+/// the whole job is on this host, and the address whose route chooses the
+/// addresses to publish.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Master {
+    /// Its first address, when it has a host that resolved.
+    pub(crate) ip: Option<IpAddr>,
+    /// Whether the whole job is on this host: the store is on loopback, or
+    /// is an in-process store.
+    pub(crate) single_host: bool,
+}
+
+impl Master {
+    /// Looks the host up within `deadline`; a lookup that fails leaves
+    /// the address unknown (and the job taken to span hosts), one that
+    /// outlasts the deadline is an error.
+    pub(crate) async fn resolve(
+        config: &RendezvousConfig,
+        store_host: Option<&str>,
+        deadline: &Deadline,
+    ) -> Result<Self, InitError> {
+        let host = config.master_host().or(store_host);
+        let ip = match host {
+            Some(host) => tokio::time::timeout_at(deadline.at, tokio::net::lookup_host((host, 0)))
+                .await
+                .map_err(|_| deadline.ran_out(InitStage::MasterLookup, None))?
+                .ok()
+                .and_then(|mut addrs| addrs.next())
+                .map(|a| a.ip()),
+            None => None,
+        };
+        let single_host = match (&config.store, host) {
+            (StoreSpec::Given(_), None) => true,
+            (_, Some(_)) => ip.is_some_and(|ip| ip.is_loopback()),
+            _ => false,
+        };
+        Ok(Self { ip, single_host })
+    }
 }
 
 chorus_runtime::debug_as_report!(InitError);
@@ -84,10 +234,11 @@ pub struct InitOptions {
     pub rank: Option<usize>,
     /// The world size, when not in the URL or the environment.
     pub world_size: Option<usize>,
-    /// Limit on connecting to the store, on each store operation and on
-    /// the whole rendezvous (default 300 s, PyTorch's store default). A
-    /// conflict (another world size, a rank claimed twice) fails every rank
-    /// at once instead.
+    /// Limit on forming the group, all stages together (connecting to the
+    /// store, looking up its host, the rendezvous, connecting to the peers:
+    /// each gets what the ones before it left), and on each store operation
+    /// (default 300 s, PyTorch's store default). A conflict (another world
+    /// size, a rank claimed twice) fails every rank at once instead.
     pub timeout: Duration,
     /// Default limit on each collective (PyTorch's default for Gloo: 30 min).
     pub collective_timeout: Duration,
@@ -120,7 +271,21 @@ pub struct InitOptions {
     /// hosts and which interface reaches them. `None`: the store is in
     /// this process, so every rank is on this host.
     pub store_host: Option<String>,
+    /// Which transport links between rank processes use; `None`:
+    /// `CHORUS_TRANSPORT`, else auto ([`InitOptions::with_env_defaults`]).
+    pub transport: Option<TransportChoice>,
+    /// Faults to inject into the links (`docs/faults.md`); `None`:
+    /// `CHORUS_FAULTS`, else none.
+    pub faults: Option<FaultPlan>,
+    /// The secret every rank signs its record with (all ranks must have
+    /// the same); `None`: `CHORUS_JOB_SECRET`, else records go unsigned.
+    pub job_secret: Option<JobSecret>,
 }
+
+/// The variables [`InitOptions::with_env_defaults`] reads.
+const TRANSPORT_ENV: &str = "CHORUS_TRANSPORT";
+const FAULTS_ENV: &str = "CHORUS_FAULTS";
+const JOB_SECRET_ENV: &str = "CHORUS_JOB_SECRET";
 
 impl Default for InitOptions {
     fn default() -> Self {
@@ -139,6 +304,9 @@ impl Default for InitOptions {
             max_restarts: None,
             restart_window: None,
             store_host: None,
+            transport: None,
+            faults: None,
+            job_secret: None,
         }
     }
 }
@@ -212,6 +380,65 @@ impl InitOptions {
         self.max_restarts = Some(max_restarts);
         self.restart_window = Some(window);
         self
+    }
+
+    /// Sets the transport between rank processes, over `CHORUS_TRANSPORT`.
+    pub fn transport(mut self, transport: TransportChoice) -> Self {
+        self.transport = Some(transport);
+        self
+    }
+
+    /// Sets the faults to inject, over `CHORUS_FAULTS`.
+    pub fn faults(mut self, plan: FaultPlan) -> Self {
+        self.faults = Some(plan);
+        self
+    }
+
+    /// Sets the job secret, over `CHORUS_JOB_SECRET`.
+    pub fn job_secret(mut self, secret: JobSecret) -> Self {
+        self.job_secret = Some(secret);
+        self
+    }
+
+    /// Fills the transport, the fault plan and the job secret, where not
+    /// set in code, from the environment (`CHORUS_TRANSPORT`,
+    /// `CHORUS_FAULTS`, `CHORUS_JOB_SECRET`: the launcher's way in). The
+    /// one place the library reads them; [`init_process_group`],
+    /// [`spawn_with`] and [`ElasticGroup::init`](crate::ElasticGroup::init)
+    /// call it, so what is set in code wins. A value that does not parse
+    /// is an error naming its variable.
+    pub fn with_env_defaults(self) -> Result<Self, InitError> {
+        self.defaults_from(&|name| std::env::var(name).ok())
+    }
+
+    fn defaults_from(mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, InitError> {
+        if self.transport.is_none() {
+            self.transport = Some(match env(TRANSPORT_ENV) {
+                Some(text) => TransportChoice::parse(&text)?,
+                None => TransportChoice::Auto,
+            });
+        }
+        if self.faults.is_none() {
+            self.faults = env(FAULTS_ENV)
+                .map(|spec| FaultPlan::parse(&spec))
+                .transpose()
+                .map_err(MeshError::Faults)?;
+        }
+        if self.job_secret.is_none() {
+            self.job_secret = env(JOB_SECRET_ENV)
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| JobSecret::new(s.trim().as_bytes()));
+        }
+        Ok(self)
+    }
+
+    /// What the links are made with (after [`Self::with_env_defaults`]).
+    fn link_options(&self) -> LinkOptions {
+        LinkOptions {
+            transport: self.transport.unwrap_or(TransportChoice::Auto),
+            faults: self.faults.clone(),
+            secret: self.job_secret.clone(),
+        }
     }
 }
 
@@ -320,7 +547,7 @@ fn overrides() -> Result<Overrides, InitError> {
 pub(crate) enum LinkSource {
     /// The QUIC mesh, set up on the rank's arbiter; `world` bounds the
     /// ranks of every generation (the fault plan is checked against it).
-    Mesh { single_host: bool, world: usize },
+    Mesh { world: usize },
     /// In-process links made by [`spawn`], and their mesh; its watcher
     /// stands in for heartbeats unless `heartbeats` (injected faults can
     /// silence a rank, which only heartbeats notice).
@@ -332,47 +559,39 @@ pub(crate) enum LinkSource {
 }
 
 /// Forms the group: resolves the configuration, opens the store, publishes
-/// this rank's addresses and waits for every peer's.
+/// this rank's addresses and waits for every peer's, all within
+/// [`InitOptions::timeout`] (an error names the stage that ran out).
+///
+/// # Cancel safety
+///
+/// Not cancel safe. Dropped after its rendezvous claimed this rank, the
+/// rank stays claimed in this generation (a second call fails as a rank
+/// claimed twice), and the peers fail their rendezvous, or their first
+/// operation, for want of it. Bound it with [`InitOptions::timeout`].
 pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, InitError> {
+    let deadline = Deadline::after(options.timeout);
+    let options = options.with_env_defaults()?;
     let env = |name: &str| std::env::var(name).ok();
     let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
-    let opened = rendezvous::open_store(&config, options.timeout).await?;
-    let single_host = single_host(&config, options.store_host.as_deref()).await;
+    let opened = deadline
+        .stage(InitStage::StoreConnect, |left| rendezvous::open_store(&config, left))
+        .await?;
+    let master = Master::resolve(&config, options.store_host.as_deref(), &deadline).await?;
     let world = config.world_size;
-    form(config, opened, LinkSource::Mesh { single_host, world }, &options).await
-}
-
-/// Whether the whole job is on this host: its store is on loopback, or is
-/// an in-process store.
-pub(crate) async fn single_host(config: &RendezvousConfig, store_host: Option<&str>) -> bool {
-    match (&config.store, config.master_host().or(store_host)) {
-        (StoreSpec::Given(_), None) => true,
-        (_, Some(host)) => tokio::net::lookup_host((host, 0))
-            .await
-            .ok()
-            .and_then(|mut addrs| addrs.next())
-            .is_some_and(|a| a.ip().is_loopback()),
-        _ => false,
-    }
+    form(config, opened, LinkSource::Mesh { world }, master, &options, deadline).await
 }
 
 /// Rendezvous, links and actor: the part of forming a group shared by
-/// separate processes and [`spawn`].
+/// separate processes and [`spawn`]; its stages share `deadline`.
 pub(crate) async fn form(
     config: RendezvousConfig,
     opened: rendezvous::OpenedStore,
     source: LinkSource,
+    master: Master,
     options: &InitOptions,
+    deadline: Deadline,
 ) -> Result<ProcessGroup, InitError> {
     let env = |name: &str| std::env::var(name).ok();
-    let master = match config.master_host().or(options.store_host.as_deref()) {
-        Some(host) => tokio::net::lookup_host((host, 0))
-            .await
-            .ok()
-            .and_then(|mut addrs| addrs.next())
-            .map(|a| a.ip()),
-        None => None,
-    };
     let arbiter = match &source {
         LinkSource::Mesh { .. } => RankThread::Own(system::new_arbiter()?),
         LinkSource::Local { .. } => RankThread::Shared(system::shared_arbiter(config.rank, config.world_size)?),
@@ -381,22 +600,33 @@ pub(crate) async fn form(
         rank: config.rank as u32,
         host: HostId::local(),
         pid: std::process::id(),
-        addrs: netif::local_addresses(master, &env)?,
+        addrs: netif::local_addresses(master.ip, &env)?,
         extras: Vec::new(),
     };
     let (membership, endpoint, links, local) = match source {
-        LinkSource::Mesh { single_host, world } => {
-            let (rank, timeout) = (config.rank, options.timeout);
-            let plan = on_arbiter(
-                &arbiter,
-                async move { MeshPlan::prepare(rank, world, single_host, timeout) },
-            )
+        LinkSource::Mesh { world } => {
+            let (rank, single_host, left, links) =
+                (config.rank, master.single_host, deadline.left(), options.link_options());
+            let plan = on_arbiter(&arbiter, async move {
+                MeshPlan::prepare(rank, world, single_host, left, links)
+            })
             .await??;
             plan.publish(&mut record, &config.run_id, config.generation);
-            let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
-            let (known, run_id, timeout) = (membership.clone(), config.run_id.clone(), options.timeout);
-            let (endpoint, links) =
-                on_arbiter(&arbiter, async move { plan.connect(&known, &run_id, timeout).await }).await??;
+            let store = opened.store.clone();
+            let membership = deadline
+                .stage(InitStage::Rendezvous, |left| {
+                    rendezvous::rendezvous(store, &config, record, left)
+                })
+                .await?;
+            let (known, run_id, arbiter) = (membership.clone(), config.run_id.clone(), &arbiter);
+            let (endpoint, links) = deadline
+                .stage(InitStage::MeshConnect, |left| async move {
+                    on_arbiter(arbiter, async move { plan.connect(&known, &run_id, left).await })
+                        .await
+                        .map_err(InitError::from)?
+                        .map_err(InitError::from)
+                })
+                .await?;
             (membership, Some(endpoint), links, None)
         }
         LinkSource::Local {
@@ -404,7 +634,12 @@ pub(crate) async fn form(
             links,
             heartbeats,
         } => {
-            let membership = rendezvous::rendezvous(opened.store.clone(), &config, record, options.timeout).await?;
+            let store = opened.store.clone();
+            let membership = deadline
+                .stage(InitStage::Rendezvous, |left| {
+                    rendezvous::rendezvous(store, &config, record, left)
+                })
+                .await?;
             (membership, None, links, (!heartbeats).then_some(mesh))
         }
     };
@@ -616,11 +851,16 @@ async fn start_rank(
 /// share one thread per core, meet on an in-process store and talk over
 /// in-process links made when first used, so a world of a thousand ranks
 /// fits a laptop. Failure detection is by closed links, without heartbeats
-/// unless `CHORUS_FAULTS` is set (a frozen or partitioned rank is silent).
+/// unless faults are injected (a frozen or partitioned rank is silent).
 /// Each rank's `body` runs on its rank's thread, beside its actor, so it
 /// should not block that thread: blocking work belongs in
 /// `tokio::task::spawn_blocking`. Returns every rank's result, in rank
 /// order; a body that panics is an error naming the panic.
+///
+/// # Cancel safety
+///
+/// Dropping it does not stop the ranks: each body runs on as a task of its
+/// rank's thread until it ends; only the results are lost.
 pub async fn spawn<T, F, Fut>(world: usize, body: F) -> Result<Vec<T>, InitError>
 where
     T: Send + 'static,
@@ -633,20 +873,22 @@ where
 /// [`spawn`] with `options` for every rank (timeouts, heartbeat window,
 /// error handling); their init method, rank and world size are ignored.
 ///
-/// The environment is read as by rank processes: `CHORUS_FAULTS` injects
-/// faults into the in-process links (`kill` closes every link of the rank),
-/// and a bad `CHORUS_FAULTS` or `CHORUS_TRANSPORT` is an error. The ranks
-/// talk over in-process links whatever transport `CHORUS_TRANSPORT` names.
+/// The options' fault plan (by default `CHORUS_FAULTS`,
+/// [`InitOptions::with_env_defaults`]) is injected into the in-process
+/// links (`kill` closes every link of the rank), and a bad `CHORUS_FAULTS`
+/// or `CHORUS_TRANSPORT` is an error. The ranks talk over in-process links
+/// whatever transport the options name.
 pub async fn spawn_with<T, F, Fut>(world: usize, options: InitOptions, body: F) -> Result<Vec<T>, InitError>
 where
     T: Send + 'static,
     F: Fn(ProcessGroup) -> Fut,
     Fut: std::future::Future<Output = T> + Send + 'static,
 {
-    if TransportChoice::from_env()? != TransportChoice::Auto {
-        tracing::debug!("CHORUS_TRANSPORT applies to rank processes; chorus::spawn's ranks use in-process links");
+    let options = options.with_env_defaults()?;
+    if options.transport != Some(TransportChoice::Auto) {
+        tracing::debug!("the transport choice applies to rank processes; chorus::spawn's ranks use in-process links");
     }
-    let faults = faults_from_env(world)?;
+    let faults = checked_faults(options.faults.clone(), world)?;
     let store: Arc<dyn Store> = Arc::new(HashStore::default());
     let mesh = LocalMesh::new(world);
     let mut groups = Vec::with_capacity(world);
@@ -664,8 +906,10 @@ where
             ..options.clone()
         };
         forming.push(tokio::spawn(async move {
+            let deadline = Deadline::after(options.timeout);
             let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &|_| None)?;
             let opened = rendezvous::open_store(&config, options.timeout).await?;
+            let master = Master::resolve(&config, options.store_host.as_deref(), &deadline).await?;
             let heartbeats = faulty;
             form(
                 config,
@@ -675,7 +919,9 @@ where
                     links,
                     heartbeats,
                 },
+                master,
                 &options,
+                deadline,
             )
             .await
         }));
@@ -747,6 +993,13 @@ impl ProcessGroup {
     /// that tells peers this rank is gone (they abort at once instead of
     /// waiting out a heartbeat window). A store this rank serves stops
     /// with it, so in a job that lives on, leave the serving rank last.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect: the leaving (operations failed, links closed
+    /// with the notice) is done before its first await; what a drop skips
+    /// is waiting for the queue to drain and for a served store to stop,
+    /// which dropping the group then does.
     pub async fn shutdown(mut self, why: &str) {
         self.leave_now(why);
         // Behind the queued operations: once it is handled they have all
@@ -825,6 +1078,12 @@ impl ProcessGroup {
     /// same ranks (a mismatch is an error naming both lists); members get
     /// the subgroup, where they have rank = their position in the sorted
     /// `ranks`, others `None`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: dropped after it agreed on the subgroup's number in
+    /// the store, this rank skips a number the others used, and its next
+    /// `new_group` pairs with their next one, the ranks out of step.
     pub async fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>, InitError> {
         let index = self.subgroups.fetch_add(1, Ordering::SeqCst);
         let mut members = ranks.to_vec();
@@ -903,6 +1162,12 @@ impl ProcessGroup {
     }
 
     /// Waits until every rank has reached the barrier named `name`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: dropped after this rank counted itself in, calling
+    /// it again with the same name counts it twice (the barrier may open
+    /// before every rank came). Use a new name to retry.
     pub async fn store_barrier(&self, name: &str) -> Result<(), InitError> {
         let prefix = format!("chorus/{}/g{}/barrier/{name}", self.config.run_id, self.generation());
         let arrived = self.store.add(&format!("{prefix}/count"), 1).await?;
@@ -935,6 +1200,12 @@ impl ProcessGroup {
     /// Leaves the group once every rank is leaving, so rank 0 stops serving
     /// the store only when nobody needs it. Heartbeats stop first (SV-8): a
     /// peer that passed the barrier and exited is not a failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping it half-way drops the group: this rank said goodbye and
+    /// may be counted in the last barrier, so the others may pass it while
+    /// a store this rank serves stops at once under them.
     pub async fn destroy(mut self) -> Result<(), InitError> {
         self.leave().await?;
         // Our own connection must not hold the server's shutdown open.
@@ -943,5 +1214,170 @@ impl ProcessGroup {
             server.shutdown().await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CollectiveError, ReduceOp, Tensor};
+    use chorus_runtime::store::TcpStoreServerOptions;
+    use std::collections::HashMap;
+    use std::time::Instant;
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port()
+    }
+
+    #[test]
+    fn options_set_in_code_win_over_the_environment_and_the_others_come_from_it() {
+        let vars: HashMap<&str, &str> = [
+            (TRANSPORT_ENV, "shm"),
+            (FAULTS_ENV, "not a plan"),
+            (JOB_SECRET_ENV, " from-the-env "),
+        ]
+        .into();
+        let env = |name: &str| vars.get(name).map(|v| v.to_string());
+        let plan = FaultPlan::parse("kill(rank=1)").unwrap();
+        let set = InitOptions::default()
+            .transport(TransportChoice::Quic)
+            .faults(plan.clone())
+            .job_secret(JobSecret::new(b"from-code"))
+            .defaults_from(&env)
+            .expect("a bad CHORUS_FAULTS is not read when the plan is set in code");
+        assert_eq!(set.transport, Some(TransportChoice::Quic));
+        assert_eq!(set.faults, Some(plan));
+        let signed = |options: &InitOptions| options.job_secret.as_ref().map(|s| s.sign(b"record"));
+        assert_eq!(signed(&set), Some(JobSecret::new(b"from-code").sign(b"record")));
+
+        let unset = InitOptions::default().defaults_from(&|name| match name {
+            FAULTS_ENV => None,
+            name => env(name),
+        });
+        let unset = unset.expect("the environment's values parse");
+        assert_eq!(unset.transport, Some(TransportChoice::Shm));
+        assert_eq!(unset.faults, None);
+        assert_eq!(signed(&unset), Some(JobSecret::new(b"from-the-env").sign(b"record")));
+        let error = InitOptions::default().defaults_from(&env).unwrap_err();
+        assert!(matches!(error, InitError::Mesh(MeshError::Faults(_))), "{error}");
+        let none = InitOptions::default().defaults_from(&|_| None).unwrap();
+        assert_eq!(
+            (none.transport, none.faults, none.job_secret.is_none()),
+            (Some(TransportChoice::Auto), None, true)
+        );
+    }
+
+    /// A plan in the options kills rank 2 of a `spawn`ed group, with no
+    /// `CHORUS_FAULTS` (this binary sets none).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fault_plan_given_in_code_acts() {
+        let options = InitOptions::default()
+            .heartbeat_timeout(Duration::from_secs(2))
+            .faults(FaultPlan::parse("kill(rank=2, after_frames=20)").unwrap());
+        let run = spawn_with(3, options, |pg| async move {
+            for _ in 0..1000 {
+                pg.all_reduce(Tensor::from_slice(&[1.0f32; 64]), ReduceOp::Sum).await?;
+            }
+            Ok::<_, CollectiveError>(())
+        });
+        let results = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("3 in-process ranks, one killed, did not end within 60 s")
+            .expect("the group forms");
+        for (rank, result) in results.iter().enumerate() {
+            assert!(result.is_err(), "rank {rank} must fail: rank 2 is killed: {results:?}");
+        }
+    }
+
+    /// Two rank processes' worth of `init_process_group` in this one: the
+    /// secrets set in code sign and check the records.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_secret_given_in_code_signs_and_checks_the_records() {
+        let pair = |secrets: [&'static [u8]; 2]| async move {
+            // A store no rank serves: a rank that fails does not take it
+            // from the other in the middle of its rendezvous.
+            let store: Arc<dyn Store> = Arc::new(HashStore::default());
+            let ranks = (0..2).map(|rank| {
+                let options = InitOptions {
+                    init_method: InitMethod::Store(store.clone()),
+                    ..InitOptions::default()
+                }
+                .rank(rank)
+                .world_size(2)
+                .timeout(Duration::from_secs(20))
+                .job_secret(JobSecret::new(secrets[rank]));
+                tokio::spawn(init_process_group(options))
+            });
+            let mut formed = Vec::new();
+            for rank in ranks.collect::<Vec<_>>() {
+                let outcome = tokio::time::timeout(Duration::from_secs(60), rank)
+                    .await
+                    .expect("init_process_group did not end within 60 s of its 20 s timeout");
+                formed.push(outcome.expect("the rank's task"));
+            }
+            formed
+        };
+        let formed = pair([b"one secret", b"one secret"]).await;
+        let mut groups = Vec::new();
+        for group in formed {
+            groups.push(group.expect("ranks with one secret form"));
+        }
+        let leaving = groups.into_iter().map(|group| tokio::spawn(group.destroy()));
+        for left in leaving.collect::<Vec<_>>() {
+            left.await.expect("the rank's task").expect("destroy");
+        }
+        for (rank, outcome) in pair([b"one secret", b"another"]).await.into_iter().enumerate() {
+            let error = outcome.expect_err("ranks with different secrets must not form");
+            assert!(
+                matches!(error, InitError::Mesh(MeshError::Unauthenticated { rank: peer, .. }) if peer == 1 - rank),
+                "rank {rank}: {error}"
+            );
+        }
+    }
+
+    /// The store comes up only after 1 s and rank 0 never comes: the
+    /// rendezvous gets what the store's connection left of the 2 s, so the
+    /// whole init fails at 2 s (not 1 s + 2 s), naming the rendezvous.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_stage_shares_one_deadline_and_the_error_names_the_one_that_ran_out() {
+        let port = free_port();
+        let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+        let late_store = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            TcpStoreServer::bind(addr, TcpStoreServerOptions::default()).await
+        });
+        let timeout = Duration::from_secs(2);
+        let options = InitOptions::from_url(&format!("tcp://127.0.0.1:{port}"))
+            .expect("a tcp:// URL")
+            .rank(1)
+            .world_size(2)
+            .timeout(timeout);
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(Duration::from_secs(20), init_process_group(options))
+            .await
+            .expect("init_process_group did not end within 20 s of its 2 s timeout");
+        let took = started.elapsed();
+        let _server = late_store.await.expect("the store task").expect("the store binds");
+        let error = outcome.expect_err("rank 0 never came, so the group cannot form");
+        assert!(
+            matches!(&error, InitError::TimedOut { stage: InitStage::Rendezvous, timeout: t, cause: Some(_) } if *t == timeout),
+            "{error}"
+        );
+        assert!(
+            matches!(error.cause(), InitError::Rendezvous(RendezvousError::Incomplete { missing, .. }) if missing == &[0]),
+            "{error}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.starts_with("initialisation ran out of its 2s timeout while waiting for every rank's record (rendezvous): rendezvous of generation 0 timed out"),
+            "{message}"
+        );
+        assert!(
+            took >= Duration::from_millis(1900) && took < timeout + Duration::from_millis(700),
+            "init took {took:?}, its timeout was {timeout:?}"
+        );
     }
 }

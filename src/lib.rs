@@ -23,8 +23,8 @@
 //!
 //! # Layout
 //! - [`group`]: [`init_process_group`] and the [`ProcessGroup`] handle it
-//!   returns (rendezvous, store, membership, links to every peer;
-//!   collectives land here next).
+//!   returns (rendezvous, store, membership, links to every peer), its
+//!   stages under one deadline ([`InitStage`]).
 //! - [`collectives`]: every `torch.distributed` collective on a
 //!   [`ProcessGroup`], each returning a [`Work`]; [`tensor`]: the owned
 //!   buffers they take and hand back.
@@ -47,14 +47,27 @@
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
 //! - [`store`], [`rendezvous`]: re-exported from `chorus-runtime`.
-//! - [`netif`]: re-exported from `chorus-transports` (which address a rank
-//!   publishes, which one a peer connects to).
+//! - [`netif`], [`auth`], [`fault`], [`link`]: re-exported from
+//!   `chorus-transports` (which address a rank publishes, which one a peer
+//!   connects to; the job secret; fault plans; the link trait).
 //! - `terminate`: with `CHORUS_TRACE_DIR` set, SIGTERM dumps every live
 //!   group's flight recorder before the process exits.
 //! - [`trace`]: the analysis behind `chorus trace DIR`: reads the ranks'
 //!   flight-recorder dumps and names the rank(s) a stuck collective waits for.
 //! - [`nccl`]: the NCCL backend of `chorus-actors` ([`NcclOp`], `CudaBackend`,
 //!   `NcclGroup`), re-exported for [`init_nccl_group`]'s users.
+//!
+//! # Cancel safety
+//!
+//! A future of this crate dropped half-way (a `select!`, a timeout) is
+//! cancel safe only where its docs say so. The rule behind most of them:
+//! a collective is the ranks' joint act, and a [`Work`] dropped before the
+//! rank's actor started its operation cancels it on this rank alone, which
+//! puts the ranks out of step; once started, it completes in the
+//! background (see [`Work`]). So every `async fn` that runs collectives
+//! ([`DistributedSync`]'s, [`train`]'s, [`ProcessGroup::new_group`]) is
+//! not cancel safe: bound it with the group's timeouts, not by dropping
+//! it. The [`store::Store`] trait documents its own.
 //!
 //! The `chorus` command line (`chorus launch`, `bench`, `selftest`, `netem`,
 //! `trace`, `store`) is the `chorus-cli` crate, built on this one.
@@ -107,10 +120,10 @@ pub use chorus_actors::rank::Collective;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
 pub use chorus_runtime::collective::{CollectiveKind, DType, ReduceOp};
 pub use chorus_runtime::{rendezvous, store};
-pub use chorus_transports::{fault, link, netif};
+pub use chorus_transports::{auth, fault, link, netif};
 pub use collectives::Work;
 pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
-pub use group::{InitError, InitOptions, ProcessGroup, init_process_group, spawn, spawn_with};
+pub use group::{InitError, InitOptions, InitStage, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use nccl_group::{NcclInitError, NcclProcessGroup, init_nccl_group, init_nccl_group_with};
 pub use sync::{DistributedSync, ParamBuffer, Parameters, SyncError, SyncOptions};
 pub use tensor::{Element, Tensor};

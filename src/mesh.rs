@@ -7,7 +7,9 @@
 //! the record's HMAC under the job secret). After it, `MeshPlan::connect`
 //! verifies every peer's signature, picks each peer's path (`auto`: shared
 //! memory with peers that share `/dev/shm`, QUIC with the others), connects, then
-//! wraps the links with `CHORUS_FAULTS`.
+//! wraps the links with the fault plan. The transport, the fault plan and
+//! the job secret come from [`InitOptions`](crate::InitOptions), which
+//! reads them from the environment when they are not set in code.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -31,7 +33,7 @@ const MAC_EXTRA: &str = "mac";
 /// Why the mesh could not be built.
 #[derive(Debug, Error)]
 pub enum MeshError {
-    /// `CHORUS_TRANSPORT` names no transport.
+    /// `CHORUS_TRANSPORT` (or [`TransportChoice::parse`]'s text) names no transport.
     #[error(
         "CHORUS_TRANSPORT={0:?} is not a transport; use auto, quic or shm (local is for ranks in one process, chorus::spawn)"
     )]
@@ -46,7 +48,8 @@ pub enum MeshError {
         /// Its host.
         host: String,
     },
-    /// `CHORUS_FAULTS` does not parse, or names a rank outside the world.
+    /// `CHORUS_FAULTS` does not parse, or a fault plan names a rank
+    /// outside the world.
     // Not a `source`: the message already holds it, and printed with its
     // chain it would say it twice.
     #[error("CHORUS_FAULTS: {0}")]
@@ -127,8 +130,10 @@ fn mib(bytes: u64) -> String {
     format!("{:.1}", bytes as f64 / (1 << 20) as f64)
 }
 
-/// Which transport links between processes use (`CHORUS_TRANSPORT`).
-/// Ranks in one process ([`crate::spawn`]) always use in-process links.
+/// Which transport links between processes use
+/// ([`InitOptions::transport`](crate::InitOptions::transport), by default
+/// `CHORUS_TRANSPORT`). Ranks in one process ([`crate::spawn`]) always use
+/// in-process links.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportChoice {
     /// Shared memory with peers on this host, QUIC with the others.
@@ -140,21 +145,19 @@ pub enum TransportChoice {
 }
 
 impl TransportChoice {
-    /// The choice in `CHORUS_TRANSPORT` (auto when unset).
-    pub fn from_env() -> Result<Self, MeshError> {
-        match std::env::var("CHORUS_TRANSPORT").ok().as_deref().map(str::trim) {
-            None | Some("") | Some("auto") => Ok(TransportChoice::Auto),
-            Some("quic") => Ok(TransportChoice::Quic),
-            Some("shm") => Ok(TransportChoice::Shm),
-            Some(other) => Err(MeshError::UnknownTransport(other.to_string())),
+    /// A `CHORUS_TRANSPORT` value: `auto` (or blank), `quic` or `shm`.
+    pub fn parse(text: &str) -> Result<Self, MeshError> {
+        match text.trim() {
+            "" | "auto" => Ok(TransportChoice::Auto),
+            "quic" => Ok(TransportChoice::Quic),
+            "shm" => Ok(TransportChoice::Shm),
+            other => Err(MeshError::UnknownTransport(other.to_string())),
         }
     }
 }
 
-/// The plan in `CHORUS_FAULTS`, if set, checked against a world of `world`
-/// ranks.
-pub(crate) fn faults_from_env(world: usize) -> Result<Option<FaultPlan>, MeshError> {
-    let plan = FaultPlan::from_env().map_err(MeshError::Faults)?;
+/// `plan`, checked against a world of `world` ranks.
+pub(crate) fn checked_faults(plan: Option<FaultPlan>, world: usize) -> Result<Option<FaultPlan>, MeshError> {
     if let Some(plan) = &plan {
         plan.check_world(world).map_err(MeshError::Faults)?;
     }
@@ -242,6 +245,17 @@ fn shm_capacity(local_ranks: usize, budget: u64, page: u64, dir: &Path, space: T
     Ok(capacity as usize)
 }
 
+/// What a group's options say about its links.
+#[derive(Debug, Clone)]
+pub(crate) struct LinkOptions {
+    /// Which transport each peer gets.
+    pub(crate) transport: TransportChoice,
+    /// Faults to inject.
+    pub(crate) faults: Option<FaultPlan>,
+    /// The key records are signed with.
+    pub(crate) secret: Option<JobSecret>,
+}
+
 /// This rank's side of the mesh, made before rendezvous.
 #[derive(Debug)]
 pub(crate) struct MeshPlan {
@@ -275,16 +289,28 @@ impl MeshPlan {
     /// Makes the identity and endpoint, on loopback with loopback tuning when
     /// the whole job is on this host, on every interface otherwise; ranks
     /// are below `world` (the fault plan is checked against it); the mesh
-    /// must form within `timeout`.
-    pub(crate) fn prepare(rank: usize, world: usize, single_host: bool, timeout: Duration) -> Result<Self, MeshError> {
-        let choice = TransportChoice::from_env()?;
-        let faults = faults_from_env(world)?;
+    /// must form within `timeout`. `links` is what the caller's options
+    /// chose: transport, fault plan and job secret.
+    pub(crate) fn prepare(
+        rank: usize,
+        world: usize,
+        single_host: bool,
+        timeout: Duration,
+        links: LinkOptions,
+    ) -> Result<Self, MeshError> {
+        let LinkOptions {
+            transport: choice,
+            faults,
+            secret,
+        } = links;
+        let faults = checked_faults(faults, world)?;
         let shm_budget = shm_budget_from_env()?;
-        let secret = JobSecret::from_env();
         if secret.is_none() {
             static WARN: Once = Once::new();
             WARN.call_once(|| {
-                tracing::warn!("CHORUS_JOB_SECRET is not set: the mesh is only as trusted as the store");
+                tracing::warn!(
+                    "CHORUS_JOB_SECRET is not set (nor InitOptions::job_secret): the mesh is only as trusted as the store"
+                );
             });
         }
         let identity = QuicIdentity::generate()?;
@@ -449,7 +475,17 @@ impl MeshPlan {
                 quic.join(", ")
             )
         };
-        let (shm, quic) = wait::noting(async { tokio::join!(shm, quic) }, timeout, waiting_for).await;
+        // The QUIC endpoint's own limit was set before the rendezvous, from
+        // more time than is left now: this one ends the stage on time.
+        let (shm, quic) = tokio::time::timeout(
+            timeout,
+            wait::noting(async { tokio::join!(shm, quic) }, timeout, waiting_for),
+        )
+        .await
+        .map_err(|_| TransportError::Connect {
+            peer: membership.rank,
+            reason: format!("the mesh did not form within {timeout:?}: {}", waiting_for()),
+        })?;
         // Each list is indexed by rank, `None` where the other side serves.
         for side in [shm?, quic?] {
             for (rank, link) in side.into_iter().enumerate() {

@@ -5,7 +5,7 @@
 //! completed.
 //!
 //! [`load_dir`] does the IO; [`analyze`] is pure, over parsed dumps; a
-//! [`Report`] prints as text (`Display`) or JSON ([`Report::to_json`]);
+//! [`Report`] prints as text (`Display`) or JSON (`Serialize`);
 //! the command that prints it is in `chorus-cli`.
 //!
 //! How the analysis reads the dumps:
@@ -44,7 +44,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use chorus_runtime::flight::{self, DumpError, EntryState, FlightEntry, FlightOp, RankDump};
-use serde::Serialize;
+use serde::ser::{Serialize, SerializeMap, SerializeStruct, Serializer};
 use thiserror::Error;
 
 /// Largest file read as a dump. A full ring of the default 1000 entries is
@@ -748,247 +748,156 @@ impl Report {
     pub fn verdict(&self) -> String {
         self.findings.first().map(Finding::to_string).unwrap_or_default()
     }
+}
 
-    /// The report as JSON: `verdict`, `generation`, `world`, `findings`,
-    /// `ranks` and `notes` (serialize it with `serde_json`).
-    pub fn to_json(&self) -> ReportJson {
-        let findings = self
-            .findings
-            .iter()
-            .map(|finding| FindingJson {
-                text: finding.to_string(),
-                detail: match finding {
-                    Finding::Desync { seq, variants } => FindingDetail::Desync {
-                        variants: variants
-                            .iter()
-                            .map(|(op, ranks)| VariantJson {
-                                op: OpJson::new(*seq, op),
-                                ranks: ranks.clone(),
-                            })
-                            .collect(),
-                    },
-                    Finding::Stuck(s) => FindingDetail::Stuck {
-                        op: OpJson::new(s.seq, &s.op),
-                        waiting: s.waiting.clone(),
-                        failed: s.failed,
-                        never_entered: s.never_entered.clone(),
-                        arriving: s.arriving.clone(),
-                        completed: s.completed.clone(),
-                        no_dump: s.no_dump.clone(),
-                        waited_for: s.waited_for.clone(),
-                    },
-                    Finding::P2p {
-                        waiter,
-                        seq,
-                        op,
-                        failed,
-                        peer,
-                    } => FindingDetail::P2p {
-                        waiter: *waiter,
-                        op: OpJson::new(*seq, op),
-                        failed: *failed,
-                        peer_state: match peer {
-                            PeerView::NeverEntered => "never_entered",
-                            PeerView::NoDump => "no_dump",
-                            PeerView::Inside => "inside",
-                            PeerView::Completed => "completed",
-                        },
-                    },
-                    Finding::NoDump { ranks } => FindingDetail::NoDump { ranks: ranks.clone() },
-                    Finding::NothingStuck => FindingDetail::NothingStuck,
-                },
-            })
-            .collect();
-        let ranks = self
-            .ranks
-            .iter()
-            .map(|row| RankJson {
-                rank: row.rank,
-                dumped: row.dump.is_some(),
-                state: row.dump.as_ref().map(|state| RankStateJson {
-                    reason: state.reason.clone(),
-                    last_completed: state.last_completed.as_ref().map(|e| OpJson::new(e.seq, &e.op)),
-                    current: state.current.as_ref().map(|e| CurrentJson {
-                        entry: OpJson::new(e.seq, &e.op),
-                        state: e.state.name(),
-                        for_ms: state
-                            .current_for
-                            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-                        error: match &e.state {
-                            EntryState::Failed(error) => Some(error.clone()),
-                            _ => None,
-                        },
-                    }),
-                }),
-            })
-            .collect();
-        ReportJson {
-            verdict: self.verdict(),
-            generation: self.generation,
-            world: self.world,
-            findings,
-            ranks,
-            notes: self.notes.clone(),
-        }
+/// The JSON form (`chorus trace --json`, with `serde_json`): `verdict`,
+/// `generation`, `world`, `findings` (each its `text`, its `kind` and the
+/// kind's members), `ranks` and `notes`, in that order. Written here
+/// rather than derived because it adds what the text says (the verdict,
+/// each finding's and operation's text) to the fields.
+impl Serialize for Report {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut report = serializer.serialize_struct("Report", 6)?;
+        report.serialize_field("verdict", &self.verdict())?;
+        report.serialize_field("generation", &self.generation)?;
+        report.serialize_field("world", &self.world)?;
+        report.serialize_field("findings", &self.findings)?;
+        report.serialize_field("ranks", &self.ranks)?;
+        report.serialize_field("notes", &self.notes)?;
+        report.end()
     }
 }
 
-/// [`Report::to_json`]: the report's JSON form, members in the order
-/// written.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ReportJson {
-    /// The first finding, one line.
-    pub verdict: String,
-    /// The generation compared.
-    pub generation: u64,
-    /// Its world size.
-    pub world: usize,
-    /// Every finding, most important first.
-    pub findings: Vec<FindingJson>,
-    /// One row per rank of the world.
-    pub ranks: Vec<RankJson>,
-    /// Remarks on the dumps (ignored generations, ...).
-    pub notes: Vec<String>,
-}
+/// An operation in the JSON form: its number, its fields and its text.
+struct OpJson<'a>(u64, &'a FlightOp);
 
-/// An operation in the JSON form.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct OpJson {
-    /// Its sequence number.
-    pub seq: u64,
-    /// The operation's kind.
-    pub op: String,
-    /// The element type.
-    pub dtype: String,
-    /// Elements per rank.
-    pub count: u64,
-    /// The root of a rooted collective.
-    pub root: Option<usize>,
-    /// The other rank of a `send` or `recv`.
-    pub peer: Option<usize>,
-    /// The reduction operator.
-    pub reduce_op: Option<String>,
-    /// As the text report writes it.
-    pub text: String,
-}
-
-impl OpJson {
-    fn new(seq: u64, op: &FlightOp) -> Self {
-        OpJson {
-            seq,
-            op: op.kind.clone(),
-            dtype: op.dtype.clone(),
-            count: op.count,
-            root: op.root,
-            peer: op.peer,
-            reduce_op: op.reduce_op.clone(),
-            text: op.to_string(),
-        }
+impl Serialize for OpJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let OpJson(seq, op) = *self;
+        let mut map = serializer.serialize_struct("Op", 8)?;
+        map.serialize_field("seq", &seq)?;
+        map.serialize_field("op", &op.kind)?;
+        map.serialize_field("dtype", &op.dtype)?;
+        map.serialize_field("count", &op.count)?;
+        map.serialize_field("root", &op.root)?;
+        map.serialize_field("peer", &op.peer)?;
+        map.serialize_field("reduce_op", &op.reduce_op)?;
+        map.serialize_field("text", &op.to_string())?;
+        map.end()
     }
 }
 
-/// A finding in the JSON form: its `text`, its `kind` and the kind's members.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct FindingJson {
-    /// As the text report writes it.
-    pub text: String,
-    /// `kind` and the members that go with it.
-    #[serde(flatten)]
-    pub detail: FindingDetail,
+/// `{"op": .., "ranks": [..]}`: one operation of a desync and who ran it.
+struct VariantJson<'a>(u64, &'a FlightOp, &'a [usize]);
+
+impl Serialize for VariantJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_struct("Variant", 2)?;
+        map.serialize_field("op", &OpJson(self.0, self.1))?;
+        map.serialize_field("ranks", self.2)?;
+        map.end()
+    }
 }
 
-/// The members of each kind of [`FindingJson`].
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum FindingDetail {
-    /// See [`Finding::Desync`].
-    Desync {
-        /// Each operation run under the number, with the ranks that ran it.
-        variants: Vec<VariantJson>,
-    },
-    /// See [`Finding::Stuck`].
-    Stuck {
-        /// The collective.
-        op: OpJson,
-        /// Ranks inside it.
-        waiting: Vec<usize>,
-        /// Whether the waiting ranks' entries failed.
-        failed: bool,
-        /// Ranks that never entered it.
-        never_entered: Vec<usize>,
-        /// Ranks the abort caught between operations on their way to it.
-        arriving: Vec<usize>,
-        /// Ranks that completed it.
-        completed: Vec<usize>,
-        /// Ranks without a dump.
-        no_dump: Vec<usize>,
-        /// Ranks the others timed out waiting for.
-        waited_for: Vec<usize>,
-    },
-    /// See [`Finding::P2p`].
-    P2p {
-        /// The rank waiting.
-        waiter: usize,
-        /// The operation it waits in.
-        op: OpJson,
-        /// Whether its entry failed.
-        failed: bool,
-        /// `never_entered`, `no_dump`, `inside` or `completed`.
-        peer_state: &'static str,
-    },
-    /// See [`Finding::NoDump`].
-    NoDump {
-        /// Ranks without a dump.
-        ranks: Vec<usize>,
-    },
-    /// See [`Finding::NothingStuck`].
-    NothingStuck,
+/// `text`, `kind` (snake case) and the kind's members.
+impl Serialize for Finding {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("text", &self.to_string())?;
+        match self {
+            Finding::Desync { seq, variants } => {
+                map.serialize_entry("kind", "desync")?;
+                let variants: Vec<_> = variants
+                    .iter()
+                    .map(|(op, ranks)| VariantJson(*seq, op, ranks))
+                    .collect();
+                map.serialize_entry("variants", &variants)?;
+            }
+            Finding::Stuck(s) => {
+                map.serialize_entry("kind", "stuck")?;
+                map.serialize_entry("op", &OpJson(s.seq, &s.op))?;
+                map.serialize_entry("waiting", &s.waiting)?;
+                map.serialize_entry("failed", &s.failed)?;
+                map.serialize_entry("never_entered", &s.never_entered)?;
+                map.serialize_entry("arriving", &s.arriving)?;
+                map.serialize_entry("completed", &s.completed)?;
+                map.serialize_entry("no_dump", &s.no_dump)?;
+                map.serialize_entry("waited_for", &s.waited_for)?;
+            }
+            Finding::P2p {
+                waiter,
+                seq,
+                op,
+                failed,
+                peer,
+            } => {
+                map.serialize_entry("kind", "p2p")?;
+                map.serialize_entry("waiter", waiter)?;
+                map.serialize_entry("op", &OpJson(*seq, op))?;
+                map.serialize_entry("failed", failed)?;
+                map.serialize_entry(
+                    "peer_state",
+                    match peer {
+                        PeerView::NeverEntered => "never_entered",
+                        PeerView::NoDump => "no_dump",
+                        PeerView::Inside => "inside",
+                        PeerView::Completed => "completed",
+                    },
+                )?;
+            }
+            Finding::NoDump { ranks } => {
+                map.serialize_entry("kind", "no_dump")?;
+                map.serialize_entry("ranks", ranks)?;
+            }
+            Finding::NothingStuck => map.serialize_entry("kind", "nothing_stuck")?,
+        }
+        map.end()
+    }
 }
 
-/// One operation of a desync and the ranks that ran it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct VariantJson {
-    /// The operation.
-    pub op: OpJson,
-    /// The ranks.
-    pub ranks: Vec<usize>,
+/// `rank`, `dumped`, and for a rank that dumped, `reason`,
+/// `last_completed` and `current` (`entry`, `state`, `for_ms`, and a
+/// failed entry's `error`).
+impl Serialize for RankRow {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("rank", &self.rank)?;
+        map.serialize_entry("dumped", &self.dump.is_some())?;
+        if let Some(state) = &self.dump {
+            map.serialize_entry("reason", &state.reason)?;
+            map.serialize_entry(
+                "last_completed",
+                &state.last_completed.as_ref().map(|e| OpJson(e.seq, &e.op)),
+            )?;
+            let current = state.current.as_ref().map(|entry| CurrentJson {
+                entry,
+                for_ms: state
+                    .current_for
+                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            });
+            map.serialize_entry("current", &current)?;
+        }
+        map.end()
+    }
 }
 
-/// A rank's row in the JSON form.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RankJson {
-    /// The rank.
-    pub rank: usize,
-    /// Whether it left a dump.
-    pub dumped: bool,
-    /// What its dump says; no members when it left none.
-    #[serde(flatten)]
-    pub state: Option<RankStateJson>,
+/// The operation a rank was in when it dumped, and for how long.
+struct CurrentJson<'a> {
+    entry: &'a FlightEntry,
+    for_ms: Option<u64>,
 }
 
-/// The members of a [`RankJson`] that left a dump.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RankStateJson {
-    /// Why it dumped.
-    pub reason: String,
-    /// The last operation it completed.
-    pub last_completed: Option<OpJson>,
-    /// The operation it was in when it dumped.
-    pub current: Option<CurrentJson>,
-}
-
-/// The operation a rank was in when it dumped.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CurrentJson {
-    /// The operation.
-    pub entry: OpJson,
-    /// Its state's name.
-    pub state: &'static str,
-    /// How long it had been there, in milliseconds.
-    pub for_ms: Option<u64>,
-    /// The error of a failed entry (absent otherwise).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
+impl Serialize for CurrentJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("entry", &OpJson(self.entry.seq, &self.entry.op))?;
+        map.serialize_entry("state", self.entry.state.name())?;
+        map.serialize_entry("for_ms", &self.for_ms)?;
+        if let EntryState::Failed(error) = &self.entry.state {
+            map.serialize_entry("error", error)?;
+        }
+        map.end()
+    }
 }
 
 /// The verdict, other findings, then a table of ranks and the notes.
@@ -1509,7 +1418,7 @@ mod tests {
     #[test]
     fn the_report_has_a_json_form() {
         let dumps = [rank(0, 2, 4, enters(4, op("all_reduce", 1))), rank(1, 2, 4, idle)];
-        let text = serde_json::to_string(&analyze(&dumps).unwrap().to_json()).unwrap();
+        let text = serde_json::to_string(&analyze(&dumps).unwrap()).unwrap();
         assert!(
             text.starts_with(r#"{"verdict":"rank 1 never entered"#),
             "members in order: {text}"
@@ -1529,6 +1438,41 @@ mod tests {
                 .and_then(Value::as_u64),
             Some(30_000)
         );
+    }
+
+    /// Every kind of finding, a rank without a dump, a failed entry with
+    /// its error, a root and a peer: the JSON `chorus trace --json` printed
+    /// before the report became one type, byte for byte.
+    #[test]
+    fn the_json_form_is_what_it_was() {
+        let broadcast = FlightOp {
+            root: Some(0),
+            ..op("broadcast", 4)
+        };
+        let send = FlightOp {
+            peer: Some(1),
+            ..op("send", 16)
+        };
+        let fails = |r: &mut FlightRecorder| {
+            let id = r.record_scheduled(9, op("all_gather", 2), at(1_000));
+            r.record_started(id, at(1_000));
+            r.record_failed(id, at(31_000), "timed out after 30s");
+        };
+        let reports = [
+            analyze(&[
+                rank(0, 3, 3, enters(3, op("all_reduce", 4))),
+                rank(1, 3, 3, enters(3, broadcast)),
+            ]),
+            analyze(&[rank(0, 2, 1, enters(0, send)), rank(1, 2, 1, idle)]),
+            analyze(&[rank(0, 2, 9, fails), rank(1, 2, 9, enters(9, op("all_gather", 2)))]),
+            analyze(&[rank(0, 2, 2, idle)]),
+            analyze(&[rank(0, 1, 1, idle)]),
+        ];
+        let json: Vec<String> = reports
+            .iter()
+            .map(|report| serde_json::to_string(report.as_ref().unwrap()).unwrap())
+            .collect();
+        assert_eq!(json.join("\n"), GOLDEN_JSON);
     }
 
     #[test]
@@ -1584,6 +1528,13 @@ mod tests {
         assert_eq!(rank_list(&[0, 1, 3]), "ranks 0, 1, 3");
         assert_eq!(rank_list(&[0, 1, 2, 3, 5, 7, 8, 9]), "ranks 0-3, 5, 7-9");
     }
+
+    /// What `ReportJson` (the JSON mirror this replaced) printed for the reports of `the_json_form_is_what_it_was`.
+    const GOLDEN_JSON: &str = r##"{"verdict":"desync at #3: rank 0 ran all_reduce(4 x float32, sum); rank 1 ran broadcast(4 x float32, root 0)","generation":1,"world":3,"findings":[{"text":"desync at #3: rank 0 ran all_reduce(4 x float32, sum); rank 1 ran broadcast(4 x float32, root 0)","kind":"desync","variants":[{"op":{"seq":3,"op":"all_reduce","dtype":"float32","count":4,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(4 x float32, sum)"},"ranks":[0]},{"op":{"seq":3,"op":"broadcast","dtype":"float32","count":4,"root":0,"peer":null,"reduce_op":null,"text":"broadcast(4 x float32, root 0)"},"ranks":[1]}]},{"text":"ranks 0, 1 are waiting in #3 all_reduce(4 x float32, sum); rank 2 left no dump (killed or frozen?)","kind":"stuck","op":{"seq":3,"op":"all_reduce","dtype":"float32","count":4,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(4 x float32, sum)"},"waiting":[0,1],"failed":false,"never_entered":[],"arriving":[],"completed":[],"no_dump":[2],"waited_for":[]}],"ranks":[{"rank":0,"dumped":true,"reason":"timeout","last_completed":{"seq":2,"op":"all_reduce","dtype":"float32","count":1048576,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(1048576 x float32, sum)"},"current":{"entry":{"seq":3,"op":"all_reduce","dtype":"float32","count":4,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(4 x float32, sum)"},"state":"started","for_ms":30000}},{"rank":1,"dumped":true,"reason":"timeout","last_completed":{"seq":2,"op":"all_reduce","dtype":"float32","count":1048576,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(1048576 x float32, sum)"},"current":{"entry":{"seq":3,"op":"broadcast","dtype":"float32","count":4,"root":0,"peer":null,"reduce_op":null,"text":"broadcast(4 x float32, root 0)"},"state":"started","for_ms":30000}},{"rank":2,"dumped":false}],"notes":[]}
+{"verdict":"rank 1 never entered the recv matching #0 send(16 x float32) to rank 1 that rank 0 is waiting in","generation":1,"world":2,"findings":[{"text":"rank 1 never entered the recv matching #0 send(16 x float32) to rank 1 that rank 0 is waiting in","kind":"p2p","waiter":0,"op":{"seq":0,"op":"send","dtype":"float32","count":16,"root":null,"peer":1,"reduce_op":null,"text":"send(16 x float32) to rank 1"},"failed":false,"peer_state":"never_entered"}],"ranks":[{"rank":0,"dumped":true,"reason":"timeout","last_completed":{"seq":0,"op":"all_reduce","dtype":"float32","count":1048576,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(1048576 x float32, sum)"},"current":{"entry":{"seq":0,"op":"send","dtype":"float32","count":16,"root":null,"peer":1,"reduce_op":null,"text":"send(16 x float32) to rank 1"},"state":"started","for_ms":30000}},{"rank":1,"dumped":true,"reason":"timeout","last_completed":{"seq":0,"op":"all_reduce","dtype":"float32","count":1048576,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(1048576 x float32, sum)"},"current":null}],"notes":[]}
+{"verdict":"all 2 ranks entered #9 all_gather(2 x float32) and none completed it (a broken link, or a rank stalled inside it?)","generation":1,"world":2,"findings":[{"text":"all 2 ranks entered #9 all_gather(2 x float32) and none completed it (a broken link, or a rank stalled inside it?)","kind":"stuck","op":{"seq":9,"op":"all_gather","dtype":"float32","count":2,"root":null,"peer":null,"reduce_op":null,"text":"all_gather(2 x float32)"},"waiting":[0,1],"failed":true,"never_entered":[],"arriving":[],"completed":[],"no_dump":[],"waited_for":[]}],"ranks":[{"rank":0,"dumped":true,"reason":"timeout","last_completed":{"seq":8,"op":"all_reduce","dtype":"float32","count":1048576,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(1048576 x float32, sum)"},"current":{"entry":{"seq":9,"op":"all_gather","dtype":"float32","count":2,"root":null,"peer":null,"reduce_op":null,"text":"all_gather(2 x float32)"},"state":"failed","for_ms":30000,"error":"timed out after 30s"}},{"rank":1,"dumped":true,"reason":"timeout","last_completed":{"seq":8,"op":"all_reduce","dtype":"float32","count":1048576,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(1048576 x float32, sum)"},"current":{"entry":{"seq":9,"op":"all_gather","dtype":"float32","count":2,"root":null,"peer":null,"reduce_op":null,"text":"all_gather(2 x float32)"},"state":"started","for_ms":30000}}],"notes":[]}
+{"verdict":"rank 1 left no dump (killed or frozen?); no rank that dumped is inside an operation","generation":1,"world":2,"findings":[{"text":"rank 1 left no dump (killed or frozen?); no rank that dumped is inside an operation","kind":"no_dump","ranks":[1]}],"ranks":[{"rank":0,"dumped":true,"reason":"timeout","last_completed":{"seq":1,"op":"all_reduce","dtype":"float32","count":1048576,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(1048576 x float32, sum)"},"current":null},{"rank":1,"dumped":false}],"notes":[]}
+{"verdict":"nothing is stuck: no rank is inside an operation","generation":1,"world":1,"findings":[{"text":"nothing is stuck: no rank is inside an operation","kind":"nothing_stuck"}],"ranks":[{"rank":0,"dumped":true,"reason":"timeout","last_completed":{"seq":0,"op":"all_reduce","dtype":"float32","count":1048576,"root":null,"peer":null,"reduce_op":"sum","text":"all_reduce(1048576 x float32, sum)"},"current":null}],"notes":[]}"##;
 
     #[test]
     fn no_dumps_no_report() {

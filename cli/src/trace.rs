@@ -5,7 +5,7 @@ use std::io::{self, Write as _};
 use std::path::Path;
 use std::process::ExitCode;
 
-use chorus::trace::{ReportJson, analyze, load_dir};
+use chorus::trace::{Report, analyze, load_dir};
 use chorus_runtime::flight::RankDump;
 use serde::Serialize;
 
@@ -26,7 +26,7 @@ pub fn main(dir: &Path, json: bool) -> ExitCode {
     if json {
         let value = TraceJson {
             body: match &report {
-                Some(report) => TraceBody::Report(report.to_json()),
+                Some(report) => TraceBody::Report(report),
                 None => TraceBody::Error { error: no_dumps(dir) },
             },
             unreadable: loaded
@@ -70,16 +70,16 @@ fn no_dumps(dir: &Path) -> String {
 /// `chorus trace --json`: the report or the reason there is none, and the
 /// files that could not be read.
 #[derive(Serialize)]
-struct TraceJson {
+struct TraceJson<'a> {
     #[serde(flatten)]
-    body: TraceBody,
+    body: TraceBody<'a>,
     unreadable: Vec<UnreadableJson>,
 }
 
 #[derive(Serialize)]
 #[serde(untagged)]
-enum TraceBody {
-    Report(ReportJson),
+enum TraceBody<'a> {
+    Report(&'a Report),
     Error { error: String },
 }
 

@@ -501,6 +501,18 @@ impl From<Arc<ProcessGroup>> for GroupRef<'static> {
 /// The data-parallel gradient sync of one model on one group (PyTorch's
 /// `DistributedDataParallel`, without the forward pass: the model is
 /// yours, the gradients live here).
+///
+/// # Cancel safety
+///
+/// None of its `async fn`s ([`new`](Self::new), [`finish`](Self::finish),
+/// [`join`](Self::join), [`rebind`](Self::rebind), [`verify`](Self::verify))
+/// is cancel safe: each runs collectives with the peers (see
+/// [`Work`](crate::Work)). A bucket's reduction, once launched, is a task
+/// of its own and runs on when `finish` is dropped, so the peers' step
+/// completes; but the reduced gradients of the buckets `finish` had not
+/// collected are lost to this instance, which is left mid-step. Bound a
+/// step with the group's collective timeout; after an abort, `rebind`
+/// (every rank of the new group) is the way back.
 pub struct DistributedSync<'g> {
     group: GroupRef<'g>,
     options: SyncOptions,

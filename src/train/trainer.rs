@@ -487,6 +487,13 @@ impl Pending {
 /// committed step. Every member calls it; a process that joined a running
 /// job (its group's generation is past 0) starts without state and
 /// receives it.
+///
+/// # Cancel safety
+///
+/// Not cancel safe: it runs collectives with the peers (see
+/// [`Work`](crate::Work)), so dropping it half-way leaves them waiting on
+/// this rank until their timeouts, and `job`'s state may be half-way
+/// through a step.
 pub async fn train<J: Job>(
     group: &ElasticGroup,
     job: &mut J,

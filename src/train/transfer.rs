@@ -247,6 +247,12 @@ fn describe(ranks: &[Diverged]) -> String {
 /// the step is 0. Returns the same report on every rank. After an error,
 /// call it again on the next generation with the same `step` (see the
 /// module docs).
+///
+/// # Cancel safety
+///
+/// Not cancel safe: a receiver dropped half-way holds a state partly
+/// written; the peers wait for it until their frame timeout. As after an
+/// error, call it again with the same `step` on the next generation.
 pub async fn sync_state(
     group: &ProcessGroup,
     state: &mut dyn TrainState,
@@ -369,6 +375,11 @@ pub async fn sync_state(
 /// Checksums of every entry (and the extras) compared across ranks: an
 /// error on every rank naming each rank that differs from rank 0 and its
 /// first differing entry.
+///
+/// # Cancel safety
+///
+/// Not cancel safe (a collective, see [`Work`](crate::Work)); it changes
+/// no state, so after the group is re-formed it can simply be called again.
 pub async fn verify_state(group: &ProcessGroup, state: &mut dyn TrainState) -> Result<(), TransferError> {
     let list = entries(state);
     let extra = state.save_extra();

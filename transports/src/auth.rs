@@ -1,8 +1,8 @@
 //! Authenticating what a rank publishes with the job secret.
 //!
 //! Anyone who can write to the store could publish a record naming their own
-//! certificate. With a job secret (`CHORUS_JOB_SECRET`, handed out by
-//! `chorus launch`), every rank signs its record with HMAC-SHA256 and checks
+//! certificate. With a job secret (the library's `InitOptions::job_secret`,
+//! by default `CHORUS_JOB_SECRET`, handed out by `chorus launch`), every rank signs its record with HMAC-SHA256 and checks
 //! its peers' signatures before pinning their certificates, so a store writer
 //! without the secret cannot join the mesh.
 
@@ -12,6 +12,7 @@ use aws_lc_rs::hmac;
 pub const TAG_LEN: usize = 32;
 
 /// The job secret, as a signing key.
+#[derive(Clone)]
 pub struct JobSecret(hmac::Key);
 
 impl std::fmt::Debug for JobSecret {
@@ -24,14 +25,6 @@ impl JobSecret {
     /// A key from the secret's bytes (any length; hex text works as is).
     pub fn new(secret: &[u8]) -> Self {
         Self(hmac::Key::new(hmac::HMAC_SHA256, secret))
-    }
-
-    /// The secret in `CHORUS_JOB_SECRET`, if set and not empty.
-    pub fn from_env() -> Option<Self> {
-        std::env::var("CHORUS_JOB_SECRET")
-            .ok()
-            .filter(|s| !s.trim().is_empty())
-            .map(|s| Self::new(s.trim().as_bytes()))
     }
 
     /// The signature of `message`.

@@ -1,8 +1,9 @@
 //! Fault injection: a [`Link`] wrapper that drops, delays, corrupts,
 //! partitions, closes, kills or freezes, deterministically under a seed.
 //!
-//! Driven by an API ([`FaultPlan::parse`], [`wrap_links`]) or by the
-//! `CHORUS_FAULTS` environment variable, same grammar: rules separated by
+//! Driven by an API ([`FaultPlan::parse`], [`wrap_links`]; the `chorus`
+//! library's `InitOptions::faults`) or by the `CHORUS_FAULTS` environment
+//! variable (which that library reads), same grammar: rules separated by
 //! `;`, each `kind(arguments)`, plus an optional `seed=N`.
 //!
 //! ```text
@@ -378,14 +379,6 @@ impl FaultPlan {
             plan.rules.push(Self::parse_rule(rule)?);
         }
         Ok(plan)
-    }
-
-    /// The plan in `CHORUS_FAULTS`, if set.
-    pub fn from_env() -> Result<Option<Self>, FaultSpecError> {
-        std::env::var("CHORUS_FAULTS")
-            .ok()
-            .map(|spec| Self::parse(&spec))
-            .transpose()
     }
 
     fn parse_rule(rule: &str) -> Result<FaultRule, FaultSpecError> {

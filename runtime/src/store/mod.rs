@@ -169,6 +169,24 @@ impl StoreError {
 /// Blocking operations (`get`, `wait`, `multi_get`, a waiting `queue_pop`)
 /// give up after [`Store::timeout`] unless given their own timeout, with an
 /// error naming the keys and the store.
+///
+/// # Cancel safety
+///
+/// Every operation may be dropped half-way (a `select!`, a timeout) and the
+/// store stays usable: a later call works (`TcpStore` takes its connection
+/// for broken and reconnects; `FileStore` runs each call on a blocking
+/// thread, which finishes it anyway). What the dropped call did is another
+/// matter:
+///
+/// - Reads (`get`, `wait`, `check`, `multi_get`, `num_keys`, `queue_len`)
+///   change nothing: drop and call again.
+/// - Writes (`set`, `add`, `compare_set`, `delete`, `multi_set`, `append`,
+///   `queue_push`) may or may not have taken effect once the request left:
+///   `set`, `multi_set`, `delete` and a `compare_set` can be repeated, an
+///   `add`, `append` or `queue_push` repeated may count twice.
+/// - A `queue_pop` dropped after the store popped the value for it loses
+///   that value (`TcpStore`, `EtcdStore`, `FileStore`); `HashStore` pops
+///   only as the call returns.
 #[async_trait]
 pub trait Store: Send + Sync + fmt::Debug {
     /// Where the store lives, for messages (`tcp://host:port`, a path, ...).
@@ -301,4 +319,38 @@ pub(crate) fn check_sizes(key: &str, value: &[u8], limits: &protocol::Limits) ->
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The claim of [`Store`]'s cancel safety that holds for every store: a
+    /// call dropped half-way leaves the store usable (over TCP, the
+    /// connection it left mid-reply is replaced, not read from).
+    #[tokio::test]
+    async fn a_dropped_get_leaves_the_store_usable() {
+        let server = TcpStoreServer::bind(([127, 0, 0, 1], 0).into(), TcpStoreServerOptions::default())
+            .await
+            .expect("a store server on loopback");
+        let tcp = TcpStore::connect(server.local_addr().to_string(), TcpStoreOptions::default())
+            .await
+            .expect("connecting to it");
+        let stores: [Arc<dyn Store>; 2] = [Arc::new(tcp), Arc::new(HashStore::default())];
+        for store in stores {
+            let at = store.location();
+            let dropped = tokio::time::timeout(Duration::from_millis(100), store.get("late")).await;
+            assert!(
+                dropped.is_err(),
+                "{at}: nobody set the key, so the get was dropped waiting"
+            );
+            store.set("late", b"value").await.expect("a set after the dropped get");
+            let value = tokio::time::timeout(Duration::from_secs(10), store.get("late"))
+                .await
+                .unwrap_or_else(|_| panic!("{at}: a get after the dropped one hung"));
+            assert_eq!(value.expect("the get").as_ref(), b"value", "{at}");
+            assert_eq!(store.add("count", 2).await.expect("an add"), 2, "{at}");
+        }
+        server.shutdown().await;
+    }
 }
