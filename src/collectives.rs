@@ -20,7 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use chorus_actors::buffer::Buffer;
 use chorus_actors::driver::CollectiveError;
-use chorus_actors::rank::Collective;
+use chorus_actors::rank::{Collective, Submit};
 use chorus_runtime::collective::{CollectiveKind, DType, ReduceOp};
 
 use crate::group::ProcessGroup;
@@ -32,21 +32,14 @@ type Pending<T> = Pin<Box<dyn Future<Output = Result<T, CollectiveError>> + Send
 ///
 /// # Cancel safety
 ///
-/// Not cancel safe before the operation starts; safe after. Dropping the
-/// `Work` (or a future awaiting it) *before* the rank's actor took the
-/// operation up cancels it on this rank alone: the actor skips a request
-/// nobody waits for, so this rank's next operation is matched with the
-/// peers' dropped one and the ranks fall out of step (the desync check
-/// fails them when the two operations differ, a collective timeout
-/// otherwise). Ranks made by [`crate::spawn`] run their body on the
-/// actor's thread, so a `Work` dropped before the body next awaits is
-/// always skipped; a rank process races its actor. Dropping it *after*
-/// the operation started (a `select!` or [`Work::wait`] that gave up
-/// while the operation waited for peers) leaves the operation running in
-/// the background: it completes, or fails by its own deadline, with the
-/// peers, later operations queue behind it, and only its result is lost.
-/// Await every `Work` to the end, or give up on the group.
-#[must_use = "a Work dropped before its operation starts cancels it on this rank alone (see Work's cancel safety), and its result and errors are in the Work"]
+/// Cancel safe in the sense that matters to the peers: the operation is
+/// queued when the collective is called and runs in its turn whether or
+/// not the `Work` is kept (RA-1), as a `torch.distributed` collective does.
+/// Dropping the `Work` (or a future awaiting it: a `select!`, a
+/// [`Work::wait`] that gave up) loses only its result and error: the
+/// operation completes, or fails by its own deadline, with the peers, and
+/// later operations queue behind it in step.
+#[must_use = "the operation runs whether or not its Work is kept, but its result and errors are in the Work"]
 pub struct Work<T> {
     pending: Pending<T>,
 }
@@ -115,9 +108,11 @@ fn operation(kind: CollectiveKind, dtype: DType, count: usize) -> Collective {
 
 impl ProcessGroup {
     fn submit(&self, op: Collective) -> Work<Buffer> {
-        let request = self.actor.send(op);
+        let (reply, result) = tokio::sync::oneshot::channel();
+        // Queued now and run in its turn whether or not the Work is kept (RA-1).
+        self.actor.do_send(Submit { op, reply });
         Work::new(async move {
-            request
+            result
                 .await
                 .map_err(|_| CollectiveError::Broken("the rank's actor has stopped".into()))?
         })
@@ -407,11 +402,11 @@ mod tests {
         }
     }
 
-    /// A `Work` dropped before the actor took it up: this rank never runs
-    /// the operation, so its next one meets the peer's first.
+    /// A `Work` dropped before the actor took it up: the operation runs in
+    /// its turn all the same, so the ranks stay in step (RA-1).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_work_dropped_before_it_started_is_skipped_on_that_rank_alone() {
-        let options = InitOptions::default().collective_timeout(Duration::from_secs(2));
+    async fn ra1_a_work_dropped_before_it_started_still_runs_in_its_turn() {
+        let options = InitOptions::default().collective_timeout(Duration::from_secs(10));
         let results = within(
             "2 ranks, one dropping a Work at once",
             spawn_with(2, options, |pg| async move {
@@ -420,20 +415,21 @@ mod tests {
                     let sum = pg.all_reduce(Tensor::from_slice(&[2.0f32]), ReduceOp::Sum).await?;
                     return Ok::<_, CollectiveError>(vec![first(&sum)]);
                 }
-                let sum = pg.all_reduce(Tensor::from_slice(&[10.0f32]), ReduceOp::Sum).await?;
-                // Rank 0 has nothing left to pair this one with.
-                let second = pg.all_reduce(Tensor::from_slice(&[20.0f32]), ReduceOp::Sum).await;
-                assert!(second.is_err(), "rank 0 ran one all-reduce, not two: {second:?}");
-                Ok(vec![first(&sum)])
+                let one = pg.all_reduce(Tensor::from_slice(&[10.0f32]), ReduceOp::Sum).await?;
+                let two = pg.all_reduce(Tensor::from_slice(&[20.0f32]), ReduceOp::Sum).await?;
+                Ok(vec![first(&one), first(&two)])
             }),
         )
         .await
         .expect("the group forms");
-        let sums: Vec<Vec<f32>> = results.into_iter().map(|r| r.expect("the first sum")).collect();
+        let sums: Vec<Vec<f32>> = results
+            .into_iter()
+            .map(|r| r.expect("every all-reduce in step"))
+            .collect();
         assert_eq!(
             sums,
-            [vec![12.0], vec![12.0]],
-            "rank 0's second all-reduce met rank 1's first"
+            [vec![22.0], vec![11.0, 22.0]],
+            "rank 0's dropped all-reduce did not run in its turn"
         );
     }
 }

@@ -60,14 +60,15 @@
 //! # Cancel safety
 //!
 //! A future of this crate dropped half-way (a `select!`, a timeout) is
-//! cancel safe only where its docs say so. The rule behind most of them:
-//! a collective is the ranks' joint act, and a [`Work`] dropped before the
-//! rank's actor started its operation cancels it on this rank alone, which
-//! puts the ranks out of step; once started, it completes in the
-//! background (see [`Work`]). So every `async fn` that runs collectives
-//! ([`DistributedSync`]'s, [`train`]'s, [`ProcessGroup::new_group`]) is
-//! not cancel safe: bound it with the group's timeouts, not by dropping
-//! it. The [`store::Store`] trait documents its own.
+//! cancel safe only where its docs say so. A collective is the ranks' joint
+//! act: once called it runs in its turn whether or not its [`Work`] is
+//! kept, so dropping a `Work` loses only the result. An `async fn` that
+//! runs several collectives ([`DistributedSync`]'s, [`train`]'s,
+//! [`ProcessGroup::new_group`]) and is dropped between them leaves this
+//! rank short of the ones it had not called yet, which puts the ranks out
+//! of step: those are not cancel safe; bound them with the group's
+//! timeouts, not by dropping them. The [`store::Store`] trait documents
+//! its own.
 //!
 //! The `chorus` command line (`chorus launch`, `bench`, `selftest`, `netem`,
 //! `trace`, `store`) is the `chorus-cli` crate, built on this one.

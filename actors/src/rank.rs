@@ -3,7 +3,9 @@
 //!
 //! Rules:
 //! - RA-1: operations run one at a time, in the order they were submitted
-//!   (an `AtomicResponse` holds the mailbox until the running one ends).
+//!   (an `AtomicResponse` holds the mailbox until the running one ends),
+//!   each whether or not its submitter still waits for the result
+//!   ([`Submit`]).
 //! - RA-2: collectives are numbered per group; collective `n` uses channel
 //!   `n % COLLECTIVE_CHANNELS`, so consecutive collectives never share a
 //!   channel and frames of one are never read by another.
@@ -36,7 +38,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, WrapFuture};
+use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, ResponseActFuture, WrapFuture};
 use bytes::Bytes;
 use chorus_runtime::collective::Region;
 use chorus_runtime::collective::{
@@ -102,10 +104,6 @@ pub struct Collective {
     pub output: Buffer,
     /// Overrides the group's timeout for this operation.
     pub timeout: Option<Duration>,
-}
-
-impl Message for Collective {
-    type Result = Result<Buffer, CollectiveError>;
 }
 
 /// Sequence number, channel, ranks to announce to, ranks to check.
@@ -273,10 +271,36 @@ impl Actor for RankActor {
     type Context = Context<Self>;
 }
 
-impl Handler<Collective> for RankActor {
-    type Result = AtomicResponse<Self, Result<Buffer, CollectiveError>>;
+/// Submits a collective whose result goes to `reply`. Sent with `do_send`,
+/// so it runs when its turn comes even if the caller dropped its receiver
+/// (RA-1): a collective is the ranks' joint act, and one rank skipping it
+/// would put every later one out of step. (An actix request whose
+/// receiver is gone is skipped, which is why collectives do not go as
+/// requests.)
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Submit {
+    /// The operation.
+    pub op: Collective,
+    /// Where its result goes; nobody listening is fine.
+    pub reply: tokio::sync::oneshot::Sender<Result<Buffer, CollectiveError>>,
+}
 
-    fn handle(&mut self, msg: Collective, _ctx: &mut Context<Self>) -> Self::Result {
+impl Handler<Submit> for RankActor {
+    type Result = AtomicResponse<Self, ()>;
+
+    fn handle(&mut self, msg: Submit, _ctx: &mut Context<Self>) -> Self::Result {
+        let reply = msg.reply;
+        AtomicResponse::new(Box::pin(self.start(msg.op).map(move |result, _, _| {
+            // A dropped Work: the operation ran all the same; its result goes nowhere.
+            let _ = reply.send(result);
+        })))
+    }
+}
+
+impl RankActor {
+    /// Runs `msg` next: the future ends when the collective does.
+    fn start(&mut self, msg: Collective) -> ResponseActFuture<Self, Result<Buffer, CollectiveError>> {
         let metrics = self.metrics.clone();
         if let Some(metrics) = &metrics {
             metrics.op(msg.kind).started.increment(1);
@@ -285,7 +309,7 @@ impl Handler<Collective> for RankActor {
             if let (Some(metrics), Err(_)) = (&metrics, &result) {
                 metrics.op(msg.kind).failed.increment(1);
             }
-            AtomicResponse::new(Box::pin(actix::fut::ready(result)))
+            Box::pin(actix::fut::ready(result))
         };
         if let Some(reason) = &self.broken {
             return immediate(Err(CollectiveError::Broken(reason.clone())));
@@ -388,7 +412,7 @@ impl Handler<Collective> for RankActor {
                 .ok_or_else(|| CollectiveError::Broken("a peer still reads the output".into()))
         }
         .instrument(span);
-        AtomicResponse::new(Box::pin(run.into_actor(self).map(move |mut result, actor, _| {
+        Box::pin(run.into_actor(self).map(move |mut result, actor, _| {
             actor.supervision.finished();
             if let (Some(metrics), Some((sent, received))) = (&actor.metrics, bytes) {
                 let op = metrics.op(kind);
@@ -433,7 +457,7 @@ impl Handler<Collective> for RankActor {
                 }
             }
             result
-        })))
+        }))
     }
 }
 

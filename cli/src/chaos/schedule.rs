@@ -28,15 +28,16 @@ pub enum FaultKind {
     /// heartbeat window, then continued; the group waits for it.
     Slow,
     /// Simulated hosts only: the node's host taken off the network (from
-    /// the other hosts and the store) for [`PARTITION`], then back. Its
+    /// the other hosts and the store) for 4 s ([`PARTITION`]), then back. Its
     /// launcher loses the store and exits, the others re-form without it;
     /// it is started again after the heal and its node rejoins.
     Partition,
-    /// Simulated hosts only: the host's link drops [`LOSS`] of its frames,
-    /// each direction, for [`IMPAIRED`]; the group goes on.
+    /// Simulated hosts only: the host's link drops 2% ([`LOSS`]) of its
+    /// frames, each direction, for 3 s ([`IMPAIRED`]); the group goes on.
     LossyLink,
     /// Simulated hosts only: the host's link delays every frame by
-    /// [`DELAY`], each direction, for [`IMPAIRED`]; the group goes on.
+    /// 5 ms ([`DELAY`]), each direction, for 3 s ([`IMPAIRED`]); the group
+    /// goes on.
     SlowLink,
 }
 
