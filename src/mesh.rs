@@ -463,7 +463,11 @@ impl MeshPlan {
             if quic_peers.is_empty() {
                 return Ok(Vec::new());
             }
-            self.endpoint.connect_mesh(&quic_peers).await
+            // Its own limit ends a little before the stage's, so a peer
+            // that never answered is named with the address dialled and
+            // the interface it left from, not only as a stage that ran out.
+            let limit = timeout.saturating_sub((timeout / 10).min(Duration::from_millis(200)));
+            self.endpoint.connect_mesh_within(&quic_peers, limit).await
         };
         let waiting_for = || {
             let shm: Vec<usize> = shm_peers.iter().map(|p| p.rank).collect();
@@ -475,8 +479,8 @@ impl MeshPlan {
                 quic.join(", ")
             )
         };
-        // The QUIC endpoint's own limit was set before the rendezvous, from
-        // more time than is left now: this one ends the stage on time.
+        // Shared memory's limit was set from the whole stage: this one ends
+        // the stage on time.
         let (shm, quic) = tokio::time::timeout(
             timeout,
             wait::noting(async { tokio::join!(shm, quic) }, timeout, waiting_for),

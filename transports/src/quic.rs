@@ -542,6 +542,16 @@ impl QuicEndpoint {
     /// Connects to every peer (dialling higher ranks, accepting lower ones)
     /// and returns the links, indexed by rank (`None` for this rank).
     pub async fn connect_mesh(&self, peers: &[QuicPeer]) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
+        self.connect_mesh_within(peers, self.options.connect_timeout).await
+    }
+
+    /// [`connect_mesh`](Self::connect_mesh) within `limit` instead of the
+    /// options' `connect_timeout`: what a caller's deadline has left.
+    pub async fn connect_mesh_within(
+        &self,
+        peers: &[QuicPeer],
+        limit: Duration,
+    ) -> Result<Vec<Option<Arc<dyn Link>>>, TransportError> {
         {
             let mut pinned = self.pinned.0.write().unwrap_or_else(|p| p.into_inner());
             pinned.clear();
@@ -566,40 +576,38 @@ impl QuicEndpoint {
             let (dialled, accepted) = tokio::join!(dial_higher, self.accept(lower, &connected));
             Ok::<_, TransportError>((dialled?, accepted?))
         };
-        let (dialled, accepted) = tokio::time::timeout(self.options.connect_timeout, formed)
-            .await
-            .map_err(|_| {
-                let connected = connected.lock().unwrap_or_else(|p| p.into_inner());
-                let missing: Vec<String> = peers
-                    .iter()
-                    .filter(|p| p.rank != self.rank && !connected.contains(&p.rank))
-                    .map(|p| {
-                        if p.rank > self.rank {
-                            format!(
-                                "rank {} (dialled {} from {})",
-                                p.rank,
-                                p.addr,
-                                crate::netif::describe_route(p.addr.ip())
-                            )
-                        } else {
-                            format!(
-                                "rank {} (at {}: it has not dialled this rank on port {})",
-                                p.rank,
-                                p.addr,
-                                self.local_addr().port()
-                            )
-                        }
-                    })
-                    .collect();
-                connect_error(
-                    self.rank,
-                    format!(
-                        "the mesh did not form within {:?}: no connection with {}",
-                        self.options.connect_timeout,
-                        missing.join(", ")
-                    ),
-                )
-            })??;
+        let (dialled, accepted) = tokio::time::timeout(limit, formed).await.map_err(|_| {
+            let connected = connected.lock().unwrap_or_else(|p| p.into_inner());
+            let missing: Vec<String> = peers
+                .iter()
+                .filter(|p| p.rank != self.rank && !connected.contains(&p.rank))
+                .map(|p| {
+                    if p.rank > self.rank {
+                        format!(
+                            "rank {} (dialled {} from {})",
+                            p.rank,
+                            p.addr,
+                            crate::netif::describe_route(p.addr.ip())
+                        )
+                    } else {
+                        format!(
+                            "rank {} (at {}: it has not dialled this rank on port {})",
+                            p.rank,
+                            p.addr,
+                            self.local_addr().port()
+                        )
+                    }
+                })
+                .collect();
+            connect_error(
+                self.rank,
+                format!(
+                    "the mesh did not form within {:?}: no connection with {}",
+                    limit,
+                    missing.join(", ")
+                ),
+            )
+        })??;
         for (rank, conn) in dialled.into_iter().chain(accepted) {
             links[rank] = Some(Arc::new(QuicLink::new(rank, conn, self.options.max_frame)));
         }
