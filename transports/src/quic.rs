@@ -572,46 +572,76 @@ impl QuicEndpoint {
             Ok::<_, TransportError>(dialled)
         };
         let lower = peers.iter().filter(|p| p.rank < self.rank).count();
+        // Dialling gives up a quarter early: the rank that dialled knows the
+        // address and route that failed, so its error should come first
+        // (its peer, waiting to be dialled, knows only that nobody came).
+        let dial_limit = limit - limit / 4;
+        let dial_higher = async {
+            match tokio::time::timeout(dial_limit, dial_higher).await {
+                Ok(dialled) => dialled,
+                Err(_) => Err(self.mesh_timeout(peers, &connected, dial_limit, |p| p.rank > self.rank)),
+            }
+        };
         let formed = async {
             let (dialled, accepted) = tokio::join!(dial_higher, self.accept(lower, &connected));
             Ok::<_, TransportError>((dialled?, accepted?))
         };
-        let (dialled, accepted) = tokio::time::timeout(limit, formed).await.map_err(|_| {
-            let connected = connected.lock().unwrap_or_else(|p| p.into_inner());
-            let missing: Vec<String> = peers
-                .iter()
-                .filter(|p| p.rank != self.rank && !connected.contains(&p.rank))
-                .map(|p| {
-                    if p.rank > self.rank {
-                        format!(
-                            "rank {} (dialled {} from {})",
-                            p.rank,
-                            p.addr,
-                            crate::netif::describe_route(p.addr.ip())
-                        )
-                    } else {
-                        format!(
-                            "rank {} (at {}: it has not dialled this rank on port {})",
-                            p.rank,
-                            p.addr,
-                            self.local_addr().port()
-                        )
-                    }
-                })
-                .collect();
-            connect_error(
-                self.rank,
-                format!(
-                    "the mesh did not form within {:?}: no connection with {}",
-                    limit,
-                    missing.join(", ")
-                ),
-            )
-        })??;
+        let (dialled, accepted) = tokio::time::timeout(limit, formed)
+            .await
+            .map_err(|_| self.mesh_timeout(peers, &connected, limit, |p| p.rank != self.rank))??;
         for (rank, conn) in dialled.into_iter().chain(accepted) {
             links[rank] = Some(Arc::new(QuicLink::new(rank, conn, self.options.max_frame)));
         }
         Ok(links)
+    }
+
+    /// The error of a mesh that did not form within `limit`: every peer
+    /// `wanted` not connected yet, with the address dialled and the route,
+    /// or the port it should have dialled.
+    fn mesh_timeout(
+        &self,
+        peers: &[QuicPeer],
+        connected: &std::sync::Mutex<Vec<usize>>,
+        limit: Duration,
+        wanted: impl Fn(&QuicPeer) -> bool,
+    ) -> TransportError {
+        let connected = connected.lock().unwrap_or_else(|p| p.into_inner());
+        let not_connected: Vec<&QuicPeer> = peers
+            .iter()
+            .filter(|p| wanted(p) && !connected.contains(&p.rank))
+            .collect();
+        let missing: Vec<String> = not_connected
+            .iter()
+            .map(|p| {
+                if p.rank > self.rank {
+                    format!(
+                        "rank {} (dialled {} from {})",
+                        p.rank,
+                        p.addr,
+                        crate::netif::describe_route(p.addr.ip())
+                    )
+                } else {
+                    format!(
+                        "rank {} (at {}: it has not dialled this rank on port {})",
+                        p.rank,
+                        p.addr,
+                        self.local_addr().port()
+                    )
+                }
+            })
+            .collect();
+        // One peer missing is the one this rank could not connect to.
+        let peer = match not_connected[..] {
+            [only] => only.rank,
+            _ => self.rank,
+        };
+        connect_error(
+            peer,
+            format!(
+                "the mesh did not form within {limit:?}: no connection with {}",
+                missing.join(", ")
+            ),
+        )
     }
 
     async fn dial(&self, peer: QuicPeer) -> Result<(usize, Connection), TransportError> {
