@@ -6,10 +6,12 @@ A 3-layer MLP (torch, on the CPU) learns a synthetic 10-class problem on
 --world processes under `chorus launch --restart-policy worker`, through
 `chorus.torch.Manager`: every step commits only when every member's
 gradient sync succeeded. At --fault-step the last worker fails: SIGKILLed
-(--fault kill), SIGSTOPped (freeze: the heartbeats find it, and it is
-killed twice the heartbeat window later) or cut off (partition: its links
-cut while it runs). The survivors re-form within the heartbeat window and
-go on as a smaller group (the global batch re-split); the launcher
+(--fault kill), SIGSTOPped in the middle of its next step (freeze: the
+heartbeats find it, and it is killed --kill-frozen-after-ms later, by
+default twice the heartbeat window) or cut off (partition: its links cut
+while it runs). The survivors
+re-form within the heartbeat window and go on as a smaller group (the
+global batch re-split); the launcher
 relaunches the worker, or with --standby promotes a warm standby worker
 that has already imported torch and built the model, and it joins at a
 step boundary, receiving the model and optimizer state (and --state-mib of
@@ -53,6 +55,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fault", choices=["none", "kill", "freeze", "partition"], default="kill")
     p.add_argument("--fault-step", type=int, default=150, help="the last worker dies after this step")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="heartbeat window (default 1000)")
+    p.add_argument("--kill-frozen-after-ms", type=int,
+                   help="--fault freeze: the frozen worker is SIGKILLed this long after it froze, as an operator "
+                        "would, so that the launcher replaces it (default twice the heartbeat window)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--standby", type=int, default=0,
                    help="warm standby workers kept by the launcher (default 0: a failed worker is relaunched)")
@@ -161,6 +166,12 @@ def worker(args: argparse.Namespace) -> None:
     progress = open(run / "progress", "a") if reporter else None
 
     def backward(step: ct.Step) -> float:
+        if victim and args.fault == "freeze" and step.step == args.fault_step:
+            # Mid-step, as a hung rank would: its peers are in (or about
+            # to enter) the step's gradient sync and wait for it.
+            (run / "killed_at").write_text(str(time.time()))
+            (run / "frozen").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
         gen = torch.Generator().manual_seed(args.seed * 7919 + step.step)
         batch = torch.randint(0, TRAIN_SAMPLES, (step.global_batch,), generator=gen)[step.shard.start : step.shard.stop]
         if len(batch) == 0:
@@ -182,13 +193,10 @@ def worker(args: argparse.Namespace) -> None:
             progress.flush()
         if padding:
             padding.advance(step)
-        if victim and step + 1 == args.fault_step:
+        if victim and step + 1 == args.fault_step and args.fault != "freeze":
             (run / "killed_at").write_text(str(time.time()))
             if args.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            elif args.fault == "freeze":
-                (run / "frozen").write_text(str(os.getpid()))
-                os.kill(os.getpid(), signal.SIGSTOP)
             else:
                 manager.cut_off()
 
@@ -257,7 +265,8 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
     stop = threading.Event()
     # A frozen worker is found by the others' heartbeats, then killed (as
     # an operator or a node agent would) so that the launcher replaces it.
-    thaw = threading.Thread(target=kill_frozen, args=(run / "frozen", 2 * args.heartbeat_ms / 1e3, stop), daemon=True)
+    after_ms = args.kill_frozen_after_ms if args.kill_frozen_after_ms is not None else 2 * args.heartbeat_ms
+    thaw = threading.Thread(target=kill_frozen, args=(run / "frozen", after_ms / 1e3, stop), daemon=True)
     thaw.start()
     done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stop.set()

@@ -1,23 +1,31 @@
 """chorus.torch.Manager against torchft 0.2.0 on the same job, alternated.
 
-    python3 python/bench/vs_torchft.py [--rounds 3] [--steps 400] [--fault-step 150] [--world 4]
+    python3 python/bench/vs_torchft.py [--rounds 3] [--steps 400] [--fault-step 150] [--world 4] [--fault kill|freeze]
 
 The job: examples/python/train.py's 3-layer MLP on its synthetic 10-class
 data, SGD with momentum, a global batch of 128 split over --world replicas
 of one process each, --compute-ms of extra compute per step on both sides
 (a sleep standing for a larger model); the last replica is SIGKILLed after --fault-step and
-relaunched at once. chorus: the example under `chorus launch
+relaunched at once (--fault kill), or SIGSTOPped in the middle of the
+next step, once that step's quorum (torchft) or generation (chorus) holds
+it, and SIGKILLed --kill-frozen-after seconds later, as an operator would,
+then relaunched (--fault freeze: the survivors' stall is then each side's
+own detection of a peer that answers nothing). chorus: the example under `chorus launch
 --restart-policy worker` (survivors go on as a smaller group; heartbeat 1 s),
 once relaunching the killed worker ("chorus") and once promoting a warm
 standby worker in its place (`--standby 1`, "standby").
 torchft: its Manager, DistributedDataParallel and OptimizerWrapper over
 ProcessGroupGloo, one replica group per process, a lighthouse this script
 starts (`--min_replicas 1 --join_timeout_ms 100 --quorum_tick_ms 100`, its
-default 5 s heartbeat timeout), `min_replica_size=1`, and a loop here that
-relaunches a replica that died. Per run it reports the survivors' longest
-stall between two committed steps, the kill to the replacement's first
-committed step (when it joined before the end), the median step time and
-the final held-out loss; then medians over the rounds and the ratios.
+default 5 s heartbeat timeout), `min_replica_size=1`, the Manager's and
+Gloo's timeout --torchft-timeout (10 s; torchft's default is 60 s), and a
+loop here that relaunches a replica that died. Per run it reports the
+job's longest stall (the longest time without a new committed step, over
+every replica and restart), the fault to the replacement's first
+committed step (when it joined before the end), the transfer into it, the
+median step time, the final held-out loss, and the steps committed again
+and survivors restarted (a survivor that crashes loses its progress);
+then medians over the rounds and the ratios.
 Needs torch, torchft==0.2.0, the chorus package and the `chorus` command.
 """
 
@@ -76,11 +84,11 @@ def torchft_replica(args) -> None:
     store = torch.distributed.TCPStore("localhost", int(os.environ["MASTER_PORT"]), is_master=True,
                                        wait_for_workers=False)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=args.torchft_timeout)), min_replica_size=1,
         load_state_dict=lambda s: (net.load_state_dict(s["model"]), opt.load_state_dict(s["optim"]),
                                    padding.load_state_dict(s["extra"])),
         state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict(), "extra": padding.state_dict()},
-        replica_id=f"replica_{rid}", timeout=timedelta(seconds=10), rank=0, world_size=1,
+        replica_id=f"replica_{rid}", timeout=timedelta(seconds=args.torchft_timeout), rank=0, world_size=1,
     )
     if attempt > 0:
         # The replacement's state transfer: torchft's HTTP fetch of the
@@ -100,6 +108,9 @@ def torchft_replica(args) -> None:
     optimizer = OptimizerWrapper(manager, opt)
     victim = rid == args.world - 1 and attempt == 0
     commits = []
+    # Every replica's commits, flushed as they come: a replica that crashes
+    # still leaves its record.
+    record = open(run / f"commits.{rid}.{attempt}", "w")
     while manager.current_step() < args.steps:
         step = manager.current_step()
         optimizer.zero_grad()
@@ -107,16 +118,26 @@ def torchft_replica(args) -> None:
         batch = torch.randint(0, ex.TRAIN_SAMPLES, (args.batch,), generator=gen)
         mine = batch[args.batch * rid // args.world : args.batch * (rid + 1) // args.world]
         loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
+        if victim and args.fault == "freeze" and step >= args.fault_step:
+            # Mid-step, once the step's quorum holds it, as on chorus's
+            # side: the others' gradient all-reduce waits for it.
+            manager.wait_quorum()
+            victim = False
+            (run / "killed_at").write_text(str(time.time()))
+            (run / "frozen").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
         loss.backward()
         if args.compute_ms:
             time.sleep(args.compute_ms / 1e3)
         if optimizer.step() is not False and manager.current_step() > step:
             padding.advance(step)
             commits.append(time.time())
+            record.write(f"{step} {commits[-1]}\n")
+            record.flush()
             if attempt > 0 and len(commits) == 1:
                 (run / "rejoined_at").write_text(str(commits[0]))
             # At or past the step: a replica that healed at start may skip it.
-            if victim and manager.current_step() >= args.fault_step:
+            if victim and args.fault == "kill" and manager.current_step() >= args.fault_step:
                 (run / "killed_at").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
     if rid == 0:
@@ -145,19 +166,25 @@ def run_torchft(args, run: Path) -> dict:
                    REPLICA_GROUP_ID=str(rid), ATTEMPT=str(attempts[rid]), TORCHFT_LIGHTHOUSE=f"http://localhost:{lport}")
         log = open(run / f"replica{rid}.{attempts[rid]}.log", "w")
         procs[rid] = subprocess.Popen([sys.executable, __file__, "--torchft-replica", "--run-dir", str(run),
-                                       *common_flags(args)], env=env, stdout=log, stderr=log)
+                                       "--torchft-timeout", str(args.torchft_timeout), *common_flags(args)], env=env, stdout=log, stderr=log)
 
     try:
         for rid in range(args.world):
             start(rid)
         deadline = time.monotonic() + args.timeout
+        frozen = run / "frozen"
         while procs and time.monotonic() < deadline:
+            if frozen.exists() and time.time() - frozen.stat().st_mtime >= args.kill_frozen_after:
+                os.kill(int(frozen.read_text()), signal.SIGKILL)
+                frozen.unlink()
             for rid, proc in list(procs.items()):
                 code = proc.poll()
                 if code is None:
                     continue
                 del procs[rid]
-                if code != 0 and attempts[rid] < 3:
+                # A replica started after the others finished would train
+                # the whole job alone.
+                if code != 0 and attempts[rid] < 3 and not (run / "result.json").exists():
                     start(rid)
             time.sleep(0.05)
         if procs:
@@ -167,6 +194,20 @@ def run_torchft(args, run: Path) -> dict:
             proc.kill()
         lighthouse.kill()
     outcome = json.loads((run / "result.json").read_text())
+    # The job's longest time without a new committed step, over every
+    # replica and attempt (a survivor that crashed and restarted counts),
+    # and the steps committed again after a restart lost them.
+    events = sorted((float(t), int(s)) for f in run.glob("commits.*")
+                    for s, t in (line.split() for line in f.read_text().splitlines()))
+    newest, since, stall, redone = -1, events[0][0], 0.0, set()
+    for t, s in events:
+        if s > newest:
+            newest, stall, since = s, max(stall, t - since), t
+        elif s < newest:
+            redone.add(s)
+    outcome["longest_stall_ms"] = stall * 1e3
+    outcome["redone"] = len(redone)
+    outcome["survivor_restarts"] = sum(n for rid, n in attempts.items() if rid != args.world - 1)
     at = float((run / "killed_at").read_text())
     rejoined = run / "rejoined_at"
     outcome["replacement_ms"] = (float(rejoined.read_text()) - at) * 1e3 if rejoined.exists() else None
@@ -176,7 +217,8 @@ def run_torchft(args, run: Path) -> dict:
 
 
 def run_chorus(args, run: Path, standby: int) -> dict:
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--json", "--fault", "kill", "--heartbeat-ms", "1000",
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--json", "--heartbeat-ms", "1000",
+                           "--kill-frozen-after-ms", str(int(args.kill_frozen_after * 1e3)),
                            "--standby", str(standby), *common_flags(args)],
                           capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
@@ -184,13 +226,15 @@ def run_chorus(args, run: Path, standby: int) -> dict:
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     # The transfer into the replacement: the recovery that moved state.
     moved = [r["transfer_ms"] for r in summary["recoveries"] if r["bytes"] > 0]
-    return {"final_loss": summary["final_loss"], "longest_stall_ms": summary["longest_stall_ms"],
+    # No member of a chorus job starts over: its survivors' record is the job's.
+    return {"final_loss": summary["final_loss"], "longest_stall_ms": summary["longest_stall_ms"], "redone": 0,
+            "survivor_restarts": 0,
             "median_step_ms": summary["median_step_ms"], "replacement_ms": summary["replacement_ms"],
             "transfer_ms": moved[-1] if moved else None}
 
 
 def common_flags(args) -> list:
-    return ["--world", str(args.world), "--steps", str(args.steps), "--fault-step", str(args.fault_step),
+    return ["--fault", args.fault, "--world", str(args.world), "--steps", str(args.steps), "--fault-step", str(args.fault_step),
             "--batch", str(args.batch), "--hidden", str(args.hidden), "--lr", str(args.lr), "--seed", str(args.seed),
             "--compute-ms", str(args.compute_ms), "--state-mib", str(args.state_mib)]
 
@@ -210,6 +254,12 @@ def main() -> None:
                         "that a relaunched worker can join before the job ends")
     p.add_argument("--state-mib", type=int, default=0,
                    help="extra state each side sends to the replacement with the model, in MiB (default 0)")
+    p.add_argument("--fault", choices=["kill", "freeze"], default="kill")
+    p.add_argument("--kill-frozen-after", type=float, default=15.0,
+                   help="--fault freeze: seconds from the freeze to the operator's SIGKILL of the frozen replica "
+                        "(default 15, past both sides' own detection)")
+    p.add_argument("--torchft-timeout", type=float, default=10.0,
+                   help="torchft's Manager and Gloo timeout in seconds (default 10; torchft's own default is 60)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--torchft-replica", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -229,19 +279,26 @@ def main() -> None:
             else:
                 results[side].append(run_chorus(args, run, standby=1 if side == "standby" else 0))
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-    print(f"# {args.world} replicas x 1 process, {args.steps} steps, SIGKILL after step {args.fault_step}, "
-          f"{args.state_mib} MiB of extra state, {args.rounds} alternated rounds")
-    print(f"# {'':8} {'stall ms':>10} {'replacement ms':>15} {'transfer ms':>12} {'step ms':>8} {'final loss':>10}")
+    fault = ("SIGKILL" if args.fault == "kill"
+             else f"SIGSTOP (SIGKILL {args.kill_frozen_after:g} s later)")
+    print(f"# {args.world} replicas x 1 process, {args.steps} steps, {fault} after step {args.fault_step}, "
+          f"{args.state_mib} MiB of extra state, {args.rounds} alternated rounds; chorus heartbeat 1 s, "
+          f"torchft timeout {args.torchft_timeout:g} s, lighthouse heartbeat 5 s, min_replica_size 1")
+    # stall: the job's longest time without a new committed step; redone:
+    # steps committed again after survivors restarted and lost them.
+    print(f"# {'':8} {'stall ms':>10} {'replacement ms':>15} {'transfer ms':>12} {'step ms':>8} {'final loss':>10} "
+          f"{'redone':>6} {'survivor restarts':>17}")
     for side in sides:
         for out in results[side]:
             print(f"  {side:8} {fmt(out['longest_stall_ms']):>10} {fmt(out['replacement_ms']):>15} "
-                  f"{fmt(out['transfer_ms']):>12} {out['median_step_ms']:>8.2f} {out['final_loss']:>10.4f}")
+                  f"{fmt(out['transfer_ms']):>12} {out['median_step_ms']:>8.2f} {out['final_loss']:>10.4f} "
+                  f"{out['redone']:>6} {out['survivor_restarts']:>17}")
     med = {side: {k: statistics.median(o[k] for o in results[side]) for k in ("longest_stall_ms", "median_step_ms", "final_loss")}
            for side in results}
     ft = med["torchft"]
     for side in ("chorus", "standby"):
         m = med[side]
-        print(f"# medians, {side} against torchft: survivors' longest stall {m['longest_stall_ms']:.0f} ms vs "
+        print(f"# medians, {side} against torchft: the job's longest stall {m['longest_stall_ms']:.0f} ms vs "
               f"{ft['longest_stall_ms']:.0f} ms ({m['longest_stall_ms'] / ft['longest_stall_ms']:.3f}x); "
               f"step {m['median_step_ms']:.2f} ms vs {ft['median_step_ms']:.2f} ms "
               f"({m['median_step_ms'] / ft['median_step_ms']:.2f}x); "
