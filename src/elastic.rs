@@ -90,8 +90,13 @@ pub const JOIN_ENV: &str = "CHORUS_ELASTIC_JOIN";
 pub const STANDBY_ENV: &str = "CHORUS_STANDBY";
 /// How long one wait of a standby worker on its key lasts before it waits again.
 const STANDBY_WAIT: Duration = Duration::from_secs(60);
-/// How often a healthy group looks for processes waiting to join (SV-13).
-const JOINER_POLL: Duration = Duration::from_millis(500);
+/// How often rank 0 of a healthy group looks for processes waiting to join
+/// (SV-13): a joiner waits for this look, so it is short, and one rank's
+/// reads are cheap for the store.
+const JOINER_POLL: Duration = Duration::from_millis(50);
+/// How often the other ranks look, so that admission does not hang on
+/// rank 0 alone.
+const JOINER_POLL_BACKUP: Duration = Duration::from_millis(500);
 /// How often an elastic rendezvous reads the store while waiting.
 const RENDEZVOUS_POLL: Duration = Duration::from_millis(20);
 
@@ -739,8 +744,9 @@ fn next_nonce() -> u64 {
 /// do and there is room for them (SV-13).
 async fn watch_joiners(group: &ProcessGroup, base: &Base) -> usize {
     let next = base.rendezvous(group.generation() + 1);
+    let poll = if group.rank() == 0 { JOINER_POLL } else { JOINER_POLL_BACKUP };
     loop {
-        tokio::time::sleep(JOINER_POLL).await;
+        tokio::time::sleep(poll).await;
         if group.world_size() >= base.max_world {
             continue;
         }

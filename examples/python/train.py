@@ -39,6 +39,9 @@ import threading
 import time
 from pathlib import Path
 
+# Where a replacement's time goes: this process's start, then marks.
+MARKS = {"process started": time.time()}
+
 ROOT = Path(__file__).resolve().parents[2]
 INPUTS, CLASSES, TRAIN_SAMPLES, EVAL_SAMPLES = 32, 10, 8192, 2048
 
@@ -130,6 +133,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import chorus.torch as ct
 
+    MARKS["torch imported"] = time.time()
     torch.set_num_threads(1)
     run = Path(args.run_dir)
     finished = run / "finished"
@@ -151,12 +155,14 @@ def worker(args: argparse.Namespace) -> None:
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     # Survivors go on without a dead worker; its replacement joins later.
     padding = Padding(args.state_mib) if args.state_mib else None
+    MARKS["model built"] = time.time()
     manager = ct.Manager(net, opt, mode=args.mode, every=args.every, heartbeat_timeout=args.heartbeat_ms / 1e3,
                          min_world=args.world - 1, max_world=args.world, timeout=120, extra_state=padding)
     # Roles follow the launcher's slots, not the group's ranks: on a loaded
     # machine a slow starter may miss the first generation and join the next.
     relaunched = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     first_rank = manager.rank
+    MARKS["in the group"] = time.time()
     joined.set()
     (run / "pids").mkdir(exist_ok=True)
     (run / "pids" / str(first_rank)).write_text(str(os.getpid()))
@@ -187,6 +193,7 @@ def worker(args: argparse.Namespace) -> None:
     def on_commit(step: int, loss: float, world: int, generation: int) -> None:
         commits.append(time.time())
         if relaunched and len(commits) == 1:
+            (run / "replacement.json").write_text(json.dumps(MARKS))
             (run / "rejoined_at").write_text(str(commits[0]))
         if progress:
             progress.write(f"{step} {loss} {world} {generation}\n")
@@ -285,6 +292,9 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
         # The relaunched worker's first committed step, if it joined before the end.
         if rejoined.exists():
             outcome["replacement_ms"] = (float(rejoined.read_text()) - at) * 1e3
+            # Its marks after the fault (a standby's start and build came before).
+            marks = json.loads((run / "replacement.json").read_text())
+            outcome["replacement_phases_ms"] = {k: (t - at) * 1e3 for k, t in marks.items() if t > at}
     return outcome
 
 
@@ -310,12 +320,15 @@ def main() -> None:
         "steps": run["steps"], "recoveries": run["recoveries"], "steps_per_s": run["steps"] / run["train_seconds"],
         "fault": args.fault, "fault_step": args.fault_step if args.fault != "none" else None,
         "longest_stall_ms": run["longest_stall_ms"], "median_step_ms": run["median_step_ms"],
-        "replacement_ms": run.get("replacement_ms"), "state_checksum": run["state_checksum"],
+        "replacement_ms": run.get("replacement_ms"), "replacement_phases_ms": run.get("replacement_phases_ms"),
+        "state_checksum": run["state_checksum"],
         "standby_promotions": run["promotions"],
     }
     replaced = "a promoted standby worker" if args.standby else "the relaunched worker"
     if "replacement_ms" in run:
-        print(f"{replaced} committed its first step {run['replacement_ms']:.0f} ms after the {args.fault}")
+        phases = ", ".join(f"{k} at {ms:.0f} ms" for k, ms in run["replacement_phases_ms"].items())
+        print(f"{replaced} committed its first step {run['replacement_ms']:.0f} ms after the {args.fault}"
+              + (f" ({phases})" if phases else ""))
     elif args.fault in ("kill", "freeze"):
         print(f"{replaced} found the job finished before it could join (survivors never wait for it)")
     print(f"{args.steps} steps on {args.world} workers, fault {args.fault}"
