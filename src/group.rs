@@ -565,9 +565,12 @@ pub(crate) enum LinkSource {
 /// # Cancel safety
 ///
 /// Not cancel safe. Dropped after its rendezvous claimed this rank, the
-/// rank stays claimed in this generation (a second call fails as a rank
-/// claimed twice), and the peers fail their rendezvous, or their first
-/// operation, for want of it. Bound it with [`InitOptions::timeout`].
+/// rank stays claimed in this generation: a second call fails as a rank
+/// claimed twice, and so do the peers' rendezvous then (at once, with the
+/// conflict). Without a second call, the peers fail for want of this rank:
+/// their rendezvous by its deadline, or, once this rank's record is
+/// published, connecting to it, or their first operation if it had
+/// connected. Bound it with [`InitOptions::timeout`].
 pub async fn init_process_group(options: InitOptions) -> Result<ProcessGroup, InitError> {
     let deadline = Deadline::after(options.timeout);
     let options = options.with_env_defaults()?;
@@ -1081,9 +1084,11 @@ impl ProcessGroup {
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: dropped after it agreed on the subgroup's number in
-    /// the store, this rank skips a number the others used, and its next
-    /// `new_group` pairs with their next one, the ranks out of step.
+    /// Not cancel safe: its first poll takes the subgroup's number (agreeing
+    /// on the members in the store comes after), so dropped at any await,
+    /// this rank skips a number the others use, and its next `new_group`
+    /// pairs with their next one, the ranks out of step (a mismatch error
+    /// when those name other ranks).
     pub async fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>, InitError> {
         let index = self.subgroups.fetch_add(1, Ordering::SeqCst);
         let mut members = ranks.to_vec();

@@ -63,11 +63,12 @@
 //! cancel safe only where its docs say so. A collective is the ranks' joint
 //! act: once called it runs in its turn whether or not its [`Work`] is
 //! kept, so dropping a `Work` loses only the result. An `async fn` that
-//! runs several collectives ([`DistributedSync`]'s, [`train`]'s,
-//! [`ProcessGroup::new_group`]) and is dropped between them leaves this
-//! rank short of the ones it had not called yet, which puts the ranks out
-//! of step: those are not cancel safe; bound them with the group's
-//! timeouts, not by dropping them. The [`store::Store`] trait documents
+//! runs several collectives ([`DistributedSync`]'s, [`train`]'s) and is
+//! dropped between them leaves this rank short of the ones it had not
+//! called yet, which puts the ranks out of step, as does a dropped
+//! [`ProcessGroup::new_group`] (it numbers subgroups in call order): those
+//! are not cancel safe; bound them with the group's timeouts, not by
+//! dropping them. The [`store::Store`] trait documents
 //! its own.
 //!
 //! The `chorus` command line (`chorus launch`, `bench`, `selftest`, `netem`,

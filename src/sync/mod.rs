@@ -510,9 +510,14 @@ impl From<Arc<ProcessGroup>> for GroupRef<'static> {
 /// [`Work`](crate::Work)). A bucket's reduction, once launched, is a task
 /// of its own and runs on when `finish` is dropped, so the peers' step
 /// completes; but the reduced gradients of the buckets `finish` had not
-/// collected are lost to this instance, which is left mid-step. Bound a
-/// step with the group's collective timeout; after an abort, `rebind`
-/// (every rank of the new group) is the way back.
+/// collected are lost to this instance, which is left mid-step (its
+/// gradients refuse with [`SyncError::InFlight`]). The first synced step
+/// is the exception: with [`rebuild_buckets`](SyncOptions::rebuild_buckets)
+/// it ends with a broadcast of rank 0's ready order, which a dropped
+/// `finish` never submits, so the peers' `finish` fails by their
+/// collective timeout. Bound a step with the group's collective timeout;
+/// after an abort or a dropped step, `rebind` (every rank of the group) is
+/// the way back.
 pub struct DistributedSync<'g> {
     group: GroupRef<'g>,
     options: SyncOptions,

@@ -22,15 +22,15 @@
 //! What happens to a [`Link::send`] or [`Link::recv`] future dropped before
 //! it completes (a `select!` branch that lost, a timeout, an aborted
 //! collective), per implementation; each method's own section says it
-//! again. In short: in-process and shared-memory links never lose or tear
-//! a frame, QUIC links keep the framing only if a dropped operation had not
-//! begun moving its frame's bytes.
+//! again. In short: no link loses or tears a frame. A dropped receive
+//! loses nothing; a dropped send sends nothing if it had not begun its
+//! frame, and otherwise the whole frame, in the background.
 //!
 //! | | `send` dropped | `recv` dropped |
 //! |---|---|---|
 //! | [`local`](crate::local) | nothing sent (the frame is queued in the poll that returns `Ok`) | nothing lost |
 //! | [`shm`](crate::shm) | nothing sent while it waits behind another send; once it holds the writer, the frame is sent whole in the background | nothing lost |
-//! | [`quic`](crate::quic) | nothing sent before its first byte is written; after that, the channel's stream may end mid-frame and its later frames are misread | nothing lost before the frame's first byte is read; after that, the channel's framing is lost |
+//! | [`quic`](crate::quic) | nothing sent before its first byte is written (while it waits behind another send, or for flow-control credit); after that, the frame is sent whole by a spawned task that holds the channel's stream, and later sends wait for it | nothing lost: a frame read part-way stays with its channel, and the next `recv` goes on from it |
 //! | [`fault`](crate::fault) | as the link it wraps; dropped during an injected delay, nothing sent (the frame still counts toward `after_frames`) | as the link it wraps |
 //!
 //! The poll-based sends ([`Link::poll_send_copy`], [`Link::poll_send_with`])
@@ -241,11 +241,10 @@ pub trait Link: Send + Sync + fmt::Debug {
     /// and its payload is not handed back. No implementation here sends
     /// part of a frame and goes on: an in-process link queues the frame in
     /// the poll that returns `Ok`; a shared-memory link, once its send holds
-    /// the ring's writer, finishes the frame on a blocking thread (later
-    /// sends wait for it), and before that sends nothing. A QUIC send
-    /// dropped while writing leaves its channel's stream mid-frame: the
-    /// peer misreads that channel's later frames, so a caller that drops a
-    /// QUIC send it started must give up the link (the module doc).
+    /// the ring's writer, finishes the frame on a blocking thread, and a
+    /// QUIC link, once its send wrote the frame's first byte, finishes it
+    /// on a spawned task (either way later sends of the channel wait for
+    /// it); before that, both send nothing (the module doc).
     async fn send(&self, channel: ChannelId, tag: u64, payload: Bytes) -> Result<(), SendError>;
 
     /// Sends a copy of `payload` as one frame now if the transport has room
@@ -339,13 +338,11 @@ pub trait Link: Send + Sync + fmt::Debug {
     /// Receives the next frame of `channel`.
     ///
     /// # Cancel safety
-    /// In-process and shared-memory links: cancel safe. A frame is taken
-    /// from its channel's queue only in the poll that returns it, so a
-    /// `recv` dropped while it waits loses nothing: the next `recv` of the
-    /// channel gets the frame. QUIC links: cancel safe only while no byte
-    /// of the next frame has been read; a `recv` dropped part-way through
-    /// a frame loses the bytes it read, and the channel's framing with
-    /// them (the module doc).
+    /// Cancel safe. In-process and shared-memory links take a frame from
+    /// its channel's queue only in the poll that returns it; a QUIC link
+    /// keeps the part of a frame it has read with the channel's stream. So
+    /// a `recv` dropped while it waits, or part-way through a frame, loses
+    /// nothing: the next `recv` of the channel gets the frame whole.
     async fn recv(&self, channel: ChannelId) -> Result<Frame, TransportError>;
 
     /// Closes the link on purpose: pending and later operations on both
