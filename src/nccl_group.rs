@@ -17,7 +17,7 @@ use chorus_actors::nccl::{
     Backend, BootstrapError, CommKey, CudaBackend, NcclError, NcclGroup, NcclGroupConfig, ProbeError,
     init_communicator, probe,
 };
-use chorus_actors::supervision::{ErrorHandling, SupervisionConfigError};
+use chorus_actors::supervision::SupervisionConfigError;
 use chorus_actors::system::SystemError;
 use chorus_runtime::rendezvous::{self, OpenedStore, RendezvousError};
 use chorus_runtime::store::{Store, StoreError};
@@ -123,10 +123,7 @@ pub async fn init_nccl_group_with<B: Backend>(
     let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
     let (rank, world) = (config.rank, config.world_size);
     let local_rank = config.local_rank.unwrap_or(rank);
-    let mode = match options.error_handling {
-        Some(mode) => mode,
-        None => ErrorHandling::from_env(&env)?,
-    };
+    let mode = options.error_handling_or_env()?;
     let backend = device(rank, local_rank)?;
     let opened = rendezvous::open_store(&config, options.timeout).await?;
     let key = CommKey::world(config.run_id.clone(), config.generation);
