@@ -46,7 +46,7 @@ pub enum NcclInitError {
     },
     /// Rank, world and store could not be resolved or opened.
     #[error(transparent)]
-    Rendezvous(#[from] RendezvousError),
+    Rendezvous(Box<RendezvousError>),
     /// The error-handling variables are wrong.
     #[error(transparent)]
     Supervision(#[from] SupervisionConfigError),
@@ -63,7 +63,7 @@ pub enum NcclInitError {
     },
     /// The communicator could not be formed.
     #[error(transparent)]
-    Bootstrap(#[from] BootstrapError),
+    Bootstrap(Box<BootstrapError>),
     /// The group's actor could not be started.
     #[error(transparent)]
     System(#[from] SystemError),
@@ -79,6 +79,21 @@ pub enum NcclInitError {
 }
 
 chorus_runtime::debug_as_report!(NcclInitError);
+
+// The two largest causes go boxed, so that every `Result` of this error
+// stays small: those of the `device` closure a caller of
+// `init_nccl_group_with` writes too (clippy's `result_large_err`).
+impl From<RendezvousError> for NcclInitError {
+    fn from(error: RendezvousError) -> Self {
+        NcclInitError::Rendezvous(Box::new(error))
+    }
+}
+
+impl From<BootstrapError> for NcclInitError {
+    fn from(error: BootstrapError) -> Self {
+        NcclInitError::Bootstrap(Box::new(error))
+    }
+}
 
 /// One rank of an NCCL group formed by [`init_nccl_group`]: the supervised
 /// [`NcclGroup`] (run operations on [`group`](Self::group)), the backend
