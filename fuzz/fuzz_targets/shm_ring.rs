@@ -110,7 +110,9 @@ fn forged(capacity: usize, max_frame: usize, rest: &[u8]) {
     let mut ring = SliceRing::new(capacity, max_frame);
     ring.data[..split].copy_from_slice(&rest[..split]);
     for step in rest[split..].chunks_exact(2) {
-        ring.head = ring.head.wrapping_add(u64::from(u16::from_le_bytes([step[0], step[1]])));
+        ring.head = ring
+            .head
+            .wrapping_add(u64::from(u16::from_le_bytes([step[0], step[1]])));
         if ring.read().is_err() {
             return;
         }
