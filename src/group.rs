@@ -42,7 +42,7 @@ use chorus_transports::scoped::ScopedLink;
 use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 
-use crate::mesh::{LinkOptions, MeshError, MeshPlan, TransportChoice, checked_faults};
+use crate::mesh::{LinkOptions, MeshError, MeshPlan, TransportChoice, checked_faults, parse_shm_budget};
 
 /// Why a group could not be formed.
 #[derive(Error)]
@@ -243,7 +243,8 @@ pub struct InitOptions {
     /// Default limit on each collective (PyTorch's default for Gloo: 30 min).
     pub collective_timeout: Duration,
     /// Silence after which a peer is taken for dead or frozen; `None`:
-    /// `CHORUS_HEARTBEAT_TIMEOUT` seconds, else 5 s.
+    /// `CHORUS_HEARTBEAT_TIMEOUT` seconds, else 5 s
+    /// ([`InitOptions::with_env_defaults`]).
     pub heartbeat_timeout: Option<Duration>,
     /// How long the watchdog may make no progress before the process exits;
     /// `None`: `CHORUS_WATCHDOG_TIMEOUT` seconds, else 480 s.
@@ -252,6 +253,13 @@ pub struct InitOptions {
     /// ([`ErrorHandling::from_env`]: `CHORUS_BLOCKING_WAIT`,
     /// `CHORUS_ASYNC_ERROR_HANDLING` and the torch / NCCL names), else abort.
     pub error_handling: Option<ErrorHandling>,
+    /// Algorithms forced per collective; `None`: `CHORUS_ALGO`, else each
+    /// chosen by size.
+    pub algorithms: Option<Overrides>,
+    /// The all-reduce switch points (`chorus bench tune` measures them),
+    /// over those of [`InitOptions::algorithms`]; `None`:
+    /// `CHORUS_ALGO_THRESHOLDS`, else the defaults.
+    pub algorithm_thresholds: Option<Thresholds>,
     /// Fewest ranks an [`ElasticGroup`](crate::ElasticGroup) restarts with;
     /// `None`: the initial world size (no shrinking).
     pub min_world: Option<usize>,
@@ -280,12 +288,18 @@ pub struct InitOptions {
     /// The secret every rank signs its record with (all ranks must have
     /// the same); `None`: `CHORUS_JOB_SECRET`, else records go unsigned.
     pub job_secret: Option<JobSecret>,
+    /// Bytes of shared-memory ring all ranks on a host may use together
+    /// (`docs/transports.md`); `None`: `CHORUS_SHM_BUDGET`, else 576 MiB.
+    pub shm_budget: Option<u64>,
 }
 
 /// The variables [`InitOptions::with_env_defaults`] reads.
 const TRANSPORT_ENV: &str = "CHORUS_TRANSPORT";
 const FAULTS_ENV: &str = "CHORUS_FAULTS";
 const JOB_SECRET_ENV: &str = "CHORUS_JOB_SECRET";
+const SHM_BUDGET_ENV: &str = "CHORUS_SHM_BUDGET";
+const ALGO_ENV: &str = "CHORUS_ALGO";
+const ALGO_THRESHOLDS_ENV: &str = "CHORUS_ALGO_THRESHOLDS";
 
 impl Default for InitOptions {
     fn default() -> Self {
@@ -298,6 +312,8 @@ impl Default for InitOptions {
             heartbeat_timeout: None,
             watchdog_timeout: None,
             error_handling: None,
+            algorithms: None,
+            algorithm_thresholds: None,
             min_world: None,
             max_world: None,
             last_call: Duration::from_secs(1),
@@ -307,6 +323,7 @@ impl Default for InitOptions {
             transport: None,
             faults: None,
             job_secret: None,
+            shm_budget: None,
         }
     }
 }
@@ -400,15 +417,45 @@ impl InitOptions {
         self
     }
 
-    /// Fills the transport, the fault plan and the job secret, where not
-    /// set in code, from the environment (`CHORUS_TRANSPORT`,
-    /// `CHORUS_FAULTS`, `CHORUS_JOB_SECRET`: the launcher's way in). The
+    /// Sets the shared-memory budget of a host's ranks, in bytes, over
+    /// `CHORUS_SHM_BUDGET`.
+    pub fn shm_budget(mut self, bytes: u64) -> Self {
+        self.shm_budget = Some(bytes);
+        self
+    }
+
+    /// Sets the algorithms forced per collective, over `CHORUS_ALGO`.
+    pub fn algorithms(mut self, overrides: Overrides) -> Self {
+        self.algorithms = Some(overrides);
+        self
+    }
+
+    /// Sets the all-reduce switch points, over `CHORUS_ALGO_THRESHOLDS`.
+    pub fn algorithm_thresholds(mut self, thresholds: Thresholds) -> Self {
+        self.algorithm_thresholds = Some(thresholds);
+        self
+    }
+
+    /// Fills what is not set in code from the environment (the launcher's
+    /// way in): the transport, the fault plan and the job secret
+    /// (`CHORUS_TRANSPORT`, `CHORUS_FAULTS`, `CHORUS_JOB_SECRET`), the
+    /// shared-memory budget (`CHORUS_SHM_BUDGET`), the algorithms and
+    /// switch points (`CHORUS_ALGO`, `CHORUS_ALGO_THRESHOLDS`), and the
+    /// supervision settings (`CHORUS_HEARTBEAT_TIMEOUT`,
+    /// `CHORUS_WATCHDOG_TIMEOUT`, the error-handling mode's variables). The
     /// one place the library reads them; [`init_process_group`],
     /// [`spawn_with`] and [`ElasticGroup::init`](crate::ElasticGroup::init)
     /// call it, so what is set in code wins. A value that does not parse
     /// is an error naming its variable.
     pub fn with_env_defaults(self) -> Result<Self, InitError> {
         self.defaults_from(&|name| std::env::var(name).ok())
+    }
+
+    /// The error-handling mode: the one set in code, else the
+    /// environment's (what an NCCL group, which takes no other of these
+    /// settings, reads; [`Self::with_env_defaults`] fills it the same way).
+    pub(crate) fn error_handling_or_env(&self) -> Result<ErrorHandling, SupervisionConfigError> {
+        error_handling_from(self.error_handling, &|name| std::env::var(name).ok())
     }
 
     fn defaults_from(mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, InitError> {
@@ -429,7 +476,42 @@ impl InitOptions {
                 .filter(|s| !s.trim().is_empty())
                 .map(|s| JobSecret::new(s.trim().as_bytes()));
         }
+        if self.shm_budget.is_none() {
+            self.shm_budget = Some(parse_shm_budget(env(SHM_BUDGET_ENV).as_deref())?);
+        }
+        if self.algorithms.is_none() {
+            self.algorithms = Some(match env(ALGO_ENV).filter(|v| !v.trim().is_empty()) {
+                Some(value) => {
+                    Overrides::parse(&value).map_err(|e| InitError::Algorithm(format!("{ALGO_ENV}: {e}")))?
+                }
+                None => Overrides::default(),
+            });
+        }
+        if self.algorithm_thresholds.is_none() {
+            self.algorithm_thresholds = env(ALGO_THRESHOLDS_ENV)
+                .map(|value| Thresholds::parse(&value))
+                .transpose()
+                .map_err(|e| InitError::Algorithm(format!("{ALGO_THRESHOLDS_ENV}: {e}")))?;
+        }
+        self.error_handling = Some(error_handling_from(self.error_handling, env)?);
+        if self.heartbeat_timeout.is_none() {
+            self.heartbeat_timeout = supervision::seconds_from_env(env, HEARTBEAT_TIMEOUT_ENV)?;
+        }
+        if self.watchdog_timeout.is_none() {
+            self.watchdog_timeout = supervision::seconds_from_env(env, WATCHDOG_TIMEOUT_ENV)?;
+        }
         Ok(self)
+    }
+
+    /// The algorithm choice the ranks plan with (after
+    /// [`Self::with_env_defaults`]): the forced algorithms, with the switch
+    /// points when given.
+    fn overrides(&self) -> Overrides {
+        let overrides = self.algorithms.clone().unwrap_or_default();
+        match self.algorithm_thresholds {
+            Some(thresholds) => overrides.with_thresholds(thresholds),
+            None => overrides,
+        }
     }
 
     /// What the links are made with (after [`Self::with_env_defaults`]).
@@ -438,7 +520,19 @@ impl InitOptions {
             transport: self.transport.unwrap_or(TransportChoice::Auto),
             faults: self.faults.clone(),
             secret: self.job_secret.clone(),
+            shm_budget: self.shm_budget,
         }
+    }
+}
+
+/// `set`, else the mode the environment asks for.
+fn error_handling_from(
+    set: Option<ErrorHandling>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<ErrorHandling, SupervisionConfigError> {
+    match set {
+        Some(mode) => Ok(mode),
+        None => ErrorHandling::from_env(env),
     }
 }
 
@@ -525,22 +619,6 @@ async fn on_arbiter<T: Send + 'static>(
 
 fn system_error(what: &str) -> SystemError {
     SystemError::new(what)
-}
-
-fn overrides() -> Result<Overrides, InitError> {
-    let overrides = match std::env::var("CHORUS_ALGO") {
-        Ok(value) if !value.trim().is_empty() => {
-            Overrides::parse(&value).map_err(|e| InitError::Algorithm(format!("CHORUS_ALGO: {e}")))?
-        }
-        _ => Overrides::default(),
-    };
-    // The switch points `chorus bench tune` measured (defaults otherwise).
-    Ok(match std::env::var("CHORUS_ALGO_THRESHOLDS") {
-        Ok(value) => overrides.with_thresholds(
-            Thresholds::parse(&value).map_err(|e| InitError::Algorithm(format!("CHORUS_ALGO_THRESHOLDS: {e}")))?,
-        ),
-        Err(_) => overrides,
-    })
 }
 
 /// Where a group's links come from.
@@ -711,32 +789,23 @@ async fn start_rank(
     options: &InitOptions,
     arbiter: RankThread,
 ) -> Result<ProcessGroup, InitError> {
-    let env = |name: &str| std::env::var(name).ok();
     let (overrides, pool) = match arbiter {
-        RankThread::Shared(_) => (overrides()?.sharing_threads(), system::shared_frame_pool()),
-        RankThread::Own(_) => (overrides()?, FramePool::default()),
+        RankThread::Shared(_) => (options.overrides().sharing_threads(), system::shared_frame_pool()),
+        RankThread::Own(_) => (options.overrides(), FramePool::default()),
     };
     let actor_links = links.clone();
     let (rank, collective_timeout) = (config.rank, options.collective_timeout);
     let flight = FlightRecorder::new(flight::capacity_from_env());
     let trace_dir = flight::trace_dir_from_env();
     let generation = membership.generation;
-    let mode = match options.error_handling {
-        Some(mode) => mode,
-        None => ErrorHandling::from_env(&env)?,
-    };
-    let window = match options.heartbeat_timeout {
-        Some(window) => window,
-        None => {
-            supervision::seconds_from_env(&env, HEARTBEAT_TIMEOUT_ENV)?.unwrap_or(HeartbeatConfig::default().window)
-        }
-    };
+    // The options went through `with_env_defaults`: what is unset here
+    // was unset in the environment too.
+    let mode = options.error_handling.unwrap_or(ErrorHandling::Abort);
+    let window = options.heartbeat_timeout.unwrap_or(HeartbeatConfig::default().window);
     let watchdog = WatchdogConfig {
-        stall_timeout: match options.watchdog_timeout {
-            Some(timeout) => timeout,
-            None => supervision::seconds_from_env(&env, WATCHDOG_TIMEOUT_ENV)?
-                .unwrap_or(WatchdogConfig::default().stall_timeout),
-        },
+        stall_timeout: options
+            .watchdog_timeout
+            .unwrap_or(WatchdogConfig::default().stall_timeout),
         overdue_grace: window,
         ..WatchdogConfig::default()
     };
@@ -1273,6 +1342,123 @@ mod tests {
             (none.transport, none.faults, none.job_secret.is_none()),
             (Some(TransportChoice::Auto), None, true)
         );
+    }
+
+    /// `options` completed from an environment of `vars` only.
+    fn with_vars(options: InitOptions, vars: &[(&str, &str)]) -> Result<InitOptions, InitError> {
+        let vars: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        options.defaults_from(&|name| vars.get(name).cloned())
+    }
+
+    /// Whether `error` is a supervision setting's bad value in `name`.
+    fn bad_supervision_value(error: &InitError, name: &str) -> bool {
+        matches!(error, InitError::Supervision(SupervisionConfigError::BadValue { name: n, .. }) if *n == name)
+    }
+
+    #[test]
+    fn a_shm_budget_set_in_code_wins_over_chorus_shm_budget() {
+        let set = with_vars(InitOptions::default().shm_budget(1 << 30), &[(SHM_BUDGET_ENV, "lots")])
+            .expect("the environment's budget is not read when one is set in code");
+        assert_eq!(set.shm_budget, Some(1 << 30));
+        assert_eq!(set.link_options().shm_budget, Some(1 << 30));
+        let from_env = with_vars(InitOptions::default(), &[(SHM_BUDGET_ENV, "2G")]).unwrap();
+        assert_eq!(from_env.shm_budget, Some(2 << 30));
+        let default = with_vars(InitOptions::default(), &[]).unwrap();
+        assert_eq!(default.shm_budget, Some(parse_shm_budget(None).unwrap()));
+        let error = with_vars(InitOptions::default(), &[(SHM_BUDGET_ENV, "lots")]).unwrap_err();
+        assert!(matches!(error, InitError::Mesh(MeshError::BadShmBudget(_))), "{error}");
+        assert!(error.to_string().contains(SHM_BUDGET_ENV), "{error}");
+    }
+
+    #[test]
+    fn algorithms_set_in_code_win_over_chorus_algo() {
+        let ring = Overrides::parse("ring").unwrap();
+        let set = with_vars(InitOptions::default().algorithms(ring.clone()), &[(ALGO_ENV, "bogus")])
+            .expect("the environment's algorithms are not read when set in code");
+        assert_eq!(set.algorithms, Some(ring));
+        let tree = "broadcast=binomial_tree";
+        let from_env = with_vars(InitOptions::default(), &[(ALGO_ENV, tree)]).unwrap();
+        assert_eq!(from_env.algorithms, Some(Overrides::parse(tree).unwrap()));
+        let blank = with_vars(InitOptions::default(), &[(ALGO_ENV, " ")]).unwrap();
+        assert_eq!(blank.algorithms, Some(Overrides::default()));
+        let error = with_vars(InitOptions::default(), &[(ALGO_ENV, "bogus")]).unwrap_err();
+        assert!(
+            matches!(&error, InitError::Algorithm(message) if message.starts_with("CHORUS_ALGO:")),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn algorithm_thresholds_set_in_code_win_over_chorus_algo_thresholds() {
+        let code = Thresholds::parse("recursive_doubling=1K").unwrap();
+        let set = with_vars(
+            InitOptions::default().algorithm_thresholds(code),
+            &[(ALGO_THRESHOLDS_ENV, "bogus")],
+        )
+        .expect("the environment's thresholds are not read when set in code");
+        assert_eq!(set.algorithm_thresholds, Some(code));
+        assert_eq!(set.overrides().thresholds(), code);
+        let text = "recursive_doubling=256K,halving_doubling=4M";
+        let from_env = with_vars(InitOptions::default(), &[(ALGO_THRESHOLDS_ENV, text)]).unwrap();
+        assert_eq!(from_env.overrides().thresholds(), Thresholds::parse(text).unwrap());
+        // Unset, the thresholds in the options' algorithms stand.
+        let within = Overrides::default().with_thresholds(code);
+        let kept = with_vars(InitOptions::default().algorithms(within), &[]).unwrap();
+        assert_eq!((kept.algorithm_thresholds, kept.overrides().thresholds()), (None, code));
+        let error = with_vars(InitOptions::default(), &[(ALGO_THRESHOLDS_ENV, "bogus")]).unwrap_err();
+        assert!(
+            matches!(&error, InitError::Algorithm(message) if message.starts_with("CHORUS_ALGO_THRESHOLDS:")),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_heartbeat_timeout_set_in_code_wins_over_chorus_heartbeat_timeout() {
+        let set = with_vars(
+            InitOptions::default().heartbeat_timeout(Duration::from_secs(2)),
+            &[(HEARTBEAT_TIMEOUT_ENV, "soon")],
+        )
+        .expect("the environment's window is not read when set in code");
+        assert_eq!(set.heartbeat_timeout, Some(Duration::from_secs(2)));
+        let from_env = with_vars(InitOptions::default(), &[(HEARTBEAT_TIMEOUT_ENV, "0.5")]).unwrap();
+        assert_eq!(from_env.heartbeat_timeout, Some(Duration::from_millis(500)));
+        assert_eq!(with_vars(InitOptions::default(), &[]).unwrap().heartbeat_timeout, None);
+        let error = with_vars(InitOptions::default(), &[(HEARTBEAT_TIMEOUT_ENV, "soon")]).unwrap_err();
+        assert!(bad_supervision_value(&error, HEARTBEAT_TIMEOUT_ENV), "{error}");
+    }
+
+    #[test]
+    fn a_watchdog_timeout_set_in_code_wins_over_chorus_watchdog_timeout() {
+        let set = with_vars(
+            InitOptions::default().watchdog_timeout(Duration::from_secs(60)),
+            &[(WATCHDOG_TIMEOUT_ENV, "-1")],
+        )
+        .expect("the environment's timeout is not read when set in code");
+        assert_eq!(set.watchdog_timeout, Some(Duration::from_secs(60)));
+        let from_env = with_vars(InitOptions::default(), &[(WATCHDOG_TIMEOUT_ENV, "30")]).unwrap();
+        assert_eq!(from_env.watchdog_timeout, Some(Duration::from_secs(30)));
+        assert_eq!(with_vars(InitOptions::default(), &[]).unwrap().watchdog_timeout, None);
+        let error = with_vars(InitOptions::default(), &[(WATCHDOG_TIMEOUT_ENV, "-1")]).unwrap_err();
+        assert!(bad_supervision_value(&error, WATCHDOG_TIMEOUT_ENV), "{error}");
+    }
+
+    #[test]
+    fn an_error_handling_mode_set_in_code_wins_over_the_environment() {
+        let both = [("CHORUS_BLOCKING_WAIT", "1"), ("CHORUS_ASYNC_ERROR_HANDLING", "9")];
+        let set = with_vars(InitOptions::default().error_handling(ErrorHandling::CleanUpOnly), &both)
+            .expect("the environment's mode is not read when set in code");
+        assert_eq!(set.error_handling, Some(ErrorHandling::CleanUpOnly));
+        assert_eq!(
+            set.error_handling_or_env().unwrap(),
+            ErrorHandling::CleanUpOnly,
+            "what an NCCL group takes"
+        );
+        let from_env = with_vars(InitOptions::default(), &[("CHORUS_ASYNC_ERROR_HANDLING", "3")]).unwrap();
+        assert_eq!(from_env.error_handling, Some(ErrorHandling::TearDown));
+        let default = with_vars(InitOptions::default(), &[]).unwrap();
+        assert_eq!(default.error_handling, Some(ErrorHandling::Abort));
+        let error = with_vars(InitOptions::default(), &both).unwrap_err();
+        assert!(bad_supervision_value(&error, "CHORUS_ASYNC_ERROR_HANDLING"), "{error}");
     }
 
     /// A plan in the options kills rank 2 of a `spawn`ed group, with no

@@ -120,7 +120,7 @@ pub use chorus_actors::nccl;
 pub use chorus_actors::nccl::NcclOp;
 pub use chorus_actors::rank::Collective;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
-pub use chorus_runtime::collective::{CollectiveKind, DType, ReduceOp};
+pub use chorus_runtime::collective::{CollectiveKind, DType, Overrides, ReduceOp, Thresholds};
 pub use chorus_runtime::{rendezvous, store};
 pub use chorus_transports::{auth, fault, link, netif};
 pub use collectives::Work;

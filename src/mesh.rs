@@ -184,15 +184,11 @@ const SHM_BUDGET: u64 = 12 * SHM_RING as u64;
 /// each. 64 ranks fit the default budget with 144 KiB rings.
 const SHM_MIN_RING: u64 = 64 << 10;
 
-/// `CHORUS_SHM_BUDGET`: bytes of ring (data; each ring has one more header
-/// page) that all ranks sharing a host's `/dev/shm` may use together, with
-/// an optional K, M, G or T suffix (powers of 1024).
-fn shm_budget_from_env() -> Result<u64, MeshError> {
-    parse_shm_budget(std::env::var("CHORUS_SHM_BUDGET").ok().as_deref())
-}
-
-/// A `CHORUS_SHM_BUDGET` value; unset or blank is the default.
-fn parse_shm_budget(text: Option<&str>) -> Result<u64, MeshError> {
+/// A `CHORUS_SHM_BUDGET` value (`InitOptions::shm_budget`): bytes of ring
+/// (data; each ring has one more header page) that all ranks sharing a
+/// host's `/dev/shm` may use together, with an optional K, M, G or T suffix
+/// (powers of 1024); unset or blank is the default.
+pub(crate) fn parse_shm_budget(text: Option<&str>) -> Result<u64, MeshError> {
     let Some(t) = text.map(str::trim).filter(|t| !t.is_empty()) else {
         return Ok(SHM_BUDGET);
     };
@@ -254,6 +250,8 @@ pub(crate) struct LinkOptions {
     pub(crate) faults: Option<FaultPlan>,
     /// The key records are signed with.
     pub(crate) secret: Option<JobSecret>,
+    /// The host's shared-memory budget in bytes; `None`: the default.
+    pub(crate) shm_budget: Option<u64>,
 }
 
 /// This rank's side of the mesh, made before rendezvous.
@@ -290,7 +288,7 @@ impl MeshPlan {
     /// the whole job is on this host, on every interface otherwise; ranks
     /// are below `world` (the fault plan is checked against it); the mesh
     /// must form within `timeout`. `links` is what the caller's options
-    /// chose: transport, fault plan and job secret.
+    /// chose: transport, fault plan, job secret and shared-memory budget.
     pub(crate) fn prepare(
         rank: usize,
         world: usize,
@@ -302,9 +300,10 @@ impl MeshPlan {
             transport: choice,
             faults,
             secret,
+            shm_budget,
         } = links;
         let faults = checked_faults(faults, world)?;
-        let shm_budget = shm_budget_from_env()?;
+        let shm_budget = shm_budget.unwrap_or(SHM_BUDGET);
         if secret.is_none() {
             static WARN: Once = Once::new();
             WARN.call_once(|| {

@@ -17,7 +17,7 @@ use chorus_actors::nccl::{
     Backend, BootstrapError, CommKey, CudaBackend, NcclError, NcclGroup, NcclGroupConfig, ProbeError,
     init_communicator, probe,
 };
-use chorus_actors::supervision::{ErrorHandling, SupervisionConfigError};
+use chorus_actors::supervision::SupervisionConfigError;
 use chorus_actors::system::SystemError;
 use chorus_runtime::rendezvous::{self, OpenedStore, RendezvousError};
 use chorus_runtime::store::{Store, StoreError};
@@ -46,7 +46,7 @@ pub enum NcclInitError {
     },
     /// Rank, world and store could not be resolved or opened.
     #[error(transparent)]
-    Rendezvous(#[from] RendezvousError),
+    Rendezvous(Box<RendezvousError>),
     /// The error-handling variables are wrong.
     #[error(transparent)]
     Supervision(#[from] SupervisionConfigError),
@@ -63,7 +63,7 @@ pub enum NcclInitError {
     },
     /// The communicator could not be formed.
     #[error(transparent)]
-    Bootstrap(#[from] BootstrapError),
+    Bootstrap(Box<BootstrapError>),
     /// The group's actor could not be started.
     #[error(transparent)]
     System(#[from] SystemError),
@@ -79,6 +79,21 @@ pub enum NcclInitError {
 }
 
 chorus_runtime::debug_as_report!(NcclInitError);
+
+// The two largest causes go boxed, so that every `Result` of this error
+// stays small: those of the `device` closure a caller of
+// `init_nccl_group_with` writes too (clippy's `result_large_err`).
+impl From<RendezvousError> for NcclInitError {
+    fn from(error: RendezvousError) -> Self {
+        NcclInitError::Rendezvous(Box::new(error))
+    }
+}
+
+impl From<BootstrapError> for NcclInitError {
+    fn from(error: BootstrapError) -> Self {
+        NcclInitError::Bootstrap(Box::new(error))
+    }
+}
 
 /// One rank of an NCCL group formed by [`init_nccl_group`]: the supervised
 /// [`NcclGroup`] (run operations on [`group`](Self::group)), the backend
@@ -123,10 +138,7 @@ pub async fn init_nccl_group_with<B: Backend>(
     let config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)?;
     let (rank, world) = (config.rank, config.world_size);
     let local_rank = config.local_rank.unwrap_or(rank);
-    let mode = match options.error_handling {
-        Some(mode) => mode,
-        None => ErrorHandling::from_env(&env)?,
-    };
+    let mode = options.error_handling_or_env()?;
     let backend = device(rank, local_rank)?;
     let opened = rendezvous::open_store(&config, options.timeout).await?;
     let key = CommKey::world(config.run_id.clone(), config.generation);

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use chorus::store::{self, Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
 use chorus::{DType, InitOptions, init_process_group};
+use chorus_cli::bench::common::{free_port, torchrun_env};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -873,12 +874,6 @@ async fn elastic_probe(
     Ok(ExitCode::SUCCESS)
 }
 
-/// Picks a free loopback port for rank 0's store.
-fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?.port())
-}
-
 /// Starts `--world` worker processes, prefixes their output with their rank
 /// and fails if any fails or the job outlives `--timeout`. The first rank to
 /// fail ends the job: it is named with its last error line, and the others
@@ -889,7 +884,7 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
         bail!("--world must be at least 1");
     }
     let exe = std::env::current_exe().context("locating the chorus binary")?;
-    let port = free_port()?;
+    let port = free_port().context("finding a free port")?;
     let store_file = std::env::temp_dir().join(format!("chorus-hello-{}-{port}.store", std::process::id()));
     let url = match args.init {
         InitKind::Tcp => format!("tcp://127.0.0.1:{port}"),
@@ -907,14 +902,9 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..args.world {
         let mut command = Command::new(&exe);
+        torchrun_env(&mut command, rank, args.world, port);
         command
             .args(["hello", "--timeout", &args.timeout.to_string(), "--worker", &url])
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", args.world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", args.world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
             .env("CHORUS_JOB_SECRET", &secret)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

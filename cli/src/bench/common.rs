@@ -57,13 +57,14 @@ impl Spread {
 }
 
 /// A free TCP port on loopback for rank 0's store.
-pub(crate) fn free_port() -> io::Result<u16> {
+pub fn free_port() -> io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// Makes `command` rank `rank` of `world` on this host, as torchrun's
-/// env:// rendezvous expects, with rank 0's store on loopback at `port`.
-pub(crate) fn torchrun_env(command: &mut Command, rank: usize, world: usize, port: u16) {
+/// env:// rendezvous expects, with rank 0's store on loopback at `port`
+/// (the benches' ranks and `chorus hello`'s).
+pub fn torchrun_env(command: &mut Command, rank: usize, world: usize, port: u16) {
     command
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())

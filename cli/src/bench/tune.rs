@@ -17,8 +17,9 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use chorus_runtime::collective::{Algorithm, DType, Thresholds};
 
-use super::collective::{BINDINGS, ProcessSide, Side, in_place_median_us, parse_size, rank_cpus, sizes};
+use super::collective::{BINDINGS, in_place_median_us, parse_size, rank_cpus, sizes};
 use super::common::Spread;
+use super::side::{ProcessSide, Side};
 
 /// `chorus bench tune` flags.
 #[derive(Debug, Clone, clap::Args)]

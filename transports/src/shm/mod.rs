@@ -135,13 +135,16 @@
 //!   record ([`ring::place`], SHM-4 and SHM-10), the reader's walk over
 //!   published records with every check ([`ring::ReadCursor`], SHM-4, SHM-5
 //!   and 10), when `tail` moves ([`ring::Released`]).
+//! - `sim`: a writer and a reader of those records over a byte vector,
+//!   with the checks every ring must pass; built for the unit tests and,
+//!   behind the `fuzzing` feature, the `shm_ring` fuzz target.
 //! - `mapped`: the ring in `/dev/shm`: header layout, the double mapping,
 //!   futex waits and wakes, the peer's liveness by pid (SHM-3, SHM-7).
 //! - `link`: [`ShmLink`] on top: the writer (SHM-4, SHM-5, SHM-10), reading into
 //!   per-channel queues (SHM-6), the watcher thread (SHM-7, SHM-9), closing
 //!   (SHM-8).
 //! - `tests`: the link's tests (a test per numbered rule, two-process
-//!   tests), and `tests/ring.rs`, the cursor's.
+//!   tests), and `tests/ring.rs`, the records' (over `sim`).
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -157,6 +160,9 @@ use crate::link::{Link, TransportError};
 mod link;
 mod mapped;
 pub mod ring;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod sim;
 #[cfg(test)]
 mod tests;
 

@@ -3,7 +3,7 @@
 //! SHM-10) and when `tail` moves (SHM-5), as plain functions of positions and
 //! header bytes. The mapped ring (`shm/mapped.rs`) and the link on top
 //! ([`ShmLink`](super::ShmLink)) do the memory and the waiting; the unit tests and the
-//! `shm_ring` fuzz target drive these over a byte slice instead.
+//! `shm_ring` fuzz target drive these over a byte slice instead (`shm::sim`).
 //!
 //! Positions (`head`, `tail`, a record's `start` and `end`) count bytes
 //! since the ring was made and never wrap; a position `p` lives at data
