@@ -196,14 +196,20 @@ def run_torchft(args, run: Path) -> dict:
     outcome = json.loads((run / "result.json").read_text())
     # The job's longest time without a new committed step, over every
     # replica and attempt (a survivor that crashed and restarted counts),
-    # and the steps committed again after a restart lost them.
-    events = sorted((float(t), int(s)) for f in run.glob("commits.*")
-                    for s, t in (line.split() for line in f.read_text().splitlines()))
+    # and the steps that restarted survivors committed again (progress
+    # they lost; not a replica out of one quorum catching up).
+    events = []
+    for f in run.glob("commits.*"):
+        _, rid, attempt = f.name.split(".")
+        survivor_restart = int(attempt) > 0 and int(rid) != args.world - 1
+        events += [(float(t), int(s), survivor_restart)
+                   for s, t in (line.split() for line in f.read_text().splitlines())]
+    events.sort()
     newest, since, stall, redone = -1, events[0][0], 0.0, set()
-    for t, s in events:
+    for t, s, survivor_restart in events:
         if s > newest:
             newest, stall, since = s, max(stall, t - since), t
-        elif s < newest:
+        elif s < newest and survivor_restart:
             redone.add(s)
     outcome["longest_stall_ms"] = stall * 1e3
     outcome["redone"] = len(redone)
