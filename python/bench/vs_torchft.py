@@ -18,7 +18,9 @@ torchft: its Manager, DistributedDataParallel and OptimizerWrapper over
 ProcessGroupGloo, one replica group per process, a lighthouse this script
 starts (`--min_replicas 1 --join_timeout_ms 100 --quorum_tick_ms 100`, its
 default 5 s heartbeat timeout), `min_replica_size=1`, the Manager's and
-Gloo's timeout --torchft-timeout (10 s; torchft's default is 60 s), and a
+Gloo's timeout --torchft-timeout (10 s; torchft's default is 60 s),
+torch's huge pages on (`THP_MEM_ALLOC_ENABLE=1`, as `chorus launch` sets
+for an elastic job's workers), and a
 loop here that relaunches a replica that died. Per run it reports the
 job's longest stall (the longest time without a new committed step, over
 every replica and restart), the fault to the replacement's first
@@ -162,7 +164,9 @@ def run_torchft(args, run: Path) -> dict:
 
     def start(rid: int) -> None:
         attempts[rid] = attempts.get(rid, -1) + 1
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="localhost", MASTER_PORT=str(free_port()),
+        # torch's huge pages as `chorus launch` gives an elastic job's workers.
+        env = dict(os.environ, OMP_NUM_THREADS="1", THP_MEM_ALLOC_ENABLE=os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
+                   MASTER_ADDR="localhost", MASTER_PORT=str(free_port()),
                    REPLICA_GROUP_ID=str(rid), ATTEMPT=str(attempts[rid]), TORCHFT_LIGHTHOUSE=f"http://localhost:{lport}")
         log = open(run / f"replica{rid}.{attempts[rid]}.log", "w")
         procs[rid] = subprocess.Popen([sys.executable, __file__, "--torchft-replica", "--run-dir", str(run),
