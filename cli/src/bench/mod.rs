@@ -19,8 +19,8 @@
 //! - [`recovery`]: `chorus bench recovery`, the time an elastic group takes
 //!   from the SIGKILL of a rank to its next successful collective.
 //! - [`side`]: the sides a sweep alternates per size: rank processes
-//!   answering JSON lines ([`side::ProcessSide`], chorus's or a Python
-//!   peer's) or in-process ranks ([`side::InProcessSide`]).
+//!   answering JSON lines (`side::ProcessSide`, chorus's or a Python
+//!   peer's) or in-process ranks (`side::InProcessSide`).
 //! - [`scale`]: `chorus bench scale`, in-process ranks and the TCP store's
 //!   rendezvous against the world size (time, peak memory).
 //! - [`transfer`]: `chorus bench transfer`, live state transfer

@@ -1,7 +1,7 @@
 //! The sides of a bench run: what measures one size when the parent asks,
 //! rank processes talking JSON lines over their stdin and stdout
-//! ([`ProcessSide`]: chorus's `bench --worker` ranks or a Python peer's)
-//! or ranks as actors in this process ([`InProcessSide`]). The size sweeps
+//! (`ProcessSide`: chorus's `bench --worker` ranks or a Python peer's)
+//! or ranks as actors in this process (`InProcessSide`). The size sweeps
 //! ([`super::collective`], [`super::tune`]) alternate their sides per size.
 
 use std::collections::VecDeque;
