@@ -9,11 +9,10 @@ gradient sync succeeded. At --fault-step the last worker fails: SIGKILLed
 (--fault kill), SIGSTOPped in the middle of its next step (freeze: the
 heartbeats find it, and it is killed --kill-frozen-after-ms later, by
 default twice the heartbeat window) or cut off (partition: its links cut
-while it runs). The survivors
-re-form within the heartbeat window and go on as a smaller group (the
-global batch re-split); the launcher
-relaunches the worker, or with --standby promotes a warm standby worker
-that has already imported torch and built the model, and it joins at a
+while it runs). The survivors re-form within the heartbeat window and go
+on as a smaller group (the global batch re-split); the launcher relaunches
+the worker, or with --standby promotes a warm standby worker that has
+already imported torch and built the model, and it joins at a
 step boundary, receiving the model and optimizer state (and --state-mib of
 extra state) live from the survivors. The last line puts the final
 held-out loss beside a fault-free run of the same steps (--json: one

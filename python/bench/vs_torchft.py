@@ -5,30 +5,30 @@
 The job: examples/python/train.py's 3-layer MLP on its synthetic 10-class
 data, SGD with momentum, a global batch of 128 split over --world replicas
 of one process each, --compute-ms of extra compute per step on both sides
-(a sleep standing for a larger model); the last replica is SIGKILLed after --fault-step and
-relaunched at once (--fault kill), or SIGSTOPped in the middle of the
-next step, once that step's quorum (torchft) or generation (chorus) holds
-it, and SIGKILLed --kill-frozen-after seconds later, as an operator would,
-then relaunched (--fault freeze: the survivors' stall is then each side's
-own detection of a peer that answers nothing). chorus: the example under `chorus launch
---restart-policy worker` (survivors go on as a smaller group; heartbeat 1 s),
-once relaunching the killed worker ("chorus") and once promoting a warm
-standby worker in its place (`--standby 1`, "standby").
-torchft: its Manager, DistributedDataParallel and OptimizerWrapper over
-ProcessGroupGloo, one replica group per process, a lighthouse this script
-starts (`--min_replicas 1 --join_timeout_ms 100 --quorum_tick_ms 100`, its
-default 5 s heartbeat timeout), `min_replica_size=1`, the Manager's and
-Gloo's timeout --torchft-timeout (10 s; torchft's default is 60 s),
-torch's huge pages on (`THP_MEM_ALLOC_ENABLE=1`, as `chorus launch` sets
-for an elastic job's workers), and a
-loop here that relaunches a replica that died. Per run it reports the
-job's longest stall (the longest time without a new committed step, over
-every replica and restart), the fault to the replacement's first
-committed step (when it joined before the end), the transfer into it, the
-median step time, the final held-out loss, and the steps committed again
-and survivors restarted (a survivor that crashes loses its progress);
-then medians over the rounds and the ratios.
-Needs torch, torchft==0.2.0, the chorus package and the `chorus` command.
+(a sleep standing for a larger model); the last replica is SIGKILLed after
+--fault-step and relaunched at once (--fault kill), or SIGSTOPped in the
+middle of the next step, once that step's quorum (torchft) or generation
+(chorus) holds it, and SIGKILLed --kill-frozen-after seconds later, as an
+operator would, then relaunched (--fault freeze: the survivors' stall is
+then each side's own detection of a peer that answers nothing). chorus:
+the example under `chorus launch --restart-policy worker` (survivors go on
+as a smaller group; heartbeat 1 s), once relaunching the killed worker
+("chorus") and once promoting a warm standby worker in its place
+(`--standby 1`, "standby"). torchft: its Manager, DistributedDataParallel
+and OptimizerWrapper over ProcessGroupGloo, one replica group per process,
+a lighthouse this script starts (`--min_replicas 1 --join_timeout_ms 100
+--quorum_tick_ms 100`, its default 5 s heartbeat timeout),
+`min_replica_size=1`, the Manager's and Gloo's timeout --torchft-timeout
+(10 s; torchft's default is 60 s), torch's huge pages on
+(`THP_MEM_ALLOC_ENABLE=1`, as `chorus launch` sets for an elastic job's
+workers), and a loop here that relaunches a replica that died. Per run it
+reports the job's longest stall (the longest time without a new committed
+step, over every replica and restart), the fault to the replacement's
+first committed step (when it joined before the end), the transfer into
+it, the median step time, the final held-out loss, and the steps committed
+again and survivors restarted (a survivor that crashes loses its
+progress); then medians over the rounds and the ratios. Needs torch,
+torchft==0.2.0, the chorus package and the `chorus` command.
 """
 
 from __future__ import annotations
