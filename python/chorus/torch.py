@@ -31,17 +31,21 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import timedelta
 from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
 from chorus import _chorus
 from chorus._errors import ChorusError, InvalidArgument
 
-__all__ = ["ChorusProcessGroup", "ChorusWork", "BACKEND"]
+__all__ = ["ChorusBackend", "ChorusWork", "BACKEND"]
 
 BACKEND = "chorus"
+#: torch's default for a CPU group's timeouts, in seconds.
+_DEFAULT_TIMEOUT = 1800.0
 
 _R = dist.ReduceOp.RedOpType
 _OPS = {
@@ -179,15 +183,28 @@ class ChorusWork(dist._Work):
         self.wait()
 
 
-class ChorusProcessGroup(dist.ProcessGroup):
-    """A ``torch.distributed`` process group run by chorus."""
+class ChorusBackend(_c10d.Backend):
+    """The chorus backend of a ``torch.distributed`` process group.
+
+    torch makes the group (named, registered, with this backend for the
+    CPU), so everything that looks a group's backend up works on it:
+    DeviceMesh, DTensor, FSDP2, tensor parallel, compiled DDP, batched
+    point-to-point, ``split_group``."""
 
     def __init__(self, core: _chorus.Group, timeout: Optional[float] = None):
         super().__init__(core.rank, core.world_size)
         self._core = core
         self._timeout = timeout
+        self._coalescing: Optional[List[ChorusWork]] = None
+        self._options = _c10d.Backend.Options(BACKEND, timedelta(seconds=timeout or _DEFAULT_TIMEOUT))
 
-    # -- identity -----------------------------------------------------------
+    @property
+    def options(self):
+        """torch's options record (its timeout). Defined here because
+        torch's lookup of a Python backend's options without one recurses."""
+        return self._options
+
+    # -- identity and lifetime -------------------------------------------------
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -205,9 +222,43 @@ class ChorusProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self._core.destroy()
 
+    @property
+    def supports_splitting(self) -> bool:
+        return True
+
+    def split(self, store, ranks, opts=None):
+        """The backend of the group of `ranks` (this group's ranks, this
+        rank among them), formed through `store` (``split_group``)."""
+        me = list(ranks).index(self.rank())
+        return ChorusBackend(_form(store, me, len(ranks), self._timeout), self._timeout)
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return True
+
+    def start_coalescing(self) -> None:
+        """Collects the operations issued until `end_coalescing` into one
+        work (``batch_isend_irecv``, the coalescing manager)."""
+        self._coalescing = []
+
+    def end_coalescing(self):
+        works, self._coalescing = self._coalescing or [], None
+        return ChorusWork([c for w in works for c in w._cores], [w._result for w in works],
+                          [f for w in works for f in w._finish])
+
+    def _work(self, cores: Sequence[_chorus.Work], result, finish: Sequence[Callable[[], None]] = ()):
+        work = ChorusWork(cores, result, finish)
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
     # -- helpers ------------------------------------------------------------
 
-    def _submit(self, kind, count, input=None, output=None, root=None, op=None) -> _chorus.Work:
+    def _submit(self, kind, count, input=None, output=None, root=None, op=None, timeout=None) -> _chorus.Work:
+        if input is not None and output is not None and _overlap(input, output):
+            # In place, as FSDP2 gathers (the input is the output's own
+            # block): the ranks read the input while writing the output.
+            input = input.clone()
         return self._core.submit(
             kind,
             count,
@@ -215,7 +266,7 @@ class ChorusProcessGroup(dist.ProcessGroup):
             None if output is None else _raw(output),
             root,
             op,
-            self._timeout,
+            _seconds(timeout) or self._timeout,
         )
 
     def _blocks(self, what: str, tensor: torch.Tensor) -> int:
@@ -233,17 +284,53 @@ class ChorusProcessGroup(dist.ProcessGroup):
     # -- all-reduce, broadcast, reduce -------------------------------------
 
     def allreduce(self, tensors, opts=None):
+        if tensors and tensors[0].is_sparse:
+            return self.allreduce_sparse(tensors, opts)
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        cores = [self._submit("all_reduce", t.numel(), output=t, op=op) for t in tensors]
-        return ChorusWork(cores, list(tensors))
+        timeout = opts.timeout if opts is not None else None
+        cores = [self._submit("all_reduce", t.numel(), output=t, op=op, timeout=timeout) for t in tensors]
+        return self._work(cores, list(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
+    def allreduce_sparse(self, tensors, opts=None):
+        """All-reduce of sparse COO tensors (SUM, as Gloo offers): every
+        rank's indices and values are gathered and summed."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if getattr(op, "op", op) != _R.SUM:
+            raise InvalidArgument("a sparse all_reduce sums (ReduceOp.SUM); no other operator is offered")
+        for tensor in tensors:
+            summed = self._sparse_sum(tensor.coalesce())
+            tensor.copy_(summed)
+        return self._work([], list(tensors))
+
+    def _sparse_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        indices, values = tensor.indices().contiguous(), tensor.values().contiguous()
+        world = self.size()
+        nnz = torch.tensor([indices.shape[1]], dtype=torch.int64)
+        counts = torch.empty(world, dtype=torch.int64)
+        self._submit("all_gather", 1, input=nnz, output=counts).wait()
+        most = int(counts.max())
+        padded_indices = torch.zeros((indices.shape[0], most), dtype=torch.int64)
+        padded_indices[:, : indices.shape[1]] = indices
+        padded_values = torch.zeros((most,) + tuple(values.shape[1:]), dtype=values.dtype)
+        padded_values[: values.shape[0]] = values
+        all_indices = torch.empty((world,) + tuple(padded_indices.shape), dtype=torch.int64)
+        all_values = torch.empty((world,) + tuple(padded_values.shape), dtype=values.dtype)
+        self._submit("all_gather", padded_indices.numel(), input=padded_indices, output=all_indices).wait()
+        self._submit("all_gather", padded_values.numel(), input=padded_values, output=all_values).wait()
+        parts = [
+            torch.sparse_coo_tensor(all_indices[r][:, : counts[r]], all_values[r][: counts[r]], tensor.shape)
+            for r in range(world)
+        ]
+        return torch.stack(parts).sum(0).coalesce() if world > 1 else parts[0].coalesce()
+
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        cores = [self._submit("broadcast", t.numel(), output=t, root=root) for t in tensors]
-        return ChorusWork(cores, list(tensors))
+        timeout = opts.timeout if opts is not None else None
+        cores = [self._submit("broadcast", t.numel(), output=t, root=root, timeout=timeout) for t in tensors]
+        return self._work(cores, list(tensors))
 
     def reduce(self, tensors, opts=None):
         tensor = self._one(tensors, "reduce")
@@ -251,7 +338,8 @@ class ChorusProcessGroup(dist.ProcessGroup):
         # Ranks other than the root keep their input, as on Gloo: they
         # reduce a copy (the algorithm leaves partial sums in its buffer).
         target = tensor if self.rank() == root else tensor.clone()
-        return ChorusWork([self._submit("reduce", tensor.numel(), output=target, root=root, op=op)], [tensor])
+        core = self._submit("reduce", tensor.numel(), output=target, root=root, op=op, timeout=opts.timeout)
+        return self._work([core], [tensor])
 
     # -- all-gather, gather -------------------------------------------------
 
@@ -264,12 +352,12 @@ class ChorusProcessGroup(dist.ProcessGroup):
                     f"{what}: a tensor of {t.numel()} {t.dtype} does not match the input's {like.numel()} {like.dtype}"
                 )
 
-    def _all_gather_list(self, outputs: List[torch.Tensor], tensor: torch.Tensor):
+    def _all_gather_list(self, outputs: List[torch.Tensor], tensor: torch.Tensor, timeout=None):
         """The all-gather into a list: its operation and the copy-out."""
         self._check_same("all_gather", outputs, tensor)
         n = tensor.numel()
         flat = torch.empty(n * self.size(), dtype=tensor.dtype)
-        core = self._submit("all_gather", n, input=tensor, output=flat)
+        core = self._submit("all_gather", n, input=tensor.contiguous(), output=flat, timeout=timeout)
 
         def finish():
             for i, out in enumerate(outputs):
@@ -279,58 +367,62 @@ class ChorusProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         tensor = self._one(input_tensors, "all_gather")
-        core, finish = self._all_gather_list(self._one(output_tensors, "all_gather"), tensor)
-        return ChorusWork([core], output_tensors, [finish])
+        timeout = opts.timeout if opts is not None else None
+        core, finish = self._all_gather_list(self._one(output_tensors, "all_gather"), tensor, timeout)
+        return self._work([core], output_tensors, [finish])
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        parts = [self._all_gather_list(outs, t) for outs, t in zip(output_lists, input_tensors)]
-        return ChorusWork([c for c, _ in parts], output_lists, [f for _, f in parts])
+        # torch's layout: output_lists[rank][i] receives that rank's input i.
+        if len(output_lists) != self.size():
+            raise InvalidArgument(
+                f"all_gather_coalesced needs {self.size()} output lists, one per rank, not {len(output_lists)}"
+            )
+        for outs in output_lists:
+            if len(outs) != len(input_tensors):
+                raise InvalidArgument(
+                    f"all_gather_coalesced: an output list has {len(outs)} tensors for {len(input_tensors)} inputs"
+                )
+        timeout = opts.timeout if opts is not None else None
+        parts = [
+            self._all_gather_list([outs[i] for outs in output_lists], t, timeout) for i, t in enumerate(input_tensors)
+        ]
+        return self._work([c for c, _ in parts], output_lists, [f for _, f in parts])
 
-    def _all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> _chorus.Work:
+    def _all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, timeout=None) -> _chorus.Work:
         if output.numel() != tensor.numel() * self.size():
             raise InvalidArgument(
                 f"all_gather_into_tensor: the output has {output.numel()} elements, not "
                 f"{self.size()} x {tensor.numel()}"
             )
-        return self._submit("all_gather", tensor.numel(), input=tensor, output=output)
+        return self._submit("all_gather", tensor.numel(), input=tensor, output=output, timeout=timeout)
 
     def all_gather_single(self, output, input, opts=None):
-        return ChorusWork([self._all_gather_into(output, input)], [output])
+        timeout = opts.timeout if opts is not None else None
+        return self._work([self._all_gather_into(output, input, timeout)], [output])
 
     _allgather_base = all_gather_single
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        return ChorusWork([self._all_gather_into(o, i) for o, i in zip(outputs, inputs)], list(outputs))
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        timeout = opts.timeout if opts is not None else None
+        return self._work([self._all_gather_into(o, i, timeout) for o, i in zip(outputs, inputs)], list(outputs))
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, output_tensors, input_tensors, opts=None):
         tensor = self._one(input_tensors, "gather")
         root, n = opts.rootRank, tensor.numel()
         if self.rank() != root:
-            return ChorusWork([self._submit("gather", n, input=tensor, root=root)], [])
+            return self._work([self._submit("gather", n, input=tensor, root=root, timeout=opts.timeout)], [])
         outputs = self._one(output_tensors, "gather")
         self._check_same("gather", outputs, tensor)
         flat = torch.empty(n * self.size(), dtype=tensor.dtype)
-        core = self._submit("gather", n, input=tensor, output=flat, root=root)
+        core = self._submit("gather", n, input=tensor, output=flat, root=root, timeout=opts.timeout)
 
         def finish():
             for i, out in enumerate(outputs):
                 out.copy_(flat[i * n : (i + 1) * n].view_as(out))
 
-        return ChorusWork([core], output_tensors, [finish])
-
-    def gather_single(self, output, input, opts=None):
-        root = opts.rootRank
-        if self.rank() != root:
-            return ChorusWork([self._submit("gather", input.numel(), input=input, root=root)], [])
-        if output.numel() != input.numel() * self.size():
-            raise InvalidArgument(
-                f"gather_into_tensor: the output has {output.numel()} elements, not {self.size()} x {input.numel()}"
-            )
-        return ChorusWork([self._submit("gather", input.numel(), input=input, output=output, root=root)], [output])
-
-    gather_into_tensor = gather_single
+        return self._work([core], output_tensors, [finish])
 
     # -- scatter, reduce-scatter -------------------------------------------
 
@@ -338,13 +430,15 @@ class ChorusProcessGroup(dist.ProcessGroup):
         output = self._one(output_tensors, "scatter")
         root = opts.rootRank
         if self.rank() != root:
-            return ChorusWork([self._submit("scatter", output.numel(), output=output, root=root)], [output])
+            core = self._submit("scatter", output.numel(), output=output, root=root, timeout=opts.timeout)
+            return self._work([core], [output])
         inputs = self._one(input_tensors, "scatter")
         self._check_same("scatter", inputs, output)
         flat = torch.cat([t.reshape(-1) for t in inputs])
-        return ChorusWork([self._submit("scatter", output.numel(), input=flat, output=output, root=root)], [output])
+        core = self._submit("scatter", output.numel(), input=flat, output=output, root=root, timeout=opts.timeout)
+        return self._work([core], [output])
 
-    def _reduce_scatter_into(self, output: torch.Tensor, flat: torch.Tensor, op: str):
+    def _reduce_scatter_into(self, output: torch.Tensor, flat: torch.Tensor, opts):
         """The reduce-scatter of `flat` into `output`: its operation and the copy-out."""
         n = output.numel()
         if flat.numel() != n * self.size():
@@ -354,7 +448,8 @@ class ChorusProcessGroup(dist.ProcessGroup):
         # Out of place: the input is only read; the rank's block is copied
         # out of the scratch output.
         scratch = torch.empty_like(flat)
-        core = self._submit("reduce_scatter", n, input=flat, output=scratch, op=op)
+        core = self._submit("reduce_scatter", n, input=flat, output=scratch, op=_op(opts.reduceOp),
+                            timeout=opts.timeout)
         start = self.rank() * n
 
         def finish():
@@ -367,81 +462,95 @@ class ChorusProcessGroup(dist.ProcessGroup):
         inputs = self._one(input_tensors, "reduce_scatter")
         self._check_same("reduce_scatter", inputs, output)
         flat = torch.cat([t.reshape(-1) for t in inputs])
-        core, finish = self._reduce_scatter_into(output, flat, _op(opts.reduceOp))
-        return ChorusWork([core], [output], [finish])
+        core, finish = self._reduce_scatter_into(output, flat, opts)
+        return self._work([core], [output], [finish])
 
     def reduce_scatter_single(self, output, input, opts=None):
-        core, finish = self._reduce_scatter_into(output, input, _op(opts.reduceOp))
-        return ChorusWork([core], [output], [finish])
+        core, finish = self._reduce_scatter_into(output, input, opts)
+        return self._work([core], [output], [finish])
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        op = _op(opts.reduceOp)
-        parts = [self._reduce_scatter_into(o, i, op) for o, i in zip(outputs, inputs)]
-        return ChorusWork([c for c, _ in parts], list(outputs), [f for _, f in parts])
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        parts = [self._reduce_scatter_into(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._work([c for c, _ in parts], list(outputs), [f for _, f in parts])
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- all-to-all -----------------------------------------------------------
 
-    def _padded_all_to_all(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor]) -> ChorusWork:
+    def _padded_all_to_all(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], timeout=None):
         """All-to-all of blocks of any sizes: every rank pads its blocks to
         the largest anywhere (agreed by a MAX all-reduce), then copies the
         received blocks out."""
         dtype = inputs[0].dtype
         longest = torch.tensor([max([t.numel() for t in inputs] + [t.numel() for t in outputs])], dtype=torch.int64)
-        self._submit("all_reduce", 1, output=longest, op="max").wait()
+        self._submit("all_reduce", 1, output=longest, op="max", timeout=timeout).wait()
         block = int(longest.item())
         world = self.size()
         send = torch.zeros(block * world, dtype=dtype)
         for i, t in enumerate(inputs):
             send[i * block : i * block + t.numel()] = t.reshape(-1)
         received = torch.empty_like(send)
-        core = self._submit("all_to_all", block, input=send, output=received)
+        core = self._submit("all_to_all", block, input=send, output=received, timeout=timeout)
 
         def finish():
             for i, out in enumerate(outputs):
                 out.copy_(received[i * block : i * block + out.numel()].view_as(out))
 
-        return ChorusWork([core], outputs, [finish])
+        return self._work([core], outputs, [finish])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         world = self.size()
         if len(output_tensors) != world or len(input_tensors) != world:
             raise InvalidArgument(f"all_to_all needs {world} input and {world} output tensors")
-        return self._padded_all_to_all(list(output_tensors), list(input_tensors))
+        timeout = opts.timeout if opts is not None else None
+        return self._padded_all_to_all(list(output_tensors), list(input_tensors), timeout)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
         world = self.size()
+        timeout = opts.timeout if opts is not None else None
         if not output_split_sizes and not input_split_sizes:
             count = self._blocks("all_to_all_single", input)
             if output.numel() != input.numel():
                 raise InvalidArgument(
                     f"all_to_all_single: the output has {output.numel()} elements, the input {input.numel()}"
                 )
-            return ChorusWork([self._submit("all_to_all", count, input=input, output=output)], [output])
+            return self._work([self._submit("all_to_all", count, input=input, output=output, timeout=timeout)],
+                              [output])
         ins = _split(input, input_split_sizes, world)
         outs = _split(output, output_split_sizes, world)
-        return self._padded_all_to_all(outs, ins)
+        return self._padded_all_to_all(outs, ins, timeout)
 
     alltoall_base = all_to_all_single
 
     # -- barrier, point to point --------------------------------------------
 
     def barrier(self, opts=None):
-        return ChorusWork([self._submit("barrier", 0)], [])
+        timeout = opts.timeout if opts is not None else None
+        return self._work([self._submit("barrier", 0, timeout=timeout)], [])
+
+    def monitored_barrier(self, opts=None, wait_all_ranks: bool = False) -> None:
+        """A barrier that names the ranks that did not come in time (as
+        Gloo's): a collective timeout here says which ranks were missing."""
+        timeout = opts.timeout if opts is not None else None
+        self._submit("barrier", 0, timeout=timeout).wait()
 
     def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's name
         tensor = self._one(tensors, "send")
-        return ChorusWork([self._submit("send", tensor.numel(), input=tensor, root=dstRank)], [tensor])
+        return self._work([self._submit("send", tensor.numel(), input=tensor, root=dstRank)], [tensor])
 
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803 - torch's name
         tensor = self._one(tensors, "recv")
-        return ChorusWork([self._submit("recv", tensor.numel(), output=tensor, root=srcRank)], [tensor])
+        return self._work([self._submit("recv", tensor.numel(), output=tensor, root=srcRank)], [tensor])
 
-    def recv_anysource(self, tensors, tag=0):
-        raise ChorusError("the chorus backend does not receive from any source: name the source rank in recv()")
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory intersects."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _split(tensor: torch.Tensor, sizes, world: int) -> List[torch.Tensor]:
@@ -462,13 +571,64 @@ def _store_host(store) -> Optional[str]:
     return host if host else os.environ.get("MASTER_ADDR")
 
 
-def _create(store, rank: int, world_size: int, timeout) -> ChorusProcessGroup:
-    seconds = _seconds(timeout) or 1800.0
-    core = _chorus.Group.init(store, rank, world_size, seconds, seconds, _store_host(store))
-    return ChorusProcessGroup(core)
+def _form(store, rank: int, world_size: int, timeout: Optional[float]) -> _chorus.Group:
+    """Forms one rank's chorus group through `store`."""
+    seconds = timeout or _DEFAULT_TIMEOUT
+    if world_size == 1:
+        # Nothing to meet: torch may hand two one-rank groups the same
+        # store prefix (one per rank), which would look like a rank claimed
+        # twice in a shared store.
+        store = dist.HashStore()
+    return _chorus.Group.init(store, rank, world_size, seconds, seconds, _store_host(store))
 
 
-dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+def _create(opts, backend_options=None) -> ChorusBackend:
+    """torch's backend constructor (the extended API): the group's store,
+    this rank's place in it and its timeout."""
+    timeout = _seconds(opts.timeout)
+    return ChorusBackend(_form(opts.store, opts.group_rank, opts.group_size, timeout), timeout)
+
+
+def _forward_work_state() -> None:
+    """torch (2.15) wraps a Python backend's work in a holder that forwards
+    ``wait`` and ``get_future`` but answers ``is_completed`` and
+    ``exception`` from its own state, which nothing sets: a polled work
+    would never complete. Works whose own answer is "not yet" are asked
+    again through their future, which the holder does forward."""
+    work_class = _c10d.Work
+    is_completed, exception = work_class.is_completed, work_class.exception
+
+    def future_of(work):
+        try:
+            return work.get_future()
+        except RuntimeError:  # a backend without futures
+            return None
+
+    def forwarded_is_completed(work) -> bool:
+        if is_completed(work):
+            return True
+        future = future_of(work)
+        return future is not None and future.done()
+
+    def forwarded_exception(work):
+        error = exception(work)
+        if error is not None:
+            return error
+        future = future_of(work)
+        if future is None or not future.done():
+            return None
+        try:
+            future.value()
+        except Exception as e:  # noqa: BLE001 - the work's error, returned
+            return e
+        return None
+
+    work_class.is_completed = forwarded_is_completed
+    work_class.exception = forwarded_exception
+
+
+_forward_work_state()
+dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
 from chorus._manager import Manager, Step  # noqa: E402  (after the backend's registration)
 

@@ -314,5 +314,167 @@ def bad_input() -> None:
     result(out)
 
 
+def modern_stack(backend: str) -> None:
+    """torch's modern stack on `backend`: each feature's result (or its
+    error), for the test to compare with Gloo's."""
+    dist.init_process_group(backend)
+    out = {}
+    for name, feature in STACK.items():
+        try:
+            out[name] = feature()
+        except Exception as e:  # noqa: BLE001 - the test shows which failed
+            out[name] = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group()
+    result(out)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+
+def _train(model, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(RANK)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 16, generator=gen)).pow(2).mean().backward()
+        opt.step()
+
+
+def _checksum(tensors) -> float:
+    return round(float(sum(t.double().sum() for t in tensors)), 6)
+
+
+def _mesh_shape():
+    return (2, WORLD // 2) if WORLD % 2 == 0 and WORLD >= 4 else (1, WORLD)
+
+
+def _compiled_ddp():
+    model = _model()
+    # aot_eager traces through dynamo's DDP optimizer as inductor does,
+    # without compiling C++ (minutes on CI's 2 cores).
+    compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model), backend="aot_eager")
+    _train(compiled)
+    return _checksum(model.parameters())
+
+
+def _device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", _mesh_shape(), mesh_dim_names=("dp", "tp"))
+    t = torch.ones(2) * (RANK + 1)
+    dist.all_reduce(t, group=mesh["tp"].get_group())
+    return [mesh["dp"].size(), mesh["tp"].size(), t.tolist(), mesh.get_group("dp").size()]
+
+
+def _dtensor():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(1)
+    d = distribute_tensor(torch.randn(WORLD * 2, 4), mesh, [Shard(0)])
+    return round(float((d @ d.T.redistribute(mesh, [Replicate()])).full_tensor().sum()), 4)
+
+
+def _fsdp2(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train(model)
+    return _checksum(p.full_tensor() for p in model.parameters())
+
+
+def _tensor_parallel():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model()
+    parallelize_module(model, init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    torch.manual_seed(5)
+    y = model(torch.randn(4, 16))
+    y.sum().backward()
+    return [round(float(y.detach().sum()), 5), _checksum(p.grad.full_tensor() for p in model.parameters())]
+
+
+def _batch_p2p():
+    send, recv = torch.full((3,), float(RANK)), torch.zeros(3)
+    ops = [dist.P2POp(dist.isend, send, (RANK + 1) % WORLD), dist.P2POp(dist.irecv, recv, (RANK - 1) % WORLD)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return recv.tolist()
+
+
+def _subgroups():
+    mine, groups = dist.new_subgroups(group_size=WORLD // 2 if WORLD % 2 == 0 else WORLD)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mine)
+    split = dist.split_group(split_ranks=[list(range(0, WORLD, 2)), list(range(1, WORLD, 2))])
+    u = torch.full((1,), float(RANK))
+    dist.all_reduce(u, group=split)
+    for group in groups:
+        dist.destroy_process_group(group)
+    dist.destroy_process_group(split)
+    v = torch.ones(1)
+    dist.all_reduce(v)  # the default group lives on
+    return [t.item(), u.item(), v.item()]
+
+
+def _objects():
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, {"rank": RANK})
+    broadcast = [RANK * 10]
+    dist.broadcast_object_list(broadcast, src=0)
+    scattered = [None]
+    dist.scatter_object_list(scattered, [f"to {r}" for r in range(WORLD)] if RANK == 0 else None, src=0)
+    at_root = [None] * WORLD if RANK == 0 else None
+    dist.gather_object(RANK, at_root, dst=0)
+    return [gathered, broadcast, scattered, at_root]
+
+
+def _future():
+    t = torch.ones(3)
+    work = dist.all_reduce(t, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0] * 2).wait().tolist()
+
+
+def _coalescing():
+    tensors = [torch.ones(2) * (i + 1) for i in range(3)]
+    with dist._coalescing_manager(async_ops=True) as manager:
+        for t in tensors:
+            dist.all_reduce(t)
+    manager.wait()
+    return [t.tolist() for t in tensors]
+
+
+def _monitored_barrier():
+    dist.monitored_barrier(timeout=timedelta(seconds=30))
+    return "passed"
+
+
+STACK = {
+    "device_mesh": _device_mesh,
+    "dtensor": _dtensor,
+    "fsdp2": lambda: _fsdp2((WORLD,)),
+    "hsdp": lambda: _fsdp2(_mesh_shape()),
+    "tensor_parallel": _tensor_parallel,
+    "batch_isend_irecv": _batch_p2p,
+    "subgroups": _subgroups,
+    "objects": _objects,
+    "future": _future,
+    "coalescing": _coalescing,
+    "monitored_barrier": _monitored_barrier,
+    "compiled_ddp": _compiled_ddp,
+}
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])

@@ -405,7 +405,16 @@ pub fn resolve(
     world_size: Option<usize>,
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> Result<RendezvousConfig, RendezvousError> {
-    let launch: Option<LaunchEnv> = env::detect(lookup)?;
+    // A launcher's environment is needed only where the method leaves rank,
+    // world size or the store to it. Otherwise explicit arguments win, as in
+    // torch: a half-set environment (WORLD_SIZE or MASTER_ADDR exported for
+    // another purpose, as torch's own test harness does) is not an error.
+    let needs_env = matches!(method, InitMethod::Env) || rank.is_none() || world_size.is_none();
+    let launch: Option<LaunchEnv> = match env::detect(lookup) {
+        Ok(launch) => launch,
+        Err(_) if !needs_env => None,
+        Err(error) => return Err(error.into()),
+    };
     let (store, url_rank, url_world) = match method {
         InitMethod::Tcp {
             host,
@@ -959,6 +968,22 @@ mod tests {
         assert_eq!((c.rank, c.world_size), (1, 4));
         let c = resolve(InitMethod::Env, None, None, &env).unwrap();
         assert_eq!((c.rank, c.world_size), (2, 8));
+    }
+
+    #[test]
+    fn explicit_rank_and_world_size_ignore_a_half_set_environment() {
+        // torch's test harness exports WORLD_SIZE and MASTER_ADDR, then passes
+        // rank and world size to init_process_group with a file:// store.
+        let env = lookup(&[("WORLD_SIZE", "3"), ("MASTER_ADDR", "h")]);
+        let file = InitMethod::parse("file:///tmp/s").unwrap();
+        let c = resolve(file.clone(), Some(1), Some(2), &env).unwrap();
+        assert_eq!((c.rank, c.world_size, c.launcher), (1, 2, None));
+        let store = InitMethod::Store(Arc::new(HashStore::default()));
+        assert_eq!(resolve(store, Some(0), Some(2), &env).unwrap().rank, 0);
+        // Where the environment must supply something, its error stands.
+        let missing = resolve(file, None, Some(2), &env).unwrap_err().to_string();
+        assert!(missing.starts_with("RANK is not set"), "{missing}");
+        assert!(resolve(InitMethod::Env, Some(0), Some(2), &env).is_err());
     }
 
     #[test]
