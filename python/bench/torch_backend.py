@@ -6,7 +6,8 @@ For each world size it runs, alternating the backends round by round, W
 rank processes on this host that (1) sweep dist.all_reduce (float32, sum,
 in place) from 8 B to --max-mib and (2) train a model with torch's
 DistributedDataParallel, timing each step with gradient sync and without
-(`no_sync`): the difference is the sync the step could not hide. It prints,
+(`no_sync`): the difference is the sync the step could not hide, and (3)
+train a byte-level GPT the same way (AdamW, bf16 autocast). It prints,
 per world, an nccl-tests table per backend (medians over the rounds) with
 chorus's bus bandwidth over Gloo's, and the DDP step and exposed-sync
 medians with their ratio. Needs torch and the chorus package
@@ -80,9 +81,67 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
             if i >= 2:
                 timed[sync].append((time.perf_counter() - start) * 1e3)
     step, local = statistics.median(timed[True]), statistics.median(timed[False])
+    gpt_step, gpt_local = gpt(rank, ddp_steps)
     if rank == 0:
-        print("RESULT " + json.dumps({"sweep": sweep, "step_ms": step, "exposed_ms": max(0.0, step - local)}), flush=True)
+        print("RESULT " + json.dumps({"sweep": sweep, "step_ms": step, "exposed_ms": max(0.0, step - local),
+                                      "gpt_step_ms": gpt_step, "gpt_exposed_ms": max(0.0, gpt_step - gpt_local)}),
+              flush=True)
     dist.destroy_process_group()
+
+
+def gpt(rank: int, steps: int):
+    """A byte-level GPT under DDP as a researcher writes one (pre-norm
+    causal transformer, AdamW, bf16 autocast, gradient clipping), trained
+    on this file's own bytes: the median step with gradient sync and
+    without (`no_sync`), in ms."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    width, layers, heads, context, batch = 192, 4, 4, 64, 8
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(256, width)
+            self.position = torch.nn.Parameter(torch.zeros(context, width))
+            layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True,
+                                                     norm_first=True)
+            self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.norm = torch.nn.LayerNorm(width)
+            self.head = torch.nn.Linear(width, 256, bias=False)
+
+        def forward(self, tokens):
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+            x = self.embed(tokens) + self.position[: tokens.shape[1]]
+            return self.head(self.norm(self.blocks(x, mask=mask, is_causal=True)))
+
+    with open(HERE, "rb") as f:
+        corpus = torch.tensor(list(f.read()), dtype=torch.long)
+    model = torch.nn.parallel.DistributedDataParallel(GPT())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    timed = {True: [], False: []}
+    for i in range(2 + steps):
+        for sync in (True, False):
+            starts = torch.randint(0, len(corpus) - context - 1, (batch,), generator=gen)
+            x = torch.stack([corpus[s : s + context] for s in starts])
+            y = torch.stack([corpus[s + 1 : s + context + 1] for s in starts])
+            dist.barrier()
+            start = time.perf_counter()
+            with contextlib.nullcontext() if sync else model.no_sync():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if i >= 2:
+                timed[sync].append((time.perf_counter() - start) * 1e3)
+    return statistics.median(timed[True]), statistics.median(timed[False])
 
 
 def free_port() -> int:
@@ -164,6 +223,15 @@ def main() -> None:
                   + ", ".join(f"{r['exposed_ms']:.1f}" for r in results[b]) + ")")
         if exposed["gloo"]:
             print(f"  chorus / gloo: step {step['chorus'] / step['gloo']:.2f}x, exposed sync {exposed['chorus'] / exposed['gloo']:.2f}x")
+        step = {b: statistics.median(r["gpt_step_ms"] for r in results[b]) for b in results}
+        exposed = {b: statistics.median(r["gpt_exposed_ms"] for r in results[b]) for b in results}
+        print(f"# world {world}: byte-level GPT under DDP (4 layers, width 192, AdamW, bf16 autocast), "
+              f"medians of {args.rounds} rounds x {args.ddp_steps} steps")
+        for b in ("gloo", "chorus"):
+            print(f"  {b:>6}: step {step[b]:8.2f} ms, exposed sync {exposed[b]:8.2f} ms  (rounds: "
+                  + ", ".join(f"{r['gpt_exposed_ms']:.1f}" for r in results[b]) + ")")
+        print(f"  chorus / gloo: step {step['chorus'] / step['gloo']:.2f}x, exposed sync "
+              + (f"{exposed['chorus'] / exposed['gloo']:.2f}x" if exposed["gloo"] else "n/a (gloo's is 0)"))
         print(flush=True)
 
 
