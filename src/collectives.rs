@@ -20,7 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use chorus_actors::buffer::Buffer;
 use chorus_actors::driver::CollectiveError;
-use chorus_actors::rank::{Collective, Submit};
+use chorus_actors::rank::{Collective, Completed, Submit};
 use chorus_runtime::collective::{CollectiveKind, DType, ReduceOp};
 
 use crate::group::ProcessGroup;
@@ -103,11 +103,12 @@ fn operation(kind: CollectiveKind, dtype: DType, count: usize) -> Collective {
         input: Bytes::new(),
         output: Buffer::default(),
         timeout: None,
+        tag: 0,
     }
 }
 
 impl ProcessGroup {
-    fn submit(&self, op: Collective) -> Work<Buffer> {
+    fn submit_completed(&self, op: Collective) -> Work<Completed> {
         let (reply, result) = tokio::sync::oneshot::channel();
         // Queued now and run in its turn whether or not the Work is kept (RA-1).
         self.actor.do_send(Submit { op, reply });
@@ -115,6 +116,26 @@ impl ProcessGroup {
             result
                 .await
                 .map_err(|_| CollectiveError::Broken("the rank's actor has stopped".into()))?
+        })
+    }
+
+    fn submit(&self, op: Collective) -> Work<Buffer> {
+        let work = self.submit_completed(op);
+        Work::new(async move { Ok(work.await?.output) })
+    }
+
+    /// Submits a receive as given ([`submit_tensor`](Self::submit_tensor)),
+    /// `root: None` taking the first message of its tag from any rank, and
+    /// hands back its output and the rank it came from.
+    pub fn submit_recv(&self, op: Collective) -> Work<(Tensor, usize)> {
+        let dtype = op.dtype;
+        let work = self.submit_completed(op);
+        Work::new(async move {
+            let completed = work.await?;
+            let from = completed
+                .peer
+                .ok_or_else(|| CollectiveError::Broken("a receive named no sender".into()))?;
+            Ok((Tensor::from_buffer(dtype, completed.output), from))
         })
     }
 
@@ -310,10 +331,20 @@ impl ProcessGroup {
     }
 
     /// Sends `tensor` to rank `to` (matched by its `recv` from this rank).
+    /// Sends and receives run as soon as they are submitted, beside the
+    /// collectives (a receive may be posted before its send, on either
+    /// side); those between two ranks with one tag pair up in order.
     pub fn send(&self, tensor: Tensor, to: usize) -> Work<()> {
+        self.send_tagged(tensor, to, 0)
+    }
+
+    /// [`send`](Self::send) with a tag: only a receive of the same tag
+    /// takes it.
+    pub fn send_tagged(&self, tensor: Tensor, to: usize, tag: u64) -> Work<()> {
         self.submit_unit(
             Collective {
                 root: Some(to),
+                tag,
                 ..operation(CollectiveKind::Send, tensor.dtype(), tensor.len())
             }
             .with_input(tensor),
@@ -322,8 +353,24 @@ impl ProcessGroup {
 
     /// Receives `count` elements of `dtype` from rank `from`.
     pub fn recv(&self, dtype: DType, count: usize, from: usize) -> Work<Tensor> {
+        self.recv_tagged(dtype, count, from, 0)
+    }
+
+    /// [`recv`](Self::recv) of the messages sent with `tag`.
+    pub fn recv_tagged(&self, dtype: DType, count: usize, from: usize, tag: u64) -> Work<Tensor> {
         self.submit_tensor(Collective {
             root: Some(from),
+            tag,
+            output: vec![0; count * dtype.size()].into(),
+            ..operation(CollectiveKind::Recv, dtype, count)
+        })
+    }
+
+    /// Receives the first message sent to this rank with `tag` by any rank:
+    /// the tensor and its sender.
+    pub fn recv_any(&self, dtype: DType, count: usize, tag: u64) -> Work<(Tensor, usize)> {
+        self.submit_recv(Collective {
+            tag,
             output: vec![0; count * dtype.size()].into(),
             ..operation(CollectiveKind::Recv, dtype, count)
         })

@@ -744,7 +744,11 @@ fn next_nonce() -> u64 {
 /// do and there is room for them (SV-13).
 async fn watch_joiners(group: &ProcessGroup, base: &Base) -> usize {
     let next = base.rendezvous(group.generation() + 1);
-    let poll = if group.rank() == 0 { JOINER_POLL } else { JOINER_POLL_BACKUP };
+    let poll = if group.rank() == 0 {
+        JOINER_POLL
+    } else {
+        JOINER_POLL_BACKUP
+    };
     loop {
         tokio::time::sleep(poll).await;
         if group.world_size() >= base.max_world {

@@ -2,10 +2,13 @@
 //! ranks in one process: operations submitted without waiting run in
 //! submission order, keep their numbering past the channel count and
 //! around point-to-point operations, and a failure breaks the group only
-//! when frames may be left in flight. (RA-5 and RA-6: tests/flight_recorder.rs
-//! and tests/supervision.rs.)
+//! when frames may be left in flight; sends and receives run beside the
+//! collectives (RA-3, rules P2P-1..P2P-4 of `chorus_actors::p2p`). (RA-5
+//! and RA-6: tests/flight_recorder.rs and tests/supervision.rs.)
 
-use chorus::{CollectiveError, DType, ReduceOp, Tensor, spawn};
+use std::time::Duration;
+
+use chorus::{Buffer, Collective, CollectiveError, CollectiveKind, DType, ReduceOp, Tensor, spawn};
 
 mod common;
 use common::within;
@@ -166,6 +169,143 @@ async fn ra4_a_desync_breaks_the_group_and_later_operations_fail_at_once() {
                 "rank {}: the failure waited",
                 pg.rank()
             );
+        })
+        .await
+        .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ra3_receives_posted_before_their_sends_on_both_sides_do_not_deadlock() {
+    // 32 MiB each way: far past what a link queues, so run one at a time
+    // (the receive first) both ranks would wait for each other forever.
+    const N: usize = 8 << 20;
+    within(60, "the exchange", async {
+        spawn(2, |pg| async move {
+            let (rank, peer) = (pg.rank(), 1 - pg.rank());
+            let receive = pg.recv(DType::Float32, N, peer);
+            let send = pg.send(Tensor::from_slice(&vec![rank as f32; N]), peer);
+            let got = floats(receive.await.unwrap_or_else(|e| panic!("rank {rank}: recv: {e}")));
+            send.await.unwrap_or_else(|e| panic!("rank {rank}: send: {e}"));
+            assert!(got.iter().all(|&v| v == peer as f32), "rank {rank} got another's data");
+        })
+        .await
+        .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ra3_a_receive_pending_across_a_collective_holds_up_neither() {
+    within(60, "the group", async {
+        spawn(3, |pg| async move {
+            let rank = pg.rank();
+            // Rank 1 posts a receive that rank 0 answers only after an
+            // all-reduce every rank must reach first.
+            let pending = (rank == 1).then(|| pg.recv(DType::Float32, 4, 0));
+            let sum = pg.all_reduce(Tensor::from_slice(&[1.0f32]), ReduceOp::Sum).await;
+            assert_eq!(floats(sum.expect("all_reduce")), vec![3.0]);
+            if rank == 0 {
+                pg.send(Tensor::from_slice(&[9.0f32; 4]), 1).await.expect("send");
+            }
+            if let Some(pending) = pending {
+                assert_eq!(floats(pending.await.expect("recv")), vec![9.0; 4]);
+            }
+        })
+        .await
+        .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_2_a_receive_takes_only_its_tags_messages() {
+    within(60, "the group", async {
+        spawn(2, |pg| async move {
+            if pg.rank() == 0 {
+                pg.send_tagged(Tensor::from_slice(&[7.0f32]), 1, 7)
+                    .await
+                    .expect("send tag 7");
+                pg.send_tagged(Tensor::from_slice(&[3.0f32]), 1, 3)
+                    .await
+                    .expect("send tag 3");
+            } else {
+                // The other order: each receive waits for its own tag.
+                let three = pg.recv_tagged(DType::Float32, 1, 0, 3).await.expect("recv tag 3");
+                let seven = pg.recv_tagged(DType::Float32, 1, 0, 7).await.expect("recv tag 7");
+                assert_eq!((floats(three), floats(seven)), (vec![3.0], vec![7.0]));
+            }
+        })
+        .await
+        .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_3_a_receive_from_any_source_names_each_sender() {
+    within(60, "the group", async {
+        spawn(4, |pg| async move {
+            let rank = pg.rank();
+            if rank == 0 {
+                let mut senders = Vec::new();
+                for _ in 1..4 {
+                    let (tensor, from) = pg.recv_any(DType::Float32, 2, 5).await.expect("recv_any");
+                    assert_eq!(floats(tensor), vec![from as f32 * 10.0; 2], "the data is its sender's");
+                    senders.push(from);
+                }
+                senders.sort_unstable();
+                assert_eq!(senders, [1, 2, 3]);
+            } else {
+                pg.send_tagged(Tensor::from_slice(&[rank as f32 * 10.0; 2]), 0, 5)
+                    .await
+                    .expect("send");
+            }
+            pg.barrier().await.expect("barrier");
+            // Named receives after it take the next message of each sender.
+            if rank == 0 {
+                for from in (1..4).rev() {
+                    let next = pg.recv_tagged(DType::Float32, 2, from, 5).await.expect("recv");
+                    assert_eq!(floats(next), vec![from as f32 * 10.0 + 1.0; 2]);
+                }
+            } else {
+                pg.send_tagged(Tensor::from_slice(&[rank as f32 * 10.0 + 1.0; 2]), 0, 5)
+                    .await
+                    .expect("send");
+            }
+        })
+        .await
+        .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_3_a_receive_from_any_source_nobody_answers_times_out_naming_every_peer() {
+    within(60, "the group", async {
+        spawn(3, |pg| async move {
+            if pg.rank() == 0 {
+                let began = std::time::Instant::now();
+                let result = pg
+                    .submit_recv(Collective {
+                        kind: CollectiveKind::Recv,
+                        dtype: DType::UInt8,
+                        count: 4,
+                        root: None,
+                        op: None,
+                        input: Default::default(),
+                        output: Buffer::from(vec![0u8; 4]),
+                        timeout: Some(Duration::from_millis(300)),
+                        tag: 1,
+                    })
+                    .await;
+                match result {
+                    Err(CollectiveError::Timeout { waiting_for, .. }) => assert_eq!(waiting_for, [1, 2]),
+                    other => panic!("expected a timeout naming ranks 1 and 2, got {other:?}"),
+                }
+                assert!(began.elapsed() < Duration::from_secs(10), "took {:?}", began.elapsed());
+            }
         })
         .await
         .unwrap();

@@ -66,7 +66,7 @@ use tokio::task::JoinSet;
 use tokio::time::{Instant, Sleep};
 
 /// The tag of a signature frame (data tags pack round and segment).
-const SIGNATURE_TAG: u64 = u64::MAX;
+pub(crate) const SIGNATURE_TAG: u64 = u64::MAX;
 
 /// Smallest region lent to an in-process peer ([`crate::lend`]): below it a
 /// copy costs less than a view and the wait for its release at the end.

@@ -6,6 +6,9 @@
 //! - [`rank`]: [`RankActor`](rank::RankActor), which owns a rank's links and
 //!   runs its operations in submission order, numbered, under the rules
 //!   RA-1..RA-5 in its docs.
+//! - [`p2p`]: point-to-point operations run beside the rank's collectives,
+//!   in lanes per peer, direction and tag, with receives from any source;
+//!   rules P2P-1..P2P-4 in its docs.
 //! - [`heartbeat`]: heartbeats between ranks on a channel of their own, and
 //!   the sans-IO [`HeartbeatMonitor`](heartbeat::HeartbeatMonitor) that
 //!   tells a dead or frozen peer from a slow one.
@@ -31,6 +34,7 @@ pub mod heartbeat;
 pub mod lend;
 pub mod metrics;
 pub mod nccl;
+pub mod p2p;
 pub mod process_watch;
 pub mod rank;
 pub mod supervision;

@@ -9,9 +9,12 @@
 //! - RA-2: collectives are numbered per group; collective `n` uses channel
 //!   `n % COLLECTIVE_CHANNELS`, so consecutive collectives never share a
 //!   channel and frames of one are never read by another.
-//! - RA-3: point-to-point operations are numbered per peer and direction and
-//!   use their own channel, so ranks that do not take part in them keep the
-//!   same collective numbering.
+//! - RA-3: point-to-point operations do not take a turn in that order: each
+//!   runs as soon as it is submitted, beside the collectives, on channels of
+//!   their own numbered per peer, direction and tag (rules P2P-1..P2P-4 in
+//!   [`crate::p2p`]), so ranks that do not take part in them keep the same
+//!   collective numbering, and a receive posted before its send cannot
+//!   deadlock. Only RA-1's collectives hold the mailbox.
 //! - RA-4: after a failure that may have left frames in flight (timeout,
 //!   desync, a broken link), the group is broken: later operations fail at
 //!   once until it is re-formed. Errors every rank detects alike (a bad root,
@@ -29,30 +32,33 @@
 //!   as they are.
 //!
 //! Channels: collectives use `0..COLLECTIVE_CHANNELS` (RA-2), point-to-point
-//! [`P2P_CHANNEL`] (RA-3), heartbeats
+//! the [`P2P_TAGS`](crate::p2p::P2P_TAGS) above them (RA-3), heartbeats
 //! [`HEARTBEAT_CHANNEL`](crate::heartbeat::HEARTBEAT_CHANNEL)
 //! (`u32::MAX - 1`); the rest are free for users of raw links.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use actix::{Actor, ActorFutureExt, AtomicResponse, Context, Handler, Message, ResponseActFuture, WrapFuture};
+use actix::{
+    Actor, ActorFutureExt, AsyncContext, AtomicResponse, Context, Handler, Message, ResponseActFuture, WrapFuture,
+};
 use bytes::Bytes;
 use chorus_runtime::collective::Region;
 use chorus_runtime::collective::{
-    Action, CollectiveKind, DType, Overrides, Plan, PlanCache, ReduceError, ReduceOp, Signature, Spec, choose_algorithm,
+    Action, Algorithm, CollectiveKind, DType, Overrides, Plan, PlanCache, PlanError, ReduceError, ReduceOp, Signature,
+    Spec, choose_algorithm,
 };
-use chorus_runtime::flight::{FlightRecorder, write_dump};
+use chorus_runtime::flight::{EntryId, FlightRecorder, write_dump};
 use chorus_transports::link::{ChannelId, Link};
 
 use crate::buffer::Buffer;
 use tracing::Instrument;
 
-use crate::driver::{self, CollectiveError, FramePool, Job};
+use crate::driver::{self, CollectiveError, FramePool, Job, SIGNATURE_TAG};
 use crate::lend::LentOutput;
 use crate::metrics::{GroupMetrics, transport_index};
+use crate::p2p::{Lane, Lanes, Turn, Way, check_sender, first_sender, p2p_channel};
 use crate::supervision::{AbortReason, ErrorHandling, Supervision};
 
 /// Channels collectives rotate through (RA-2).
@@ -81,9 +87,6 @@ struct Prepared {
     bytes: ([u64; 3], [u64; 3]),
 }
 
-/// The channel point-to-point operations use (RA-3).
-pub const P2P_CHANNEL: ChannelId = COLLECTIVE_CHANNELS;
-
 /// One operation, as submitted: buffers are moved in and the output is
 /// handed back.
 #[derive(Debug)]
@@ -104,6 +107,9 @@ pub struct Collective {
     pub output: Buffer,
     /// Overrides the group's timeout for this operation.
     pub timeout: Option<Duration>,
+    /// A send's or receive's tag: a receive takes the messages its peer
+    /// sent with the same tag (RA-3).
+    pub tag: u64,
 }
 
 /// Sequence number, channel, ranks to announce to, ranks to check.
@@ -117,11 +123,11 @@ pub struct RankActor {
     timeout: Duration,
     overrides: Overrides,
     seq: u64,
-    sent: HashMap<usize, u64>,
-    received: HashMap<usize, u64>,
+    lanes: Lanes,
     broken: Option<String>,
     pool: FramePool,
-    flight: FlightRecorder,
+    /// Shared with the point-to-point operations running beside the actor.
+    flight: Arc<Mutex<FlightRecorder>>,
     trace_dir: Option<PathBuf>,
     generation: u64,
     supervision: Arc<Supervision>,
@@ -155,11 +161,10 @@ impl RankActor {
             timeout,
             overrides,
             seq: 0,
-            sent: HashMap::new(),
-            received: HashMap::new(),
+            lanes: Lanes::default(),
             broken: None,
             pool: FramePool::default(),
-            flight: FlightRecorder::new(0),
+            flight: Arc::new(Mutex::new(FlightRecorder::new(0))),
             trace_dir: None,
             generation: 0,
             supervision,
@@ -188,7 +193,7 @@ impl RankActor {
     /// Records operations in `flight` (RA-5) and, when `trace_dir` is set,
     /// dumps it there once the group breaks.
     pub fn with_flight_recorder(mut self, flight: FlightRecorder, trace_dir: Option<PathBuf>, generation: u64) -> Self {
-        self.flight = flight;
+        self.flight = Arc::new(Mutex::new(flight));
         self.trace_dir = trace_dir;
         self.generation = generation;
         self
@@ -223,9 +228,7 @@ impl RankActor {
         let Some(dir) = &self.trace_dir else {
             return;
         };
-        let dump = self
-            .flight
-            .dump(self.rank, self.world, self.generation, reason, SystemTime::now());
+        let dump = lock(&self.flight).dump(self.rank, self.world, self.generation, reason, SystemTime::now());
         match write_dump(dir, &dump) {
             Ok(path) => {
                 tracing::error!(rank = self.rank, path = %path.display(), "flight recorder dumped; run `chorus trace {}`", dir.display())
@@ -238,32 +241,18 @@ impl RankActor {
 
     /// Numbers the operation and picks its channel, the ranks it announces
     /// its signature to and the ranks whose signatures it checks.
-    fn place(&mut self, kind: CollectiveKind, peer: Option<usize>) -> Placement {
-        match (kind, peer) {
-            (CollectiveKind::Send, Some(peer)) => {
-                let n = self.sent.entry(peer).or_default();
-                *n += 1;
-                (*n - 1, P2P_CHANNEL, vec![peer], vec![])
-            }
-            (CollectiveKind::Recv, Some(peer)) => {
-                let n = self.received.entry(peer).or_default();
-                *n += 1;
-                (*n - 1, P2P_CHANNEL, vec![], vec![peer])
-            }
-            _ => {
-                self.seq += 1;
-                let seq = self.seq - 1;
-                let channel = (seq % u64::from(COLLECTIVE_CHANNELS)) as ChannelId;
-                if self.world > FULL_SIGNATURE_CHECK {
-                    // A ring of neighbours; the driver adds the plan's
-                    // edges (`Job::sign_data`).
-                    let (next, previous) = ((self.rank + 1) % self.world, (self.rank + self.world - 1) % self.world);
-                    return (seq, channel, vec![next], vec![previous]);
-                }
-                let others: Vec<usize> = (0..self.world).filter(|&r| r != self.rank).collect();
-                (seq, channel, others.clone(), others)
-            }
+    fn place(&mut self) -> Placement {
+        self.seq += 1;
+        let seq = self.seq - 1;
+        let channel = (seq % u64::from(COLLECTIVE_CHANNELS)) as ChannelId;
+        if self.world > FULL_SIGNATURE_CHECK {
+            // A ring of neighbours; the driver adds the plan's
+            // edges (`Job::sign_data`).
+            let (next, previous) = ((self.rank + 1) % self.world, (self.rank + self.world - 1) % self.world);
+            return (seq, channel, vec![next], vec![previous]);
         }
+        let others: Vec<usize> = (0..self.world).filter(|&r| r != self.rank).collect();
+        (seq, channel, others.clone(), others)
     }
 }
 
@@ -283,17 +272,32 @@ pub struct Submit {
     /// The operation.
     pub op: Collective,
     /// Where its result goes; nobody listening is fine.
-    pub reply: tokio::sync::oneshot::Sender<Result<Buffer, CollectiveError>>,
+    pub reply: tokio::sync::oneshot::Sender<Result<Completed, CollectiveError>>,
+}
+
+/// What a finished operation hands back.
+#[derive(Debug)]
+pub struct Completed {
+    /// The output buffer.
+    pub output: Buffer,
+    /// The rank a receive took its message from (known only once it ran,
+    /// for a receive from any source); `None` for other operations.
+    pub peer: Option<usize>,
 }
 
 impl Handler<Submit> for RankActor {
     type Result = AtomicResponse<Self, ()>;
 
-    fn handle(&mut self, msg: Submit, _ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Submit, ctx: &mut Context<Self>) -> Self::Result {
+        if matches!(msg.op.kind, CollectiveKind::Send | CollectiveKind::Recv) {
+            // RA-3: it runs beside the actor; the mailbox goes on at once.
+            self.start_p2p(msg.op, msg.reply, ctx);
+            return AtomicResponse::new(Box::pin(actix::fut::ready(())));
+        }
         let reply = msg.reply;
         AtomicResponse::new(Box::pin(self.start(msg.op).map(move |result, _, _| {
             // A dropped Work: the operation ran all the same; its result goes nowhere.
-            let _ = reply.send(result);
+            let _ = reply.send(result.map(|output| Completed { output, peer: None }));
         })))
     }
 }
@@ -322,9 +326,8 @@ impl RankActor {
         {
             return immediate(Err(ReduceError::Unsupported { op, dtype: msg.dtype }.into()));
         }
-        let (seq, channel, announce_to, check_from) = self.place(msg.kind, msg.root);
-        let sign_data =
-            self.world > FULL_SIGNATURE_CHECK && !matches!(msg.kind, CollectiveKind::Send | CollectiveKind::Recv);
+        let (seq, channel, announce_to, check_from) = self.place();
+        let sign_data = self.world > FULL_SIGNATURE_CHECK;
         let signature = Signature {
             seq,
             kind: msg.kind,
@@ -367,8 +370,12 @@ impl RankActor {
                 }
             }
         };
-        let entry = self.flight.record_signature(seq, &signature, SystemTime::now());
-        self.flight.record_started(entry, SystemTime::now());
+        let entry = {
+            let mut flight = lock(&self.flight);
+            let entry = flight.record_signature(seq, &signature, SystemTime::now());
+            flight.record_started(entry, SystemTime::now());
+            entry
+        };
         let (rank, links, timeout) = (self.rank, self.links.clone(), msg.timeout.unwrap_or(self.timeout));
         // Peers in this process may read its regions in place (`lend`).
         let mut output = LentOutput::new(msg.output);
@@ -412,53 +419,353 @@ impl RankActor {
                 .ok_or_else(|| CollectiveError::Broken("a peer still reads the output".into()))
         }
         .instrument(span);
-        Box::pin(run.into_actor(self).map(move |mut result, actor, _| {
+        Box::pin(run.into_actor(self).map(move |result, actor, _| {
             actor.supervision.finished();
-            if let (Some(metrics), Some((sent, received))) = (&actor.metrics, bytes) {
-                let op = metrics.op(kind);
-                if result.is_ok() {
-                    op.completed.increment(1);
-                    op.duration.record(began.elapsed().as_secs_f64());
-                    for (i, (to, from)) in metrics.all_bytes().iter().enumerate() {
-                        to.increment(sent[i]);
-                        from.increment(received[i]);
-                    }
-                } else {
-                    op.failed.increment(1);
-                }
-            }
-            match &result {
-                Ok(_) => actor.flight.record_completed(entry, SystemTime::now()),
-                Err(e) => {
-                    let waiting_for = match e {
-                        CollectiveError::Timeout { waiting_for, .. } => waiting_for.clone(),
-                        _ => Vec::new(),
-                    };
-                    actor
-                        .flight
-                        .record_timed_out(entry, SystemTime::now(), e.to_string(), waiting_for);
-                    match e {
-                        CollectiveError::BufferSize { .. } => {}
-                        // Later operations see the abort itself (SV-4).
-                        CollectiveError::GroupAborted(aborted) => actor.broke(&aborted.to_string()),
-                        _ => {
-                            tracing::error!(rank = actor.rank, error = %e, "collective failed; the group is broken until re-formed");
-                            actor.broken = Some(e.to_string());
-                            if actor.supervision.mode().aborts() {
-                                actor.supervision.abort(AbortReason::OperationFailed(e.to_string()), failed_ranks(e));
-                            }
-                            actor.broke(&e.to_string());
-                            // A link error names one link; the abort names who failed.
-                            if let (CollectiveError::Transport(_), Some(aborted)) = (e, actor.supervision.aborted()) {
-                                result = Err(aborted.into());
-                            }
-                        }
-                    }
-                }
-            }
-            result
+            record_metrics(actor.metrics.as_deref(), kind, began, bytes, result.is_ok());
+            record_end(&actor.flight, entry, &result);
+            result.map_err(|e| {
+                let (e, breakage) = settle_failure(&actor.supervision, actor.rank, e);
+                actor.apply(breakage);
+                e
+            })
         }))
     }
+
+    /// What an operation's failure did to the group, on the actor's side:
+    /// the recorder dumped (RA-5), later operations refused (RA-4).
+    fn apply(&mut self, breakage: Breakage) {
+        match breakage {
+            Breakage::None => {}
+            Breakage::Aborted(reason) => self.broke(&reason),
+            Breakage::Broken(reason) => {
+                self.broken = Some(reason.clone());
+                self.broke(&reason);
+            }
+        }
+    }
+
+    /// Starts a send or receive beside the actor (RA-3): it waits for its
+    /// lane's turn (P2P-1, P2P-3), then runs the plan on its own task and
+    /// replies from there, so neither a running collective nor a receive
+    /// still waiting holds it up.
+    fn start_p2p(
+        &mut self,
+        msg: Collective,
+        reply: tokio::sync::oneshot::Sender<Result<Completed, CollectiveError>>,
+        ctx: &mut Context<Self>,
+    ) {
+        let metrics = self.metrics.clone();
+        if let Some(metrics) = &metrics {
+            metrics.op(msg.kind).started.increment(1);
+        }
+        let (peers, channel, way, turn) = match self.queue_p2p(&msg) {
+            Ok(queued) => queued,
+            Err(error) => {
+                record_metrics(metrics.as_deref(), msg.kind, std::time::Instant::now(), None, false);
+                let _ = reply.send(Err(error));
+                return;
+            }
+        };
+        let context = P2pContext {
+            rank: self.rank,
+            world: self.world,
+            links: self.links.clone(),
+            timeout: msg.timeout.unwrap_or(self.timeout),
+            pool: self.pool.clone(),
+            supervision: self.supervision.clone(),
+            flight: self.flight.clone(),
+            metrics,
+            actor: ctx.address(),
+        };
+        actix::spawn(context.run(msg, peers, channel, way, turn, reply));
+    }
+
+    /// Checks a send or receive and queues it on its lanes: its peers (all
+    /// others for a receive from any source), channel, direction and turn.
+    fn queue_p2p(&mut self, msg: &Collective) -> Result<(Vec<usize>, ChannelId, Way, Turn), CollectiveError> {
+        if let Some(reason) = &self.broken {
+            return Err(CollectiveError::Broken(reason.clone()));
+        }
+        if let Some(aborted) = self.supervision.aborted() {
+            return Err(aborted.into());
+        }
+        let (rank, world, kind) = (self.rank, self.world, msg.kind);
+        let peers: Vec<usize> = match (kind, msg.root) {
+            (_, Some(peer)) => {
+                // A bad peer is refused here, as every rank would refuse it.
+                let spec = Spec {
+                    kind,
+                    dtype: msg.dtype,
+                    count: msg.count,
+                    root: Some(peer),
+                    world,
+                };
+                spec.plan(rank, Algorithm::Direct)?;
+                vec![peer]
+            }
+            // A receive from any source (P2P-3).
+            (CollectiveKind::Recv, None) => (0..world).filter(|&r| r != rank).collect(),
+            (_, None) => {
+                return Err(PlanError::Root {
+                    kind,
+                    root: None,
+                    world,
+                }
+                .into());
+            }
+        };
+        let channel = p2p_channel(msg.tag);
+        let way = if kind == CollectiveKind::Send {
+            Way::Out
+        } else {
+            Way::In
+        };
+        let lanes: Vec<Lane> = peers.iter().map(|&peer| (way, peer, channel)).collect();
+        Ok((peers, channel, way, self.lanes.enqueue(&lanes)))
+    }
+}
+
+/// What a point-to-point task needs of its rank.
+struct P2pContext {
+    rank: usize,
+    world: usize,
+    links: Arc<Vec<Option<Arc<dyn Link>>>>,
+    timeout: Duration,
+    pool: FramePool,
+    supervision: Arc<Supervision>,
+    flight: Arc<Mutex<FlightRecorder>>,
+    metrics: Option<Arc<GroupMetrics>>,
+    actor: actix::Addr<RankActor>,
+}
+
+impl P2pContext {
+    /// Runs one send or receive once its turn comes, and replies.
+    async fn run(
+        self,
+        msg: Collective,
+        peers: Vec<usize>,
+        channel: ChannelId,
+        way: Way,
+        mut turn: Turn,
+        reply: tokio::sync::oneshot::Sender<Result<Completed, CollectiveError>>,
+    ) {
+        turn.wait().await;
+        let (kind, began) = (msg.kind, std::time::Instant::now());
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let result = self.transfer(msg, &peers, channel, way, &turn, deadline).await;
+        let result = match result {
+            Ok((completed, bytes)) => {
+                record_metrics(self.metrics.as_deref(), kind, began, Some(bytes), true);
+                Ok(completed)
+            }
+            Err(e) => {
+                record_metrics(self.metrics.as_deref(), kind, began, None, false);
+                let (e, breakage) = settle_failure(&self.supervision, self.rank, e);
+                self.actor.do_send(Broke(breakage));
+                Err(e)
+            }
+        };
+        // The turn ends (dropped) after the reply: a later operation of the
+        // lane cannot overtake this one's result.
+        let _ = reply.send(result);
+        drop(turn);
+    }
+
+    /// The send or receive itself: the sender found (a receive from any
+    /// source), its plan, the driver. Returns the output and the bytes moved.
+    async fn transfer(
+        &self,
+        msg: Collective,
+        peers: &[usize],
+        channel: ChannelId,
+        way: Way,
+        turn: &Turn,
+        deadline: tokio::time::Instant,
+    ) -> Result<(Completed, ([u64; 3], [u64; 3])), CollectiveError> {
+        let mut signature = Signature {
+            seq: 0,
+            kind: msg.kind,
+            dtype: msg.dtype,
+            count: msg.count,
+            root: msg.root,
+            reduce_op: None,
+        };
+        let abort = self.supervision.subscribe();
+        let (peer, checked) = match msg.root {
+            Some(peer) => (peer, false),
+            None => {
+                let waited = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let found = first_sender(
+                    &self.links,
+                    peers,
+                    channel,
+                    (signature, self.rank, waited),
+                    abort.clone(),
+                );
+                let (peer, frame) = found.await?;
+                signature.seq = turn.number((way, peer, channel));
+                signature.root = Some(peer);
+                if frame.tag != SIGNATURE_TAG {
+                    return Err(CollectiveError::Protocol {
+                        peer,
+                        reason: "a message arrived without its sender's signature".into(),
+                    });
+                }
+                check_sender(&signature, self.rank, peer, &frame.payload)?;
+                (peer, true)
+            }
+        };
+        if !checked {
+            signature.seq = turn.number((way, peer, channel));
+        }
+        let spec = Spec {
+            kind: msg.kind,
+            dtype: msg.dtype,
+            count: msg.count,
+            root: Some(peer),
+            world: self.world,
+        };
+        let plan = spec.plan(self.rank, Algorithm::Direct)?;
+        let bytes = plan_bytes(&plan, &self.links, msg.dtype.size());
+        let entry = {
+            let mut flight = lock(&self.flight);
+            let entry = flight.record_signature(signature.seq, &signature, SystemTime::now());
+            flight.record_started(entry, SystemTime::now());
+            entry
+        };
+        let mut output = LentOutput::new(msg.output);
+        let lender = output.lender();
+        let (announce_to, check_from) = match (way, checked) {
+            (Way::Out, _) => (vec![peer], vec![]),
+            (Way::In, false) => (vec![], vec![peer]),
+            (Way::In, true) => (vec![], vec![]),
+        };
+        let ran = driver::run(Job {
+            rank: self.rank,
+            links: &self.links,
+            channel,
+            signature,
+            plan: &plan,
+            announce_to,
+            check_from,
+            sign_data: false,
+            input: msg.input,
+            output: output.as_mut_slice().expect("nothing is lent before the driver runs"),
+            timeout: deadline.saturating_duration_since(tokio::time::Instant::now()),
+            pool: &self.pool,
+            lender: Some(lender),
+            abort,
+        })
+        .await;
+        let result = ran.and_then(|()| {
+            output
+                .into_inner()
+                .ok_or_else(|| CollectiveError::Broken("a peer still reads the output".into()))
+        });
+        record_end(&self.flight, entry, &result);
+        result.map(|output| {
+            let peer = Some(peer);
+            (Completed { output, peer }, bytes)
+        })
+    }
+}
+
+/// A point-to-point operation's failure, for the actor to apply (RA-4).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct Broke(Breakage);
+
+impl Handler<Broke> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Broke, _ctx: &mut Context<Self>) {
+        self.apply(msg.0);
+    }
+}
+
+/// What a failed operation did to the group.
+#[derive(Debug)]
+enum Breakage {
+    /// Nothing: every rank refuses such a call alike (a buffer of the
+    /// wrong size).
+    None,
+    /// The group was aborted (later operations see the abort, SV-4).
+    Aborted(String),
+    /// The group is broken until re-formed (RA-4).
+    Broken(String),
+}
+
+/// Settles a failed operation with the group's supervision: aborts the
+/// group where the mode says so (RA-6). Returns the error its caller
+/// sees (a link error becomes the abort, which names who failed) and what
+/// the actor must apply.
+fn settle_failure(supervision: &Supervision, rank: usize, e: CollectiveError) -> (CollectiveError, Breakage) {
+    match e {
+        CollectiveError::BufferSize { .. } => (e, Breakage::None),
+        CollectiveError::GroupAborted(ref aborted) => {
+            let reason = aborted.to_string();
+            (e, Breakage::Aborted(reason))
+        }
+        e => {
+            tracing::error!(rank, error = %e, "operation failed; the group is broken until re-formed");
+            let reason = e.to_string();
+            if supervision.mode().aborts() {
+                supervision.abort(AbortReason::OperationFailed(reason.clone()), failed_ranks(&e));
+            }
+            let e = match (&e, supervision.aborted()) {
+                (CollectiveError::Transport(_), Some(aborted)) => aborted.into(),
+                _ => e,
+            };
+            (e, Breakage::Broken(reason))
+        }
+    }
+}
+
+/// Counts an ended operation in `metrics`: its time and bytes when it
+/// succeeded.
+fn record_metrics(
+    metrics: Option<&GroupMetrics>,
+    kind: CollectiveKind,
+    began: std::time::Instant,
+    bytes: Option<([u64; 3], [u64; 3])>,
+    ok: bool,
+) {
+    let Some(metrics) = metrics else {
+        return;
+    };
+    let op = metrics.op(kind);
+    if !ok {
+        op.failed.increment(1);
+        return;
+    }
+    op.completed.increment(1);
+    op.duration.record(began.elapsed().as_secs_f64());
+    if let Some((sent, received)) = bytes {
+        for (i, (to, from)) in metrics.all_bytes().iter().enumerate() {
+            to.increment(sent[i]);
+            from.increment(received[i]);
+        }
+    }
+}
+
+/// Records an operation's end in the flight recorder (RA-5).
+fn record_end<T>(flight: &Mutex<FlightRecorder>, entry: EntryId, result: &Result<T, CollectiveError>) {
+    let mut flight = lock(flight);
+    match result {
+        Ok(_) => flight.record_completed(entry, SystemTime::now()),
+        Err(e) => {
+            let waiting_for = match e {
+                CollectiveError::Timeout { waiting_for, .. } => waiting_for.clone(),
+                _ => Vec::new(),
+            };
+            flight.record_timed_out(entry, SystemTime::now(), e.to_string(), waiting_for);
+        }
+    }
+}
+
+/// The recorder, whoever panicked holding it (it holds plain records).
+fn lock(flight: &Mutex<FlightRecorder>) -> std::sync::MutexGuard<'_, FlightRecorder> {
+    flight.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Does nothing: answered once every operation queued before it has

@@ -22,9 +22,10 @@ later operation of the group raises :class:`chorus.GroupAborted` (a
 (``CHORUS_HEARTBEAT_TIMEOUT`` seconds, default 5), naming the rank; ranks
 that call different collectives raise :class:`chorus.DesyncError`.
 
-Differences from Gloo: ``send``/``recv`` tags are not matched (messages
-between two ranks arrive in the order sent), and ``recv`` from any source is
-not offered (name the source rank).
+Point-to-point operations run as Gloo's do: each send and receive starts
+at once, beside the collectives (a receive may be posted before its send,
+on either side); tags are matched, and ``recv`` from any source returns the
+sender.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from chorus import _chorus
-from chorus._errors import ChorusError, InvalidArgument
+from chorus._errors import InvalidArgument
 
 __all__ = ["ChorusBackend", "ChorusWork", "BACKEND"]
 
@@ -538,11 +539,25 @@ class ChorusBackend(_c10d.Backend):
 
     def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's name
         tensor = self._one(tensors, "send")
-        return self._work([self._submit("send", tensor.numel(), input=tensor, root=dstRank)], [tensor])
+        core = self._core.submit("send", tensor.numel(), _raw(tensor), None, dstRank, None, self._timeout, tag)
+        return self._work([core], [tensor])
 
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803 - torch's name
+        return self._receive(tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._receive(tensors, None, tag)
+
+    def _receive(self, tensors, source: Optional[int], tag: int) -> ChorusWork:
+        """A receive from `source` (None: the first sender of `tag`); the
+        sender is recorded for torch's ``work._source_rank()``."""
         tensor = self._one(tensors, "recv")
-        return self._work([self._submit("recv", tensor.numel(), output=tensor, root=srcRank)], [tensor])
+        core = self._core.submit("recv", tensor.numel(), None, _raw(tensor), source, None, self._timeout, tag)
+
+        def record_sender():
+            setattr(tensor, _SENDER, core.source)
+
+        return self._work([core], [tensor], [record_sender])
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -589,14 +604,21 @@ def _create(opts, backend_options=None) -> ChorusBackend:
     return ChorusBackend(_form(opts.store, opts.group_rank, opts.group_size, timeout), timeout)
 
 
+#: The attribute a received tensor carries its sender's rank in, for
+#: torch's ``work._source_rank()`` (the work torch hands out cannot ask
+#: chorus's).
+_SENDER = "_chorus_sender"
+
+
 def _forward_work_state() -> None:
     """torch (2.15) wraps a Python backend's work in a holder that forwards
-    ``wait`` and ``get_future`` but answers ``is_completed`` and
-    ``exception`` from its own state, which nothing sets: a polled work
-    would never complete. Works whose own answer is "not yet" are asked
-    again through their future, which the holder does forward."""
+    ``wait`` and ``get_future`` but answers ``is_completed``, ``exception``
+    and ``_source_rank`` from its own state, which nothing sets: a polled
+    work would never complete. Works whose own answer is "not yet" (or
+    none) are asked again through their future, which the holder does
+    forward."""
     work_class = _c10d.Work
-    is_completed, exception = work_class.is_completed, work_class.exception
+    is_completed, exception, source_rank = work_class.is_completed, work_class.exception, work_class._source_rank
 
     def future_of(work):
         try:
@@ -623,8 +645,20 @@ def _forward_work_state() -> None:
             return e
         return None
 
+    def forwarded_source_rank(work) -> int:
+        try:
+            return source_rank(work)
+        except RuntimeError:
+            future = future_of(work)
+            received = future.value() if future is not None and future.done() else None
+            sender = getattr(received[0], _SENDER, None) if received else None
+            if sender is None:
+                raise
+            return sender
+
     work_class.is_completed = forwarded_is_completed
     work_class.exception = forwarded_exception
+    work_class._source_rank = forwarded_source_rank
 
 
 _forward_work_state()

@@ -43,6 +43,12 @@ fn invalid(message: String) -> PyErr {
     Python::attach(|py| Failure::new(Class::InvalidArgument, message).to_err(py))
 }
 
+/// A submitted operation: a receive also names its sender.
+enum Pending {
+    Receive(chorus::Work<(Tensor, usize)>),
+    Other(chorus::Work<Tensor>),
+}
+
 /// A lent tensor's place in memory, to refuse an input that overlaps the
 /// output (the input is read while the output is written).
 type Span = (usize, usize);
@@ -176,8 +182,11 @@ impl Group {
     /// `broadcast`, `reduce`, `all_gather`, `gather`, `scatter`,
     /// `reduce_scatter`, `all_to_all`, `barrier`, `send`, `recv`), `count`
     /// the elements per rank, `input` the read-only input (reducing kinds
-    /// then run out of place), `output` the tensor written in place.
-    #[pyo3(signature = (kind, count, input = None, output = None, root = None, op = None, timeout = None))]
+    /// then run out of place), `output` the tensor written in place. A
+    /// send's or receive's `tag` pairs it with the peer's of the same tag;
+    /// a receive without `root` takes the first message from any rank (its
+    /// work's `source` then names the sender).
+    #[pyo3(signature = (kind, count, input = None, output = None, root = None, op = None, timeout = None, tag = 0))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -188,6 +197,7 @@ impl Group {
         root: Option<usize>,
         op: Option<&str>,
         timeout: Option<f64>,
+        tag: i64,
     ) -> PyResult<Work> {
         let kind = CollectiveKind::from_str(kind).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let op = op
@@ -238,16 +248,26 @@ impl Group {
             input: input.map(|(t, _)| t.into_shared()).unwrap_or_default(),
             output: output.map(|(t, _)| t.into_buffer()).unwrap_or_default(),
             timeout,
+            // Negative tags (torch's are C ints) keep their own lanes.
+            tag: tag as u64,
         };
         let rt = runtime()?;
+        let receive = kind == CollectiveKind::Recv;
         let (pending, failures) = self.with_group(kind.name(), |group| {
             let _enter = rt.enter();
-            (group.submit_tensor(collective), group.failures())
+            let pending = match receive {
+                true => Pending::Receive(group.submit_recv(collective)),
+                false => Pending::Other(group.submit_tensor(collective)),
+            };
+            (pending, group.failures())
         })?;
         let (work, state) = Work::pending();
         rt.spawn(async move {
-            let result = pending.await;
-            state.complete(result.map(drop).map_err(|e| Failure::from_collective(&e, &failures)));
+            let result = match pending {
+                Pending::Receive(work) => work.await.map(|(_, from)| state.received_from(from)),
+                Pending::Other(work) => work.await.map(drop),
+            };
+            state.complete(result.map_err(|e| Failure::from_collective(&e, &failures)));
         });
         Ok(work)
     }

@@ -3,7 +3,7 @@
 //! done-callbacks, which the Python side turns into a `torch.futures.Future`
 //! (DDP's reducer and comm hooks chain on it).
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use chorus::{CollectiveError, GroupAborted};
@@ -115,11 +115,19 @@ enum Outcome {
 pub(crate) struct State {
     outcome: Mutex<Outcome>,
     done: Condvar,
+    /// The rank a receive took its message from, once it has.
+    source: OnceLock<usize>,
 }
 
 impl State {
     fn lock(&self) -> std::sync::MutexGuard<'_, Outcome> {
         self.outcome.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the rank a receive took its message from, before its
+    /// completion.
+    pub(crate) fn received_from(&self, rank: usize) {
+        let _ = self.source.set(rank);
     }
 
     /// Records the result, wakes the waiters and runs the callbacks (on a
@@ -156,6 +164,7 @@ impl Work {
         let state = Arc::new(State {
             outcome: Mutex::new(Outcome::Pending(Vec::new())),
             done: Condvar::new(),
+            source: OnceLock::new(),
         });
         (Self { state: state.clone() }, state)
     }
@@ -214,6 +223,13 @@ impl Work {
             )
             .to_err(py)),
         }
+    }
+
+    /// The rank a receive took its message from (None until it has, and
+    /// for other operations).
+    #[getter]
+    fn source(&self) -> Option<usize> {
+        self.state.source.get().copied()
     }
 
     /// Whether the operation has ended (successfully or not).

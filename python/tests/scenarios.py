@@ -314,6 +314,56 @@ def bad_input() -> None:
     result(out)
 
 
+def point_to_point(backend: str) -> None:
+    """Sends and receives as Gloo runs them: receives posted before their
+    sends on every rank (tensors larger than a link queues), tags taken out
+    of order, receives from any source naming their senders, a receive
+    pending across a collective."""
+    dist.init_process_group(backend)
+    out = {}
+    n = 4 << 20
+    received, sent = torch.zeros(n), torch.full((n,), float(RANK))
+    first = dist.irecv(received, (RANK - 1) % WORLD)
+    second = dist.isend(sent, (RANK + 1) % WORLD)
+    first.wait()
+    second.wait()
+    out["ring"] = [received[0].item(), received[-1].item()]
+    if RANK == 0:
+        # isend: Gloo's blocking send of tag 2 would wait for its receive.
+        works = [dist.isend(torch.full((3,), 2.0), 1, tag=2), dist.isend(torch.full((3,), 1.0), 1, tag=1)]
+        for work in works:
+            work.wait()
+    elif RANK == 1:
+        one, two = torch.zeros(3), torch.zeros(3)
+        dist.recv(one, 0, tag=1)
+        dist.recv(two, 0, tag=2)
+        out["tags"] = [one[0].item(), two[0].item()]
+    if RANK == 0:
+        senders = []
+        for _ in range(WORLD - 1):
+            t = torch.zeros(2)
+            senders.append([dist.recv(t), t[0].item()])
+        out["any_source"] = sorted(senders)
+        work = dist.irecv(torch.zeros(2))
+        dist.barrier()
+        work.wait()
+        out["irecv_any_source"] = [work._source_rank(), work.is_completed()]
+    else:
+        dist.send(torch.full((2,), float(RANK)), 0)
+        dist.barrier()
+        if RANK == 1:
+            dist.send(torch.ones(2), 0)
+    pending = dist.irecv(torch.zeros(1), 0) if RANK == 1 else None
+    dist.all_reduce(torch.ones(1))
+    if RANK == 0:
+        dist.send(torch.ones(1), 1)
+    if pending is not None:
+        pending.wait()
+        out["pending_across_a_collective"] = pending.is_completed()
+    dist.destroy_process_group()
+    result(out)
+
+
 def modern_stack(backend: str) -> None:
     """torch's modern stack on `backend`: each feature's result (or its
     error), for the test to compare with Gloo's."""

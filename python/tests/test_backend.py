@@ -108,3 +108,12 @@ def test_torchs_modern_stack_runs_on_chorus_with_gloos_results(world):
         assert set(mine) == set(gloos)
         differ = {k: (mine[k], gloos[k]) for k in mine if mine[k] != gloos[k]}
         assert not differ, f"rank {rank}: chorus against gloo: {differ}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_point_to_point_runs_as_on_gloo(world):
+    chorus_side = [r.result() for r in run("point_to_point", world, args=["chorus"], timeout=120)]
+    gloo_side = [r.result() for r in run("point_to_point", world, args=["gloo"], timeout=120)]
+    assert chorus_side == gloo_side
+    assert chorus_side[0]["any_source"] == [[r, float(r)] for r in range(1, world)]
+    assert chorus_side[1]["tags"] == [1.0, 2.0]
