@@ -3,7 +3,7 @@
 //! submission order, keep their numbering past the channel count and
 //! around point-to-point operations, and a failure breaks the group only
 //! when frames may be left in flight; sends and receives run beside the
-//! collectives (RA-3, rules P2P-1..P2P-4 of `chorus_actors::p2p`). (RA-5
+//! collectives (RA-3, rules PP-1..PP-4 of `chorus_actors::p2p`). (RA-5
 //! and RA-6: tests/flight_recorder.rs and tests/supervision.rs.)
 
 use std::time::Duration;
@@ -220,7 +220,7 @@ async fn ra3_a_receive_pending_across_a_collective_holds_up_neither() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn p2p_2_a_receive_takes_only_its_tags_messages() {
+async fn pp2_a_receive_takes_only_its_tags_messages() {
     within(60, "the group", async {
         spawn(2, |pg| async move {
             if pg.rank() == 0 {
@@ -244,7 +244,7 @@ async fn p2p_2_a_receive_takes_only_its_tags_messages() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn p2p_3_a_receive_from_any_source_names_each_sender() {
+async fn pp3_a_receive_from_any_source_names_each_sender() {
     within(60, "the group", async {
         spawn(4, |pg| async move {
             let rank = pg.rank();
@@ -282,7 +282,7 @@ async fn p2p_3_a_receive_from_any_source_names_each_sender() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn p2p_3_a_receive_from_any_source_nobody_answers_times_out_naming_every_peer() {
+async fn pp3_a_receive_from_any_source_nobody_answers_times_out_naming_every_peer() {
     within(60, "the group", async {
         spawn(3, |pg| async move {
             if pg.rank() == 0 {

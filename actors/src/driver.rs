@@ -101,7 +101,8 @@ pub enum CollectiveError {
     #[error("{0}")]
     Transport(#[from] TransportError),
     /// The collective ran out of time.
-    #[error("{signature} timed out after {waited:?} on rank {rank}, waiting for frames from ranks {waiting_for:?}")]
+    // "Timed out" as Gloo words it: code written against torch's backends matches it.
+    #[error("{signature} on rank {rank}: Timed out after {waited:?} waiting for frames from ranks {waiting_for:?}")]
     Timeout {
         /// The collective.
         signature: Signature,

@@ -8,7 +8,7 @@
 //!   RA-1..RA-5 in its docs.
 //! - [`p2p`]: point-to-point operations run beside the rank's collectives,
 //!   in lanes per peer, direction and tag, with receives from any source;
-//!   rules P2P-1..P2P-4 in its docs.
+//!   rules PP-1..PP-4 in its docs.
 //! - [`heartbeat`]: heartbeats between ranks on a channel of their own, and
 //!   the sans-IO [`HeartbeatMonitor`](heartbeat::HeartbeatMonitor) that
 //!   tells a dead or frozen peer from a slow one.

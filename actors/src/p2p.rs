@@ -5,17 +5,17 @@
 //! transport's buffers, cannot deadlock.
 //!
 //! Rules:
-//! - P2P-1: operations of one lane (direction, peer, tag) run in the order
+//! - PP-1: operations of one lane (direction, peer, tag) run in the order
 //!   they were submitted; different lanes run concurrently. Frames of one
 //!   lane travel on one channel, so a send and its receive pair up in
 //!   order, as Gloo matches them.
-//! - P2P-2: a tag selects the channel ([`p2p_channel`]); a receive waits
+//! - PP-2: a tag selects the channel ([`p2p_channel`]); a receive waits
 //!   only for the sends of its own tag. Tags equal modulo [`P2P_TAGS`]
 //!   share a lane.
-//! - P2P-3: a receive from any source waits until no earlier receive of
+//! - PP-3: a receive from any source waits until no earlier receive of
 //!   its tag is pending, then takes the first sender's message; it is the
 //!   last operation of every receiving lane of its tag until it ends.
-//! - P2P-4: lanes number their operations when they start, so a receive
+//! - PP-4: lanes number their operations when they start, so a receive
 //!   from any source takes the number its sender's lane gave; both ends'
 //!   signatures are checked as for collectives.
 
@@ -33,13 +33,13 @@ use crate::driver::CollectiveError;
 use crate::supervision::GroupAborted;
 
 /// The first channel of point-to-point operations: tag `t` uses
-/// `P2P_FIRST_CHANNEL + t % P2P_TAGS` (P2P-2).
+/// `P2P_FIRST_CHANNEL + t % P2P_TAGS` (PP-2).
 pub const P2P_FIRST_CHANNEL: ChannelId = crate::rank::COLLECTIVE_CHANNELS;
 
-/// Distinct point-to-point tags (P2P-2).
+/// Distinct point-to-point tags (PP-2).
 pub const P2P_TAGS: u64 = 1 << 24;
 
-/// The channel of tag `tag`'s messages (P2P-2).
+/// The channel of tag `tag`'s messages (PP-2).
 pub fn p2p_channel(tag: u64) -> ChannelId {
     P2P_FIRST_CHANNEL + (tag % P2P_TAGS) as ChannelId
 }
@@ -53,7 +53,7 @@ pub(crate) enum Way {
     In,
 }
 
-/// A lane: direction, peer, channel (P2P-1).
+/// A lane: direction, peer, channel (PP-1).
 pub(crate) type Lane = (Way, usize, ChannelId);
 
 /// A queued operation's turn: the ends it waits for, and the end it marks.
@@ -73,7 +73,7 @@ impl Turn {
         }
     }
 
-    /// The number of the next operation on `lane` (P2P-4).
+    /// The number of the next operation on `lane` (PP-4).
     pub(crate) fn number(&self, lane: Lane) -> u64 {
         let mut numbers = self.numbers.lock().unwrap_or_else(|p| p.into_inner());
         let next = numbers.entry(lane).or_default();
@@ -118,7 +118,7 @@ impl Lanes {
 }
 
 /// Waits for the first message of `channel` from any of `peers` (a
-/// receive from any source, P2P-3): returns the sender and the first frame
+/// receive from any source, PP-3): returns the sender and the first frame
 /// it sent, its signature. Receives that lost the race are dropped, which
 /// loses no frame (every link's `recv` is cancel safe). `ours` and `rank`
 /// name the receive in a timeout's error.
@@ -188,7 +188,7 @@ mod tests {
     }
 
     #[test]
-    fn p2p_1_a_lane_runs_in_order_and_lanes_are_independent() {
+    fn pp1_a_lane_runs_in_order_and_lanes_are_independent() {
         let mut lanes = Lanes::default();
         let a = (Way::Out, 1, p2p_channel(0));
         let b = (Way::In, 1, p2p_channel(0));
@@ -203,7 +203,7 @@ mod tests {
     }
 
     #[test]
-    fn p2p_2_tags_pick_channels_above_the_collectives() {
+    fn pp2_tags_pick_channels_above_the_collectives() {
         assert_eq!(p2p_channel(0), crate::rank::COLLECTIVE_CHANNELS);
         assert_ne!(p2p_channel(1), p2p_channel(2));
         assert_eq!(p2p_channel(5), p2p_channel(5 + P2P_TAGS));
@@ -212,7 +212,7 @@ mod tests {
     }
 
     #[test]
-    fn p2p_3_a_receive_from_any_source_waits_for_and_holds_every_lane_of_its_tag() {
+    fn pp3_a_receive_from_any_source_waits_for_and_holds_every_lane_of_its_tag() {
         let mut lanes = Lanes::default();
         let from = |peer| (Way::In, peer, p2p_channel(3));
         let named = lanes.enqueue(&[from(1)]);
@@ -227,7 +227,7 @@ mod tests {
     }
 
     #[test]
-    fn p2p_4_lanes_number_their_operations_apart() {
+    fn pp4_lanes_number_their_operations_apart() {
         let mut lanes = Lanes::default();
         let turn = lanes.enqueue(&[]);
         let a = (Way::Out, 1, p2p_channel(0));

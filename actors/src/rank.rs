@@ -2,7 +2,7 @@
 //! operations strictly in submission order, each with a sequence number.
 //!
 //! Rules:
-//! - RA-1: operations run one at a time, in the order they were submitted
+//! - RA-1: collectives run one at a time, in the order they were submitted
 //!   (an `AtomicResponse` holds the mailbox until the running one ends),
 //!   each whether or not its submitter still waits for the result
 //!   ([`Submit`]).
@@ -11,7 +11,7 @@
 //!   channel and frames of one are never read by another.
 //! - RA-3: point-to-point operations do not take a turn in that order: each
 //!   runs as soon as it is submitted, beside the collectives, on channels of
-//!   their own numbered per peer, direction and tag (rules P2P-1..P2P-4 in
+//!   their own numbered per peer, direction and tag (rules PP-1..PP-4 in
 //!   [`crate::p2p`]), so ranks that do not take part in them keep the same
 //!   collective numbering, and a receive posted before its send cannot
 //!   deadlock. Only RA-1's collectives hold the mailbox.
@@ -445,7 +445,7 @@ impl RankActor {
     }
 
     /// Starts a send or receive beside the actor (RA-3): it waits for its
-    /// lane's turn (P2P-1, P2P-3), then runs the plan on its own task and
+    /// lane's turn (PP-1, PP-3), then runs the plan on its own task and
     /// replies from there, so neither a running collective nor a receive
     /// still waiting holds it up.
     fn start_p2p(
@@ -503,7 +503,7 @@ impl RankActor {
                 spec.plan(rank, Algorithm::Direct)?;
                 vec![peer]
             }
-            // A receive from any source (P2P-3).
+            // A receive from any source (PP-3).
             (CollectiveKind::Recv, None) => (0..world).filter(|&r| r != rank).collect(),
             (_, None) => {
                 return Err(PlanError::Root {

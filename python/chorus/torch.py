@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence
 
@@ -40,13 +41,18 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from chorus import _chorus
-from chorus._errors import InvalidArgument
+from chorus._errors import ChorusError, CollectiveTimeout, InvalidArgument
 
 __all__ = ["ChorusBackend", "ChorusWork", "BACKEND"]
 
 BACKEND = "chorus"
 #: torch's default for a CPU group's timeouts, in seconds.
 _DEFAULT_TIMEOUT = 1800.0
+#: The point-to-point tag of monitored barriers' messages, far from the
+#: small tags programs use.
+_MONITORED_BARRIER_TAG = (1 << 24) - 1
+#: Backends not yet shut down (see ``ChorusBackend.__init__``).
+_LIVE: "set[ChorusBackend]" = set()
 
 _R = dist.ReduceOp.RedOpType
 _OPS = {
@@ -197,7 +203,13 @@ class ChorusBackend(_c10d.Backend):
         self._core = core
         self._timeout = timeout
         self._coalescing: Optional[List[ChorusWork]] = None
+        self._collectives = 0
         self._options = _c10d.Backend.Options(BACKEND, timedelta(seconds=timeout or _DEFAULT_TIMEOUT))
+        # Held until the group is shut down: torch keeps only the C++ half
+        # of a Python backend where it wraps one (TORCH_DISTRIBUTED_DEBUG=
+        # DETAIL's checking wrapper), and without this object its calls
+        # would find no method.
+        _LIVE.add(self)
 
     @property
     def options(self):
@@ -219,9 +231,11 @@ class ChorusBackend(_c10d.Backend):
         """Leaves the group on purpose (``destroy_process_group`` calls it):
         peers see this rank shut down, not fail."""
         self._core.destroy()
+        _LIVE.discard(self)
 
     def abort(self) -> None:
         self._core.destroy()
+        _LIVE.discard(self)
 
     @property
     def supports_splitting(self) -> bool:
@@ -247,7 +261,14 @@ class ChorusBackend(_c10d.Backend):
         return ChorusWork([c for w in works for c in w._cores], [w._result for w in works],
                           [f for w in works for f in w._finish])
 
-    def _work(self, cores: Sequence[_chorus.Work], result, finish: Sequence[Callable[[], None]] = ()):
+    def _get_sequence_number_for_group(self) -> int:
+        """How many collectives this rank has issued on the group (what
+        torch's debug wrapper compares across ranks before each one)."""
+        return self._collectives
+
+    def _work(self, cores: Sequence[_chorus.Work], result, finish: Sequence[Callable[[], None]] = (),
+              collective: bool = True):
+        self._collectives += collective
         work = ChorusWork(cores, result, finish)
         if self._coalescing is not None:
             self._coalescing.append(work)
@@ -532,15 +553,59 @@ class ChorusBackend(_c10d.Backend):
         return self._work([self._submit("barrier", 0, timeout=timeout)], [])
 
     def monitored_barrier(self, opts=None, wait_all_ranks: bool = False) -> None:
-        """A barrier that names the ranks that did not come in time (as
-        Gloo's): a collective timeout here says which ranks were missing."""
-        timeout = opts.timeout if opts is not None else None
-        self._submit("barrier", 0, timeout=timeout).wait()
+        """Gloo's monitored barrier: rank 0 hears from every other rank
+        within the timeout, then answers each; the error names the ranks
+        that did not come (the first, or with `wait_all_ranks` all of
+        them), in Gloo's words. A failed one leaves the group broken (a
+        rank is stuck)."""
+        seconds = opts.timeout.total_seconds() if opts is not None else self._options._timeout.total_seconds()
+        deadline = time.monotonic() + max(seconds, 0.0)
+        token = torch.zeros(1, dtype=torch.uint8)
+        me, world = self.rank(), self.size()
+
+        def exchange(kind: str, peer: int):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveTimeout(f"Rank {me} timed out in monitoredBarrier after {seconds * 1e3:.0f} ms")
+            tensor = token if kind == "send" else torch.zeros(1, dtype=torch.uint8)
+            input, output = (tensor, None) if kind == "send" else (None, tensor)
+            self._core.submit(kind, 1, input, output, peer, None, left, _MONITORED_BARRIER_TAG).wait()
+
+        if me != 0:
+            try:
+                exchange("send", 0)
+                exchange("recv", 0)
+            except ChorusError as e:
+                raise CollectiveTimeout(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for "
+                    f"send/recv from rank 0. Please check rank 0 logs for faulty rank: {e}"
+                ) from e
+            return
+        missing = []
+        for peer in range(1, world):
+            try:
+                exchange("recv", peer)
+            except ChorusError as e:
+                if isinstance(e, CollectiveTimeout) and str(e).startswith(f"Rank {me} timed out"):
+                    raise
+                missing.append(peer)
+                if not wait_all_ranks:
+                    error = CollectiveTimeout(
+                        f"Rank {peer} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms: {e}")
+                    error.ranks = [peer]
+                    raise error from e
+        if missing:
+            error = CollectiveTimeout(
+                f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {seconds * 1e3:.0f} ms")
+            error.ranks = missing
+            raise error
+        for peer in range(1, world):
+            exchange("send", peer)
 
     def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's name
         tensor = self._one(tensors, "send")
         core = self._core.submit("send", tensor.numel(), _raw(tensor), None, dstRank, None, self._timeout, tag)
-        return self._work([core], [tensor])
+        return self._work([core], [tensor], collective=False)
 
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803 - torch's name
         return self._receive(tensors, srcRank, tag)
@@ -557,7 +622,7 @@ class ChorusBackend(_c10d.Backend):
         def record_sender():
             setattr(tensor, _SENDER, core.source)
 
-        return self._work([core], [tensor], [record_sender])
+        return self._work([core], [tensor], [record_sender], collective=False)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
