@@ -3,12 +3,15 @@
 run as ``WORLD`` rank processes the way upstream's
 ``test/distributed/test_distributed_spawn.py`` runs them.
 
-    python3 python/conformance/torch_suite.py --backend chorus --world 2 [--json FILE] [-k PATTERN ...]
+    python3 python/conformance/torch_suite.py --backend chorus --world 2 [--json FILE] [-k PATTERN ...] [--names A,B]
 
 ``--backend chorus`` enters chorus where upstream lets a third-party backend
 in (``DistTestCases.backend_feature`` "plugin", "ddp" and "subgroup").
 ``--as-gloo`` runs the cases upstream gates to Gloo by name with chorus
-under them (see cases.py). It prints one line per case and a summary, and
+under them (see cases.py). ``baseline.json`` beside this file lists the
+cases that pass on Gloo, those gated to Gloo by name although what they
+test is not Gloo's alone, and those left out with the reason;
+``python/tests/test_torch_suite.py`` holds chorus to it. It prints one line per case and a summary, and
 with ``--json`` writes ``{"torch": version, "world": N, "outcomes": {case:
 "passed" | "failed" | "skipped"}, "failures": {case: traceback}}``.
 """
@@ -77,6 +80,8 @@ def main() -> int:
     parser.add_argument("--json", help="write the outcomes here")
     parser.add_argument("-k", dest="patterns", action="append", default=[],
                         help="run only the cases whose names contain this (repeatable)")
+    parser.add_argument("--names", default="",
+                        help="run only the cases of these exact names (comma-separated)")
     args = parser.parse_args()
 
     # The suite reads these when it is imported, in this process and in
@@ -94,9 +99,13 @@ def main() -> int:
 
     loader = unittest.TestLoader()
     suite = loader.loadTestsFromTestCase(cases.TestDistBackendWithSpawn)
-    selected = unittest.TestSuite(
-        t for t in suite if not args.patterns or any(p in t.id() for p in args.patterns)
-    )
+    names = {n for n in args.names.split(",") if n}
+
+    def chosen(test) -> bool:
+        name = test.id().rsplit(".", 1)[-1]
+        return (not names or name in names) and (not args.patterns or any(p in name for p in args.patterns))
+
+    selected = unittest.TestSuite(t for t in suite if chosen(t))
     runner = unittest.TextTestRunner(resultclass=_Outcomes, verbosity=2, stream=sys.stdout)
     result = runner.run(selected)
     counts = {k: sum(1 for v in result.outcomes.values() if v == k) for k in ("passed", "failed", "skipped")}

@@ -1,0 +1,79 @@
+"""What a backend written in Python costs per call, against one in C++.
+
+    python3 python/bench/dispatch.py [--calls 20000]
+
+chorus's torch backend is a Python `Backend` subclass: torch's dispatcher
+calls into Python for every operation, which then calls the Rust library.
+A `c10d::Backend` written in C++ would skip the Python step. This measures
+that step alone, in one process (world 1, so no rank waits on another):
+`dist.all_reduce` of one float through (1) Gloo, C++ all the way, (2) a
+Python backend that does nothing (returns a finished work at once: torch's
+dispatch into Python and back), and (3) chorus. (2) minus (1) is the most a
+C++ backend could save per call; it prints the medians of 5 rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+import chorus.torch as chorus_torch
+
+
+class _Idle(c10d.Backend):
+    """A backend whose every all-reduce is already done."""
+
+    def __init__(self, rank: int, size: int):
+        super().__init__(rank, size)
+        self._options = c10d.Backend.Options("idle")
+
+    @property
+    def options(self):
+        return self._options
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "idle"
+
+    def allreduce(self, tensors, opts=None):
+        return chorus_torch.ChorusWork([], list(tensors))
+
+
+def per_call_us(group, calls: int) -> float:
+    t = torch.ones(1)
+    for _ in range(100):
+        dist.all_reduce(t, group=group)
+    began = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(t, group=group)
+    return (time.perf_counter() - began) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=20000)
+    args = parser.parse_args()
+    dist.Backend.register_backend("idle", lambda store, rank, size, timeout: _Idle(rank, size), devices=["cpu"])
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    groups = {"gloo": dist.group.WORLD, "python, idle": dist.new_group(backend="idle"),
+              "chorus": dist.new_group(backend="chorus")}
+    rounds = {name: [] for name in groups}
+    for _ in range(5):
+        for name, group in groups.items():
+            rounds[name].append(per_call_us(group, args.calls))
+    print(f"# dist.all_reduce of 1 float at world 1, us per call, medians of 5 rounds x {args.calls} calls")
+    for name, values in rounds.items():
+        print(f"  {name:>13}: {statistics.median(values):7.2f} us  (rounds: " + ", ".join(f"{v:.2f}" for v in values) + ")")
+    python_step = statistics.median(rounds["python, idle"]) - statistics.median(rounds["gloo"])
+    print(f"  torch's dispatch into a Python backend and back: {python_step:.2f} us per call "
+          f"(the most a C++ backend saves); chorus's whole call: {statistics.median(rounds['chorus']):.2f} us")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
