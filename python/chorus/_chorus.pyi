@@ -11,6 +11,10 @@ class Work:
         """Blocks until the operation ends, at most `timeout` seconds (None:
         its own deadline), the GIL released; True, or raises its error, or
         chorus.WaitTimeout when `timeout` passes first."""
+    @property
+    def source(self) -> Optional[int]:
+        """The rank a receive took its message from (None until it has,
+        and for other operations)."""
     def is_completed(self) -> bool:
         """Whether the operation has ended (successfully or not)."""
     def is_success(self) -> bool:
@@ -51,12 +55,15 @@ class Group:
         root: Optional[int] = None,
         op: Optional[str] = None,
         timeout: Optional[float] = None,
+        tag: int = 0,
     ) -> Work:
         """Submits one collective over contiguous CPU tensors, lent in place;
         returns at once. `kind`: all_reduce, broadcast, reduce, all_gather,
         gather, scatter, reduce_scatter, all_to_all, barrier, send, recv;
         `count`: elements per rank; `op`: sum, avg, prod, min, max, band, bor,
-        bxor."""
+        bxor. A send or receive pairs with the peer's of the same `tag`; a
+        receive without `root` takes the first sender's message (its work's
+        `source` names the sender)."""
     def destroy(self) -> None:
         """Leaves the group: a barrier over the links, then a shutdown peers
         see as a departure."""

@@ -14,7 +14,7 @@ between hosts) on the tensors' own memory: a contiguous CPU tensor is lent
 to the operation in place and kept alive until it ends, and the GIL is
 released while the ranks work. A non-contiguous tensor is refused with a
 ``ValueError`` (the result would not land in it); pass ``t.contiguous()``.
-Operations run in the order they are called, as on every torch backend.
+Collectives run in the order they are called, as on every torch backend.
 
 Supervision: when a rank dies, freezes or is cut off, every pending and
 later operation of the group raises :class:`chorus.GroupAborted` (a
@@ -245,7 +245,8 @@ class ChorusBackend(_c10d.Backend):
         """The backend of the group of `ranks` (this group's ranks, this
         rank among them), formed through `store` (``split_group``)."""
         me = list(ranks).index(self.rank())
-        return ChorusBackend(_form(store, me, len(ranks), self._timeout), self._timeout)
+        timeout = (_seconds(opts._timeout) if opts is not None else None) or self._timeout
+        return ChorusBackend(_form(store, me, len(ranks), timeout), timeout)
 
     @property
     def supports_coalescing(self) -> bool:
