@@ -400,17 +400,19 @@ pub async fn run(job: Job<'_>) -> Result<(), CollectiveError> {
     if let Some(aborted) = abort.borrow_and_update().clone() {
         return Err(aborted.into());
     }
-    let aborted = async move {
-        match abort.wait_for(Option::is_some).await {
-            Ok(aborted) => aborted.clone().expect("waited for Some"),
-            // The supervision state went with its group: nothing will abort.
-            Err(_) => std::future::pending().await,
-        }
-    };
     tokio::select! {
         biased;
-        aborted = aborted => Err(aborted.into()),
+        aborted = until_aborted(abort) => Err(aborted.into()),
         result = run_plan(job) => result,
+    }
+}
+
+/// Resolves with the abort once the group is aborted; pending forever if
+/// the supervision state went with its group (nothing will abort).
+pub(crate) async fn until_aborted(mut abort: watch::Receiver<Option<GroupAborted>>) -> GroupAborted {
+    match abort.wait_for(Option::is_some).await {
+        Ok(aborted) => aborted.clone().expect("waited for Some"),
+        Err(_) => std::future::pending().await,
     }
 }
 

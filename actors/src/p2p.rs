@@ -29,7 +29,7 @@ use chorus_transports::link::{ChannelId, Frame, Link};
 use futures_util::future::select_all;
 use tokio::sync::watch;
 
-use crate::driver::CollectiveError;
+use crate::driver::{CollectiveError, until_aborted};
 use crate::supervision::GroupAborted;
 
 /// The first channel of point-to-point operations: tag `t` uses
@@ -127,7 +127,7 @@ pub(crate) async fn first_sender(
     peers: &[usize],
     channel: ChannelId,
     (ours, rank, timeout): (Signature, usize, Duration),
-    mut abort: watch::Receiver<Option<GroupAborted>>,
+    abort: watch::Receiver<Option<GroupAborted>>,
 ) -> Result<(usize, Frame), CollectiveError> {
     let receives: Vec<_> = peers
         .iter()
@@ -144,15 +144,9 @@ pub(crate) async fn first_sender(
         }
         .into());
     }
-    let aborted = async move {
-        match abort.wait_for(Option::is_some).await {
-            Ok(aborted) => aborted.clone().expect("waited for Some"),
-            Err(_) => std::future::pending().await,
-        }
-    };
     tokio::select! {
         biased;
-        aborted = aborted => Err(aborted.into()),
+        aborted = until_aborted(abort) => Err(aborted.into()),
         ((peer, received), _, _) = select_all(receives) => Ok((peer, received?)),
         () = tokio::time::sleep(timeout) => Err(CollectiveError::Timeout {
             signature: ours,
