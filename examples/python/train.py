@@ -155,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
     # Survivors go on without a dead worker; its replacement joins later.
     padding = Padding(args.state_mib) if args.state_mib else None
     MARKS["model built"] = time.time()
-    manager = ct.Manager(net, opt, mode=args.mode, every=args.every, heartbeat_timeout=args.heartbeat_ms / 1e3,
+    manager = ct.ElasticTrainer(net, opt, mode=args.mode, every=args.every, heartbeat_timeout=args.heartbeat_ms / 1e3,
                          min_world=args.world - 1, max_world=args.world, timeout=120, extra_state=padding)
     # Roles follow the launcher's slots, not the group's ranks: on a loaded
     # machine a slow starter may miss the first generation and join the next.

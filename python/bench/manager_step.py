@@ -56,7 +56,7 @@ def worker(way: str, args) -> None:
 
     stamps = []
     if way == "manager":
-        manager = ct.Manager(net, opt, timeout=120)
+        manager = ct.ElasticTrainer(net, opt, timeout=120)
 
         def backward(step: ct.Step) -> float:
             mine = batch_of(step.step)[step.shard.start : step.shard.stop]

@@ -27,10 +27,12 @@ class Step:
     """This member's samples: positions within the step's global batch."""
 
 
-class Manager:
-    """Trains a torch model fault-tolerantly, the job torchft's ``Manager``
-    does, on chorus's elastic layer (run it under ``chorus launch
-    --restart-policy worker``).
+class ElasticTrainer:
+    """Trains a torch model fault-tolerantly in a loop of chorus's own,
+    which calls the user back for each step's gradients (run it under
+    ``chorus launch --restart-policy worker``). :class:`Manager` does the
+    same job in the user's own loop; this one also runs local SGD and
+    DiLoCo.
 
     Every step is committed only when every member's gradient sync
     succeeded (a vote), so survivors never roll back. When a member dies,
@@ -145,7 +147,7 @@ class Manager:
 class _Hooks:
     """What the Rust trainer calls back."""
 
-    def __init__(self, manager: Manager, backward: Callable[[Step], float]) -> None:
+    def __init__(self, manager: ElasticTrainer, backward: Callable[[Step], float]) -> None:
         self._manager = manager
         self._backward = backward
 

@@ -730,6 +730,7 @@ def _forward_work_state() -> None:
 _forward_work_state()
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
-from chorus._manager import Manager, Step  # noqa: E402  (after the backend's registration)
+from chorus._ft import DistributedDataParallel, DistributedSampler, Manager, Optimizer  # noqa: E402
+from chorus._manager import ElasticTrainer, Step  # noqa: E402  (after the backend's registration)
 
-__all__ += ["Manager", "Step"]
+__all__ += ["DistributedDataParallel", "DistributedSampler", "ElasticTrainer", "Manager", "Optimizer", "Step"]

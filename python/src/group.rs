@@ -22,8 +22,9 @@ const LEAVE_BARRIER: Duration = Duration::from_secs(30);
 /// One rank's process group.
 #[pyclass(module = "chorus._chorus", frozen)]
 pub(crate) struct Group {
-    /// `None` once destroyed.
-    group: Mutex<Option<ProcessGroup>>,
+    /// `None` once destroyed. Shared when it is an elastic job's
+    /// generation, lent by its `Trainer` (which ends it).
+    group: Mutex<Option<Arc<ProcessGroup>>>,
     rank: usize,
     world_size: usize,
     local_rank: usize,
@@ -94,6 +95,17 @@ fn lend(tensor: &Bound<'_, PyAny>, what: &str) -> PyResult<(Tensor, Span)> {
 }
 
 impl Group {
+    /// A generation of an elastic job, lent as a group: its collectives
+    /// run here, its lifetime stays the job's.
+    pub(crate) fn lent(group: Arc<ProcessGroup>) -> Self {
+        Group {
+            rank: group.rank(),
+            world_size: group.world_size(),
+            local_rank: group.local_rank(),
+            group: Mutex::new(Some(group)),
+        }
+    }
+
     fn with_group<T>(&self, what: &str, f: impl FnOnce(&ProcessGroup) -> T) -> PyResult<T> {
         let guard = self.group.lock().unwrap_or_else(|p| p.into_inner());
         match guard.as_ref() {
@@ -155,7 +167,7 @@ impl Group {
             rank: group.rank(),
             world_size: group.world_size(),
             local_rank: group.local_rank(),
-            group: Mutex::new(Some(group)),
+            group: Mutex::new(Some(Arc::new(group))),
         })
     }
 
@@ -280,7 +292,8 @@ impl Group {
     /// nothing.
     fn destroy(&self, py: Python<'_>) -> PyResult<()> {
         let group = self.group.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(group) = group {
+        // A lent generation is not this handle's to end.
+        if let Some(Ok(group)) = group.map(Arc::try_unwrap) {
             let rt = runtime()?;
             py.detach(|| {
                 rt.block_on(async move {

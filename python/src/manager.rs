@@ -9,12 +9,15 @@ use std::time::Duration;
 
 use chorus::rendezvous::InitMethod;
 use chorus::sync::ParamBuffer;
-use chorus::train::{Committed, InPlace, Job, Mode, Step, TrainOptions, TrainState};
+use chorus::train::{
+    Begin, Committed, InPlace, Job, Mode, Step, Stepper, StepperOptions, TrainOptions, TrainReport, TrainState,
+};
 use chorus::{DType, DistributedSync, ElasticGroup, InitOptions, Parameters};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::group::Group;
 use crate::runtime::runtime;
 use crate::work::{Class, Failure};
 
@@ -285,6 +288,41 @@ fn train_mode(name: &str, every: u64, outer_lr: f32, outer_momentum: f32, fragme
 #[pyclass(module = "chorus._chorus")]
 pub(crate) struct Trainer {
     group: Option<ElasticGroup>,
+    /// Per-step commit for the user's own loop (`begin_step`,
+    /// `commit_step`), made at the first step.
+    stepper: Option<Stepper>,
+}
+
+fn report_dict<'py>(py: Python<'py>, report: &TrainReport) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("steps", report.steps)?;
+    dict.set_item("applied", report.applied)?;
+    dict.set_item("adopted", report.adopted)?;
+    dict.set_item("outer_syncs", report.outer_syncs)?;
+    dict.set_item("rejected", report.rejected)?;
+    let recoveries: Vec<Bound<'_, PyDict>> = report
+        .recoveries
+        .iter()
+        .map(|r| -> PyResult<Bound<'_, PyDict>> {
+            let d = PyDict::new(py);
+            d.set_item("generation", r.generation)?;
+            d.set_item("world_size", r.world_size)?;
+            d.set_item("resumed_step", r.resumed_step)?;
+            d.set_item("bytes", r.bytes)?;
+            d.set_item("rendezvous_ms", r.rendezvous.as_secs_f64() * 1e3)?;
+            d.set_item("transfer_ms", r.transfer.as_secs_f64() * 1e3)?;
+            d.set_item("first_step_ms", r.first_step.as_secs_f64() * 1e3)?;
+            d.set_item("total_ms", r.total().as_secs_f64() * 1e3)?;
+            let at = r
+                .first_step_at
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            d.set_item("first_step_at", at)?;
+            Ok(d)
+        })
+        .collect::<PyResult<_>>()?;
+    dict.set_item("recoveries", recoveries)?;
+    Ok(dict)
 }
 
 impl Trainer {
@@ -327,13 +365,22 @@ impl Trainer {
         let group = py.detach(|| rt.block_on(ElasticGroup::init(options))).map_err(|e| {
             Failure::new(Class::Backend, format!("joining the job: {}", chorus::error_report(&e))).to_err(py)
         })?;
-        Ok(Self { group: Some(group) })
+        Ok(Self {
+            group: Some(group),
+            stepper: None,
+        })
     }
 
     /// This member's rank in the current generation.
     #[getter]
     fn rank(&self) -> usize {
         self.group.as_ref().map_or(0, ElasticGroup::rank)
+    }
+
+    /// The number of members in the current generation.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.group.as_ref().map_or(0, |g| g.current().world_size())
     }
 
     /// The current generation (0: the first; a relaunched worker joins a later one).
@@ -391,35 +438,87 @@ impl Trainer {
             )
             .to_err(py)
         })?;
+        Ok(report_dict(py, &report)?.into_any().unbind())
+    }
+
+    /// Starts a step of the user's loop on the current generation and
+    /// returns `{step, rank, world_size, generation, group, transfer}`:
+    /// `group` runs the step's gradient sync, `transfer` (None when the
+    /// generation did not change) says what the join moved. When the
+    /// generation changed, `state()` is called for `(hooks, entries)`: the
+    /// named tensors whose memory is the state (any dtype, moved as bytes)
+    /// and the object whose `save_extra()`/`load_extra(bytes)` move the
+    /// rest; the state moves from the most advanced members and is then
+    /// checked equal on every member (an error names the first entry that
+    /// differs). Blocks with the GIL released.
+    fn begin_step(&mut self, py: Python<'_>, state: Py<PyAny>) -> PyResult<Py<PyAny>> {
+        let group = self.group.as_ref().ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
+        let stepper = self
+            .stepper
+            .get_or_insert_with(|| Stepper::new(group, StepperOptions::default()));
+        let rt = runtime()?;
+        let mut job: Option<TorchJob> = None;
+        let begun = loop {
+            let outcome = py.detach(|| {
+                rt.block_on(stepper.begin(group, job.as_mut().map(|j| j as &mut dyn TrainState)))
+            });
+            match outcome {
+                Ok(Begin::Ready(begun)) => break begun,
+                Ok(Begin::NeedState) => {
+                    let (hooks, entries): (Py<PyAny>, Named<'_>) = state.call0(py)?.extract(py)?;
+                    job = Some(TorchJob::new(hooks, Vec::new(), Vec::new(), entries)?);
+                }
+                Err(e) => {
+                    return Err(Failure::new(
+                        Class::GroupAborted,
+                        format!("joining the step: {}", chorus::error_report(&e)),
+                    )
+                    .to_err(py));
+                }
+            }
+        };
         let dict = PyDict::new(py);
-        dict.set_item("steps", report.steps)?;
-        dict.set_item("applied", report.applied)?;
-        dict.set_item("adopted", report.adopted)?;
-        dict.set_item("outer_syncs", report.outer_syncs)?;
-        dict.set_item("rejected", report.rejected)?;
-        let recoveries: Vec<Bound<'_, PyDict>> = report
-            .recoveries
-            .iter()
-            .map(|r| -> PyResult<Bound<'_, PyDict>> {
+        dict.set_item("step", begun.step)?;
+        dict.set_item("rank", begun.group.rank())?;
+        dict.set_item("world_size", begun.group.world_size())?;
+        dict.set_item("generation", begun.group.generation())?;
+        let transfer = begun
+            .transfer
+            .as_ref()
+            .map(|t| -> PyResult<Bound<'_, PyDict>> {
                 let d = PyDict::new(py);
-                d.set_item("generation", r.generation)?;
-                d.set_item("world_size", r.world_size)?;
-                d.set_item("resumed_step", r.resumed_step)?;
-                d.set_item("bytes", r.bytes)?;
-                d.set_item("rendezvous_ms", r.rendezvous.as_secs_f64() * 1e3)?;
-                d.set_item("transfer_ms", r.transfer.as_secs_f64() * 1e3)?;
-                d.set_item("first_step_ms", r.first_step.as_secs_f64() * 1e3)?;
-                d.set_item("total_ms", r.total().as_secs_f64() * 1e3)?;
-                let at = r
-                    .first_step_at
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64());
-                d.set_item("first_step_at", at)?;
+                d.set_item("step", t.step)?;
+                d.set_item("sources", t.sources.clone())?;
+                d.set_item("receivers", t.receivers.clone())?;
+                d.set_item("bytes", t.bytes)?;
                 Ok(d)
             })
-            .collect::<PyResult<_>>()?;
-        dict.set_item("recoveries", recoveries)?;
+            .transpose()?;
+        dict.set_item("transfer", transfer)?;
+        dict.set_item("group", Py::new(py, Group::lent(begun.group))?)?;
         Ok(dict.into_any().unbind())
+    }
+
+    /// The vote of the step begun last: `ok` when this member's gradient
+    /// sync succeeded and its loss is finite, `fatal` when it stops for
+    /// good. Returns `(committed, summed loss)`: apply the update only when
+    /// committed. Blocks with the GIL released.
+    fn commit_step(&mut self, py: Python<'_>, ok: bool, fatal: bool, loss: f64) -> PyResult<(bool, f64)> {
+        let stepper = self
+            .stepper
+            .as_mut()
+            .ok_or_else(|| PyValueError::new_err("no step was begun (begin_step first)"))?;
+        let rt = runtime()?;
+        py.detach(|| rt.block_on(stepper.commit(ok, fatal, loss))).map_err(|e| {
+            Failure::new(Class::GroupAborted, format!("training stopped: {}", chorus::error_report(&e))).to_err(py)
+        })
+    }
+
+    /// What the user's loop did so far (`steps`, `applied`, `adopted`,
+    /// `rejected`, `recoveries` with their phases in ms).
+    fn step_report(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let report = self.stepper.as_ref().map(Stepper::report).unwrap_or_default();
+        Ok(report_dict(py, &report)?.into_any().unbind())
     }
 
     /// Checks that every member holds the same state (a checksum of every

@@ -13,6 +13,8 @@
 //!   [`transfer_plan`]: its decisions, sans IO.
 //! - [`outer`]: local SGD's and DiLoCo's outer step, sans IO.
 //! - [`trainer`]: [`train`], the loop with per-step commit and recovery.
+//! - [`stepper`]: [`Stepper`], the same per-step commit and recovery for a
+//!   loop the caller runs (a torch script's own).
 //! - [`record`]: opt-in commit records (`CHORUS_TRAIN_RECORD`), one JSON
 //!   line per committed step and member, which `chorus chaos` checks.
 
@@ -20,11 +22,13 @@ mod cma;
 pub mod outer;
 pub mod record;
 pub mod state;
+pub mod stepper;
 pub mod trainer;
 pub mod transfer;
 pub mod transfer_plan;
 
 pub use record::{CommitRecord, RECORD_ENV};
+pub use stepper::{Begin, Begun, Stepper, StepperOptions};
 pub use state::{InPlace, NamedState, StateEntry, TrainState, entries, for_each_entry};
 pub use trainer::{Committed, Job, Mode, Recovery, Step, TrainError, TrainOptions, TrainReport, train};
 pub use transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};

@@ -298,32 +298,32 @@ impl CommHook for Sum {
 
 /// Committed progress, carried in the transferred extras.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-struct Progress {
-    step: u64,
-    outer_syncs: u64,
+pub(super) struct Progress {
+    pub(super) step: u64,
+    pub(super) outer_syncs: u64,
 }
 
 impl Progress {
-    fn units(&self) -> u64 {
+    pub(super) fn units(&self) -> u64 {
         self.step + self.outer_syncs
     }
 }
 
 /// The local modes' outer state, flat over the parameters.
 #[derive(Debug, Default)]
-struct Outer {
+pub(super) struct Outer {
     anchor: Vec<f32>,
     momentum: Vec<f32>,
 }
 
 /// The job's state plus the trainer's: what a joiner receives.
-struct Full<'a, J> {
-    job: &'a mut J,
-    outer: &'a mut Outer,
-    progress: &'a mut Progress,
+pub(super) struct Full<'a, J: ?Sized> {
+    pub(super) job: &'a mut J,
+    pub(super) outer: &'a mut Outer,
+    pub(super) progress: &'a mut Progress,
     /// Set once a transfer wrote into any entry: if the transfer then
     /// breaks, this member's state is a mix and must never be a source.
-    written: bool,
+    pub(super) written: bool,
 }
 
 /// A buffer that reports writes into it (see [`Full::written`]).
@@ -372,7 +372,7 @@ fn tracking<'v>(
     }
 }
 
-impl<J: Job> Parameters for Full<'_, J> {
+impl<J: TrainState + ?Sized> Parameters for Full<'_, J> {
     fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
         self.job.visit_parameters(&mut tracking(&mut self.written, visit))
     }
@@ -381,7 +381,7 @@ impl<J: Job> Parameters for Full<'_, J> {
     }
 }
 
-impl<J: Job> TrainState for Full<'_, J> {
+impl<J: TrainState + ?Sized> TrainState for Full<'_, J> {
     /// The job's promise: the outer optimizer's buffers are `Vec`s of
     /// this state, which the transfer holds borrowed.
     fn buffers_in_place(&self) -> Option<InPlace> {
@@ -446,7 +446,7 @@ fn write_params(job: &mut dyn Parameters, flat: &[f32]) {
 }
 
 /// What ended an attempt at a unit of progress.
-enum Outcome {
+pub(super) enum Outcome {
     Committed,
     /// The group failed: wait for the next generation.
     GroupFailed,
@@ -456,19 +456,19 @@ enum Outcome {
 
 /// A recovery under way.
 #[derive(Debug)]
-struct Pending {
-    failed_at: Instant,
-    formed: Option<Duration>,
-    transferred: Option<(Instant, Duration)>,
-    generation: u64,
-    world_size: usize,
-    resumed_step: u64,
-    receivers: Vec<usize>,
-    bytes: u64,
+pub(super) struct Pending {
+    pub(super) failed_at: Instant,
+    pub(super) formed: Option<Duration>,
+    pub(super) transferred: Option<(Instant, Duration)>,
+    pub(super) generation: u64,
+    pub(super) world_size: usize,
+    pub(super) resumed_step: u64,
+    pub(super) receivers: Vec<usize>,
+    pub(super) bytes: u64,
 }
 
 impl Pending {
-    fn new(failed_at: Instant) -> Self {
+    pub(super) fn new(failed_at: Instant) -> Self {
         Self {
             failed_at,
             formed: None,
@@ -479,6 +479,43 @@ impl Pending {
             receivers: Vec::new(),
             bytes: 0,
         }
+    }
+
+    /// A failure: starts a recovery, or extends the one under way.
+    pub(super) fn extend(pending: &mut Option<Pending>) {
+        let p = pending.get_or_insert_with(|| Pending::new(Instant::now()));
+        p.formed = None;
+        p.transferred = None;
+    }
+
+    /// The recovery, ended by a committed step now (logged); `None` when
+    /// no transfer ended it (the initial formation).
+    pub(super) fn finish(self) -> Option<Recovery> {
+        let (transferred_at, transfer) = self.transferred?;
+        let recovery = Recovery {
+            generation: self.generation,
+            world_size: self.world_size,
+            resumed_step: self.resumed_step,
+            receivers: self.receivers,
+            bytes: self.bytes,
+            rendezvous: self.formed.unwrap_or_default(),
+            transfer,
+            first_step: transferred_at.elapsed(),
+            first_step_at: SystemTime::now(),
+        };
+        tracing::info!(
+            generation = recovery.generation,
+            world_size = recovery.world_size,
+            resumed_step = recovery.resumed_step,
+            receivers = ?recovery.receivers,
+            bytes = recovery.bytes,
+            rendezvous_ms = recovery.rendezvous.as_secs_f64() * 1e3,
+            transfer_ms = recovery.transfer.as_secs_f64() * 1e3,
+            first_step_ms = recovery.first_step.as_secs_f64() * 1e3,
+            total_ms = recovery.total().as_secs_f64() * 1e3,
+            "recovered"
+        );
+        Some(recovery)
     }
 }
 
@@ -643,40 +680,12 @@ pub async fn train<J: Job>(
                 }
                 // A recovery ends at the first committed unit, but the
                 // initial formation (no failure before it) is none.
-                if let Some(done) = pending.take()
-                    && let Some((transferred_at, transfer)) = done.transferred
-                {
-                    let recovery = Recovery {
-                        generation: done.generation,
-                        world_size: done.world_size,
-                        resumed_step: done.resumed_step,
-                        receivers: done.receivers,
-                        bytes: done.bytes,
-                        rendezvous: done.formed.unwrap_or_default(),
-                        transfer,
-                        first_step: transferred_at.elapsed(),
-                        first_step_at: SystemTime::now(),
-                    };
-                    tracing::info!(
-                        generation = recovery.generation,
-                        world_size = recovery.world_size,
-                        resumed_step = recovery.resumed_step,
-                        receivers = ?recovery.receivers,
-                        bytes = recovery.bytes,
-                        rendezvous_ms = recovery.rendezvous.as_secs_f64() * 1e3,
-                        transfer_ms = recovery.transfer.as_secs_f64() * 1e3,
-                        first_step_ms = recovery.first_step.as_secs_f64() * 1e3,
-                        total_ms = recovery.total().as_secs_f64() * 1e3,
-                        "recovered"
-                    );
+                if let Some(recovery) = pending.take().and_then(Pending::finish) {
                     report.recoveries.push(recovery);
                 }
             }
             Outcome::GroupFailed => {
-                // A failure during a recovery extends it.
-                let p = pending.get_or_insert_with(|| Pending::new(Instant::now()));
-                p.formed = None;
-                p.transferred = None;
+                Pending::extend(&mut pending);
                 wait_next(group, generation).await?;
             }
             Outcome::Rejected => {
@@ -696,7 +705,7 @@ pub async fn train<J: Job>(
     Ok(report)
 }
 
-async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(), TrainError> {
+pub(super) async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(), TrainError> {
     group
         .next_generation(generation)
         .await
@@ -706,7 +715,7 @@ async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(), TrainErr
 
 /// The commit vote: every member's `[succeeded, failed for good, loss]`
 /// summed. `None` when the vote itself failed (the group did).
-async fn vote(pg: &ProcessGroup, ok: bool, fatal: bool, loss: f64) -> Option<[f64; 3]> {
+pub(super) async fn vote(pg: &ProcessGroup, ok: bool, fatal: bool, loss: f64) -> Option<[f64; 3]> {
     let mine = [f64::from(u8::from(ok)), f64::from(u8::from(fatal)), loss];
     let sum = pg.all_reduce(Tensor::from_slice(&mine), ReduceOp::Sum).await.ok()?;
     let sum = sum.to_vec::<f64>().ok()?;
@@ -715,7 +724,7 @@ async fn vote(pg: &ProcessGroup, ok: bool, fatal: bool, loss: f64) -> Option<[f6
 
 /// Decides a unit from the vote; the error when this or another member
 /// failed for good.
-fn decide(pg: &ProcessGroup, step: u64, votes: Option<[f64; 3]>) -> Result<Outcome, TrainError> {
+pub(super) fn decide(pg: &ProcessGroup, step: u64, votes: Option<[f64; 3]>) -> Result<Outcome, TrainError> {
     let Some([ok, fatal, _]) = votes else {
         return Ok(Outcome::GroupFailed);
     };

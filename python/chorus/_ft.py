@@ -1,0 +1,630 @@
+"""Fault tolerance in the user's own training loop: ``Manager``,
+``DistributedDataParallel``, ``Optimizer`` and ``DistributedSampler``, the
+shape torchft's wrappers have, on chorus's elastic layer.
+
+A step is the user's: ``optimizer.zero_grad()`` starts it (the member
+joins the current generation; when the membership changed, the state moves
+from the most advanced members to the others and is checked equal on
+every member), the backward pass syncs the gradients bucket by bucket
+while it runs, ``optimizer.step()`` applies the update only if every
+member's sync succeeded (the commit vote). A step that fails anywhere is
+discarded by every member; nobody rolls back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from chorus import _chorus
+from chorus._errors import InvalidArgument
+
+Named = Tuple[str, torch.Tensor]
+_TENSOR = "__chorus_tensor__"
+_ENTRY = "__chorus_entry__"
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _tensor_leaves(value: Any) -> List[torch.Tensor]:
+    """The tensors of a state dict, in the order ``_encode`` meets them."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensor_leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensor_leaves(v)]
+    return []
+
+
+def _encode(value: Any, tensor: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with every tensor replaced by ``tensor(t)``, met in
+    ``_tensor_leaves``'s order."""
+    if torch.is_tensor(value):
+        return tensor(value)
+    if isinstance(value, dict):
+        return {k: _encode(v, tensor) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_encode(v, tensor) for v in value)
+    return value
+
+
+def _inline(t: torch.Tensor) -> Any:
+    """A tensor carried inside the pickle (an empty or non-CPU one): its
+    dtype, shape and raw bytes, which are the same on members holding the
+    same values (a pickled tensor's are not)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return (_TENSOR, _dtype_name(t), tuple(t.shape), flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+
+
+def _decode(value: Any, entries: List[torch.Tensor]) -> Any:
+    """``_encode``'s inverse; ``(_ENTRY, i)`` is ``entries[i]``, which the
+    transfer has already filled."""
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == _ENTRY:
+        return entries[value[1]]
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR:
+        _, dtype, shape, data = value
+        dtype = getattr(torch, dtype)
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    if isinstance(value, dict):
+        return {k: _decode(v, entries) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_decode(v, entries) for v in value)
+    return value
+
+
+class _RngState:
+    """torch's CPU random number generator as state."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+
+
+class _UserState:
+    """The user's ``state_dict``/``load_state_dict`` pair as an object."""
+
+    def __init__(self, save: Callable[[], Dict[str, Any]], load: Callable[[Dict[str, Any]], None]) -> None:
+        self.state_dict, self.load_state_dict = save, load
+
+
+class _Snapshot:
+    """The registered state at one join, as the Rust side moves it: every
+    CPU tensor an entry of raw bytes (any dtype; the name carries dtype and
+    shape, so members holding different state are told apart by name),
+    the rest pickled. A tensor ``state_dict()`` returns as the object's own
+    memory (the same twice) is read and written in place; any other (a
+    copy, as an RNG state is) goes through a buffer of the snapshot's."""
+
+    def __init__(self, objects: Dict[str, Any]) -> None:
+        self._objects = objects
+        self._held: List[torch.Tensor] = []
+        self.entries: List[Named] = []
+        for name, obj in objects.items():
+            first, again = _tensor_leaves(obj.state_dict()), _tensor_leaves(obj.state_dict())
+            for i, (t, u) in enumerate(zip(first, again)):
+                index = len(self._held)
+                if t.device.type != "cpu":
+                    raise InvalidArgument(
+                        f"{name}'s state holds a tensor on {t.device}: the manager moves CPU tensors "
+                        "(keep the model and optimizer on the CPU)")
+                if t.numel() == 0 or t.is_sparse:
+                    self._held.append(torch.empty(0))
+                    continue
+                live = t.is_contiguous() and t.data_ptr() == u.data_ptr()
+                held = t.detach() if live else torch.empty(t.shape, dtype=t.dtype)
+                self._held.append(held)
+                self.entries.append((f"{name}.{index}:{_dtype_name(t)}{list(t.shape)}", held.view(-1).view(torch.uint8)
+                                     if held.dim() else held.reshape(1).view(torch.uint8)))
+
+    def _slot(self, t: torch.Tensor, index: int) -> Any:
+        held = self._held[index] if index < len(self._held) else None
+        if held is None or held.numel() == 0 or held.shape != t.shape or held.dtype != t.dtype:
+            return _inline(t)
+        if held.data_ptr() != t.data_ptr():
+            held.copy_(t)
+        return (_ENTRY, index)
+
+    def save_extra(self) -> bytes:
+        counter = iter(range(1 << 62))
+        saved = {}
+        for name, obj in self._objects.items():
+            saved[name] = _encode(obj.state_dict(), lambda t: self._slot(t, next(counter)))
+        return pickle.dumps(saved, protocol=4)
+
+    def load_extra(self, data: bytes) -> None:
+        saved = pickle.loads(data)
+        for name, obj in self._objects.items():
+            obj.load_state_dict(_decode(saved[name], self._held))
+
+
+class Manager:
+    """Keeps a training job's replicas in sync through failures, with the
+    training loop left as the user wrote it (run the workers under ``chorus
+    launch --restart-policy worker``, which relaunches a failed worker, or
+    keeps ``--standby`` workers warm). Wrap the model in
+    :class:`DistributedDataParallel` and the optimizer in
+    :class:`Optimizer`; shard the data with :class:`DistributedSampler`.
+
+    The state a joiner receives from the survivors, live over the mesh:
+    every object given to :meth:`register_state` (the wrappers register the
+    model and the optimizer, the sampler its position; add LR schedulers, a
+    ``GradScaler``, anything with ``state_dict()``/``load_state_dict()``),
+    the user's ``state_dict``/``load_state_dict`` pair if given, and torch's
+    RNG state (``rng=False`` leaves it out, for members that draw different
+    random numbers on purpose). Tensors of every dtype move as raw bytes;
+    the rest (an optimizer's ``param_groups``, a scheduler's counters) is
+    pickled. Right after every join, every member's state is hashed and
+    compared: a divergence raises there, naming the first entry that
+    differs. At the very first step every member takes rank 0's state, as
+    DDP's construction does.
+
+    ``min_replica_size``: the fewest members a step may run with (None:
+    the launcher's world size, so a failed member's replacement is waited
+    for); ``max_world``: the most (None: the launcher's world size). The
+    first generation waits up to ``first_wait`` seconds for the launcher's
+    whole world once ``min_replica_size`` members came; a worker that
+    comes later joins at a step boundary.
+    """
+
+    def __init__(
+        self,
+        *,
+        state_dict: Optional[Callable[[], Dict[str, Any]]] = None,
+        load_state_dict: Optional[Callable[[Dict[str, Any]], None]] = None,
+        min_replica_size: Optional[int] = None,
+        max_world: Optional[int] = None,
+        timeout: float = 300.0,
+        heartbeat_timeout: Optional[float] = None,
+        rng: bool = True,
+        first_wait: float = 3.0,
+    ) -> None:
+        if (state_dict is None) != (load_state_dict is None):
+            raise InvalidArgument("give state_dict and load_state_dict together (or neither)")
+        self._objects: Dict[str, Any] = {}
+        if state_dict is not None:
+            self._objects["user"] = _UserState(state_dict, load_state_dict)
+        if rng:
+            self._objects["rng"] = _RngState()
+        self._timeout = timeout
+        self._join_options = (timeout, heartbeat_timeout, min_replica_size, max_world, first_wait)
+        # Joined at the first step, not here: survivors keep training while
+        # a joiner builds its model, optimizer and data loader.
+        self._trainer: Optional[_chorus.Trainer] = None
+        self._step: Optional[Dict[str, Any]] = None
+        self._errors: List[BaseException] = []
+        # Until the first step, the launcher's view (the sampler's first draw).
+        self._last: Dict[str, Any] = {"step": 0, "rank": int(os.environ.get("RANK", "0")),
+                                      "world_size": int(os.environ.get("WORLD_SIZE", "1")), "generation": 0}
+        self._joins: List[Dict[str, Any]] = []
+        self._commit_hooks: List[Callable[[int], None]] = []
+        self._quorum_started = 0.0
+
+    # -- the state ----------------------------------------------------------
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Adds ``obj`` (anything with ``state_dict()`` and
+        ``load_state_dict()``) to the state moved to joiners, under
+        ``name``; every member must register the same names, in the same
+        order."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise InvalidArgument(f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict()")
+        if name in self._objects:
+            raise InvalidArgument(f"{name} is registered already")
+        if self._step is not None or self._last["step"]:
+            raise InvalidArgument(f"register {name} before the first step")
+        for t in _tensor_leaves(obj.state_dict()):
+            if t.device.type != "cpu":
+                raise InvalidArgument(
+                    f"{name} holds a tensor on {t.device}: the manager keeps CPU state (move the model and the "
+                    "optimizer to the CPU, or leave the tensor out of state_dict())")
+        self._objects[name] = obj
+
+    def _state(self) -> Tuple[_Snapshot, List[Named]]:
+        snapshot = _Snapshot(self._objects)
+        return snapshot, snapshot.entries
+
+    # -- one step -----------------------------------------------------------
+
+    def start_quorum(self) -> None:
+        """Starts a step (``Optimizer.zero_grad`` calls it): joins the
+        current generation, receiving the state first if this member is
+        behind. Calling it again before the step is committed continues the
+        same step."""
+        if self._step is not None:
+            return
+        self._quorum_started = time.monotonic()
+        if self._trainer is None:
+            self._trainer = _chorus.Trainer(*self._join_options)
+        step = self._trainer.begin_step(self._state)
+        if step["transfer"] is not None:
+            self._joins.append({**step["transfer"], "generation": step["generation"],
+                                "world_size": step["world_size"], "verified": True,
+                                "ms": (time.monotonic() - self._quorum_started) * 1e3})
+        self._errors = []
+        self._step = step
+        self._last = {k: step[k] for k in ("step", "rank", "world_size", "generation")}
+
+    def _group(self):
+        if self._step is None:
+            raise InvalidArgument("no step is under way: call optimizer.zero_grad() (or manager.start_quorum()) first")
+        return self._step["group"]
+
+    def allreduce(self, tensor: torch.Tensor) -> "_Averaged":
+        """Averages ``tensor`` (in place) over the step's members, at once
+        in the background; ``wait()`` on the result. A failure does not
+        raise: it votes the step down (``should_commit()`` is then False)."""
+        if tensor.device.type != "cpu":
+            raise InvalidArgument(f"a tensor on {tensor.device}: the manager syncs CPU tensors")
+        group = self._group()
+        try:
+            work = group.submit("all_reduce", tensor.numel(), None, tensor, None, "sum", self._timeout)
+        except Exception as error:  # the group is gone: the step fails, the vote says so
+            self._errors.append(error)
+            work = None
+        return _Averaged(self, work, tensor, self._step["world_size"])
+
+    def report_error(self, error: BaseException) -> None:
+        """Votes the current step down (a member-local failure)."""
+        self._errors.append(error)
+
+    def errored(self) -> Optional[BaseException]:
+        """The first failure of the current step, if any."""
+        return self._errors[0] if self._errors else None
+
+    def should_commit(self) -> bool:
+        """The step's vote (``Optimizer.step`` calls it): True when every
+        member's sync succeeded; apply the update only then. Ends the step."""
+        if self._step is None:
+            raise InvalidArgument("should_commit() without a step: call optimizer.zero_grad() first")
+        ok = not self._errors
+        self._step = None
+        committed, _ = self._trainer.commit_step(ok, False, 0.0)
+        if committed:
+            self._last["step"] += 1
+            for hook in self._commit_hooks:
+                hook(self._last["step"])
+        return committed
+
+    def current_step(self) -> int:
+        """Committed steps so far (the same on every member)."""
+        return self._last["step"]
+
+    def num_participants(self) -> int:
+        """Members of the current step."""
+        return self._last["world_size"]
+
+    def participating_rank(self) -> int:
+        """This member's rank in the current step."""
+        return self._last["rank"]
+
+    @property
+    def generation(self) -> int:
+        """The membership's generation (it changes at each failure or join)."""
+        return self._last["generation"]
+
+    # -- checks and faults --------------------------------------------------
+
+    def report(self) -> Dict[str, Any]:
+        """What happened here: ``steps``, ``applied``, ``adopted`` (steps
+        taken over by receiving state), ``rejected``, ``recoveries`` (each
+        with its phases in ms) and ``joins`` (each transfer, verified)."""
+        report = self._joined().step_report()
+        report["joins"] = list(self._joins)
+        return report
+
+    def verify(self) -> None:
+        """Raises unless every member holds the same state (checksums of
+        every entry compared across the members, naming the first that
+        differs). Call it between steps, on every member."""
+        snapshot, entries = self._state()
+        self._joined().verify(snapshot, [], [], entries)
+
+    def cut_off(self, reason: str = "injected partition") -> None:
+        """Fault injection: cuts this member's links to every other member
+        while it keeps running, as a network partition would."""
+        self._joined().cut_links(reason)
+
+    def shutdown(self) -> None:
+        """Leaves the job (after the last step)."""
+        if self._trainer is not None:
+            self._trainer.destroy()
+
+    def _joined(self) -> "_chorus.Trainer":
+        if self._trainer is None:
+            raise InvalidArgument("the manager has not joined the job yet: it joins at the first step")
+        return self._trainer
+
+
+class _Averaged:
+    """An all-reduce in flight whose result is divided by the members."""
+
+    def __init__(self, manager: Manager, work, tensor: torch.Tensor, world: int) -> None:
+        self._manager, self._work, self._tensor, self._world = manager, work, tensor, world
+        self._done = work is None
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            self._done = True
+            try:
+                self._work.wait()
+                if self._world > 1:
+                    self._tensor.div_(self._world)
+            except Exception as error:  # the vote carries it to every member
+                self._manager.report_error(error)
+        return self._tensor
+
+
+class _Bucket:
+    def __init__(self, params: List[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+        self.views: List[torch.Tensor] = []
+        at = 0
+        for p in params:
+            self.views.append(self.flat[at : at + p.numel()].view_as(p))
+            at += p.numel()
+        self.ready = 0
+        self.work: Optional[_Averaged] = None
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """``module``, its gradients averaged over the manager's current
+    members while the backward pass runs: buckets of about
+    ``bucket_cap_mb`` (the first ``first_bucket_mb``, so that the sync
+    starts early), filled in reverse parameter order as DDP does, each
+    all-reduced as soon as its gradients are all ready. When ``backward()``
+    returns, every parameter's ``.grad`` holds the average (a view into its
+    bucket), so clipping, unscaling and logging work as under DDP. The
+    layout depends only on the parameters, so every member, a joiner too,
+    buckets alike. ``no_sync()`` accumulates locally, as DDP's does."""
+
+    def __init__(self, manager: Manager, module: torch.nn.Module, bucket_cap_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0) -> None:
+        super().__init__()
+        self.module = module
+        self._manager = manager
+        params, seen = [], set()
+        for name, p in module.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.device.type != "cpu":
+                raise InvalidArgument(f"parameter {name} is on {p.device}: the manager syncs CPU tensors")
+            if not p.is_contiguous():
+                raise InvalidArgument(f"parameter {name} is not contiguous")
+            params.append(p)
+        if not params:
+            raise InvalidArgument(f"{type(module).__name__} has no parameter that requires grad: nothing to sync")
+        self._buckets = _bucketize(params, bucket_cap_mb, first_bucket_mb)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._sync = True
+        self._in_backward = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        manager.register_state("model", module)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate locally inside; the next backward outside syncs them all."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            for bucket in self._buckets:
+                bucket.ready, bucket.work = 0, None
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+        bucket.work = self._manager.allreduce(bucket.flat)
+
+    def _finish(self) -> None:
+        """At the end of the backward pass: the buckets some parameter
+        never reached (unused in this step) go with zeros, then every
+        average lands in ``.grad``."""
+        self._in_backward = False
+        for bucket in self._buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self._buckets:
+            bucket.work.wait()
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+
+
+def _bucketize(params: List[torch.nn.Parameter], cap_mb: float, first_mb: float) -> List[_Bucket]:
+    """Reverse parameter order (a backward pass produces gradients about
+    so), one dtype per bucket, the first capped at ``first_mb``."""
+    buckets: List[_Bucket] = []
+    current: List[torch.nn.Parameter] = []
+    size, cap = 0, first_mb * 2**20
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > cap or p.dtype != current[0].dtype):
+            buckets.append(_Bucket(current))
+            current, size, cap = [], 0, cap_mb * 2**20
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+class Optimizer(torch.optim.Optimizer):
+    """``optimizer`` whose ``zero_grad()`` starts the manager's step and
+    whose ``step()`` applies the update only if the step is committed (see
+    :meth:`Manager.should_commit`). Registers the optimizer's whole
+    ``state_dict()`` (its ``param_groups`` too) as state."""
+
+    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer) -> None:
+        self.optim = optimizer
+        self.manager = manager
+        _materialize(optimizer)
+        manager.register_state("optimizer", optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.start_quorum()
+        self.optim.zero_grad(set_to_none)
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        if closure is not None:
+            raise InvalidArgument("optimizers that take a closure are not supported (as torchft's)")
+        if self.manager.should_commit():
+            self.optim.step()
+        return None
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    @property
+    def param_groups(self):  # noqa: D401 - the wrapped optimizer's
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self.optim.param_groups = value
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optim.state = value
+
+    @property
+    def defaults(self):
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, value) -> None:
+        self.optim.defaults = value
+
+    def __repr__(self) -> str:
+        return f"chorus.torch.Optimizer({self.optim!r})"
+
+
+def _materialize(optimizer: torch.optim.Optimizer) -> None:
+    """Creates the optimizer's lazily made state, unchanged in effect (one
+    step with zero gradients, then the parameters restored and step
+    counters reset), so that every member, a joiner too, holds the same
+    entries before its first step."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    for p, g in zip(params, grads):
+        p.grad = g
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key == "step" and torch.is_tensor(value):
+                value.zero_()
+
+
+class DistributedSampler(torch.utils.data.Sampler):
+    """Each member's share of ``dataset``, following the membership: every
+    batch of ``batch_size`` indices this member draws is its slice of the
+    next ``batch_size x members`` samples of the epoch's order (shuffled
+    by ``seed + epoch`` when ``shuffle``), taken with the membership known
+    when the batch is drawn. The position in the epoch is state: a joiner
+    receives it and goes on from there. Give the ``DataLoader`` the same
+    ``batch_size``. A step that is not committed loses its batch (as on
+    torchft); an epoch ends when its samples are used up (the last batch
+    may be short, or dropped with ``drop_last``), and the next pass over
+    the sampler is the next epoch."""
+
+    def __init__(self, dataset, manager: Manager, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False) -> None:
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size must be positive, not {batch_size}")
+        self._size = len(dataset)
+        self._manager = manager
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self.epoch = 0
+        self.cursor = 0
+        manager.register_state("sampler", self)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts epoch ``epoch`` from its beginning if it is past the
+        current one. Epochs only move forward: a joiner's loop, counting
+        from 0, must not take the sampler back."""
+        if epoch > self.epoch:
+            self.epoch, self.cursor = epoch, 0
+
+    def _order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self._size)
+        return torch.randperm(self._size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def __iter__(self) -> Iterator[int]:
+        if self.cursor >= self._size:
+            # The last pass ended: this one is the next epoch.
+            self.epoch, self.cursor = self.epoch + 1, 0
+        epoch, order = self.epoch, self._order()
+        while self.cursor < self._size:
+            if self.epoch != epoch:  # a joiner received the survivors' position
+                epoch, order = self.epoch, self._order()
+            members = max(1, self._manager.num_participants())
+            rank = min(self._manager.participating_rank(), members - 1)
+            start = self.cursor + rank * self.batch_size
+            mine = order[start : min(start + self.batch_size, self._size)].tolist()
+            self.cursor += members * self.batch_size
+            if not mine or (self.drop_last and len(mine) < self.batch_size):
+                return
+            yield from mine
+
+    def __len__(self) -> int:
+        members = max(1, self._manager.num_participants())
+        per_member = self._size / members
+        return int(per_member) if self.drop_last else math.ceil(per_member)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]

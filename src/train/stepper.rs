@@ -1,0 +1,254 @@
+//! Per-step commit for a loop the caller runs: the machinery of
+//! [`train`](super::train) without the loop, for a training loop that
+//! stays its user's own (a torch script's `zero_grad`, `backward`, `step`).
+//!
+//! Each step is [`Stepper::begin`] (join the current generation: when it
+//! changed, the state moves from the most advanced members to the others
+//! and is checked equal on every member), the caller's gradient sync on
+//! [`Begun::group`], then [`Stepper::commit`] (the vote: the step counts
+//! only when every member's sync succeeded). A step that is not committed
+//! is discarded by every member; none rolls back. At the very first
+//! formation every member takes rank 0's state, as DDP's construction
+//! broadcasts it, so replicas start equal however they were built.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::state::TrainState;
+use super::trainer::{Full, Outcome, Outer, Pending, Progress, TrainError, TrainReport, decide, vote, wait_next};
+use super::transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
+use crate::elastic::ElasticGroup;
+use crate::group::ProcessGroup;
+
+/// What a [`Stepper`] does at each join.
+#[derive(Debug, Clone)]
+pub struct StepperOptions {
+    /// How state moves to joiners.
+    pub transfer: TransferOptions,
+    /// Times a step may be voted down by a member's local failure (not a
+    /// group failure) in a row before [`Stepper::commit`] fails.
+    pub max_rejections: u32,
+}
+
+impl Default for StepperOptions {
+    fn default() -> Self {
+        Self {
+            transfer: TransferOptions::default(),
+            max_rejections: 3,
+        }
+    }
+}
+
+/// What [`Stepper::begin`] found.
+#[derive(Debug)]
+pub enum Begin {
+    /// The step may run.
+    Ready(Begun),
+    /// The generation changed: call again with the state, which moves.
+    NeedState,
+}
+
+/// A step under way.
+#[derive(Debug, Clone)]
+pub struct Begun {
+    /// The generation the step runs in: sync the gradients here.
+    pub group: Arc<ProcessGroup>,
+    /// The committed step it becomes.
+    pub step: u64,
+    /// The state transfer this join ran, if the generation changed.
+    pub transfer: Option<TransferReport>,
+}
+
+/// One member's side of per-step commit (see the module docs).
+#[derive(Debug)]
+pub struct Stepper {
+    options: StepperOptions,
+    progress: Progress,
+    /// Whether this member's state may be a source (false for a joiner
+    /// until it received one, and after a transfer into it broke).
+    has_state: bool,
+    /// The generation the state was last synced into.
+    current: Option<Arc<ProcessGroup>>,
+    /// A generation that failed under this member: wait for the next.
+    failed: Option<u64>,
+    /// Whether a step was begun on `current` (a second `begin` before
+    /// the vote continues it, as a second `zero_grad` would).
+    in_step: bool,
+    pending: Option<Pending>,
+    report: TrainReport,
+    rejections: u32,
+}
+
+impl Stepper {
+    /// A member of `group`'s job: a process that joined a running job
+    /// (its generation is past 0) has no state until it receives one.
+    pub fn new(group: &ElasticGroup, options: StepperOptions) -> Self {
+        Self {
+            options,
+            progress: Progress::default(),
+            has_state: group.generation() == 0 && group.rank() == 0,
+            current: None,
+            failed: None,
+            in_step: false,
+            pending: None,
+            report: TrainReport::default(),
+            rejections: 0,
+        }
+    }
+
+    /// Committed steps so far.
+    pub fn step(&self) -> u64 {
+        self.progress.step
+    }
+
+    /// What happened so far: steps, commits applied here, steps adopted by
+    /// receiving state, recoveries with their phases.
+    pub fn report(&self) -> TrainReport {
+        TrainReport {
+            steps: self.progress.step,
+            ..self.report.clone()
+        }
+    }
+
+    /// Starts a step on the current generation. When the generation
+    /// changed since the last step (a member failed or a joiner was
+    /// admitted) and `state` is `None`, returns [`Begin::NeedState`];
+    /// given the state, it runs the transfer, then checks that every
+    /// member holds the same state (an error naming the first entry that
+    /// differs). A generation that fails during the join is waited out.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: the join runs collectives with the peers.
+    pub async fn begin(
+        &mut self,
+        group: &ElasticGroup,
+        mut state: Option<&mut dyn TrainState>,
+    ) -> Result<Begin, TrainError> {
+        loop {
+            if let Some(generation) = self.failed.take() {
+                wait_next(group, generation).await?;
+            }
+            let pg = group.current();
+            if self.current.as_ref().is_some_and(|c| c.generation() == pg.generation()) {
+                self.in_step = true;
+                return Ok(Begin::Ready(Begun {
+                    group: pg,
+                    step: self.progress.step,
+                    transfer: None,
+                }));
+            }
+            let Some(state) = state.as_deref_mut() else {
+                return Ok(Begin::NeedState);
+            };
+            // A generation swapped in between two steps is a recovery too
+            // (a joiner admitted into a healthy group).
+            if self.current.take().is_some() && self.pending.is_none() {
+                self.pending = Some(Pending::new(Instant::now()));
+            }
+            if let Some(p) = self.pending.as_mut() {
+                p.formed.get_or_insert_with(|| p.failed_at.elapsed());
+            }
+            let started = Instant::now();
+            let before = self.progress.step;
+            let mut outer = Outer::default();
+            let mut full = Full {
+                job: state,
+                outer: &mut outer,
+                progress: &mut self.progress,
+                written: false,
+            };
+            let mine = self.has_state.then(|| full.progress.units());
+            let joined = match sync_state(&pg, &mut full, mine, &self.options.transfer).await {
+                Ok(transfer) => verify_state(&pg, &mut full).await.map(|()| transfer),
+                Err(e) => Err(e),
+            };
+            let written = full.written;
+            let transfer = match joined {
+                Ok(transfer) => transfer,
+                Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
+                    // A receiver cut off mid-transfer holds a mix of two
+                    // states: it must receive again.
+                    if written {
+                        self.has_state = false;
+                    }
+                    self.failed = Some(pg.generation());
+                    continue;
+                }
+                Err(other) => return Err(TrainError::Transfer(other)),
+            };
+            if transfer.receivers.contains(&pg.rank()) {
+                self.report.adopted += self.progress.step - before;
+            }
+            self.has_state = true;
+            if let Some(p) = self.pending.as_mut() {
+                p.generation = pg.generation();
+                p.world_size = pg.world_size();
+                p.resumed_step = self.progress.step;
+                p.receivers = transfer.receivers.clone();
+                p.bytes = transfer.bytes;
+                p.transferred = Some((Instant::now(), started.elapsed()));
+            }
+            self.current = Some(pg.clone());
+            self.in_step = true;
+            return Ok(Begin::Ready(Begun {
+                group: pg,
+                step: self.progress.step,
+                transfer: Some(transfer),
+            }));
+        }
+    }
+
+    /// The step's vote: `ok` when this member's gradient sync succeeded
+    /// and its loss is finite, `fatal` when it stops for good (its peers
+    /// then stop too). Returns whether the step is committed: apply the
+    /// update only then. Not committed because the group failed, the next
+    /// [`begin`](Self::begin) waits for the next generation; voted down
+    /// by a member's local failure, the step runs again (at most
+    /// [`StepperOptions::max_rejections`] times in a row). The second
+    /// value is the sum of the members' `loss`es.
+    pub async fn commit(&mut self, ok: bool, fatal: bool, loss: f64) -> Result<(bool, f64), TrainError> {
+        let Some(pg) = self.current.clone().filter(|_| self.in_step) else {
+            return Err(TrainError::Job {
+                step: self.progress.step,
+                reason: "commit without a step begun (begin first)".into(),
+            });
+        };
+        self.in_step = false;
+        let votes = vote(&pg, ok, fatal, loss).await;
+        let summed = votes.map_or(0.0, |v| v[2]);
+        match decide(&pg, self.progress.step, votes)? {
+            Outcome::Committed => {
+                self.rejections = 0;
+                self.progress.step += 1;
+                self.report.applied += 1;
+                if let Some(recovery) = self.pending.take().and_then(Pending::finish) {
+                    self.report.recoveries.push(recovery);
+                }
+                Ok((true, summed))
+            }
+            Outcome::GroupFailed => {
+                self.fail();
+                Ok((false, summed))
+            }
+            Outcome::Rejected => {
+                self.report.rejected += 1;
+                self.rejections += 1;
+                if self.rejections > self.options.max_rejections {
+                    return Err(TrainError::Rejected {
+                        step: self.progress.step,
+                        times: self.rejections,
+                    });
+                }
+                Ok((false, summed))
+            }
+        }
+    }
+
+    fn fail(&mut self) {
+        Pending::extend(&mut self.pending);
+        if let Some(pg) = self.current.take() {
+            self.failed = Some(pg.generation());
+        }
+    }
+}
