@@ -10,7 +10,10 @@ use std::time::Duration;
 
 use chorus::store::{HashStore, Store};
 use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
-use chorus::train::{self, Job, Mode, NamedState, Step, TrainOptions, TrainReport, TrainState};
+use chorus::train::{
+    self, Begin, Job, Mode, NamedState, Step, Stepper, StepperOptions, TrainOptions, TrainReport, TrainState,
+};
+use chorus::{ReduceOp, Tensor};
 use chorus::{ElasticGroup, InitOptions};
 
 mod common;
@@ -168,6 +171,167 @@ async fn a_failed_step_is_re_run_never_applied_twice_and_the_joiner_gets_the_sur
                 assert!(first.resumed_step >= 19 && first.resumed_step <= 20, "{first:?}");
             }
         }
+    }
+}
+
+/// One step of a caller's own loop on a [`Stepper`]: the gradient sync is
+/// an all-reduce of ones on the step's group, and a committed step
+/// subtracts 1 from every parameter and counts 1. Returns whether it
+/// committed.
+async fn own_step(stepper: &mut Stepper, group: &ElasticGroup, job: &mut Counter) -> Result<bool, train::TrainError> {
+    let begun = match stepper.begin(group, None).await? {
+        Begin::Ready(begun) => begun,
+        Begin::NeedState => match stepper.begin(group, Some(&mut *job)).await? {
+            Begin::Ready(begun) => begun,
+            Begin::NeedState => panic!("the state was given and still needed"),
+        },
+    };
+    assert_eq!(begun.step, stepper.step());
+    let world = begun.group.world_size();
+    let synced = begun
+        .group
+        .all_reduce(Tensor::from_slice(&[1.0f32]), ReduceOp::Sum)
+        .await
+        .is_ok_and(|sum| sum.to_vec::<f32>().unwrap() == [world as f32]);
+    let (committed, _) = stepper.commit(synced, false, 0.0).await?;
+    if committed {
+        job.state.params[0].1.iter_mut().for_each(|x| *x -= 1.0);
+        job.state.optimizer[0].1.iter_mut().for_each(|c| *c += 1.0);
+        job.applied.push(begun.step);
+    }
+    Ok(committed)
+}
+
+/// Runs a caller's loop to the end, checks every member holds the same state, leaves.
+async fn own_loop_to_end(group: ElasticGroup, mut job: Counter) -> (TrainReport, Counter) {
+    let mut stepper = Stepper::new(&group, StepperOptions::default());
+    while stepper.step() < STEPS {
+        std::thread::sleep(Duration::from_millis(2));
+        own_step(&mut stepper, &group, &mut job).await.unwrap();
+    }
+    train::verify_state(&group.current(), &mut job).await.unwrap();
+    group.destroy().await.unwrap();
+    (stepper.report(), job)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_the_callers_loop_a_failed_step_is_discarded_everywhere_and_the_joiner_gets_the_survivors_state() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let died = Arc::new(tokio::sync::Notify::new());
+    let mut members = Vec::new();
+    for rank in 0..4 {
+        let (options, died) = (options(&store, rank, 4).elastic_world(3, 4), died.clone());
+        members.push(tokio::spawn(async move {
+            let group = init(options).await;
+            // Built apart, as a script's members seeded differently: the
+            // first step gives every member rank 0's state.
+            let mut job = Counter::new();
+            job.state.params[0].1.fill(rank as f32 * 100.0);
+            if rank != 3 {
+                return Some(own_loop_to_end(group, job).await);
+            }
+            // Rank 3 dies in the middle of step 20, between its sync and its vote.
+            let mut stepper = Stepper::new(&group, StepperOptions::default());
+            while stepper.step() < 20 {
+                own_step(&mut stepper, &group, &mut job).await.unwrap();
+            }
+            assert!(matches!(stepper.begin(&group, None).await.unwrap(), Begin::Ready(_)));
+            let links: Vec<_> = (0..4).filter_map(|r| group.current().link(r).cloned()).collect();
+            drop(group);
+            for link in links {
+                link.cut("rank 3 died");
+            }
+            died.notify_one();
+            None
+        }));
+    }
+    within(20, "rank 3's death", died.notified()).await;
+    let joiner = within(20, "the joiner", init(options(&store, 0, 4).elastic_world(3, 4))).await;
+    assert!(joiner.generation() > 0, "the joiner formed a job of its own");
+    let joined = tokio::spawn(own_loop_to_end(joiner, Counter::new()));
+    let mut results = Vec::new();
+    for member in members {
+        if let Some(result) = within(60, "a survivor", member).await.unwrap() {
+            results.push((false, result));
+        }
+    }
+    results.push((true, within(60, "the joiner's loop", joined).await.unwrap()));
+    let reference = results[0].1.1.state.clone();
+    for (is_joiner, (report, job)) in &results {
+        assert_eq!(report.steps, STEPS);
+        assert_eq!(report.applied + report.adopted, STEPS, "{report:?}");
+        assert_eq!(job.applied.len() as u64, report.applied);
+        assert!(job.applied.windows(2).all(|w| w[1] > w[0]), "{:?}", job.applied);
+        // Rank 0's start, then one subtraction per committed step.
+        assert!(job.state.params[0].1.iter().all(|&x| x == -(STEPS as f32)), "{:?}", &job.state.params[0].1[..3]);
+        assert_eq!(job.state, reference);
+        if *is_joiner {
+            assert!(report.adopted >= 20, "{report:?}");
+        } else {
+            assert!(!report.recoveries.is_empty(), "{report:?}");
+        }
+    }
+}
+
+/// A member whose state cannot be made equal to the others' (its extras
+/// name its own process here): the join says so, naming the entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_that_differs_after_the_join_is_an_error_naming_it() {
+    struct Stubborn(NamedState, u8);
+    impl Parameters for Stubborn {
+        fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+            self.0.visit_parameters(visit)
+        }
+    }
+    impl TrainState for Stubborn {
+        fn save_extra(&self) -> Vec<u8> {
+            vec![self.1]
+        }
+    }
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let members: Vec<_> = (0..2)
+        .map(|rank| {
+            let options = options(&store, rank, 2);
+            tokio::spawn(async move {
+                let group = init(options).await;
+                let mut state = Stubborn(Counter::new().state, rank as u8);
+                let mut stepper = Stepper::new(&group, StepperOptions::default());
+                let error = stepper.begin(&group, Some(&mut state)).await.unwrap_err();
+                group.destroy().await.ok();
+                error.to_string()
+            })
+        })
+        .collect();
+    for member in members {
+        let error = within(30, "a member's join", member).await.unwrap();
+        assert!(error.contains("extras"), "{error}");
+    }
+}
+
+/// Members whose state lists differ are refused at the first step, before
+/// any training, naming the entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_with_different_state_are_refused_at_the_first_step() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let members: Vec<_> = (0..2)
+        .map(|rank| {
+            let options = options(&store, rank, 2);
+            tokio::spawn(async move {
+                let group = init(options).await;
+                let mut job = Counter::new();
+                if rank == 1 {
+                    job.state.params[0].0 = "y".into();
+                }
+                let mut stepper = Stepper::new(&group, StepperOptions::default());
+                let error = stepper.begin(&group, Some(&mut job)).await.unwrap_err();
+                group.destroy().await.ok();
+                error.to_string()
+            })
+        })
+        .collect();
+    for member in members {
+        let error = within(30, "a member's join", member).await.unwrap();
+        assert!(error.contains("rank 1 lists different state") && error.contains('y'), "{error}");
     }
 }
 
