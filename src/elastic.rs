@@ -414,6 +414,8 @@ pub struct ElasticGroup {
     supervisor: GroupSupervisor,
     /// The store server, when this process hosts it (kept across generations).
     server: Option<TcpStoreServer>,
+    /// The job's store and run id, to record that it finished.
+    job: (Arc<dyn Store>, String),
 }
 
 impl std::fmt::Debug for ElasticGroup {
@@ -511,6 +513,13 @@ fn budget_from(options: &InitOptions) -> Result<RestartBudget, RestartError> {
     Ok(RestartBudget::new(max_restarts, window))
 }
 
+impl RestartError {
+    /// Whether the job finished before this process could join it.
+    pub fn job_finished(&self) -> bool {
+        matches!(self, RestartError::Rendezvous(elastic_rdzv::ElasticError::Finished { .. }))
+    }
+}
+
 impl ElasticGroup {
     /// Forms the group (as [`init_process_group`](crate::init_process_group)
     /// does, through an elastic rendezvous) and starts its supervisor, which
@@ -606,11 +615,13 @@ impl ElasticGroup {
             events: broadcast::channel(64).0,
             gave_up: watch::Sender::new(None),
         });
+        let job = (base.store.clone(), base.config.run_id.clone());
         let task = tokio::spawn(supervise(shared.clone(), base, budget, Box::new(on_give_up)));
         Ok(Self {
             shared,
             supervisor: GroupSupervisor { task },
             server: opened.server,
+            job,
         })
     }
 
@@ -695,6 +706,7 @@ impl ElasticGroup {
             shared,
             supervisor,
             server,
+            job: _,
         } = self;
         drop(supervisor);
         (shared, server)
@@ -721,9 +733,13 @@ impl ElasticGroup {
     /// Leaves once every rank of the current generation leaves: stops the
     /// supervisor first, so ranks leaving are not restarted.
     pub async fn destroy(self) -> Result<(), InitError> {
+        let (store, run_id) = self.job.clone();
         let (shared, server) = self.stop_supervisor();
         let group = shared.current.borrow().clone();
         group.leave().await?;
+        // Every member left: a late joiner has nothing to wait for (it may
+        // already be gone with the store, which changes nothing).
+        let _ = elastic_rdzv::publish_finished(store.as_ref(), &run_id).await;
         drop(group);
         drop(shared);
         if let Some(server) = server {

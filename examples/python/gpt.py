@@ -149,18 +149,6 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     run = Path(args.run_dir)
-    finished = run / "finished"
-    joined = threading.Event()
-
-    def watch_finished():
-        # A worker relaunched after the others finished has no job to join.
-        while not finished.exists():
-            if joined.wait(0.05):
-                return
-        print("the job finished before this worker could rejoin it", file=sys.stderr, flush=True)
-        os._exit(0)
-
-    threading.Thread(target=watch_finished, daemon=True).start()
     data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
     split = len(data) * 9 // 10
     train_set, held_out = Sequences(data[:split], args.context), data[split:split + 64 * args.context + 1]
@@ -196,7 +184,6 @@ def worker(args: argparse.Namespace) -> None:
             if manager.current_step() >= args.steps:
                 break
             optimizer.zero_grad()
-            joined.set()
             if victim and args.fault == "freeze" and manager.current_step() == args.fault_step:
                 # Mid-step, as a hung rank: the others wait for it in the sync.
                 (run / "killed_at").write_text(str(time.time()))
@@ -221,7 +208,6 @@ def worker(args: argparse.Namespace) -> None:
                         os.kill(os.getpid(), signal.SIGKILL)
                     manager.cut_off()
     seconds = time.monotonic() - started
-    finished.touch()
     manager.verify()
     report = manager.report()
     if report["applied"] + report["adopted"] != report["steps"]:

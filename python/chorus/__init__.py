@@ -12,6 +12,7 @@ from chorus._errors import (
     DesyncError,
     GroupAborted,
     InvalidArgument,
+    JobFinished,
     WaitTimeout,
 )
 
@@ -21,6 +22,7 @@ __all__ = [
     "DesyncError",
     "GroupAborted",
     "InvalidArgument",
+    "JobFinished",
     "WaitTimeout",
     "__version__",
 ]

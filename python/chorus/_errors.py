@@ -43,3 +43,8 @@ class InvalidArgument(ChorusError, ValueError):
     """The call's arguments are wrong: tensor sizes that disagree across
     ranks or with the collective, a root outside the group, an operator the
     dtype has not."""
+
+
+class JobFinished(ChorusError):
+    """The elastic job finished (its members left on purpose) before this
+    process could join it: a relaunched worker that came too late."""

@@ -17,13 +17,14 @@ import contextlib
 import math
 import os
 import pickle
+import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from chorus import _chorus
-from chorus._errors import InvalidArgument
+from chorus._errors import InvalidArgument, JobFinished
 
 Named = Tuple[str, torch.Tensor]
 _TENSOR = "__chorus_tensor__"
@@ -113,6 +114,9 @@ class _Snapshot:
         self._held: List[torch.Tensor] = []
         self.entries: List[Named] = []
         for name, obj in objects.items():
+            # One byte under the object's name, so that members registering
+            # different objects are told apart by the entry lists.
+            self.entries.append((name, torch.zeros(1, dtype=torch.uint8)))
             first, again = _tensor_leaves(obj.state_dict()), _tensor_leaves(obj.state_dict())
             for i, (t, u) in enumerate(zip(first, again)):
                 index = len(self._held)
@@ -177,6 +181,11 @@ class Manager:
     first generation waits up to ``first_wait`` seconds for the launcher's
     whole world once ``min_replica_size`` members came; a worker that
     comes later joins at a step boundary.
+
+    A launcher that restarts every worker from step 0 when one fails
+    (torchrun, ``chorus launch`` without ``--restart-policy worker``) would
+    undo what the manager keeps; it is refused at construction unless
+    ``allow_full_restart``.
     """
 
     def __init__(
@@ -190,9 +199,12 @@ class Manager:
         heartbeat_timeout: Optional[float] = None,
         rng: bool = True,
         first_wait: float = 3.0,
+        allow_full_restart: bool = False,
     ) -> None:
         if (state_dict is None) != (load_state_dict is None):
             raise InvalidArgument("give state_dict and load_state_dict together (or neither)")
+        if not allow_full_restart:
+            _refuse_full_restarts()
         self._objects: Dict[str, Any] = {}
         if state_dict is not None:
             self._objects["user"] = _UserState(state_dict, load_state_dict)
@@ -247,7 +259,12 @@ class Manager:
             return
         self._quorum_started = time.monotonic()
         if self._trainer is None:
-            self._trainer = _chorus.Trainer(*self._join_options)
+            try:
+                self._trainer = _chorus.Trainer(*self._join_options)
+            except JobFinished as finished:
+                # A replacement that came after the last step: its work is done.
+                print(f"chorus: {finished}; this worker exits", file=sys.stderr, flush=True)
+                raise SystemExit(0) from None
         step = self._trainer.begin_step(self._state)
         if step["transfer"] is not None:
             self._joins.append({**step["transfer"], "generation": step["generation"],
@@ -346,6 +363,20 @@ class Manager:
         if self._trainer is None:
             raise InvalidArgument("the manager has not joined the job yet: it joins at the first step")
         return self._trainer
+
+
+def _refuse_full_restarts() -> None:
+    """Raises when this worker's launcher restarts every worker on a
+    failure: torchrun, or ``chorus launch`` without an elastic world (which
+    it sets under ``--restart-policy worker``)."""
+    launched = "TORCHELASTIC_RUN_ID" in os.environ
+    elastic = "CHORUS_MIN_WORLD" in os.environ or "CHORUS_ELASTIC_JOIN" in os.environ
+    if launched and not elastic:
+        launcher = "chorus launch" if "CHORUS_JOB_SECRET" in os.environ else "torchrun"
+        raise InvalidArgument(
+            f"this worker's launcher ({launcher}) restarts every worker from step 0 when one fails, which undoes "
+            "the Manager's recovery (the others keep training; only the failed worker is replaced): launch with "
+            "`chorus launch --restart-policy worker`, or pass Manager(allow_full_restart=True) to run anyway")
 
 
 class _Averaged:

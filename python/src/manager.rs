@@ -363,7 +363,8 @@ impl Trainer {
         }
         let rt = runtime()?;
         let group = py.detach(|| rt.block_on(ElasticGroup::init(options))).map_err(|e| {
-            Failure::new(Class::Backend, format!("joining the job: {}", chorus::error_report(&e))).to_err(py)
+            let class = if e.job_finished() { Class::JobFinished } else { Class::Backend };
+            Failure::new(class, format!("joining the job: {}", chorus::error_report(&e))).to_err(py)
         })?;
         Ok(Self {
             group: Some(group),

@@ -25,6 +25,8 @@ pub(crate) enum Class {
     InvalidArgument,
     /// `wait(timeout)` returned before the operation finished.
     WaitTimeout,
+    /// The elastic job finished before this process could join it.
+    JobFinished,
     /// Anything else the backend reports.
     Backend,
 }
@@ -37,6 +39,7 @@ impl Class {
             Class::Timeout => "CollectiveTimeout",
             Class::InvalidArgument => "InvalidArgument",
             Class::WaitTimeout => "WaitTimeout",
+            Class::JobFinished => "JobFinished",
             Class::Backend => "ChorusError",
         }
     }

@@ -121,6 +121,13 @@ pub enum ElasticError {
         /// How long this participant waited.
         waited: Duration,
     },
+    /// The job's members left on purpose (it finished) before this
+    /// participant could join: there is nothing left to join.
+    #[error("run {run_id:?} finished (its members left on purpose) before this process could join it")]
+    Finished {
+        /// The run.
+        run_id: String,
+    },
     /// The generation closed before this participant arrived.
     #[error(
         "generation {generation} closed with {admitted} members before this process (arrival {arrival}) joined; it waits for the next one"
@@ -343,6 +350,17 @@ pub async fn publish_latest(store: &Arc<dyn Store>, run_id: &str, generation: u6
         .await
 }
 
+fn finished_key(run_id: &str) -> String {
+    format!("chorus/{run_id}/finished")
+}
+
+/// Records that the job's members left on purpose: a process still waiting
+/// to join (a relaunched worker that came too late) stops waiting with
+/// [`ElasticError::Finished`].
+pub async fn publish_finished(store: &dyn Store, run_id: &str) -> Result<(), StoreError> {
+    store.set(&finished_key(run_id), b"1").await
+}
+
 /// The key a launcher sets when a worker process of `run_id` exits.
 fn exit_key(run_id: &str, hostname: &str, pid: u32) -> String {
     format!("chorus/{run_id}/exited/{hostname}/{pid}")
@@ -449,6 +467,11 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
     let mut accounted = false;
     let mut quorate = reference.is_none();
     let admitted = loop {
+        if store.check(&[&finished_key(&config.run_id)]).await? {
+            return Err(ElasticError::Finished {
+                run_id: config.run_id.clone(),
+            });
+        }
         if scoped.check(&["closed"]).await? {
             let value = scoped.get("closed").await?;
             break parse_count(&value, config)?;

@@ -1,0 +1,146 @@
+"""Workers of test_loop_manager.py, run under `chorus launch
+--restart-policy worker`: chorus.torch.Manager in a training loop of the
+script's own.
+
+    python3 loop_scenarios.py SCENARIO RUN_DIR
+
+dtypes    a model holding every dtype torch trains in (bf16 and fp16
+          layers, an fp64 parameter, integer and fp16 buffers, fp32 master
+          weights beside the bf16 weights as the user's own state, an LR
+          scheduler), 40 steps; the last worker SIGKILLs itself after step
+          15 and its replacement joins (the two others slow down until it
+          did). Each worker writes
+          RUN_DIR/<pid>.json: its report, its state's digest, its LR.
+mismatch  rank 1 registers one more object than rank 0: both are refused
+          at the first step; each writes the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import chorus.torch as ct
+
+STEPS, KILL_AFTER = 40, 15
+
+
+class Mixed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.low = torch.nn.Linear(16, 32).to(torch.bfloat16)
+        self.fp16 = torch.nn.Linear(32, 16).to(torch.float16)
+        self.scale = torch.nn.Parameter(torch.ones(16, dtype=torch.float64))
+        self.register_buffer("seen", torch.zeros(4, dtype=torch.int64))
+        self.register_buffer("running", torch.zeros(16, dtype=torch.float16))
+
+    def forward(self, x):
+        h = F.relu(self.low(x.to(torch.bfloat16))).to(torch.float16)
+        out = self.fp16(h).to(torch.float64) * self.scale
+        with torch.no_grad():
+            self.seen += 1
+            self.running.mul_(0.9).add_(out.detach().to(torch.float16).mean(0), alpha=0.1)
+        return out
+
+
+class MasterWeights:
+    """fp32 copies of the bf16 weights, the user's own state."""
+
+    def __init__(self, model: Mixed) -> None:
+        self.model = model
+        self.weights = [p.detach().float().clone() for p in model.low.parameters()]
+
+    def refresh(self) -> None:
+        for w, p in zip(self.weights, self.model.low.parameters()):
+            w.copy_(p.detach().float())
+
+    def state_dict(self):
+        return {"weights": self.weights}
+
+    def load_state_dict(self, state) -> None:
+        for w, v in zip(self.weights, state["weights"]):
+            w.copy_(v)
+
+
+def digest(objects) -> float:
+    """A sum over every tensor of the objects' state dicts."""
+    total = 0.0
+    for obj in objects:
+        for t in leaves(obj.state_dict()):
+            total += float(t.double().sum())
+    return total
+
+
+def leaves(value):
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in leaves(v)]
+    return []
+
+
+def dtypes(run: Path) -> None:
+    torch.manual_seed(1)  # every member builds the same model...
+    torch.set_num_threads(1)
+    relaunched = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if relaunched:
+        torch.manual_seed(99)  # ...but a replacement's differs until it joins
+    net = Mixed()
+    master = MasterWeights(net)
+    manager = ct.Manager(state_dict=master.state_dict, load_state_dict=master.load_state_dict,
+                         min_replica_size=2, heartbeat_timeout=1.0, timeout=60)
+    model = ct.DistributedDataParallel(manager, net)
+    optimizer = ct.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    manager.register_state("scheduler", scheduler)
+    victim = not relaunched and os.environ.get("LOCAL_RANK") == "2"
+    while manager.current_step() < STEPS:
+        optimizer.zero_grad()
+        gen = torch.Generator().manual_seed(manager.current_step() * 10 + manager.participating_rank())
+        x = torch.randn(8, 16, generator=gen)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        master.refresh()
+        if victim and manager.current_step() == KILL_AFTER:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if manager.current_step() > KILL_AFTER and manager.num_participants() < 3:
+            time.sleep(0.3)  # leaves the replacement time to join before the end
+    manager.verify()
+    report = manager.report()
+    (run / f"{os.getpid()}.json").write_text(json.dumps({
+        "relaunched": relaunched, "report": report, "lr": optimizer.param_groups[0]["lr"],
+        "last_epoch": scheduler.last_epoch,
+        "digest": digest([net, optimizer, master]),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in net.parameters()}),
+    }))
+    manager.shutdown()
+
+
+def mismatch(run: Path) -> None:
+    manager = ct.Manager(timeout=30)
+    model = ct.DistributedDataParallel(manager, torch.nn.Linear(4, 4))
+    optimizer = ct.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+    if os.environ.get("RANK") == "1":
+        manager.register_state("scheduler", torch.optim.lr_scheduler.StepLR(optimizer, 10))
+    try:
+        optimizer.zero_grad()
+        error = None
+    except Exception as e:  # the refusal this scenario is about
+        error = f"{type(e).__name__}: {e}"
+    (run / f"{os.getpid()}.json").write_text(json.dumps({"error": error}))
+
+
+if __name__ == "__main__":
+    {"dtypes": dtypes, "mismatch": mismatch}[sys.argv[1]](Path(sys.argv[2]))

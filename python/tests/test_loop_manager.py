@@ -1,0 +1,153 @@
+"""chorus.torch.Manager in the user's own training loop: the GPT example
+through a kill, a freeze and a warm standby against its fault-free run;
+every dtype moved to a joiner and verified; bad input refused before
+training; the sampler's shards."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install torch)")
+
+import chorus.torch as ct  # noqa: E402
+from chorus import InvalidArgument  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CHORUS = Path(os.environ.get("CHORUS", ROOT / "target" / "release" / "chorus"))
+needs_launcher = pytest.mark.skipif(not CHORUS.exists(), reason="needs the chorus command: cargo build --release -p chorus-cli")
+
+
+def gpt(*flags, timeout=600):
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "python" / "gpt.py"), "--json", *flags],
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ, CHORUS=str(CHORUS)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_launcher
+@pytest.mark.parametrize("fault,standby", [("kill", 0), ("freeze", 0), ("kill", 1)])
+def test_the_gpt_example_survives_a_fault_with_its_state_verified_and_the_fault_free_loss(fault, standby):
+    run = gpt("--world", "3", "--steps", "120", "--fault", fault, "--fault-step", "50", "--standby", str(standby))
+    assert run["steps"] == 120
+    assert run["state_verified"] is True, run
+    assert run["within"] < 0.02, run
+    survived = run["recoveries"][0]
+    assert survived["resumed_step"] == 50, run
+    # Every join (the first formation, the shrink, the replacement's) was checked.
+    assert all(j["verified"] for j in run["joins"]) and len(run["joins"]) >= 2, run
+    if standby:
+        assert run["standby_promotions"] >= 1, run
+        assert run["replacement_ms"] is not None and max(r["bytes"] for r in run["recoveries"]) > 1 << 20, run
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario, world, timeout=240):
+    run = Path(tempfile.mkdtemp(prefix=f"chorus-loop-{scenario}-"))
+    cmd = [str(CHORUS), "launch", "--nproc-per-node", str(world), "--restart-policy", "worker", "--max-restarts", "2",
+           "--master-port", str(free_port()), "--log-dir", str(run / "logs"), "--",
+           sys.executable, str(Path(__file__).with_name("loop_scenarios.py")), scenario, str(run)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    results = [json.loads(p.read_text()) for p in sorted(run.glob("*.json"))]
+    return done, results
+
+
+@needs_launcher
+def test_every_dtype_reaches_the_joiner_and_hashes_equal():
+    done, results = launch("dtypes", 3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    finished = [r for r in results if "report" in r]
+    assert len(finished) == 3 and any(r["relaunched"] for r in finished), results
+    joiner = next(r for r in finished if r["relaunched"])
+    assert joiner["report"]["adopted"] >= 15, joiner
+    assert {r["digest"] for r in finished} == {finished[0]["digest"]}, finished
+    # The scheduler and the optimizer's param_groups travelled: one LR, one epoch count.
+    assert len({r["lr"] for r in finished}) == 1 and len({r["last_epoch"] for r in finished}) == 1, finished
+    assert finished[0]["grad_dtypes"] == ["torch.bfloat16", "torch.float16", "torch.float64"], finished
+
+
+@needs_launcher
+def test_members_with_different_state_are_refused_at_the_first_step():
+    done, results = launch("mismatch", 2, timeout=120)
+    errors = [r["error"] for r in results]
+    assert len(errors) == 2 and all(errors), (errors, done.stderr[-2000:])
+    assert all("rank 1 lists different state" in e and "scheduler" in e for e in errors), errors
+
+
+def test_bad_input_is_refused_before_training(monkeypatch):
+    manager = ct.Manager()
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(InvalidArgument, match="no parameter that requires grad"):
+        ct.DistributedDataParallel(manager, frozen)
+    with pytest.raises(InvalidArgument, match="on meta"):
+        ct.DistributedDataParallel(manager, torch.nn.Linear(2, 2, device="meta"))
+
+    class OffHost:
+        def state_dict(self):
+            return {"t": torch.empty(3, device="meta")}
+
+        def load_state_dict(self, state):
+            pass
+
+    with pytest.raises(InvalidArgument, match="tensor on meta"):
+        manager.register_state("offhost", OffHost())
+    with pytest.raises(InvalidArgument, match="no state_dict"):
+        manager.register_state("plain", object())
+    with pytest.raises(InvalidArgument, match="no step is under way"):
+        manager.allreduce(torch.ones(2))
+    # A launcher that restarts every worker from step 0 undoes recovery.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.delenv("CHORUS_MIN_WORLD", raising=False)
+    monkeypatch.delenv("CHORUS_ELASTIC_JOIN", raising=False)
+    with pytest.raises(InvalidArgument, match="--restart-policy worker"):
+        ct.Manager()
+    ct.Manager(allow_full_restart=True)
+
+
+class Members:
+    """A stand-in for the manager's membership."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def num_participants(self):
+        return self.world
+
+    def participating_rank(self):
+        return self.rank
+
+    def register_state(self, name, obj):
+        pass
+
+
+def test_the_sampler_shards_each_step_by_the_membership_and_resumes_from_a_position():
+    data = list(range(100))
+    members = [Members(r, 4) for r in range(4)]
+    samplers = [ct.DistributedSampler(data, m, batch_size=5, seed=3) for m in members]
+    iters = [iter(s) for s in samplers]
+    first = [[next(it) for _ in range(5)] for it in iters]
+    assert len({i for batch in first for i in batch}) == 20, "the members' batches overlap"
+    # One member is gone: the next step's 15 samples split over 3.
+    for r, m in enumerate(members[:3]):
+        m.world = 3
+    second = [[next(iters[r]) for _ in range(5)] for r in range(3)]
+    assert len({i for batch in first + second for i in batch}) == 35
+    # A joiner takes a survivor's position and draws what the others do not.
+    joiner = ct.DistributedSampler(data, Members(3, 4), batch_size=5, seed=3)
+    joiner.load_state_dict(samplers[0].state_dict())
+    for m in members[:3]:
+        m.world = 4
+    joined = iter(joiner)
+    third = [[next(iters[r]) for _ in range(5)] for r in range(3)] + [[next(joined) for _ in range(5)]]
+    assert len({i for batch in first + second + third for i in batch}) == 55
+    assert [s.state_dict() for s in samplers[:3] + [joiner]] == [{"epoch": 0, "cursor": 55}] * 4
