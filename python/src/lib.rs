@@ -13,9 +13,10 @@
 //! - `store`: chorus's `Store` over a `torch.distributed.Store` object,
 //!   so ranks meet through whatever store torch made (TCP, file, hash,
 //!   prefixed).
-//! - `manager`: `Trainer`, chorus's elastic training loop (per-step
-//!   commit, live state transfer to joiners) over a torch model and
-//!   optimizer whose tensors are the state, read and written in place.
+//! - `manager`: `Trainer`, one member of an elastic training job over a
+//!   torch model and optimizer whose tensors are the state, read and
+//!   written in place: per-step commit in the user's loop (`begin_step`,
+//!   `commit_step`, a `Stepper`) or chorus's own loop (`train`).
 //! - `runtime`: the process's tokio runtime, which drives every
 //!   operation's completion.
 

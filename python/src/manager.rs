@@ -1,9 +1,12 @@
-//! `Trainer`: chorus's elastic training loop (`chorus::train::train`:
-//! per-step commit vote, survivors never roll back, live state transfer to
-//! joiners) driving a torch model. The model's parameters and the
-//! optimizer's state tensors are the transferred state, read and written in
-//! place through their memory; each step calls back into Python (under the
-//! GIL) to compute the gradients and to run the optimizer.
+//! `Trainer`: one member of an elastic training job over a torch model
+//! (per-step commit vote, survivors never roll back, live state transfer
+//! to joiners). Either the user's loop drives it step by step
+//! (`begin_step`, `commit_step`: a `chorus::train::Stepper`; the state is
+//! named tensors of any dtype plus pickled extras, built only when a join
+//! needs it), or chorus's own loop does (`train`: `chorus::train::train`,
+//! calling back into Python under the GIL for the gradients and the
+//! optimizer). The tensors are read and written in place through their
+//! memory.
 
 use std::time::Duration;
 
