@@ -51,9 +51,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import chorus_command, free_port, kill_frozen  # noqa: E402  (the MLP example's launcher helpers)
 
-MARKS = {"process started": time.time()}
-
-
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4, help="workers (default 4)")
@@ -141,54 +138,95 @@ def evaluate(net, held_out, context: int) -> float:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item()
 
 
+class Harness:
+    """What the example adds around its training loop, apart from it: the
+    fault injected into the last worker, each committed step's time, and
+    the result. Worker `slot`; `relaunched`: a replacement (it injects
+    nothing)."""
+
+    def __init__(self, args: argparse.Namespace, slot: int, relaunched: bool) -> None:
+        self.args, self.run, self.relaunched = args, Path(args.run_dir), relaunched
+        self.victim = not relaunched and slot == args.world - 1 and args.fault != "none"
+        self.reporter = not relaunched and slot == 0
+        self.commits = []
+        attempt = os.environ.get("ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.record = open(self.run / f"commits.{slot}.{attempt}", "a")
+        self.started = time.monotonic()
+
+    def step_started(self, step: int) -> None:
+        if self.victim and self.args.fault == "freeze" and step == self.args.fault_step:
+            # Mid-step, as a hung rank: the others wait for it in the sync.
+            (self.run / "killed_at").write_text(str(time.time()))
+            (self.run / "frozen").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def step_ended(self, before: int, after: int, manager=None) -> None:
+        if after == before:
+            return  # not committed
+        self.commits.append(time.time())
+        self.record.write(f"{before} {self.commits[-1]}\n")
+        self.record.flush()
+        if self.relaunched and len(self.commits) == 1:
+            (self.run / "rejoined_at").write_text(str(self.commits[0]))
+        if self.victim and after == self.args.fault_step and self.args.fault in ("kill", "partition"):
+            (self.run / "killed_at").write_text(str(time.time()))
+            if self.args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            manager.cut_off()
+
+    def finish(self, net, held_out, **more) -> None:
+        if self.reporter:
+            gaps = sorted(b - a for a, b in zip(self.commits, self.commits[1:]))
+            (self.run / "result.json").write_text(json.dumps({
+                "final_loss": evaluate(net, held_out, self.args.context),
+                "train_seconds": time.monotonic() - self.started,
+                "longest_stall_ms": gaps[-1] * 1e3 if gaps else 0.0,
+                "median_step_ms": gaps[len(gaps) // 2] * 1e3 if gaps else 0.0, **more,
+            }))
+
+
+def warmup_cosine(args: argparse.Namespace):
+    """The learning rate's factor at each step: linear warm-up, then cosine down to 0.1."""
+
+    def factor(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
 def worker(args: argparse.Namespace) -> None:
+    """The training script (under chorus launch --restart-policy worker)."""
     import torch
     import torch.nn.functional as F
 
     import chorus.torch as ct
 
     torch.set_num_threads(1)
-    run = Path(args.run_dir)
     data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
     split = len(data) * 9 // 10
     train_set, held_out = Sequences(data[:split], args.context), data[split:split + 64 * args.context + 1]
     net = build_model(args)
-    MARKS["model built"] = time.time()
 
-    # -- the fault-tolerant part: these lines differ from a plain DDP script --
     manager = ct.Manager(min_replica_size=args.world - 1, heartbeat_timeout=args.heartbeat_ms / 1e3, timeout=120)
     model = ct.DistributedDataParallel(manager, net)
     optimizer = ct.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
     sampler = ct.DistributedSampler(train_set, manager, args.batch, seed=args.seed)
-    # -------------------------------------------------------------------------
-
-    def warmup_cosine(step: int) -> float:
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
     manager.register_state("scheduler", scheduler)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch, sampler=sampler)
     forward = torch.compile(model) if args.compile else model
 
     relaunched = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or bool(os.environ.get("CHORUS_STANDBY"))
-    slot = int(os.environ.get("LOCAL_RANK", "-1"))
-    victim = not relaunched and slot == args.world - 1 and args.fault != "none"
-    reporter = not relaunched and slot == 0
-    commits = []
-    started = time.monotonic()
+    harness = Harness(args, int(os.environ["LOCAL_RANK"]), relaunched)
     while manager.current_step() < args.steps:
         for x, y in loader:
             if manager.current_step() >= args.steps:
                 break
             optimizer.zero_grad()
-            if victim and args.fault == "freeze" and manager.current_step() == args.fault_step:
-                # Mid-step, as a hung rank: the others wait for it in the sync.
-                (run / "killed_at").write_text(str(time.time()))
-                (run / "frozen").write_text(str(os.getpid()))
-                os.kill(os.getpid(), signal.SIGSTOP)
+            harness.step_started(manager.current_step())
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = forward(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -197,31 +235,11 @@ def worker(args: argparse.Namespace) -> None:
             before = manager.current_step()
             optimizer.step()
             scheduler.step()
-            if manager.current_step() > before:
-                commits.append(time.time())
-                if relaunched and len(commits) == 1:
-                    (run / "rejoined_at").write_text(str(commits[0]))
-                    (run / "replacement.json").write_text(json.dumps(MARKS))
-                if victim and manager.current_step() == args.fault_step and args.fault != "freeze":
-                    (run / "killed_at").write_text(str(time.time()))
-                    if args.fault == "kill":
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    manager.cut_off()
-    seconds = time.monotonic() - started
+            harness.step_ended(before, manager.current_step(), manager)
     manager.verify()
     report = manager.report()
-    if report["applied"] + report["adopted"] != report["steps"]:
-        raise SystemExit(f"slot {slot}: applied {report['applied']} + adopted {report['adopted']} != {report['steps']}")
-    if reporter:
-        gaps = sorted(b - a for a, b in zip(commits, commits[1:]))
-        (run / "result.json").write_text(json.dumps({
-            "final_loss": evaluate(net, held_out, args.context), "steps": report["steps"],
-            "train_seconds": seconds, "recoveries": report["recoveries"], "joins": report["joins"],
-            "state_verified": all(j["verified"] for j in report["joins"]),
-            "lr": scheduler.get_last_lr()[0],
-            "longest_stall_ms": gaps[-1] * 1e3 if gaps else 0.0,
-            "median_step_ms": gaps[len(gaps) // 2] * 1e3 if gaps else 0.0,
-        }))
+    harness.finish(net, held_out, steps=report["steps"], recoveries=report["recoveries"], joins=report["joins"],
+                   state_verified=all(j["verified"] for j in report["joins"]))
     manager.shutdown()
 
 

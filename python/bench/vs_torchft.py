@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "python" / "train.py"
@@ -154,7 +155,14 @@ def torchft_replica(args) -> None:
     del store
 
 
-def run_torchft(args, run: Path) -> dict:
+def run_torchft(args, run: Path, replica: Optional[List[str]] = None) -> dict:
+    """Runs a torchft job: a lighthouse and --world replica groups of one
+    process, each `replica` (default this file's MLP replica) with
+    `--run-dir`, relaunched when it dies. The replicas record their commits
+    in `commits.<replica>.<attempt>`, the fault in `killed_at`, the
+    replacement's first commit in `rejoined_at`, and replica 0 its result."""
+    if replica is None:
+        replica = [__file__, "--torchft-replica", "--torchft-timeout", str(args.torchft_timeout), *common_flags(args)]
     run.mkdir(parents=True)
     lport = free_port()
     lighthouse = subprocess.Popen(
@@ -169,8 +177,8 @@ def run_torchft(args, run: Path) -> dict:
                    MASTER_ADDR="localhost", MASTER_PORT=str(free_port()),
                    REPLICA_GROUP_ID=str(rid), ATTEMPT=str(attempts[rid]), TORCHFT_LIGHTHOUSE=f"http://localhost:{lport}")
         log = open(run / f"replica{rid}.{attempts[rid]}.log", "w")
-        procs[rid] = subprocess.Popen([sys.executable, __file__, "--torchft-replica", "--run-dir", str(run),
-                                       "--torchft-timeout", str(args.torchft_timeout), *common_flags(args)], env=env, stdout=log, stderr=log)
+        procs[rid] = subprocess.Popen([sys.executable, *replica, "--run-dir", str(run)], env=env, stdout=log,
+                                      stderr=log)
 
     try:
         for rid in range(args.world):

@@ -13,6 +13,7 @@ discarded by every member; nobody rolls back.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 import os
@@ -221,7 +222,7 @@ class Manager:
         self._last: Dict[str, Any] = {"step": 0, "rank": int(os.environ.get("RANK", "0")),
                                       "world_size": int(os.environ.get("WORLD_SIZE", "1")), "generation": 0}
         self._joins: List[Dict[str, Any]] = []
-        self._commit_hooks: List[Callable[[int], None]] = []
+        self._join_hooks: List[Callable[[], None]] = []
         self._quorum_started = 0.0
 
     # -- the state ----------------------------------------------------------
@@ -243,6 +244,11 @@ class Manager:
                     f"{name} holds a tensor on {t.device}: the manager keeps CPU state (move the model and the "
                     "optimizer to the CPU, or leave the tensor out of state_dict())")
         self._objects[name] = obj
+
+    def on_join(self, hook: Callable[[], None]) -> None:
+        """Calls ``hook()`` each time this member has just received the
+        survivors' state (a joiner's first step, a member that was behind)."""
+        self._join_hooks.append(hook)
 
     def _state(self) -> Tuple[_Snapshot, List[Named]]:
         snapshot = _Snapshot(self._objects)
@@ -270,6 +276,9 @@ class Manager:
             self._joins.append({**step["transfer"], "generation": step["generation"],
                                 "world_size": step["world_size"], "verified": True,
                                 "ms": (time.monotonic() - self._quorum_started) * 1e3})
+            if step["rank"] in step["transfer"]["receivers"]:
+                for hook in self._join_hooks:
+                    hook()
         self._errors = []
         self._step = step
         self._last = {k: step[k] for k in ("step", "rank", "world_size", "generation")}
@@ -311,8 +320,6 @@ class Manager:
         committed, _ = self._trainer.commit_step(ok, False, 0.0)
         if committed:
             self._last["step"] += 1
-            for hook in self._commit_hooks:
-                hook(self._last["step"])
         return committed
 
     def current_step(self) -> int:
@@ -659,3 +666,167 @@ class DistributedSampler(torch.utils.data.Sampler):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
+
+
+class _PeriodicSync(abc.ABC):
+    """Local steps, then a sync of the members every ``sync_every`` of them
+    (a committed step of the manager each), the shape torchft's LocalSGD
+    and DiLoCo have: a context manager around the user's loop, hooked on
+    the optimizer's ``step()``.
+
+    The members' live parameters differ between syncs, so they are not the
+    state: the anchor is (the parameters as of the last sync, equal on
+    every member) and the position in the period, with whatever the
+    subclass adds. Each period begins right after a sync commits, when the
+    members agree, so that is where a joiner is admitted; it receives the
+    anchor and the position, and starts from there."""
+
+    def __init__(self, manager: Manager, params: List[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                 sync_every: int, name: str) -> None:
+        if sync_every < 1:
+            raise InvalidArgument(f"sync_every must be at least 1, not {sync_every}")
+        if not params:
+            raise InvalidArgument("no parameter that requires grad: nothing to sync")
+        for p in params:
+            if p.device.type != "cpu":
+                raise InvalidArgument(f"a parameter is on {p.device}: the manager syncs CPU tensors")
+        self._manager, self._params, self._optimizer = manager, params, optimizer
+        self.sync_every, self._local_step = sync_every, 0
+        self._anchor = [p.detach().clone() for p in params]
+        manager.register_state(name, self)
+        manager.on_join(self._restart_from_anchor)
+        self._hook = None
+
+    def __enter__(self):
+        self._hook = self._optimizer.register_step_post_hook(lambda *_: self._after_step())
+        # The first period's quorum: every member starts from rank 0's anchor.
+        self._manager.start_quorum()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        return False
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The anchor and the position in the period (which fragment syncs next)."""
+        return {"anchor": self._anchor, "local_step": self._local_step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for mine, theirs in zip(self._anchor, state["anchor"]):
+            if mine.data_ptr() != theirs.data_ptr():
+                mine.copy_(theirs)
+        self._local_step = state["local_step"]
+
+    def _restart_from_anchor(self) -> None:
+        with torch.no_grad():
+            for p, a in zip(self._params, self._anchor):
+                p.copy_(a)
+
+    def _after_step(self) -> None:
+        self._local_step += 1
+        if self._local_step % self.sync_every in self._due():
+            self.sync()
+
+    def _due(self) -> "set[int]":
+        return {0}
+
+    def sync(self) -> bool:
+        """Syncs now; returns whether the sync committed. The next period
+        begins at once (its quorum admits joiners)."""
+        self._manager.start_quorum()
+        committed = self._sync()
+        self._manager.start_quorum()
+        return committed
+
+    @abc.abstractmethod
+    def _sync(self) -> bool:
+        """Contributes to the sync on the current step, votes, and applies
+        the result if it committed; returns whether it did."""
+
+
+class LocalSGD(_PeriodicSync):
+    """Local SGD: every member steps ``optimizer`` on its own data, and
+    every ``sync_every`` steps the parameters are averaged over the members
+    (a committed step of the manager; a failed sync leaves each member's
+    parameters as they were). The model's state moved to a joiner is the
+    last average. Use it around the user's loop::
+
+        with ct.LocalSGD(manager, model, optimizer, sync_every=8):
+            for x, y in loader:
+                optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+    """
+
+    def __init__(self, manager: Manager, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 sync_every: int) -> None:
+        super().__init__(manager, [p for p in model.parameters() if p.requires_grad], optimizer, sync_every,
+                         "local_sgd")
+
+    def _sync(self) -> bool:
+        averages = [p.detach().clone() for p in self._params]
+        for work in [self._manager.allreduce(a) for a in averages]:
+            work.wait()
+        if not self._manager.should_commit():
+            return False
+        with torch.no_grad():
+            for p, a, avg in zip(self._params, self._anchor, averages):
+                p.copy_(avg)
+                a.copy_(avg)
+        return True
+
+
+class DiLoCo(_PeriodicSync):
+    """DiLoCo: inner steps of ``inner_optimizer`` on each member's data;
+    every ``sync_every`` steps the members' average drift from the anchor
+    (the pseudo-gradient) takes a step of ``outer_optimizer`` (built over
+    the model's parameters, e.g. SGD with lr 0.7, momentum 0.9, Nesterov)
+    from the anchor, which becomes the parameters. With several
+    ``model_fragments`` (Streaming DiLoCo) each fragment syncs once per
+    ``sync_every`` steps, at staggered steps, so a sync moves a fraction of
+    the model. The anchor and the outer optimizer's state are what a
+    joiner receives. A failed sync leaves the parameters as they were."""
+
+    def __init__(self, manager: Manager, model_fragments: List[torch.nn.Module],
+                 inner_optimizer: torch.optim.Optimizer, outer_optimizer: torch.optim.Optimizer,
+                 sync_every: int) -> None:
+        if not model_fragments or sync_every < len(model_fragments):
+            raise InvalidArgument(f"{len(model_fragments)} fragments cannot each sync once in {sync_every} steps")
+        fragments = [[p for p in f.parameters() if p.requires_grad] for f in model_fragments]
+        super().__init__(manager, [p for f in fragments for p in f], inner_optimizer, sync_every, "diloco")
+        # Fragment i syncs at step floor(sync_every / n * (i + 1)) of each period.
+        n = len(fragments)
+        self._at = {math.floor(sync_every / n * (i + 1)) % sync_every: i for i in range(n)}
+        starts = [0]
+        for f in fragments:
+            starts.append(starts[-1] + len(f))
+        self._fragments = [range(starts[i], starts[i + 1]) for i in range(n)]
+        self._outer = outer_optimizer
+        _materialize(outer_optimizer)
+        manager.register_state("outer_optimizer", outer_optimizer)
+
+    def _due(self) -> "set[int]":
+        return set(self._at)
+
+    def _sync(self) -> bool:
+        fragment = self._fragments[self._at[self._local_step % self.sync_every]]
+        drift = [self._anchor[i] - self._params[i].detach() for i in fragment]
+        for work in [self._manager.allreduce(d) for d in drift]:
+            work.wait()
+        if not self._manager.should_commit():
+            return False
+        saved = {i: p.grad for i, p in enumerate(self._params)}
+        with torch.no_grad():
+            for i in range(len(self._params)):
+                # Only this fragment's parameters move in the outer step.
+                self._params[i].grad = None
+            for i, d in zip(fragment, drift):
+                self._params[i].copy_(self._anchor[i])
+                self._params[i].grad = d
+        self._outer.step()
+        with torch.no_grad():
+            for i in fragment:
+                self._anchor[i].copy_(self._params[i])
+        for i, p in enumerate(self._params):
+            p.grad = saved[i]
+        return True

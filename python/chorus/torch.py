@@ -730,7 +730,8 @@ def _forward_work_state() -> None:
 _forward_work_state()
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
-from chorus._ft import DistributedDataParallel, DistributedSampler, Manager, Optimizer  # noqa: E402
+from chorus._ft import DiLoCo, DistributedDataParallel, DistributedSampler, LocalSGD, Manager, Optimizer  # noqa: E402
 from chorus._manager import ElasticTrainer, Step  # noqa: E402  (after the backend's registration)
 
-__all__ += ["DistributedDataParallel", "DistributedSampler", "ElasticTrainer", "Manager", "Optimizer", "Step"]
+__all__ += ["DiLoCo", "DistributedDataParallel", "DistributedSampler", "ElasticTrainer", "LocalSGD", "Manager",
+            "Optimizer", "Step"]

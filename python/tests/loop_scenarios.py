@@ -11,6 +11,15 @@ dtypes    a model holding every dtype torch trains in (bf16 and fp16
           15 and its replacement joins (the two others slow down until it
           did). Each worker writes
           RUN_DIR/<pid>.json: its report, its state's digest, its LR.
+compile   a torch.compile'd model (inductor), members fed different data
+          for 10 steps: their states still hash equal (the gradients were
+          averaged through the compiled graph's backward).
+localsgd  LocalSGD (sync every 4 steps), then
+diloco    Streaming DiLoCo (2 fragments, sync every 4 steps, Nesterov outer
+          step, momentum 0.5) around a loop of the script's own, 48 steps, each member on
+          its own data; with "kill" the last worker SIGKILLs itself after
+          step 20 and its replacement joins at a sync. Each writes its
+          losses and report.
 mismatch  rank 1 registers one more object than rank 0: both are refused
           at the first step; each writes the error.
 """
@@ -128,6 +137,64 @@ def dtypes(run: Path) -> None:
     manager.shutdown()
 
 
+def compiled(run: Path) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    manager = ct.Manager(timeout=120)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = ct.DistributedDataParallel(manager, net)
+    optimizer = ct.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+    forward = torch.compile(model)
+    losses = []
+    while manager.current_step() < 10:
+        optimizer.zero_grad()
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(manager.current_step() * 7 + manager.participating_rank()))
+        loss = forward(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    manager.verify()
+    (run / f"{os.getpid()}.json").write_text(json.dumps({"losses": losses, "steps": manager.current_step()}))
+    manager.shutdown()
+
+
+def periodic(run: Path, kind: str, kill: bool) -> None:
+    torch.manual_seed(2)
+    torch.set_num_threads(1)
+    relaunched = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    manager = ct.Manager(min_replica_size=2, heartbeat_timeout=1.0, timeout=60)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    if kind == "localsgd":
+        sync = ct.LocalSGD(manager, net, inner, sync_every=4)
+    else:
+        # With 4 inner steps per sync (not the paper's hundreds), momentum 0.9 overshoots.
+        outer = torch.optim.SGD(net.parameters(), lr=0.7, momentum=0.5, nesterov=True)
+        sync = ct.DiLoCo(manager, [net[0], net[2]], inner, outer, sync_every=4)
+    target = torch.randn(8, 1, generator=torch.Generator().manual_seed(5))
+    victim = kill and not relaunched and os.environ.get("LOCAL_RANK") == "2"
+    losses, local = [], 0
+    with sync:
+        while manager.current_step() < 24:  # 2 syncs per 4 steps with 2 fragments, 1 without
+            inner.zero_grad()
+            gen = torch.Generator().manual_seed(local * 10 + int(os.environ.get("LOCAL_RANK", "0")) + 100 * relaunched)
+            x = torch.randn(16, 8, generator=gen)
+            loss = (net(x) - x @ target).pow(2).mean()
+            loss.backward()
+            inner.step()
+            local += 1
+            losses.append(loss.item())
+            if victim and manager.current_step() >= 8:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if manager.num_participants() < 3 and manager.current_step() > 8:
+                time.sleep(0.2)  # leaves the replacement time to join
+    manager.verify()
+    (run / f"{os.getpid()}.json").write_text(json.dumps({
+        "relaunched": relaunched, "losses": losses, "report": manager.report(), "steps": manager.current_step(),
+    }))
+    manager.shutdown()
+
+
 def mismatch(run: Path) -> None:
     manager = ct.Manager(timeout=30)
     model = ct.DistributedDataParallel(manager, torch.nn.Linear(4, 4))
@@ -143,4 +210,8 @@ def mismatch(run: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"dtypes": dtypes, "mismatch": mismatch}[sys.argv[1]](Path(sys.argv[2]))
+    scenario, run_dir = sys.argv[1], Path(sys.argv[2])
+    if scenario in ("localsgd", "diloco"):
+        periodic(run_dir, scenario, kill="kill" in sys.argv[3:])
+    else:
+        {"dtypes": dtypes, "compile": compiled, "mismatch": mismatch}[scenario](run_dir)

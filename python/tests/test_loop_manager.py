@@ -52,11 +52,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(scenario, world, timeout=240):
+def launch(scenario, world, timeout=240, *extra):
     run = Path(tempfile.mkdtemp(prefix=f"chorus-loop-{scenario}-"))
     cmd = [str(CHORUS), "launch", "--nproc-per-node", str(world), "--restart-policy", "worker", "--max-restarts", "2",
            "--master-port", str(free_port()), "--log-dir", str(run / "logs"), "--",
-           sys.executable, str(Path(__file__).with_name("loop_scenarios.py")), scenario, str(run)]
+           sys.executable, str(Path(__file__).with_name("loop_scenarios.py")), scenario, str(run), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     results = [json.loads(p.read_text()) for p in sorted(run.glob("*.json"))]
     return done, results
@@ -74,6 +74,30 @@ def test_every_dtype_reaches_the_joiner_and_hashes_equal():
     # The scheduler and the optimizer's param_groups travelled: one LR, one epoch count.
     assert len({r["lr"] for r in finished}) == 1 and len({r["last_epoch"] for r in finished}) == 1, finished
     assert finished[0]["grad_dtypes"] == ["torch.bfloat16", "torch.float16", "torch.float64"], finished
+
+
+@needs_launcher
+def test_a_compiled_model_syncs_its_gradients():
+    done, results = launch("compile", 2, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(results) == 2 and all(r["steps"] == 10 for r in results), results
+    # Different data on each member, one state: the averages went through the compiled backward.
+    assert results[0]["losses"] != results[1]["losses"], results
+
+
+@needs_launcher
+@pytest.mark.parametrize("kind,kill", [("localsgd", False), ("diloco", True)])
+def test_local_sgd_and_streaming_diloco_in_the_users_loop_learn_and_admit_a_joiner(kind, kill):
+    done, results = launch(kind, 3, 300, *(["kill"] if kill else []))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(results) == 3 and all(r["steps"] == 24 for r in results), results
+    for r in results:
+        losses = r["losses"]
+        assert sum(losses[-8:]) < 0.5 * sum(losses[:8]), f"did not learn: {losses[:8]} ... {losses[-8:]}"
+    if kill:
+        joiner = [r for r in results if r["relaunched"]]
+        assert joiner and joiner[0]["report"]["adopted"] >= 8, results
+        assert any(j["receivers"] for j in joiner[0]["report"]["joins"][1:]) or joiner[0]["report"]["joins"], results
 
 
 @needs_launcher
