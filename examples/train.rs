@@ -697,7 +697,13 @@ fn worker(args: Args) -> Result<()> {
         // late, say) has no job left to join: it would wait out the
         // rendezvous timeout, again on every relaunch.
         let group = tokio::select! {
-            group = ElasticGroup::init(options) => group?,
+            group = ElasticGroup::init(options) => match group {
+                Err(e) if e.job_finished() => {
+                    eprintln!("the job finished before this worker could rejoin it");
+                    return Ok(());
+                }
+                group => group?,
+            },
             () = appears(&finished) => {
                 eprintln!("the job finished before this worker could rejoin it");
                 return Ok(());

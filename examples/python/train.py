@@ -4,7 +4,8 @@
 
 A 3-layer MLP (torch, on the CPU) learns a synthetic 10-class problem on
 --world processes under `chorus launch --restart-policy worker`, through
-`chorus.torch.Manager`: every step commits only when every member's
+`chorus.torch.ElasticTrainer` (chorus's own loop, calling back for
+each step's gradients): every step commits only when every member's
 gradient sync succeeded. At --fault-step the last worker fails: SIGKILLed
 (--fault kill), SIGSTOPped in the middle of its next step (freeze: the
 heartbeats find it, and it is killed --kill-frozen-after-ms later, by

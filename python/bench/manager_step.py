@@ -1,4 +1,4 @@
-"""The steady-state cost of chorus.torch.Manager against plain torch DDP.
+"""The steady-state cost of chorus.torch.ElasticTrainer against plain torch DDP.
 
     python3 python/bench/manager_step.py [--world 4] [--steps 200] [--rounds 3] [--hidden 1024]
 
@@ -6,10 +6,10 @@ The same job three ways, alternated round by round, W rank processes on
 this host, no fault: examples/python/train.py's 3-layer MLP (--hidden wide)
 on its synthetic data, SGD with momentum, a global batch split over the
 ranks, (1) under torch's DistributedDataParallel on backend "gloo", (2) the
-same on backend "chorus", (3) under chorus.torch.Manager (a commit vote per
+same on backend "chorus", (3) under chorus.torch.ElasticTrainer (a commit vote per
 step, the state kept ready for a joiner). Each rank times every step after
 a warm-up; it prints the median step per way (medians over the rounds) and
-the Manager's against each DDP's. Needs torch and the chorus package.
+the trainer's against each DDP's. Needs torch and the chorus package.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""chorus.torch.Manager against torchft 0.2.0 on the same job, alternated.
+"""chorus.torch.ElasticTrainer against torchft 0.2.0 on the same job, alternated.
 
     python3 python/bench/vs_torchft.py [--rounds 3] [--steps 400] [--fault-step 150] [--world 4] [--fault kill|freeze]
 

@@ -36,14 +36,15 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _tensor_leaves(value: Any) -> List[torch.Tensor]:
-    """The tensors of a state dict, in the order ``_encode`` meets them."""
+def _tensor_leaves(value: Any, path: str = "") -> List[Tuple[str, torch.Tensor]]:
+    """The tensors of a state dict with their key paths, in the order
+    ``_encode`` meets them."""
     if torch.is_tensor(value):
-        return [value]
+        return [(path, value)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensor_leaves(v)]
+        return [leaf for k, v in value.items() for leaf in _tensor_leaves(v, f"{path}.{k}")]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensor_leaves(v)]
+        return [leaf for i, v in enumerate(value) for leaf in _tensor_leaves(v, f"{path}.{i}")]
     return []
 
 
@@ -118,21 +119,21 @@ class _Snapshot:
             # One byte under the object's name, so that members registering
             # different objects are told apart by the entry lists.
             self.entries.append((name, torch.zeros(1, dtype=torch.uint8)))
-            first, again = _tensor_leaves(obj.state_dict()), _tensor_leaves(obj.state_dict())
-            for i, (t, u) in enumerate(zip(first, again)):
+            first, again = _tensor_leaves(obj.state_dict(), name), _tensor_leaves(obj.state_dict())
+            for (path, t), (_, u) in zip(first, again):
                 index = len(self._held)
                 if t.device.type != "cpu":
                     raise InvalidArgument(
-                        f"{name}'s state holds a tensor on {t.device}: the manager moves CPU tensors "
-                        "(keep the model and optimizer on the CPU)")
+                        f"{path} is on {t.device}: the manager moves CPU tensors (keep the model and optimizer on the "
+                        "CPU)")
                 if t.numel() == 0 or t.is_sparse:
                     self._held.append(torch.empty(0))
                     continue
                 live = t.is_contiguous() and t.data_ptr() == u.data_ptr()
                 held = t.detach() if live else torch.empty(t.shape, dtype=t.dtype)
                 self._held.append(held)
-                self.entries.append((f"{name}.{index}:{_dtype_name(t)}{list(t.shape)}", held.view(-1).view(torch.uint8)
-                                     if held.dim() else held.reshape(1).view(torch.uint8)))
+                flat = held.view(-1) if held.dim() else held.reshape(1)
+                self.entries.append((f"{path}:{_dtype_name(t)}{list(t.shape)}", flat.view(torch.uint8)))
 
     def _slot(self, t: torch.Tensor, index: int) -> Any:
         held = self._held[index] if index < len(self._held) else None
@@ -238,7 +239,7 @@ class Manager:
             raise InvalidArgument(f"{name} is registered already")
         if self._step is not None or self._last["step"]:
             raise InvalidArgument(f"register {name} before the first step")
-        for t in _tensor_leaves(obj.state_dict()):
+        for _, t in _tensor_leaves(obj.state_dict()):
             if t.device.type != "cpu":
                 raise InvalidArgument(
                     f"{name} holds a tensor on {t.device}: the manager keeps CPU state (move the model and the "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from chorus import _chorus
+from chorus._errors import JobFinished
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,12 @@ class ElasticTrainer:
         self._params = [p for p in model.parameters() if p.requires_grad]
         _materialize(optimizer, self._params)
         self._extras = _ExtraTensors(extra_state)
-        self._trainer = _chorus.Trainer(timeout, heartbeat_timeout, min_world, max_world)
+        try:
+            self._trainer = _chorus.Trainer(timeout, heartbeat_timeout, min_world, max_world)
+        except JobFinished as finished:
+            # A replacement that came after the last step: its work is done.
+            print(f"chorus: {finished}; this worker exits", file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
 
     @property
     def rank(self) -> int:
