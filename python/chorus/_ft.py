@@ -25,9 +25,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from chorus import _chorus
-from chorus._errors import InvalidArgument, JobFinished
+from chorus._errors import GroupAborted, InvalidArgument, JobFinished
 
 Named = Tuple[str, torch.Tensor]
+#: Times one step's gradient sync is run again in a next generation.
+_SYNC_RETRIES = 3
 _TENSOR = "__chorus_tensor__"
 _ENTRY = "__chorus_entry__"
 
@@ -223,6 +225,8 @@ class Manager:
         self._last: Dict[str, Any] = {"step": 0, "rank": int(os.environ.get("RANK", "0")),
                                       "world_size": int(os.environ.get("WORLD_SIZE", "1")), "generation": 0}
         self._joins: List[Dict[str, Any]] = []
+        # The step's generation failed and a joiner came: it ends unapplied.
+        self._given_up = False
         self._join_hooks: List[Callable[[], None]] = []
         self._quorum_started = 0.0
 
@@ -264,6 +268,7 @@ class Manager:
         same step."""
         if self._step is not None:
             return
+        self._given_up = False
         self._quorum_started = time.monotonic()
         if self._trainer is None:
             try:
@@ -303,6 +308,29 @@ class Manager:
             work = None
         return _Averaged(self, work, tensor, self._step["world_size"])
 
+    def _group_failed(self) -> bool:
+        """Whether the step's generation failed under it (every error of
+        the step is the group's abort, none is this member's own)."""
+        return bool(self._errors) and all(isinstance(e, GroupAborted) for e in self._errors)
+
+    def _rejoin(self) -> bool:
+        """Leaves the step's failed generation (its vote fails at once, on
+        every member) and, when the next one only lost members, begins the
+        same step there and returns True. When it also admitted one, the
+        state must move at a step boundary, not in the middle of this step
+        (after its forward pass changed buffers and drew random numbers):
+        the step is given up (``should_commit()`` says False) and the next
+        begins at the next ``zero_grad()``."""
+        before = self._step["world_size"]
+        self._trainer.commit_step(False, False, 0.0)
+        self._step = None
+        _, world = self._trainer.next_generation()
+        if world >= before:
+            self._given_up = True
+            return False
+        self.start_quorum()
+        return True
+
     def report_error(self, error: BaseException) -> None:
         """Votes the current step down (a member-local failure)."""
         self._errors.append(error)
@@ -314,6 +342,9 @@ class Manager:
     def should_commit(self) -> bool:
         """The step's vote (``Optimizer.step`` calls it): True when every
         member's sync succeeded; apply the update only then. Ends the step."""
+        if self._step is None and self._given_up:
+            self._given_up = False
+            return False
         if self._step is None:
             raise InvalidArgument("should_commit() without a step: call optimizer.zero_grad() first")
         ok = not self._errors
@@ -498,9 +529,28 @@ class DistributedDataParallel(torch.nn.Module):
                 self._launch(bucket)
         for bucket in self._buckets:
             bucket.work.wait()
+        retries = 0
+        while self._manager._group_failed() and self._local_grads_kept() and retries < _SYNC_RETRIES:
+            # The generation failed under the sync (a member died, froze or
+            # was cut off): sync the same gradients again in the next one
+            # rather than discard the step's forward and backward passes.
+            retries += 1
+            if not self._manager._rejoin():
+                break
+            for bucket in self._buckets:
+                self._launch(bucket)
+            for bucket in self._buckets:
+                bucket.work.wait()
+        for bucket in self._buckets:
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
+
+    def _local_grads_kept(self) -> bool:
+        """Whether every gradient is still this member's own (not the bucket
+        an all-reduce wrote into), so the sync can run again."""
+        return all(p.grad is None or p.grad.data_ptr() != view.data_ptr()
+                   for bucket in self._buckets for p, view in zip(bucket.params, bucket.views))
 
 
 def _bucketize(params: List[torch.nn.Parameter], cap_mb: float, first_mb: float) -> List[_Bucket]:

@@ -518,6 +518,22 @@ impl Trainer {
         })
     }
 
+    /// After a step that failed with its generation: waits for the next
+    /// generation and returns its `(generation, world_size)`, moving no
+    /// state (the next `begin_step` joins it). Blocks with the GIL released.
+    fn next_generation(&mut self, py: Python<'_>) -> PyResult<(u64, usize)> {
+        let group = self.group.as_ref().ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
+        let stepper = self
+            .stepper
+            .as_mut()
+            .ok_or_else(|| PyValueError::new_err("no step was begun (begin_step first)"))?;
+        let rt = runtime()?;
+        let pg = py.detach(|| rt.block_on(stepper.next_generation(group))).map_err(|e| {
+            Failure::new(Class::GroupAborted, format!("training stopped: {}", chorus::error_report(&e))).to_err(py)
+        })?;
+        Ok((pg.generation(), pg.world_size()))
+    }
+
     /// What the user's loop did so far (`steps`, `applied`, `adopted`,
     /// `rejected`, `recoveries` with their phases in ms).
     fn step_report(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {

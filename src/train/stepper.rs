@@ -245,6 +245,18 @@ impl Stepper {
         }
     }
 
+    /// Waits for the next generation when the last step's failed (after a
+    /// [`commit`](Self::commit) that was not committed because the group
+    /// failed) and returns the group now current, without joining it: a
+    /// caller may look at its members before [`begin`](Self::begin) moves
+    /// any state.
+    pub async fn next_generation(&mut self, group: &ElasticGroup) -> Result<Arc<ProcessGroup>, TrainError> {
+        if let Some(generation) = self.failed.take() {
+            wait_next(group, generation).await?;
+        }
+        Ok(group.current())
+    }
+
     fn fail(&mut self) {
         Pending::extend(&mut self.pending);
         if let Some(pg) = self.current.take() {
