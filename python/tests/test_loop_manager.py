@@ -92,12 +92,14 @@ def test_local_sgd_and_streaming_diloco_in_the_users_loop_learn_and_admit_a_join
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(results) == 3 and all(r["steps"] == 24 for r in results), results
     for r in results:
+        if r["relaunched"]:
+            continue  # it starts from the trained anchor: its first losses are low already
         losses = r["losses"]
         assert sum(losses[-8:]) < 0.5 * sum(losses[:8]), f"did not learn: {losses[:8]} ... {losses[-8:]}"
     if kill:
         joiner = [r for r in results if r["relaunched"]]
         assert joiner and joiner[0]["report"]["adopted"] >= 8, results
-        assert any(j["receivers"] for j in joiner[0]["report"]["joins"][1:]) or joiner[0]["report"]["joins"], results
+        assert any(joiner[0]["report"]["joins"]), results
 
 
 @needs_launcher
