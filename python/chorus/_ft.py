@@ -335,10 +335,6 @@ class Manager:
         """Votes the current step down (a member-local failure)."""
         self._errors.append(error)
 
-    def errored(self) -> Optional[BaseException]:
-        """The first failure of the current step, if any."""
-        return self._errors[0] if self._errors else None
-
     def should_commit(self) -> bool:
         """The step's vote (``Optimizer.step`` calls it): True when every
         member's sync succeeded; apply the update only then. Ends the step."""
