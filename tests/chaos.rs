@@ -107,7 +107,7 @@ fn netns_a_minute_of_faults_across_three_simulated_hosts_passes_every_check() {
     let again = chaos::schedule::schedule(&chaos::ScheduleSpec {
         seed: 97,
         duration: horizon,
-        every: (Duration::from_secs(10), Duration::from_secs(20)),
+        every: EVERY,
         kinds,
         nodes: 3,
         nproc_per_node: 1,
@@ -125,6 +125,11 @@ fn netns_a_minute_of_faults_across_three_simulated_hosts_passes_every_check() {
     assert!(!left.contains(&ours), "namespaces left: {left}");
 }
 
+/// How far apart the minute's faults come: three within 42 s, as the
+/// calibration can overestimate a step (its 200 steps include the
+/// start-up) and the run then ends well before its minute.
+const EVERY: (Duration, Duration) = (Duration::from_secs(8), Duration::from_secs(14));
+
 #[test]
 fn a_minute_of_faults_on_three_nodes_passes_every_check() {
     let options = ChaosOptions {
@@ -135,10 +140,7 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
         nproc_per_node: 1,
         duration: Duration::from_secs(60),
         steps: None,
-        // Three faults within 42 s: the calibration can overestimate a
-        // step (its 200 steps include the start-up), and the run then
-        // ends well before its minute.
-        every: (Duration::from_secs(8), Duration::from_secs(14)),
+        every: EVERY,
         faults: vec![
             FaultKind::Kill,
             FaultKind::Stop,
@@ -166,7 +168,7 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
     let again = chaos::schedule::schedule(&chaos::ScheduleSpec {
         seed: 3,
         duration: horizon,
-        every: (Duration::from_secs(10), Duration::from_secs(20)),
+        every: EVERY,
         kinds: vec![
             FaultKind::Kill,
             FaultKind::Stop,
