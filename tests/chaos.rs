@@ -107,7 +107,7 @@ fn netns_a_minute_of_faults_across_three_simulated_hosts_passes_every_check() {
     let again = chaos::schedule::schedule(&chaos::ScheduleSpec {
         seed: 97,
         duration: horizon,
-        every: EVERY,
+        every: (Duration::from_secs(10), Duration::from_secs(20)),
         kinds,
         nodes: 3,
         nproc_per_node: 1,
