@@ -12,6 +12,7 @@ import torch
 
 from chorus import _chorus
 from chorus._errors import JobFinished
+from chorus._ft import _ENTRY, _decode, _encode, _inline, _tensor_leaves
 
 
 @dataclass(frozen=True)
@@ -185,21 +186,6 @@ class _Hooks:
 
 
 Named = Tuple[str, torch.Tensor]
-_TENSOR = "__chorus_tensor__"
-_ENTRY = "__chorus_entry__"
-
-
-def _tensor_leaves(value: Any) -> List[torch.Tensor]:
-    """The tensors of a state dict, in the order ``_encode`` meets them."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensor_leaves(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensor_leaves(v)]
-    return []
-
-
 def _movable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not t.is_sparse and t.numel() > 0
 
@@ -217,8 +203,8 @@ class _ExtraTensors:
         self.entries: List[Named] = []
         if extra is None:
             return
-        first = _tensor_leaves(extra.state_dict())
-        again = _tensor_leaves(extra.state_dict())
+        first = [t for _, t in _tensor_leaves(extra.state_dict())]
+        again = [t for _, t in _tensor_leaves(extra.state_dict())]
         for i, (t, u) in enumerate(zip(first, again)):
             if not _movable(t):
                 self._held.append(torch.empty(0))
@@ -235,7 +221,7 @@ class _ExtraTensors:
         held = self._held[index] if index < len(self._held) else None
         if (held is None or held.numel() == 0 or held.shape != t.shape
                 or held.dtype != t.dtype or not _movable(t)):
-            return _encode(t)
+            return _inline(t)
         if held.data_ptr() != t.data_ptr():
             held.copy_(t)
         return (_ENTRY, index)
@@ -249,43 +235,6 @@ class _ExtraTensors:
     def load(self, data: bytes) -> None:
         if self._extra is not None and data:
             self._extra.load_state_dict(_decode(pickle.loads(data), self._held))
-
-
-def _encode(value: Any, tensor: Optional[Callable[[torch.Tensor], Any]] = None) -> Any:
-    """The extra state with every tensor replaced by ``tensor(t)``, by
-    default (marker, dtype, shape, raw bytes): a pickled tensor's bytes
-    depend on its storage's history (a copy pickles differently), and the
-    members' extras are compared by checksum. Tensors are met in
-    ``_tensor_leaves``'s order."""
-    if torch.is_tensor(value):
-        if tensor is not None:
-            return tensor(value)
-        t = value.detach().cpu().contiguous()
-        return (_TENSOR, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    if isinstance(value, dict):
-        return {k: _encode(v, tensor) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_encode(v, tensor) for v in value)
-    return value
-
-
-def _decode(value: Any, entries: List[torch.Tensor]) -> Any:
-    """``_encode``'s inverse; ``(_ENTRY, i)`` is ``entries[i]``, which the
-    transfer has already filled."""
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == _ENTRY:
-        return entries[value[1]]
-    if isinstance(value, tuple) and len(value) == 4 and value[0] == _TENSOR:
-        _, dtype, shape, data = value
-        dtype = getattr(torch, dtype)
-        if not data:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
-    if isinstance(value, dict):
-        return {k: _decode(v, entries) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_decode(v, entries) for v in value)
-    return value
 
 
 def _materialize(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
