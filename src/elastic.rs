@@ -44,7 +44,14 @@
 //! - SV-13: a process waiting to join generation g+1 restarts a healthy
 //!   group that has fewer than `max_world` ranks, so it is admitted; that
 //!   restart is a membership change and does not count against SV-12's
-//!   budget (as torchrun's agents do not count one).
+//!   budget (as torchrun's agents do not count one). Under
+//!   [`Admission::AtStepBoundary`] the restart waits for the members'
+//!   next step boundary instead: a member that saw the joiner says so in
+//!   the step's commit vote, and once the vote committed every member asks
+//!   for the restart together ([`ElasticGroup::admit_at_boundary`]), so no
+//!   step under way is lost; if no boundary comes within the bound (a loop
+//!   that stopped stepping), the group restarts as under
+//!   [`Admission::Immediate`].
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -99,6 +106,33 @@ const JOINER_POLL: Duration = Duration::from_millis(50);
 const JOINER_POLL_BACKUP: Duration = Duration::from_millis(500);
 /// How often an elastic rendezvous reads the store while waiting.
 const RENDEZVOUS_POLL: Duration = Duration::from_millis(20);
+/// How long a joiner waits for a step boundary under
+/// [`Admission::at_step_boundary`] before the group restarts anyway.
+pub const DEFAULT_BOUNDARY_WAIT: Duration = Duration::from_secs(10);
+
+/// When an elastic group admits a process waiting to join (SV-13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// The running generation restarts as soon as a joiner is seen; a
+    /// step under way fails and is run again.
+    Immediate,
+    /// The members admit it at their next step boundary, after a commit
+    /// vote that said a joiner waits (`chorus::train` does this); after
+    /// `longest` without one, at once.
+    AtStepBoundary {
+        /// The longest a joiner waits for a boundary.
+        longest: Duration,
+    },
+}
+
+impl Admission {
+    /// [`Admission::AtStepBoundary`] with [`DEFAULT_BOUNDARY_WAIT`].
+    pub fn at_step_boundary() -> Self {
+        Admission::AtStepBoundary {
+            longest: DEFAULT_BOUNDARY_WAIT,
+        }
+    }
+}
 
 /// Why an elastic group could not form, or stopped restarting.
 #[derive(Error)]
@@ -406,6 +440,12 @@ struct Shared {
     current: watch::Sender<Arc<ProcessGroup>>,
     events: broadcast::Sender<MembershipChange>,
     gave_up: watch::Sender<Option<Arc<RestartError>>>,
+    admission: Admission,
+    /// The generation in which this process saw joiners waiting for a
+    /// step boundary.
+    joiners_seen: watch::Sender<Option<u64>>,
+    /// The generation whose members agreed to admit at this boundary.
+    admit_requested: watch::Sender<Option<u64>>,
 }
 
 /// A process group that survives failures of its members: see the module docs.
@@ -614,6 +654,9 @@ impl ElasticGroup {
             current: watch::Sender::new(Arc::new(group)),
             events: broadcast::channel(64).0,
             gave_up: watch::Sender::new(None),
+            admission: base.options.admission,
+            joiners_seen: watch::Sender::new(None),
+            admit_requested: watch::Sender::new(None),
         });
         let job = (base.store.clone(), base.config.run_id.clone());
         let task = tokio::spawn(supervise(shared.clone(), base, budget, Box::new(on_give_up)));
@@ -677,6 +720,29 @@ impl ElasticGroup {
             Ok(group) = current.wait_for(|g| g.generation() > generation) => Ok(group.clone()),
             Ok(error) = gave_up.wait_for(Option::is_some) => Err(error.clone().expect("waited for Some")),
         }
+    }
+
+    /// Whether this process saw processes waiting to join `generation`'s
+    /// group at its next step boundary (under [`Admission::AtStepBoundary`]).
+    pub fn joiners_waiting(&self, generation: u64) -> bool {
+        *self.shared.joiners_seen.borrow() == Some(generation)
+    }
+
+    /// Restarts `group`'s generation to admit the processes waiting to
+    /// join, once every member agreed at a step boundary (their commit
+    /// vote said some wait): the membership change charges no restart,
+    /// and the next generation is waited for as after a failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a drop during the barrier leaves the restart unasked,
+    /// and the joiners then wait for the bound.
+    pub async fn admit_at_boundary(&self, group: &ProcessGroup) {
+        // Every member has finished the vote once every member entered the
+        // barrier, so tearing the links down cannot cut a vote short; the
+        // barrier's own result does not matter.
+        let _ = group.barrier().await;
+        self.shared.admit_requested.send_replace(Some(group.generation()));
     }
 
     /// All-reduce on the current generation.
@@ -776,6 +842,30 @@ async fn watch_joiners(group: &ProcessGroup, base: &Base) -> usize {
     }
 }
 
+/// Returns why the group restarts to admit processes waiting to join:
+/// once some do, at once or (under [`Admission::AtStepBoundary`]) when the
+/// members ask at a step boundary, whichever process saw them first.
+async fn admission(group: &ProcessGroup, base: &Base, shared: &Shared) -> String {
+    let generation = group.generation();
+    let mut requested = shared.admit_requested.subscribe();
+    let seen = async {
+        let waiting = watch_joiners(group, base).await;
+        let why = format!("{waiting} process(es) wait to join generation {}", generation + 1);
+        let Admission::AtStepBoundary { longest } = shared.admission else {
+            return why;
+        };
+        shared.joiners_seen.send_replace(Some(generation));
+        tokio::time::sleep(longest).await;
+        format!("{why}; no step boundary came within {longest:?}")
+    };
+    tokio::select! {
+        why = seen => why,
+        Ok(_) = requested.wait_for(|g| *g == Some(generation)) => {
+            format!("admitting the processes waiting to join generation {} at a step boundary", generation + 1)
+        }
+    }
+}
+
 /// The supervisor's loop: wait for an abort, then restart (SV-9, SV-12, SV-13).
 async fn supervise(
     shared: Arc<Shared>,
@@ -803,8 +893,7 @@ async fn supervise(
                 // The group's supervision is gone: nothing left to restart.
                 Err(_) => return,
             },
-            waiting = watch_joiners(&group, &base) => {
-                let why = format!("{waiting} process(es) wait to join generation {}", old_generation + 1);
+            why = admission(&group, &base, &shared) => {
                 group.abort(why.clone());
                 group.tear_down(&why);
                 tracing::info!(generation = old_generation, rank = old_rank, "{why}; restarting to admit them");
@@ -816,11 +905,12 @@ async fn supervise(
             survivor.failed = aborted.failed_ranks.clone();
             // Another rank may have aborted to admit a newcomer (SV-13):
             // this rank then sees that rank's links close.
-            let admitting = group.world_size() < base.max_world
-                && matches!(
-                    elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(old_generation + 1)).await,
-                    Ok(1..)
-                );
+            let admitting = *shared.admit_requested.borrow() == Some(old_generation)
+                || group.world_size() < base.max_world
+                    && matches!(
+                        elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(old_generation + 1)).await,
+                        Ok(1..)
+                    );
             // Peers that shut down on purpose are not a failure to charge.
             if admitting || aborted.reason.peers_shut_down() {
                 tracing::info!(

@@ -42,6 +42,7 @@ use chorus_transports::scoped::ScopedLink;
 use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 
+use crate::elastic::Admission;
 use crate::mesh::{LinkOptions, MeshError, MeshPlan, TransportChoice, checked_faults, parse_shm_budget};
 
 /// Why a group could not be formed.
@@ -268,6 +269,9 @@ pub struct InitOptions {
     /// How long an elastic rendezvous waits for more ranks once `min_world`
     /// came (torchelastic's last call).
     pub last_call: Duration,
+    /// When an elastic group admits a process waiting to join (SV-13):
+    /// at once (the default), or at the members' next step boundary.
+    pub admission: Admission,
     /// Restarts an elastic group may make per `restart_window`; `None`:
     /// `CHORUS_MAX_RESTARTS`, else 3.
     pub max_restarts: Option<u32>,
@@ -317,6 +321,7 @@ impl Default for InitOptions {
             min_world: None,
             max_world: None,
             last_call: Duration::from_secs(1),
+            admission: Admission::Immediate,
             max_restarts: None,
             restart_window: None,
             store_host: None,
@@ -389,6 +394,12 @@ impl InitOptions {
     /// Sets how long an elastic rendezvous waits for more once `min_world` came.
     pub fn last_call(mut self, window: Duration) -> Self {
         self.last_call = window;
+        self
+    }
+
+    /// Sets when an elastic group admits a process waiting to join.
+    pub fn admission(mut self, admission: Admission) -> Self {
+        self.admission = admission;
         self
     }
 

@@ -124,7 +124,7 @@ pub use chorus_runtime::collective::{CollectiveKind, DType, Overrides, ReduceOp,
 pub use chorus_runtime::{rendezvous, store};
 pub use chorus_transports::{auth, fault, link, netif};
 pub use collectives::Work;
-pub use elastic::{ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
+pub use elastic::{Admission, ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
 pub use group::{InitError, InitOptions, InitStage, ProcessGroup, init_process_group, spawn, spawn_with};
 pub use nccl_group::{NcclInitError, NcclProcessGroup, init_nccl_group, init_nccl_group_with};
 pub use sync::{DistributedSync, ParamBuffer, Parameters, SyncError, SyncOptions};

@@ -14,7 +14,7 @@ use chorus::train::{
     self, Begin, Job, Mode, NamedState, Step, Stepper, StepperOptions, TrainOptions, TrainReport, TrainState,
 };
 use chorus::{ReduceOp, Tensor};
-use chorus::{ElasticGroup, InitOptions};
+use chorus::{Admission, ElasticGroup, InitOptions};
 
 mod common;
 use common::{CHORUS, LAUNCHER, elastic_options as options, text, within};
@@ -193,7 +193,7 @@ async fn own_step(stepper: &mut Stepper, group: &ElasticGroup, job: &mut Counter
         .all_reduce(Tensor::from_slice(&[1.0f32]), ReduceOp::Sum)
         .await
         .is_ok_and(|sum| sum.to_vec::<f32>().unwrap() == [world as f32]);
-    let (committed, _) = stepper.commit(synced, false, 0.0).await?;
+    let (committed, _) = stepper.commit(group, synced, false, 0.0).await?;
     if committed {
         job.state.params[0].1.iter_mut().for_each(|x| *x -= 1.0);
         job.state.optimizer[0].1.iter_mut().for_each(|c| *c += 1.0);
@@ -271,6 +271,72 @@ async fn in_the_callers_loop_a_failed_step_is_discarded_everywhere_and_the_joine
             assert!(!report.recoveries.is_empty(), "{report:?}");
         }
     }
+}
+
+/// Under `Admission::AtStepBoundary` a joiner restarts no step under way:
+/// the members' vote says it waits, and they admit it between two steps.
+/// Its bound (60 s) is past the test's limit, so the boundary admitted it.
+/// (Under `Admission::Immediate` this test fails: a step is lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_a_step_boundary_a_joiner_is_admitted_and_no_step_is_lost() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let boundary = Admission::AtStepBoundary {
+        longest: Duration::from_secs(60),
+    };
+    let options = move |rank| options(&store, rank, 3).elastic_world(3, 4).admission(boundary);
+    let halfway = Arc::new(tokio::sync::Notify::new());
+    let members: Vec<_> = (0..3)
+        .map(|rank| {
+            let (options, halfway) = (options(rank), halfway.clone());
+            tokio::spawn(async move {
+                let group = init(options).await;
+                let mut job = Counter::new();
+                let mut stepper = Stepper::new(&group, StepperOptions::default());
+                let mut lost = 0;
+                while stepper.step() < STEPS {
+                    std::thread::sleep(Duration::from_millis(2));
+                    if !own_step(&mut stepper, &group, &mut job).await.unwrap() {
+                        lost += 1;
+                    }
+                    if stepper.step() == 30 && rank == 0 {
+                        halfway.notify_one();
+                    }
+                }
+                train::verify_state(&group.current(), &mut job).await.unwrap();
+                let world = group.world_size();
+                group.destroy().await.unwrap();
+                (stepper.report(), lost, world)
+            })
+        })
+        .collect();
+    within(20, "30 steps", halfway.notified()).await;
+    let joiner = within(20, "the joiner", init(options(0))).await;
+    let joined = tokio::spawn(own_loop_to_end(joiner, Counter::new()));
+    for member in members {
+        let (report, lost, world) = within(40, "a member", member).await.unwrap();
+        assert_eq!((lost, report.rejected), (0, 0), "a step under way was lost to the admission: {report:?}");
+        assert_eq!(world, 4, "the joiner was never admitted");
+        assert_eq!(report.applied, STEPS, "{report:?}");
+        assert_eq!(report.recoveries.len(), 1, "one membership change: {report:?}");
+    }
+    let (report, _) = within(40, "the joiner's loop", joined).await.unwrap();
+    assert!(report.adopted >= 30 && report.applied + report.adopted == STEPS, "{report:?}");
+}
+
+/// A loop that stopped stepping still admits a joiner, once the bound passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_step_boundary_a_joiner_is_admitted_after_the_bound() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let boundary = Admission::AtStepBoundary {
+        longest: Duration::from_millis(300),
+    };
+    let options = move |rank| options(&store, rank, 2).elastic_world(2, 3).admission(boundary);
+    let (a, b) = (init(options(0)), init(options(1)));
+    let (a, b) = within(20, "the first generation", async { tokio::join!(a, b) }).await;
+    let joiner = within(20, "the joiner's admission", init(options(0))).await;
+    assert_eq!((joiner.generation(), joiner.world_size()), (1, 3));
+    within(20, "the others' next generation", a.next_generation(0)).await.unwrap();
+    assert_eq!(b.world_size(), 3);
 }
 
 /// A member whose state cannot be made equal to the others' (its extras

@@ -15,7 +15,7 @@ use chorus::sync::ParamBuffer;
 use chorus::train::{
     Begin, Committed, InPlace, Job, Mode, Step, Stepper, StepperOptions, TrainOptions, TrainReport, TrainState,
 };
-use chorus::{DType, DistributedSync, ElasticGroup, InitOptions, Parameters};
+use chorus::{Admission, DType, DistributedSync, ElasticGroup, InitOptions, Parameters};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -341,7 +341,9 @@ impl Trainer {
     /// Joins the job's elastic group through the launcher's environment
     /// (`chorus launch --restart-policy worker`, or torchrun): a relaunched
     /// worker joins the running generation. `min_world`..`max_world` ranks
-    /// may form a generation (None: the launcher's world size).
+    /// may form a generation (None: the launcher's world size). A process
+    /// that comes to join is admitted at the members' next step boundary
+    /// (the commit vote carries it), so no step under way is lost to it.
     #[new]
     #[pyo3(signature = (timeout = 300.0, heartbeat_timeout = None, min_world = None, max_world = None, last_call = 0.3))]
     fn new(
@@ -358,6 +360,7 @@ impl Trainer {
             last_call: Duration::from_secs_f64(last_call.max(0.0)),
             min_world,
             max_world,
+            admission: Admission::at_step_boundary(),
             ..InitOptions::default()
         }
         .restart_budget(1000, Duration::from_secs(600));
@@ -512,8 +515,9 @@ impl Trainer {
             .stepper
             .as_mut()
             .ok_or_else(|| PyValueError::new_err("no step was begun (begin_step first)"))?;
+        let group = self.group.as_ref().ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
         let rt = runtime()?;
-        py.detach(|| rt.block_on(stepper.commit(ok, fatal, loss))).map_err(|e| {
+        py.detach(|| rt.block_on(stepper.commit(group, ok, fatal, loss))).map_err(|e| {
             Failure::new(Class::GroupAborted, format!("training stopped: {}", chorus::error_report(&e))).to_err(py)
         })
     }

@@ -206,8 +206,17 @@ impl Stepper {
     /// [`begin`](Self::begin) waits for the next generation; voted down
     /// by a member's local failure, the step runs again (at most
     /// [`StepperOptions::max_rejections`] times in a row). The second
-    /// value is the sum of the members' `loss`es.
-    pub async fn commit(&mut self, ok: bool, fatal: bool, loss: f64) -> Result<(bool, f64), TrainError> {
+    /// value is the sum of the members' `loss`es. Under
+    /// [`Admission::AtStepBoundary`](crate::elastic::Admission), a
+    /// committed vote that says processes wait to join restarts the
+    /// generation to admit them here, between two steps.
+    pub async fn commit(
+        &mut self,
+        group: &ElasticGroup,
+        ok: bool,
+        fatal: bool,
+        loss: f64,
+    ) -> Result<(bool, f64), TrainError> {
         let Some(pg) = self.current.clone().filter(|_| self.in_step) else {
             return Err(TrainError::Job {
                 step: self.progress.step,
@@ -215,15 +224,20 @@ impl Stepper {
             });
         };
         self.in_step = false;
-        let votes = vote(&pg, ok, fatal, loss).await;
+        let votes = vote(&pg, ok, fatal, loss, group.joiners_waiting(pg.generation())).await;
         let summed = votes.map_or(0.0, |v| v[2]);
         match decide(&pg, self.progress.step, votes)? {
-            Outcome::Committed => {
+            Outcome::Committed { admit } => {
                 self.rejections = 0;
                 self.progress.step += 1;
                 self.report.applied += 1;
                 if let Some(recovery) = self.pending.take().and_then(Pending::finish) {
                     self.report.recoveries.push(recovery);
+                }
+                if admit {
+                    self.pending = Some(Pending::new(Instant::now()));
+                    group.admit_at_boundary(&pg).await;
+                    self.failed = Some(pg.generation());
                 }
                 Ok((true, summed))
             }

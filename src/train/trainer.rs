@@ -447,7 +447,8 @@ fn write_params(job: &mut dyn Parameters, flat: &[f32]) {
 
 /// What ended an attempt at a unit of progress.
 pub(super) enum Outcome {
-    Committed,
+    /// `admit`: a member saw processes waiting to join at this boundary.
+    Committed { admit: bool },
     /// The group failed: wait for the next generation.
     GroupFailed,
     /// A member's local failure voted it down: re-run in this generation.
@@ -626,10 +627,11 @@ pub async fn train<J: Job>(
             }
         }
         let (_, sync) = synced.as_mut().expect("synced above");
+        let joiner = group.joiners_waiting(generation);
         let outcome = match outer_due {
             Some((rule, fragment, fragments)) => {
                 let fragment = (fragment, fragments);
-                outer_sync(&pg, &mut *job, &mut outer, rule, fragment, progress.step).await?
+                outer_sync(&pg, &mut *job, &mut outer, rule, fragment, progress.step, joiner).await?
             }
             None => {
                 let step = Step {
@@ -643,8 +645,9 @@ pub async fn train<J: Job>(
                         _ => 1.0 / shard(options.global_batch, pg.world_size(), pg.rank()).len().max(1) as f32,
                     },
                 };
-                let (outcome, loss) = run_step(&pg, &mut *job, sync, &step, options.mode == Mode::Ddp).await?;
-                if let Outcome::Committed = outcome {
+                let ddp = options.mode == Mode::Ddp;
+                let (outcome, loss) = run_step(&pg, &mut *job, sync, &step, ddp, joiner).await?;
+                if let Outcome::Committed { .. } = outcome {
                     report.applied += 1;
                     let committed = Committed {
                         step: step.step,
@@ -672,7 +675,7 @@ pub async fn train<J: Job>(
             }
         };
         match outcome {
-            Outcome::Committed => {
+            Outcome::Committed { admit } => {
                 rejections = 0;
                 match outer_due {
                     Some(_) => progress.outer_syncs += 1,
@@ -682,6 +685,11 @@ pub async fn train<J: Job>(
                 // initial formation (no failure before it) is none.
                 if let Some(recovery) = pending.take().and_then(Pending::finish) {
                     report.recoveries.push(recovery);
+                }
+                if admit {
+                    pending = Some(Pending::new(Instant::now()));
+                    group.admit_at_boundary(&pg).await;
+                    wait_next(group, generation).await?;
                 }
             }
             Outcome::GroupFailed => {
@@ -713,26 +721,27 @@ pub(super) async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(
         .map_err(TrainError::GaveUp)
 }
 
-/// The commit vote: every member's `[succeeded, failed for good, loss]`
-/// summed. `None` when the vote itself failed (the group did).
-pub(super) async fn vote(pg: &ProcessGroup, ok: bool, fatal: bool, loss: f64) -> Option<[f64; 3]> {
-    let mine = [f64::from(u8::from(ok)), f64::from(u8::from(fatal)), loss];
+/// The commit vote: every member's `[succeeded, failed for good, loss,
+/// saw a joiner waiting]` summed. `None` when the vote itself failed (the
+/// group did).
+pub(super) async fn vote(pg: &ProcessGroup, ok: bool, fatal: bool, loss: f64, joiner: bool) -> Option<[f64; 4]> {
+    let mine = [f64::from(u8::from(ok)), f64::from(u8::from(fatal)), loss, f64::from(u8::from(joiner))];
     let sum = pg.all_reduce(Tensor::from_slice(&mine), ReduceOp::Sum).await.ok()?;
     let sum = sum.to_vec::<f64>().ok()?;
-    Some([sum[0], sum[1], sum[2]])
+    Some([sum[0], sum[1], sum[2], sum[3]])
 }
 
 /// Decides a unit from the vote; the error when this or another member
 /// failed for good.
-pub(super) fn decide(pg: &ProcessGroup, step: u64, votes: Option<[f64; 3]>) -> Result<Outcome, TrainError> {
-    let Some([ok, fatal, _]) = votes else {
+pub(super) fn decide(pg: &ProcessGroup, step: u64, votes: Option<[f64; 4]>) -> Result<Outcome, TrainError> {
+    let Some([ok, fatal, _, joiners]) = votes else {
         return Ok(Outcome::GroupFailed);
     };
     if fatal > 0.0 {
         return Err(TrainError::PeerFailed(step));
     }
     Ok(if ok as usize == pg.world_size() {
-        Outcome::Committed
+        Outcome::Committed { admit: joiners > 0.0 }
     } else {
         Outcome::Rejected
     })
@@ -746,6 +755,7 @@ async fn run_step<J: Job>(
     sync: &mut DistributedSync<'static>,
     step: &Step,
     ddp: bool,
+    joiner: bool,
 ) -> Result<(Outcome, f64), TrainError> {
     let mut failure: Option<TrainError> = None;
     let mut loss = 0.0;
@@ -778,12 +788,12 @@ async fn run_step<J: Job>(
             }
         }
     }
-    let votes = vote(pg, ok, failure.is_some(), loss).await;
+    let votes = vote(pg, ok, failure.is_some(), loss, joiner).await;
     if let Some(error) = failure {
         return Err(error);
     }
     let outcome = decide(pg, step.step, votes)?;
-    if let Outcome::Committed = outcome {
+    if let Outcome::Committed { .. } = outcome {
         job.apply(step, sync).map_err(|reason| TrainError::Job {
             step: step.step,
             reason,
@@ -810,6 +820,7 @@ async fn outer_sync<J: Job>(
     rule: OuterRule,
     (fragment, fragments): (u32, u32),
     step: u64,
+    joiner: bool,
 ) -> Result<Outcome, TrainError> {
     let mut params = read_params(job)?;
     let n = params.len();
@@ -821,9 +832,9 @@ async fn outer_sync<J: Job>(
         .await
         .ok()
         .and_then(|sum| sum.to_vec::<f32>().ok());
-    let votes = vote(pg, sum.is_some(), false, 0.0).await;
+    let votes = vote(pg, sum.is_some(), false, 0.0, joiner).await;
     let outcome = decide(pg, step, votes)?;
-    if let (Outcome::Committed, Some(sum)) = (&outcome, sum) {
+    if let (Outcome::Committed { .. }, Some(sum)) = (&outcome, sum) {
         // Local SGD keeps no momentum.
         let momentum = match outer.momentum.is_empty() {
             true => &mut [][..],
