@@ -51,7 +51,10 @@
 //!   for the restart together ([`ElasticGroup::admit_at_boundary`]), so no
 //!   step under way is lost; if no boundary comes within the bound (a loop
 //!   that stopped stepping), the group restarts as under
-//!   [`Admission::Immediate`].
+//!   [`Admission::Immediate`]. A joiner that comes while the members
+//!   re-form after a failure then waits for the generation after theirs,
+//!   so the survivors finish the step they were in (its gradients synced
+//!   again among them) before it is admitted.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -638,8 +641,15 @@ impl ElasticGroup {
             false => elastic_rdzv::latest(&base.store, &base.config.run_id).await?,
         };
         let group = match latest {
-            // The job runs: join its next generation as a new member.
-            Some(latest) => base.form(latest + 1, &mut None).await?,
+            // The job runs: join its next generation as a new member; or,
+            // when its members are re-forming it after a failure right now
+            // and admit joiners at a step boundary, the one after, so that
+            // the step they are in the middle of is not given up for it.
+            Some(latest) => {
+                let after_failure = matches!(base.options.admission, Admission::AtStepBoundary { .. })
+                    && elastic_rdzv::forming(base.store.clone(), &base.rendezvous(latest + 1)).await?;
+                base.form(latest + 1 + u64::from(after_failure), &mut None).await?
+            }
             None => {
                 let mut first = Some(Survivor {
                     old_rank: base.config.rank,

@@ -329,6 +329,16 @@ pub async fn newcomers(store: Arc<dyn Store>, config: &ElasticConfig) -> Result<
     Ok(scoped.add("newcomers", 0).await?.max(0) as usize)
 }
 
+/// Whether `config.generation` is being formed: someone joined it and it
+/// has not closed (a group re-forming after a failure, or a joiner waiting).
+pub async fn forming(store: Arc<dyn Store>, config: &ElasticConfig) -> Result<bool, StoreError> {
+    let scoped = scoped(store, config);
+    if !scoped.check(&["count"]).await? || scoped.check(&["closed"]).await? {
+        return Ok(false);
+    }
+    Ok(scoped.add("count", 0).await? > 0)
+}
+
 /// The newest formed generation of `run_id`, if any formed through [`join`].
 pub async fn latest(store: &Arc<dyn Store>, run_id: &str) -> Result<Option<u64>, StoreError> {
     let key = format!("chorus/{run_id}/{LATEST_KEY}");
