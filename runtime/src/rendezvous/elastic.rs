@@ -861,6 +861,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_generation_is_forming_from_its_first_arrival_until_it_closes() {
+        let store: Arc<dyn Store> = Arc::new(HashStore::default());
+        let mut c = config(2, 2);
+        c.last_call = Duration::from_secs(60);
+        assert!(!forming(store.clone(), &c).await.unwrap(), "nobody came yet");
+        let first = tokio::spawn({
+            let (store, c) = (store.clone(), c.clone());
+            async move { join(store, &c, joiner(Some(0), 0)).await }
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !forming(store.clone(), &c).await.unwrap() {
+            assert!(tokio::time::Instant::now() < deadline, "the first arrival never showed");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let second = tokio::time::timeout(Duration::from_secs(5), join(store.clone(), &c, joiner(Some(1), 1))).await;
+        assert_eq!(second.expect("closing hung").unwrap().world_size(), 2);
+        first.await.unwrap().unwrap();
+        assert!(!forming(store.clone(), &c).await.unwrap(), "closed: no longer forming");
+    }
+
+    #[tokio::test]
     async fn sv11_closes_at_max_world_at_once_and_agrees_on_members() {
         let store = HashStore::default();
         let mut c = config(2, 3);
