@@ -792,6 +792,13 @@ class _PeriodicSync(abc.ABC):
         """Contributes to the sync on the current step, votes, and applies
         the result if it committed; returns whether it did."""
 
+    def _average(self, tensors: List[torch.Tensor]) -> bool:
+        """Averages ``tensors`` in place over the members, then the vote:
+        whether the sync committed."""
+        for work in [self._manager.allreduce(t) for t in tensors]:
+            work.wait()
+        return self._manager.should_commit()
+
 
 class LocalSGD(_PeriodicSync):
     """Local SGD: every member steps ``optimizer`` on its own data, and
@@ -812,9 +819,7 @@ class LocalSGD(_PeriodicSync):
 
     def _sync(self) -> bool:
         averages = [p.detach().clone() for p in self._params]
-        for work in [self._manager.allreduce(a) for a in averages]:
-            work.wait()
-        if not self._manager.should_commit():
+        if not self._average(averages):
             return False
         with torch.no_grad():
             for p, a, avg in zip(self._params, self._anchor, averages):
@@ -858,9 +863,7 @@ class DiLoCo(_PeriodicSync):
     def _sync(self) -> bool:
         fragment = self._fragments[self._at[self._local_step % self.sync_every]]
         drift = [self._anchor[i] - self._params[i].detach() for i in fragment]
-        for work in [self._manager.allreduce(d) for d in drift]:
-            work.wait()
-        if not self._manager.should_commit():
+        if not self._average(drift):
             return False
         saved = {i: p.grad for i, p in enumerate(self._params)}
         with torch.no_grad():

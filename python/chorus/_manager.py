@@ -12,7 +12,7 @@ import torch
 
 from chorus import _chorus
 from chorus._errors import JobFinished
-from chorus._ft import _ENTRY, _decode, _encode, _inline, _tensor_leaves
+from chorus._ft import _ENTRY, _decode, _encode, _inline, _materialize, _tensor_leaves
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class ElasticTrainer:
         self.extra_state = extra_state
         self._mode = (mode, every, outer_lr, outer_momentum, fragments)
         self._params = [p for p in model.parameters() if p.requires_grad]
-        _materialize(optimizer, self._params)
+        _materialize(optimizer)
         self._extras = _ExtraTensors(extra_state)
         try:
             self._trainer = _chorus.Trainer(timeout, heartbeat_timeout, min_world, max_world)
@@ -235,24 +235,3 @@ class _ExtraTensors:
     def load(self, data: bytes) -> None:
         if self._extra is not None and data:
             self._extra.load_state_dict(_decode(pickle.loads(data), self._held))
-
-
-def _materialize(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
-    """Creates the optimizer's lazily made state, unchanged in effect: one
-    step with zero gradients, the parameters restored, counters reset."""
-    if all(optimizer.state.get(p) for p in params):
-        return
-    saved = [p.detach().clone() for p in params]
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    for p, g in zip(params, grads):
-        p.grad = g
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if key == "step" and torch.is_tensor(value):
-                value.zero_()

@@ -294,6 +294,9 @@ pub(crate) struct Trainer {
     /// Per-step commit for the user's own loop (`begin_step`,
     /// `commit_step`), made at the first step.
     stepper: Option<Stepper>,
+    /// The generation lent to Python at the last step, kept while it runs
+    /// (one `Group` object per generation, not per step).
+    lent: Option<(u64, Py<Group>)>,
 }
 
 fn report_dict<'py>(py: Python<'py>, report: &TrainReport) -> PyResult<Bound<'py, PyDict>> {
@@ -375,6 +378,7 @@ impl Trainer {
         Ok(Self {
             group: Some(group),
             stepper: None,
+            lent: None,
         })
     }
 
@@ -502,7 +506,13 @@ impl Trainer {
             })
             .transpose()?;
         dict.set_item("transfer", transfer)?;
-        dict.set_item("group", Py::new(py, Group::lent(begun.group))?)?;
+        let generation = begun.group.generation();
+        let lent = match self.lent.take() {
+            Some((g, lent)) if g == generation => lent,
+            _ => Py::new(py, Group::lent(begun.group))?,
+        };
+        dict.set_item("group", lent.clone_ref(py))?;
+        self.lent = Some((generation, lent));
         Ok(dict.into_any().unbind())
     }
 
@@ -579,6 +589,7 @@ impl Trainer {
 
     /// Leaves the job on purpose (after the last step).
     fn destroy(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.lent = None;
         if let Some(group) = self.group.take() {
             let rt = runtime()?;
             py.detach(|| rt.block_on(group.destroy()))
