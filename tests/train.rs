@@ -97,6 +97,27 @@ async fn train_to_end(group: ElasticGroup, mut job: Counter) -> (TrainReport, Co
     (report, job)
 }
 
+/// Every member (and whether it is the joiner) ended with all `STEPS`
+/// committed, each applied once or received, never twice or lost, and
+/// byte for byte the first member's state.
+fn assert_every_step_applied_once(results: &[(bool, (TrainReport, Counter))]) {
+    let reference = &results[0].1.1.state;
+    for (_, (report, job)) in results {
+        assert_eq!(report.steps, STEPS);
+        // What was not applied was received.
+        assert_eq!(report.applied + report.adopted, STEPS, "{report:?}");
+        assert_eq!(job.applied.len() as u64, report.applied);
+        assert!(job.applied.windows(2).all(|w| w[1] > w[0]), "{:?}", job.applied);
+        assert!(
+            job.state.params[0].1.iter().all(|&x| x == -(STEPS as f32)),
+            "a step was applied twice or lost: {:?}",
+            &job.state.params[0].1[..3]
+        );
+        assert!(job.state.optimizer[0].1.iter().all(|&c| c == STEPS as f32));
+        assert_eq!(&job.state, reference);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_step_is_re_run_never_applied_twice_and_the_joiner_gets_the_survivors_state() {
     let store: Arc<dyn Store> = Arc::new(HashStore::default());
@@ -144,20 +165,8 @@ async fn a_failed_step_is_re_run_never_applied_twice_and_the_joiner_gets_the_sur
         }
     }
     results.push((true, within(60, "the joiner's training", joined).await.unwrap()));
-    let reference = results[0].1.1.state.clone();
-    for (is_joiner, (report, job)) in &results {
-        assert_eq!(report.steps, STEPS);
-        // No step applied twice, none skipped: what was not applied was received.
-        assert_eq!(report.applied + report.adopted, STEPS, "{report:?}");
-        assert_eq!(job.applied.len() as u64, report.applied);
-        assert!(job.applied.windows(2).all(|w| w[1] > w[0]), "{:?}", job.applied);
-        assert!(
-            job.state.params[0].1.iter().all(|&x| x == -(STEPS as f32)),
-            "a step was applied twice or lost"
-        );
-        assert!(job.state.optimizer[0].1.iter().all(|&c| c == STEPS as f32));
-        // Byte for byte the survivors' state.
-        assert_eq!(job.state, reference);
+    assert_every_step_applied_once(&results);
+    for (is_joiner, (report, _)) in &results {
         if *is_joiner {
             assert!(report.adopted >= 20, "{report:?}");
             assert!(report.applied > 0, "the joiner joined after the end: {report:?}");
@@ -256,15 +265,9 @@ async fn in_the_callers_loop_a_failed_step_is_discarded_everywhere_and_the_joine
         }
     }
     results.push((true, within(60, "the joiner's loop", joined).await.unwrap()));
-    let reference = results[0].1.1.state.clone();
-    for (is_joiner, (report, job)) in &results {
-        assert_eq!(report.steps, STEPS);
-        assert_eq!(report.applied + report.adopted, STEPS, "{report:?}");
-        assert_eq!(job.applied.len() as u64, report.applied);
-        assert!(job.applied.windows(2).all(|w| w[1] > w[0]), "{:?}", job.applied);
-        // Rank 0's start, then one subtraction per committed step.
-        assert!(job.state.params[0].1.iter().all(|&x| x == -(STEPS as f32)), "{:?}", &job.state.params[0].1[..3]);
-        assert_eq!(job.state, reference);
+    // Rank 0's start, then one subtraction per committed step.
+    assert_every_step_applied_once(&results);
+    for (is_joiner, (report, _)) in &results {
         if *is_joiner {
             assert!(report.adopted >= 20, "{report:?}");
         } else {
