@@ -706,6 +706,12 @@ impl ElasticGroup {
         self.shared.current.subscribe()
     }
 
+    /// The job's store and run id (for what a process publishes there:
+    /// `train::live`).
+    pub(crate) fn job_store(&self) -> (&Arc<dyn Store>, &str) {
+        (&self.job.0, &self.job.1)
+    }
+
     /// Membership changes from now on, one per restart.
     pub fn events(&self) -> broadcast::Receiver<MembershipChange> {
         self.shared.events.subscribe()

@@ -6,6 +6,9 @@
 //! - [`chaos`]: `chorus chaos`, a training job under random faults from a
 //!   seed (across simulated hosts with network faults too, `--hosts`),
 //!   checked against its fault-free run (also for tests: [`chaos::run`]).
+//! - [`dashboard`]: the live page of a running job (`chorus launch
+//!   --dashboard`, `chorus dashboard`), read from the job's store, with
+//!   fault injection for a holder of the job secret.
 //! - [`bench`](mod@bench): `chorus bench` measurements.
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).
@@ -20,6 +23,7 @@
 
 pub mod bench;
 pub mod chaos;
+pub mod dashboard;
 pub mod launch;
 pub mod logging;
 pub mod netem;

@@ -17,8 +17,12 @@
 //!   loop the caller runs (a torch script's own).
 //! - [`record`]: opt-in commit records (`CHORUS_TRAIN_RECORD`), one JSON
 //!   line per committed step and member, which `chorus chaos` checks.
+//! - [`live`]: each process's live progress in the job's store (recent
+//!   steps, recoveries with their phases, aborts) and the faults a
+//!   dashboard asks it for, with the job secret.
 
 mod cma;
+pub mod live;
 pub mod outer;
 pub mod record;
 pub mod state;

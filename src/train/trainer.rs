@@ -39,6 +39,7 @@ use std::time::{Duration, Instant, SystemTime};
 use chorus_runtime::collective::{DType, ReduceOp};
 use thiserror::Error;
 
+use super::live::Live;
 use super::outer::OuterRule;
 use super::record::{self, CommitRecord, Recorder};
 use super::state::{InPlace, TrainState};
@@ -553,6 +554,7 @@ pub async fn train<J: Job>(
     let mut pending: Option<Pending> = None;
     let mut rejections = 0u32;
     let mut recorder = Recorder::from_env();
+    let live = Live::start(group);
     loop {
         // The next outer sync (or fragment sync), once its step is committed.
         let outer_due = outer_mode.and_then(|(every, rule, fragments)| {
@@ -645,6 +647,10 @@ pub async fn train<J: Job>(
                         _ => 1.0 / shard(options.global_batch, pg.world_size(), pg.rank()).len().max(1) as f32,
                     },
                 };
+                // A slow rank asked for from a dashboard (`live`).
+                if let Some(pause) = live.as_ref().and_then(Live::slowdown) {
+                    tokio::time::sleep(pause).await;
+                }
                 let ddp = options.mode == Mode::Ddp;
                 let (outcome, loss) = run_step(&pg, &mut *job, sync, &step, ddp, joiner).await?;
                 if let Outcome::Committed { .. } = outcome {
@@ -669,6 +675,9 @@ pub async fn train<J: Job>(
                             at_us: record::unix_us(),
                         });
                     }
+                    if let Some(live) = &live {
+                        live.committed(&committed, step.rank);
+                    }
                     observe(&committed);
                 }
                 outcome
@@ -684,6 +693,9 @@ pub async fn train<J: Job>(
                 // A recovery ends at the first committed unit, but the
                 // initial formation (no failure before it) is none.
                 if let Some(recovery) = pending.take().and_then(Pending::finish) {
+                    if let Some(live) = &live {
+                        live.recovered(&recovery);
+                    }
                     report.recoveries.push(recovery);
                 }
                 if admit {
@@ -694,6 +706,9 @@ pub async fn train<J: Job>(
             }
             Outcome::GroupFailed => {
                 Pending::extend(&mut pending);
+                if let Some(live) = &live {
+                    live.failed(&pg);
+                }
                 wait_next(group, generation).await?;
             }
             Outcome::Rejected => {

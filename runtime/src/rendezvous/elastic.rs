@@ -371,6 +371,11 @@ pub async fn publish_finished(store: &dyn Store, run_id: &str) -> Result<(), Sto
     store.set(&finished_key(run_id), b"1").await
 }
 
+/// Whether `run_id`'s members left on purpose ([`publish_finished`]).
+pub async fn is_finished(store: &dyn Store, run_id: &str) -> Result<bool, StoreError> {
+    store.check(&[&finished_key(run_id)]).await
+}
+
 /// The key a launcher sets when a worker process of `run_id` exits.
 fn exit_key(run_id: &str, hostname: &str, pid: u32) -> String {
     format!("chorus/{run_id}/exited/{hostname}/{pid}")
@@ -409,21 +414,27 @@ pub async fn reference(store: &Arc<dyn Store>, config: &ElasticConfig) -> Result
             generation,
             ..config.clone()
         };
-        let scoped = scoped(store.clone(), &earlier);
-        if !scoped.check(&["closed"]).await? {
-            continue;
+        if let Some(members) = closed_members(store, &earlier).await? {
+            return Ok(Some(Reference { generation, members }));
         }
-        let admitted = parse_count(&scoped.get("closed").await?, &earlier)?;
-        let arrivals = read_members(&scoped, &earlier, admitted).await?;
-        let ranks = assign_ranks(&arrivals);
-        let mut members: Vec<(usize, Joiner)> = ranks.into_iter().zip(arrivals).collect();
-        members.sort_by_key(|(rank, _)| *rank);
-        return Ok(Some(Reference {
-            generation,
-            members: members.into_iter().map(|(_, m)| m).collect(),
-        }));
     }
     Ok(None)
+}
+
+/// The members of `config.generation`, indexed by rank, once it closed;
+/// `None` while it has not. For watching a job (a dashboard) as well as
+/// for [`reference`].
+pub async fn closed_members(store: &Arc<dyn Store>, config: &ElasticConfig) -> Result<Option<Vec<Joiner>>, ElasticError> {
+    let scoped = scoped(store.clone(), config);
+    if !scoped.check(&["closed"]).await? {
+        return Ok(None);
+    }
+    let admitted = parse_count(&scoped.get("closed").await?, config)?;
+    let arrivals = read_members(&scoped, config, admitted).await?;
+    let ranks = assign_ranks(&arrivals);
+    let mut members: Vec<(usize, Joiner)> = ranks.into_iter().zip(arrivals).collect();
+    members.sort_by_key(|(rank, _)| *rank);
+    Ok(Some(members.into_iter().map(|(_, m)| m).collect()))
 }
 
 async fn read_members(scoped: &PrefixStore, config: &ElasticConfig, count: usize) -> Result<Vec<Joiner>, ElasticError> {

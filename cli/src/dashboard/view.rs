@@ -1,0 +1,716 @@
+//! The page's data, sans IO: what was read from the store ([`Observed`])
+//! becomes the members, the generation timeline with each re-form's cause
+//! and recovery phases, the committed steps and the findings ([`JobView`]).
+
+use std::collections::{BTreeMap, HashMap};
+
+use chorus::train::live::{FaultKind, FaultLogEntry, LiveRecord};
+use serde::Serialize;
+
+/// A record not rewritten for this long belongs to a process that stopped
+/// (its heartbeat is [`chorus::train::live::HEARTBEAT_EVERY`]).
+pub const SILENT_AFTER_US: i64 = 5_000_000;
+
+/// Steps over which the step rate is measured.
+const RATE_WINDOW: usize = 20;
+
+/// A process, as the elastic rendezvous recorded it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Process {
+    /// Its host name.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+}
+
+/// One formed generation: its members by rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Its number.
+    pub generation: u64,
+    /// Its members, indexed by rank.
+    pub members: Vec<Process>,
+}
+
+/// Everything read from the store at one moment.
+#[derive(Debug, Clone, Default)]
+pub struct Observed {
+    /// When, microseconds since the Unix epoch.
+    pub now_us: i64,
+    /// The run.
+    pub run_id: String,
+    /// The newest formed generations, ascending.
+    pub generations: Vec<Generation>,
+    /// Every process's live record.
+    pub records: Vec<LiveRecord>,
+    /// Processes whose exit a launcher published.
+    pub exited: Vec<Process>,
+    /// The fault log, oldest first.
+    pub faults: Vec<FaultLogEntry>,
+    /// Whether the members left on purpose (the job finished).
+    pub finished: bool,
+}
+
+/// What a member is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemberState {
+    /// A member of the newest generation, committing steps.
+    Training,
+    /// Between a failure it saw and its next committed step.
+    Recovering,
+    /// Alive but in no formed generation yet (waiting to join).
+    Standby,
+    /// No longer part of the job.
+    Gone,
+}
+
+/// Why a member left or a generation re-formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// Killed (a fault asked for, or its exit published by its launcher).
+    Killed,
+    /// Stopped (SIGSTOP): silent.
+    Frozen,
+    /// Its links cut.
+    CutOff,
+    /// A new process came in.
+    Joined,
+    /// An operation broke the group (a damaged or mismatched frame).
+    Corrupted,
+    /// It stopped answering, for no recorded reason.
+    Silent,
+    /// The job finished.
+    Finished,
+}
+
+impl Cause {
+    /// Its words on the page.
+    pub fn text(self) -> &'static str {
+        match self {
+            Cause::Killed => "killed",
+            Cause::Frozen => "frozen",
+            Cause::CutOff => "cut off",
+            Cause::Joined => "joined",
+            Cause::Corrupted => "corrupted",
+            Cause::Silent => "silent",
+            Cause::Finished => "finished",
+        }
+    }
+}
+
+/// One member of the job.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemberView {
+    /// Its rank in the newest generation it belongs to.
+    pub rank: Option<usize>,
+    /// That generation.
+    pub generation: Option<u64>,
+    /// Its node's rank, if known.
+    pub node: Option<usize>,
+    /// Its host and process.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+    /// What it does.
+    pub state: MemberState,
+    /// Why it is gone.
+    pub cause: Option<Cause>,
+    /// Since its record was last written, milliseconds; `None` without a record.
+    pub heartbeat_age_ms: Option<f64>,
+    /// Its newest committed step.
+    pub last_step: Option<u64>,
+}
+
+/// What happened to one rank of the previous generation, or who joined.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Change {
+    /// The cause.
+    pub cause: Cause,
+    /// Its rank in the previous generation (`None` for a joiner).
+    pub rank: Option<usize>,
+    /// The process.
+    pub process: Process,
+}
+
+/// One recovery's phases, milliseconds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Phases {
+    /// From the fault asked for to the failure seen (`None` when no fault
+    /// was asked for from a dashboard: nothing to measure from).
+    pub detect_ms: Option<f64>,
+    /// From the failure seen to the new generation formed.
+    pub reform_ms: f64,
+    /// The state transfer.
+    pub transfer_ms: f64,
+    /// From the transfer to the first committed step.
+    pub first_step_ms: f64,
+}
+
+impl Phases {
+    /// Every phase together.
+    pub fn total_ms(&self) -> f64 {
+        self.detect_ms.unwrap_or(0.0) + self.reform_ms + self.transfer_ms + self.first_step_ms
+    }
+}
+
+/// One generation on the timeline.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GenerationView {
+    /// Its number.
+    pub generation: u64,
+    /// Its members.
+    pub world_size: usize,
+    /// Why it formed: who left and who joined since the previous one
+    /// (empty for the first).
+    pub changes: Vec<Change>,
+    /// The recovery into it (the slowest member's), when one was recorded.
+    pub recovery: Option<Phases>,
+    /// When it started training, microseconds since the Unix epoch.
+    pub started_us: Option<i64>,
+}
+
+/// One committed step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepPoint {
+    /// The step.
+    pub step: u64,
+    /// Its loss.
+    pub loss: f64,
+    /// Its generation.
+    pub generation: u64,
+    /// When it committed.
+    pub at_us: i64,
+}
+
+/// A failure to mark on the step chart: the first step committed after it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FailureMark {
+    /// The step.
+    pub step: u64,
+    /// What (a fault asked for, or a generation's cause).
+    pub what: String,
+}
+
+/// What a member's supervision found when its group aborted.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Finding {
+    /// The generation that aborted.
+    pub generation: u64,
+    /// The rank that reported it.
+    pub rank: usize,
+    /// Why.
+    pub reason: String,
+    /// Whom it took for failed.
+    pub failed_ranks: Vec<usize>,
+    /// When.
+    pub at_us: i64,
+}
+
+/// The page's data.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobView {
+    /// The run.
+    pub run_id: String,
+    /// When it was read.
+    pub now_us: i64,
+    /// Whether the job finished.
+    pub finished: bool,
+    /// Members of the newest generation by rank, then the others.
+    pub members: Vec<MemberView>,
+    /// The generations, ascending.
+    pub generations: Vec<GenerationView>,
+    /// Committed steps, ascending.
+    pub steps: Vec<StepPoint>,
+    /// Steps per second over the newest steps.
+    pub step_rate: Option<f64>,
+    /// Failures on the step chart.
+    pub failures: Vec<FailureMark>,
+    /// The newest abort finding of each generation, newest first.
+    pub findings: Vec<Finding>,
+    /// Faults asked for, oldest first.
+    pub faults: Vec<FaultLogEntry>,
+}
+
+impl JobView {
+    /// The newest generation's members, by rank.
+    pub fn ranks(&self) -> impl Iterator<Item = &MemberView> {
+        let newest = self.generations.last().map(|g| g.generation);
+        self.members
+            .iter()
+            .filter(move |m| m.generation.is_some() && m.generation == newest && m.state != MemberState::Gone)
+    }
+}
+
+fn process_of(record: &LiveRecord) -> Process {
+    Process {
+        host: record.host.clone(),
+        pid: record.pid,
+    }
+}
+
+/// Builds the page's data from what was read.
+pub fn build(observed: &Observed) -> JobView {
+    let records: HashMap<Process, &LiveRecord> = observed.records.iter().map(|r| (process_of(r), r)).collect();
+    let faulted: HashMap<Process, &FaultLogEntry> = observed
+        .faults
+        .iter()
+        .map(|f| {
+            let process = Process {
+                host: f.host.clone(),
+                pid: f.pid,
+            };
+            (process, f)
+        })
+        .collect();
+    let silent = |p: &Process| {
+        records
+            .get(p)
+            .is_none_or(|r| observed.now_us - r.updated_us > SILENT_AFTER_US)
+    };
+    // Why `p` is gone, when it is.
+    let gone_cause = |p: &Process| -> Option<Cause> {
+        let exited = observed.exited.contains(p);
+        if !exited && !silent(p) {
+            return None;
+        }
+        Some(match faulted.get(p).map(|f| f.kind) {
+            Some(FaultKind::Kill) => Cause::Killed,
+            Some(FaultKind::Freeze) => Cause::Frozen,
+            Some(FaultKind::CutOff) => Cause::CutOff,
+            _ if observed.finished => Cause::Finished,
+            _ if exited => Cause::Killed,
+            _ => Cause::Silent,
+        })
+    };
+    let generations = timeline(observed, &records, &faulted, &gone_cause);
+
+    let newest = observed.generations.last();
+    let mut members = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for g in observed.generations.iter().rev() {
+        for (rank, p) in g.members.iter().enumerate() {
+            if !seen.insert(p.clone()) {
+                continue;
+            }
+            let record = records.get(p);
+            let cause = gone_cause(p);
+            let in_newest = newest.is_some_and(|n| n.generation == g.generation);
+            let state = match (cause, record) {
+                (Some(_), _) => MemberState::Gone,
+                (None, _) if !in_newest => MemberState::Recovering,
+                (None, Some(r)) if r.recovering => MemberState::Recovering,
+                (None, _) => MemberState::Training,
+            };
+            members.push(member(p, Some(rank), Some(g.generation), state, cause, record.copied(), observed.now_us));
+        }
+    }
+    for record in &observed.records {
+        let p = process_of(record);
+        if seen.insert(p.clone()) {
+            let cause = gone_cause(&p);
+            let state = match cause {
+                Some(_) => MemberState::Gone,
+                None => MemberState::Standby,
+            };
+            members.push(member(&p, None, None, state, cause, Some(record), observed.now_us));
+        }
+    }
+    members.sort_by_key(|m| (m.state == MemberState::Gone, std::cmp::Reverse(m.generation), m.rank, m.pid));
+
+    let steps = committed_steps(&observed.records);
+    let step_rate = rate(&steps);
+    let mut failures: Vec<FailureMark> = observed
+        .faults
+        .iter()
+        .filter_map(|f| {
+            let step = steps.iter().find(|s| s.at_us >= f.at_us)?.step;
+            Some(FailureMark {
+                step,
+                what: format!("{} rank {}", f.kind.name(), f.rank),
+            })
+        })
+        .collect();
+    for g in &generations {
+        let left: Vec<&Change> = g.changes.iter().filter(|c| c.cause != Cause::Joined).collect();
+        if left.is_empty() || failures.iter().any(|f| steps.iter().any(|s| s.step == f.step && s.generation == g.generation)) {
+            continue;
+        }
+        if let Some(first) = steps.iter().find(|s| s.generation == g.generation) {
+            failures.push(FailureMark {
+                step: first.step,
+                what: format!("g{}: rank {} {}", g.generation, left[0].rank.unwrap_or(0), left[0].cause.text()),
+            });
+        }
+    }
+    failures.sort_by_key(|f| f.step);
+
+    let mut newest_abort: BTreeMap<u64, Finding> = BTreeMap::new();
+    for record in &observed.records {
+        if let Some(a) = &record.abort {
+            let finding = Finding {
+                generation: a.generation,
+                rank: a.rank,
+                reason: a.reason.clone(),
+                failed_ranks: a.failed_ranks.clone(),
+                at_us: a.at_us,
+            };
+            newest_abort
+                .entry(a.generation)
+                .and_modify(|f| {
+                    if finding.at_us < f.at_us {
+                        *f = finding.clone();
+                    }
+                })
+                .or_insert(finding);
+        }
+    }
+    JobView {
+        run_id: observed.run_id.clone(),
+        now_us: observed.now_us,
+        finished: observed.finished,
+        members,
+        generations,
+        steps,
+        step_rate,
+        failures,
+        findings: newest_abort.into_values().rev().collect(),
+        faults: observed.faults.clone(),
+    }
+}
+
+fn member(
+    p: &Process,
+    rank: Option<usize>,
+    generation: Option<u64>,
+    state: MemberState,
+    cause: Option<Cause>,
+    record: Option<&LiveRecord>,
+    now_us: i64,
+) -> MemberView {
+    MemberView {
+        rank,
+        generation,
+        node: record.and_then(|r| r.node),
+        host: p.host.clone(),
+        pid: p.pid,
+        state,
+        cause,
+        heartbeat_age_ms: record.map(|r| (now_us - r.updated_us).max(0) as f64 / 1e3),
+        last_step: record.and_then(|r| r.steps.back()).map(|s| s.step),
+    }
+}
+
+/// The generations with their causes and recoveries.
+fn timeline(
+    observed: &Observed,
+    records: &HashMap<Process, &LiveRecord>,
+    faulted: &HashMap<Process, &FaultLogEntry>,
+    gone_cause: &dyn Fn(&Process) -> Option<Cause>,
+) -> Vec<GenerationView> {
+    let mut out: Vec<GenerationView> = Vec::new();
+    for (i, g) in observed.generations.iter().enumerate() {
+        // Only a generation that follows its predecessor directly is compared with it.
+        let previous = i
+            .checked_sub(1)
+            .map(|j| &observed.generations[j])
+            .filter(|p| p.generation + 1 == g.generation);
+        let mut changes = Vec::new();
+        if let Some(previous) = previous {
+            // An operation failure reported by a survivor marks the ranks it blamed corrupted.
+            let corrupted = observed.records.iter().filter_map(|r| r.abort.as_ref()).any(|a| {
+                a.generation == previous.generation && a.label == "operation_failed"
+            });
+            for (rank, p) in previous.members.iter().enumerate() {
+                if g.members.contains(p) {
+                    continue;
+                }
+                let cause = match faulted.get(p).map(|f| f.kind) {
+                    Some(FaultKind::Kill) => Cause::Killed,
+                    Some(FaultKind::Freeze) => Cause::Frozen,
+                    Some(FaultKind::CutOff) => Cause::CutOff,
+                    _ if corrupted => Cause::Corrupted,
+                    _ => gone_cause(p).unwrap_or(Cause::Silent),
+                };
+                changes.push(Change {
+                    cause,
+                    rank: Some(rank),
+                    process: p.clone(),
+                });
+            }
+            for p in g.members.iter().filter(|p| !previous.members.contains(p)) {
+                changes.push(Change {
+                    cause: Cause::Joined,
+                    rank: None,
+                    process: p.clone(),
+                });
+            }
+        }
+        // The slowest member's recovery into g is the group's.
+        let recovery = g
+            .members
+            .iter()
+            .filter_map(|p| records.get(p))
+            .filter_map(|r| r.recoveries.iter().find(|rc| rc.generation == g.generation))
+            .max_by(|a, b| {
+                let end = |r: &chorus::train::live::LiveRecovery| r.reform_ms + r.transfer_ms + r.first_step_ms;
+                end(a).total_cmp(&end(b))
+            });
+        let recovery = recovery.map(|r| {
+            let fault = changes
+                .iter()
+                .filter_map(|c| faulted.get(&c.process))
+                .map(|f| f.at_us)
+                .filter(|&at| at <= r.failed_at_us)
+                .max();
+            Phases {
+                detect_ms: fault.map(|at| (r.failed_at_us - at) as f64 / 1e3),
+                reform_ms: r.reform_ms,
+                transfer_ms: r.transfer_ms,
+                first_step_ms: r.first_step_ms,
+            }
+        });
+        let started_us = observed
+            .records
+            .iter()
+            .flat_map(|r| r.steps.iter())
+            .filter(|s| s.generation == g.generation)
+            .map(|s| s.at_us)
+            .min();
+        out.push(GenerationView {
+            generation: g.generation,
+            world_size: g.members.len(),
+            changes,
+            recovery,
+            started_us,
+        });
+    }
+    out
+}
+
+/// Every committed step any record holds, once each (members agree on a
+/// step's loss), ascending.
+fn committed_steps(records: &[LiveRecord]) -> Vec<StepPoint> {
+    let mut steps: BTreeMap<u64, StepPoint> = BTreeMap::new();
+    for s in records.iter().flat_map(|r| r.steps.iter()) {
+        let point = StepPoint {
+            step: s.step,
+            loss: s.loss,
+            generation: s.generation,
+            at_us: s.at_us,
+        };
+        steps
+            .entry(s.step)
+            .and_modify(|p| {
+                // The first member to commit it dates it.
+                if point.at_us < p.at_us {
+                    *p = point.clone();
+                }
+            })
+            .or_insert(point);
+    }
+    steps.into_values().collect()
+}
+
+fn rate(steps: &[StepPoint]) -> Option<f64> {
+    let window = &steps[steps.len().saturating_sub(RATE_WINDOW)..];
+    let (first, last) = (window.first()?, window.last()?);
+    let seconds = (last.at_us - first.at_us) as f64 / 1e6;
+    (seconds > 0.0).then(|| (last.step - first.step) as f64 / seconds)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use chorus::train::live::{LiveAbort, LiveRecovery, LiveStep};
+
+    use super::*;
+
+    fn p(pid: u32) -> Process {
+        Process {
+            host: "h".into(),
+            pid,
+        }
+    }
+
+    fn record(pid: u32, generation: u64, rank: usize, steps: &[(u64, i64)], updated_us: i64) -> LiveRecord {
+        LiveRecord {
+            slot: u64::from(pid),
+            pid,
+            host: "h".into(),
+            node: Some(0),
+            generation,
+            rank,
+            world_size: 3,
+            recovering: false,
+            steps: steps
+                .iter()
+                .map(|&(step, at_us)| LiveStep {
+                    step,
+                    loss: 1.0 / (step + 1) as f64,
+                    generation: if step < 10 { 0 } else { 1 },
+                    world_size: 3,
+                    at_us,
+                })
+                .collect::<VecDeque<_>>(),
+            recoveries: VecDeque::new(),
+            abort: None,
+            started_us: 0,
+            updated_us,
+            secret_tag: None,
+        }
+    }
+
+    /// Three ranks; pid 12 (rank 2) killed from a dashboard at 9.5 s; a
+    /// relaunched pid 13 joins generation 1; one step a second.
+    fn killed_and_replaced() -> Observed {
+        let now = 20_000_000;
+        let steps: Vec<(u64, i64)> = (0..15).map(|s| (s, s as i64 * 1_000_000)).collect();
+        let mut r0 = record(10, 1, 0, &steps, now - 100_000);
+        r0.recoveries.push_back(LiveRecovery {
+            generation: 1,
+            world_size: 3,
+            resumed_step: 10,
+            failed_at_us: 9_700_000,
+            reform_ms: 300.0,
+            transfer_ms: 50.0,
+            first_step_ms: 20.0,
+        });
+        r0.abort = Some(LiveAbort {
+            generation: 0,
+            rank: 0,
+            reason: "rank 2 failed: connection lost".into(),
+            label: "peer_failed".into(),
+            failed_ranks: vec![2],
+            at_us: 9_700_000,
+        });
+        let mut r1 = record(11, 1, 1, &steps, now - 200_000);
+        r1.recoveries = r0.recoveries.clone();
+        r1.recoveries[0].reform_ms = 400.0;
+        let r2 = record(12, 0, 2, &steps[..10], 9_400_000);
+        let r3 = record(13, 1, 2, &steps[10..], now - 300_000);
+        Observed {
+            now_us: now,
+            run_id: "run".into(),
+            generations: vec![
+                Generation {
+                    generation: 0,
+                    members: vec![p(10), p(11), p(12)],
+                },
+                Generation {
+                    generation: 1,
+                    members: vec![p(10), p(11), p(13)],
+                },
+            ],
+            records: vec![r0, r1, r2, r3],
+            exited: vec![p(12)],
+            faults: vec![FaultLogEntry {
+                at_us: 9_500_000,
+                kind: FaultKind::Kill,
+                rank: 2,
+                generation: 0,
+                pid: 12,
+                host: "h".into(),
+                who: "127.0.0.1:5 (test)".into(),
+            }],
+            finished: false,
+        }
+    }
+
+    #[test]
+    fn a_kill_from_the_page_shows_as_a_re_form_with_its_cause_and_phases() {
+        let view = build(&killed_and_replaced());
+        assert_eq!(view.generations.len(), 2);
+        assert!(view.generations[0].changes.is_empty());
+        let g1 = &view.generations[1];
+        assert_eq!(
+            g1.changes,
+            vec![
+                Change {
+                    cause: Cause::Killed,
+                    rank: Some(2),
+                    process: p(12)
+                },
+                Change {
+                    cause: Cause::Joined,
+                    rank: None,
+                    process: p(13)
+                },
+            ]
+        );
+        // The slowest member's recovery, detection measured from the fault asked for.
+        let phases = g1.recovery.as_ref().expect("a recovery");
+        assert_eq!(phases.reform_ms, 400.0);
+        assert_eq!(phases.detect_ms, Some(200.0));
+        assert_eq!(phases.total_ms(), 200.0 + 400.0 + 50.0 + 20.0);
+        assert_eq!(g1.started_us, Some(10_000_000));
+        assert_eq!(view.failures[0].step, 10);
+        assert_eq!(view.findings[0].failed_ranks, vec![2]);
+    }
+
+    #[test]
+    fn members_are_the_newest_generation_by_rank_then_the_gone_with_their_cause() {
+        let view = build(&killed_and_replaced());
+        let summary: Vec<(Option<usize>, u32, MemberState, Option<Cause>)> =
+            view.members.iter().map(|m| (m.rank, m.pid, m.state, m.cause)).collect();
+        assert_eq!(
+            summary,
+            vec![
+                (Some(0), 10, MemberState::Training, None),
+                (Some(1), 11, MemberState::Training, None),
+                (Some(2), 13, MemberState::Training, None),
+                (Some(2), 12, MemberState::Gone, Some(Cause::Killed)),
+            ]
+        );
+        assert_eq!(view.members[0].heartbeat_age_ms, Some(100.0));
+        assert_eq!(view.ranks().count(), 3);
+    }
+
+    #[test]
+    fn steps_are_merged_once_each_and_the_rate_is_measured() {
+        let view = build(&killed_and_replaced());
+        let steps: Vec<u64> = view.steps.iter().map(|s| s.step).collect();
+        assert_eq!(steps, (0..15).collect::<Vec<_>>());
+        assert_eq!(view.step_rate, Some(1.0));
+    }
+
+    #[test]
+    fn a_silent_member_without_a_fault_is_silent_a_frozen_one_frozen_and_recovery_shows() {
+        let mut observed = killed_and_replaced();
+        observed.faults.clear();
+        observed.exited.clear();
+        let view = build(&observed);
+        assert_eq!(view.generations[1].changes[0].cause, Cause::Silent);
+        assert_eq!(view.generations[1].recovery.as_ref().unwrap().detect_ms, None);
+        observed.faults = killed_and_replaced().faults;
+        observed.faults[0].kind = FaultKind::Freeze;
+        assert_eq!(build(&observed).generations[1].changes[0].cause, Cause::Frozen);
+        observed.records[0].recovering = true;
+        assert_eq!(build(&observed).members[0].state, MemberState::Recovering);
+    }
+
+    #[test]
+    fn an_operation_failure_marks_the_lost_rank_corrupted() {
+        let mut observed = killed_and_replaced();
+        observed.faults.clear();
+        observed.records[0].abort.as_mut().unwrap().label = "operation_failed".into();
+        assert_eq!(build(&observed).generations[1].changes[0].cause, Cause::Corrupted);
+    }
+
+    #[test]
+    fn a_live_process_in_no_generation_is_standby_and_a_finished_job_says_so() {
+        let mut observed = killed_and_replaced();
+        observed.records.push(record(20, 0, 0, &[], observed.now_us));
+        let view = build(&observed);
+        let standby = view.members.iter().find(|m| m.pid == 20).unwrap();
+        assert_eq!((standby.state, standby.rank), (MemberState::Standby, None));
+        observed.finished = true;
+        observed.faults.clear();
+        observed.exited.clear();
+        observed.now_us += 60_000_000;
+        let view = build(&observed);
+        assert!(view.members.iter().all(|m| m.cause == Some(Cause::Finished)));
+    }
+}
