@@ -125,6 +125,13 @@ struct Args {
     /// goes; `CHORUS_LOG=info` shows each one's phases) and print where it is.
     #[arg(long)]
     keep_logs: bool,
+    /// Serve the training run's live page at ADDR (`chorus launch
+    /// --dashboard`; 127.0.0.1:0 picks a free port and prints the URL).
+    #[arg(long, value_name = "ADDR")]
+    dashboard: Option<String>,
+    /// Let the page inject faults, with the job secret (`--dashboard-faults`).
+    #[arg(long)]
+    dashboard_faults: bool,
     /// (internal) the run's directory, given to the workers.
     #[arg(long, hide = true)]
     run_dir: Option<PathBuf>,
@@ -1027,6 +1034,14 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         "--run-dir".into(),
         run_dir.display().to_string(),
     ];
+    // The training run's page; the reference run has none.
+    if let Some(addr) = args.dashboard.as_ref().filter(|_| label == "training") {
+        let mut flags = vec!["--dashboard".to_string(), addr.clone()];
+        if args.dashboard_faults {
+            flags.push("--dashboard-faults".into());
+        }
+        worker_args.splice(0..0, flags);
+    }
     let mode = match args.mode {
         ModeArg::Ddp => "ddp",
         ModeArg::LocalSgd => "local-sgd",

@@ -114,6 +114,24 @@ enum Commands {
     Netem(NetemArgs),
     /// Train across N nodes of this host under random faults from a seed, and check the run against a fault-free one.
     Chaos(Box<ChaosArgs>),
+    /// Serve the live page of a running job, read from its store (the job secret in CHORUS_JOB_SECRET or --job-secret-file).
+    Dashboard {
+        /// The job's store, host:port.
+        #[arg(long)]
+        store: String,
+        /// Where to serve the page: loopback unless told otherwise (127.0.0.1:0 picks a free port).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        addr: String,
+        /// The run to show [default: the newest that published].
+        #[arg(long)]
+        run_id: Option<String>,
+        /// A file holding the job secret (else CHORUS_JOB_SECRET).
+        #[arg(long)]
+        job_secret_file: Option<std::path::PathBuf>,
+        /// Let the page inject faults (each request needs the job secret).
+        #[arg(long)]
+        faults: bool,
+    },
     /// Compare the ranks' flight-recorder dumps (CHORUS_TRACE_DIR) and name the rank(s) a stuck collective waits for.
     Trace {
         /// The directory the ranks dumped into.
@@ -467,6 +485,13 @@ fn main() -> ExitCode {
         Commands::Netem(args) => netem(args),
         Commands::Chaos(args) => chaos(*args),
         Commands::Trace { dir, json } => return chorus_cli::trace::main(&dir, json),
+        Commands::Dashboard {
+            store,
+            addr,
+            run_id,
+            job_secret_file,
+            faults,
+        } => run_async(dashboard(store, addr, run_id, job_secret_file, faults)),
         Commands::FaultProbe { init, seconds } => run_async(fault_probe(init, Duration::from_secs(seconds))),
         Commands::ElasticProbe {
             init,
@@ -991,6 +1016,54 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
         why.push(format!("killed the other ranks still running ({})", stopped.join(", ")));
     }
     bail!("{}", why.join("; "))
+}
+
+/// `chorus dashboard`: the page of the job on `store`, until interrupted.
+async fn dashboard(
+    store: String,
+    addr: String,
+    run_id: Option<String>,
+    secret_file: Option<std::path::PathBuf>,
+    faults: bool,
+) -> Result<ExitCode> {
+    let secret = match secret_file {
+        Some(path) => std::fs::read_to_string(&path)
+            .with_context(|| format!("reading the job secret from {}", path.display()))?
+            .trim()
+            .to_string(),
+        None => std::env::var("CHORUS_JOB_SECRET").unwrap_or_default(),
+    };
+    if secret.is_empty() {
+        bail!("the job secret is required: set CHORUS_JOB_SECRET or give --job-secret-file");
+    }
+    let options = TcpStoreOptions {
+        timeout: Duration::from_secs(10),
+        connect_timeout: Duration::from_secs(10),
+        ..TcpStoreOptions::default()
+    };
+    let client: std::sync::Arc<dyn Store> = std::sync::Arc::new(
+        TcpStore::connect(store.clone(), options)
+            .await
+            .with_context(|| format!("connecting to the job's store at {store}"))?,
+    );
+    let options = chorus_cli::dashboard::DashboardOptions {
+        addr,
+        faults,
+        secret,
+        run_id,
+    };
+    let dashboard = chorus_cli::dashboard::start(client, &options).await?;
+    if !dashboard.addr.ip().is_loopback() {
+        eprintln!(
+            "chorus dashboard: warning: listening on {}, beyond loopback: anyone who reaches it can watch the job",
+            dashboard.addr
+        );
+    }
+    println!("chorus dashboard: {} (store {store})", dashboard.url());
+    tokio::select! {
+        () = dashboard.wait() => Ok(ExitCode::FAILURE),
+        _ = tokio::signal::ctrl_c() => Ok(ExitCode::SUCCESS),
+    }
 }
 
 fn client_options(client: &ClientArgs) -> TcpStoreOptions {

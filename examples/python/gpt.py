@@ -67,6 +67,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="heartbeat window (default 1000)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dashboard", metavar="ADDR",
+                   help="serve the training run's live page at ADDR (chorus launch --dashboard; e.g. 127.0.0.1:8265)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.add_argument("--keep-logs", action="store_true", help="keep the run directory and say where")
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -254,6 +256,8 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.compile:
         cmd.append("--compile")
+    if args.dashboard and fault == args.fault:
+        cmd[2:2] = ["--dashboard", args.dashboard]
     stop = threading.Event()
     threading.Thread(target=kill_frozen, args=(run / "frozen", 2 * args.heartbeat_ms / 1e3, stop), daemon=True).start()
     done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,

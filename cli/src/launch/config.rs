@@ -211,6 +211,10 @@ pub struct LaunchConfig {
     pub pass_local_rank_arg: bool,
     /// File holding the job secret (multi-node).
     pub job_secret_file: Option<PathBuf>,
+    /// `--dashboard ADDR`: serve the job's live page there.
+    pub dashboard: Option<String>,
+    /// `--dashboard-faults`: the page may inject faults (with the job secret).
+    pub dashboard_faults: bool,
     /// The worker command before `--local-rank` (`python3 -u script.py` for a script).
     pub command: Vec<String>,
     /// The program's own arguments.
@@ -273,6 +277,9 @@ is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
   --local-ranks-filter 0,1         show only these local ranks' output
   --role NAME                      ROLE_NAME (default \"default\")
   --job-secret-file PATH           multi-node job secret (or CHORUS_JOB_SECRET)
+  --dashboard ADDR                 serve the job's live page at ADDR (127.0.0.1:0:
+                                   a free port; the URL is printed)
+  --dashboard-faults               let the page inject faults (with the job secret)
   --pass-local-rank-arg            append --local-rank=N (torch.distributed.launch)
   --use-env                        accepted for torch.distributed.launch scripts
   --no-python, -m/--module         run PROGRAM as is / as a python module
@@ -307,6 +314,8 @@ const FLAGS: &[(&str, Kind)] = &[
     ("local-ranks-filter", Kind::Value),
     ("role", Kind::Value),
     ("job-secret-file", Kind::Value),
+    ("dashboard", Kind::Value),
+    ("dashboard-faults", Kind::Switch),
     ("standalone", Kind::Switch),
     ("pass-local-rank-arg", Kind::Switch),
     ("use-env", Kind::Switch),
@@ -679,6 +688,8 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         role: given.get("role").map_or_else(|| "default".to_string(), |(_, v)| v),
         pass_local_rank_arg: given.switch("pass-local-rank-arg")?,
         job_secret_file: given.get("job-secret-file").map(|(_, v)| PathBuf::from(v)),
+        dashboard: given.get("dashboard").map(|(_, v)| v),
+        dashboard_faults: given.switch("dashboard-faults")?,
         command,
         args: program[1..].to_vec(),
     })))

@@ -121,6 +121,9 @@ pub enum LaunchError {
     /// `--numa-binding` cannot be met on this host.
     #[error(transparent)]
     Binding(#[from] BindingError),
+    /// `--dashboard` cannot be served.
+    #[error(transparent)]
+    Dashboard(#[from] crate::dashboard::DashboardError),
     /// Not enough nodes arrived in time.
     #[error(
         "only {joined} of {expected} nodes joined within {waited:?}; start `chorus launch` with the same --nnodes, --rdzv-id and store address on every node, or raise --rdzv-conf join_timeout"
@@ -493,6 +496,31 @@ async fn launch(mut config: LaunchConfig) -> Result<i32, LaunchError> {
         secret = job_secret(&config, &store, &keys) => secret?,
         signo = signals.recv() => return Ok(128 + signo),
     };
+    // Its own task: the dashboard failing later never stops the job.
+    let dashboard = match &config.dashboard {
+        Some(addr) => {
+            let options = crate::dashboard::DashboardOptions {
+                addr: addr.clone(),
+                faults: config.dashboard_faults,
+                secret: secret.clone(),
+                run_id: Some(keys_run_id.clone()),
+            };
+            let dashboard = crate::dashboard::start(store.store.clone(), &options).await?;
+            if !dashboard.addr.ip().is_loopback() {
+                say(format!(
+                    "warning: the dashboard listens on {}, beyond loopback: anyone who reaches it can watch the job",
+                    dashboard.addr
+                ));
+            }
+            let faults = match config.dashboard_faults {
+                true => "faults on, with the job secret",
+                false => "faults off",
+            };
+            say(format!("dashboard at {} ({faults})", dashboard.url()));
+            Some(dashboard)
+        }
+        None => None,
+    };
     let (run_dir, temporary) = match &config.log_dir {
         Some(dir) => (dir.join(&keys_run_id), false),
         None => (
@@ -517,7 +545,8 @@ async fn launch(mut config: LaunchConfig) -> Result<i32, LaunchError> {
         let _ = std::fs::remove_dir_all(&job.run_dir);
     }
     let server = job.store.server.take();
-    // Our own connection must not hold the server's shutdown open.
+    // Our own connections must not hold the server's shutdown open.
+    drop(dashboard);
     drop(job);
     if let Some(server) = server {
         // Lets the other nodes' launchers read the final state before the store goes.
