@@ -1,7 +1,7 @@
 //! Tests that need something the Rust toolchain does not bring (PyTorch, a
 //! GPU, root for network namespaces, Slurm, an etcd server) must be
 //! `#[ignore = "needs ..."]`, named so the commands that run them select
-//! them (`torch_*`, `gpu_*`, `netns_*`, `slurm_*`, `etcd_*`), and fail rather than pass when run
+//! them (`torch_*`, `gpu_*`, `netns_*`, `slurm_*`, `etcd_*`, `browser_*`), and fail rather than pass when run
 //! without it: a green `cargo test` then lists them as ignored instead of
 //! reporting "ok" for a test that checked nothing. Checked on the sources.
 
@@ -54,6 +54,8 @@ fn tests_that_need_more_than_the_toolchain_are_ignored_with_the_reason() {
                 ("needs Slurm", "slurm_")
             } else if body.contains("Etcd::start(") {
                 ("needs etcd-server", "etcd_")
+            } else if body.contains("chromium()") {
+                ("needs chromium", "browser_")
             } else {
                 continue;
             };
@@ -72,7 +74,7 @@ fn tests_that_need_more_than_the_toolchain_are_ignored_with_the_reason() {
 }
 
 /// `.ci/run` runs the README's test command, then the torch, netns and
-/// slurm and etcd tests by the filters the reasons name.
+/// slurm, etcd and browser tests by the filters the reasons name.
 #[test]
 fn ci_runs_the_readme_test_command_and_the_ignored_tests() {
     // These tests belong to chorus-cli (cli/); the files are at the root.
@@ -85,7 +87,7 @@ fn ci_runs_the_readme_test_command_and_the_ignored_tests() {
         .and_then(|rest| rest.lines().next())
         .expect("the README's test command");
     assert!(ci.lines().any(|l| l.trim() == command), ".ci/run must run {command:?}");
-    for filter in ["torch_", "netns_", "slurm_", "etcd_"] {
+    for filter in ["torch_", "netns_", "slurm_", "etcd_", "browser_"] {
         let ignored = format!("{command} -- --ignored {filter}");
         assert!(ci.lines().any(|l| l.trim() == ignored), ".ci/run must run {ignored:?}");
         assert!(readme.contains(&ignored), "the README must say {ignored:?}");

@@ -5,8 +5,8 @@
 //!
 //! Keys, under `chorus/<run id>/live/`:
 //! - `count`: `add(1)` by each process; the result less one is its *slot*;
-//! - `p/<slot>`: its [`LiveRecord`] (JSON: the last [`STEP_RING`] committed
-//!   steps, the last [`RECOVERY_RING`] recoveries with their phases, the
+//! - `p/<slot>`: its [`LiveRecord`] (JSON: [`STEP_RING`] committed steps,
+//!   one per [`STEP_SPACING_US`] and the newest, the last [`RECOVERY_RING`] recoveries with their phases, the
 //!   last abort it saw), set at most every [`PUBLISH_EVERY`] when it
 //!   changed and every [`HEARTBEAT_EVERY`] regardless, so its age is a
 //!   heartbeat;
@@ -37,8 +37,11 @@ use super::record::unix_us;
 use super::trainer::{Committed, Recovery};
 use crate::group::ProcessGroup;
 
-/// Committed steps a record keeps (the newest).
+/// Committed steps a record keeps (the newest, sampled).
 pub const STEP_RING: usize = 120;
+/// The least time between two kept steps but the newest: a fast job's
+/// record still spans [`STEP_RING`] times this (30 s).
+pub const STEP_SPACING_US: i64 = 250_000;
 /// Recoveries a record keeps (the newest).
 pub const RECOVERY_RING: usize = 16;
 /// Shortest interval between two writes of a changed record.
@@ -289,6 +292,25 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// Adds `step` to `steps`: it replaces the newest unless that one is kept
+/// (spaced from its predecessor by [`STEP_SPACING_US`], or of another
+/// generation); the oldest goes past [`STEP_RING`].
+fn keep_step(steps: &mut VecDeque<LiveStep>, step: LiveStep) {
+    let n = steps.len();
+    let replace = n >= 2 && {
+        let (before, last) = (&steps[n - 2], &steps[n - 1]);
+        last.at_us - before.at_us < STEP_SPACING_US && last.generation == step.generation
+    };
+    if replace {
+        steps[n - 1] = step;
+    } else {
+        if n == STEP_RING {
+            steps.pop_front();
+        }
+        steps.push_back(step);
+    }
+}
+
 /// This process's publisher: the record the loop updates and the task
 /// that writes it (stopped when dropped).
 pub(crate) struct Live {
@@ -359,16 +381,14 @@ impl Live {
             r.rank = rank;
             r.world_size = committed.world_size;
             r.recovering = false;
-            if r.steps.len() == STEP_RING {
-                r.steps.pop_front();
-            }
-            r.steps.push_back(LiveStep {
+            let step = LiveStep {
                 step: committed.step,
                 loss: committed.loss,
                 generation: committed.generation,
                 world_size: committed.world_size,
                 at_us: unix_us(),
-            });
+            };
+            keep_step(&mut r.steps, step);
         });
     }
 
@@ -542,6 +562,31 @@ mod tests {
         changed = request.clone();
         changed.tag = "zz".into();
         assert!(!changed.verify(&secret, "run", 2));
+    }
+
+    #[test]
+    fn kept_steps_are_spaced_bounded_and_end_with_the_newest() {
+        let mut steps = VecDeque::new();
+        // A step every millisecond for 60 s.
+        for i in 0..60_000u64 {
+            let step = LiveStep {
+                step: i,
+                loss: 0.0,
+                generation: u64::from(i >= 30_000),
+                world_size: 2,
+                at_us: i as i64 * 1000,
+            };
+            keep_step(&mut steps, step);
+        }
+        assert_eq!(steps.len(), STEP_RING);
+        assert_eq!(steps.back().unwrap().step, 59_999);
+        let spaced = steps
+            .iter()
+            .zip(steps.iter().skip(1))
+            .take(STEP_RING - 2)
+            .all(|(a, b)| b.at_us - a.at_us >= STEP_SPACING_US);
+        assert!(spaced);
+        assert!(steps.front().unwrap().at_us <= 60_000_000 - (STEP_RING as i64 - 2) * STEP_SPACING_US);
     }
 
     #[test]
