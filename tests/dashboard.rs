@@ -241,16 +241,16 @@ async fn browser_dashboard_shows_a_kill_injected_from_the_page() {
         .arg("--plot")
         .arg(std::env::temp_dir().join(format!("chorus-dashboard-test-{}.png", std::process::id())))
         .env("CHORUS_JOB_SECRET", SECRET)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("the example starts");
-    let stdout = child.stdout.take().unwrap();
+    let stderr = child.stderr.take().unwrap();
     let _job = Job(child);
-    // The launcher prints the page's URL first.
+    // The launcher prints the page's URL first (the example's own lines go to stderr).
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)).map_while(Result::ok) {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
             if let Some(at) = line.find("http://") {
                 let url: String = line[at..].chars().take_while(|c| !c.is_whitespace()).collect();
                 let _ = tx.send(url);

@@ -334,7 +334,8 @@ pub fn build(observed: &Observed) -> JobView {
         .collect();
     for g in &generations {
         let left: Vec<&Change> = g.changes.iter().filter(|c| c.cause != Cause::Joined).collect();
-        if left.is_empty() || failures.iter().any(|f| steps.iter().any(|s| s.step == f.step && s.generation == g.generation)) {
+        // A fault asked for is marked already, where it was asked for.
+        if left.is_empty() || left.iter().any(|c| faulted.contains_key(&c.process)) {
             continue;
         }
         if let Some(first) = steps.iter().find(|s| s.generation == g.generation) {
@@ -646,6 +647,8 @@ mod tests {
         assert_eq!(phases.detect_ms, Some(200.0));
         assert_eq!(phases.total_ms(), 200.0 + 400.0 + 50.0 + 20.0);
         assert_eq!(g1.started_us, Some(10_000_000));
+        // Marked once, at the first step after the fault was asked for.
+        assert_eq!(view.failures.len(), 1);
         assert_eq!(view.failures[0].step, 10);
         assert_eq!(view.findings[0].failed_ranks, vec![2]);
     }
@@ -684,6 +687,9 @@ mod tests {
         let view = build(&observed);
         assert_eq!(view.generations[1].changes[0].cause, Cause::Silent);
         assert_eq!(view.generations[1].recovery.as_ref().unwrap().detect_ms, None);
+        // Without a fault asked for, the generation's first step marks the failure.
+        assert_eq!(view.failures.len(), 1);
+        assert_eq!((view.failures[0].step, view.failures[0].what.as_str()), (10, "g1: rank 2 silent"));
         observed.faults = killed_and_replaced().faults;
         observed.faults[0].kind = FaultKind::Freeze;
         assert_eq!(build(&observed).generations[1].changes[0].cause, Cause::Frozen);
