@@ -48,6 +48,8 @@ pub const RECOVERY_RING: usize = 16;
 pub const PUBLISH_EVERY: Duration = Duration::from_millis(500);
 /// Longest interval between two writes: the record's heartbeat.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// How long a frozen process ([`FaultKind::Freeze`]) stays stopped.
+pub const FREEZE_FOR: Duration = Duration::from_secs(4);
 /// How long a slow rank ([`FaultKind::Slow`]) stays slow.
 pub const SLOW_FOR: Duration = Duration::from_secs(3);
 /// The pause before each of a slow rank's steps.
@@ -179,7 +181,8 @@ pub struct LiveAbort {
 pub enum FaultKind {
     /// SIGKILL.
     Kill,
-    /// SIGSTOP: the others find it silent by heartbeat.
+    /// SIGSTOP for [`FREEZE_FOR`], then SIGCONT: the others find it silent
+    /// by heartbeat and go on (or wait for it); it rejoins when it wakes.
     Freeze,
     /// Every link of its group cut while it keeps running.
     CutOff,
@@ -524,10 +527,7 @@ impl Publisher {
             FaultKind::Kill => unsafe {
                 libc::kill(std::process::id() as i32, libc::SIGKILL);
             },
-            // SAFETY: as above.
-            FaultKind::Freeze => unsafe {
-                libc::kill(std::process::id() as i32, libc::SIGSTOP);
-            },
+            FaultKind::Freeze => freeze(),
             FaultKind::CutOff => {
                 let pg = self.groups.borrow().clone();
                 for rank in (0..pg.world_size()).filter(|&r| r != pg.rank()) {
@@ -540,6 +540,27 @@ impl Publisher {
                 self.slow_until
                     .store(unix_us() + SLOW_FOR.as_micros() as i64, Ordering::Relaxed);
             }
+        }
+    }
+}
+
+/// Stops this process for [`FREEZE_FOR`]: a helper process, started
+/// first, continues it (a stopped process cannot).
+fn freeze() {
+    let pid = std::process::id();
+    let helper = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("sleep {}; kill -CONT {pid}", FREEZE_FOR.as_secs()))
+        .spawn();
+    match helper {
+        Ok(mut helper) => {
+            // Reaped once it ends (after this process continues).
+            std::thread::spawn(move || helper.wait());
+            // SAFETY: kill(2) sends a signal to this process; no memory is involved.
+            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        }
+        Err(e) => {
+            tracing::warn!(target: "chorus::train::live", error = %e, "cannot start the helper that would continue this process; not freezing it");
         }
     }
 }

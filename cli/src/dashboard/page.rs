@@ -121,9 +121,10 @@ fn timeline(s: &mut String, view: &JobView) {
         .filter_map(|g| g.recovery.as_ref())
         .map(Phases::total_ms)
         .fold(1.0f64, f64::max);
-    for g in &view.generations {
+    for (i, g) in view.generations.iter().enumerate() {
         let why = match g.changes.is_empty() {
-            true => "first".to_string(),
+            true if i == 0 => "first".to_string(),
+            true => "re-formed, same members".to_string(),
             false => g
                 .changes
                 .iter()

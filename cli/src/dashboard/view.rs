@@ -162,8 +162,9 @@ pub struct GenerationView {
     pub generation: u64,
     /// Its members.
     pub world_size: usize,
-    /// Why it formed: who left and who joined since the previous one
-    /// (empty for the first).
+    /// Why it formed: who left (or was hit by a fault and came back) and
+    /// who joined since the previous one (empty for the first, and for a
+    /// re-form with the same members for no recorded reason).
     pub changes: Vec<Change>,
     /// The recovery into it (the slowest member's), when one was recorded.
     pub recovery: Option<Phases>,
@@ -440,6 +441,26 @@ fn timeline(
                     process: p.clone(),
                 });
             }
+            // A member frozen or cut off that came back into g: the fault asked for is the cause.
+            for f in observed.faults.iter().filter(|f| f.generation == previous.generation) {
+                let p = Process {
+                    host: f.host.clone(),
+                    pid: f.pid,
+                };
+                let cause = match f.kind {
+                    FaultKind::Kill => Cause::Killed,
+                    FaultKind::Freeze => Cause::Frozen,
+                    FaultKind::CutOff => Cause::CutOff,
+                    FaultKind::Slow => continue,
+                };
+                if previous.members.contains(&p) && !changes.iter().any(|c| c.process == p) {
+                    changes.push(Change {
+                        cause,
+                        rank: Some(f.rank),
+                        process: p,
+                    });
+                }
+            }
             for p in g.members.iter().filter(|p| !previous.members.contains(p)) {
                 changes.push(Change {
                     cause: Cause::Joined,
@@ -695,6 +716,24 @@ mod tests {
         assert_eq!(build(&observed).generations[1].changes[0].cause, Cause::Frozen);
         observed.records[0].recovering = true;
         assert_eq!(build(&observed).members[0].state, MemberState::Recovering);
+    }
+
+    #[test]
+    fn a_frozen_member_that_came_back_is_the_cause_of_the_re_form() {
+        let mut observed = killed_and_replaced();
+        observed.generations[1].members[2] = p(12);
+        observed.faults[0].kind = FaultKind::Freeze;
+        let g1 = &build(&observed).generations[1];
+        assert_eq!(
+            g1.changes,
+            vec![Change {
+                cause: Cause::Frozen,
+                rank: Some(2),
+                process: p(12)
+            }]
+        );
+        observed.faults[0].kind = FaultKind::Slow;
+        assert!(build(&observed).generations[1].changes.is_empty());
     }
 
     #[test]
