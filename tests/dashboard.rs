@@ -42,6 +42,9 @@ async fn http(addr: std::net::SocketAddr, method: &str, path: &str, headers: &[(
 
 const FORM: (&str, &str) = ("Content-Type", "application/x-www-form-urlencoded");
 
+/// A bad request: its headers and body, the status it must get and what the answer must say.
+type Case = (&'static [(&'static str, &'static str)], String, u16, &'static str);
+
 /// A store holding generation 0 of run `r` with two members that publish
 /// live records, signed as by `SECRET`.
 async fn made_up_job() -> Arc<dyn Store> {
@@ -129,7 +132,7 @@ async fn bad_fault_requests_get_a_clear_4xx_and_change_nothing() {
         assert!(body.contains("--dashboard-faults"), "{body}");
 
         let on = serve(store.clone(), true).await;
-        let cases: [(&[(&str, &str)], String, u16, &str); 8] = [
+        let cases: [Case; 8] = [
             (&[FORM], "rank=1&kind=kill&secret=wrong".into(), 403, "wrong job secret"),
             (&[FORM], "rank=1&kind=kill".into(), 401, "secret is required"),
             (&[FORM], format!("rank=7&kind=kill&secret={SECRET}"), 404, "no rank 7 in generation 0"),
