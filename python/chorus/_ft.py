@@ -32,6 +32,8 @@ Named = Tuple[str, torch.Tensor]
 _SYNC_RETRIES = 3
 _TENSOR = "__chorus_tensor__"
 _ENTRY = "__chorus_entry__"
+#: The loss is the user's: the vote carries none (a dashboard shows no loss).
+_NO_LOSS = float("nan")
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -322,7 +324,7 @@ class Manager:
         the step is given up (``should_commit()`` says False) and the next
         begins at the next ``zero_grad()``."""
         before = self._step["world_size"]
-        self._trainer.commit_step(False, False, 0.0)
+        self._trainer.commit_step(False, False, _NO_LOSS)
         self._step = None
         _, world = self._trainer.next_generation()
         if world >= before:
@@ -345,7 +347,7 @@ class Manager:
             raise InvalidArgument("should_commit() without a step: call optimizer.zero_grad() first")
         ok = not self._errors
         self._step = None
-        committed, _ = self._trainer.commit_step(ok, False, 0.0)
+        committed, _ = self._trainer.commit_step(ok, False, _NO_LOSS)
         if committed:
             self._last["step"] += 1
         return committed

@@ -464,10 +464,11 @@ impl Trainer {
     /// differs). Blocks with the GIL released.
     fn begin_step(&mut self, py: Python<'_>, state: Py<PyAny>) -> PyResult<Py<PyAny>> {
         let group = self.group.as_ref().ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
-        let stepper = self
-            .stepper
-            .get_or_insert_with(|| Stepper::new(group, StepperOptions::default()));
         let rt = runtime()?;
+        let stepper = self.stepper.get_or_insert_with(|| {
+            let _runtime = rt.enter();
+            Stepper::new(group, StepperOptions::default())
+        });
         let mut job: Option<TorchJob> = None;
         let begun = loop {
             let outcome = py.detach(|| {

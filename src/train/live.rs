@@ -128,8 +128,9 @@ pub struct LiveRecord {
 pub struct LiveStep {
     /// The step (from 0).
     pub step: u64,
-    /// Its mean loss.
-    pub loss: f64,
+    /// Its mean loss; `None` when the loop did not report one (a torch
+    /// script's loss is its own: `chorus.torch.Manager` does not see it).
+    pub loss: Option<f64>,
     /// The generation it committed in.
     pub generation: u64,
     /// Members then.
@@ -323,6 +324,12 @@ pub(crate) struct Live {
     task: tokio::task::JoinHandle<()>,
 }
 
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live").field("record", &*self.record.borrow()).finish_non_exhaustive()
+    }
+}
+
 impl Drop for Live {
     fn drop(&mut self) {
         self.task.abort();
@@ -386,7 +393,7 @@ impl Live {
             r.recovering = false;
             let step = LiveStep {
                 step: committed.step,
-                loss: committed.loss,
+                loss: committed.loss.is_finite().then_some(committed.loss),
                 generation: committed.generation,
                 world_size: committed.world_size,
                 at_us: unix_us(),
@@ -592,7 +599,7 @@ mod tests {
         for i in 0..60_000u64 {
             let step = LiveStep {
                 step: i,
-                loss: 0.0,
+                loss: Some(0.0),
                 generation: u64::from(i >= 30_000),
                 world_size: 2,
                 at_us: i as i64 * 1000,

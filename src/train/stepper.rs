@@ -14,8 +14,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::live::Live;
 use super::state::TrainState;
-use super::trainer::{Full, Outcome, Outer, Pending, Progress, TrainError, TrainReport, decide, vote, wait_next};
+use super::trainer::{
+    Committed, Full, Outcome, Outer, Pending, Progress, TrainError, TrainReport, decide, vote, wait_next,
+};
 use super::transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
 use crate::elastic::ElasticGroup;
 use crate::group::ProcessGroup;
@@ -77,11 +80,15 @@ pub struct Stepper {
     pending: Option<Pending>,
     report: TrainReport,
     rejections: u32,
+    /// This process's progress in the job's store, for a dashboard.
+    live: Option<Live>,
 }
 
 impl Stepper {
     /// A member of `group`'s job: a process that joined a running job
     /// (its generation is past 0) has no state until it receives one.
+    /// Call it inside a tokio runtime (it starts the publishing of this
+    /// process's progress, `train::live`).
     pub fn new(group: &ElasticGroup, options: StepperOptions) -> Self {
         Self {
             options,
@@ -93,6 +100,7 @@ impl Stepper {
             pending: None,
             report: TrainReport::default(),
             rejections: 0,
+            live: Live::start(group),
         }
     }
 
@@ -131,6 +139,10 @@ impl Stepper {
             }
             let pg = group.current();
             if self.current.as_ref().is_some_and(|c| c.generation() == pg.generation()) {
+                // A slow rank asked for from a dashboard.
+                if let Some(pause) = self.live.as_ref().and_then(Live::slowdown) {
+                    tokio::time::sleep(pause).await;
+                }
                 self.in_step = true;
                 return Ok(Begin::Ready(Begun {
                     group: pg,
@@ -228,10 +240,22 @@ impl Stepper {
         let summed = votes.map_or(0.0, |v| v[2]);
         match decide(&pg, self.progress.step, votes)? {
             Outcome::Committed { admit } => {
+                if let Some(live) = &self.live {
+                    let committed = Committed {
+                        step: self.progress.step,
+                        loss: summed / pg.world_size() as f64,
+                        world_size: pg.world_size(),
+                        generation: pg.generation(),
+                    };
+                    live.committed(&committed, pg.rank());
+                }
                 self.rejections = 0;
                 self.progress.step += 1;
                 self.report.applied += 1;
                 if let Some(recovery) = self.pending.take().and_then(Pending::finish) {
+                    if let Some(live) = &self.live {
+                        live.recovered(&recovery);
+                    }
                     self.report.recoveries.push(recovery);
                 }
                 if admit {
@@ -242,6 +266,9 @@ impl Stepper {
                 Ok((true, summed))
             }
             Outcome::GroupFailed => {
+                if let Some(live) = &self.live {
+                    live.failed(&pg);
+                }
                 self.fail();
                 Ok((false, summed))
             }

@@ -175,7 +175,7 @@ fn charts(s: &mut String, view: &JobView) {
     };
     let (x0, x1) = (first.step as f64, (last.step as f64).max(first.step as f64 + 1.0));
     let sx = |step: f64| 40.0 + (step - x0) / (x1 - x0) * (W - 50.0);
-    let losses: Vec<(f64, f64)> = view.steps.iter().map(|p| (p.step as f64, p.loss)).collect();
+    let losses: Vec<(f64, f64)> = view.steps.iter().map(|p| (p.step as f64, p.loss.unwrap_or(f64::NAN))).collect();
     // Steps per second between neighbours (a step's rate over the last few).
     let rates: Vec<(f64, f64)> = view
         .steps
@@ -320,7 +320,7 @@ mod tests {
             steps: (0..10)
                 .map(|step| StepPoint {
                     step,
-                    loss: 1.0 / (step + 1) as f64,
+                    loss: Some(1.0 / (step + 1) as f64),
                     generation: 1,
                     at_us: step as i64 * 100_000,
                 })

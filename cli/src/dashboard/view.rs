@@ -177,8 +177,8 @@ pub struct GenerationView {
 pub struct StepPoint {
     /// The step.
     pub step: u64,
-    /// Its loss.
-    pub loss: f64,
+    /// Its loss, when the loop reported one.
+    pub loss: Option<f64>,
     /// Its generation.
     pub generation: u64,
     /// When it committed.
@@ -571,7 +571,7 @@ mod tests {
                 .iter()
                 .map(|&(step, at_us)| LiveStep {
                     step,
-                    loss: 1.0 / (step + 1) as f64,
+                    loss: Some(1.0 / (step + 1) as f64),
                     generation: if step < 10 { 0 } else { 1 },
                     world_size: 3,
                     at_us,
