@@ -211,17 +211,26 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="chorus-gpt-vs-torchft-"))
     sides = ("plain", "steady", "chorus", "standby", "torchft")
     results = {side: [] for side in sides}
+    failed = []
     for r in range(args.rounds):
         for side in sides if r % 2 == 0 else sides[::-1]:
             print(f"round {r + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
-            if side == "plain":
-                results[side].append(run_plain(args, base / f"plain{r}"))
-            elif side == "steady":
-                results[side].append(run_manager(args, "none", 0))
-            elif side == "torchft":
-                results[side].append(run_torchft(args, base / f"torchft{r}"))
-            else:
-                results[side].append(run_manager(args, "kill", 1 if side == "standby" else 0))
+            try:
+                if side == "plain":
+                    out = run_plain(args, base / f"plain{r}")
+                elif side == "steady":
+                    out = run_manager(args, "none", 0)
+                elif side == "torchft":
+                    out = run_torchft(args, base / f"torchft{r}")
+                else:
+                    out = run_manager(args, "kill", 1 if side == "standby" else 0)
+            except (Exception, SystemExit) as error:  # one broken run must not lose the others
+                failed.append(f"{side} in round {r + 1}: {str(error)[-500:]}")
+                print(f"  {side} failed: {str(error)[-500:]}", file=sys.stderr, flush=True)
+                continue
+            results[side].append(out)
+            print(f"  {json.dumps({k: v for k, v in out.items() if not isinstance(v, (list, dict))})}",
+                  file=sys.stderr, flush=True)
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(f"# GPT ({args.layers} layers, width {args.width}, context {args.context}, batch {args.batch} per replica), "
           f"{args.world} replicas x 1 process, {args.steps} steps, SIGKILL after step {args.fault_step}, "
@@ -248,6 +257,8 @@ def main() -> None:
         loss = med(side, "final_loss")
         print(f"# {side}: final loss {loss:.4f} against the fault-free Manager run's {steady:.4f} "
               f"({abs(loss - steady) / steady * 100:.2f}% apart)")
+    for failure in failed:
+        print(f"# FAILED, left out of the medians: {failure}")
     print("# state verified in every chorus run: "
           + str(all(o["state_verified"] for side in ("steady", "chorus", "standby") for o in results[side])))
 
