@@ -1017,9 +1017,9 @@ where
     }
     // Each body runs on its rank's arbiter, beside its actor: submitting an
     // operation and waking on its result stay on one thread, where a body on
-    // another runtime pays a cross-thread wake-up for each (BENCHMARKS 17a:
-    // a 1024-rank all-reduce 1.15x faster at the median, up to 1.7x). A
-    // body that blocks its thread holds up the ranks that share it, as it
+    // another runtime pays a cross-thread wake-up for each (bench/HISTORY.md
+    // §17a: a 1024-rank all-reduce 1.15x faster at the median, up to 1.7x).
+    // A body that blocks its thread holds up the ranks that share it, as it
     // would hold up a tokio worker.
     let running: Vec<_> = groups
         .into_iter()

@@ -167,8 +167,8 @@ pub(crate) fn checked_faults(plan: Option<FaultPlan>, world: usize) -> Result<Op
 /// Outgoing ring size per peer for a few local peers. Every message of a
 /// collective goes in segments of at most 1 MiB, so the ring only holds how
 /// far a sender runs ahead of its peer: 48 MiB was as fast as 64 MiB for a
-/// 64 MiB all-reduce and 32 MiB was not (BENCHMARKS 21). Both rings of a
-/// link count in each process's resident memory once used.
+/// 64 MiB all-reduce and 32 MiB was not (bench/HISTORY.md §21). Both rings
+/// of a link count in each process's resident memory once used.
 const SHM_RING: usize = 48 << 20;
 
 /// The default `CHORUS_SHM_BUDGET`: full-size rings for four ranks on a

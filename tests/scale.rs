@@ -3,7 +3,7 @@
 //!
 //! The world is 256 here, which fits CI's two cores and its memory (each
 //! rank holds its own 1 MiB tensor); `chorus bench scale` measures up to
-//! 1024 (BENCHMARKS.md).
+//! 1024 (BENCHMARKS.md, "Memory and scale").
 
 use chorus::{ReduceOp, Tensor, spawn};
 

@@ -130,10 +130,10 @@ pub struct TransferOptions {
 impl Default for TransferOptions {
     fn default() -> Self {
         Self {
-            // Measured (BENCHMARKS.md, issue 14): on shm 1-2 MiB chunks ran
-            // 1.5-3x faster than 8-32 MiB (a chunk stays in the L2/L3 cache
-            // between its read, checksum and copy into the ring), and on
-            // QUIC no slower.
+            // Measured (bench/HISTORY.md §12, issue 14): on shm 1-2 MiB
+            // chunks ran 1.5-3x faster than 8-32 MiB (a chunk stays in the
+            // L2/L3 cache between its read, checksum and copy into the
+            // ring), and on QUIC no slower.
             chunk_bytes: 2 << 20,
             max_rounds: 3,
             damage_cma_chunk: None,

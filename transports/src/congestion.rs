@@ -1,20 +1,19 @@
 //! The congestion controller of QUIC links between hosts: Cubic until the
 //! link shows loss, BBR from then on.
 //!
-//! Measured through a userspace netem between two namespaces (BENCHMARKS.md
-//! section 9): Cubic reads every lost datagram as congestion, so 1% random
-//! loss with 20 ms each way held a 16 MiB transfer at 0.4 MB/s (window near
-//! 25 KB), where BBR, which sizes its window from the delivery rate and the
-//! minimum RTT, moved 54-90 MB/s. On a clean link BBR was no better and once
-//! worse: alternating 16 MiB transfers, it moved 0.6x Cubic's under load 6 on
-//! the 2 cores (75-130 against 124-202 MB/s) and matched it at load 1-3
-//! (quinn paces at window / smoothed RTT, and BBR's window follows the
-//! minimum RTT, so queueing in a busy host slows its pacing; quinn calls its
-//! BBR experimental). Cubic stays where it was never worse; [`Adaptive`]
-//! runs both controllers on
-//! every event and lets Cubic steer until the loss it saw passes
-//! [`LossMeter`]'s threshold; then BBR, which has followed the whole
-//! connection, takes over for the rest of it.
+//! Measured through a userspace netem between two namespaces
+//! (bench/HISTORY.md section 9): Cubic reads every lost datagram as
+//! congestion, so 1% random loss with 20 ms each way held a 16 MiB transfer
+//! at 0.4 MB/s (window near 25 KB), where BBR, which sizes its window from
+//! the delivery rate and the minimum RTT, moved 54-90 MB/s. On a clean link
+//! BBR was no better and once worse: alternating 16 MiB transfers, it moved
+//! 0.6x Cubic's under load 6 on the 2 cores (75-130 against 124-202 MB/s) and
+//! matched it at load 1-3 (quinn paces at window / smoothed RTT, and BBR's
+//! window follows the minimum RTT, so queueing in a busy host slows its
+//! pacing; quinn calls its BBR experimental). Cubic stays where it was never
+//! worse; [`Adaptive`] runs both controllers on every event and lets Cubic
+//! steer until the loss it saw passes [`LossMeter`]'s threshold; then BBR,
+//! which has followed the whole connection, takes over for the rest of it.
 
 use std::any::Any;
 use std::sync::Arc;

@@ -57,7 +57,7 @@
 //! turns for up to 50 us (`RECEIVE_SPIN`) before its thread may sleep
 //! (`polling_briefly`): waking a thread whose CPU halted costs 20-45 us
 //! on a virtual machine, more than a small all-reduce's whole exchange
-//! (BENCHMARKS §19). Every fourth turn yields the core, for ranks that
+//! (bench/HISTORY.md §19). Every fourth turn yields the core, for ranks that
 //! outnumber the cores.
 //!
 //! What limited throughput at 64 MiB on this 2-core machine (`chorus bench

@@ -12,7 +12,7 @@
 //! Across hosts (or network namespaces), `--bind` names this process's
 //! address, `--peer-bind` the peer's, and `--peer-prefix` the command that
 //! starts the peer there (`ip netns exec B`, `ssh host`); see the
-//! impaired-link section of BENCHMARKS.md.
+//! impaired-link section of bench/HISTORY.md (§9).
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};

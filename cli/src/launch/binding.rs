@@ -4,9 +4,9 @@
 //! Binding matters to chorus beyond memory locality: a rank's threads hand
 //! work to each other (the caller to its actor, a socket or ring to the
 //! actor), and on a virtual machine whose idle CPUs halt, waking a thread on
-//! another CPU costs 20-45 us against 3 us on the same one (BENCHMARKS §19).
-//! A worker bound to its own CPUs keeps its threads together and out of the
-//! other workers' way.
+//! another CPU costs 20-45 us against 3 us on the same one
+//! (bench/HISTORY.md §19). A worker bound to its own CPUs keeps its threads
+//! together and out of the other workers' way.
 //!
 //! # Rules
 //! 1. A worker's NUMA node: torchrun takes the node of the accelerator whose

@@ -5,9 +5,9 @@
 //! over the memory bus twice before it is even written back. Non-temporal
 //! stores write whole lines without reading them: copying 1 MiB pieces from
 //! a cached source into a 64 MiB buffer ran at 12-13 GB/s with them and 7-8
-//! GB/s without on the 2-core machine (BENCHMARKS 20). They pay only where
-//! the copied bytes would have left the cache before anyone read them: a
-//! collective whose data is larger than the last-level cache. Below that
+//! GB/s without on the 2-core machine (bench/HISTORY.md §20). They pay only
+//! where the copied bytes would have left the cache before anyone read them:
+//! a collective whose data is larger than the last-level cache. Below that
 //! they cost (the reader then fetches from memory what it would have found
 //! in cache): a 4 MiB all-reduce over shared memory was 25% slower with
 //! them, a 16 MiB one 25% faster.

@@ -30,7 +30,7 @@ pub const HALVING_DOUBLING_MAX_BYTES: usize = 1 << 20;
 /// scale`, 8 bytes, medians of 3 alternated runs): within the noise at 8
 /// and 16 ranks (up to 16 every rank checks every rank's signature, which
 /// dominates), 1.7-2.9x faster from 32 to 1024 ranks, 2.6x at 1024
-/// (BENCHMARKS.md, section 15d).
+/// (bench/HISTORY.md, section 15d).
 pub const SHARED_THREADS_TREE_MIN_WORLD: usize = 16;
 
 /// Largest world a plan is made for.

@@ -29,7 +29,7 @@ const SPIN_POLLS: u32 = 128;
 const INLINE_LIMIT: usize = 64 << 10;
 /// How long a receive that finds nothing polls the ring on its own thread
 /// before it waits to be woken: a peer a few microseconds behind then
-/// costs no wake-ups (a wake-up costs 10-25 us here, BENCHMARKS 18).
+/// costs no wake-ups (a wake-up costs 10-25 us here, bench/HISTORY.md §18).
 const RECEIVE_SPIN: Duration = Duration::from_micros(50);
 /// How long the writer may wait for room behind frames read but not
 /// received before they are copied out of the ring (SHM-9): long enough

@@ -105,8 +105,8 @@
 //!   skip record to the ring's end and writes at its start: the lines it
 //!   writes were written and read a moment ago and are still in the
 //!   cache, instead of lines never touched since the last lap (a
-//!   2 MiB all-reduce ran 2.5x faster, BENCHMARKS 22). The reader
-//!   releases a skip record as it reads it. A ring in use goes on as
+//!   2 MiB all-reduce ran 2.5x faster, bench/HISTORY.md §22). The
+//!   reader releases a skip record as it reads it. A ring in use goes on as
 //!   before, so a backlog still has the whole ring.
 //!
 //! # Copies and costs
