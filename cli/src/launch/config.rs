@@ -191,6 +191,10 @@ pub struct LaunchConfig {
     /// [`RestartPolicy::Worker`]; a failed worker's slot is taken by one at
     /// once instead of a process started then.
     pub standby: usize,
+    /// Fork replacement workers (relaunches, new standbys) of a Python
+    /// script from a pre-started interpreter that has imported torch;
+    /// `--no-fork-server` starts them afresh.
+    pub fork_server: bool,
     /// How often a multi-node launcher looks at the store for other nodes' news.
     pub monitor_interval: Duration,
     /// Grace period between SIGTERM and SIGKILL when stopping workers.
@@ -267,6 +271,10 @@ is also read from PET_<NAME> (e.g. PET_NNODES); the command line wins.
                                    program, which waits in its elastic group's
                                    init until a worker fails, then takes its
                                    slot at once (default 0)
+  --no-fork-server                 start replacement workers afresh; by default,
+                                   with --restart-policy worker and a Python
+                                   script, they are forked from a pre-started
+                                   python that has imported torch
   --monitor-interval S             store polling period, multi-node (default 0.1)
   --shutdown-timeout S             SIGTERM to SIGKILL grace (default 30)
   --numa-binding MODE              bind each worker to CPUs (default: unbound):
@@ -320,6 +328,7 @@ const FLAGS: &[(&str, Kind)] = &[
     ("pass-local-rank-arg", Kind::Switch),
     ("use-env", Kind::Switch),
     ("no-python", Kind::Switch),
+    ("no-fork-server", Kind::Switch),
     ("module", Kind::Switch),
     ("help", Kind::Switch),
 ];
@@ -666,6 +675,7 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
             .unwrap_or(0),
         restart_policy,
         standby,
+        fork_server: !given.switch("no-fork-server")?,
         monitor_interval: given.seconds("monitor-interval", 0.1)?,
         shutdown_timeout: given.seconds("shutdown-timeout", 30.0)?,
         numa_binding: given
@@ -905,6 +915,13 @@ mod tests {
         assert_eq!(config("--master-port 7000 p", &[]).run_id(|| "x".into()), "none");
         assert_eq!(config("p", &[]).run_id(|| "fresh".into()), "fresh");
         assert_eq!(config("--rdzv-id job p", &[]).run_id(|| "x".into()), "job");
+    }
+
+    #[test]
+    fn replacements_are_forked_unless_told_not_to() {
+        assert!(config("--restart-policy worker p.py", &[]).fork_server);
+        assert!(!config("--restart-policy worker --no-fork-server p.py", &[]).fork_server);
+        assert!(!config("--restart-policy worker p.py", &[("PET_NO_FORK_SERVER", "1")]).fork_server);
     }
 
     #[test]

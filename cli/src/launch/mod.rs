@@ -60,6 +60,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 pub mod binding;
 pub mod config;
 pub mod env;
+pub mod fork_server;
 pub mod nodes;
 pub mod plan;
 pub mod workers;
@@ -868,6 +869,12 @@ async fn run_elastic_round(
             error_file: job_env.error_file(job_env.rank(local_rank)),
         })
         .collect();
+    if config.fork_server
+        && (config.max_restarts > 0 || config.standby > 0)
+        && workers.start_fork_server(&spec(job, &job_env, 0)?)?
+    {
+        say("fork server started: replacement workers will be forked from it (--no-fork-server to start them afresh)");
+    }
     // Standby workers start as the next relaunch would.
     let mut standbys = Standbys::new(config.standby);
     let next_count = |restarts: u64| first_count + (restarts + 1 - first_restarts);
@@ -952,10 +959,15 @@ async fn run_elastic_round(
                             ..job_env.for_attempt(count, &job.run_dir)
                         };
                         let spec = spec(job, &new_env, ended.local_rank)?;
-                        match workers.relaunch(spec) {
-                            Ok(pid) => say(format!(
-                                "relaunching rank {} alone as pid {pid} (restart {next} of {}{}); the other workers keep running",
+                        match workers.relaunch(spec).await {
+                            Ok((pid, how)) => say(format!(
+                                "relaunching rank {} alone as pid {pid}{} (restart {next} of {}{}); the other workers keep running",
                                 new_env.rank(ended.local_rank),
+                                match how {
+                                    workers::Started::Forked => ", forked from the fork server".to_string(),
+                                    workers::Started::New => String::new(),
+                                    workers::Started::NewInstead(why) => format!(", a new process ({why})"),
+                                },
                                 config.max_restarts,
                                 if multi { " on this node" } else { "" }
                             )),
@@ -1077,10 +1089,15 @@ impl Standbys {
             join_running: true,
             ..job_env.for_attempt(count, &job.run_dir)
         };
-        let started = standby_spec(job, &standby_env, number, serial)
-            .and_then(|(spec, standby)| workers.relaunch(spec).map(|_| standby));
+        let started = match standby_spec(job, &standby_env, number, serial) {
+            Ok((spec, standby)) => workers.relaunch(spec).await.map(|(_, how)| (standby, how)),
+            Err(error) => Err(error),
+        };
         match started {
-            Ok(standby) => {
+            Ok((standby, how)) => {
+                if let workers::Started::NewInstead(why) = how {
+                    say(format!("standby worker s{number} started as a new process: {why}"));
+                }
                 self.slots[number] = Some(standby);
                 Ok(())
             }

@@ -4,13 +4,16 @@
 //! output prefixed with the rank, teed to log files and kept in a short
 //! ring buffer for failure reports. One worker can be relaunched in its
 //! slot while the others run (`--restart-policy worker`), or a warm
-//! standby worker promoted into it (`--standby`).
+//! standby worker promoted into it (`--standby`); relaunches and new
+//! standbys are forked from the node's fork server when it can run them.
 
 use std::collections::VecDeque;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
@@ -20,6 +23,7 @@ use tokio::task::JoinHandle;
 use super::LaunchError;
 use super::binding;
 use super::config::Streams;
+use super::fork_server::{ForkServer, PythonCommand, Request};
 use super::plan::WorkerExit;
 
 /// Lines kept per worker for the failure report.
@@ -76,6 +80,27 @@ pub struct Workers {
     exits: mpsc::UnboundedReceiver<(usize, WorkerExit)>,
     /// Cloned into each worker's waiter, relaunched ones too.
     exits_tx: mpsc::UnboundedSender<(usize, WorkerExit)>,
+    /// Where replacements are forked from, when the node has one.
+    fork_server: Option<ForkServer>,
+}
+
+/// How [`Workers::relaunch`] started a worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Started {
+    /// Forked from the fork server.
+    Forked,
+    /// As a new process.
+    New,
+    /// As a new process, because the fork server could not run it (why).
+    NewInstead(String),
+}
+
+/// A started worker process, before the launcher watches it.
+struct Process {
+    pid: i32,
+    stdout: Box<dyn AsyncRead + Send + Unpin>,
+    stderr: Box<dyn AsyncRead + Send + Unpin>,
+    exit: Pin<Box<dyn Future<Output = WorkerExit> + Send>>,
 }
 
 /// A worker that ended, as reported by [`Workers::next_exit`].
@@ -101,6 +126,7 @@ impl Workers {
             workers: Vec::new(),
             exits,
             exits_tx: tx,
+            fork_server: None,
         };
         for spec in specs {
             match spawn_one(group.workers.len(), spec, group.exits_tx.clone()) {
@@ -112,6 +138,21 @@ impl Workers {
             }
         }
         Ok(group)
+    }
+
+    /// Starts this node's fork server for workers run like `template`
+    /// (relaunches and new standbys are forked from it from then on);
+    /// `false` when its command is not a Python script the server can run.
+    pub fn start_fork_server(&mut self, template: &WorkerSpec) -> Result<bool, LaunchError> {
+        let Some(command) = PythonCommand::parse(&template.argv) else {
+            return Ok(false);
+        };
+        let server = ForkServer::start(&command, &template.env).map_err(|source| LaunchError::Io {
+            what: format!("starting the fork server ({})", command.interpreter),
+            source,
+        })?;
+        self.fork_server = Some(server);
+        Ok(true)
     }
 
     /// The next worker (standby ones too) to end, or `None` when no worker
@@ -193,31 +234,69 @@ impl Workers {
     /// Starts `spec` again in the slot of its local rank, whose worker has
     /// ended (its output is read, see [`Workers::tail`]); what is left of
     /// the old worker's process group is killed first. A standby worker
-    /// with no ended entry of its local rank gets a new one. Returns the new pid.
-    pub fn relaunch(&mut self, spec: WorkerSpec) -> Result<i32, LaunchError> {
-        let Some(index) = self
+    /// with no ended entry of its local rank gets a new one. Returns the new
+    /// pid and how it was started: forked from the fork server where the
+    /// node has one that can run it, else as a new process.
+    pub async fn relaunch(&mut self, spec: WorkerSpec) -> Result<(i32, Started), LaunchError> {
+        let index = match self
             .workers
             .iter()
             .position(|w| !w.running && w.local_rank == spec.local_rank)
-        else {
-            if spec.standby.is_some() {
-                let worker = spawn_one(self.workers.len(), spec, self.exits_tx.clone())?;
-                let pid = worker.pid;
-                self.workers.push(worker);
-                return Ok(pid);
+        {
+            Some(index) => {
+                // Children the old worker started in its group must not linger.
+                signal_group(self.workers[index].pid, libc::SIGKILL);
+                index
             }
-            return Err(LaunchError::Io {
-                what: format!("relaunching local rank {}", spec.local_rank),
-                source: std::io::Error::other("no such worker slot"),
-            });
+            None if spec.standby.is_some() => self.workers.len(),
+            None => {
+                return Err(LaunchError::Io {
+                    what: format!("relaunching local rank {}", spec.local_rank),
+                    source: std::io::Error::other("no such worker slot"),
+                });
+            }
         };
-        let old = &self.workers[index];
-        // Children the old worker started in its group must not linger.
-        signal_group(old.pid, libc::SIGKILL);
-        let worker = spawn_one(index, spec, self.exits_tx.clone())?;
+        let (process, started) = self.start(&spec).await?;
+        let worker = watch(index, spec, process, self.exits_tx.clone());
         let pid = worker.pid;
-        self.workers[index] = worker;
-        Ok(pid)
+        if index == self.workers.len() {
+            self.workers.push(worker);
+        } else {
+            self.workers[index] = worker;
+        }
+        Ok((pid, started))
+    }
+
+    /// Forks `spec` from the fork server, or starts it as a new process.
+    async fn start(&mut self, spec: &WorkerSpec) -> Result<(Process, Started), LaunchError> {
+        let Some(server) = &mut self.fork_server else {
+            return Ok((start_process(spec)?, Started::New));
+        };
+        let why = match PythonCommand::parse(&spec.argv) {
+            None => "the command is not a Python script".to_string(),
+            Some(command) => {
+                let request = Request {
+                    command: &command,
+                    env: &spec.env,
+                    cpus: &spec.cpus,
+                };
+                match server.fork(request).await {
+                    Ok(forked) => {
+                        let exit = forked.exit;
+                        let process = Process {
+                            pid: forked.pid,
+                            stdout: Box::new(forked.stdout),
+                            stderr: Box::new(forked.stderr),
+                            // A server gone before reporting takes its children with it.
+                            exit: Box::pin(async move { exit.await.unwrap_or(WorkerExit::Signal(libc::SIGKILL)) }),
+                        };
+                        return Ok((process, Started::Forked));
+                    }
+                    Err(why) => why,
+                }
+            }
+        };
+        Ok((start_process(spec)?, Started::NewInstead(why)))
     }
 
     /// Sends `signal` to every running worker's process group, waits up to
@@ -238,6 +317,7 @@ impl Workers {
         for worker in &mut self.workers {
             drain(&mut worker.readers).await;
         }
+        self.fork_server = None;
     }
 }
 
@@ -265,6 +345,29 @@ fn spawn_one(
     spec: WorkerSpec,
     exits: mpsc::UnboundedSender<(usize, WorkerExit)>,
 ) -> Result<Worker, LaunchError> {
+    let process = start_process(&spec)?;
+    Ok(watch(index, spec, process, exits))
+}
+
+/// Makes the calling process (a child between fork and exec) die when the
+/// launcher `launcher` does: a launcher that is SIGKILLed cannot stop its
+/// workers itself. Async-signal-safe: for `pre_exec`.
+pub(super) fn die_with(launcher: libc::pid_t) -> std::io::Result<()> {
+    // SAFETY: prctl, getppid and _exit are async-signal-safe and touch no memory of ours.
+    unsafe {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // The launcher may have died before prctl took effect.
+        if libc::getppid() != launcher {
+            libc::_exit(1);
+        }
+    }
+    Ok(())
+}
+
+/// Starts `spec` as a new process.
+fn start_process(spec: &WorkerSpec) -> Result<Process, LaunchError> {
     let mut command = tokio::process::Command::new(&spec.argv[0]);
     command
         .args(&spec.argv[1..])
@@ -273,26 +376,18 @@ fn spawn_one(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
-    // A launcher that is SIGKILLed cannot stop its workers: have the kernel
-    // kill each worker when the launcher dies (the worker's own children
-    // are the worker's to handle, as PyTorch's data loaders do).
+    // The worker's own children are the worker's to handle, as PyTorch's
+    // data loaders do.
     let launcher = std::process::id() as libc::pid_t;
     let cpus = (!spec.cpus.is_empty()).then(|| binding::cpu_set(&spec.cpus));
     // SAFETY: the closure runs in the child between fork and exec and calls
-    // only async-signal-safe functions (prctl, getppid, _exit, sched_setaffinity).
+    // only async-signal-safe functions (sched_setaffinity, prctl, getppid, _exit).
     unsafe {
         command.pre_exec(move || {
             if let Some(cpus) = &cpus {
                 binding::bind_current_process(cpus)?;
             }
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The launcher may have died before prctl took effect.
-            if libc::getppid() != launcher {
-                libc::_exit(1);
-            }
-            Ok(())
+            die_with(launcher)
         });
     }
     let mut child = command.spawn().map_err(|source| LaunchError::Spawn {
@@ -301,44 +396,48 @@ fn spawn_one(
         source,
     })?;
     let pid = child.id().map_or(0, |id| id as i32);
+    let (Some(stdout), Some(stderr)) = (child.stdout.take(), child.stderr.take()) else {
+        return Err(LaunchError::Spawn {
+            program: spec.argv[0].clone(),
+            rank: spec.rank,
+            source: std::io::Error::other("its output pipes were not made"),
+        });
+    };
+    Ok(Process {
+        pid,
+        stdout: Box::new(stdout),
+        stderr: Box::new(stderr),
+        exit: Box::pin(async move {
+            match child.wait().await {
+                Ok(status) => WorkerExit::from_status(status),
+                Err(_) => WorkerExit::Code(1),
+            }
+        }),
+    })
+}
+
+/// Relays a started worker's output and reports its exit as worker `index`.
+fn watch(index: usize, spec: WorkerSpec, process: Process, exits: mpsc::UnboundedSender<(usize, WorkerExit)>) -> Worker {
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
     let label = Arc::new(Mutex::new(spec.label()));
-    let mut readers = Vec::new();
-    if let Some(stdout) = child.stdout.take() {
-        readers.push(tokio::spawn(relay(
-            stdout,
-            true,
-            spec.clone(),
-            label.clone(),
-            tail.clone(),
-        )));
-    }
-    if let Some(stderr) = child.stderr.take() {
-        readers.push(tokio::spawn(relay(
-            stderr,
-            false,
-            spec.clone(),
-            label.clone(),
-            tail.clone(),
-        )));
-    }
+    let readers = vec![
+        tokio::spawn(relay(process.stdout, true, spec.clone(), label.clone(), tail.clone())),
+        tokio::spawn(relay(process.stderr, false, spec.clone(), label.clone(), tail.clone())),
+    ];
+    let exit = process.exit;
     tokio::spawn(async move {
-        let exit = match child.wait().await {
-            Ok(status) => WorkerExit::from_status(status),
-            Err(_) => WorkerExit::Code(1),
-        };
-        let _ = exits.send((index, exit));
+        let _ = exits.send((index, exit.await));
     });
-    Ok(Worker {
+    Worker {
         rank: spec.rank,
         local_rank: spec.local_rank,
         standby: spec.standby,
         label,
-        pid,
+        pid: process.pid,
         tail,
         readers,
         running: true,
-    })
+    }
 }
 
 /// Copies one stream line by line: prefixed to the console, to the log file,
