@@ -64,6 +64,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fault", choices=["none", "kill", "freeze", "partition"], default="kill")
     p.add_argument("--fault-step", type=int, default=120, help="the last worker fails at this step (default 120)")
     p.add_argument("--standby", type=int, default=0, help="warm standby workers (default 0: relaunch)")
+    p.add_argument("--no-fork-server", action="store_true",
+                   help="start a relaunched worker afresh instead of forking it from chorus launch's fork server")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="heartbeat window (default 1000)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", type=int, default=0)
@@ -256,6 +258,8 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.compile:
         cmd.append("--compile")
+    if args.no_fork_server:
+        cmd[2:2] = ["--no-fork-server"]
     if args.dashboard and fault == args.fault:
         cmd[2:2] = ["--dashboard", args.dashboard]
     stop = threading.Event()

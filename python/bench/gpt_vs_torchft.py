@@ -9,8 +9,9 @@ them to (the script prints how many lines each changed from the plain DDP
 one). Per round: plain DDP on backend "chorus", fault-free (the step time
 the Manager must keep: its sync overlaps the backward pass as DDP's);
 the Manager, fault-free; the Manager with the last replica SIGKILLed after
---fault-step and relaunched ("chorus") or replaced by a warm standby
-("standby"); torchft with the same kill (4 replica groups of one process,
+--fault-step and relaunched, forked from `chorus launch`'s fork server
+("chorus") or started afresh (`--no-fork-server`, "afresh"), or replaced
+by a warm standby ("standby"); torchft with the same kill (4 replica groups of one process,
 a lighthouse, ProcessGroupGloo, a relaunch loop: vs_torchft.py's setup).
 It prints each run's longest stall (the longest time without a new
 committed step), the kill to the replacement's first committed step, the
@@ -165,9 +166,9 @@ def run_plain(args, run: Path) -> dict:
     return json.loads((run / "result.json").read_text())
 
 
-def run_manager(args, fault: str, standby: int) -> dict:
+def run_manager(args, fault: str, standby: int, fork_server: bool = True) -> dict:
     cmd = [sys.executable, str(ROOT / "examples" / "python" / "gpt.py"), "--json", "--fault", fault,
-           "--standby", str(standby), *model_flags(args)]
+           "--standby", str(standby), *model_flags(args), *([] if fork_server else ["--no-fork-server"])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * args.timeout)
     if done.returncode != 0:
         raise SystemExit(f"chorus run failed:\n{done.stdout}\n{done.stderr[-3000:]}")
@@ -209,7 +210,7 @@ def main() -> None:
         return
     changed = {"chorus": lines_changed(plain_ddp, gpt.worker), "torchft": lines_changed(plain_ddp, torchft_twin)}
     base = Path(tempfile.mkdtemp(prefix="chorus-gpt-vs-torchft-"))
-    sides = ("plain", "steady", "chorus", "standby", "torchft")
+    sides = ("plain", "steady", "chorus", "afresh", "standby", "torchft")
     results = {side: [] for side in sides}
     failed = []
     for r in range(args.rounds):
@@ -222,6 +223,8 @@ def main() -> None:
                     out = run_manager(args, "none", 0)
                 elif side == "torchft":
                     out = run_torchft(args, base / f"torchft{r}")
+                elif side == "afresh":
+                    out = run_manager(args, "kill", 0, fork_server=False)
                 else:
                     out = run_manager(args, "kill", 1 if side == "standby" else 0)
             except (Exception, SystemExit) as error:  # one broken run must not lose the others
@@ -244,7 +247,7 @@ def main() -> None:
     med = lambda side, key: statistics.median(o[key] for o in results[side] if o.get(key) is not None)  # noqa: E731
     print(f"# steady step: the Manager {med('steady', 'median_step_ms'):.2f} ms against plain DDP on chorus "
           f"{med('plain', 'median_step_ms'):.2f} ms: {med('steady', 'median_step_ms') / med('plain', 'median_step_ms'):.3f}x")
-    for side in ("chorus", "standby"):
+    for side in ("chorus", "afresh", "standby"):
         print(f"# {side} against torchft: longest stall {med(side, 'longest_stall_ms'):.0f} vs "
               f"{med('torchft', 'longest_stall_ms'):.0f} ms "
               f"({med(side, 'longest_stall_ms') / med('torchft', 'longest_stall_ms'):.3f}x); replacement's first step "
@@ -253,14 +256,14 @@ def main() -> None:
                  if any(o.get("replacement_ms") for o in results[side])
                  and any(o.get("replacement_ms") for o in results["torchft"]) else "not in every side's runs"))
     steady = med("steady", "final_loss")
-    for side in ("chorus", "standby", "torchft"):
+    for side in ("chorus", "afresh", "standby", "torchft"):
         loss = med(side, "final_loss")
         print(f"# {side}: final loss {loss:.4f} against the fault-free Manager run's {steady:.4f} "
               f"({abs(loss - steady) / steady * 100:.2f}% apart)")
     for failure in failed:
         print(f"# FAILED, left out of the medians: {failure}")
     print("# state verified in every chorus run: "
-          + str(all(o["state_verified"] for side in ("steady", "chorus", "standby") for o in results[side])))
+          + str(all(o["state_verified"] for side in ("steady", "chorus", "afresh", "standby") for o in results[side])))
 
 
 if __name__ == "__main__":

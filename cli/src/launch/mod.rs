@@ -24,6 +24,9 @@
 //! - `binding`: `--numa-binding`, each worker's CPUs from `/sys` (a sans-IO
 //!   plan over a [`binding::Topology`]).
 //! - `workers`: the worker processes of one attempt and their output.
+//! - `fork_server`: the pre-started Python process replacement workers are
+//!   forked from (its command parsing and protocol sans IO;
+//!   `fork_server.py` is the server).
 //!
 //! - this file: the driver tying them together ([`main`]).
 //!
