@@ -235,6 +235,7 @@ def worker(args: argparse.Namespace) -> None:
                 logits = forward(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             loss.backward()
+            manager.report_loss(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             before = manager.current_step()
             optimizer.step()

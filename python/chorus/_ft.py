@@ -20,7 +20,7 @@ import os
 import pickle
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -32,7 +32,8 @@ Named = Tuple[str, torch.Tensor]
 _SYNC_RETRIES = 3
 _TENSOR = "__chorus_tensor__"
 _ENTRY = "__chorus_entry__"
-#: The loss is the user's: the vote carries none (a dashboard shows no loss).
+#: The loss is the user's: without ``Manager.report_loss`` the vote carries
+#: none (a dashboard and the commit records then show no loss).
 _NO_LOSS = float("nan")
 
 
@@ -231,6 +232,7 @@ class Manager:
         self._given_up = False
         self._join_hooks: List[Callable[[], None]] = []
         self._quorum_started = 0.0
+        self._loss = _NO_LOSS
 
     # -- the state ----------------------------------------------------------
 
@@ -333,6 +335,13 @@ class Manager:
         self.start_quorum()
         return True
 
+    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
+        """Reports this member's loss for the step under way (its mean over
+        the local batch, as under DDP). Optional: the step's vote carries
+        it, so the job's dashboard plots the members' mean and the commit
+        records (``CHORUS_TRAIN_RECORD``, read by ``chorus chaos``) hold it."""
+        self._loss = float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
+
     def report_error(self, error: BaseException) -> None:
         """Votes the current step down (a member-local failure)."""
         self._errors.append(error)
@@ -347,10 +356,17 @@ class Manager:
             raise InvalidArgument("should_commit() without a step: call optimizer.zero_grad() first")
         ok = not self._errors
         self._step = None
-        committed, _ = self._trainer.commit_step(ok, False, _NO_LOSS)
+        loss, self._loss = self._loss, _NO_LOSS
+        committed, _ = self._trainer.commit_step(ok, False, loss)
         if committed:
             self._last["step"] += 1
         return committed
+
+    def _applied(self, params: List[torch.Tensor]) -> None:
+        """The committed step's update is applied to ``params``: its commit
+        record (when recording) carries their checksum."""
+        if self._trainer.recording():
+            self._trainer.record_step([(str(i), p.detach()) for i, p in enumerate(params)])
 
     def current_step(self) -> int:
         """Committed steps so far (the same on every member)."""
@@ -590,6 +606,7 @@ class Optimizer(torch.optim.Optimizer):
             raise InvalidArgument("optimizers that take a closure are not supported (as torchft's)")
         if self.manager.should_commit():
             self.optim.step()
+            self.manager._applied([p for g in self.optim.param_groups for p in g["params"]])
         return None
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

@@ -167,6 +167,17 @@ fn job_error(py: Python<'_>, error: PyErr) -> String {
     format!("{kind}: {}", error.value(py))
 }
 
+/// Named tensors' memory, visited as parameters (for their checksum).
+struct Tensors(Vec<(String, TensorMemory)>);
+
+impl Parameters for Tensors {
+    fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
+        for (name, memory) in &mut self.0 {
+            visit(name, memory);
+        }
+    }
+}
+
 impl Parameters for TorchJob {
     fn visit_parameters(&mut self, visit: &mut dyn FnMut(&str, &mut dyn ParamBuffer)) {
         for (name, memory) in &mut self.params {
@@ -531,6 +542,29 @@ impl Trainer {
         py.detach(|| rt.block_on(stepper.commit(group, ok, fatal, loss))).map_err(|e| {
             Failure::new(Class::GroupAborted, format!("training stopped: {}", chorus::error_report(&e))).to_err(py)
         })
+    }
+
+    /// Whether committed steps are recorded (`CHORUS_TRAIN_RECORD`, for
+    /// `chorus chaos`): `record_step` then wants the parameters.
+    fn recording(&self) -> bool {
+        self.stepper.as_ref().is_some_and(Stepper::recording)
+    }
+
+    /// Writes the commit record of the step committed last, its update
+    /// applied: `params` are the named parameters (any dtype), whose bytes'
+    /// checksum the record carries. Does nothing when not recording.
+    fn record_step(&mut self, params: Named<'_>) -> PyResult<()> {
+        let Some(stepper) = self.stepper.as_mut().filter(|s| s.recording()) else {
+            return Ok(());
+        };
+        let mut tensors = Tensors(
+            params
+                .into_iter()
+                .map(|(name, t)| TensorMemory::raw(&t, &name).map(|m| (name, m)))
+                .collect::<PyResult<_>>()?,
+        );
+        stepper.record(Some(chorus::train::checksum(&mut tensors)));
+        Ok(())
     }
 
     /// After a step that failed with its generation: waits for the next

@@ -31,7 +31,7 @@ pub mod trainer;
 pub mod transfer;
 pub mod transfer_plan;
 
-pub use record::{CommitRecord, RECORD_ENV};
+pub use record::{CommitRecord, RECORD_ENV, checksum};
 pub use stepper::{Begin, Begun, Stepper, StepperOptions};
 pub use state::{InPlace, NamedState, StateEntry, TrainState, entries, for_each_entry};
 pub use trainer::{Committed, Job, Mode, Recovery, Step, TrainError, TrainOptions, TrainReport, train};

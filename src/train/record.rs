@@ -1,11 +1,14 @@
 //! Commit records, opt-in: with `CHORUS_TRAIN_RECORD=DIR` in its
-//! environment, every process running [`train`](super::train) appends one
-//! JSON line per committed step to `DIR/<pid>.jsonl` ([`CommitRecord`]),
-//! written as the step commits, so a process killed a moment later has
-//! already left its record. `chorus chaos` reads them to check a run
-//! (one sequence of generations, equal parameters on every member, every
-//! step applied once); any program training through [`train`](super::train)
-//! gets them without a change.
+//! environment, every process running [`train`](super::train) or a
+//! [`Stepper`](super::Stepper) appends one JSON line per committed step to
+//! `DIR/<pid>.jsonl` ([`CommitRecord`]), written as the step commits (a
+//! stepper's once its caller applied the update, see
+//! [`Stepper::record`](super::Stepper::record)), so a process killed a
+//! moment later has already left its record. `chorus chaos` reads them to
+//! check a run (one sequence of generations, equal parameters on every
+//! member, every step applied once); any program training through
+//! [`train`](super::train) gets them without a change, and a Python job's
+//! `chorus.torch.Manager` writes them too.
 //!
 //! Recording never fails training: a directory that cannot be written is
 //! reported once in the log, and the run goes on unrecorded.
@@ -33,8 +36,10 @@ pub struct CommitRecord {
     pub world_size: usize,
     /// The committed step (from 0).
     pub step: u64,
-    /// Mean loss over the step's global batch.
-    pub loss: f64,
+    /// Mean loss over the step's global batch; `None` when the program
+    /// did not report one (a Python loop that never called
+    /// `Manager.report_loss`).
+    pub loss: Option<f64>,
     /// xxh3 of the parameters' bytes after the update, in visit order;
     /// `None` in the local modes, where members' parameters differ between
     /// outer syncs.
@@ -92,8 +97,9 @@ impl Recorder {
     }
 }
 
-/// xxh3 of the parameters' bytes, in visit order (every dtype as stored).
-pub(crate) fn checksum(params: &mut dyn Parameters) -> u64 {
+/// xxh3 of the parameters' bytes, in visit order (every dtype as stored):
+/// what a [`CommitRecord`]'s `checksum` holds.
+pub fn checksum(params: &mut dyn Parameters) -> u64 {
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     let mut scratch = Vec::new();
     params.visit_parameters(&mut |_, buffer| match buffer.as_bytes() {
@@ -129,7 +135,7 @@ mod tests {
             rank: 1,
             world_size: 3,
             step: 7,
-            loss: 0.5,
+            loss: Some(0.5),
             checksum: Some(u64::MAX),
             applied: 5,
             adopted: 3,
@@ -138,6 +144,7 @@ mod tests {
         recorder.write(&record);
         record.step = 8;
         record.checksum = None;
+        record.loss = None;
         recorder.write(&record);
         let text = std::fs::read_to_string(dir.join(format!("{}.jsonl", std::process::id()))).unwrap();
         let back: Vec<CommitRecord> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();

@@ -10,11 +10,16 @@
 //! is discarded by every member; none rolls back. At the very first
 //! formation every member takes rank 0's state, as DDP's construction
 //! broadcasts it, so replicas start equal however they were built.
+//!
+//! With `CHORUS_TRAIN_RECORD` set, each committed step leaves a commit
+//! record once the caller applied its update ([`Stepper::record`]), as
+//! [`train`](super::train) leaves one, so `chorus chaos` can judge the job.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::live::Live;
+use super::record::{self, CommitRecord, Recorder};
 use super::state::TrainState;
 use super::trainer::{
     Committed, Full, Outcome, Outer, Pending, Progress, TrainError, TrainReport, decide, vote, wait_next,
@@ -82,6 +87,10 @@ pub struct Stepper {
     rejections: u32,
     /// This process's progress in the job's store, for a dashboard.
     live: Option<Live>,
+    /// Where commit records go (`CHORUS_TRAIN_RECORD`), if anywhere.
+    recorder: Option<Recorder>,
+    /// The last committed step's record, until its update is applied.
+    unrecorded: Option<CommitRecord>,
 }
 
 impl Stepper {
@@ -101,6 +110,26 @@ impl Stepper {
             report: TrainReport::default(),
             rejections: 0,
             live: Live::start(group),
+            recorder: Recorder::from_env(),
+            unrecorded: None,
+        }
+    }
+
+    /// Whether committed steps are recorded (`CHORUS_TRAIN_RECORD` is set):
+    /// the caller then passes [`record`](Self::record) a checksum.
+    pub fn recording(&self) -> bool {
+        self.recorder.is_some()
+    }
+
+    /// Writes the record of the step committed last, once the caller
+    /// applied its update: `checksum` is [`checksum`](super::checksum) of
+    /// the parameters after it (`None` where members' parameters may
+    /// differ). Does nothing when not recording or already recorded.
+    pub fn record(&mut self, checksum: Option<u64>) {
+        if let (Some(recorder), Some(mut record)) = (self.recorder.as_mut(), self.unrecorded.take()) {
+            record.checksum = checksum;
+            record.at_us = record::unix_us();
+            recorder.write(&record);
         }
     }
 
@@ -240,18 +269,33 @@ impl Stepper {
         let summed = votes.map_or(0.0, |v| v[2]);
         match decide(&pg, self.progress.step, votes)? {
             Outcome::Committed { admit } => {
+                let mean_loss = summed / pg.world_size() as f64;
                 if let Some(live) = &self.live {
                     let committed = Committed {
                         step: self.progress.step,
-                        loss: summed / pg.world_size() as f64,
+                        loss: mean_loss,
                         world_size: pg.world_size(),
                         generation: pg.generation(),
                     };
                     live.committed(&committed, pg.rank());
                 }
                 self.rejections = 0;
-                self.progress.step += 1;
                 self.report.applied += 1;
+                if self.recorder.is_some() {
+                    self.unrecorded = Some(CommitRecord {
+                        pid: std::process::id(),
+                        generation: pg.generation(),
+                        rank: pg.rank(),
+                        world_size: pg.world_size(),
+                        step: self.progress.step,
+                        loss: mean_loss.is_finite().then_some(mean_loss),
+                        checksum: None,
+                        applied: self.report.applied,
+                        adopted: self.report.adopted,
+                        at_us: 0,
+                    });
+                }
+                self.progress.step += 1;
                 if let Some(recovery) = self.pending.take().and_then(Pending::finish) {
                     if let Some(live) = &self.live {
                         live.recovered(&recovery);

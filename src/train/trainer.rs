@@ -668,7 +668,7 @@ pub async fn train<J: Job>(
                             rank: step.rank,
                             world_size: step.world_size,
                             step: step.step,
-                            loss: committed.loss,
+                            loss: Some(committed.loss),
                             checksum: (options.mode == Mode::Ddp).then(|| record::checksum(&mut *job)),
                             applied: report.applied,
                             adopted: report.adopted,

@@ -226,7 +226,7 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
     let last = evidence.steps.checked_sub(1);
     let loss_at = |records: &[CommitRecord]| {
         let step = last?;
-        records.iter().find(|r| r.step == step).map(|r| r.loss)
+        records.iter().filter(|r| r.step == step).find_map(|r| r.loss)
     };
     let (final_loss, reference_loss) = (loss_at(records), loss_at(&evidence.reference));
     let (value, problems) = match (final_loss, reference_loss) {
@@ -495,7 +495,7 @@ mod tests {
             rank,
             world_size: world,
             step,
-            loss: 2.0 - step as f64 / 100.0,
+            loss: Some(2.0 - step as f64 / 100.0),
             checksum: Some(step * 1000 + 1),
             applied: step + 1,
             adopted: 0,
@@ -651,7 +651,7 @@ mod tests {
         assert_eq!(failed(&verdict), ["completed", "final loss"]);
 
         let mut records = healthy();
-        records.iter_mut().filter(|r| r.step == 9).for_each(|r| r.loss *= 1.03);
+        records.iter_mut().filter(|r| r.step == 9).for_each(|r| r.loss = r.loss.map(|l| l * 1.03));
         let mut e = evidence(records);
         e.orphans = vec![42];
         e.leaked_shm = vec!["chorus-00-to-1".into()];
