@@ -14,8 +14,8 @@
 //! - `exactly once`: each member's steps strictly increase, and at each
 //!   its applied plus adopted steps equal the step + 1 (none applied twice,
 //!   none skipped).
-//! - `final loss`: the last step's loss within a relative tolerance of the
-//!   reference's at the same step.
+//! - `final loss`: the mean loss of the last steps (a tenth of them, 1 to
+//!   20) within a relative tolerance of the reference's over the same steps.
 //! - `goodput`: committed steps per second, first to last commit, against
 //!   the reference's.
 //! - `recovery`: per fault that made the group re-form before the next
@@ -98,6 +98,12 @@ pub struct RecoveryStats {
     pub max_ms: f64,
 }
 
+/// How many of the last steps the `final loss` check averages: a tenth of
+/// the steps, at least 1 and at most 20.
+pub fn loss_window(steps: u64) -> u64 {
+    (steps / 10).clamp(1, 20)
+}
+
 /// Every check, and the figures behind them.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Verdict {
@@ -109,7 +115,7 @@ pub struct Verdict {
     pub reference_steps_per_second: Option<f64>,
     /// The ratio of the two.
     pub goodput: Option<f64>,
-    /// The last step's loss, chaos run and reference.
+    /// The mean loss of the last [`loss_window`] steps, chaos run.
     pub final_loss: Option<f64>,
     /// The reference's.
     pub reference_loss: Option<f64>,
@@ -223,10 +229,16 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
         repeated,
     ));
 
-    let last = evidence.steps.checked_sub(1);
+    // One step's loss is one batch's: where the global batch follows the
+    // membership (a Python job's sampler), it moves by several percent
+    // from step to step, so the last steps' mean is compared.
+    let window = loss_window(evidence.steps);
     let loss_at = |records: &[CommitRecord]| {
-        let step = last?;
-        records.iter().filter(|r| r.step == step).find_map(|r| r.loss)
+        let first = evidence.steps.checked_sub(window)?;
+        let losses = (first..evidence.steps)
+            .map(|step| records.iter().filter(|r| r.step == step).find_map(|r| r.loss))
+            .collect::<Option<Vec<f64>>>()?;
+        Some(losses.iter().sum::<f64>() / losses.len() as f64)
     };
     let (final_loss, reference_loss) = (loss_at(records), loss_at(&evidence.reference));
     let (value, problems) = match (final_loss, reference_loss) {
@@ -241,7 +253,7 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
         (loss, _) => (
             "-".into(),
             vec![format!(
-                "the last step's loss is missing from the {}",
+                "a loss of the last {window} steps is missing from the {}",
                 if loss.is_none() { "chaos run" } else { "reference" }
             )],
         ),
