@@ -1,4 +1,5 @@
-# chorus launch's fork server (run as `python -c`, see fork_server.rs).
+# chorus launch's fork server (`python - chorus-fork-server`, this program on
+# stdin; see fork_server.rs).
 #
 # It imports what a PyTorch worker imports first (torch, and what a first
 # optimizer step imports), checks that it is still one thread (fork copies

@@ -23,7 +23,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 
 use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
-use tokio::io::{AsyncBufReadExt, BufReader, Interest};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::UnixStream;
 use tokio::net::unix::pipe;
 use tokio::sync::oneshot;
@@ -179,12 +179,12 @@ impl ForkServer {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let theirs = OwnedFd::from(theirs);
         let mut process = tokio::process::Command::new(&command.interpreter);
+        // The program comes on stdin (`-`), so `ps` shows a name, not it.
         process
-            .arg("-c")
-            .arg(include_str!("fork_server.py"))
+            .args(["-", "chorus-fork-server"])
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("CHORUS_FORK_SERVER_FD", SERVER_FD.to_string())
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .process_group(0)
@@ -209,6 +209,12 @@ impl ForkServer {
         }
         let mut child = process.spawn()?;
         drop(theirs);
+        if let Some(mut stdin) = child.stdin.take() {
+            // A few kilobytes into an empty pipe: written at once.
+            tokio::spawn(async move {
+                let _ = stdin.write_all(include_bytes!("fork_server.py")).await;
+            });
+        }
         if let Some(stderr) = child.stderr.take() {
             tokio::spawn(async move {
                 let mut lines = BufReader::new(stderr).lines();
