@@ -43,7 +43,7 @@ use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 
 use crate::elastic::Admission;
-use crate::mesh::{LinkOptions, MeshError, MeshPlan, TransportChoice, checked_faults, parse_shm_budget};
+use crate::mesh::{LinkOptions, MeshError, MeshPlan, SHM_BUDGET, TransportChoice, checked_faults, parse_shm_budget};
 
 /// Why a group could not be formed.
 #[derive(Error)]
@@ -488,7 +488,7 @@ impl InitOptions {
                 .map(|s| JobSecret::new(s.trim().as_bytes()));
         }
         if self.shm_budget.is_none() {
-            self.shm_budget = Some(parse_shm_budget(env(SHM_BUDGET_ENV).as_deref())?);
+            self.shm_budget = parse_shm_budget(env(SHM_BUDGET_ENV).as_deref())?;
         }
         if self.algorithms.is_none() {
             self.algorithms = Some(match env(ALGO_ENV).filter(|v| !v.trim().is_empty()) {
@@ -531,7 +531,7 @@ impl InitOptions {
             transport: self.transport.unwrap_or(TransportChoice::Auto),
             faults: self.faults.clone(),
             secret: self.job_secret.clone(),
-            shm_budget: self.shm_budget,
+            shm_budget: self.shm_budget.unwrap_or(SHM_BUDGET),
         }
     }
 }
@@ -1371,11 +1371,11 @@ mod tests {
         let set = with_vars(InitOptions::default().shm_budget(1 << 30), &[(SHM_BUDGET_ENV, "lots")])
             .expect("the environment's budget is not read when one is set in code");
         assert_eq!(set.shm_budget, Some(1 << 30));
-        assert_eq!(set.link_options().shm_budget, Some(1 << 30));
+        assert_eq!(set.link_options().shm_budget, 1 << 30);
         let from_env = with_vars(InitOptions::default(), &[(SHM_BUDGET_ENV, "2G")]).unwrap();
         assert_eq!(from_env.shm_budget, Some(2 << 30));
         let default = with_vars(InitOptions::default(), &[]).unwrap();
-        assert_eq!(default.shm_budget, Some(parse_shm_budget(None).unwrap()));
+        assert_eq!(default.link_options().shm_budget, SHM_BUDGET);
         let error = with_vars(InitOptions::default(), &[(SHM_BUDGET_ENV, "lots")]).unwrap_err();
         assert!(matches!(error, InitError::Mesh(MeshError::BadShmBudget(_))), "{error}");
         assert!(error.to_string().contains(SHM_BUDGET_ENV), "{error}");

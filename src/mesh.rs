@@ -177,7 +177,7 @@ const SHM_RING: usize = 48 << 20;
 /// local ranks has two rings whose pages are all reserved, so without a
 /// budget a host's rings grow with the square of its ranks (64 ranks took
 /// a 24 GiB host down).
-const SHM_BUDGET: u64 = 12 * SHM_RING as u64;
+pub(crate) const SHM_BUDGET: u64 = 12 * SHM_RING as u64;
 
 /// The smallest ring a budget may give: below it the 1 MiB segments of the
 /// collectives would go in pieces of under 16 KiB, a record (and a copy)
@@ -187,10 +187,11 @@ const SHM_MIN_RING: u64 = 64 << 10;
 /// A `CHORUS_SHM_BUDGET` value (`InitOptions::shm_budget`): bytes of ring
 /// (data; each ring has one more header page) that all ranks sharing a
 /// host's `/dev/shm` may use together, with an optional K, M, G or T suffix
-/// (powers of 1024); unset or blank is the default.
-pub(crate) fn parse_shm_budget(text: Option<&str>) -> Result<u64, MeshError> {
+/// (powers of 1024); unset or blank is `None` (the default,
+/// [`SHM_BUDGET`], applied where the links' options are made).
+pub(crate) fn parse_shm_budget(text: Option<&str>) -> Result<Option<u64>, MeshError> {
     let Some(t) = text.map(str::trim).filter(|t| !t.is_empty()) else {
-        return Ok(SHM_BUDGET);
+        return Ok(None);
     };
     let (digits, shift) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
         Some('K') => (&t[..t.len() - 1], 10),
@@ -204,6 +205,7 @@ pub(crate) fn parse_shm_budget(text: Option<&str>) -> Result<u64, MeshError> {
         .parse::<u64>()
         .ok()
         .and_then(|n| n.checked_mul(1 << shift))
+        .map(Some)
         .ok_or_else(|| MeshError::BadShmBudget(t.to_string()))
 }
 
@@ -250,8 +252,8 @@ pub(crate) struct LinkOptions {
     pub(crate) faults: Option<FaultPlan>,
     /// The key records are signed with.
     pub(crate) secret: Option<JobSecret>,
-    /// The host's shared-memory budget in bytes; `None`: the default.
-    pub(crate) shm_budget: Option<u64>,
+    /// The host's shared-memory budget in bytes.
+    pub(crate) shm_budget: u64,
 }
 
 /// This rank's side of the mesh, made before rendezvous.
@@ -303,7 +305,6 @@ impl MeshPlan {
             shm_budget,
         } = links;
         let faults = checked_faults(faults, world)?;
-        let shm_budget = shm_budget.unwrap_or(SHM_BUDGET);
         if secret.is_none() {
             static WARN: Once = Once::new();
             WARN.call_once(|| {
@@ -589,11 +590,11 @@ mod tests {
 
     #[test]
     fn budgets_parse_with_binary_suffixes() {
-        assert_eq!(parse_shm_budget(None).unwrap(), SHM_BUDGET);
-        assert_eq!(parse_shm_budget(Some(" ")).unwrap(), SHM_BUDGET);
-        assert_eq!(parse_shm_budget(Some("2G")).unwrap(), 2 << 30);
-        assert_eq!(parse_shm_budget(Some("512m")).unwrap(), 512 << 20);
-        assert_eq!(parse_shm_budget(Some("65536")).unwrap(), 65536);
+        assert_eq!(parse_shm_budget(None).unwrap(), None);
+        assert_eq!(parse_shm_budget(Some(" ")).unwrap(), None);
+        assert_eq!(parse_shm_budget(Some("2G")).unwrap(), Some(2 << 30));
+        assert_eq!(parse_shm_budget(Some("512m")).unwrap(), Some(512 << 20));
+        assert_eq!(parse_shm_budget(Some("65536")).unwrap(), Some(65536));
         for bad in ["lots", "-1M", "99999999999T"] {
             assert!(
                 matches!(parse_shm_budget(Some(bad)), Err(MeshError::BadShmBudget(_))),
