@@ -12,18 +12,7 @@ use std::time::Duration;
 use chorus_cli::chaos::{self, Bounds, ChaosOptions, FaultKind, Program};
 
 mod common;
-use common::CHORUS;
-
-/// `examples/train.rs`, built beside the `chorus` binary by `cargo test`.
-fn example() -> PathBuf {
-    let exe = PathBuf::from(CHORUS).with_file_name("examples").join("train");
-    assert!(
-        exe.exists(),
-        "{} missing: `cargo test` builds the examples, `cargo test --test chaos` does not (cargo build --release --example train)",
-        exe.display()
-    );
-    exe
-}
+use common::{CHORUS, example};
 
 /// Runs `options` on a thread, failing the test past `secs`; the report
 /// and what the run said.
@@ -59,7 +48,7 @@ fn netns_a_minute_of_faults_across_three_simulated_hosts_passes_every_check() {
         FaultKind::SlowLink,
     ];
     let options = ChaosOptions {
-        program: Program::Example(example()),
+        program: Program::Example(example("train")),
         chorus: PathBuf::from(CHORUS),
         nodes: 3,
         hosts: true,
@@ -133,7 +122,7 @@ const EVERY: (Duration, Duration) = (Duration::from_secs(8), Duration::from_secs
 #[test]
 fn a_minute_of_faults_on_three_nodes_passes_every_check() {
     let options = ChaosOptions {
-        program: Program::Example(example()),
+        program: Program::Example(example("train")),
         chorus: PathBuf::from(CHORUS),
         nodes: 3,
         hosts: false,

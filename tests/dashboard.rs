@@ -18,7 +18,7 @@ use chorus_cli::dashboard::{self, Dashboard, DashboardOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
-use common::{CHORUS, within};
+use common::{example, within};
 
 const SECRET: &str = "dashboard-test-secret";
 
@@ -169,17 +169,6 @@ async fn bad_fault_requests_get_a_clear_4xx_and_change_nothing() {
     .await;
 }
 
-/// `examples/train.rs`, built beside the `chorus` binary by `cargo test`.
-fn example() -> PathBuf {
-    let exe = PathBuf::from(CHORUS).with_file_name("examples").join("train");
-    assert!(
-        exe.exists(),
-        "{} missing: `cargo test` builds the examples, `cargo test --test dashboard` does not (cargo build --release --example train)",
-        exe.display()
-    );
-    exe
-}
-
 /// Debian's `chromium`, or a failure saying how to get it.
 fn chromium() -> PathBuf {
     ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
@@ -238,7 +227,7 @@ fn run_chromium(args: &[String], url: &str, secs: u64) -> String {
 async fn browser_dashboard_shows_a_kill_injected_from_the_page() {
     let chromium_path = chromium();
     let started = Instant::now();
-    let mut child = Command::new(example())
+    let mut child = Command::new(example("train"))
         .args(["--dashboard", "127.0.0.1:0", "--dashboard-faults", "--world", "3", "--steps", "400000"])
         .args(["--fault", "none", "--no-reference", "--hidden", "32", "--batch", "48", "--heartbeat-ms", "1000"])
         .arg("--plot")

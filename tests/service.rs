@@ -4,23 +4,11 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{CHORUS, Stop, free_port, spawn_piped};
-
-/// `examples/service.rs`, built beside the `chorus` binary by `cargo test`.
-fn example() -> PathBuf {
-    let exe = PathBuf::from(CHORUS).with_file_name("examples").join("service");
-    assert!(
-        exe.exists(),
-        "{} missing: `cargo test` builds the examples, `cargo test --test service` alone may not (cargo build --release --example service)",
-        exe.display()
-    );
-    exe
-}
+use common::{Stop, example, free_port, spawn_piped};
 
 /// One plain HTTP GET of `/metrics`; `None` while nothing answers.
 fn scrape(port: u16) -> Option<String> {
@@ -59,7 +47,7 @@ impl Drop for Service {
 #[test]
 fn the_example_service_exports_metrics_that_move_and_stops_on_sigterm() {
     let port = free_port();
-    let mut command = Command::new(example());
+    let mut command = Command::new(example("service"));
     command.args(["--port", &port.to_string(), "--replicas", "3", "--period-ms", "20"]);
     let mut service = Service(Some(spawn_piped(&mut command, "examples/service")));
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -16,13 +16,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use common::cluster::{self, Cluster};
 use common::etcd::Etcd;
-use common::{CHORUS, LAUNCHER, joined};
+use common::{CHORUS, LAUNCHER, example, joined};
 
 /// The workers' heartbeat window (`CHORUS_HEARTBEAT_TIMEOUT`), in seconds.
 const HEARTBEAT_S: u64 = 3;
@@ -225,17 +225,6 @@ fn netns_spof1_the_c10d_store_hosts_death_ends_every_other_launcher_and_rank_nam
     }
 }
 
-/// `examples/train.rs`, built beside the `chorus` binary by `cargo test`.
-fn example() -> PathBuf {
-    let exe = PathBuf::from(CHORUS).with_file_name("examples").join("train");
-    assert!(
-        exe.exists(),
-        "{} missing: `cargo test` builds the examples, `cargo test --test spof` does not (cargo build --release --example train)",
-        exe.display()
-    );
-    exe
-}
-
 /// Committed steps of the training runs: long enough to kill a host in
 /// the middle, short enough for the test's time.
 const STEPS: u64 = 800;
@@ -244,7 +233,7 @@ const STEPS: u64 = 800;
 /// fault) through the example's own launcher on this machine.
 fn reference_loss() -> f64 {
     let plot = std::env::temp_dir().join(format!("chorus-spof-{}.png", std::process::id()));
-    let mut command = Command::new(example());
+    let mut command = Command::new(example("train"));
     command
         .args([
             "--fault",
@@ -297,7 +286,7 @@ fn start_training(cluster: &Cluster, etcd: &[Etcd], run_id: &str) -> (Launchers,
                 "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
             ])
             .arg("--")
-            .arg(example())
+            .arg(example("train"))
             .arg("--run-dir")
             .arg(run_dir.path())
             .args(["--fault", "none", "--world", "3", "--steps", &STEPS.to_string()])

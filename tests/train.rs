@@ -3,7 +3,6 @@
 //! on 4 processes under `chorus launch --restart-policy worker`) against
 //! its fault-free run and across modes.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +16,7 @@ use chorus::{ReduceOp, Tensor};
 use chorus::{Admission, ElasticGroup, InitOptions};
 
 mod common;
-use common::{CHORUS, LAUNCHER, elastic_options as options, text, within};
+use common::{LAUNCHER, elastic_options as options, example, text, within};
 
 const STEPS: u64 = 400;
 
@@ -404,17 +403,6 @@ async fn members_with_different_state_are_refused_at_the_first_step() {
     }
 }
 
-/// `examples/train.rs`, built beside the `chorus` binary by `cargo test`.
-fn example() -> PathBuf {
-    let exe = PathBuf::from(CHORUS).with_file_name("examples").join("train");
-    assert!(
-        exe.exists(),
-        "{} missing: `cargo test` builds the examples, `cargo test --test train` does not (cargo build --release --example train)",
-        exe.display()
-    );
-    exe
-}
-
 /// Runs the example with `args` and `--json`; its last line, parsed.
 fn run_example(args: &[&str], secs: u64) -> serde_json::Value {
     run_example_with_stderr(args, secs).0
@@ -424,7 +412,7 @@ fn run_example(args: &[&str], secs: u64) -> serde_json::Value {
 /// what it printed on stderr.
 fn run_example_with_stderr(args: &[&str], secs: u64) -> (serde_json::Value, String) {
     let plot = std::env::temp_dir().join(format!("chorus-train-test-{}.png", std::process::id()));
-    let mut command = Command::new(example());
+    let mut command = Command::new(example("train"));
     command
         .args(args)
         .args(["--json", "--plot"])
@@ -476,7 +464,7 @@ fn bad_flags_fail_at_once_with_one_line_each() {
             "--world 100000 needs about",
         ),
     ] {
-        let mut command = Command::new(example());
+        let mut command = Command::new(example("train"));
         // (A backtrace asked for would be more lines.)
         command
             .args(args)

@@ -21,6 +21,19 @@ pub(crate) mod netem;
 /// The `chorus` binary under test.
 pub(crate) const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
 
+/// The example `name` (`examples/<name>.rs`), which `cargo test` builds
+/// beside the `chorus` binary; a single `--test` may not, and the failure
+/// says how to build it.
+pub(crate) fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::path::PathBuf::from(CHORUS).with_file_name("examples").join(name);
+    assert!(
+        exe.exists(),
+        "{} missing: `cargo test` builds the examples, a single `--test` may not (cargo build --release --example {name})",
+        exe.display()
+    );
+    exe
+}
+
 /// Options for rank `rank` of an in-process elastic group meeting on
 /// `store`: a 1 s heartbeat window, aborts on failure, a 200 ms last call.
 pub(crate) fn elastic_options(
