@@ -1053,11 +1053,8 @@ async fn dashboard(
         run_id,
     };
     let dashboard = chorus_cli::dashboard::start(client, &options).await?;
-    if !dashboard.addr.ip().is_loopback() {
-        eprintln!(
-            "chorus dashboard: warning: listening on {}, beyond loopback: anyone who reaches it can watch the job",
-            dashboard.addr
-        );
+    if let Some(warning) = dashboard.exposure_warning() {
+        eprintln!("chorus dashboard: {warning}");
     }
     println!("chorus dashboard: {} (store {store})", dashboard.url());
     tokio::select! {

@@ -20,7 +20,8 @@
 //! - this file: binding and serving in a task of its own ([`start`]).
 //!
 //! # Security
-//! It binds to loopback unless told otherwise and warns when it does not;
+//! It binds to loopback unless told otherwise, and its callers warn when it
+//! does not ([`Dashboard::exposure_warning`]);
 //! anyone who reaches it can watch the job. Faults are off unless asked
 //! for, and then need the job secret with each request.
 
@@ -79,6 +80,17 @@ impl Dashboard {
         format!("http://{}/", self.addr)
     }
 
+    /// The warning to print when it listens beyond loopback, where anyone
+    /// who reaches it can watch the job.
+    pub fn exposure_warning(&self) -> Option<String> {
+        (!self.addr.ip().is_loopback()).then(|| {
+            format!(
+                "warning: the dashboard listens on {}, beyond loopback: anyone who reaches it can watch the job",
+                self.addr
+            )
+        })
+    }
+
     /// Serves until the process ends or the server fails (logged).
     pub async fn wait(mut self) {
         let _ = (&mut self.task).await;
@@ -110,9 +122,6 @@ pub async fn start(store: Arc<dyn Store>, options: &DashboardOptions) -> Result<
     let addr = listener
         .local_addr()
         .map_err(|source| DashboardError::Bind { addr: wanted, source })?;
-    if !addr.ip().is_loopback() {
-        tracing::warn!(target: "chorus::dashboard", %addr, "the dashboard listens beyond loopback: anyone who reaches it can watch the job");
-    }
     let shared = Arc::new(server::Shared {
         source: source::StoreSource::new(store, options.run_id.clone()),
         secret: options.secret.as_bytes().to_vec(),

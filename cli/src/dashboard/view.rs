@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use chorus::train::live::{FaultKind, FaultLogEntry, LiveRecord};
+use chorus::train::live::{FaultKind, FaultLogEntry, LiveAbort, LiveRecord};
 use serde::Serialize;
 
 /// A record not rewritten for this long belongs to a process that stopped
@@ -194,21 +194,6 @@ pub struct FailureMark {
     pub what: String,
 }
 
-/// What a member's supervision found when its group aborted.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Finding {
-    /// The generation that aborted.
-    pub generation: u64,
-    /// The rank that reported it.
-    pub rank: usize,
-    /// Why.
-    pub reason: String,
-    /// Whom it took for failed.
-    pub failed_ranks: Vec<usize>,
-    /// When.
-    pub at_us: i64,
-}
-
 /// The page's data.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobView {
@@ -228,8 +213,9 @@ pub struct JobView {
     pub step_rate: Option<f64>,
     /// Failures on the step chart.
     pub failures: Vec<FailureMark>,
-    /// The newest abort finding of each generation, newest first.
-    pub findings: Vec<Finding>,
+    /// Each generation's first abort report (the one closest to the
+    /// cause: later ones follow it), newest generation first.
+    pub findings: Vec<LiveAbort>,
     /// Faults asked for, oldest first.
     pub faults: Vec<FaultLogEntry>,
 }
@@ -348,25 +334,16 @@ pub fn build(observed: &Observed) -> JobView {
     }
     failures.sort_by_key(|f| f.step);
 
-    let mut newest_abort: BTreeMap<u64, Finding> = BTreeMap::new();
-    for record in &observed.records {
-        if let Some(a) = &record.abort {
-            let finding = Finding {
-                generation: a.generation,
-                rank: a.rank,
-                reason: a.reason.clone(),
-                failed_ranks: a.failed_ranks.clone(),
-                at_us: a.at_us,
-            };
-            newest_abort
-                .entry(a.generation)
-                .and_modify(|f| {
-                    if finding.at_us < f.at_us {
-                        *f = finding.clone();
-                    }
-                })
-                .or_insert(finding);
-        }
+    let mut first_abort: BTreeMap<u64, LiveAbort> = BTreeMap::new();
+    for abort in observed.records.iter().filter_map(|r| r.abort.as_ref()) {
+        first_abort
+            .entry(abort.generation)
+            .and_modify(|f| {
+                if abort.at_us < f.at_us {
+                    *f = abort.clone();
+                }
+            })
+            .or_insert_with(|| abort.clone());
     }
     JobView {
         run_id: observed.run_id.clone(),
@@ -377,7 +354,7 @@ pub fn build(observed: &Observed) -> JobView {
         steps,
         step_rate,
         failures,
-        findings: newest_abort.into_values().rev().collect(),
+        findings: first_abort.into_values().rev().collect(),
         faults: observed.faults.clone(),
     }
 }

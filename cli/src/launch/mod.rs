@@ -510,11 +510,8 @@ async fn launch(mut config: LaunchConfig) -> Result<i32, LaunchError> {
                 run_id: Some(keys_run_id.clone()),
             };
             let dashboard = crate::dashboard::start(store.store.clone(), &options).await?;
-            if !dashboard.addr.ip().is_loopback() {
-                say(format!(
-                    "warning: the dashboard listens on {}, beyond loopback: anyone who reaches it can watch the job",
-                    dashboard.addr
-                ));
+            if let Some(warning) = dashboard.exposure_warning() {
+                say(warning);
             }
             let faults = match config.dashboard_faults {
                 true => "faults on, with the job secret",
