@@ -27,6 +27,7 @@ use candle_core::{D, DType as CDType, Device, Tensor as CTensor, Var};
 use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
 use chorus::train::{self, InPlace, Job, Mode, NamedState, Step, TrainOptions, TrainState};
 use chorus::{ElasticGroup, InitOptions};
+use chorus_cli::process;
 use clap::{Parser, ValueEnum};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -648,13 +649,11 @@ fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path, rank: usize, step:
     match fault {
         Fault::None => {}
         Fault::Kill => {
-            // SAFETY: kill only sends a signal, to this process.
-            unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
+            process::signal_self(libc::SIGKILL);
         }
         Fault::Freeze => {
             let _ = std::fs::write(run_dir.join("frozen"), format!("{} {rank}", std::process::id()));
-            // SAFETY: kill only sends a signal, to this process.
-            unsafe { libc::kill(std::process::id() as i32, libc::SIGSTOP) };
+            process::signal_self(libc::SIGSTOP);
         }
         Fault::Partition => {
             let pg = group.current();
@@ -852,8 +851,7 @@ fn fault_loop(run_dir: PathBuf, world: usize, every: f64, done: Arc<AtomicBool>)
         if let Some(pid) = pid {
             let at = started.elapsed().as_secs_f64();
             record_failure(&run_dir, &format!("kill of rank {next} at {at:.1} s"));
-            // SAFETY: kill only sends a signal, to a worker of this run.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            process::signal(pid, libc::SIGKILL);
         }
         next = next % (world - 1) + 1;
     }
@@ -889,8 +887,7 @@ fn thaw_loop(run_dir: PathBuf, after: Duration, done: Arc<AtomicBool>) {
             "train: killing the frozen rank {rank} (pid {pid}) {:.1} s after it froze ({why}), for the launcher to relaunch it",
             froze.elapsed().as_secs_f64()
         ));
-        // SAFETY: kill only sends a signal, to the worker that froze itself.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        process::signal(pid, libc::SIGKILL);
         return;
     }
 }

@@ -559,7 +559,10 @@ fn budget_from(options: &InitOptions) -> Result<RestartBudget, RestartError> {
 impl RestartError {
     /// Whether the job finished before this process could join it.
     pub fn job_finished(&self) -> bool {
-        matches!(self, RestartError::Rendezvous(elastic_rdzv::ElasticError::Finished { .. }))
+        matches!(
+            self,
+            RestartError::Rendezvous(elastic_rdzv::ElasticError::Finished { .. })
+        )
     }
 }
 

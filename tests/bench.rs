@@ -4,6 +4,7 @@
 
 use std::process::{Command, Stdio};
 
+use chorus_cli::process;
 use serde_json::Value;
 
 mod common;
@@ -379,8 +380,7 @@ fn a_rank_stopped_mid_run_ends_the_bench_naming_it() {
     };
     let frozen = ranks[1];
     let frozen_rank = rank_of(frozen);
-    // SAFETY: kill only sends a signal, to a rank process of the bench this test started.
-    unsafe { libc::kill(frozen, libc::SIGSTOP) };
+    process::signal(frozen, libc::SIGSTOP);
     let stopped = Instant::now();
     let output = common::finish(child, 60, "chorus bench with a stopped rank", Stop::Kill);
     let took = stopped.elapsed();
@@ -392,7 +392,6 @@ fn a_rank_stopped_mid_run_ends_the_bench_naming_it() {
         "the bench ended {took:?} after the stop: {stderr}"
     );
     assert!(stderr.contains(&format!("rank {frozen_rank}: no answer")), "{stderr}");
-    // SAFETY: signal 0 only checks that the process exists.
-    let alive = unsafe { libc::kill(frozen, 0) } == 0;
+    let alive = process::exists(frozen);
     assert!(!alive, "the stopped rank {frozen} was left behind");
 }

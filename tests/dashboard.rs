@@ -15,6 +15,7 @@ use chorus::rendezvous::elastic::Joiner;
 use chorus::store::{HashStore, Store};
 use chorus::train::live::{self, LiveRecord, secret_tag};
 use chorus_cli::dashboard::{self, Dashboard, DashboardOptions};
+use chorus_cli::process;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
@@ -23,9 +24,20 @@ use common::{example, within};
 const SECRET: &str = "dashboard-test-secret";
 
 /// One HTTP/1.1 request; the status and the body.
-async fn http(addr: std::net::SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("the dashboard accepts");
-    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+async fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("the dashboard accepts");
+    let mut request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
     for (name, value) in headers {
         request.push_str(&format!("{name}: {value}\r\n"));
     }
@@ -36,7 +48,9 @@ async fn http(addr: std::net::SocketAddr, method: &str, path: &str, headers: &[(
     stream.read_to_end(&mut response).await.unwrap();
     let response = String::from_utf8_lossy(&response).into_owned();
     let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string());
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_string());
     (status, body)
 }
 
@@ -62,7 +76,10 @@ async fn made_up_job() -> Arc<dyn Store> {
             failed: Vec::new(),
         };
         store
-            .set(&format!("{elastic}/joiner/{i}"), &chorus_runtime::codec::encode(&joiner))
+            .set(
+                &format!("{elastic}/joiner/{i}"),
+                &chorus_runtime::codec::encode(&joiner),
+            )
             .await
             .unwrap();
         let record = LiveRecord {
@@ -113,7 +130,10 @@ async fn the_page_and_the_job_json_show_the_members_and_generations() {
         assert_eq!(job["generations"][0]["world_size"], 2);
         let (status, page) = http(dash.addr, "GET", "/", &[], "").await;
         assert_eq!(status, 200);
-        assert!(page.contains("<table id=members>") && page.contains("<td>g0<td>2<td>first"), "{page}");
+        assert!(
+            page.contains("<table id=members>") && page.contains("<td>g0<td>2<td>first"),
+            "{page}"
+        );
         assert!(!page.contains("<form"), "no fault form without --dashboard-faults");
         let (status, _) = http(dash.addr, "GET", "/nothing-here", &[], "").await;
         assert_eq!(status, 404);
@@ -135,12 +155,37 @@ async fn bad_fault_requests_get_a_clear_4xx_and_change_nothing() {
         let cases: [Case; 8] = [
             (&[FORM], "rank=1&kind=kill&secret=wrong".into(), 403, "wrong job secret"),
             (&[FORM], "rank=1&kind=kill".into(), 401, "secret is required"),
-            (&[FORM], format!("rank=7&kind=kill&secret={SECRET}"), 404, "no rank 7 in generation 0"),
-            (&[FORM], format!("rank=one&kind=kill&secret={SECRET}"), 400, "rank must be a number"),
-            (&[FORM], format!("rank=1&kind=explode&secret={SECRET}"), 400, "kind must be one of"),
+            (
+                &[FORM],
+                format!("rank=7&kind=kill&secret={SECRET}"),
+                404,
+                "no rank 7 in generation 0",
+            ),
+            (
+                &[FORM],
+                format!("rank=one&kind=kill&secret={SECRET}"),
+                400,
+                "rank must be a number",
+            ),
+            (
+                &[FORM],
+                format!("rank=1&kind=explode&secret={SECRET}"),
+                400,
+                "kind must be one of",
+            ),
             (&[FORM], "%%%&&&==".into(), 401, "secret is required"),
-            (&[("Content-Type", "application/json")], "{\"rank\":1}".into(), 415, "x-www-form-urlencoded"),
-            (&[FORM, ("X-Chorus-Secret", "wrong")], "rank=1&kind=kill".into(), 403, "wrong job secret"),
+            (
+                &[("Content-Type", "application/json")],
+                "{\"rank\":1}".into(),
+                415,
+                "x-www-form-urlencoded",
+            ),
+            (
+                &[FORM, ("X-Chorus-Secret", "wrong")],
+                "rank=1&kind=kill".into(),
+                403,
+                "wrong job secret",
+            ),
         ];
         for (headers, body, want, says) in cases {
             let (status, answer) = http(on.addr, "POST", "/api/fault", headers, &body).await;
@@ -150,7 +195,10 @@ async fn bad_fault_requests_get_a_clear_4xx_and_change_nothing() {
         let (status, _) = http(on.addr, "GET", "/api/fault", &[], "").await;
         assert_eq!(status, 405);
         for slot in 0..2 {
-            assert!(!store.check(&[&live::fault_key("r", slot)]).await.unwrap(), "nothing was asked of slot {slot}");
+            assert!(
+                !store.check(&[&live::fault_key("r", slot)]).await.unwrap(),
+                "nothing was asked of slot {slot}"
+            );
         }
         assert_eq!(store.add(&live::fault_log_count_key("r"), 0).await.unwrap(), 0);
 
@@ -183,8 +231,7 @@ struct Job(Child);
 
 impl Drop for Job {
     fn drop(&mut self) {
-        // SAFETY: kill(2) sends a signal to the child this test started.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        process::signal(self.0.id(), libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline && matches!(self.0.try_wait(), Ok(None)) {
             std::thread::sleep(Duration::from_millis(100));
@@ -228,8 +275,26 @@ async fn browser_dashboard_shows_a_kill_injected_from_the_page() {
     let chromium_path = chromium();
     let started = Instant::now();
     let mut child = Command::new(example("train"))
-        .args(["--dashboard", "127.0.0.1:0", "--dashboard-faults", "--world", "3", "--steps", "400000"])
-        .args(["--fault", "none", "--no-reference", "--hidden", "32", "--batch", "48", "--heartbeat-ms", "1000"])
+        .args([
+            "--dashboard",
+            "127.0.0.1:0",
+            "--dashboard-faults",
+            "--world",
+            "3",
+            "--steps",
+            "400000",
+        ])
+        .args([
+            "--fault",
+            "none",
+            "--no-reference",
+            "--hidden",
+            "32",
+            "--batch",
+            "48",
+            "--heartbeat-ms",
+            "1000",
+        ])
         .arg("--plot")
         .arg(std::env::temp_dir().join(format!("chorus-dashboard-test-{}.png", std::process::id())))
         .env("CHORUS_JOB_SECRET", SECRET)
@@ -249,7 +314,9 @@ async fn browser_dashboard_shows_a_kill_injected_from_the_page() {
             }
         }
     });
-    let url = rx.recv_timeout(Duration::from_secs(20)).expect("the launcher printed the dashboard's URL within 20 s");
+    let url = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the launcher printed the dashboard's URL within 20 s");
     let addr: std::net::SocketAddr = url.trim_start_matches("http://").trim_end_matches('/').parse().unwrap();
 
     // Waits until `/api/job` satisfies `done`, or fails saying `what`.
@@ -269,7 +336,9 @@ async fn browser_dashboard_shows_a_kill_injected_from_the_page() {
         .await
     };
     wait_for("three ranks training with committed steps", 30, |job| {
-        job["members"].as_array().is_some_and(|m| m.iter().filter(|m| m["state"] == "training").count() == 3)
+        job["members"]
+            .as_array()
+            .is_some_and(|m| m.iter().filter(|m| m["state"] == "training").count() == 3)
             && job["steps"].as_array().is_some_and(|s| s.len() > 3)
     })
     .await;
@@ -287,7 +356,10 @@ async fn browser_dashboard_shows_a_kill_injected_from_the_page() {
     let job = wait_for("the kill to show as a recovery on the timeline", 30, |job| {
         job["generations"].as_array().is_some_and(|gs| {
             gs.iter().any(|g| {
-                g["recovery"].is_object() && g["changes"].as_array().is_some_and(|c| c.iter().any(|c| c["cause"] == "killed"))
+                g["recovery"].is_object()
+                    && g["changes"]
+                        .as_array()
+                        .is_some_and(|c| c.iter().any(|c| c["cause"] == "killed"))
             })
         })
     })
@@ -296,22 +368,34 @@ async fn browser_dashboard_shows_a_kill_injected_from_the_page() {
 
     // The page as the browser renders it: the recovery's bar and cause.
     let dom = run_chromium(&["--dump-dom".into()], &url, 30);
-    assert!(dom.contains("class=\"recovery\"") && dom.contains("killed"), "the page shows no recovery: {dom}");
+    assert!(
+        dom.contains("class=\"recovery\"") && dom.contains("killed"),
+        "the page shows no recovery: {dom}"
+    );
 
     let shot = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/dashboard.png");
     let _ = std::fs::remove_file(&shot);
     run_chromium(
-        &[format!("--screenshot={}", shot.display()), "--window-size=1100,1000".into()],
+        &[
+            format!("--screenshot={}", shot.display()),
+            "--window-size=1100,1000".into(),
+        ],
         &url,
         30,
     );
-    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&shot).expect("a screenshot")));
+    let decoder = png::Decoder::new(std::io::BufReader::new(
+        std::fs::File::open(&shot).expect("a screenshot"),
+    ));
     let mut reader = decoder.read_info().expect("the screenshot is a PNG");
     let mut pixels = vec![0; reader.output_buffer_size()];
     let info = reader.next_frame(&mut pixels).unwrap();
     let channels = info.color_type.samples();
     let colours: std::collections::HashSet<&[u8]> = pixels[..info.buffer_size()].chunks(channels).collect();
-    assert!(colours.len() > 16, "the screenshot looks blank: {} colours", colours.len());
+    assert!(
+        colours.len() > 16,
+        "the screenshot looks blank: {} colours",
+        colours.len()
+    );
     println!(
         "browser test: {} ({}x{}, {} colours) in {:.1} s with {}",
         shot.display(),

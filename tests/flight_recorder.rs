@@ -7,6 +7,7 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use chorus_cli::process;
 use serde_json::{Value, json};
 
 mod common;
@@ -183,9 +184,11 @@ fn chorus_trace_names_a_sigstopped_rank() {
         SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos() % 300,
     ));
     std::thread::sleep(pause);
-    // SAFETY: SIGSTOP to a child this test started (Drop continues and kills it).
-    let stopped = unsafe { libc::kill(probes.pid(STOPPED), libc::SIGSTOP) };
-    assert_eq!(stopped, 0, "SIGSTOP rank {STOPPED}");
+    // Drop continues and kills it.
+    assert!(
+        process::signal(probes.pid(STOPPED), libc::SIGSTOP),
+        "SIGSTOP rank {STOPPED}"
+    );
     // A survivor prints its error, then whether the next call failed too, then exits.
     let deadline = Instant::now() + Duration::from_secs(60);
     until_event(&mut probes, "next", &SURVIVORS, deadline);

@@ -8,6 +8,7 @@
 //! Every child runs under a deadline: past it, the test kills it and fails
 //! with what it printed. Without python3 the tests skip and say so.
 
+use chorus_cli::process;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -160,8 +161,21 @@ fn a_relaunched_python_worker_is_forked_and_is_the_worker_a_fresh_start_would_be
         );
         // Its own process group, in the launcher's session, as a fresh worker.
         assert_eq!(forked["pgid"], forked["pid"], "{forked}");
-        for same in ["sid", "cwd", "argv", "name", "path0", "stdin", "threads", "affinity", "write_through"] {
-            assert_eq!(fresh[same], forked[same], "{same} differs: fresh {fresh}\nforked {forked}");
+        for same in [
+            "sid",
+            "cwd",
+            "argv",
+            "name",
+            "path0",
+            "stdin",
+            "threads",
+            "affinity",
+            "write_through",
+        ] {
+            assert_eq!(
+                fresh[same], forked[same],
+                "{same} differs: fresh {fresh}\nforked {forked}"
+            );
         }
         assert_eq!(forked["argv"], serde_json::json!(["probe.py", "a", "b"]));
         // The environment is the worker's, exactly: what differs is what a
@@ -179,11 +193,20 @@ fn a_relaunched_python_worker_is_forked_and_is_the_worker_a_fresh_start_would_be
         assert_eq!(fresh_env, forked_env);
         // Its lines reach the console under its rank, on the right stream.
         let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(stdout.contains(&format!("[{rank}]: hello from rank {rank} restart {restart}")), "{all}");
-        assert!(stderr.contains(&format!("[{rank}]: error line of rank {rank} restart {restart}")), "{all}");
+        assert!(
+            stdout.contains(&format!("[{rank}]: hello from rank {rank} restart {restart}")),
+            "{all}"
+        );
+        assert!(
+            stderr.contains(&format!("[{rank}]: error line of rank {rank} restart {restart}")),
+            "{all}"
+        );
     }
     // Two children of one server do not share numpy's random stream.
-    let draws = [job.replacement(0)["numpy_draw"].clone(), job.replacement(1)["numpy_draw"].clone()];
+    let draws = [
+        job.replacement(0)["numpy_draw"].clone(),
+        job.replacement(1)["numpy_draw"].clone(),
+    ];
     if draws[0].is_null() {
         eprintln!("skipped the numpy half: the fork server could not import numpy");
     } else {
@@ -205,7 +228,10 @@ fn a_forked_worker_that_fails_is_reported_with_its_exit_code() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("forked from the fork server"), "{all}");
     assert!(stderr.contains("exited with code 7 in attempt 1"), "{all}");
-    assert!(stderr.contains("error line of rank") && stderr.contains("restart 1"), "{all}");
+    assert!(
+        stderr.contains("error line of rank") && stderr.contains("restart 1"),
+        "{all}"
+    );
 }
 
 #[test]
@@ -233,7 +259,14 @@ fn without_the_fork_server_or_a_python_script_replacements_start_afresh() {
     let mut command = Command::new(CHORUS);
     command
         .current_dir(job.path())
-        .args(["launch", "--restart-policy", "worker", "--max-restarts", "1", "--no-python"])
+        .args([
+            "launch",
+            "--restart-policy",
+            "worker",
+            "--max-restarts",
+            "1",
+            "--no-python",
+        ])
         .arg(&worker)
         .env_remove("CHORUS_JOB_SECRET");
     let output = common::run(&mut command, 60, "chorus launch", LAUNCHER);
@@ -273,9 +306,11 @@ fn a_sigkilled_launcher_takes_its_forked_workers_with_it() {
     launcher.kill().unwrap();
     launcher.wait().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    // SAFETY: signal 0 only checks that the process exists.
-    while unsafe { libc::kill(pid, 0) } == 0 {
-        assert!(Instant::now() < deadline, "forked worker {pid} outlived its launcher by 10 s");
+    while process::exists(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "forked worker {pid} outlived its launcher by 10 s"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }

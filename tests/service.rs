@@ -2,6 +2,7 @@
 //! through a Prometheus exporter; the counters move between two scrapes,
 //! and SIGTERM shuts the service down cleanly.
 
+use chorus_cli::process;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command};
@@ -86,8 +87,7 @@ fn the_example_service_exports_metrics_that_move_and_stops_on_sigterm() {
     );
 
     let child = service.0.take().expect("running");
-    // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    assert!(process::signal(child.id(), libc::SIGTERM));
     let output = common::finish(child, 20, "examples/service after SIGTERM", Stop::Kill);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(

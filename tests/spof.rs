@@ -16,6 +16,7 @@
 
 mod common;
 
+use chorus_cli::process;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
@@ -108,8 +109,7 @@ impl Launchers {
             unreachable!("launchers get a grace period")
         };
         for (_, child) in &self.children {
-            // SAFETY: kill only sends a signal, to a child this test started.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            process::signal(child.id(), libc::SIGTERM);
         }
         std::thread::sleep(grace);
         for (_, child) in &mut self.children {

@@ -12,8 +12,8 @@ use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
 use chorus::train::{
     self, Begin, Job, Mode, NamedState, Step, Stepper, StepperOptions, TrainOptions, TrainReport, TrainState,
 };
-use chorus::{ReduceOp, Tensor};
 use chorus::{Admission, ElasticGroup, InitOptions};
+use chorus::{ReduceOp, Tensor};
 
 mod common;
 use common::{LAUNCHER, elastic_options as options, example, text, within};
@@ -316,13 +316,20 @@ async fn at_a_step_boundary_a_joiner_is_admitted_and_no_step_is_lost() {
     let joined = tokio::spawn(own_loop_to_end(joiner, Counter::new()));
     for member in members {
         let (report, lost, world) = within(40, "a member", member).await.unwrap();
-        assert_eq!((lost, report.rejected), (0, 0), "a step under way was lost to the admission: {report:?}");
+        assert_eq!(
+            (lost, report.rejected),
+            (0, 0),
+            "a step under way was lost to the admission: {report:?}"
+        );
         assert_eq!(world, 4, "the joiner was never admitted");
         assert_eq!(report.applied, STEPS, "{report:?}");
         assert_eq!(report.recoveries.len(), 1, "one membership change: {report:?}");
     }
     let (report, _) = within(40, "the joiner's loop", joined).await.unwrap();
-    assert!(report.adopted >= 30 && report.applied + report.adopted == STEPS, "{report:?}");
+    assert!(
+        report.adopted >= 30 && report.applied + report.adopted == STEPS,
+        "{report:?}"
+    );
 }
 
 /// A loop that stopped stepping still admits a joiner, once the bound passed.
@@ -337,7 +344,9 @@ async fn with_no_step_boundary_a_joiner_is_admitted_after_the_bound() {
     let (a, b) = within(20, "the first generation", async { tokio::join!(a, b) }).await;
     let joiner = within(20, "the joiner's admission", init(options(0))).await;
     assert_eq!((joiner.generation(), joiner.world_size()), (1, 3));
-    within(20, "the others' next generation", a.next_generation(0)).await.unwrap();
+    within(20, "the others' next generation", a.next_generation(0))
+        .await
+        .unwrap();
     assert_eq!(b.world_size(), 3);
 }
 
@@ -399,7 +408,10 @@ async fn members_with_different_state_are_refused_at_the_first_step() {
         .collect();
     for member in members {
         let error = within(30, "a member's join", member).await.unwrap();
-        assert!(error.contains("rank 1 lists different state") && error.contains('y'), "{error}");
+        assert!(
+            error.contains("rank 1 lists different state") && error.contains('y'),
+            "{error}"
+        );
     }
 }
 

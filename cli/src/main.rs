@@ -28,6 +28,7 @@ use anyhow::{Context, Result, bail};
 use chorus::store::{self, Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
 use chorus::{DType, InitOptions, init_process_group};
 use chorus_cli::bench::common::{free_port, torchrun_env};
+use chorus_cli::process;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -864,8 +865,7 @@ async fn elastic_probe(
                         std::process::id(),
                         chorus_cli::bench::recovery::unix_us()
                     );
-                    // SAFETY: kill only sends a signal, to this process.
-                    unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
+                    process::signal_self(libc::SIGKILL);
                 }
                 if done == 20 {
                     println!("probe rank={} gen={} event=running", pg.rank(), pg.generation());

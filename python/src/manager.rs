@@ -383,7 +383,11 @@ impl Trainer {
         }
         let rt = runtime()?;
         let group = py.detach(|| rt.block_on(ElasticGroup::init(options))).map_err(|e| {
-            let class = if e.job_finished() { Class::JobFinished } else { Class::Backend };
+            let class = if e.job_finished() {
+                Class::JobFinished
+            } else {
+                Class::Backend
+            };
             Failure::new(class, format!("joining the job: {}", chorus::error_report(&e))).to_err(py)
         })?;
         Ok(Self {
@@ -474,7 +478,10 @@ impl Trainer {
     /// checked equal on every member (an error names the first entry that
     /// differs). Blocks with the GIL released.
     fn begin_step(&mut self, py: Python<'_>, state: Py<PyAny>) -> PyResult<Py<PyAny>> {
-        let group = self.group.as_ref().ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
+        let group = self
+            .group
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
         let rt = runtime()?;
         let stepper = self.stepper.get_or_insert_with(|| {
             let _runtime = rt.enter();
@@ -482,9 +489,8 @@ impl Trainer {
         });
         let mut job: Option<TorchJob> = None;
         let begun = loop {
-            let outcome = py.detach(|| {
-                rt.block_on(stepper.begin(group, job.as_mut().map(|j| j as &mut dyn TrainState)))
-            });
+            let outcome =
+                py.detach(|| rt.block_on(stepper.begin(group, job.as_mut().map(|j| j as &mut dyn TrainState))));
             match outcome {
                 Ok(Begin::Ready(begun)) => break begun,
                 Ok(Begin::NeedState) => {
@@ -537,11 +543,19 @@ impl Trainer {
             .stepper
             .as_mut()
             .ok_or_else(|| PyValueError::new_err("no step was begun (begin_step first)"))?;
-        let group = self.group.as_ref().ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
+        let group = self
+            .group
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
         let rt = runtime()?;
-        py.detach(|| rt.block_on(stepper.commit(group, ok, fatal, loss))).map_err(|e| {
-            Failure::new(Class::GroupAborted, format!("training stopped: {}", chorus::error_report(&e))).to_err(py)
-        })
+        py.detach(|| rt.block_on(stepper.commit(group, ok, fatal, loss)))
+            .map_err(|e| {
+                Failure::new(
+                    Class::GroupAborted,
+                    format!("training stopped: {}", chorus::error_report(&e)),
+                )
+                .to_err(py)
+            })
     }
 
     /// Whether committed steps are recorded (`CHORUS_TRAIN_RECORD`, for
@@ -571,14 +585,21 @@ impl Trainer {
     /// generation and returns its `(generation, world_size)`, moving no
     /// state (the next `begin_step` joins it). Blocks with the GIL released.
     fn next_generation(&mut self, py: Python<'_>) -> PyResult<(u64, usize)> {
-        let group = self.group.as_ref().ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
+        let group = self
+            .group
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
         let stepper = self
             .stepper
             .as_mut()
             .ok_or_else(|| PyValueError::new_err("no step was begun (begin_step first)"))?;
         let rt = runtime()?;
         let pg = py.detach(|| rt.block_on(stepper.next_generation(group))).map_err(|e| {
-            Failure::new(Class::GroupAborted, format!("training stopped: {}", chorus::error_report(&e))).to_err(py)
+            Failure::new(
+                Class::GroupAborted,
+                format!("training stopped: {}", chorus::error_report(&e)),
+            )
+            .to_err(py)
         })?;
         Ok((pg.generation(), pg.world_size()))
     }

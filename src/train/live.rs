@@ -229,7 +229,15 @@ pub struct FaultRequest {
 
 impl FaultRequest {
     /// A request signed with `secret`.
-    pub fn signed(secret: &JobSecret, run_id: &str, slot: u64, seq: u64, pid: u32, kind: FaultKind, who: String) -> Self {
+    pub fn signed(
+        secret: &JobSecret,
+        run_id: &str,
+        slot: u64,
+        seq: u64,
+        pid: u32,
+        kind: FaultKind,
+        who: String,
+    ) -> Self {
         let tag = hex(&secret.sign(Self::message(run_id, slot, seq, pid, kind).as_bytes()));
         Self {
             seq,
@@ -326,7 +334,9 @@ pub(crate) struct Live {
 
 impl std::fmt::Debug for Live {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Live").field("record", &*self.record.borrow()).finish_non_exhaustive()
+        f.debug_struct("Live")
+            .field("record", &*self.record.borrow())
+            .finish_non_exhaustive()
     }
 }
 

@@ -32,7 +32,7 @@ pub mod transfer;
 pub mod transfer_plan;
 
 pub use record::{CommitRecord, RECORD_ENV, checksum};
-pub use stepper::{Begin, Begun, Stepper, StepperOptions};
 pub use state::{InPlace, NamedState, StateEntry, TrainState, entries, for_each_entry};
+pub use stepper::{Begin, Begun, Stepper, StepperOptions};
 pub use trainer::{Committed, Job, Mode, Recovery, Step, TrainError, TrainOptions, TrainReport, train};
 pub use transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};

@@ -740,7 +740,12 @@ pub(super) async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(
 /// saw a joiner waiting]` summed. `None` when the vote itself failed (the
 /// group did).
 pub(super) async fn vote(pg: &ProcessGroup, ok: bool, fatal: bool, loss: f64, joiner: bool) -> Option<[f64; 4]> {
-    let mine = [f64::from(u8::from(ok)), f64::from(u8::from(fatal)), loss, f64::from(u8::from(joiner))];
+    let mine = [
+        f64::from(u8::from(ok)),
+        f64::from(u8::from(fatal)),
+        loss,
+        f64::from(u8::from(joiner)),
+    ];
     let sum = pg.all_reduce(Tensor::from_slice(&mine), ReduceOp::Sum).await.ok()?;
     let sum = sum.to_vec::<f64>().ok()?;
     Some([sum[0], sum[1], sum[2], sum[3]])

@@ -6,6 +6,7 @@
 //! launcher and fails with what each printed. The tests take turns
 //! ([`lock`]): each starts several launchers and workers on a small machine.
 
+use chorus_cli::process;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Mutex, MutexGuard};
@@ -180,8 +181,8 @@ impl Job {
     /// SIGKILLs every launcher.
     pub(crate) fn stop_all(&self) {
         for (_, child) in &self.launchers {
-            // SAFETY: kill only sends a signal; SIGKILL takes the workers too (parent-death signal).
-            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+            // SIGKILL takes the workers too (their parent-death signal).
+            process::signal(child.id(), libc::SIGKILL);
         }
     }
 
@@ -202,8 +203,7 @@ impl Job {
     }
 
     pub(crate) fn signal(&mut self, tag: &str, signal: i32) {
-        // SAFETY: kill only sends a signal.
-        unsafe { libc::kill(self.child(tag).id() as i32, signal) };
+        process::signal(self.child(tag).id(), signal);
     }
 }
 

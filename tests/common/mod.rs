@@ -7,6 +7,7 @@
 // Each test binary compiles this module on its own and uses a subset of it.
 #![allow(dead_code)]
 
+use chorus_cli::process;
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
@@ -170,8 +171,7 @@ pub(crate) fn finish(mut child: Child, secs: u64, what: &str, stop: Stop) -> Out
 
 fn stop_child(child: &mut Child, stop: Stop) {
     if let Stop::Term(grace) = stop {
-        // SAFETY: kill only sends a signal, to a child this test started and has not reaped.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        process::signal(child.id(), libc::SIGTERM);
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
             std::thread::sleep(Duration::from_millis(20));
@@ -297,9 +297,8 @@ impl Ranks {
     pub(crate) fn kill_all(&mut self) {
         for child in &mut self.children {
             if matches!(child.try_wait(), Ok(None)) {
-                // SAFETY: signals a child this test started and has not reaped;
                 // SIGCONT lets a stopped one run to its death.
-                unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
+                process::signal(child.id(), libc::SIGCONT);
                 let _ = child.kill();
             }
             let _ = child.wait();

@@ -30,6 +30,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::bench::collective::parse_size;
+use crate::process;
 
 /// `chorus bench memory`.
 #[derive(Debug, Clone, Args)]
@@ -275,9 +276,7 @@ pub fn run(args: &MemoryArgs) -> Result<ExitCode> {
             // Children first would let the parent start new ones: the
             // whole tree as it is now, root first.
             for (pid, _) in &processes {
-                // SAFETY: kill has no memory preconditions; the pids are
-                // this command's processes as just listed.
-                unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+                process::signal(*pid as libc::pid_t, libc::SIGKILL);
             }
         }
         std::thread::sleep(Duration::from_millis(args.interval_ms.max(1)));

@@ -30,6 +30,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::process;
 use thiserror::Error;
 
 use super::common::{PeerError, median, python_peer};
@@ -467,8 +468,8 @@ pub fn run_torchrun_trial(
             Ok((_, line)) => lines.push(line),
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                // SAFETY: SIGTERM to the torchrun we started lets it stop its workers.
-                unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                // SIGTERM lets the torchrun we started stop its workers.
+                process::signal(child.id(), libc::SIGTERM);
                 std::thread::sleep(Duration::from_secs(2));
                 let _ = child.kill();
                 let _ = child.wait();

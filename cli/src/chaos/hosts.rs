@@ -28,6 +28,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+use crate::process;
 use thiserror::Error;
 
 /// The store's address on the switch.
@@ -361,8 +362,7 @@ impl Drop for Hosts {
             if let Ok(output) = Command::new("ip").args(["netns", "pids", &name]).output() {
                 for pid in String::from_utf8_lossy(&output.stdout).split_whitespace() {
                     if let Ok(pid) = pid.parse::<i32>() {
-                        // SAFETY: kill only sends a signal, to a process of this run's namespaces.
-                        unsafe { libc::kill(pid, libc::SIGKILL) };
+                        process::signal(pid, libc::SIGKILL);
                     }
                 }
             }

@@ -51,6 +51,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::bench::recovery::unix_us;
+use crate::process;
 pub use hosts::{Hosts, HostsError};
 pub use schedule::{FaultKind, PlannedFault, ScheduleSpec};
 pub use verdict::{Bounds, Check, Evidence, Verdict};
@@ -632,8 +633,7 @@ impl Driver<'_> {
                     last_scan = now;
                 }
                 for d in due.iter().filter(|d| d.at <= now) {
-                    // SAFETY: kill only sends a signal, to a worker of this run.
-                    unsafe { libc::kill(d.pid, d.signal) };
+                    process::signal(d.pid, d.signal);
                 }
                 due.retain(|d| d.at > now);
                 for u in undo.iter().filter(|u| u.at <= now) {
@@ -703,8 +703,7 @@ impl Driver<'_> {
         }
         // SIGCONT any worker a due signal would have woken.
         for d in &due {
-            // SAFETY: kill only sends a signal, to a worker of this run.
-            unsafe { libc::kill(d.pid, libc::SIGCONT) };
+            process::signal(d.pid, libc::SIGCONT);
         }
         // The network as it was, for the next run (an error here is reported
         // after the leftovers are cleared).
@@ -866,8 +865,7 @@ impl Driver<'_> {
             return (format!("worker pid {pid} is stopped already"), false);
         }
         let pid = pid as i32;
-        // SAFETY: kill only sends a signal, to a worker of this run.
-        unsafe { libc::kill(pid, signal) };
+        process::signal(pid, signal);
         if let Some((after, signal)) = then {
             due.push(Due {
                 at: Instant::now() + after,
@@ -971,8 +969,7 @@ fn orphans(marker: &str, net_inodes: &[u64]) -> Vec<u32> {
         left = find();
     }
     for &pid in &left {
-        // SAFETY: kill only sends a signal, to a process of this run.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        process::signal(pid as i32, libc::SIGKILL);
     }
     left
 }

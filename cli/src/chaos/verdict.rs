@@ -663,7 +663,10 @@ mod tests {
         assert_eq!(failed(&verdict), ["completed", "final loss"]);
 
         let mut records = healthy();
-        records.iter_mut().filter(|r| r.step == 9).for_each(|r| r.loss = r.loss.map(|l| l * 1.03));
+        records
+            .iter_mut()
+            .filter(|r| r.step == 9)
+            .for_each(|r| r.loss = r.loss.map(|l| l * 1.03));
         let mut e = evidence(records);
         e.orphans = vec![42];
         e.leaked_shm = vec!["chorus-00-to-1".into()];

@@ -63,13 +63,13 @@ td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:left}.training{co
 /// The part the script refreshes.
 pub fn live(view: &JobView) -> String {
     let mut s = String::new();
-    let rate = view
-        .step_rate
-        .map_or_else(|| "-".into(), |r| format!("{r:.2}"));
+    let rate = view.step_rate.map_or_else(|| "-".into(), |r| format!("{r:.2}"));
     let _ = write!(
         s,
         "<p>generation <b>{}</b> · {} ranks · {} steps committed · {rate} steps/s{}</p>",
-        view.generations.last().map_or_else(|| "-".into(), |g| g.generation.to_string()),
+        view.generations
+            .last()
+            .map_or_else(|| "-".into(), |g| g.generation.to_string()),
         view.ranks().count(),
         view.steps.last().map_or(0, |p| p.step + 1),
         if view.finished { " · <b>finished</b>" } else { "" },
@@ -86,7 +86,9 @@ fn opt<T: ToString>(v: Option<T>) -> String {
 }
 
 fn members(s: &mut String, view: &JobView) {
-    s.push_str("<h2>Members</h2><table id=members><tr><th>rank<th>node<th>host<th>pid<th>state<th>heartbeat<th>last step</tr>");
+    s.push_str(
+        "<h2>Members</h2><table id=members><tr><th>rank<th>node<th>host<th>pid<th>state<th>heartbeat<th>last step</tr>",
+    );
     for m in &view.members {
         let state = match m.state {
             MemberState::Training => "training",
@@ -98,11 +100,13 @@ fn members(s: &mut String, view: &JobView) {
         let _ = write!(
             s,
             "<tr><td>{}<td>{}<td>{}<td>{}<td class={state}>{state}{cause}<td>{}<td>{}</tr>",
-            m.rank.map_or_else(|| "-".into(), |r| format!("{r} (g{})", opt(m.generation))),
+            m.rank
+                .map_or_else(|| "-".into(), |r| format!("{r} (g{})", opt(m.generation))),
             opt(m.node),
             esc(&m.host),
             m.pid,
-            m.heartbeat_age_ms.map_or_else(|| "-".into(), |a| format!("{:.1} s", a / 1e3)),
+            m.heartbeat_age_ms
+                .map_or_else(|| "-".into(), |a| format!("{:.1} s", a / 1e3)),
             opt(m.last_step),
         );
     }
@@ -111,7 +115,10 @@ fn members(s: &mut String, view: &JobView) {
 
 fn timeline(s: &mut String, view: &JobView) {
     s.push_str("<h2>Generations</h2><p>");
-    for (name, colour) in ["detect", "re-form", "transfer", "first step"].iter().zip(PHASE_COLOURS) {
+    for (name, colour) in ["detect", "re-form", "transfer", "first step"]
+        .iter()
+        .zip(PHASE_COLOURS)
+    {
         let _ = write!(s, "<span class=k style=background:{colour}></span>{name}");
     }
     s.push_str("</p><table id=timeline><tr><th>gen<th>ranks<th>why it formed<th>recovery</tr>");
@@ -135,7 +142,11 @@ fn timeline(s: &mut String, view: &JobView) {
                 .collect::<Vec<_>>()
                 .join(", "),
         };
-        let _ = write!(s, "<tr class=generation><td>g{}<td>{}<td>{why}<td>", g.generation, g.world_size);
+        let _ = write!(
+            s,
+            "<tr class=generation><td>g{}<td>{}<td>{why}<td>",
+            g.generation, g.world_size
+        );
         if let Some(p) = &g.recovery {
             bar(s, p, longest);
         }
@@ -163,7 +174,12 @@ fn bar(s: &mut String, p: &Phases, longest: f64) {
         let _ = write!(s, "<rect x={x:.1} y=2 width={w:.1} height=14 fill={colour}></rect>");
         x += w;
     }
-    let _ = write!(s, "<text x={:.1} y=14 font-size=12>{:.0} ms</text></svg>", x + 6.0, p.total_ms());
+    let _ = write!(
+        s,
+        "<text x={:.1} y=14 font-size=12>{:.0} ms</text></svg>",
+        x + 6.0,
+        p.total_ms()
+    );
 }
 
 /// Loss and step rate over the committed steps, failures marked.
@@ -175,7 +191,11 @@ fn charts(s: &mut String, view: &JobView) {
     };
     let (x0, x1) = (first.step as f64, (last.step as f64).max(first.step as f64 + 1.0));
     let sx = |step: f64| 40.0 + (step - x0) / (x1 - x0) * (W - 50.0);
-    let losses: Vec<(f64, f64)> = view.steps.iter().map(|p| (p.step as f64, p.loss.unwrap_or(f64::NAN))).collect();
+    let losses: Vec<(f64, f64)> = view
+        .steps
+        .iter()
+        .map(|p| (p.step as f64, p.loss.unwrap_or(f64::NAN)))
+        .collect();
     // Steps per second between neighbours (a step's rate over the last few).
     let rates: Vec<(f64, f64)> = view
         .steps
@@ -261,9 +281,7 @@ fn findings(s: &mut String, view: &JobView) {
 
 /// The fault buttons: a form that posts with the job secret.
 fn fault_form(view: &JobView) -> String {
-    let mut s = String::from(
-        "<h2>Inject a fault</h2><form method=post action=/api/fault>rank <select name=rank>",
-    );
+    let mut s = String::from("<h2>Inject a fault</h2><form method=post action=/api/fault>rank <select name=rank>");
     for m in view.ranks() {
         if let Some(rank) = m.rank {
             let _ = write!(s, "<option value={rank}>{rank} (pid {})</option>", m.pid);

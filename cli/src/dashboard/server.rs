@@ -103,7 +103,10 @@ async fn fault_handler(
         .map(str::to_string)
         .or_else(|| form.get("secret").cloned());
     let Some(given) = given else {
-        return refuse(StatusCode::UNAUTHORIZED, "the job secret is required (secret, or X-Chorus-Secret)".into());
+        return refuse(
+            StatusCode::UNAUTHORIZED,
+            "the job secret is required (secret, or X-Chorus-Secret)".into(),
+        );
     };
     // Compared as HMAC tags: in constant time.
     let secret = JobSecret::new(&shared.secret);
@@ -123,7 +126,10 @@ async fn fault_handler(
     let Some(rank) = form.get("rank").and_then(|r| r.trim().parse::<usize>().ok()) else {
         return refuse(
             StatusCode::BAD_REQUEST,
-            format!("rank must be a number (got {:?})", form.get("rank").map(String::as_str).unwrap_or("")),
+            format!(
+                "rank must be a number (got {:?})",
+                form.get("rank").map(String::as_str).unwrap_or("")
+            ),
         );
     };
     let who = match form.get("who").map(|w| w.trim()).filter(|w| !w.is_empty()) {
@@ -154,7 +160,10 @@ async fn fault_handler(
     else {
         return refuse(
             StatusCode::CONFLICT,
-            format!("rank {rank} (pid {}) publishes no live progress (it does not train through chorus::train)", process.pid),
+            format!(
+                "rank {rank} (pid {}) publishes no live progress (it does not train through chorus::train)",
+                process.pid
+            ),
         );
     };
     if let Some(tag) = &record.secret_tag

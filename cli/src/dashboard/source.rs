@@ -30,7 +30,9 @@ pub enum SourceError {
     #[error("the job's generations: {0}")]
     Elastic(#[from] ElasticError),
     /// No process published yet, and no run id was given.
-    #[error("no run has published live progress to this store yet (pass --run-id, or wait for the job to start training)")]
+    #[error(
+        "no run has published live progress to this store yet (pass --run-id, or wait for the job to start training)"
+    )]
     NoRun,
 }
 

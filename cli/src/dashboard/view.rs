@@ -290,7 +290,15 @@ pub fn build(observed: &Observed) -> JobView {
                 (None, Some(r)) if r.recovering => MemberState::Recovering,
                 (None, _) => MemberState::Training,
             };
-            members.push(member(p, Some(rank), Some(g.generation), state, cause, record.copied(), observed.now_us));
+            members.push(member(
+                p,
+                Some(rank),
+                Some(g.generation),
+                state,
+                cause,
+                record.copied(),
+                observed.now_us,
+            ));
         }
     }
     for record in &observed.records {
@@ -304,7 +312,14 @@ pub fn build(observed: &Observed) -> JobView {
             members.push(member(&p, None, None, state, cause, Some(record), observed.now_us));
         }
     }
-    members.sort_by_key(|m| (m.state == MemberState::Gone, std::cmp::Reverse(m.generation), m.rank, m.pid));
+    members.sort_by_key(|m| {
+        (
+            m.state == MemberState::Gone,
+            std::cmp::Reverse(m.generation),
+            m.rank,
+            m.pid,
+        )
+    });
 
     let steps = committed_steps(&observed.records);
     let step_rate = rate(&steps);
@@ -328,7 +343,12 @@ pub fn build(observed: &Observed) -> JobView {
         if let Some(first) = steps.iter().find(|s| s.generation == g.generation) {
             failures.push(FailureMark {
                 step: first.step,
-                what: format!("g{}: rank {} {}", g.generation, left[0].rank.unwrap_or(0), left[0].cause.text()),
+                what: format!(
+                    "g{}: rank {} {}",
+                    g.generation,
+                    left[0].rank.unwrap_or(0),
+                    left[0].cause.text()
+                ),
             });
         }
     }
@@ -398,9 +418,11 @@ fn timeline(
         let mut changes = Vec::new();
         if let Some(previous) = previous {
             // An operation failure reported by a survivor marks the ranks it blamed corrupted.
-            let corrupted = observed.records.iter().filter_map(|r| r.abort.as_ref()).any(|a| {
-                a.generation == previous.generation && a.label == "operation_failed"
-            });
+            let corrupted = observed
+                .records
+                .iter()
+                .filter_map(|r| r.abort.as_ref())
+                .any(|a| a.generation == previous.generation && a.label == "operation_failed");
             for (rank, p) in previous.members.iter().enumerate() {
                 if g.members.contains(p) {
                     continue;
@@ -528,10 +550,7 @@ mod tests {
     use super::*;
 
     fn p(pid: u32) -> Process {
-        Process {
-            host: "h".into(),
-            pid,
-        }
+        Process { host: "h".into(), pid }
     }
 
     fn record(pid: u32, generation: u64, rank: usize, steps: &[(u64, i64)], updated_us: i64) -> LiveRecord {
@@ -687,7 +706,10 @@ mod tests {
         assert_eq!(view.generations[1].recovery.as_ref().unwrap().detect_ms, None);
         // Without a fault asked for, the generation's first step marks the failure.
         assert_eq!(view.failures.len(), 1);
-        assert_eq!((view.failures[0].step, view.failures[0].what.as_str()), (10, "g1: rank 2 silent"));
+        assert_eq!(
+            (view.failures[0].step, view.failures[0].what.as_str()),
+            (10, "g1: rank 2 silent")
+        );
         observed.faults = killed_and_replaced().faults;
         observed.faults[0].kind = FaultKind::Freeze;
         assert_eq!(build(&observed).generations[1].changes[0].cause, Cause::Frozen);

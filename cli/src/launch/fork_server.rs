@@ -241,7 +241,10 @@ impl ForkServer {
     /// names another interpreter): start the worker as a new process then.
     pub async fn fork(&mut self, request: Request<'_>) -> Result<Forked, String> {
         if request.command.interpreter != self.interpreter {
-            return Err(format!("the command runs {}, the server {}", request.command.interpreter, self.interpreter));
+            return Err(format!(
+                "the command runs {}, the server {}",
+                request.command.interpreter, self.interpreter
+            ));
         }
         let (stdout_read, stdout_write) = std::io::pipe().map_err(|e| format!("cannot make a pipe: {e}"))?;
         let (stderr_read, stderr_write) = std::io::pipe().map_err(|e| format!("cannot make a pipe: {e}"))?;
@@ -272,7 +275,9 @@ impl ForkServer {
             shared.pending.insert(id, reply_tx);
         }
         let fds = [stdout_write.as_raw_fd(), stderr_write.as_raw_fd()];
-        self.send(&line, &fds).await.map_err(|e| format!("cannot write to the fork server: {e}"))?;
+        self.send(&line, &fds)
+            .await
+            .map_err(|e| format!("cannot write to the fork server: {e}"))?;
         // The server holds its own copies now; the child gets them.
         drop((stdout_write, stderr_write));
         let (pid, exit) = match tokio::time::timeout(FORK_WAIT, reply).await {
@@ -436,7 +441,10 @@ mod tests {
     fn the_servers_lines_parse_and_anything_else_does_not() {
         assert_eq!(Reply::parse("ready\n"), Some(Reply::Ready));
         assert_eq!(Reply::parse("unsafe 3\n"), Some(Reply::Unsafe { threads: 3 }));
-        assert_eq!(Reply::parse("forked 7 4242\n"), Some(Reply::Forked { id: 7, pid: 4242 }));
+        assert_eq!(
+            Reply::parse("forked 7 4242\n"),
+            Some(Reply::Forked { id: 7, pid: 4242 })
+        );
         assert_eq!(
             Reply::parse("failed 7 [Errno 11] Resource temporarily unavailable\n"),
             Some(Reply::Failed {
@@ -444,8 +452,22 @@ mod tests {
                 why: "[Errno 11] Resource temporarily unavailable".into()
             })
         );
-        assert_eq!(Reply::parse("exited 4242 2304\n"), Some(Reply::Exited { pid: 4242, status: 2304 }));
-        for line in ["", "ready now", "forked 7", "forked x 1", "exited 1", "unsafe many", "hello"] {
+        assert_eq!(
+            Reply::parse("exited 4242 2304\n"),
+            Some(Reply::Exited {
+                pid: 4242,
+                status: 2304
+            })
+        );
+        for line in [
+            "",
+            "ready now",
+            "forked 7",
+            "forked x 1",
+            "exited 1",
+            "unsafe many",
+            "hello",
+        ] {
             assert_eq!(Reply::parse(line), None, "{line:?}");
         }
     }
@@ -455,11 +477,26 @@ mod tests {
         let shared = Mutex::new(Shared::default());
         let (tx, mut rx) = oneshot::channel();
         lock(&shared).exits.insert(10, tx);
-        assert_eq!(handle(Reply::Exited { pid: 10, status: 3 << 8 }, &shared), None);
+        assert_eq!(
+            handle(
+                Reply::Exited {
+                    pid: 10,
+                    status: 3 << 8
+                },
+                &shared
+            ),
+            None
+        );
         assert_eq!(rx.try_recv().unwrap(), WorkerExit::Code(3));
         let (tx, mut rx) = oneshot::channel();
         lock(&shared).exits.insert(11, tx);
-        handle(Reply::Exited { pid: 11, status: libc::SIGKILL }, &shared);
+        handle(
+            Reply::Exited {
+                pid: 11,
+                status: libc::SIGKILL,
+            },
+            &shared,
+        );
         assert_eq!(rx.try_recv().unwrap(), WorkerExit::Signal(libc::SIGKILL));
         assert!(handle(Reply::Unsafe { threads: 2 }, &shared).is_some());
     }

@@ -8,12 +8,12 @@
 //! standbys are forked from the node's fork server when it can run them.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::io::Write;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
@@ -25,6 +25,7 @@ use super::binding;
 use super::config::Streams;
 use super::fork_server::{ForkServer, PythonCommand, Request};
 use super::plan::WorkerExit;
+use crate::process;
 
 /// Lines kept per worker for the failure report.
 pub const TAIL_LINES: usize = 20;
@@ -245,7 +246,7 @@ impl Workers {
         {
             Some(index) => {
                 // Children the old worker started in its group must not linger.
-                signal_group(self.workers[index].pid, libc::SIGKILL);
+                process::signal_group(self.workers[index].pid, libc::SIGKILL);
                 index
             }
             None if spec.standby.is_some() => self.workers.len(),
@@ -303,15 +304,15 @@ impl Workers {
     /// `grace` for them to end, then kills what is left of every group.
     pub async fn stop(&mut self, signal: i32, grace: Duration) {
         for worker in self.workers.iter().filter(|w| w.running) {
-            signal_group(worker.pid, signal);
+            process::signal_group(worker.pid, signal);
             // A stopped (SIGSTOPped) worker would keep the signal pending
             // until the grace ran out: resume it so it acts on it now.
-            signal_group(worker.pid, libc::SIGCONT);
+            process::signal_group(worker.pid, libc::SIGCONT);
         }
         let _ = tokio::time::timeout(grace, async { while self.any_exit().await.is_some() {} }).await;
         // Children a worker started in its group may outlive it: no orphans.
         for worker in &self.workers {
-            signal_group(worker.pid, libc::SIGKILL);
+            process::signal_group(worker.pid, libc::SIGKILL);
         }
         while self.any_exit().await.is_some() {}
         for worker in &mut self.workers {
@@ -330,14 +331,6 @@ async fn drain(readers: &mut Vec<JoinHandle<()>>) {
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn signal_group(pid: i32, signal: i32) {
-    // SAFETY: kill only sends a signal; a negative pid names the process
-    // group the worker leads (spawned with process_group(0)).
-    unsafe {
-        libc::kill(-pid, signal);
-    }
 }
 
 fn spawn_one(
@@ -417,7 +410,12 @@ fn start_process(spec: &WorkerSpec) -> Result<Process, LaunchError> {
 }
 
 /// Relays a started worker's output and reports its exit as worker `index`.
-fn watch(index: usize, spec: WorkerSpec, process: Process, exits: mpsc::UnboundedSender<(usize, WorkerExit)>) -> Worker {
+fn watch(
+    index: usize,
+    spec: WorkerSpec,
+    process: Process,
+    exits: mpsc::UnboundedSender<(usize, WorkerExit)>,
+) -> Worker {
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
     let label = Arc::new(Mutex::new(spec.label()));
     let readers = vec![

@@ -424,7 +424,10 @@ pub async fn reference(store: &Arc<dyn Store>, config: &ElasticConfig) -> Result
 /// The members of `config.generation`, indexed by rank, once it closed;
 /// `None` while it has not. For watching a job (a dashboard) as well as
 /// for [`reference()`].
-pub async fn closed_members(store: &Arc<dyn Store>, config: &ElasticConfig) -> Result<Option<Vec<Joiner>>, ElasticError> {
+pub async fn closed_members(
+    store: &Arc<dyn Store>,
+    config: &ElasticConfig,
+) -> Result<Option<Vec<Joiner>>, ElasticError> {
     let scoped = scoped(store.clone(), config);
     if !scoped.check(&["closed"]).await? {
         return Ok(None);
