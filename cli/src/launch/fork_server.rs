@@ -252,7 +252,12 @@ impl ForkServer {
         let stderr = pipe::Receiver::from_owned_fd(stderr_read.into()).map_err(|e| e.to_string())?;
         self.next_id += 1;
         let id = self.next_id;
-        let mut env: HashMap<String, String> = std::env::vars().collect();
+        // The request is JSON: a variable that is not UTF-8 cannot travel in
+        // it (a new process inherits it as it is).
+        let mut env = std::env::vars_os()
+            .map(|(key, value)| Some((key.into_string().ok()?, value.into_string().ok()?)))
+            .collect::<Option<HashMap<String, String>>>()
+            .ok_or("the launcher's environment holds a variable that is not UTF-8")?;
         env.extend(request.env.iter().cloned());
         let cwd = std::env::current_dir().map_err(|e| format!("no working directory: {e}"))?;
         let mut line = serde_json::to_vec(&serde_json::json!({
@@ -275,9 +280,10 @@ impl ForkServer {
             shared.pending.insert(id, reply_tx);
         }
         let fds = [stdout_write.as_raw_fd(), stderr_write.as_raw_fd()];
-        self.send(&line, &fds)
-            .await
-            .map_err(|e| format!("cannot write to the fork server: {e}"))?;
+        if let Err(e) = self.send(&line, &fds).await {
+            lock(&self.shared).pending.remove(&id);
+            return Err(format!("cannot write to the fork server: {e}"));
+        }
         // The server holds its own copies now; the child gets them.
         drop((stdout_write, stderr_write));
         let (pid, exit) = match tokio::time::timeout(FORK_WAIT, reply).await {
