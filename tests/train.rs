@@ -344,10 +344,13 @@ async fn with_no_step_boundary_a_joiner_is_admitted_after_the_bound() {
     let (a, b) = within(20, "the first generation", async { tokio::join!(a, b) }).await;
     let joiner = within(20, "the joiner's admission", init(options(0))).await;
     assert_eq!((joiner.generation(), joiner.world_size()), (1, 3));
-    within(20, "the others' next generation", a.next_generation(0))
-        .await
-        .unwrap();
-    assert_eq!(b.world_size(), 3);
+    // Each member swaps its generation on its own: wait for both.
+    for member in [&a, &b] {
+        within(20, "the others' next generation", member.next_generation(0))
+            .await
+            .unwrap();
+        assert_eq!(member.world_size(), 3);
+    }
 }
 
 /// A member whose state cannot be made equal to the others' (its extras
