@@ -167,6 +167,8 @@ pub struct ForkServer {
     socket: Arc<UnixStream>,
     shared: Arc<Mutex<Shared>>,
     next_id: u64,
+    /// How long a fork waits for the server's answer ([`FORK_WAIT`]).
+    answer_wait: std::time::Duration,
     process: tokio::process::Child,
 }
 
@@ -232,8 +234,15 @@ impl ForkServer {
             socket,
             shared,
             next_id: 0,
+            answer_wait: FORK_WAIT,
             process: child,
         })
+    }
+
+    /// Waits `wait` for each fork's answer instead of [`FORK_WAIT`].
+    pub fn answer_wait(mut self, wait: std::time::Duration) -> Self {
+        self.answer_wait = wait;
+        self
     }
 
     /// Forks the worker `request` describes. An error says why the server
@@ -286,12 +295,12 @@ impl ForkServer {
         }
         // The server holds its own copies now; the child gets them.
         drop((stdout_write, stderr_write));
-        let (pid, exit) = match tokio::time::timeout(FORK_WAIT, reply).await {
+        let (pid, exit) = match tokio::time::timeout(self.answer_wait, reply).await {
             Ok(answer) => answer.map_err(|_| "the fork server stopped".to_string())??,
             Err(_) => {
                 // A late answer would start a worker nobody watches: stop it
                 // (a child it forked dies with it).
-                let why = format!("the fork server did not answer within {FORK_WAIT:?}");
+                let why = format!("the fork server did not answer within {:?}", self.answer_wait);
                 lock(&self.shared).gone = Some(why.clone());
                 let _ = self.process.start_kill();
                 return Err(why);
@@ -368,7 +377,8 @@ async fn read_replies(socket: Arc<UnixStream>, shared: Arc<Mutex<Shared>>) {
     for (_, exit) in shared.exits.drain() {
         let _ = exit.send(WorkerExit::Signal(libc::SIGKILL));
     }
-    shared.gone = Some(format!("the fork server is gone: {why}"));
+    // A reason given first (a fork that gave up on it) is the cause.
+    shared.gone.get_or_insert(format!("the fork server is gone: {why}"));
 }
 
 /// Acts on one reply; `Some(why)` when the server can no longer be used.
@@ -476,6 +486,37 @@ mod tests {
         ] {
             assert_eq!(Reply::parse(line), None, "{line:?}");
         }
+    }
+
+    /// A server that reads nothing and answers nothing (it holds its socket
+    /// and sleeps): the fork gives up at its wait, stops the server, and
+    /// later forks fail at once.
+    #[tokio::test]
+    async fn a_server_that_answers_nothing_is_given_up_at_the_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let interpreter = dir.path().join("python3");
+        std::fs::write(&interpreter, "#!/bin/sh\nexec sleep 30\n").unwrap();
+        std::fs::set_permissions(&interpreter, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let command = PythonCommand::parse(&[interpreter.display().to_string(), "a.py".into()]).unwrap();
+        let mut server = ForkServer::start(&command, &[])
+            .unwrap()
+            .answer_wait(std::time::Duration::from_millis(300));
+        let request = || Request {
+            command: &command,
+            env: &[],
+            cpus: &[],
+        };
+        let started = std::time::Instant::now();
+        let why = server.fork(request()).await.err().expect("nothing answered");
+        assert!(why.contains("did not answer within 300ms"), "{why}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        let status = tokio::time::timeout(std::time::Duration::from_secs(5), server.process.wait())
+            .await
+            .expect("the silent server was stopped")
+            .unwrap();
+        assert!(!status.success());
+        let again = server.fork(request()).await.err().expect("the server is gone");
+        assert!(again.contains("did not answer"), "{again}");
     }
 
     #[test]
