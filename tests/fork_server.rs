@@ -22,19 +22,7 @@ use common::{CHORUS, LAUNCHER, text};
 /// environment on its way), or `None`: the tests then skip.
 fn python() -> Option<&'static str> {
     static PYTHON: OnceLock<Option<String>> = OnceLock::new();
-    PYTHON
-        .get_or_init(|| {
-            let output = Command::new("python3")
-                .args(["-c", "import sys; print(sys.executable)"])
-                .stderr(Stdio::null())
-                .output()
-                .ok()?;
-            output
-                .status
-                .success()
-                .then(|| String::from_utf8_lossy(&output.stdout).trim().to_string())
-        })
-        .as_deref()
+    PYTHON.get_or_init(|| common::python_importing(&[])).as_deref()
 }
 
 fn skip_without_python() -> Option<&'static str> {

@@ -38,19 +38,7 @@ fn run(mut command: Command, secs: u64) -> Output {
 /// The python that has torch, or `None` (tests needing it then skip).
 fn torch_python() -> Option<&'static str> {
     static PYTHON: OnceLock<Option<String>> = OnceLock::new();
-    PYTHON
-        .get_or_init(|| {
-            let output = Command::new("python3")
-                .args(["-c", "import sys, torch; print(sys.executable)"])
-                .stderr(Stdio::null())
-                .output()
-                .ok()?;
-            output
-                .status
-                .success()
-                .then(|| String::from_utf8_lossy(&output.stdout).trim().to_string())
-        })
-        .as_deref()
+    PYTHON.get_or_init(|| common::python_importing(&["torch"])).as_deref()
 }
 
 /// Writes an executable shell script.

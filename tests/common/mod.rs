@@ -61,6 +61,22 @@ pub(crate) async fn within<T>(secs: u64, what: &str, future: impl std::future::F
         .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
 }
 
+/// The interpreter `python3` runs (its `sys.executable`, past any shim
+/// that would change the environment on the way) when it can import every
+/// module of `modules`; `None` otherwise (tests needing it then skip).
+pub(crate) fn python_importing(modules: &[&str]) -> Option<String> {
+    let imports: String = modules.iter().map(|m| format!("import {m}; ")).collect();
+    let output = Command::new("python3")
+        .args(["-c", &format!("{imports}import sys; print(sys.executable)")])
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
 /// A free TCP port on 127.0.0.1 (free when asked; nothing holds it).
 pub(crate) fn free_port() -> u16 {
     free_ports(1)[0]
