@@ -239,7 +239,7 @@ impl ForkServer {
         })
     }
 
-    /// Waits `wait` for each fork's answer instead of [`FORK_WAIT`].
+    /// Waits `wait` for each fork's answer instead of the default 60 s.
     pub fn answer_wait(mut self, wait: std::time::Duration) -> Self {
         self.answer_wait = wait;
         self
