@@ -10,7 +10,8 @@ use std::time::Duration;
 use chorus::store::{HashStore, Store};
 use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
 use chorus::train::{
-    self, Begin, Job, Mode, NamedState, Step, Stepper, StepperOptions, TrainOptions, TrainReport, TrainState,
+    self, Begin, Cadence, IntegrityOptions, Job, Mode, NamedState, StateCorruption, StateTarget, Step, Stepper,
+    StepperOptions, TrainOptions, TrainReport, TrainState,
 };
 use chorus::{Admission, ElasticGroup, InitOptions};
 use chorus::{ReduceOp, Tensor};
@@ -415,6 +416,116 @@ async fn members_with_different_state_are_refused_at_the_first_step() {
             error.contains("rank 1 lists different state") && error.contains('y'),
             "{error}"
         );
+    }
+}
+
+/// Trains `world` in-process members with `corruptions` asked for and the
+/// state checked every `every` steps; each member's result.
+async fn train_corrupted(
+    world: usize,
+    corruptions: Vec<StateCorruption>,
+    every: u64,
+) -> Vec<Result<(TrainReport, Counter), train::TrainError>> {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let members: Vec<_> = (0..world)
+        .map(|rank| {
+            let (options, corruptions) = (options(&store, rank, world), corruptions.clone());
+            tokio::spawn(async move {
+                let group = init(options).await;
+                let mut job = Counter::new();
+                let train_options = TrainOptions {
+                    corruptions,
+                    integrity: IntegrityOptions {
+                        cadence: Cadence::Every(every),
+                        ..IntegrityOptions::default()
+                    },
+                    ..train_options()
+                };
+                let report = train::train(&group, &mut job, &train_options, |_| {}).await;
+                if report.is_ok() {
+                    train::verify_state(&group.current(), &mut job).await.unwrap();
+                }
+                group.destroy().await.ok();
+                report.map(|report| (report, job))
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for member in members {
+        results.push(within(60, "a member's training", member).await.unwrap());
+    }
+    results
+}
+
+fn corrupt(rank: usize, step: u64, target: StateTarget) -> StateCorruption {
+    StateCorruption {
+        rank,
+        step,
+        target,
+        bit: None,
+    }
+}
+
+/// A flipped bit in one member's parameters (silent: its loss stays
+/// finite) is found by the state check within its cadence; the member is
+/// outvoted by the two others and receives their state; nobody rolls back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_parameter_bit_is_outvoted_and_healed_from_the_majority() {
+    let results = train_corrupted(3, vec![corrupt(1, 40, StateTarget::Params)], 8).await;
+    let results: Vec<_> = results.into_iter().map(|r| (false, r.unwrap())).collect();
+    // Exact values: the corrupt state was replaced, no step applied twice or lost.
+    assert_every_step_applied_once(&results);
+    for (rank, (_, (report, _))) in results.iter().enumerate() {
+        assert_eq!(report.corruptions_detected, 1, "rank {rank}: {report:?}");
+        assert_eq!(
+            report.corruptions_injected,
+            u64::from(rank == 1),
+            "rank {rank}: {report:?}"
+        );
+        assert!(report.recoveries.is_empty(), "healing is no re-formation: {report:?}");
+    }
+}
+
+/// With two members no majority tells which copy is right: both stop at
+/// the check, naming the step, the entry and both fingerprints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_members_a_corrupt_state_stops_training_naming_both_fingerprints() {
+    // Checked every 5 steps: the corruption at 22 is found before step 25.
+    for result in train_corrupted(2, vec![corrupt(0, 22, StateTarget::Params)], 5).await {
+        let Err(error) = result else {
+            panic!("training went on with two different states");
+        };
+        let text = error.to_string();
+        let train::TrainError::Corrupted {
+            step,
+            entry,
+            fingerprints,
+        } = error
+        else {
+            panic!("not a corruption: {text}");
+        };
+        assert_eq!((step, entry.as_str()), (25, "x"), "{text}");
+        assert_eq!(fingerprints.len(), 2);
+        assert_ne!(fingerprints[0].1, fingerprints[1].1);
+        assert!(text.contains("no majority") && text.contains("rank 1: "), "{text}");
+    }
+}
+
+/// A flipped exponent bit in one member's local gradient makes its norm
+/// an outlier: the step is voted down on every member and computed again,
+/// so the corrupt gradient is never applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_gradient_bit_is_found_at_the_vote_and_the_step_is_computed_again() {
+    let results = train_corrupted(2, vec![corrupt(0, 30, StateTarget::Grads)], 1000).await;
+    let results: Vec<_> = results.into_iter().map(|r| (false, r.unwrap())).collect();
+    assert_every_step_applied_once(&results);
+    for (rank, (_, (report, _))) in results.iter().enumerate() {
+        assert_eq!(
+            (report.corruptions_detected, report.rejected),
+            (1, 1),
+            "rank {rank}: {report:?}"
+        );
+        assert_eq!(report.corruptions_injected, u64::from(rank == 0));
     }
 }
 

@@ -11,6 +11,9 @@
 //!   advanced members to those behind (chunked, striped over every source,
 //!   checksummed, damaged chunks fetched again), and [`verify_state`];
 //!   [`transfer_plan`]: its decisions, sans IO.
+//! - [`integrity`]: silent data corruption, sans IO: whose state or
+//!   gradient disagrees with the others', how often to check, and the bit
+//!   flips a `corrupt` fault asks for.
 //! - [`outer`]: local SGD's and DiLoCo's outer step, sans IO.
 //! - [`trainer`]: [`train`], the loop with per-step commit and recovery.
 //! - [`stepper`]: [`Stepper`], the same per-step commit and recovery for a
@@ -22,6 +25,8 @@
 //!   dashboard asks it for, with the job secret.
 
 mod cma;
+mod guard;
+pub mod integrity;
 pub mod live;
 pub mod outer;
 pub mod record;
@@ -31,6 +36,7 @@ pub mod trainer;
 pub mod transfer;
 pub mod transfer_plan;
 
+pub use integrity::{Cadence, IntegrityOptions, StateCorruption, StateTarget};
 pub use record::{CommitRecord, RECORD_ENV, checksum};
 pub use state::{InPlace, NamedState, StateEntry, TrainState, entries, for_each_entry};
 pub use stepper::{Begin, Begun, Stepper, StepperOptions};

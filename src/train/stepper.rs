@@ -265,9 +265,9 @@ impl Stepper {
             });
         };
         self.in_step = false;
-        let votes = vote(&pg, ok, fatal, loss, group.joiners_waiting(pg.generation())).await;
-        let summed = votes.map_or(0.0, |v| v[2]);
-        match decide(&pg, self.progress.step, votes)? {
+        let votes = vote(&pg, ok, fatal, loss, group.joiners_waiting(pg.generation()), None).await;
+        let summed = votes.as_ref().map_or(0.0, |v| v.sums[2]);
+        match decide(&pg, self.progress.step, votes.as_ref())? {
             Outcome::Committed { admit } => {
                 let mean_loss = summed / pg.world_size() as f64;
                 if let Some(live) = &self.live {

@@ -39,6 +39,8 @@ use std::time::{Duration, Instant, SystemTime};
 use chorus_runtime::collective::{DType, ReduceOp};
 use thiserror::Error;
 
+use super::guard::{Check, Guard};
+use super::integrity::{IntegrityOptions, StateCorruption};
 use super::live::Live;
 use super::outer::OuterRule;
 use super::record::{self, CommitRecord, Recorder};
@@ -46,7 +48,7 @@ use super::state::{InPlace, TrainState};
 use super::transfer::{TransferError, TransferOptions, sync_state};
 use crate::elastic::{ElasticGroup, RestartError};
 use crate::group::ProcessGroup;
-use crate::sync::{BucketInfo, CommHook, DistributedSync, HookFuture, ParamBuffer, Parameters, SyncError, SyncOptions};
+use crate::sync::{DistributedSync, ParamBuffer, Parameters, SyncError, SyncOptions};
 use crate::tensor::Tensor;
 
 /// How replicas are kept together.
@@ -124,8 +126,14 @@ pub struct TrainOptions {
     /// Gradient buckets' cap in MiB (DDP's 25).
     pub bucket_cap_mb: f64,
     /// Times a step may be voted down by a member's local failure (not a
-    /// group failure) before training stops.
+    /// group failure), or a member's state found corrupt, in a row before
+    /// training stops.
     pub max_rejections: u32,
+    /// The checks against silent data corruption (DDP).
+    pub integrity: IntegrityOptions,
+    /// Corruptions to inject (fault injection), besides the
+    /// `corrupt(rank=R, step=S, ...)` rules of `CHORUS_FAULTS`.
+    pub corruptions: Vec<StateCorruption>,
 }
 
 impl Default for TrainOptions {
@@ -137,6 +145,8 @@ impl Default for TrainOptions {
             transfer: TransferOptions::default(),
             bucket_cap_mb: 25.0,
             max_rejections: 3,
+            integrity: IntegrityOptions::default(),
+            corruptions: Vec::new(),
         }
     }
 }
@@ -247,6 +257,11 @@ pub struct TrainReport {
     pub recoveries: Vec<Recovery>,
     /// Steps voted down by a member's local failure.
     pub rejected: u64,
+    /// Corruptions injected into this process (fault injection).
+    pub corruptions_injected: u64,
+    /// Corruptions found: a member's state outvoted, or its local gradient
+    /// an outlier (the same count on every member that saw them).
+    pub corruptions_detected: u64,
 }
 
 /// Why training stopped.
@@ -280,22 +295,38 @@ pub enum TrainError {
         /// How many times.
         times: u32,
     },
+    /// The members' states differ and no majority tells which copy is
+    /// right (two members, or a tie): silent data corruption.
+    #[error(
+        "silent data corruption found before step {step}: the members' states differ ({}), first at '{entry}', and no majority tells which copy is right; training stops",
+        fingerprints.iter().map(|(rank, f)| format!("rank {rank}: {f:016x}")).collect::<Vec<_>>().join(", ")
+    )]
+    Corrupted {
+        /// The step about to run.
+        step: u64,
+        /// The first entry that differs.
+        entry: String,
+        /// Each rank's state fingerprint.
+        fingerprints: Vec<(usize, u64)>,
+    },
+    /// Members kept disagreeing with the others after being healed.
+    #[error(
+        "before step {step}, rank(s) {ranks:?} disagreed with the others {times} times in a row, healed each time: a fault that persists (check that host's memory)"
+    )]
+    Unhealed {
+        /// The step.
+        step: u64,
+        /// The ranks.
+        ranks: Vec<usize>,
+        /// How many times.
+        times: u32,
+    },
     /// The local modes average `f32` parameters only.
     #[error("parameter '{0}' is not f32; the local modes average f32 parameters")]
     NotF32(String),
 }
 
 chorus_runtime::debug_as_report!(TrainError);
-
-/// Sums the buckets (the members' shares of one global batch) instead of
-/// averaging them.
-struct Sum;
-
-impl CommHook for Sum {
-    fn reduce(&mut self, group: &ProcessGroup, _bucket: BucketInfo, data: Tensor) -> HookFuture {
-        Box::pin(group.all_reduce(data, ReduceOp::Sum))
-    }
-}
 
 /// Committed progress, carried in the transferred extras.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -555,6 +586,9 @@ pub async fn train<J: Job>(
     let mut rejections = 0u32;
     let mut recorder = Recorder::from_env();
     let live = Live::start(group);
+    let mut guard = Guard::new(options, options.mode == Mode::Ddp);
+    // Members whose state a check outvoted, in a generation.
+    let mut outvoted: Option<(u64, Vec<usize>)> = None;
     loop {
         // The next outer sync (or fragment sync), once its step is committed.
         let outer_due = outer_mode.and_then(|(every, rule, fragments)| {
@@ -566,6 +600,28 @@ pub async fn train<J: Job>(
         }
         let pg = group.current();
         let generation = pg.generation();
+        // Silent corruption found on these members: they take the
+        // majority's state in this generation; nobody else moves. (In a
+        // new generation the transfer below and the check after it do.)
+        if let Some((_, ranks)) = outvoted.take().filter(|(g, _)| *g == generation) {
+            has_state &= !ranks.contains(&pg.rank());
+            let mine = has_state.then(|| progress.units());
+            let mut full = Full {
+                job: &mut *job,
+                outer: &mut outer,
+                progress: &mut progress,
+                written: false,
+            };
+            match sync_state(&pg, &mut full, mine, &options.transfer).await {
+                Ok(_) => has_state = true,
+                Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
+                    Pending::extend(&mut pending);
+                    wait_next(group, generation).await?;
+                    continue;
+                }
+                Err(other) => return Err(TrainError::Transfer(other)),
+            }
+        }
         if synced.as_ref().is_none_or(|(g, _)| *g != generation) {
             // A generation swapped in between two operations is a recovery
             // too (a joiner admitted into a healthy group).
@@ -617,8 +673,10 @@ pub async fn train<J: Job>(
                 }
                 Err(other) => return Err(TrainError::Sync(other)),
             };
-            sync.register_comm_hook(Box::new(Sum));
+            sync.register_comm_hook(guard.hook());
             synced = Some((generation, sync));
+            // The state just moved: checked before the first step.
+            guard.check_at(progress.step);
             if let Some(p) = pending.as_mut() {
                 p.generation = generation;
                 p.world_size = pg.world_size();
@@ -636,6 +694,26 @@ pub async fn train<J: Job>(
                 outer_sync(&pg, &mut *job, &mut outer, rule, fragment, progress.step, joiner).await?
             }
             None => {
+                let at = progress.step;
+                guard.inject(pg.rank(), at, &mut *job);
+                let mut full = Full {
+                    job: &mut *job,
+                    outer: &mut outer,
+                    progress: &mut progress,
+                    written: false,
+                };
+                match guard.check(&pg, &mut full, at, options.max_rejections).await? {
+                    Check::NotDue | Check::Agree => {}
+                    Check::Outvoted(ranks) => {
+                        outvoted = Some((generation, ranks));
+                        continue;
+                    }
+                    Check::GroupFailed => {
+                        Pending::extend(&mut pending);
+                        wait_next(group, generation).await?;
+                        continue;
+                    }
+                }
                 let step = Step {
                     step: progress.step,
                     rank: pg.rank(),
@@ -652,9 +730,18 @@ pub async fn train<J: Job>(
                     tokio::time::sleep(pause).await;
                 }
                 let ddp = options.mode == Mode::Ddp;
-                let (outcome, loss) = run_step(&pg, &mut *job, sync, &step, ddp, joiner).await?;
+                let (outcome, loss, outliers) =
+                    run_step(&pg, &mut *job, sync, &step, (ddp, joiner), &mut guard).await?;
+                if !outliers.is_empty() && rejections >= options.max_rejections {
+                    return Err(TrainError::Unhealed {
+                        step: step.step,
+                        ranks: outliers,
+                        times: rejections + 1,
+                    });
+                }
                 if let Outcome::Committed { .. } = outcome {
                     report.applied += 1;
+                    guard.committed();
                     let committed = Committed {
                         step: step.step,
                         loss: loss / options.global_batch.max(1) as f64,
@@ -714,6 +801,9 @@ pub async fn train<J: Job>(
             Outcome::Rejected => {
                 report.rejected += 1;
                 rejections += 1;
+                // A member may hold a corrupt state (a loss gone non-finite,
+                // an outlier gradient): compare before running it again.
+                guard.check_at(progress.step);
                 if rejections > options.max_rejections {
                     return Err(TrainError::Rejected {
                         step: progress.step,
@@ -725,6 +815,8 @@ pub async fn train<J: Job>(
     }
     report.steps = progress.step;
     report.outer_syncs = progress.outer_syncs;
+    report.corruptions_injected = guard.injected;
+    report.corruptions_detected = guard.detected;
     Ok(report)
 }
 
@@ -736,25 +828,51 @@ pub(super) async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(
         .map_err(TrainError::GaveUp)
 }
 
+/// The commit vote, summed over the members.
+pub(super) struct Votes {
+    /// `[succeeded, failed for good, loss, saw a joiner waiting]`.
+    pub(super) sums: [f64; 4],
+    /// Each member's local gradient norm, by rank (0 where not measured).
+    pub(super) norms: Vec<f64>,
+}
+
 /// The commit vote: every member's `[succeeded, failed for good, loss,
-/// saw a joiner waiting]` summed. `None` when the vote itself failed (the
-/// group did).
-pub(super) async fn vote(pg: &ProcessGroup, ok: bool, fatal: bool, loss: f64, joiner: bool) -> Option<[f64; 4]> {
-    let mine = [
+/// saw a joiner waiting]` summed, and each one's local gradient norm in
+/// its own slot. `None` when the vote itself failed (the group did).
+pub(super) async fn vote(
+    pg: &ProcessGroup,
+    ok: bool,
+    fatal: bool,
+    loss: f64,
+    joiner: bool,
+    grad_norm: Option<f64>,
+) -> Option<Votes> {
+    let mut mine = vec![0.0; 4 + pg.world_size()];
+    mine[..4].copy_from_slice(&[
         f64::from(u8::from(ok)),
         f64::from(u8::from(fatal)),
         loss,
         f64::from(u8::from(joiner)),
-    ];
+    ]);
+    if let Some(norm) = grad_norm {
+        mine[4 + pg.rank()] = norm;
+    }
     let sum = pg.all_reduce(Tensor::from_slice(&mine), ReduceOp::Sum).await.ok()?;
-    let sum = sum.to_vec::<f64>().ok()?;
-    Some([sum[0], sum[1], sum[2], sum[3]])
+    let sum = sum.to_vec::<f64>().ok().filter(|s| s.len() == mine.len())?;
+    Some(Votes {
+        sums: [sum[0], sum[1], sum[2], sum[3]],
+        norms: sum[4..].to_vec(),
+    })
 }
 
 /// Decides a unit from the vote; the error when this or another member
 /// failed for good.
-pub(super) fn decide(pg: &ProcessGroup, step: u64, votes: Option<[f64; 4]>) -> Result<Outcome, TrainError> {
-    let Some([ok, fatal, _, joiners]) = votes else {
+pub(super) fn decide(pg: &ProcessGroup, step: u64, votes: Option<&Votes>) -> Result<Outcome, TrainError> {
+    let Some(&Votes {
+        sums: [ok, fatal, _, joiners],
+        ..
+    }) = votes
+    else {
         return Ok(Outcome::GroupFailed);
     };
     if fatal > 0.0 {
@@ -767,19 +885,21 @@ pub(super) fn decide(pg: &ProcessGroup, step: u64, votes: Option<[f64; 4]>) -> R
     })
 }
 
-/// One step: gradients, sync, vote, and the update only if committed.
-/// Returns the summed loss of the step's global batch.
+/// One step: gradients, sync, vote, and the update only if committed
+/// (and no member's local gradient is an outlier: then it is voted down).
+/// Returns the summed loss of the step's global batch, and the outliers.
 async fn run_step<J: Job>(
     pg: &ProcessGroup,
     job: &mut J,
     sync: &mut DistributedSync<'static>,
     step: &Step,
-    ddp: bool,
-    joiner: bool,
-) -> Result<(Outcome, f64), TrainError> {
+    (ddp, joiner): (bool, bool),
+    guard: &mut Guard,
+) -> Result<(Outcome, f64, Vec<usize>), TrainError> {
     let mut failure: Option<TrainError> = None;
     let mut loss = 0.0;
     let mut ok = false;
+    guard.start_step();
     if let Err(e) = sync.zero_grad() {
         failure = Some(TrainError::Sync(e));
     }
@@ -808,18 +928,25 @@ async fn run_step<J: Job>(
             }
         }
     }
-    let votes = vote(pg, ok, failure.is_some(), loss, joiner).await;
+    let votes = vote(pg, ok, failure.is_some(), loss, joiner, guard.grad_norm()).await;
     if let Some(error) = failure {
         return Err(error);
     }
-    let outcome = decide(pg, step.step, votes)?;
+    let mut outcome = decide(pg, step.step, votes.as_ref())?;
+    let mut outliers = Vec::new();
+    if let (Outcome::Committed { .. }, Some(votes)) = (&outcome, &votes) {
+        outliers = guard.judge_grads(step.step, &votes.norms);
+        if !outliers.is_empty() {
+            outcome = Outcome::Rejected;
+        }
+    }
     if let Outcome::Committed { .. } = outcome {
         job.apply(step, sync).map_err(|reason| TrainError::Job {
             step: step.step,
             reason,
         })?;
     }
-    Ok((outcome, votes.map_or(0.0, |v| v[2])))
+    Ok((outcome, votes.map_or(0.0, |v| v.sums[2]), outliers))
 }
 
 /// The `k`-th outer sync (from 0): the committed step after which it
@@ -852,8 +979,8 @@ async fn outer_sync<J: Job>(
         .await
         .ok()
         .and_then(|sum| sum.to_vec::<f32>().ok());
-    let votes = vote(pg, sum.is_some(), false, 0.0, joiner).await;
-    let outcome = decide(pg, step, votes)?;
+    let votes = vote(pg, sum.is_some(), false, 0.0, joiner, None).await;
+    let outcome = decide(pg, step, votes.as_ref())?;
     if let (Outcome::Committed { .. }, Some(sum)) = (&outcome, sum) {
         // Local SGD keeps no momentum.
         let momentum = match outer.momentum.is_empty() {

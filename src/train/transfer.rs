@@ -382,23 +382,8 @@ pub async fn sync_state(
 /// no state, so after the group is re-formed it can simply be called again.
 pub async fn verify_state(group: &ProcessGroup, state: &mut dyn TrainState) -> Result<(), TransferError> {
     let list = entries(state);
-    let extra = state.save_extra();
-    hello(group, &list, None, extra.len()).await?;
-    let mut sums = vec![0u64; list.len() + 1];
-    let mut scratch = vec![0u8; 4 << 20];
-    for_each_entry(state, |i, _, buffer| {
-        // Chained over pieces, so a large entry needs no copy of its size.
-        let total = buffer.len() * buffer.dtype().size();
-        let (mut at, mut sum) = (0, i as u64);
-        while at < total {
-            let n = (total - at).min(scratch.len());
-            buffer.read_bytes(at, &mut scratch[..n]);
-            sum = checksum(sum, &scratch[..n]);
-            at += n;
-        }
-        sums[i] = sum;
-    });
-    sums[list.len()] = checksum(u64::MAX, &extra);
+    hello(group, &list, None, state.save_extra().len()).await?;
+    let sums = entry_sums(state);
     let all = u64s(group.all_gather(Tensor::from_slice(&sums)).await?)?;
     let rows: Vec<Vec<u64>> = all.chunks(sums.len()).map(<[u64]>::to_vec).collect();
     let diverged = sync_plan::diverged(&rows);
@@ -412,6 +397,34 @@ pub async fn verify_state(group: &ProcessGroup, state: &mut dyn TrainState) -> R
             .map(|(rank, i)| Diverged { rank, first: name(i) })
             .collect(),
     ))
+}
+
+/// A checksum of each entry of `state` in [`for_each_entry`]'s order, and
+/// of its extras last: equal states give equal rows.
+pub(super) fn entry_sums(state: &mut dyn TrainState) -> Vec<u64> {
+    const PIECE: usize = 4 << 20;
+    let mut sums = Vec::new();
+    let mut scratch = Vec::new();
+    for_each_entry(state, |i, _, buffer| {
+        // Chained over pieces, so a large entry needs no copy of its size.
+        let total = buffer.len() * buffer.dtype().size();
+        let (mut at, mut sum) = (0, i as u64);
+        while at < total {
+            let n = (total - at).min(PIECE);
+            sum = match buffer.as_bytes() {
+                Some(bytes) => checksum(sum, &bytes[at..at + n]),
+                None => {
+                    scratch.resize(PIECE, 0u8);
+                    buffer.read_bytes(at, &mut scratch[..n]);
+                    checksum(sum, &scratch[..n])
+                }
+            };
+            at += n;
+        }
+        sums.push(sum);
+    });
+    sums.push(checksum(u64::MAX, &state.save_extra()));
+    sums
 }
 
 fn specs(list: &[StateEntry]) -> Vec<ParamSpec> {

@@ -10,7 +10,7 @@
 //! seed=7; drop(0->1, p=0.25); delay(*->2, ms=40, jitter_ms=10);
 //! partition(0,1|2,3, after=500ms); close(1<->2, after_frames=100);
 //! kill(rank=3, after=2s); freeze(rank=1, after_frames=20);
-//! corrupt(1->0, p=1, after_frames=30, times=1)
+//! corrupt(1->0, p=1, after_frames=30, times=1); corrupt(rank=2, step=40, what=grads)
 //! ```
 //!
 //! - Links: `A->B` (frames A sends to B), `A<->B` (both ways), `*` for any rank.
@@ -25,6 +25,14 @@
 //!   collectives' signatures, also the first 32 bytes of a data frame whose
 //!   tag has its top bit set) pass untouched, so the protocol's framing
 //!   holds and only tensor bytes change: what a checksum must catch.
+//! - `corrupt(rank=R, step=S[, what=params|grads][, bit=B])`: silent data
+//!   corruption, which the links never see: rank R flips one bit of its own
+//!   state at committed step S, in its parameters (default) or in its
+//!   local gradient before it is summed. The links carry the rule; the
+//!   training loop (`chorus::train`) reads it ([`FaultPlan::state_corruptions`])
+//!   and carries it out. Bit B of the element (default: the top bit of the
+//!   mantissa for parameters, silent; the top bit of the exponent for
+//!   gradients, a far outlier).
 //! - `partition(ranks|ranks)`: frames between the two sides are lost,
 //!   heartbeats too, so each side takes the other for failed within the
 //!   heartbeat window (the links stay open, as across a real partition).
@@ -138,6 +146,48 @@ pub enum FaultKind {
     Kill,
     /// The rank stops.
     Freeze,
+    /// A bit of the rank's own training state flipped at a step (its
+    /// [`FaultRule::link`] is [`LinkMatch::Rank`]); frames pass untouched.
+    CorruptState {
+        /// The committed step.
+        step: u64,
+        /// Which state.
+        target: StateTarget,
+        /// Which bit of the element; `None`: the target's default.
+        bit: Option<u32>,
+    },
+}
+
+/// The state a [`FaultKind::CorruptState`] rule flips a bit of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StateTarget {
+    /// The parameters.
+    Params,
+    /// The rank's local gradient, before it is summed with the others'.
+    Grads,
+}
+
+impl StateTarget {
+    /// Its name in rules (`what=`).
+    pub fn name(self) -> &'static str {
+        match self {
+            StateTarget::Params => "params",
+            StateTarget::Grads => "grads",
+        }
+    }
+}
+
+/// One `corrupt(rank=R, step=S, ...)` rule, for the training loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StateCorruption {
+    /// The rank (in the generation that runs the step).
+    pub rank: usize,
+    /// The committed step.
+    pub step: u64,
+    /// Which state.
+    pub target: StateTarget,
+    /// Which bit of the element; `None`: the target's default.
+    pub bit: Option<u32>,
 }
 
 /// One rule: what, where, and when it starts.
@@ -410,6 +460,38 @@ impl FaultPlan {
         let mut link = None;
         let kind = match syntax.kind.text {
             "drop" => FaultKind::Drop(probability(take("p"))?),
+            "corrupt" if syntax.named.iter().any(|(k, _)| k.text == "rank") => {
+                let rank = take("rank").expect("found above");
+                let rank = parse_rank(rank.text)
+                    .map_err(|reason| bad(rank.at, &reason))?
+                    .ok_or_else(|| bad(rank.at, "rank must be a number"))?;
+                link = Some(LinkMatch::Rank(rank));
+                let step = take("step").ok_or_else(|| bad(syntax.close, "corrupt(rank=R) needs step=S"))?;
+                let step = number(Some(step), 0, |at| bad(at, "step must be an integer"))?;
+                let target = match take("what") {
+                    None => StateTarget::Params,
+                    Some(w) if w.text == "params" => StateTarget::Params,
+                    Some(w) if w.text == "grads" => StateTarget::Grads,
+                    Some(w) => return Err(bad(w.at, "what must be params or grads")),
+                };
+                let bit = match take("bit") {
+                    None => None,
+                    Some(b) => Some(
+                        b.text
+                            .parse::<u32>()
+                            .ok()
+                            .filter(|b| *b < 64)
+                            .ok_or_else(|| bad(b.at, "bit must be an integer from 0 to 63"))?,
+                    ),
+                };
+                if let Some(link_only) = take("p").or_else(|| take("times")) {
+                    return Err(bad(
+                        link_only.at,
+                        "p and times apply to a link's corruption, not a rank's state",
+                    ));
+                }
+                FaultKind::CorruptState { step, target, bit }
+            }
             "corrupt" => {
                 let p = probability(take("p"))?;
                 let times = number(take("times"), u64::MAX, |at| bad(at, "times must be an integer"))?;
@@ -550,9 +632,27 @@ impl FaultPlan {
                 FaultKind::Close => Action::Close,
                 FaultKind::Kill => Action::Kill,
                 FaultKind::Freeze => Action::Freeze,
+                FaultKind::CorruptState { .. } => continue,
             };
         }
         Action::Deliver
+    }
+
+    /// The `corrupt(rank=R, step=S, ...)` rules, which the training loop
+    /// carries out (the links pass them by).
+    pub fn state_corruptions(&self) -> Vec<StateCorruption> {
+        self.rules
+            .iter()
+            .filter_map(|rule| match (&rule.kind, &rule.link) {
+                (&FaultKind::CorruptState { step, target, bit }, &LinkMatch::Rank(rank)) => Some(StateCorruption {
+                    rank,
+                    step,
+                    target,
+                    bit,
+                }),
+                _ => None,
+            })
+            .collect()
     }
 
     /// What happens to rank `me` as it receives a frame after `received`
@@ -845,7 +945,10 @@ impl Link for FaultyLink {
 
     fn injects_faults(&self) -> bool {
         self.rank.plan.rules.iter().any(|rule| {
-            !matches!(rule.kind, FaultKind::Kill | FaultKind::Freeze) && rule.link.matches(self.me, self.peer())
+            !matches!(
+                rule.kind,
+                FaultKind::Kill | FaultKind::Freeze | FaultKind::CorruptState { .. }
+            ) && rule.link.matches(self.me, self.peer())
         })
     }
 
@@ -920,6 +1023,31 @@ mod tests {
     }
 
     #[test]
+    fn a_state_corruption_is_a_rule_for_the_training_loop_that_frames_pass_by() {
+        let plan = FaultPlan::parse("corrupt(rank=2, step=40, what=grads, bit=30); corrupt(rank=1, step=7)").unwrap();
+        assert_eq!(
+            plan.state_corruptions(),
+            [
+                StateCorruption {
+                    rank: 2,
+                    step: 40,
+                    target: StateTarget::Grads,
+                    bit: Some(30)
+                },
+                StateCorruption {
+                    rank: 1,
+                    step: 7,
+                    target: StateTarget::Params,
+                    bit: None
+                }
+            ]
+        );
+        assert_eq!(plan.decide(2, 0, 1000, Duration::from_secs(60), 0.0), Action::Deliver);
+        plan.check_world(3).unwrap();
+        assert!(plan.check_world(2).is_err());
+    }
+
+    #[test]
     fn bad_rules_say_what_is_wrong() {
         for (spec, needle) in [
             ("drop(0->1, p=2)", "between 0 and 1"),
@@ -934,6 +1062,11 @@ mod tests {
             ("drop(0->1, colour=red)", "unknown argument"),
             ("drop(0->1", "parenthesis"),
             ("seed=x", "unsigned"),
+            ("corrupt(rank=1)", "needs step=S"),
+            ("corrupt(rank=1, step=2, what=optimizer)", "params or grads"),
+            ("corrupt(rank=1, step=2, bit=64)", "from 0 to 63"),
+            ("corrupt(rank=1, step=2, p=0.5)", "not a rank's state"),
+            ("corrupt(rank=*, step=2)", "rank must be a number"),
         ] {
             let err = FaultPlan::parse(spec).unwrap_err();
             assert!(err.to_string().contains(needle), "{spec}: {err}");
