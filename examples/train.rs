@@ -5,8 +5,11 @@
 //! from a fixed random teacher network; no download) on 4 ranks under
 //! `chorus launch --restart-policy worker`. At `--fault-step` one worker
 //! dies (`--fault kill`: SIGKILL), freezes (`freeze`: SIGSTOP, found by the
-//! heartbeats, killed twice the heartbeat timeout later) or is cut off (`partition`: its links are
-//! cut while it keeps running); the survivors never roll back, the
+//! heartbeats, killed twice the heartbeat timeout later), is cut off (`partition`: its links are
+//! cut while it keeps running) or has one bit of its parameters or local
+//! gradient flipped (`corrupt`, `--corrupt params|grads`: silent data
+//! corruption, found by the members' checks and healed from the
+//! majority's state); the survivors never roll back, the
 //! relaunched worker rejoins and receives the model and optimizer state,
 //! and training goes on. The same steps then run fault-free, and both
 //! final losses (on held-out data) are printed side by side, with a loss
@@ -25,7 +28,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use candle_core::{D, DType as CDType, Device, Tensor as CTensor, Var};
 use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
-use chorus::train::{self, InPlace, Job, Mode, NamedState, Step, TrainOptions, TrainState};
+use chorus::train::{
+    self, InPlace, Job, Mode, NamedState, StateCorruption, StateTarget, Step, TrainOptions, TrainState,
+};
 use chorus::{ElasticGroup, InitOptions};
 use chorus_cli::process;
 use clap::{Parser, ValueEnum};
@@ -36,6 +41,14 @@ enum Fault {
     Kill,
     Freeze,
     Partition,
+    Corrupt,
+}
+
+/// Where `--fault corrupt` flips its bit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CorruptArg {
+    Params,
+    Grads,
 }
 
 impl Fault {
@@ -46,6 +59,7 @@ impl Fault {
             Fault::Kill => "kill",
             Fault::Freeze => "freeze",
             Fault::Partition => "partition",
+            Fault::Corrupt => "corrupt",
         }
     }
 }
@@ -71,6 +85,10 @@ struct Args {
     /// (goodput runs; not with --fault none).
     #[arg(long)]
     fault_every: Option<f64>,
+    /// What `--fault corrupt` flips a bit of: the parameters (silent,
+    /// found by the state check) or the local gradient (found at the vote).
+    #[arg(long, value_enum, default_value = "params")]
+    corrupt: CorruptArg,
     /// How replicas are kept together.
     #[arg(long, value_enum, default_value = "ddp")]
     mode: ModeArg,
@@ -180,6 +198,12 @@ impl Args {
                 "--fault-step {step} with --steps {steps}: the {} would never be injected; give a step from 1 to {}",
                 self.fault.name(),
                 steps - 1
+            );
+        }
+        if self.fault == Fault::Corrupt && self.mode != ModeArg::Ddp {
+            bail!(
+                "--fault corrupt with --mode {:?}: corruption is checked for in ddp only (local modes' replicas differ by design)",
+                self.mode
             );
         }
         if let Some(every) = self.fault_every {
@@ -596,6 +620,8 @@ struct Outcome {
     steps: u64,
     applied: u64,
     adopted: u64,
+    /// As the last rank 0 counted them.
+    corruptions_detected: u64,
     train_seconds: f64,
     recoveries: Vec<RecoveryOut>,
 }
@@ -655,6 +681,8 @@ fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path, rank: usize, step:
             let _ = std::fs::write(run_dir.join("frozen"), format!("{} {rank}", std::process::id()));
             process::signal_self(libc::SIGSTOP);
         }
+        // The trainer flips the bit (TrainOptions::corruptions).
+        Fault::Corrupt => {}
         Fault::Partition => {
             let pg = group.current();
             for rank in 0..pg.world_size() {
@@ -733,10 +761,23 @@ fn worker(args: Args) -> Result<()> {
                 fragments: args.fragments,
             },
         };
+        let corruptions = match args.fault {
+            Fault::Corrupt => vec![StateCorruption {
+                rank: args.world - 1,
+                step: args.fault_step(),
+                target: match args.corrupt {
+                    CorruptArg::Params => StateTarget::Params,
+                    CorruptArg::Grads => StateTarget::Grads,
+                },
+                bit: None,
+            }],
+            _ => Vec::new(),
+        };
         let options = TrainOptions {
             mode,
             steps: args.steps,
             global_batch: args.batch,
+            corruptions,
             ..TrainOptions::default()
         };
         let reporter = first_rank == 0 && !relaunched;
@@ -757,6 +798,13 @@ fn worker(args: Args) -> Result<()> {
         .await?;
         let train_seconds = started.elapsed().as_secs_f64();
         std::fs::write(&finished, b"")?;
+        if report.corruptions_injected > 0 {
+            let mut file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(run_dir.join("corruptions-injected"))?;
+            writeln!(file, "{}", report.corruptions_injected)?;
+        }
         let pg = group.current();
         if mode == Mode::Ddp {
             // Every member holds the same model and optimizer state.
@@ -777,6 +825,7 @@ fn worker(args: Args) -> Result<()> {
                 steps: report.steps,
                 applied: report.applied,
                 adopted: report.adopted,
+                corruptions_detected: report.corruptions_detected,
                 train_seconds,
                 recoveries: report
                     .recoveries
@@ -1002,6 +1051,8 @@ fn print_line(line: &str) {
 /// One launched run: its outcome, loss curve and the failures injected.
 struct Run {
     outcome: Outcome,
+    /// Bits flipped by the trainers (`--fault corrupt`).
+    corruptions_injected: u64,
     curve: Vec<(u64, f64)>,
     injected: Vec<String>,
 }
@@ -1047,6 +1098,7 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
     for (flag, value) in [
         ("--fault", fault.name().to_string()),
         ("--fault-step", args.fault_step().to_string()),
+        ("--corrupt", format!("{:?}", args.corrupt).to_lowercase()),
         ("--mode", mode.to_string()),
         ("--every", args.every.to_string()),
         ("--outer-lr", args.outer_lr.to_string()),
@@ -1095,7 +1147,13 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         ),
     };
     let injected = failures(run_dir).into_iter().map(|(_, what)| what).collect();
+    let corruptions_injected = std::fs::read_to_string(run_dir.join("corruptions-injected"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse::<u64>().ok())
+        .sum();
     Ok(Run {
+        corruptions_injected,
         outcome,
         curve,
         injected,
@@ -1225,6 +1283,12 @@ fn main() -> Result<()> {
             o.train_seconds,
             injected_summary(&args, &run.injected)
         );
+        if args.fault == Fault::Corrupt {
+            println!(
+                "silent data corruption: {} bit flip(s) injected, {} found by the members' checks",
+                run.corruptions_injected, o.corruptions_detected
+            );
+        }
         match &plotted {
             Ok(()) => println!("loss curve: {}", args.plot.display()),
             Err(e) => println!("loss curve not drawn: {e}"),
@@ -1245,6 +1309,8 @@ fn main() -> Result<()> {
             "phases": o.recoveries,
             "applied": o.applied,
             "adopted": o.adopted,
+            "corruptions_injected": run.corruptions_injected,
+            "corruptions_detected": o.corruptions_detected,
             "train_seconds": o.train_seconds,
             "steps_per_second": o.steps as f64 / o.train_seconds,
             "reference_steps_per_second": reference.as_ref().map(|r| r.outcome.steps as f64 / r.outcome.train_seconds),

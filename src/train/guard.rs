@@ -227,6 +227,13 @@ impl Guard {
         };
         self.next_check = integrity::next_interval(self.options.cadence, &word(0), &word(1)).map(|k| step + k);
         self.last_cost_ns = started.elapsed().as_nanos() as u64;
+        tracing::debug!(
+            step,
+            cost_us = self.last_cost_ns / 1000,
+            step_us = step_ns / 1000,
+            next = ?self.next_check,
+            "state check"
+        );
         (self.since, self.steps_since) = (Instant::now(), 0);
         let name = |state: &mut dyn TrainState, entry: usize| {
             entries(state)
