@@ -576,6 +576,10 @@ fn bad_flags_fail_at_once_with_one_line_each() {
             "--fault-every 2 with --fault none",
         ),
         (&["--fault-every", "0"], "--fault-every 0: a positive number of seconds"),
+        (
+            &["--fault", "corrupt", "--mode", "local-sgd"],
+            "--fault corrupt with --mode local-sgd: corruption is checked for in ddp only",
+        ),
         (&["--mode", "local-sgd", "--every", "0"], "--every 0 with --steps 400"),
         (
             &["--fragments", "2"],
@@ -632,6 +636,32 @@ fn after_a_kill_and_rejoin_the_loss_is_the_fault_free_runs() {
     );
     assert!((loss / reference - 1.0).abs() < 0.02, "{run}");
     assert_eq!(run["applied"].as_u64().unwrap() + run["adopted"].as_u64().unwrap(), 200);
+}
+
+/// A bit flipped in the last worker's parameters is found by the state
+/// check and healed from the three others' state; one flipped in its
+/// local gradient is found at the vote and the step computed again, so
+/// the run ends exactly where the fault-free one does.
+#[test]
+fn a_flipped_bit_in_a_worker_is_found_and_healed_and_the_loss_is_the_fault_free_runs() {
+    for target in ["params", "grads"] {
+        let args = ["--fault", "corrupt", "--corrupt", target, "--steps", "160", "--fault-step", "60"];
+        let run = run_example(&args, 60);
+        assert_eq!(run["injected"], serde_json::json!(["corrupt of rank 3 at step 60"]), "{run}");
+        assert_eq!((&run["corruptions_injected"], &run["corruptions_detected"]), (&1.into(), &1.into()), "{run}");
+        assert_eq!(run["recoveries"], 0, "healing re-forms nothing: {run}");
+        assert_eq!(run["applied"], 160, "{run}");
+        let (loss, reference) = (
+            run["final_loss"].as_f64().unwrap(),
+            run["reference_loss"].as_f64().unwrap(),
+        );
+        match target {
+            // The corrupt gradient was never applied.
+            "grads" => assert_eq!(loss, reference, "{run}"),
+            // Until it was found, the corrupt replica's gradients counted.
+            _ => assert!((loss / reference - 1.0).abs() < 0.02, "{run}"),
+        }
+    }
 }
 
 #[test]
