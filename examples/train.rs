@@ -201,7 +201,11 @@ impl Args {
             );
         }
         if self.fault == Fault::Corrupt && self.mode != ModeArg::Ddp {
-            let mode = self.mode.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_default();
+            let mode = self
+                .mode
+                .to_possible_value()
+                .map(|v| v.get_name().to_owned())
+                .unwrap_or_default();
             bail!(
                 "--fault corrupt with --mode {mode}: corruption is checked for in ddp only (the local modes' replicas differ by design)"
             );

@@ -2,6 +2,7 @@
 //! (one `chorus launch` each) for a minute of faults from a fixed seed
 //! (worker SIGKILL and SIGSTOP, a whole launcher SIGKILLed, a slow rank),
 //! checked against its fault-free run; every check of the verdict must pass.
+//! A shorter run mixes `corrupt` faults with kills.
 //! `netns_` (root, ignored unless asked for): the same across 3 simulated
 //! hosts (`chorus chaos --hosts 3`), with a partition and a slow link.
 
@@ -170,4 +171,47 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
     });
     let planned: Vec<_> = report.faults.iter().map(|f| f.planned.clone()).collect();
     assert_eq!(planned, again[..planned.len()]);
+}
+
+/// `corrupt` faults (a bit of a worker's parameters, then of its local
+/// gradient, asked for through the job's live records) among kills: every
+/// flip a worker carried out is found within the check interval and healed
+/// in place, and the run passes every check against its fault-free one.
+#[test]
+fn corruptions_among_kills_are_found_and_healed_in_place() {
+    let options = ChaosOptions {
+        program: Program::Example(example("train")),
+        chorus: PathBuf::from(CHORUS),
+        nodes: 3,
+        hosts: false,
+        nproc_per_node: 1,
+        duration: Duration::from_secs(30),
+        steps: None,
+        every: (Duration::from_secs(4), Duration::from_secs(6)),
+        faults: vec![FaultKind::Corrupt, FaultKind::Kill],
+        seed: 2,
+        heartbeat: Duration::from_secs(2),
+        bounds: Bounds::default(),
+        dir: None,
+    };
+    let (report, said) = run_within(options, 300);
+    let table = report.verdict.table();
+    assert!(report.verdict.passed(), "{table}\n{said}");
+    let check = report
+        .verdict
+        .checks
+        .iter()
+        .find(|c| c.name == "corruptions")
+        .expect("a corruptions check");
+    // "N asked, M carried out, K found in time[, ...]"
+    let numbers: Vec<usize> = check.value.split([' ', ',']).filter_map(|w| w.parse().ok()).collect();
+    assert!(
+        numbers.len() >= 3 && numbers[2] >= 2,
+        "too few corruptions found: {}\n{table}\n{said}",
+        check.value
+    );
+    assert!(
+        said.contains("corrupt_params asked for") && said.contains("corrupt_grads asked for"),
+        "{said}"
+    );
 }

@@ -645,10 +645,27 @@ fn after_a_kill_and_rejoin_the_loss_is_the_fault_free_runs() {
 #[test]
 fn a_flipped_bit_in_a_worker_is_found_and_healed_and_the_loss_is_the_fault_free_runs() {
     for target in ["params", "grads"] {
-        let args = ["--fault", "corrupt", "--corrupt", target, "--steps", "160", "--fault-step", "60"];
+        let args = [
+            "--fault",
+            "corrupt",
+            "--corrupt",
+            target,
+            "--steps",
+            "160",
+            "--fault-step",
+            "60",
+        ];
         let run = run_example(&args, 60);
-        assert_eq!(run["injected"], serde_json::json!(["corrupt of rank 3 at step 60"]), "{run}");
-        assert_eq!((&run["corruptions_injected"], &run["corruptions_detected"]), (&1.into(), &1.into()), "{run}");
+        assert_eq!(
+            run["injected"],
+            serde_json::json!(["corrupt of rank 3 at step 60"]),
+            "{run}"
+        );
+        assert_eq!(
+            (&run["corruptions_injected"], &run["corruptions_detected"]),
+            (&1.into(), &1.into()),
+            "{run}"
+        );
         assert_eq!(run["recoveries"], 0, "healing re-forms nothing: {run}");
         assert_eq!(run["applied"], 160, "{run}");
         let (loss, reference) = (

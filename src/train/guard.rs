@@ -74,6 +74,8 @@ pub(super) struct Guard {
     grads: Arc<GradWatch>,
     /// The step of the next state check; `None`: never.
     next_check: Option<u64>,
+    /// Steps between two checks, as last agreed.
+    pub(super) interval: Option<u64>,
     /// What the last check took here (checksums and exchange).
     last_cost_ns: u64,
     /// Since the last check, and the steps committed since.
@@ -106,6 +108,7 @@ impl Guard {
             pending,
             grads: Arc::default(),
             next_check: (checking && cadence != Cadence::Off).then_some(0),
+            interval: None,
             last_cost_ns: 0,
             since: Instant::now(),
             steps_since: 0,
@@ -131,6 +134,11 @@ impl Guard {
     /// A step committed.
     pub(super) fn committed(&mut self) {
         self.steps_since += 1;
+    }
+
+    /// Adds a corruption to carry out.
+    pub(super) fn ask(&mut self, corruption: StateCorruption) {
+        self.pending.push(corruption);
     }
 
     /// Carries out the corruptions asked of rank `rank` at `step`.
@@ -190,6 +198,59 @@ impl Guard {
         outliers
     }
 
+    /// Before a transfer (collective: every member of the new generation
+    /// calls it): the members about to be its sources, those holding the
+    /// most advanced state (`units`), compare their states, so that a
+    /// silently corrupt copy is not handed on. Returns the sources a
+    /// majority of them outvoted (they must receive too).
+    pub(super) async fn vet_sources(
+        &mut self,
+        pg: &ProcessGroup,
+        state: &mut dyn TrainState,
+        units: Option<u64>,
+    ) -> Result<Check, TrainError> {
+        if self.next_check.is_none() {
+            return Ok(Check::NotDue);
+        }
+        let sums = units.map(|_| entry_sums(state)).unwrap_or_default();
+        let mine = [
+            u64::from(units.is_some()),
+            units.unwrap_or(0),
+            integrity::fingerprint(&sums),
+        ];
+        let Some(all) = pg
+            .all_gather(Tensor::from_slice(&mine))
+            .await
+            .ok()
+            .and_then(|t| t.to_vec::<u64>().ok())
+        else {
+            return Ok(Check::GroupFailed);
+        };
+        let rows: Vec<&[u64]> = all.chunks(mine.len()).collect();
+        let newest = rows.iter().filter(|r| r[0] == 1).map(|r| r[1]).max();
+        let sources: Vec<usize> = (0..rows.len())
+            .filter(|&rank| rows[rank][0] == 1 && Some(rows[rank][1]) == newest)
+            .collect();
+        let fingerprints: Vec<Vec<u64>> = sources.iter().map(|&rank| vec![rows[rank][2]]).collect();
+        match integrity::judge_state(&fingerprints) {
+            StateVerdict::Agree => Ok(Check::Agree),
+            StateVerdict::Outvoted(outvoted) => {
+                self.detected += 1;
+                let ranks: Vec<usize> = outvoted.iter().map(|&(i, _)| sources[i]).collect();
+                tracing::warn!(
+                    ranks = ?ranks,
+                    "silent data corruption: these members' state differs from the other sources'; they receive it instead of sending it"
+                );
+                Ok(Check::Outvoted(ranks))
+            }
+            StateVerdict::NoMajority { .. } => Err(TrainError::Corrupted {
+                step: newest.unwrap_or(0),
+                entry: "(a transfer's sources disagree; run verify_state to name it)".into(),
+                fingerprints: sources.iter().map(|&rank| (rank, rows[rank][2])).collect(),
+            }),
+        }
+    }
+
     /// At a due step, compares every member's state checksums (collective:
     /// every member calls it at the same steps).
     pub(super) async fn check(
@@ -225,7 +286,8 @@ impl Guard {
                 .map(|r| r.get(width + i).copied().unwrap_or(0))
                 .collect::<Vec<_>>()
         };
-        self.next_check = integrity::next_interval(self.options.cadence, &word(0), &word(1)).map(|k| step + k);
+        self.interval = integrity::next_interval(self.options.cadence, &word(0), &word(1));
+        self.next_check = self.interval.map(|k| step + k);
         self.last_cost_ns = started.elapsed().as_nanos() as u64;
         tracing::debug!(
             step,
@@ -273,6 +335,62 @@ impl Guard {
                 self.next_check = Some(step);
                 Ok(Check::Outvoted(ranks))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::NamedState;
+
+    /// Four members, rank 3 a joiner with no state; rank `corrupt`'s copy
+    /// differs; `behind` holds an older step. What each one's vetting says.
+    async fn vet(corrupt: usize, behind: Option<usize>) -> Vec<Result<Vec<usize>, String>> {
+        crate::group::spawn(4, move |pg| async move {
+            let rank = pg.rank();
+            let value = if rank == corrupt { 2.0 } else { 1.0 };
+            let mut state = NamedState {
+                params: vec![("w".into(), vec![value; 64])],
+                ..NamedState::default()
+            };
+            let units = match rank {
+                3 => None,
+                r if Some(r) == behind => Some(6),
+                _ => Some(7),
+            };
+            let mut guard = Guard::new(&TrainOptions::default(), true);
+            match guard.vet_sources(&pg, &mut state, units).await {
+                Ok(Check::Outvoted(ranks)) => Ok(ranks),
+                Ok(Check::Agree) => Ok(Vec::new()),
+                Ok(_) => Err("no vetting".to_owned()),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_source_outvoted_by_the_others_receives_instead_of_sending() {
+        for outcome in vet(1, None).await {
+            assert_eq!(outcome, Ok(vec![1]));
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_member_behind_is_no_source_and_two_sources_that_differ_stop_training() {
+        // Rank 2 is behind (it receives anyway): its older state is no corruption.
+        for outcome in vet(2, Some(2)).await {
+            assert_eq!(outcome, Ok(vec![]));
+        }
+        // Ranks 0 and 1 are the sources and differ: nobody can tell which is right.
+        for outcome in vet(1, Some(2)).await {
+            let error = outcome.unwrap_err();
+            assert!(
+                error.contains("no majority") && error.contains("rank 0: ") && error.contains("rank 1: "),
+                "{error}"
+            );
         }
     }
 }

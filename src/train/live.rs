@@ -24,8 +24,8 @@
 //! `CHORUS_LIVE=0` turns it off.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chorus_runtime::store::Store;
@@ -33,6 +33,7 @@ use chorus_transports::auth::JobSecret;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::integrity::StateTarget;
 use super::record::unix_us;
 use super::trainer::{Committed, Recovery};
 use crate::group::ProcessGroup;
@@ -189,11 +190,24 @@ pub enum FaultKind {
     CutOff,
     /// A pause of [`SLOW_STEP`] before each step for [`SLOW_FOR`]: a straggler.
     Slow,
+    /// One bit of its parameters flipped at its next step: silent data
+    /// corruption, for the members' state check to find.
+    CorruptParams,
+    /// One bit of its local gradient flipped at its next step, for the
+    /// gradient check at the vote to find.
+    CorruptGrads,
 }
 
 impl FaultKind {
     /// Every kind, in the order a page shows them.
-    pub const ALL: [FaultKind; 4] = [FaultKind::Kill, FaultKind::Freeze, FaultKind::CutOff, FaultKind::Slow];
+    pub const ALL: [FaultKind; 6] = [
+        FaultKind::Kill,
+        FaultKind::Freeze,
+        FaultKind::CutOff,
+        FaultKind::Slow,
+        FaultKind::CorruptParams,
+        FaultKind::CorruptGrads,
+    ];
 
     /// Its name in requests and logs.
     pub fn name(self) -> &'static str {
@@ -202,6 +216,8 @@ impl FaultKind {
             FaultKind::Freeze => "freeze",
             FaultKind::CutOff => "cut_off",
             FaultKind::Slow => "slow",
+            FaultKind::CorruptParams => "corrupt_params",
+            FaultKind::CorruptGrads => "corrupt_grads",
         }
     }
 
@@ -329,6 +345,8 @@ pub(crate) struct Live {
     record: watch::Sender<LiveRecord>,
     /// Until when (Unix microseconds) steps are slowed; 0 when not.
     slow_until: Arc<AtomicI64>,
+    /// A corruption asked for and not yet carried out.
+    corrupt: Arc<Mutex<Option<StateTarget>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -377,6 +395,7 @@ impl Live {
             secret_tag: secret.as_ref().map(|s| secret_tag(s, run_id)),
         });
         let slow_until = Arc::new(AtomicI64::new(0));
+        let corrupt = Arc::new(Mutex::new(None));
         let publisher = Publisher {
             store: store.clone(),
             run_id: run_id.to_string(),
@@ -384,12 +403,14 @@ impl Live {
             record: watched,
             groups: group.generations(),
             slow_until: slow_until.clone(),
+            corrupt: corrupt.clone(),
             warned: false,
             seen_seq: 0,
         };
         Some(Self {
             record,
             slow_until,
+            corrupt,
             task: tokio::spawn(publisher.run()),
         })
     }
@@ -458,6 +479,11 @@ impl Live {
     pub(crate) fn slowdown(&self) -> Option<Duration> {
         (self.slow_until.load(Ordering::Relaxed) > unix_us()).then_some(SLOW_STEP)
     }
+
+    /// A corruption asked for, to carry out at this step (once).
+    pub(crate) fn take_corruption(&self) -> Option<StateTarget> {
+        self.corrupt.lock().expect("not poisoned").take()
+    }
 }
 
 /// The task writing a process's record and reading its fault requests.
@@ -468,6 +494,7 @@ struct Publisher {
     record: watch::Receiver<LiveRecord>,
     groups: watch::Receiver<Arc<ProcessGroup>>,
     slow_until: Arc<AtomicI64>,
+    corrupt: Arc<Mutex<Option<StateTarget>>>,
     /// Whether a store failure was logged already (once is enough).
     warned: bool,
     /// The newest fault request carried out.
@@ -557,6 +584,8 @@ impl Publisher {
                 self.slow_until
                     .store(unix_us() + SLOW_FOR.as_micros() as i64, Ordering::Relaxed);
             }
+            FaultKind::CorruptParams => *self.corrupt.lock().expect("not poisoned") = Some(StateTarget::Params),
+            FaultKind::CorruptGrads => *self.corrupt.lock().expect("not poisoned") = Some(StateTarget::Grads),
         }
     }
 }

@@ -51,6 +51,16 @@ pub struct CommitRecord {
     pub adopted: u64,
     /// When the step committed here, microseconds since the Unix epoch.
     pub at_us: i64,
+    /// Corruptions this process injected so far (fault injection).
+    #[serde(default)]
+    pub corruptions_injected: u64,
+    /// Corruptions this process's checks found so far.
+    #[serde(default)]
+    pub corruptions_detected: u64,
+    /// Steps between two state checks, as last agreed; `None` where the
+    /// state is not checked.
+    #[serde(default)]
+    pub check_interval: Option<u64>,
 }
 
 /// Appends this process's records (see the module docs).
@@ -140,6 +150,9 @@ mod tests {
             applied: 5,
             adopted: 3,
             at_us: unix_us(),
+            corruptions_injected: 0,
+            corruptions_detected: 1,
+            check_interval: Some(12),
         };
         recorder.write(&record);
         record.step = 8;

@@ -293,6 +293,9 @@ impl Stepper {
                         applied: self.report.applied,
                         adopted: self.report.adopted,
                         at_us: 0,
+                        corruptions_injected: 0,
+                        corruptions_detected: 0,
+                        check_interval: None,
                     });
                 }
                 self.progress.step += 1;

@@ -632,6 +632,21 @@ pub async fn train<J: Job>(
                 p.formed.get_or_insert_with(|| p.failed_at.elapsed());
             }
             let started = Instant::now();
+            let mut full = Full {
+                job: &mut *job,
+                outer: &mut outer,
+                progress: &mut progress,
+                written: false,
+            };
+            let units = has_state.then(|| full.progress.units());
+            match guard.vet_sources(&pg, &mut full, units).await? {
+                Check::NotDue | Check::Agree => {}
+                Check::Outvoted(ranks) => has_state &= !ranks.contains(&pg.rank()),
+                Check::GroupFailed => {
+                    wait_next(group, generation).await?;
+                    continue;
+                }
+            }
             let mine = has_state.then(|| progress.units());
             let before = progress.step;
             let mut full = Full {
@@ -695,6 +710,15 @@ pub async fn train<J: Job>(
             }
             None => {
                 let at = progress.step;
+                // A corruption asked for from a dashboard or `chorus chaos` (`live`).
+                if let Some(target) = live.as_ref().and_then(Live::take_corruption) {
+                    guard.ask(StateCorruption {
+                        rank: pg.rank(),
+                        step: at,
+                        target,
+                        bit: None,
+                    });
+                }
                 guard.inject(pg.rank(), at, &mut *job);
                 let mut full = Full {
                     job: &mut *job,
@@ -760,6 +784,9 @@ pub async fn train<J: Job>(
                             applied: report.applied,
                             adopted: report.adopted,
                             at_us: record::unix_us(),
+                            corruptions_injected: guard.injected,
+                            corruptions_detected: guard.detected,
+                            check_interval: guard.interval,
                         });
                     }
                     if let Some(live) = &live {

@@ -45,12 +45,14 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use chorus::store::{TcpStoreServer, TcpStoreServerOptions};
-use chorus::train::{CommitRecord, RECORD_ENV};
+use chorus::auth::JobSecret;
+use chorus::store::{TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
+use chorus::train::{CommitRecord, RECORD_ENV, live};
 use serde::Serialize;
 use thiserror::Error;
 
 use crate::bench::recovery::unix_us;
+use crate::dashboard::source::StoreSource;
 use crate::process;
 pub use hosts::{Hosts, HostsError};
 pub use schedule::{FaultKind, PlannedFault, ScheduleSpec};
@@ -260,6 +262,7 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         options,
         runtime: &runtime,
         secret,
+        corruptions: 0,
         hosts: hosts.as_mut(),
     };
 
@@ -333,6 +336,11 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
             .collect(),
         orphans: chaos.orphans,
         leaked_shm: chaos.leaked_shm,
+        corruptions_asked: chaos
+            .injected
+            .iter()
+            .filter(|(f, _)| f.acted && f.planned.kind == FaultKind::Corrupt)
+            .count(),
     };
     let verdict = verdict::judge(&evidence, &options.bounds);
     let keep = keep || !verdict.passed();
@@ -449,9 +457,39 @@ struct Driver<'a> {
     runtime: &'a tokio::runtime::Runtime,
     secret: String,
     hosts: Option<&'a mut Hosts>,
+    /// Corruptions asked for so far (they alternate parameters, gradients).
+    corruptions: usize,
 }
 
 impl Driver<'_> {
+    /// Asks worker `pid` of the job of `(store, run id)` for `kind` through
+    /// its live record, signed with the job secret, as a dashboard does.
+    fn request_live_fault(&self, (store, run_id): (&str, &str), pid: u32, kind: live::FaultKind) -> Result<(), String> {
+        self.runtime.block_on(async {
+            let options = TcpStoreOptions {
+                timeout: Duration::from_secs(5),
+                connect_timeout: Duration::from_secs(5),
+                ..TcpStoreOptions::default()
+            };
+            let client = TcpStore::connect(store.to_string(), options)
+                .await
+                .map_err(|e| e.to_string())?;
+            let source = StoreSource::new(std::sync::Arc::new(client), Some(run_id.to_string()));
+            let observed = source.observe().await.map_err(|e| e.to_string())?;
+            let record = observed
+                .records
+                .iter()
+                .filter(|r| r.pid == pid)
+                .max_by_key(|r| r.slot)
+                .ok_or("it has published no live record yet")?;
+            let secret = JobSecret::new(self.secret.as_bytes());
+            source
+                .request_fault(&secret, record, record.rank, record.generation, kind, "chorus chaos")
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
     /// The program's command line after `chorus launch ... --`.
     fn program(&self, run_dir: &Path, steps: Option<u64>) -> Vec<String> {
         match &self.options.program {
@@ -663,7 +701,8 @@ impl Driver<'_> {
                 {
                     let fault = faults[next].clone();
                     next += 1;
-                    let (outcome, acted) = self.inject(&fault, dir, &mut nodes, &mut due, &mut undo);
+                    let job = (store.as_str(), marker.as_str());
+                    let (outcome, acted) = self.inject(&fault, dir, job, &mut nodes, &mut due, &mut undo);
                     say(&format!(
                         "chaos: {:>6.1} s {} node {} worker {}: {outcome}",
                         fault.at.as_secs_f64(),
@@ -815,17 +854,34 @@ impl Driver<'_> {
         Ok((outcome, true))
     }
 
-    /// Injects `fault`; what it hit and whether it acted.
+    /// Injects `fault` into the job of `(store, run id)`; what it hit and
+    /// whether it acted.
     fn inject(
         &mut self,
         fault: &PlannedFault,
         dir: &Path,
+        job: (&str, &str),
         nodes: &mut [Node],
         due: &mut Vec<Due>,
         undo: &mut Vec<Undo>,
     ) -> (String, bool) {
         let node = &mut nodes[fault.node];
         let (signal, then, outcome) = match fault.kind {
+            FaultKind::Corrupt => {
+                let pid = match worker_pid(node, fault.local_rank) {
+                    Ok(pid) => pid,
+                    Err(why) => return (why, false),
+                };
+                let kind = match self.corruptions % 2 {
+                    0 => live::FaultKind::CorruptParams,
+                    _ => live::FaultKind::CorruptGrads,
+                };
+                self.corruptions += 1;
+                return match self.request_live_fault(job, pid, kind) {
+                    Ok(()) => (format!("worker pid {pid}: {} asked for", kind.name()), true),
+                    Err(why) => (format!("worker pid {pid}: {} not asked for: {why}", kind.name()), false),
+                };
+            }
             FaultKind::Kill => (libc::SIGKILL, None, "SIGKILL"),
             FaultKind::Stop => (
                 libc::SIGSTOP,
@@ -853,13 +909,9 @@ impl Driver<'_> {
                     .unwrap_or_else(|e| (format!("failed: {e}"), false));
             }
         };
-        let Some(launcher) = node.child.as_ref().map(|c| c.id()) else {
-            return ("the node's launcher is down".into(), false);
-        };
-        let mut workers = workers_of_launcher(launcher);
-        workers.sort_unstable();
-        let Some(&pid) = workers.get(fault.local_rank % workers.len().max(1)) else {
-            return ("no worker running (being relaunched)".into(), false);
+        let pid = match worker_pid(node, fault.local_rank) {
+            Ok(pid) => pid,
+            Err(why) => return (why, false),
         };
         if due.iter().any(|d| d.pid == pid as i32) {
             return (format!("worker pid {pid} is stopped already"), false);
@@ -875,6 +927,19 @@ impl Driver<'_> {
         }
         (format!("worker pid {pid}: {outcome}"), true)
     }
+}
+
+/// The worker of `node` at `local_rank` (by pid order), or why there is none.
+fn worker_pid(node: &Node, local_rank: usize) -> Result<u32, String> {
+    let Some(launcher) = node.child.as_ref().map(|c| c.id()) else {
+        return Err("the node's launcher is down".into());
+    };
+    let mut workers = workers_of_launcher(launcher);
+    workers.sort_unstable();
+    workers
+        .get(local_rank % workers.len().max(1))
+        .copied()
+        .ok_or_else(|| "no worker running (being relaunched)".into())
 }
 
 /// Every process's parent, from `/proc`.

@@ -39,6 +39,12 @@ pub enum FaultKind {
     /// 5 ms ([`DELAY`]), each direction, for 3 s ([`IMPAIRED`]); the group
     /// goes on.
     SlowLink,
+    /// Silent data corruption: one bit of a worker's parameters (the 1st,
+    /// 3rd, ... of a run) or of its local gradient (the 2nd, 4th, ...)
+    /// flipped at its next step, asked for through the job's live records
+    /// with the job secret (as a dashboard asks); the members' checks must
+    /// find it and heal the worker in place.
+    Corrupt,
 }
 
 /// How long a partition lasts: past the launchers' keep-alive window, so
@@ -65,6 +71,7 @@ impl FaultKind {
             FaultKind::Partition => "partition",
             FaultKind::LossyLink => "lossy-link",
             FaultKind::SlowLink => "slow-link",
+            FaultKind::Corrupt => "corrupt",
         }
     }
 
@@ -79,14 +86,19 @@ impl FaultKind {
         match self {
             FaultKind::Partition => PARTITION,
             FaultKind::LossyLink | FaultKind::SlowLink => IMPAIRED,
-            FaultKind::Kill | FaultKind::Stop | FaultKind::KillLauncher | FaultKind::Slow => Duration::ZERO,
+            FaultKind::Kill | FaultKind::Stop | FaultKind::KillLauncher | FaultKind::Slow | FaultKind::Corrupt => {
+                Duration::ZERO
+            }
         }
     }
 
     /// Whether the fault makes the group re-form (a member leaves), so
     /// that its recovery time is measured.
     pub fn reforms(self) -> bool {
-        !matches!(self, FaultKind::Slow | FaultKind::LossyLink | FaultKind::SlowLink)
+        !matches!(
+            self,
+            FaultKind::Slow | FaultKind::LossyLink | FaultKind::SlowLink | FaultKind::Corrupt
+        )
     }
 }
 

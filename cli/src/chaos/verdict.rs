@@ -10,7 +10,8 @@
 //!   generation one world size, each rank held by one process and no more
 //!   processes than the world size.
 //! - `parameters equal`: at each step every member that committed it holds
-//!   the same parameters (checksums of the bytes; DDP).
+//!   the same parameters (checksums of the bytes; DDP), but for a member
+//!   between a bit flip of its own and the check that found it.
 //! - `exactly once`: each member's steps strictly increase, and at each
 //!   its applied plus adopted steps equal the step + 1 (none applied twice,
 //!   none skipped).
@@ -21,6 +22,10 @@
 //! - `recovery`: per fault that made the group re-form before the next
 //!   fault, from the fault to the first step committed in a later
 //!   generation (median, p99, max; the max bounded).
+//! - `corruptions`: every bit flip a member carried out (its records
+//!   count them) found by the members' checks within the check interval
+//!   they had agreed (a detection at a step from the flip's to that many
+//!   after), unless the flipped process ended before then.
 //! - `orphans`, `shared memory`: no process of the run left, no ring file
 //!   of its processes left in `/dev/shm`.
 
@@ -67,6 +72,8 @@ pub struct Evidence {
     pub orphans: Vec<u32>,
     /// Ring files of the run's processes left in `/dev/shm`.
     pub leaked_shm: Vec<String>,
+    /// Corruptions asked of the workers (`corrupt` faults that acted).
+    pub corruptions_asked: usize,
 }
 
 /// One check.
@@ -213,7 +220,8 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
         false => format!("{} violations", history.problems.len()),
     };
 
-    let mismatched = parameters_differ(records);
+    let corruptions = corruptions(records);
+    let mismatched = parameters_differ(records, &corruptions.silent);
     checks.push(check(
         "parameters equal",
         format!("{} steps differ", mismatched.len()),
@@ -309,6 +317,22 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
     ));
 
     checks.push(check(
+        "corruptions",
+        format!(
+            "{} asked, {} carried out, {} found in time{}",
+            evidence.corruptions_asked,
+            corruptions.carried_out,
+            corruptions.found,
+            match corruptions.ended_first {
+                0 => String::new(),
+                n => format!(", {n} before a check could run"),
+            }
+        ),
+        "each found within the check interval".into(),
+        corruptions.problems,
+    ));
+
+    checks.push(check(
         "orphans",
         format!("{} processes", evidence.orphans.len()),
         "0".into(),
@@ -398,10 +422,16 @@ fn split_brain(records: &[CommitRecord]) -> Vec<String> {
     problems
 }
 
-/// The steps at which members' parameters differ.
-fn parameters_differ(records: &[CommitRecord]) -> Vec<String> {
+/// The steps at which members' parameters differ, but for the records of
+/// a process within one of its `silent` windows.
+fn parameters_differ(records: &[CommitRecord], silent: &[(u32, std::ops::Range<u64>)]) -> Vec<String> {
     let mut by_step: BTreeMap<u64, BTreeMap<u64, Vec<u32>>> = BTreeMap::new();
-    for r in records {
+    let explained = |r: &CommitRecord| {
+        silent
+            .iter()
+            .any(|(pid, steps)| *pid == r.pid && steps.contains(&r.step))
+    };
+    for r in records.iter().filter(|r| !explained(r)) {
         if let Some(sum) = r.checksum {
             by_step.entry(r.step).or_default().entry(sum).or_default().push(r.pid);
         }
@@ -441,6 +471,65 @@ fn not_exactly_once(records: &[CommitRecord]) -> Vec<String> {
         }
     }
     problems
+}
+
+/// What the records say of the corruptions carried out.
+struct Corruptions {
+    carried_out: usize,
+    found: usize,
+    /// Each found flip's process and the steps from the flip to the
+    /// finding: its parameters may differ there.
+    silent: Vec<(u32, std::ops::Range<u64>)>,
+    /// Flips whose process ended before a check could find them.
+    ended_first: usize,
+    problems: Vec<String>,
+}
+
+/// Each flip (a step at which a process's count of injected corruptions
+/// rose) against the detections (steps at which any process's count of
+/// found ones rose): one must follow within the longest check interval
+/// recorded.
+fn corruptions(records: &[CommitRecord]) -> Corruptions {
+    let mut flips = Vec::new();
+    let mut found_at = BTreeSet::new();
+    let mut last_step: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut counts: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    for r in records {
+        let (injected, detected) = counts.entry(r.pid).or_default();
+        if r.corruptions_injected > *injected {
+            flips.extend(std::iter::repeat_n(
+                (r.pid, r.step),
+                (r.corruptions_injected - *injected) as usize,
+            ));
+        }
+        if r.corruptions_detected > *detected {
+            found_at.insert(r.step);
+        }
+        (*injected, *detected) = (r.corruptions_injected, r.corruptions_detected);
+        last_step.insert(r.pid, r.step);
+    }
+    let window = records.iter().filter_map(|r| r.check_interval).max().unwrap_or(1);
+    let mut out = Corruptions {
+        carried_out: flips.len(),
+        found: 0,
+        silent: Vec::new(),
+        ended_first: 0,
+        problems: Vec::new(),
+    };
+    for (pid, step) in flips {
+        if let Some(&found) = found_at.range(step..=step + window).next() {
+            out.found += 1;
+            out.silent.push((pid, step..found));
+        } else if last_step[&pid] < step + window {
+            out.ended_first += 1;
+        } else {
+            out.problems.push(format!(
+                "process {pid}'s corruption at step {step} not found by step {}",
+                step + window
+            ));
+        }
+    }
+    out
 }
 
 /// Steps per second from the first step's commit to the last's (each the
@@ -512,6 +601,9 @@ mod tests {
             applied: step + 1,
             adopted: 0,
             at_us: step as i64 * 10_000,
+            corruptions_injected: 0,
+            corruptions_detected: 0,
+            check_interval: Some(5),
         }
     }
 
@@ -554,6 +646,7 @@ mod tests {
             faults: vec![(45_000, true)],
             orphans: Vec::new(),
             leaked_shm: Vec::new(),
+            corruptions_asked: 0,
         }
     }
 
@@ -578,6 +671,59 @@ mod tests {
         assert!(verdict.table().contains("goodput"));
         let strict = judge(&evidence(healthy()), &Bounds::default());
         assert_eq!(failed(&strict), ["goodput"]);
+    }
+
+    /// Marks a corruption carried out by `pid` at `step` and one found by
+    /// every member at `found` (check interval 5).
+    fn corrupted(records: &mut [CommitRecord], pid: u32, step: u64, found: Option<u64>) {
+        for r in records.iter_mut() {
+            if r.pid == pid && r.step >= step {
+                r.corruptions_injected += 1;
+            }
+            if found.is_some_and(|f| r.step >= f) {
+                r.corruptions_detected += 1;
+            }
+        }
+    }
+
+    #[test]
+    fn a_corruption_must_be_found_within_the_check_interval() {
+        // Process 1 flips at step 1, found at step 4 (interval 5): passes.
+        let mut records = healthy();
+        corrupted(&mut records, 1, 1, Some(4));
+        // Its parameters differ until it is healed: explained.
+        for r in records.iter_mut().filter(|r| r.pid == 1 && (1..4).contains(&r.step)) {
+            r.checksum = Some(7);
+        }
+        let verdict = judge(&evidence(records.clone()), &lenient());
+        assert!(verdict.passed(), "{}", verdict.table());
+        assert!(verdict.table().contains("1 carried out, 1 found in time"));
+        // Past the finding they must agree again.
+        records
+            .iter_mut()
+            .filter(|r| r.pid == 1 && r.step == 4)
+            .for_each(|r| r.checksum = Some(7));
+        assert_eq!(failed(&judge(&evidence(records), &lenient())), ["parameters equal"]);
+        // Never found: fails, naming it.
+        let mut records = healthy();
+        corrupted(&mut records, 2, 2, None);
+        let verdict = judge(&evidence(records), &lenient());
+        assert_eq!(failed(&verdict), ["corruptions"]);
+        assert!(
+            verdict
+                .table()
+                .contains("process 2's corruption at step 2 not found by step 7")
+        );
+        // Found too late (step 8, past 1 + 5): fails.
+        let mut records = healthy();
+        corrupted(&mut records, 1, 1, Some(8));
+        assert_eq!(failed(&judge(&evidence(records), &lenient())), ["corruptions"]);
+        // Its process died (after step 4) before a check: not a miss.
+        let mut records = healthy();
+        corrupted(&mut records, 3, 3, None);
+        let verdict = judge(&evidence(records), &lenient());
+        assert!(verdict.passed(), "{}", verdict.table());
+        assert!(verdict.table().contains("1 before a check could run"));
     }
 
     #[test]

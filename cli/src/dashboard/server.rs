@@ -72,7 +72,7 @@ fn refuse(status: StatusCode, message: String) -> Response {
 }
 
 /// `POST /api/fault` with a form body: `rank`, `kind` (kill, freeze,
-/// cut_off, slow), `secret` (or the `X-Chorus-Secret` header), `who`
+/// cut_off, slow, corrupt_params, corrupt_grads), `secret` (or the `X-Chorus-Secret` header), `who`
 /// (optional, for the log).
 async fn fault_handler(
     State(shared): State<Arc<Shared>>,
@@ -118,7 +118,8 @@ async fn fault_handler(
         return refuse(
             StatusCode::BAD_REQUEST,
             format!(
-                "kind must be one of kill, freeze, cut_off, slow (got {:?})",
+                "kind must be one of {} (got {:?})",
+                FaultKind::ALL.map(FaultKind::name).join(", "),
                 form.get("kind").map(String::as_str).unwrap_or("")
             ),
         );

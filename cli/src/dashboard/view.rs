@@ -450,7 +450,8 @@ fn timeline(
                     FaultKind::Kill => Cause::Killed,
                     FaultKind::Freeze => Cause::Frozen,
                     FaultKind::CutOff => Cause::CutOff,
-                    FaultKind::Slow => continue,
+                    // The member stays: healed in place, no generation changes.
+                    FaultKind::Slow | FaultKind::CorruptParams | FaultKind::CorruptGrads => continue,
                 };
                 if previous.members.contains(&p) && !changes.iter().any(|c| c.process == p) {
                     changes.push(Change {
