@@ -152,11 +152,14 @@ pub struct Request<'a> {
     pub cpus: &'a [usize],
 }
 
+/// The server's answer to a fork: the child's pid and its exit to come, or why not.
+type ForkAnswer = Result<(i32, oneshot::Receiver<WorkerExit>), String>;
+
 #[derive(Default)]
 struct Shared {
     /// Why the server cannot fork any more (or never could).
     gone: Option<String>,
-    pending: HashMap<u64, oneshot::Sender<Result<(i32, oneshot::Receiver<WorkerExit>), String>>>,
+    pending: HashMap<u64, oneshot::Sender<ForkAnswer>>,
     exits: HashMap<i32, oneshot::Sender<WorkerExit>>,
 }
 
