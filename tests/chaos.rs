@@ -7,7 +7,7 @@
 //! hosts (`chorus chaos --hosts 3`), with a partition and a slow link.
 
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::{Mutex, mpsc};
 use std::time::Duration;
 
 use chorus_cli::chaos::{self, Bounds, ChaosOptions, FaultKind, Program};
@@ -18,6 +18,10 @@ use common::{CHORUS, example};
 /// Runs `options` on a thread, failing the test past `secs`; the report
 /// and what the run said.
 fn run_within(options: ChaosOptions, secs: u64) -> (chaos::ChaosReport, String) {
+    // One run at a time: each compares its rates with a fault-free run's,
+    // which another run beside it would skew.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (tx, rx) = mpsc::channel();
     let (lines_tx, lines) = mpsc::channel::<String>();
     std::thread::spawn(move || {

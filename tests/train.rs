@@ -244,7 +244,11 @@ async fn in_the_callers_loop_a_failed_step_is_discarded_everywhere_and_the_joine
             while stepper.step() < 20 {
                 own_step(&mut stepper, &group, &mut job).await.unwrap();
             }
-            assert!(matches!(stepper.begin(&group, None).await.unwrap(), Begin::Ready(_)));
+            let begun = match stepper.begin(&group, None).await.unwrap() {
+                Begin::NeedState => stepper.begin(&group, Some(&mut job)).await.unwrap(),
+                begun => begun,
+            };
+            assert!(matches!(begun, Begin::Ready(_)));
             let links: Vec<_> = (0..4).filter_map(|r| group.current().link(r).cloned()).collect();
             drop(group);
             for link in links {
@@ -273,6 +277,55 @@ async fn in_the_callers_loop_a_failed_step_is_discarded_everywhere_and_the_joine
         } else {
             assert!(!report.recoveries.is_empty(), "{report:?}");
         }
+    }
+}
+
+/// In the caller's loop too, a member whose state changed silently (a
+/// flipped value between two steps) is outvoted at the next state check
+/// and receives the others' state at its next `begin`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_the_callers_loop_a_silently_changed_state_is_outvoted_and_healed() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let members: Vec<_> = (0..3)
+        .map(|rank| {
+            let options = options(&store, rank, 3);
+            tokio::spawn(async move {
+                let group = init(options).await;
+                let mut job = Counter::new();
+                let integrity = IntegrityOptions {
+                    cadence: Cadence::Every(7),
+                    ..IntegrityOptions::default()
+                };
+                let mut stepper = Stepper::new(
+                    &group,
+                    StepperOptions {
+                        integrity,
+                        ..StepperOptions::default()
+                    },
+                );
+                let mut healed = 0;
+                while stepper.step() < STEPS {
+                    if rank == 2 && stepper.step() == 50 && job.applied.len() == 50 {
+                        job.state.params[0].1[5] += 0.5;
+                    }
+                    let before = job.state.params[0].1[5];
+                    own_step(&mut stepper, &group, &mut job).await.unwrap();
+                    healed += usize::from(rank == 2 && job.state.params[0].1[5] == before - 1.5);
+                }
+                train::verify_state(&group.current(), &mut job).await.unwrap();
+                group.destroy().await.unwrap();
+                assert!(rank != 2 || healed == 1, "rank 2 healed {healed} times");
+                (false, (stepper.report(), job))
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for member in members {
+        results.push(within(60, "a member's loop", member).await.unwrap());
+    }
+    assert_every_step_applied_once(&results);
+    for (_, (report, _)) in &results {
+        assert_eq!(report.corruptions_detected, 1, "{report:?}");
     }
 }
 

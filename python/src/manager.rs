@@ -13,7 +13,8 @@ use std::time::Duration;
 use chorus::rendezvous::InitMethod;
 use chorus::sync::ParamBuffer;
 use chorus::train::{
-    Begin, Committed, InPlace, Job, Mode, Step, Stepper, StepperOptions, TrainOptions, TrainReport, TrainState,
+    Begin, Cadence, Committed, InPlace, IntegrityOptions, Job, Mode, Step, Stepper, StepperOptions, TrainOptions,
+    TrainReport, TrainState,
 };
 use chorus::{Admission, DType, DistributedSync, ElasticGroup, InitOptions, Parameters};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -485,7 +486,22 @@ impl Trainer {
         let rt = runtime()?;
         let stepper = self.stepper.get_or_insert_with(|| {
             let _runtime = rt.enter();
-            Stepper::new(group, StepperOptions::default())
+            // No periodic state check yet: the snapshot's entries include
+            // copies (RNG states, buffers `state_dict()` returns anew) that
+            // are filled only as the extras are saved and may differ per
+            // rank by design, and the check cannot tell them apart from the
+            // model's and optimizer's own tensors. Every join is verified.
+            let integrity = IntegrityOptions {
+                cadence: Cadence::Off,
+                ..IntegrityOptions::default()
+            };
+            Stepper::new(
+                group,
+                StepperOptions {
+                    integrity,
+                    ..StepperOptions::default()
+                },
+            )
         });
         let mut job: Option<TorchJob> = None;
         let begun = loop {

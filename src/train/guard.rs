@@ -12,7 +12,7 @@ use chorus_transports::fault::FaultPlan;
 
 use super::integrity::{self, Cadence, IntegrityOptions, StateCorruption, StateTarget, StateVerdict};
 use super::state::{TrainState, entries};
-use super::trainer::{TrainError, TrainOptions};
+use super::trainer::TrainError;
 use super::transfer::entry_sums;
 use crate::group::ProcessGroup;
 use crate::sync::{BucketInfo, CommHook, HookFuture, Parameters};
@@ -65,7 +65,15 @@ impl CommHook for Sum {
     }
 }
 
+/// A checksum of each tensor entry of `state`: the extras are left out,
+/// since a job may keep per-rank state there (RNG, data position) that
+/// differs between healthy members.
+fn tensor_sums(state: &mut dyn TrainState) -> Vec<u64> {
+    entry_sums(state, false)
+}
+
 /// See the module docs.
+#[derive(Debug)]
 pub(super) struct Guard {
     options: IntegrityOptions,
     /// Whether the members' states and gradients must agree (DDP).
@@ -91,19 +99,19 @@ pub(super) struct Guard {
 
 impl Guard {
     /// The guard of a run with `options`; `checking` in DDP. The
-    /// `corrupt(rank=R, step=S)` rules of `CHORUS_FAULTS` join the
-    /// options' corruptions.
-    pub(super) fn new(options: &TrainOptions, checking: bool) -> Self {
-        let mut pending = options.corruptions.clone();
+    /// `corrupt(rank=R, step=S)` rules of `CHORUS_FAULTS` join
+    /// `corruptions`.
+    pub(super) fn new(options: &IntegrityOptions, corruptions: &[StateCorruption], checking: bool) -> Self {
+        let mut pending = corruptions.to_vec();
         if let Ok(spec) = std::env::var("CHORUS_FAULTS") {
             // A plan that does not parse was refused when the group formed.
             if let Ok(plan) = FaultPlan::parse(&spec) {
                 pending.extend(plan.state_corruptions());
             }
         }
-        let cadence = options.integrity.cadence;
+        let cadence = options.cadence;
         Self {
-            options: options.integrity.clone(),
+            options: options.clone(),
             checking,
             pending,
             grads: Arc::default(),
@@ -139,6 +147,16 @@ impl Guard {
     /// Adds a corruption to carry out.
     pub(super) fn ask(&mut self, corruption: StateCorruption) {
         self.pending.push(corruption);
+    }
+
+    /// Whether a state check, or a corruption of the parameters, is due
+    /// before step `step` of rank `rank` (the state is then needed).
+    pub(super) fn wants_state(&self, rank: usize, step: u64) -> bool {
+        self.next_check.is_some_and(|at| step >= at)
+            || self
+                .pending
+                .iter()
+                .any(|c| c.rank == rank && c.step == step && c.target == StateTarget::Params)
     }
 
     /// Carries out the corruptions asked of rank `rank` at `step`.
@@ -212,7 +230,7 @@ impl Guard {
         if self.next_check.is_none() {
             return Ok(Check::NotDue);
         }
-        let sums = units.map(|_| entry_sums(state)).unwrap_or_default();
+        let sums = units.map(|_| tensor_sums(state)).unwrap_or_default();
         let mine = [
             u64::from(units.is_some()),
             units.unwrap_or(0),
@@ -252,23 +270,25 @@ impl Guard {
     }
 
     /// At a due step, compares every member's state checksums (collective:
-    /// every member calls it at the same steps).
+    /// every member calls it at the same steps). `asked_at`: when the
+    /// caller was asked for the state, which the check's cost includes.
     pub(super) async fn check(
         &mut self,
         pg: &ProcessGroup,
         state: &mut dyn TrainState,
         step: u64,
         max_in_a_row: u32,
+        asked_at: Option<Instant>,
     ) -> Result<Check, TrainError> {
         if self.next_check.is_none_or(|at| step < at) {
             return Ok(Check::NotDue);
         }
-        let started = Instant::now();
+        let started = asked_at.unwrap_or_else(Instant::now);
         let step_ns = match self.steps_since {
             0 => 0,
             n => (self.since.elapsed().as_nanos() / u128::from(n)) as u64,
         };
-        let mut row = entry_sums(state);
+        let mut row = tensor_sums(state);
         let width = row.len();
         row.extend([self.last_cost_ns, step_ns]);
         let Some(all) = pg
@@ -300,7 +320,7 @@ impl Guard {
         let name = |state: &mut dyn TrainState, entry: usize| {
             entries(state)
                 .get(entry)
-                .map_or_else(|| "extras".to_owned(), |e| e.name.clone())
+                .map_or_else(|| format!("entry {entry}"), |e| e.name.clone())
         };
         match integrity::judge_state(&sums) {
             StateVerdict::Agree => {
@@ -359,7 +379,7 @@ mod tests {
                 r if Some(r) == behind => Some(6),
                 _ => Some(7),
             };
-            let mut guard = Guard::new(&TrainOptions::default(), true);
+            let mut guard = Guard::new(&IntegrityOptions::default(), &[], true);
             match guard.vet_sources(&pg, &mut state, units).await {
                 Ok(Check::Outvoted(ranks)) => Ok(ranks),
                 Ok(Check::Agree) => Ok(Vec::new()),

@@ -3,8 +3,9 @@
 //! `corrupt(rank=R, step=S, ...)` fault rule asks for.
 //!
 //! - **State**: every [`IntegrityOptions::cadence`] steps each member
-//!   sends a checksum per state entry (parameters, buffers, optimizer
-//!   state, extras); [`judge_state`] finds the members that disagree with
+//!   sends a checksum per state tensor (parameters, buffers, optimizer
+//!   state; not the extras, where a job may keep per-rank RNG or data
+//!   positions); [`judge_state`] finds the members that disagree with
 //!   a strict majority. With no majority (two members, or a tie) no one
 //!   can tell which copy is right: training stops, naming both.
 //! - **Gradients**: with the commit vote each member sends the norm of its

@@ -18,6 +18,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::guard::{Check, Guard};
+use super::integrity::{FIRST_INTERVAL, IntegrityOptions, StateCorruption, StateTarget};
 use super::live::Live;
 use super::record::{self, CommitRecord, Recorder};
 use super::state::TrainState;
@@ -34,8 +36,12 @@ pub struct StepperOptions {
     /// How state moves to joiners.
     pub transfer: TransferOptions,
     /// Times a step may be voted down by a member's local failure (not a
-    /// group failure) in a row before [`Stepper::commit`] fails.
+    /// group failure), or a member's state found corrupt, in a row before
+    /// training stops.
     pub max_rejections: u32,
+    /// The state checks against silent data corruption (the gradients are
+    /// the caller's: their check is not run here).
+    pub integrity: IntegrityOptions,
 }
 
 impl Default for StepperOptions {
@@ -43,6 +49,7 @@ impl Default for StepperOptions {
         Self {
             transfer: TransferOptions::default(),
             max_rejections: 3,
+            integrity: IntegrityOptions::default(),
         }
     }
 }
@@ -52,7 +59,8 @@ impl Default for StepperOptions {
 pub enum Begin {
     /// The step may run.
     Ready(Begun),
-    /// The generation changed: call again with the state, which moves.
+    /// Call again with the state: the generation changed (the state
+    /// moves), or the members' state check is due.
     NeedState,
 }
 
@@ -63,7 +71,8 @@ pub struct Begun {
     pub group: Arc<ProcessGroup>,
     /// The committed step it becomes.
     pub step: u64,
-    /// The state transfer this join ran, if the generation changed.
+    /// The state transfer this join ran, if the generation changed or a
+    /// state check healed a member.
     pub transfer: Option<TransferReport>,
 }
 
@@ -91,6 +100,10 @@ pub struct Stepper {
     recorder: Option<Recorder>,
     /// The last committed step's record, until its update is applied.
     unrecorded: Option<CommitRecord>,
+    /// The state checks, and the corruptions asked for.
+    guard: Guard,
+    /// When the caller was asked for the state for a check.
+    asked_at: Option<Instant>,
 }
 
 impl Stepper {
@@ -100,7 +113,6 @@ impl Stepper {
     /// process's progress, `train::live`).
     pub fn new(group: &ElasticGroup, options: StepperOptions) -> Self {
         Self {
-            options,
             progress: Progress::default(),
             has_state: group.generation() == 0 && group.rank() == 0,
             current: None,
@@ -112,6 +124,9 @@ impl Stepper {
             live: Live::start(group),
             recorder: Recorder::from_env(),
             unrecorded: None,
+            guard: Guard::new(&options.integrity, &[], true),
+            asked_at: None,
+            options,
         }
     }
 
@@ -143,6 +158,8 @@ impl Stepper {
     pub fn report(&self) -> TrainReport {
         TrainReport {
             steps: self.progress.step,
+            corruptions_injected: self.guard.injected,
+            corruptions_detected: self.guard.detected,
             ..self.report.clone()
         }
     }
@@ -154,6 +171,11 @@ impl Stepper {
     /// member holds the same state (an error naming the first entry that
     /// differs). A generation that fails during the join is waited out.
     ///
+    /// It also asks for the state when the members' periodic state check
+    /// is due (see [`train`](super::train)'s silent data corruption
+    /// checks): a member a majority outvotes receives their state here,
+    /// and the step's [`Begun::transfer`] says so.
+    ///
     /// # Cancel safety
     ///
     /// Not cancel safe: the join runs collectives with the peers.
@@ -162,12 +184,73 @@ impl Stepper {
         group: &ElasticGroup,
         mut state: Option<&mut dyn TrainState>,
     ) -> Result<Begin, TrainError> {
+        // A transfer that healed this member or another, for the step's report.
+        let mut healed = None;
         loop {
             if let Some(generation) = self.failed.take() {
                 wait_next(group, generation).await?;
             }
             let pg = group.current();
             if self.current.as_ref().is_some_and(|c| c.generation() == pg.generation()) {
+                let (rank, step) = (pg.rank(), self.progress.step);
+                let asked = (!self.in_step).then(|| self.live.as_ref().and_then(Live::take_corruption));
+                if let Some(target) = asked.flatten() {
+                    match target {
+                        StateTarget::Params => self.guard.ask(StateCorruption {
+                            rank,
+                            step,
+                            target,
+                            bit: None,
+                        }),
+                        StateTarget::Grads => tracing::warn!(
+                            "a corruption of the local gradient was asked for: this loop syncs its own gradients, so it is not carried out"
+                        ),
+                    }
+                }
+                if !self.in_step && self.guard.wants_state(rank, step) {
+                    let Some(state) = state.as_deref_mut() else {
+                        self.asked_at.get_or_insert_with(Instant::now);
+                        return Ok(Begin::NeedState);
+                    };
+                    self.guard.inject(rank, step, &mut *state);
+                    let mut outer = Outer::default();
+                    let mut full = Full {
+                        job: state,
+                        outer: &mut outer,
+                        progress: &mut self.progress,
+                        written: false,
+                    };
+                    let asked_at = self.asked_at.take();
+                    match self
+                        .guard
+                        .check(&pg, &mut full, step, self.options.max_rejections, asked_at)
+                        .await?
+                    {
+                        Check::NotDue | Check::Agree => {}
+                        Check::GroupFailed => {
+                            self.failed = Some(pg.generation());
+                            continue;
+                        }
+                        Check::Outvoted(ranks) => {
+                            // Healed in place from the majority, then checked again.
+                            self.has_state &= !ranks.contains(&rank);
+                            let mine = self.has_state.then(|| full.progress.units());
+                            match sync_state(&pg, &mut full, mine, &self.options.transfer).await {
+                                Ok(transfer) => {
+                                    self.has_state = true;
+                                    healed = Some(transfer);
+                                }
+                                Err(
+                                    TransferError::Collective(_)
+                                    | TransferError::Protocol { .. }
+                                    | TransferError::Timeout { .. },
+                                ) => self.failed = Some(pg.generation()),
+                                Err(other) => return Err(TrainError::Transfer(other)),
+                            }
+                            continue;
+                        }
+                    }
+                }
                 // A slow rank asked for from a dashboard.
                 if let Some(pause) = self.live.as_ref().and_then(Live::slowdown) {
                     tokio::time::sleep(pause).await;
@@ -176,7 +259,7 @@ impl Stepper {
                 return Ok(Begin::Ready(Begun {
                     group: pg,
                     step: self.progress.step,
-                    transfer: None,
+                    transfer: healed,
                 }));
             }
             let Some(state) = state.as_deref_mut() else {
@@ -199,6 +282,15 @@ impl Stepper {
                 progress: &mut self.progress,
                 written: false,
             };
+            let units = self.has_state.then(|| full.progress.units());
+            match self.guard.vet_sources(&pg, &mut full, units).await? {
+                Check::NotDue | Check::Agree => {}
+                Check::Outvoted(ranks) => self.has_state &= !ranks.contains(&pg.rank()),
+                Check::GroupFailed => {
+                    self.failed = Some(pg.generation());
+                    continue;
+                }
+            }
             let mine = self.has_state.then(|| full.progress.units());
             let joined = match sync_state(&pg, &mut full, mine, &self.options.transfer).await {
                 Ok(transfer) => verify_state(&pg, &mut full).await.map(|()| transfer),
@@ -222,6 +314,9 @@ impl Stepper {
                 self.report.adopted += self.progress.step - before;
             }
             self.has_state = true;
+            // Every member of the new generation passes here: the next
+            // state check is set from the step alone, so a joiner agrees.
+            self.guard.check_at(self.progress.step + FIRST_INTERVAL);
             if let Some(p) = self.pending.as_mut() {
                 p.generation = pg.generation();
                 p.world_size = pg.world_size();
@@ -281,6 +376,7 @@ impl Stepper {
                 }
                 self.rejections = 0;
                 self.report.applied += 1;
+                self.guard.committed();
                 if self.recorder.is_some() {
                     self.unrecorded = Some(CommitRecord {
                         pid: std::process::id(),
@@ -293,9 +389,9 @@ impl Stepper {
                         applied: self.report.applied,
                         adopted: self.report.adopted,
                         at_us: 0,
-                        corruptions_injected: 0,
-                        corruptions_detected: 0,
-                        check_interval: None,
+                        corruptions_injected: self.guard.injected,
+                        corruptions_detected: self.guard.detected,
+                        check_interval: self.guard.interval,
                     });
                 }
                 self.progress.step += 1;
@@ -322,6 +418,9 @@ impl Stepper {
             Outcome::Rejected => {
                 self.report.rejected += 1;
                 self.rejections += 1;
+                // A member may hold a corrupt state (a loss gone non-finite):
+                // compare before running the step again.
+                self.guard.check_at(self.progress.step);
                 if self.rejections > self.options.max_rejections {
                     return Err(TrainError::Rejected {
                         step: self.progress.step,

@@ -586,7 +586,7 @@ pub async fn train<J: Job>(
     let mut rejections = 0u32;
     let mut recorder = Recorder::from_env();
     let live = Live::start(group);
-    let mut guard = Guard::new(options, options.mode == Mode::Ddp);
+    let mut guard = Guard::new(&options.integrity, &options.corruptions, options.mode == Mode::Ddp);
     // Members whose state a check outvoted, in a generation.
     let mut outvoted: Option<(u64, Vec<usize>)> = None;
     loop {
@@ -726,7 +726,7 @@ pub async fn train<J: Job>(
                     progress: &mut progress,
                     written: false,
                 };
-                match guard.check(&pg, &mut full, at, options.max_rejections).await? {
+                match guard.check(&pg, &mut full, at, options.max_rejections, None).await? {
                     Check::NotDue | Check::Agree => {}
                     Check::Outvoted(ranks) => {
                         outvoted = Some((generation, ranks));
