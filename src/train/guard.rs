@@ -144,9 +144,17 @@ impl Guard {
         self.steps_since += 1;
     }
 
-    /// Adds a corruption to carry out.
+    /// Adds a corruption asked for while training (a dashboard, `chorus
+    /// chaos`); refused, with a warning, where the state is not checked, as
+    /// nothing would find it.
     pub(super) fn ask(&mut self, corruption: StateCorruption) {
-        self.pending.push(corruption);
+        match self.next_check {
+            Some(_) => self.pending.push(corruption),
+            None => tracing::warn!(
+                target = corruption.target.name(),
+                "a corruption was asked for, but this job does not check its state: not carried out"
+            ),
+        }
     }
 
     /// Whether a state check, or a corruption of the parameters, is due
