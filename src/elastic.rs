@@ -45,16 +45,25 @@
 //!   group that has fewer than `max_world` ranks, so it is admitted; that
 //!   restart is a membership change and does not count against SV-12's
 //!   budget (as torchrun's agents do not count one). Under
-//!   [`Admission::AtStepBoundary`] the restart waits for the members'
-//!   next step boundary instead: a member that saw the joiner says so in
-//!   the step's commit vote, and once the vote committed every member asks
-//!   for the restart together ([`ElasticGroup::admit_at_boundary`]), so no
-//!   step under way is lost; if no boundary comes within the bound (a loop
-//!   that stopped stepping), the group restarts as under
-//!   [`Admission::Immediate`]. A joiner that comes while the members
-//!   re-form after a failure then waits for the generation after theirs,
-//!   so the survivors finish the step they were in (its gradients synced
-//!   again among them) before it is admitted.
+//!   [`Admission::AtStepBoundary`] the running generation is not stopped
+//!   for it: a member that saw the joiner says so in the step's commit
+//!   vote; once a vote committed with it every member asks for the
+//!   admission ([`ElasticGroup::admit_at_boundary`]) and the supervisors
+//!   form generation g+1 (rendezvous, records, links) beside g, which
+//!   keeps training; each member's vote then says whether it holds g+1,
+//!   and after the first vote in which every member does, they pass one
+//!   barrier on g and swap to g+1 together
+//!   ([`ElasticGroup::swap_at_boundary`]), so no step under way is lost and
+//!   at the boundary only the state moves. If g fails while g+1 forms or
+//!   waits, the members swap to g+1 at once (it fails in turn if it lost
+//!   a member); if g+1 fails before the swap, both end and the members
+//!   restart from g+1. If no boundary comes within the bound (a loop that
+//!   stopped stepping), the group restarts as under
+//!   [`Admission::Immediate`], or swaps without the barrier once g+1 is
+//!   formed. A joiner that comes while the members re-form after a
+//!   failure waits for the generation after theirs, so the survivors
+//!   finish the step they were in (its gradients synced again among them)
+//!   before it is admitted.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -119,9 +128,10 @@ pub enum Admission {
     /// The running generation restarts as soon as a joiner is seen; a
     /// step under way fails and is run again.
     Immediate,
-    /// The members admit it at their next step boundary, after a commit
-    /// vote that said a joiner waits (`chorus::train` does this); after
-    /// `longest` without one, at once.
+    /// The members admit it at a step boundary: after a commit vote that
+    /// said a joiner waits, the next generation forms beside the running
+    /// one, and the members swap to it between two steps (`chorus::train`
+    /// does this). After `longest` without a boundary, at once.
     AtStepBoundary {
         /// The longest a joiner waits for a boundary.
         longest: Duration,
@@ -449,6 +459,10 @@ struct Shared {
     joiners_seen: watch::Sender<Option<u64>>,
     /// The generation whose members agreed to admit at this boundary.
     admit_requested: watch::Sender<Option<u64>>,
+    /// The generation whose successor this process has formed beside it.
+    next_ready: watch::Sender<Option<u64>>,
+    /// The generation whose members agreed to swap to its successor.
+    swap_requested: watch::Sender<Option<u64>>,
 }
 
 /// A process group that survives failures of its members: see the module docs.
@@ -670,6 +684,8 @@ impl ElasticGroup {
             admission: base.options.admission,
             joiners_seen: watch::Sender::new(None),
             admit_requested: watch::Sender::new(None),
+            next_ready: watch::Sender::new(None),
+            swap_requested: watch::Sender::new(None),
         });
         let job = (base.store.clone(), base.config.run_id.clone());
         let task = tokio::spawn(supervise(shared.clone(), base, budget, Box::new(on_give_up)));
@@ -747,21 +763,48 @@ impl ElasticGroup {
         *self.shared.joiners_seen.borrow() == Some(generation)
     }
 
-    /// Restarts `group`'s generation to admit the processes waiting to
-    /// join, once every member agreed at a step boundary (their commit
-    /// vote said some wait): the membership change charges no restart,
-    /// and the next generation is waited for as after a failure.
+    /// Admits the processes waiting to join `group`'s generation, once
+    /// every member agreed at a step boundary (their commit vote said some
+    /// wait): the supervisor forms the next generation with them beside
+    /// this one, which keeps running (SV-13). The membership change
+    /// charges no restart. Swap to it with
+    /// [`swap_at_boundary`](Self::swap_at_boundary).
+    pub fn admit_at_boundary(&self, group: &ProcessGroup) {
+        self.shared.admit_requested.send_replace(Some(group.generation()));
+    }
+
+    /// Whether this process holds the generation after `generation`,
+    /// formed beside it and waiting for the members' swap (a step's vote
+    /// says so).
+    pub fn next_ready(&self, generation: u64) -> bool {
+        *self.shared.next_ready.borrow() == Some(generation)
+    }
+
+    /// Swaps `group`'s generation for the next one formed beside it, at a
+    /// step boundary where every member holds it (their vote said so), or
+    /// once this process holds it when called before: the members pass a
+    /// barrier on `group` (so ending it cuts no vote short), then the next
+    /// generation becomes current. Returns once it is, or once `group`
+    /// failed or the supervisor gave up (then wait for the next generation
+    /// as after a failure).
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: a drop during the barrier leaves the restart unasked,
-    /// and the joiners then wait for the bound.
-    pub async fn admit_at_boundary(&self, group: &ProcessGroup) {
-        // Every member has finished the vote once every member entered the
-        // barrier, so tearing the links down cannot cut a vote short; the
-        // barrier's own result does not matter.
+    /// Cancel safe: a drop before the swap is asked leaves it unasked, and
+    /// the supervisor swaps once the bound passed.
+    pub async fn swap_at_boundary(&self, group: &ProcessGroup) {
+        let generation = group.generation();
+        let mut ready = self.shared.next_ready.subscribe();
+        let mut failures = group.failures();
+        let mut gave_up = self.shared.gave_up.subscribe();
+        tokio::select! {
+            _ = ready.wait_for(|g| *g == Some(generation)) => {}
+            _ = failures.wait_for(Option::is_some) => return,
+            _ = gave_up.wait_for(Option::is_some) => return,
+        }
         let _ = group.barrier().await;
-        self.shared.admit_requested.send_replace(Some(group.generation()));
+        self.shared.swap_requested.send_replace(Some(generation));
+        let _ = self.next_generation(generation).await;
     }
 
     /// All-reduce on the current generation.
@@ -861,10 +904,20 @@ async fn watch_joiners(group: &ProcessGroup, base: &Base) -> usize {
     }
 }
 
-/// Returns why the group restarts to admit processes waiting to join:
-/// once some do, at once or (under [`Admission::AtStepBoundary`]) when the
-/// members ask at a step boundary, whichever process saw them first.
-async fn admission(group: &ProcessGroup, base: &Base, shared: &Shared) -> String {
+/// How the running generation makes way for processes waiting to join.
+enum Admit {
+    /// Restart now: joiners seen under [`Admission::Immediate`], or no
+    /// step boundary came within the bound.
+    Restart(String),
+    /// The members agreed at a step boundary: form the next generation
+    /// beside this one.
+    Beside,
+}
+
+/// Returns how the group admits processes waiting to join: once some do,
+/// at once or (under [`Admission::AtStepBoundary`]) when the members ask
+/// at a step boundary, whichever process saw them first.
+async fn admission(group: &ProcessGroup, base: &Base, shared: &Shared) -> Admit {
     let generation = group.generation();
     let mut requested = shared.admit_requested.subscribe();
     let seen = async {
@@ -878,11 +931,103 @@ async fn admission(group: &ProcessGroup, base: &Base, shared: &Shared) -> String
         format!("{why}; no step boundary came within {longest:?}")
     };
     tokio::select! {
-        why = seen => why,
-        Ok(_) = requested.wait_for(|g| *g == Some(generation)) => {
-            format!("admitting the processes waiting to join generation {} at a step boundary", generation + 1)
-        }
+        why = seen => Admit::Restart(why),
+        Ok(_) = requested.wait_for(|g| *g == Some(generation)) => Admit::Beside,
     }
+}
+
+/// How a generation formed beside the running one ended.
+enum Beside {
+    /// It is current now.
+    Swapped,
+    /// It failed before the swap; the running one ended with it.
+    Failed(GroupAborted),
+}
+
+/// Forms the generation after `group`'s beside it while it keeps running
+/// (SV-13), then swaps it in once the members ask at a step boundary, or
+/// at once when `group` fails, or after the bound. A formation that fails
+/// ends `group` too, and its error is returned.
+async fn form_beside(
+    shared: &Shared,
+    base: &Base,
+    group: &ProcessGroup,
+    survivor: &mut Option<Survivor>,
+) -> Result<Beside, RestartError> {
+    let generation = group.generation();
+    let end = |why: &str| {
+        group.abort(why.to_string());
+        group.tear_down(why);
+    };
+    let started = Instant::now();
+    let next = match base.form(generation + 1, survivor).await {
+        Ok(next) => next,
+        Err(error) => {
+            end(&format!(
+                "generation {} did not form beside it: {error}",
+                generation + 1
+            ));
+            return Err(error);
+        }
+    };
+    tracing::info!(
+        generation = next.generation(),
+        rank = next.rank(),
+        formed_ms = started.elapsed().as_secs_f64() * 1e3,
+        "next generation formed beside the running one"
+    );
+    if next.generation() != generation + 1 {
+        // Late for the generation beside it: the others formed it without
+        // this process, which is in a later one; the running one is over.
+        end(&format!("generation {} formed without this process", generation + 1));
+        install(shared, next, group.rank());
+        return Ok(Beside::Swapped);
+    }
+    let bound = match shared.admission {
+        Admission::AtStepBoundary { longest } => longest,
+        Admission::Immediate => Duration::ZERO,
+    };
+    let mut failures = group.failures();
+    let mut next_failures = next.failures();
+    let mut swap = shared.swap_requested.subscribe();
+    shared.next_ready.send_replace(Some(generation));
+    let why = tokio::select! {
+        Ok(_) = swap.wait_for(|g| *g == Some(generation)) => {
+            format!("the members swapped to generation {} at a step boundary", next.generation())
+        }
+        Ok(_) = failures.wait_for(Option::is_some) => {
+            format!("generation {generation} failed with generation {} formed beside it", next.generation())
+        }
+        Ok(aborted) = next_failures.wait_for(Option::is_some) => {
+            let aborted = aborted.clone().expect("waited for Some");
+            shared.next_ready.send_replace(None);
+            end(&format!("generation {} failed before the swap: {aborted}", next.generation()));
+            next.tear_down(&aborted.to_string());
+            return Ok(Beside::Failed(aborted));
+        }
+        () = tokio::time::sleep(bound) => {
+            format!("no step boundary came within {bound:?} to swap to generation {}", next.generation())
+        }
+    };
+    shared.next_ready.send_replace(None);
+    end(&why);
+    tracing::info!(generation, rank = group.rank(), "{why}");
+    install(shared, next, group.rank());
+    Ok(Beside::Swapped)
+}
+
+/// Makes `next` the current generation and says so.
+fn install(shared: &Shared, next: ProcessGroup, old_rank: usize) {
+    let change = MembershipChange {
+        generation: next.generation(),
+        old_rank: Some(old_rank),
+        new_rank: next.rank(),
+        world_size: next.world_size(),
+    };
+    tracing::info!(?change, "group restarted");
+    chorus_actors::metrics::count_restart(next.run_id());
+    shared.current.send_replace(Arc::new(next));
+    let _ = shared.events.send(change);
 }
 
 /// The supervisor's loop: wait for an abort, then restart (SV-9, SV-12, SV-13).
@@ -906,53 +1051,87 @@ async fn supervise(
             generation: Some(old_generation),
             failed: Vec::new(),
         };
-        let aborted = tokio::select! {
+        let admit = tokio::select! {
             seen = failures.wait_for(Option::is_some) => match seen {
-                Ok(aborted) => Some(aborted.clone().expect("waited for Some")),
+                Ok(aborted) => Err(aborted.clone().expect("waited for Some")),
                 // The group's supervision is gone: nothing left to restart.
                 Err(_) => return,
             },
-            why = admission(&group, &base, &shared) => {
+            admit = admission(&group, &base, &shared) => Ok(admit),
+        };
+        let mut generation = old_generation + 1;
+        // A formation already tried (beside the running generation).
+        let mut tried = None;
+        match admit {
+            Ok(Admit::Restart(why)) => {
                 group.abort(why.clone());
                 group.tear_down(&why);
-                tracing::info!(generation = old_generation, rank = old_rank, "{why}; restarting to admit them");
-                None
-            }
-        };
-        if let Some(aborted) = aborted {
-            group.tear_down(&aborted.to_string());
-            survivor.failed = aborted.failed_ranks.clone();
-            // Another rank may have aborted to admit a newcomer (SV-13):
-            // this rank then sees that rank's links close.
-            let admitting = *shared.admit_requested.borrow() == Some(old_generation)
-                || group.world_size() < base.max_world
-                    && matches!(
-                        elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(old_generation + 1)).await,
-                        Ok(1..)
-                    );
-            // Peers that shut down on purpose are not a failure to charge.
-            if admitting || aborted.reason.peers_shut_down() {
                 tracing::info!(
                     generation = old_generation,
                     rank = old_rank,
-                    "{aborted}; processes wait to join: restarting to admit them"
+                    "{why}; restarting to admit them"
                 );
-            } else {
-                if let Err(error) = budget.admit(aborted, Instant::now()) {
-                    return give_up(error);
+            }
+            Ok(Admit::Beside) => {
+                let mut place = Some(survivor.clone());
+                match form_beside(&shared, &base, &group, &mut place).await {
+                    Ok(Beside::Swapped) => continue,
+                    Ok(Beside::Failed(aborted)) => {
+                        // Restart from the generation that failed (every
+                        // member's place in it is known).
+                        generation = aborted.generation + 1;
+                        survivor = place.expect("a formed generation leaves a place");
+                        survivor.failed = aborted.failed_ranks.clone();
+                        if !aborted.reason.peers_shut_down()
+                            && let Err(error) = budget.admit(aborted, Instant::now())
+                        {
+                            return give_up(error);
+                        }
+                    }
+                    Err(error) => {
+                        survivor = place.unwrap_or(survivor);
+                        tried = Some(Err(error));
+                    }
                 }
-                tracing::warn!(
-                    generation = old_generation,
-                    rank = old_rank,
-                    "restarting the group into the next generation"
-                );
+            }
+            Err(aborted) => {
+                group.tear_down(&aborted.to_string());
+                survivor.failed = aborted.failed_ranks.clone();
+                // Another rank may have aborted to admit a newcomer (SV-13):
+                // this rank then sees that rank's links close.
+                let admitting = *shared.admit_requested.borrow() == Some(old_generation)
+                    || group.world_size() < base.max_world
+                        && matches!(
+                            elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(old_generation + 1)).await,
+                            Ok(1..)
+                        );
+                // Peers that shut down on purpose are not a failure to charge.
+                if admitting || aborted.reason.peers_shut_down() {
+                    tracing::info!(
+                        generation = old_generation,
+                        rank = old_rank,
+                        "{aborted}; processes wait to join: restarting to admit them"
+                    );
+                } else {
+                    if let Err(error) = budget.admit(aborted, Instant::now()) {
+                        return give_up(error);
+                    }
+                    tracing::warn!(
+                        generation = old_generation,
+                        rank = old_rank,
+                        "restarting the group into the next generation"
+                    );
+                }
             }
         }
         drop(group);
-        let mut generation = old_generation + 1;
         let mut survivor = Some(survivor);
         let next = loop {
-            let formed = base.form(generation, &mut survivor).await.map_err(into_lost_store);
+            let formed = match tried.take() {
+                Some(formed) => formed,
+                None => base.form(generation, &mut survivor).await,
+            }
+            .map_err(into_lost_store);
             match formed {
                 Ok(next) => break next,
                 // Retrying cannot help: end at once, saying which store is gone.
@@ -996,16 +1175,7 @@ async fn supervise(
                 }
             }
         };
-        let change = MembershipChange {
-            generation: next.generation(),
-            old_rank: Some(old_rank),
-            new_rank: next.rank(),
-            world_size: next.world_size(),
-        };
-        tracing::info!(?change, "group restarted");
-        chorus_actors::metrics::count_restart(next.run_id());
-        shared.current.send_replace(Arc::new(next));
-        let _ = shared.events.send(change);
+        install(&shared, next, old_rank);
     }
 }
 

@@ -386,6 +386,131 @@ async fn at_a_step_boundary_a_joiner_is_admitted_and_no_step_is_lost() {
     );
 }
 
+/// A member's loop that holds at the step boundary where it first holds
+/// generation 1 (formed beside 0) until `resume`; returns its report, the
+/// steps it lost and its final world size.
+fn held_once_ready(
+    group: Arc<ElasticGroup>,
+    mut resume: tokio::sync::broadcast::Receiver<()>,
+) -> tokio::task::JoinHandle<(TrainReport, u32, usize)> {
+    tokio::spawn(async move {
+        let mut job = Counter::new();
+        let mut stepper = Stepper::new(&group, StepperOptions::default());
+        let (mut lost, mut held) = (0, false);
+        while stepper.step() < STEPS {
+            if !held && group.next_ready(0) {
+                held = true;
+                resume.recv().await.unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            if !own_step(&mut stepper, &group, &mut job).await.unwrap() {
+                lost += 1;
+            }
+        }
+        train::verify_state(&group.current(), &mut job).await.unwrap();
+        let world = group.world_size();
+        let group = Arc::into_inner(group).expect("the test let go of the group");
+        group.destroy().await.unwrap();
+        (stepper.report(), lost, world)
+    })
+}
+
+/// Three members of generation 0 with room for a joiner, admitted at a step boundary.
+async fn three_admitting_at_a_boundary(options: impl Fn(usize) -> InitOptions) -> [Arc<ElasticGroup>; 3] {
+    within(20, "the first generation", async {
+        let (a, b, c) = tokio::join!(init(options(0)), init(options(1)), init(options(2)));
+        [a, b, c].map(Arc::new)
+    })
+    .await
+}
+
+/// Until every member holds generation 1, formed beside generation 0.
+async fn all_ready(groups: &[Arc<ElasticGroup>]) {
+    within(20, "every member holding generation 1", async {
+        while !groups.iter().all(|g| g.next_ready(0)) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+}
+
+/// The next generation forms beside the running one: the joiner and
+/// every member hold it while the members are still in generation 0 (they
+/// hold their loops at a step boundary once they hold it, so no vote can
+/// swap); then the first vote in which all hold it swaps, and no step is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_generation_forms_beside_the_running_one_and_the_members_swap_together() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let boundary = Admission::AtStepBoundary {
+        longest: Duration::from_secs(60),
+    };
+    let options = move |rank| options(&store, rank, 3).elastic_world(3, 4).admission(boundary);
+    let groups = three_admitting_at_a_boundary(&options).await;
+    let (resume, _) = tokio::sync::broadcast::channel::<()>(1);
+    let members: Vec<_> = groups
+        .iter()
+        .map(|g| held_once_ready(g.clone(), resume.subscribe()))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let joiner = within(20, "the joiner's generation, formed beside", init(options(0))).await;
+    assert_eq!((joiner.generation(), joiner.world_size()), (1, 4));
+    all_ready(&groups).await;
+    for group in &groups {
+        assert_eq!(group.generation(), 0, "a member left generation 0 before the swap");
+    }
+    drop(groups);
+    let joined = tokio::spawn(own_loop_to_end(joiner, Counter::new()));
+    resume.send(()).unwrap();
+    for member in members {
+        let (report, lost, world) = within(40, "a member", member).await.unwrap();
+        assert_eq!((lost, report.rejected, world), (0, 0, 4), "{report:?}");
+        assert_eq!(report.applied, STEPS, "{report:?}");
+        assert_eq!(report.recoveries.len(), 1, "one membership change: {report:?}");
+    }
+    let (report, _) = within(40, "the joiner's loop", joined).await.unwrap();
+    assert_eq!(report.applied + report.adopted, STEPS, "{report:?}");
+}
+
+/// A joiner that leaves after generation 1 formed beside generation 0,
+/// before the swap: both generations end and the members re-form without
+/// it (generation 2, three members); a member caught inside a step (its
+/// peers held at the boundary) runs that step again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_next_generation_that_fails_before_the_swap_ends_both_and_the_members_go_on() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let boundary = Admission::AtStepBoundary {
+        longest: Duration::from_secs(60),
+    };
+    let options = move |rank| options(&store, rank, 3).elastic_world(3, 4).admission(boundary);
+    let groups = three_admitting_at_a_boundary(&options).await;
+    let (resume, _) = tokio::sync::broadcast::channel::<()>(1);
+    let members: Vec<_> = groups
+        .iter()
+        .map(|g| held_once_ready(g.clone(), resume.subscribe()))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let joiner = within(20, "the joiner's generation, formed beside", init(options(0))).await;
+    all_ready(&groups).await;
+    joiner.shutdown("the joiner leaves before the swap").await;
+    within(20, "the members' generation 2", async {
+        while !groups.iter().all(|g| g.generation() == 2) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(groups.iter().all(|g| g.world_size() == 3));
+    drop(groups);
+    resume.send(()).unwrap();
+    for member in members {
+        let (report, lost, world) = within(40, "a member", member).await.unwrap();
+        assert!(
+            lost <= 1 && report.rejected == 0 && world == 3,
+            "lost {lost}: {report:?}"
+        );
+        assert_eq!(report.applied, STEPS, "{report:?}");
+    }
+}
+
 /// A loop that stopped stepping still admits a joiner, once the bound passed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_no_step_boundary_a_joiner_is_admitted_after_the_bound() {

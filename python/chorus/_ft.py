@@ -19,6 +19,7 @@ import math
 import os
 import pickle
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -189,6 +190,13 @@ class Manager:
     whole world once ``min_replica_size`` members came; a worker that
     comes later joins at a step boundary.
 
+    A worker that comes to a running job (relaunched, or a promoted
+    standby) joins in the background at its first ``zero_grad()``, and
+    that first step runs on its own as a warm-up (its gradients are not
+    synced, ``should_commit()`` is False, nothing is applied): the members
+    keep training while the next generation forms, and they do not wait
+    for a cold first step. Its state arrives at the next ``zero_grad()``.
+
     A launcher that restarts every worker from step 0 when one fails
     (torchrun, ``chorus launch`` without ``--restart-policy worker``) would
     undo what the manager keeps; it is refused at construction unless
@@ -230,6 +238,9 @@ class Manager:
         self._joins: List[Dict[str, Any]] = []
         # The step's generation failed and a joiner came: it ends unapplied.
         self._given_up = False
+        # A joiner's first step, run on its own while it joins.
+        self._warming = False
+        self._joining: Optional[_Joining] = None
         self._join_hooks: List[Callable[[], None]] = []
         self._quorum_started = 0.0
         self._loss = _NO_LOSS
@@ -266,21 +277,32 @@ class Manager:
     # -- one step -----------------------------------------------------------
 
     def start_quorum(self) -> None:
-        """Starts a step (``Optimizer.zero_grad`` calls it): joins the
-        current generation, receiving the state first if this member is
-        behind. Calling it again before the step is committed continues the
-        same step."""
-        if self._step is not None:
+        """Starts a step: joins the current generation, receiving the state
+        first if this member is behind. Calling it again before the step is
+        committed continues the same step."""
+        self._begin(warm_up=False)
+
+    def _begin(self, warm_up: bool) -> None:
+        """:meth:`start_quorum`; with ``warm_up`` (``Optimizer.zero_grad``),
+        a worker that comes to a running job starts joining in the
+        background and runs this first step on its own."""
+        if self._step is not None or self._warming:
             return
         self._given_up = False
         self._quorum_started = time.monotonic()
         if self._trainer is None:
+            if warm_up and self._joining is None and _joins_running_job():
+                self._joining = _Joining(self._join_options)
+                self._warming = True
+                return
             try:
-                self._trainer = _chorus.Trainer(*self._join_options)
+                self._trainer = self._joining.wait() if self._joining else _chorus.Trainer(*self._join_options)
             except JobFinished as finished:
                 # A replacement that came after the last step: its work is done.
                 print(f"chorus: {finished}; this worker exits", file=sys.stderr, flush=True)
                 raise SystemExit(0) from None
+            finally:
+                self._joining = None
         step = self._trainer.begin_step(self._state)
         if step["transfer"] is not None:
             self._joins.append({**step["transfer"], "generation": step["generation"],
@@ -304,6 +326,8 @@ class Manager:
         raise: it votes the step down (``should_commit()`` is then False)."""
         if tensor.device.type != "cpu":
             raise InvalidArgument(f"a tensor on {tensor.device}: the manager syncs CPU tensors")
+        if self._warming:
+            return _Averaged(self, None, tensor, 1)
         group = self._group()
         try:
             work = group.submit("all_reduce", tensor.numel(), None, tensor, None, "sum", self._timeout)
@@ -349,8 +373,9 @@ class Manager:
     def should_commit(self) -> bool:
         """The step's vote (``Optimizer.step`` calls it): True when every
         member's sync succeeded; apply the update only then. Ends the step."""
-        if self._step is None and self._given_up:
-            self._given_up = False
+        if self._warming or (self._step is None and self._given_up):
+            self._given_up = self._warming = False
+            self._loss = _NO_LOSS
             return False
         if self._step is None:
             raise InvalidArgument("should_commit() without a step: call optimizer.zero_grad() first")
@@ -430,6 +455,34 @@ def _refuse_full_restarts() -> None:
             f"this worker's launcher ({launcher}) restarts every worker from step 0 when one fails, which undoes "
             "the Manager's recovery (the others keep training; only the failed worker is replaced): launch with "
             "`chorus launch --restart-policy worker`, or pass Manager(allow_full_restart=True) to run anyway")
+
+
+def _joins_running_job() -> bool:
+    """Whether this worker was started to join a running job (relaunched
+    by ``chorus launch --restart-policy worker``, or a standby)."""
+    return os.environ.get("CHORUS_ELASTIC_JOIN", "").strip() == "1" or bool(os.environ.get("CHORUS_STANDBY"))
+
+
+class _Joining:
+    """A join under way in a thread (the Rust side lets go of the GIL)."""
+
+    def __init__(self, options: tuple) -> None:
+        self._trainer: Optional[_chorus.Trainer] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(options,), name="chorus-join", daemon=True)
+        self._thread.start()
+
+    def _run(self, options: tuple) -> None:
+        try:
+            self._trainer = _chorus.Trainer(*options)
+        except BaseException as error:  # raised where the join is waited for
+            self._error = error
+
+    def wait(self) -> "_chorus.Trainer":
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._trainer
 
 
 class _Averaged:
@@ -598,7 +651,7 @@ class Optimizer(torch.optim.Optimizer):
         manager.register_state("optimizer", optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.manager.start_quorum()
+        self.manager._begin(warm_up=True)
         self.optim.zero_grad(set_to_none)
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

@@ -112,6 +112,7 @@ def dtypes(run: Path) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     manager.register_state("scheduler", scheduler)
     victim = not relaunched and os.environ.get("LOCAL_RANK") == "2"
+    first_committed = None
     while manager.current_step() < STEPS:
         optimizer.zero_grad()
         gen = torch.Generator().manual_seed(manager.current_step() * 10 + manager.participating_rank())
@@ -119,8 +120,11 @@ def dtypes(run: Path) -> None:
         loss = model(x).pow(2).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        before = manager.current_step()
         optimizer.step()
         scheduler.step()
+        if first_committed is None:
+            first_committed = manager.current_step() > before
         master.refresh()
         if victim and manager.current_step() == KILL_AFTER:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -133,6 +137,7 @@ def dtypes(run: Path) -> None:
         "last_epoch": scheduler.last_epoch,
         "digest": digest([net, optimizer, master]),
         "grad_dtypes": sorted({str(p.grad.dtype) for p in net.parameters()}),
+        "first_committed": first_committed,
     }))
     manager.shutdown()
 

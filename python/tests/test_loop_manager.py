@@ -74,6 +74,9 @@ def test_every_dtype_reaches_the_joiner_and_hashes_equal():
     # The scheduler and the optimizer's param_groups travelled: one LR, one epoch count.
     assert len({r["lr"] for r in finished}) == 1 and len({r["last_epoch"] for r in finished}) == 1, finished
     assert finished[0]["grad_dtypes"] == ["torch.bfloat16", "torch.float16", "torch.float64"], finished
+    # The joiner's first step was its warm-up, run on its own while it joined, never applied.
+    assert [r["first_committed"] for r in finished if r["relaunched"]] == [False], finished
+    assert all(r["first_committed"] for r in finished if not r["relaunched"]), finished
 
 
 @needs_launcher

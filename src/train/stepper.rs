@@ -24,7 +24,7 @@ use super::live::Live;
 use super::record::{self, CommitRecord, Recorder};
 use super::state::TrainState;
 use super::trainer::{
-    Committed, Full, Outcome, Outer, Pending, Progress, TrainError, TrainReport, decide, vote, wait_next,
+    Boundary, Committed, Full, Outcome, Outer, Pending, Progress, TrainError, TrainReport, decide, vote, wait_next,
 };
 use super::transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
 use crate::elastic::ElasticGroup;
@@ -344,8 +344,10 @@ impl Stepper {
     /// [`StepperOptions::max_rejections`] times in a row). The second
     /// value is the sum of the members' `loss`es. Under
     /// [`Admission::AtStepBoundary`](crate::elastic::Admission), a
-    /// committed vote that says processes wait to join restarts the
-    /// generation to admit them here, between two steps.
+    /// committed vote that says processes wait to join has the next
+    /// generation formed with them beside this one, while the steps go on;
+    /// the first committed vote in which every member holds it swaps to
+    /// it, between two steps.
     pub async fn commit(
         &mut self,
         group: &ElasticGroup,
@@ -360,10 +362,10 @@ impl Stepper {
             });
         };
         self.in_step = false;
-        let votes = vote(&pg, ok, fatal, loss, group.joiners_waiting(pg.generation()), None).await;
+        let votes = vote(&pg, ok, fatal, loss, Boundary::of(group, pg.generation()), None).await;
         let summed = votes.as_ref().map_or(0.0, |v| v.sums[2]);
         match decide(&pg, self.progress.step, votes.as_ref())? {
-            Outcome::Committed { admit } => {
+            Outcome::Committed { admit, swap } => {
                 let mean_loss = summed / pg.world_size() as f64;
                 if let Some(live) = &self.live {
                     let committed = Committed {
@@ -401,10 +403,12 @@ impl Stepper {
                     }
                     self.report.recoveries.push(recovery);
                 }
-                if admit {
+                if swap {
                     self.pending = Some(Pending::new(Instant::now()));
-                    group.admit_at_boundary(&pg).await;
+                    group.swap_at_boundary(&pg).await;
                     self.failed = Some(pg.generation());
+                } else if admit {
+                    group.admit_at_boundary(&pg);
                 }
                 Ok((true, summed))
             }

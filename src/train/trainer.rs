@@ -479,8 +479,10 @@ fn write_params(job: &mut dyn Parameters, flat: &[f32]) {
 
 /// What ended an attempt at a unit of progress.
 pub(super) enum Outcome {
-    /// `admit`: a member saw processes waiting to join at this boundary.
-    Committed { admit: bool },
+    /// `admit`: a member saw processes waiting to join at this boundary;
+    /// `swap`: every member holds the next generation, formed beside this
+    /// one (swap to it now).
+    Committed { admit: bool, swap: bool },
     /// The group failed: wait for the next generation.
     GroupFailed,
     /// A member's local failure voted it down: re-run in this generation.
@@ -702,11 +704,11 @@ pub async fn train<J: Job>(
             }
         }
         let (_, sync) = synced.as_mut().expect("synced above");
-        let joiner = group.joiners_waiting(generation);
+        let boundary = Boundary::of(group, generation);
         let outcome = match outer_due {
             Some((rule, fragment, fragments)) => {
                 let fragment = (fragment, fragments);
-                outer_sync(&pg, &mut *job, &mut outer, rule, fragment, progress.step, joiner).await?
+                outer_sync(&pg, &mut *job, &mut outer, rule, fragment, progress.step, boundary).await?
             }
             None => {
                 let at = progress.step;
@@ -755,7 +757,7 @@ pub async fn train<J: Job>(
                 }
                 let ddp = options.mode == Mode::Ddp;
                 let (outcome, loss, outliers) =
-                    run_step(&pg, &mut *job, sync, &step, (ddp, joiner), &mut guard).await?;
+                    run_step(&pg, &mut *job, sync, &step, (ddp, boundary), &mut guard).await?;
                 if !outliers.is_empty() && rejections >= options.max_rejections {
                     return Err(TrainError::Unhealed {
                         step: step.step,
@@ -798,7 +800,7 @@ pub async fn train<J: Job>(
             }
         };
         match outcome {
-            Outcome::Committed { admit } => {
+            Outcome::Committed { admit, swap } => {
                 rejections = 0;
                 match outer_due {
                     Some(_) => progress.outer_syncs += 1,
@@ -812,10 +814,12 @@ pub async fn train<J: Job>(
                     }
                     report.recoveries.push(recovery);
                 }
-                if admit {
+                if swap {
                     pending = Some(Pending::new(Instant::now()));
-                    group.admit_at_boundary(&pg).await;
+                    group.swap_at_boundary(&pg).await;
                     wait_next(group, generation).await?;
+                } else if admit {
+                    group.admit_at_boundary(&pg);
                 }
             }
             Outcome::GroupFailed => {
@@ -855,40 +859,63 @@ pub(super) async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(
         .map_err(TrainError::GaveUp)
 }
 
+/// What a member's vote says about the membership at this boundary.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Boundary {
+    /// It saw processes waiting to join.
+    pub(super) joiner: bool,
+    /// It holds the next generation, formed beside this one.
+    pub(super) ready: bool,
+}
+
+impl Boundary {
+    /// This process's view of `generation` in `group`.
+    pub(super) fn of(group: &ElasticGroup, generation: u64) -> Self {
+        Self {
+            joiner: group.joiners_waiting(generation),
+            ready: group.next_ready(generation),
+        }
+    }
+}
+
 /// The commit vote, summed over the members.
 pub(super) struct Votes {
-    /// `[succeeded, failed for good, loss, saw a joiner waiting]`.
-    pub(super) sums: [f64; 4],
+    /// `[succeeded, failed for good, loss, saw a joiner waiting, holds the
+    /// next generation]`.
+    pub(super) sums: [f64; 5],
     /// Each member's local gradient norm, by rank (0 where not measured).
     pub(super) norms: Vec<f64>,
 }
 
 /// The commit vote: every member's `[succeeded, failed for good, loss,
-/// saw a joiner waiting]` summed, and each one's local gradient norm in
-/// its own slot. `None` when the vote itself failed (the group did).
+/// saw a joiner waiting, holds the next generation]` summed, and each
+/// one's local gradient norm in its own slot. `None` when the vote itself
+/// failed (the group did).
 pub(super) async fn vote(
     pg: &ProcessGroup,
     ok: bool,
     fatal: bool,
     loss: f64,
-    joiner: bool,
+    boundary: Boundary,
     grad_norm: Option<f64>,
 ) -> Option<Votes> {
-    let mut mine = vec![0.0; 4 + pg.world_size()];
-    mine[..4].copy_from_slice(&[
+    const SLOTS: usize = 5;
+    let mut mine = vec![0.0; SLOTS + pg.world_size()];
+    mine[..SLOTS].copy_from_slice(&[
         f64::from(u8::from(ok)),
         f64::from(u8::from(fatal)),
         loss,
-        f64::from(u8::from(joiner)),
+        f64::from(u8::from(boundary.joiner)),
+        f64::from(u8::from(boundary.ready)),
     ]);
     if let Some(norm) = grad_norm {
-        mine[4 + pg.rank()] = norm;
+        mine[SLOTS + pg.rank()] = norm;
     }
     let sum = pg.all_reduce(Tensor::from_slice(&mine), ReduceOp::Sum).await.ok()?;
     let sum = sum.to_vec::<f64>().ok().filter(|s| s.len() == mine.len())?;
     Some(Votes {
-        sums: [sum[0], sum[1], sum[2], sum[3]],
-        norms: sum[4..].to_vec(),
+        sums: [sum[0], sum[1], sum[2], sum[3], sum[4]],
+        norms: sum[SLOTS..].to_vec(),
     })
 }
 
@@ -896,7 +923,7 @@ pub(super) async fn vote(
 /// failed for good.
 pub(super) fn decide(pg: &ProcessGroup, step: u64, votes: Option<&Votes>) -> Result<Outcome, TrainError> {
     let Some(&Votes {
-        sums: [ok, fatal, _, joiners],
+        sums: [ok, fatal, _, joiners, ready],
         ..
     }) = votes
     else {
@@ -906,7 +933,10 @@ pub(super) fn decide(pg: &ProcessGroup, step: u64, votes: Option<&Votes>) -> Res
         return Err(TrainError::PeerFailed(step));
     }
     Ok(if ok as usize == pg.world_size() {
-        Outcome::Committed { admit: joiners > 0.0 }
+        Outcome::Committed {
+            admit: joiners > 0.0,
+            swap: ready as usize == pg.world_size(),
+        }
     } else {
         Outcome::Rejected
     })
@@ -920,7 +950,7 @@ async fn run_step<J: Job>(
     job: &mut J,
     sync: &mut DistributedSync<'static>,
     step: &Step,
-    (ddp, joiner): (bool, bool),
+    (ddp, boundary): (bool, Boundary),
     guard: &mut Guard,
 ) -> Result<(Outcome, f64, Vec<usize>), TrainError> {
     let mut failure: Option<TrainError> = None;
@@ -955,7 +985,7 @@ async fn run_step<J: Job>(
             }
         }
     }
-    let votes = vote(pg, ok, failure.is_some(), loss, joiner, guard.grad_norm()).await;
+    let votes = vote(pg, ok, failure.is_some(), loss, boundary, guard.grad_norm()).await;
     if let Some(error) = failure {
         return Err(error);
     }
@@ -994,7 +1024,7 @@ async fn outer_sync<J: Job>(
     rule: OuterRule,
     (fragment, fragments): (u32, u32),
     step: u64,
-    joiner: bool,
+    boundary: Boundary,
 ) -> Result<Outcome, TrainError> {
     let mut params = read_params(job)?;
     let n = params.len();
@@ -1006,7 +1036,7 @@ async fn outer_sync<J: Job>(
         .await
         .ok()
         .and_then(|sum| sum.to_vec::<f32>().ok());
-    let votes = vote(pg, sum.is_some(), false, 0.0, joiner, None).await;
+    let votes = vote(pg, sum.is_some(), false, 0.0, boundary, None).await;
     let outcome = decide(pg, step, votes.as_ref())?;
     if let (Outcome::Committed { .. }, Some(sum)) = (&outcome, sum) {
         // Local SGD keeps no momentum.
