@@ -757,12 +757,16 @@ const REMOTE_EXIT_POLL: Duration = Duration::from_millis(250);
 /// Fails peers on other hosts as soon as their launcher publishes their
 /// exit (`elastic::publish_exit`): a SIGKILLed rank elsewhere is noticed
 /// within a poll instead of at the heartbeat window, which remains for
-/// partitions and frozen ranks. Reads one counter per poll, and the peers'
-/// exit keys only when it moved; a store error is not a peer's failure.
+/// partitions and frozen ranks. A peer that exited after its own group
+/// aborted, blaming others (its launcher publishes whom), left because of
+/// them and is not blamed itself (SV-14). Reads one counter per poll, and
+/// the peers' exit keys only when it moved; a store error is not a peer's
+/// failure. `members`: every rank's (rank, host name, pid); `remote`: the
+/// ranks to watch.
 async fn watch_remote_exits(
     store: Arc<dyn Store>,
     run_id: String,
-    peers: Vec<(usize, String, u32)>,
+    (members, remote): (Vec<(usize, String, u32)>, Vec<usize>),
     monitor: Arc<SharedMonitor>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -772,9 +776,12 @@ async fn watch_remote_exits(
             && seen != Some(count)
         {
             seen = Some(count);
-            for (rank, host, pid) in &peers {
-                if let Ok(true) = elastic::has_exited(store.as_ref(), &run_id, host, *pid).await {
-                    monitor.process_exited(*rank, *pid);
+            for (rank, host, pid) in members.iter().filter(|(rank, ..)| remote.contains(rank)) {
+                if let Ok(Some(exit)) = elastic::exit_of(store.as_ref(), &run_id, host, *pid).await {
+                    match blamed_ranks(&exit, &members) {
+                        blamed if blamed.is_empty() => monitor.process_exited(*rank, *pid),
+                        blamed => monitor.exited_after_abort(*rank, *pid, blamed),
+                    }
                 }
             }
         }
@@ -783,6 +790,16 @@ async fn watch_remote_exits(
             _ = stop.wait_for(|stopped| *stopped) => return,
         }
     }
+}
+
+/// The ranks among `members` (rank, host name, pid) of the processes an
+/// exit blamed; processes of no member (another generation's) are left out.
+fn blamed_ranks(exit: &elastic::Exit, members: &[(usize, String, u32)]) -> Vec<usize> {
+    members
+        .iter()
+        .filter(|(_, host, pid)| exit.blamed.iter().any(|(h, p)| h == host && p == pid))
+        .map(|(rank, ..)| *rank)
+        .collect()
 }
 
 /// Starts a formed rank: its actor, heartbeats and watchdog on `arbiter`.
@@ -883,17 +900,26 @@ async fn start_rank(
     })
     .await?;
     let me = membership.me();
-    let remote: Vec<(usize, String, u32)> = membership
+    let remote: Vec<usize> = membership
         .peers
         .iter()
         .filter(|peer| !peer.host.same_pids(&me.host))
-        .map(|peer| (peer.rank as usize, peer.host.hostname.clone(), peer.pid))
+        .map(|peer| peer.rank as usize)
         .collect();
     if !remote.is_empty() {
+        let members = membership
+            .peers
+            .iter()
+            .map(|peer| (peer.rank as usize, peer.host.hostname.clone(), peer.pid))
+            .collect();
         let (store, run_id, stop) = (opened.store.clone(), config.run_id.clone(), stop.clone());
-        arbiter
-            .handle()
-            .spawn(watch_remote_exits(store, run_id, remote, exits_monitor, stop));
+        arbiter.handle().spawn(watch_remote_exits(
+            store,
+            run_id,
+            (members, remote),
+            exits_monitor,
+            stop,
+        ));
     }
     supervision::spawn_stall_monitor(
         supervision.clone(),
@@ -1315,6 +1341,67 @@ mod tests {
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port()
+    }
+
+    /// SV-14 across hosts: a peer whose launcher published that it exited
+    /// after blaming rank 2 left because of rank 2; one that blamed no one
+    /// (or only processes outside the group) failed itself.
+    #[tokio::test]
+    async fn sv14_a_remote_peer_that_exited_blaming_others_left_and_only_they_are_blamed() {
+        use chorus_actors::heartbeat::{HeartbeatMonitor, PeerFailure, PeerFailureCause};
+        let store: Arc<dyn Store> = Arc::new(chorus_runtime::store::HashStore::default());
+        let members: Vec<(usize, String, u32)> = (0..4).map(|r| (r, format!("h{r}"), 100 + r as u32)).collect();
+        let exit = |blamed: &[(&str, u32)]| elastic::Exit {
+            blamed: blamed.iter().map(|&(h, p)| (h.to_string(), p)).collect(),
+        };
+        elastic::publish_exit(store.as_ref(), "run", "h1", 101, &exit(&[("h2", 102)]))
+            .await
+            .unwrap();
+        elastic::publish_exit(store.as_ref(), "run", "h3", 103, &exit(&[("elsewhere", 1)]))
+            .await
+            .unwrap();
+        let monitor = SharedMonitor::new(HeartbeatMonitor::new(
+            [1, 2, 3],
+            Duration::from_secs(60),
+            Instant::now(),
+        ));
+        let (stop, stopped) = watch::channel(false);
+        let watcher = tokio::spawn(watch_remote_exits(
+            store,
+            "run".into(),
+            (members, vec![1, 2, 3]),
+            monitor.clone(),
+            stopped,
+        ));
+        let gone = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                let gone = monitor.lock().poll(Instant::now());
+                if !gone.is_empty() {
+                    return gone;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the published exits were not seen within 5 s");
+        stop.send_replace(true);
+        watcher.await.unwrap();
+        assert_eq!(
+            gone,
+            vec![
+                PeerFailure {
+                    rank: 1,
+                    cause: PeerFailureCause::Left {
+                        reason: "its process (pid 101) exited after its group aborted".into(),
+                        failed: vec![2],
+                    },
+                },
+                PeerFailure {
+                    rank: 3,
+                    cause: PeerFailureCause::Closed("its process (pid 103) exited".into()),
+                },
+            ]
+        );
     }
 
     #[test]

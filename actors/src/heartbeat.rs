@@ -228,6 +228,19 @@ impl HeartbeatMonitor {
         }
     }
 
+    /// `peer`'s process exited after its own group aborted, blaming
+    /// `failed` (its launcher published whom, from its error file): it
+    /// left because of them, as a close notice would say (SV-14), so it is
+    /// not blamed itself.
+    pub fn exited_after_abort(&mut self, peer: usize, pid: u32, failed: Vec<usize>) {
+        if let Some(state) = self.state(peer) {
+            state.closed.get_or_insert_with(|| PeerFailureCause::Left {
+                reason: format!("its process (pid {pid}) exited after its group aborted"),
+                failed,
+            });
+        }
+    }
+
     /// `peer` left cleanly: it is no longer watched (SV-8).
     pub fn left(&mut self, peer: usize) {
         self.peers.remove(&peer);
@@ -290,6 +303,13 @@ impl SharedMonitor {
     /// published by its launcher) and wakes the watchdog.
     pub fn process_exited(&self, peer: usize, pid: u32) {
         self.lock().process_exited(peer, pid);
+        self.link_failed.notify_one();
+    }
+
+    /// Records that `peer`'s process exited after blaming `failed`
+    /// ([`HeartbeatMonitor::exited_after_abort`]) and wakes the watchdog.
+    pub fn exited_after_abort(&self, peer: usize, pid: u32, failed: Vec<usize>) {
+        self.lock().exited_after_abort(peer, pid, failed);
         self.link_failed.notify_one();
     }
 
@@ -492,6 +512,34 @@ mod tests {
             gone[0].to_string(),
             "rank 1 closed its links (rank 1 aborted: rank 2 (pid 9) died)"
         );
+    }
+
+    #[test]
+    fn sv14_a_peer_that_exited_after_its_own_abort_left_and_names_whom_it_blamed() {
+        let t0 = Instant::now();
+        let mut monitor = HeartbeatMonitor::new([1, 2, 3], WINDOW, t0);
+        monitor.exited_after_abort(1, 41, vec![2, 3]);
+        // Its process gone too (seen later): what it said first stands.
+        monitor.process_exited(1, 41);
+        monitor.process_exited(2, 42);
+        let gone = monitor.poll(t0);
+        assert_eq!(
+            gone,
+            vec![
+                PeerFailure {
+                    rank: 1,
+                    cause: PeerFailureCause::Left {
+                        reason: "its process (pid 41) exited after its group aborted".into(),
+                        failed: vec![2, 3]
+                    }
+                },
+                PeerFailure {
+                    rank: 2,
+                    cause: PeerFailureCause::Closed("its process (pid 42) exited".into())
+                }
+            ]
+        );
+        assert!(!gone[0].failed() && gone[1].failed());
     }
 
     #[tokio::test]

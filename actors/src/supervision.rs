@@ -31,7 +31,10 @@
 //!   peer that gets it (`TransportError::PeerClosed`, a
 //!   [`Left`](crate::heartbeat::PeerFailureCause::Left) peer) still aborts,
 //!   but blames the ranks the notice names, not its sender, and its abort
-//!   message leads with the failures it saw itself.
+//!   message leads with the failures it saw itself. The same holds for a
+//!   peer on another host whose launcher published that its process exited
+//!   after its group aborted, naming whom it blamed (its error file): an
+//!   exit that outran its close notice does not make it the culprit.
 //!
 //! Restarting a group (a new generation) is a supervisor's job on top of
 //! SV-5: everything here belongs to one generation and ends with it.

@@ -31,13 +31,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from chorus import free_port
 
 # Where a replacement's time goes: this process's start, then marks.
 MARKS = {"process started": time.time()}
@@ -242,11 +243,6 @@ def chorus_command() -> str:
     raise SystemExit("the `chorus` command is not found: `cargo build --release -p chorus-cli` "
                      "(then target/release/chorus is used), or set CHORUS=/path/to/chorus")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_frozen(marker: Path, after: float, stop: threading.Event) -> None:

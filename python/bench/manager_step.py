@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from chorus import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WAYS = ("ddp-gloo", "ddp-chorus", "manager")
@@ -82,11 +83,6 @@ def worker(way: str, args) -> None:
         gaps = [(b - a) * 1e3 for a, b in zip(stamps[WARMUP:], stamps[WARMUP + 1 :])]
         print("RESULT " + json.dumps({"step_ms": statistics.median(gaps)}), flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(way: str, args) -> float:

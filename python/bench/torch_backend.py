@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from chorus import free_port
 
 HERE = os.path.abspath(__file__)
 
@@ -143,11 +144,6 @@ def gpt(rank: int, steps: int):
                 timed[sync].append((time.perf_counter() - start) * 1e3)
     return statistics.median(timed[True]), statistics.median(timed[False])
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(backend: str, world: int, args) -> dict:

@@ -38,7 +38,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
+
+from chorus import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "python" / "train.py"
@@ -57,11 +58,6 @@ def example():
     spec.loader.exec_module(module)
     return module
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchft_replica(args) -> None:

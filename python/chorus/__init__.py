@@ -5,6 +5,8 @@
 The exceptions below are ``torch.distributed.DistBackendError``\\ s.
 """
 
+import socket
+
 from chorus._chorus import __version__
 from chorus._errors import (
     ChorusError,
@@ -25,4 +27,14 @@ __all__ = [
     "JobFinished",
     "WaitTimeout",
     "__version__",
+    "free_port",
 ]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a launcher's ``--master-port``
+    (as torch's ``get_free_port``); another process may take it before it
+    is used."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -5,7 +5,6 @@ training; the sampler's shards."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install torch)")
 
 import chorus.torch as ct  # noqa: E402
-from chorus import InvalidArgument  # noqa: E402
+from chorus import InvalidArgument, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHORUS = Path(os.environ.get("CHORUS", ROOT / "target" / "release" / "chorus"))
@@ -45,11 +44,6 @@ def test_the_gpt_example_survives_a_fault_with_its_state_verified_and_the_fault_
         assert run["standby_promotions"] >= 1, run
         assert run["replacement_ms"] is not None and max(r["bytes"] for r in run["recoveries"]) > 1 << 20, run
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(scenario, world, timeout=240, *extra):

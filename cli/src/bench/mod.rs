@@ -12,6 +12,9 @@
 //!   embedded script written out for the run).
 //! - [`ddp`]: `chorus bench ddp`, gradient sync step time with and without
 //!   sync on a 25M-parameter model, with `--compare torch` (PyTorch DDP, Gloo).
+//! - [`measure`]: one rank's side of a measurement, which the sides and the
+//!   sweep share: the collective, the timed calls, the check of the
+//!   outputs, a rank's answer as a JSON line.
 //! - [`memory`]: `chorus bench memory -- COMMAND`, a job's peak `/dev/shm`
 //!   segments and its processes' summed peak resident memory.
 //! - [`plot`]: the set-up every PNG the tools draw shares, and the `--plot`
@@ -33,6 +36,7 @@
 pub mod collective;
 pub mod common;
 pub mod ddp;
+pub mod measure;
 pub mod memory;
 pub mod plot;
 pub mod recovery;

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::Value;
 
-use super::collective::{Raw, Spec, measure};
 use super::common::{free_port, job_secret, torchrun_env};
+use super::measure::{Raw, Spec, measure};
 use crate::launch::binding;
 
 /// Something that measures one size when asked: a set of rank processes or in-process ranks.

@@ -618,12 +618,19 @@ async fn bounded<T>(
 
 /// Publishes that worker `pid` exited (`elastic::publish_exit`), under
 /// the run ids its groups may use, so ranks on other hosts fail it at once
-/// and an elastic rendezvous need not wait for it.
-async fn publish_exit(job: &Job, job_env: &env::JobEnv, pid: i32) -> Result<(), LaunchError> {
+/// and an elastic rendezvous need not wait for it; with the peers its
+/// error file blames, when it exited after its group aborted, so that
+/// they are blamed and not it.
+async fn publish_exit(job: &Job, job_env: &env::JobEnv, pid: i32, error_file: &Path) -> Result<(), LaunchError> {
     let store = job.store.store.as_ref();
     let host = HostId::local().hostname;
+    let exit = elastic::Exit {
+        blamed: chorus::error_file::ErrorReport::read(error_file)
+            .map(|report| report.failed.into_iter().map(|peer| (peer.host, peer.pid)).collect())
+            .unwrap_or_default(),
+    };
     for run_id in job_env.group_run_ids() {
-        bounded(job, elastic::publish_exit(store, &run_id, &host, pid as u32)).await?;
+        bounded(job, elastic::publish_exit(store, &run_id, &host, pid as u32, &exit)).await?;
     }
     Ok(())
 }
@@ -716,14 +723,20 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
         let outcome = supervise(&mut workers, job, &formed, &mut plan::KeepAlives::default(), signals).await;
         let store = store.as_ref();
         let end = match outcome {
-            Outcome::Succeeded => match wait_for_nodes(job, &formed, signals).await? {
-                AllDone::Yes => {
-                    nodes::end_job(store, &job.keys, round, "the job finished").await?;
-                    return Ok(0);
+            Outcome::Succeeded => {
+                // Every worker exited: their last lines reach the console and
+                // the logs before this launcher may exit (and nothing they
+                // left running in their process groups outlives them).
+                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                match wait_for_nodes(job, &formed, signals).await? {
+                    AllDone::Yes => {
+                        nodes::end_job(store, &job.keys, round, "the job finished").await?;
+                        return Ok(0);
+                    }
+                    AllDone::Signaled(signo) => return Ok(128 + signo),
+                    AllDone::Moved => ended_elsewhere(store, &job.keys, round).await?,
                 }
-                AllDone::Signaled(signo) => return Ok(128 + signo),
-                AllDone::Moved => ended_elsewhere(store, &job.keys, round).await?,
-            },
+            }
             Outcome::Failed(ended) => {
                 let tail = workers.tail(ended.rank).await;
                 let reports: Vec<PathBuf> = (0..config.nproc_per_node)
@@ -737,7 +750,7 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
                 // A node cut off from the store gives up within the keep-alive window.
                 let ours = RoundEnd::Failure(what.clone());
                 let told = async {
-                    publish_exit(job, &job_env, ended.pid).await?;
+                    publish_exit(job, &job_env, ended.pid, &job_env.error_file(ended.rank)).await?;
                     bounded(job, nodes::end_round(store, &job.keys, round, &ours)).await
                 }
                 .await;
@@ -926,7 +939,7 @@ async fn run_elastic_round(
                 await_reports(&error_file, &reports).await;
                 let (_, what) = failure(workers, &ended, formed.node_rank, slot_env.restart_count, &reports);
                 report(&what, ended.rank, &tail, &error_file);
-                if let Err(error) = publish_exit(job, &slot_env, ended.pid).await {
+                if let Err(error) = publish_exit(job, &slot_env, ended.pid, &error_file).await {
                     workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
                     return Err(error);
                 }

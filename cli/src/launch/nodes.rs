@@ -34,7 +34,8 @@
 //!    closed; a closed round without it sends it on to the next one.
 //! 2. Round n may close only once it is the current round (`attempt` >= n),
 //!    so launchers waiting for round n+1 never form a group beside round n's.
-//! 3. Any member closes it ([`plan::nodes_formed`]): at once with max nodes;
+//! 3. Any member closes it (`membership::closes_with`, the rule the elastic
+//!    rendezvous of ranks uses too): at once with max nodes;
 //!    with min or more once every node of round n-1 is back or after the
 //!    last call; node ranks are dense ([`plan::members`]).
 //! 4. A running launcher advances the round when one of its workers fails,
@@ -84,6 +85,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use chorus_runtime::rendezvous::membership;
 use chorus_runtime::store::{
     EtcdStore, EtcdStoreOptions, Store, StoreError, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions,
     parse_endpoints,
@@ -488,13 +490,12 @@ pub async fn join(store: &dyn Store, keys: &Keys, round: &mut u64, me: &Joining<
         } else {
             open_with_min = None;
         }
-        let formed = plan::nodes_formed(
+        let formed = membership::closes_with(
             arrivals.len(),
-            me.min_nodes,
-            me.max_nodes,
+            (me.min_nodes, me.max_nodes),
+            plan::previous_back(&arrivals, &previous),
             open_with_min.map(|t| t.elapsed()),
             me.last_call_timeout,
-            plan::previous_back(&arrivals, &previous),
         );
         if let Some(n) = formed.filter(|_| open) {
             let members = plan::members(&arrivals, &previous, n)

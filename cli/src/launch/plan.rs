@@ -6,6 +6,8 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use chorus_runtime::rendezvous::membership::{self, Claim};
+
 /// How a worker process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkerExit {
@@ -95,32 +97,6 @@ pub fn after_failure(attempt: u64, max_restarts: u64) -> AfterFailure {
     }
 }
 
-/// Whether a round's node group is formed, and with how many nodes: at
-/// once with `max` nodes; with `min` or more once every node of the
-/// previous round is back (`previous_back`: nobody left, so nobody is worth
-/// waiting for), or once `last_call` has passed since the round opened with
-/// `min` nodes in (torchrun's last call for late nodes).
-pub fn nodes_formed(
-    joined: usize,
-    min: usize,
-    max: usize,
-    since_min: Option<Duration>,
-    last_call: Duration,
-    previous_back: bool,
-) -> Option<usize> {
-    if joined >= max {
-        return Some(max);
-    }
-    if joined < min {
-        return None;
-    }
-    match since_min {
-        Some(_) if previous_back => Some(joined),
-        Some(waited) if waited >= last_call => Some(joined),
-        _ => None,
-    }
-}
-
 /// A launcher that joined a round, as its record in the store says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Arrival {
@@ -136,31 +112,19 @@ pub struct Arrival {
 /// an explicit `--node-rank` keeps its place; the other places go first to
 /// the previous round's members, in their previous order (so survivors
 /// keep their relative order), then to newcomers in arrival order. Ranks
-/// are dense: a node that left leaves no hole.
+/// are dense: a node that left leaves no hole ([`membership::places`]).
 pub fn members(arrivals: &[Arrival], previous: &[String], n: usize) -> Vec<Arrival> {
-    let previous_rank = |a: &Arrival| previous.iter().position(|id| *id == a.id);
-    let mut by_priority: Vec<(usize, &Arrival)> = arrivals.iter().enumerate().collect();
-    // Explicit ranks first, then survivors by old rank, then arrival order.
-    by_priority.sort_by_key(|&(order, a)| match (a.node_rank, previous_rank(a)) {
-        (Some(rank), _) => (0, rank, order),
-        (None, Some(rank)) => (1, rank, order),
-        (None, None) => (2, 0, order),
-    });
-    let chosen: Vec<&Arrival> = by_priority.into_iter().take(n).map(|(_, a)| a).collect();
-    let mut places: Vec<Option<Arrival>> = vec![None; chosen.len()];
-    let mut rest = Vec::new();
-    for arrival in chosen {
-        match arrival.node_rank {
-            Some(rank) if rank < places.len() && places[rank].is_none() => places[rank] = Some(arrival.clone()),
-            _ => rest.push(arrival.clone()),
-        }
-    }
-    let mut rest = rest.into_iter();
-    places
+    let claims: Vec<Claim> = arrivals
+        .iter()
+        .map(|a| Claim {
+            fixed: a.node_rank,
+            previous: previous.iter().position(|id| *id == a.id),
+        })
+        .collect();
+    membership::places(&claims, n)
         .into_iter()
-        .map(|place| place.or_else(|| rest.next()))
-        .collect::<Option<Vec<_>>>()
-        .unwrap_or_default()
+        .map(|i| arrivals[i].clone())
+        .collect()
 }
 
 /// Whether every member of the previous round (when there was one) is
@@ -223,31 +187,6 @@ mod tests {
         assert_eq!(WorkerExit::Signal(9).to_string(), "was killed by signal SIGKILL (9)");
         assert_eq!(WorkerExit::Code(3).to_string(), "exited with code 3");
         assert!(WorkerExit::Code(0).success());
-    }
-
-    #[test]
-    fn group_forms_at_max_or_after_last_call() {
-        let call = Duration::from_secs(30);
-        assert_eq!(nodes_formed(2, 2, 2, Some(Duration::ZERO), call, false), Some(2));
-        assert_eq!(nodes_formed(1, 2, 2, None, call, false), None);
-        assert_eq!(nodes_formed(2, 1, 4, Some(Duration::from_secs(1)), call, false), None);
-        assert_eq!(nodes_formed(2, 1, 4, Some(call), call, false), Some(2));
-        // More than max arrived (a race): the group takes max.
-        assert_eq!(nodes_formed(5, 2, 4, None, call, false), Some(4));
-    }
-
-    #[test]
-    fn a_restarted_group_forms_without_last_call_once_everyone_is_back() {
-        let call = Duration::from_secs(30);
-        let early = Some(Duration::from_millis(1));
-        assert_eq!(nodes_formed(3, 2, 4, early, call, true), Some(3));
-        // Someone of the previous round is missing: wait for it up to the last call.
-        assert_eq!(nodes_formed(2, 2, 4, early, call, false), None);
-        assert_eq!(nodes_formed(2, 2, 4, Some(call), call, false), Some(2));
-        // Never below min, even with everyone back.
-        assert_eq!(nodes_formed(1, 2, 4, early, call, true), None);
-        // The round is not open yet (no min-timer): wait.
-        assert_eq!(nodes_formed(3, 2, 4, None, call, true), None);
     }
 
     fn arrival(id: &str, node_rank: Option<usize>) -> Arrival {

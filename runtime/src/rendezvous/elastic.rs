@@ -11,7 +11,8 @@
 //! - `closed`: compare-set once with the number admitted; the first writer
 //!   wins, so every participant reads the same membership.
 //!
-//! The decisions are pure functions ([`decide`], [`assign_ranks`]) fed
+//! The decisions are pure functions ([`decide`], [`assign_ranks`], over
+//! the rules every round that re-forms shares: [`super::membership`]) fed
 //! with store reads and the time waited; [`join`] is the thin IO loop.
 //! - The generation closes as soon as `max_world` joined; or as soon as at
 //!   least `min_world` joined and every member of the previous generation
@@ -43,6 +44,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use super::membership::{self, Claim};
 use crate::store::{PrefixStore, Store, StoreError};
 use crate::wait::{self, Notes};
 
@@ -211,13 +213,11 @@ pub fn decide(
             Step::Wait
         };
     }
-    if joined >= config.max_world {
-        return Step::Close(config.max_world);
+    let bounds = (config.min_world, config.max_world);
+    match membership::closes_with(joined, bounds, accounted, since_min, config.last_call) {
+        Some(n) => Step::Close(n),
+        None => Step::Wait,
     }
-    if joined >= config.min_world && (accounted || since_min.is_some_and(|d| d >= config.last_call)) {
-        return Step::Close(joined);
-    }
-    Step::Wait
 }
 
 /// The newest generation that closed before the one being formed, with its
@@ -277,16 +277,18 @@ pub fn accounted_for(members: &[Joiner]) -> bool {
 
 /// New dense ranks for the admitted participants, given in arrival order:
 /// `result[i]` is the new rank of `members[i]`. Survivors (with an old rank)
-/// come first, by old rank; new processes follow in arrival order.
+/// come first, by old rank; new processes follow in arrival order
+/// ([`membership::places`]).
 pub fn assign_ranks(members: &[Joiner]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..members.len()).collect();
-    // Stable sort: equal keys (two new processes) keep their arrival order.
-    order.sort_by_key(|&i| match members[i].old_rank {
-        Some(rank) => (0, rank as usize),
-        None => (1, 0),
-    });
+    let claims: Vec<Claim> = members
+        .iter()
+        .map(|m| Claim {
+            fixed: None,
+            previous: m.old_rank.map(|r| r as usize),
+        })
+        .collect();
     let mut ranks = vec![0; members.len()];
-    for (new_rank, &i) in order.iter().enumerate() {
+    for (new_rank, i) in membership::places(&claims, members.len()).into_iter().enumerate() {
         ranks[i] = new_rank;
     }
     ranks
@@ -387,13 +389,44 @@ fn exit_count_key(run_id: &str) -> String {
     format!("chorus/{run_id}/exits")
 }
 
+/// What a launcher knows of a worker's exit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Exit {
+    /// The processes (host name, pid) the worker blamed for its group's
+    /// abort before it exited (its error file names them): it exited
+    /// because of them, and a peer blames them, not it. Empty when it
+    /// named none: it failed itself, as far as anyone knows.
+    pub blamed: Vec<(String, u32)>,
+}
+
 /// Publishes that process `pid` on `hostname`, a worker of `run_id`, has
 /// exited: its launcher saw it, so an elastic rendezvous need not wait for
 /// it (SV-16), and ranks on other hosts fail it at once instead of waiting
-/// out the heartbeat window.
-pub async fn publish_exit(store: &dyn Store, run_id: &str, hostname: &str, pid: u32) -> Result<(), StoreError> {
-    store.set(&exit_key(run_id, hostname, pid), b"1").await?;
+/// out the heartbeat window (or, when it exited after blaming others,
+/// blame those: [`exit_of`]).
+pub async fn publish_exit(
+    store: &dyn Store,
+    run_id: &str,
+    hostname: &str,
+    pid: u32,
+    exit: &Exit,
+) -> Result<(), StoreError> {
+    store
+        .set(&exit_key(run_id, hostname, pid), &crate::codec::encode(exit))
+        .await?;
     store.add(&exit_count_key(run_id), 1).await.map(drop)
+}
+
+/// What was published of process `pid`'s exit on `hostname`, if it
+/// exited ([`publish_exit`]). A record that does not decode is an exit
+/// that blamed no one: the exit itself is what counts.
+pub async fn exit_of(store: &dyn Store, run_id: &str, hostname: &str, pid: u32) -> Result<Option<Exit>, StoreError> {
+    let key = exit_key(run_id, hostname, pid);
+    if !store.check(&[&key]).await? {
+        return Ok(None);
+    }
+    let record = store.get(&key).await?;
+    Ok(Some(crate::codec::decode(&record).unwrap_or_default()))
 }
 
 /// How many exits were published for `run_id` ([`publish_exit`]).
@@ -819,11 +852,32 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(!alone.is_finished());
         // ... until rank 1's launcher publishes its exit.
-        publish_exit(store.as_ref(), &c.run_id, &g1.members[1].hostname, g1.members[1].pid)
-            .await
-            .unwrap();
+        publish_exit(
+            store.as_ref(),
+            &c.run_id,
+            &g1.members[1].hostname,
+            g1.members[1].pid,
+            &Exit::default(),
+        )
+        .await
+        .unwrap();
         let admitted = within(alone).await;
         assert_eq!(admitted.unwrap().world_size(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_exit_says_whom_the_worker_blamed_and_a_bad_record_blames_no_one() {
+        let store = HashStore::default();
+        assert_eq!(exit_of(&store, "run", "h1", 7).await.unwrap(), None);
+        let exit = Exit {
+            blamed: vec![("h2".into(), 8), ("h3".into(), 9)],
+        };
+        publish_exit(&store, "run", "h1", 7, &exit).await.unwrap();
+        assert_eq!(exit_of(&store, "run", "h1", 7).await.unwrap(), Some(exit));
+        assert!(has_exited(&store, "run", "h1", 7).await.unwrap());
+        assert_eq!(exit_count(&store, "run").await.unwrap(), 1);
+        store.set(&exit_key("run", "h4", 1), b"1").await.unwrap();
+        assert_eq!(exit_of(&store, "run", "h4", 1).await.unwrap(), Some(Exit::default()));
     }
 
     async fn within<T>(task: tokio::task::JoinHandle<T>) -> T {

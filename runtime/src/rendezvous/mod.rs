@@ -30,6 +30,10 @@
 //!    [`CONFLICT_LINGER`] until the ranks that claimed a place have read it
 //!    (it may host the store they read it from).
 //!
+//! Groups that re-form after a failure (an elastic group's generations,
+//! `chorus launch`'s node rounds) close their rounds and rank their members
+//! by the rules of [`membership`], sans IO.
+//!
 //! Default timeouts (each configurable; `InitOptions` in the root crate):
 //! rendezvous and store operations 300 s (PyTorch's store default), the
 //! store's connection attempts within the same 300 s.
@@ -49,6 +53,7 @@ use crate::wait::{self, Notes};
 
 pub mod elastic;
 pub mod env;
+pub mod membership;
 mod record;
 
 pub use record::{Claimant, HostId, PeerRecord};
