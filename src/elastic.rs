@@ -1030,7 +1030,16 @@ fn install(shared: &Shared, next: ProcessGroup, old_rank: usize) {
     let _ = shared.events.send(change);
 }
 
-/// The supervisor's loop: wait for an abort, then restart (SV-9, SV-12, SV-13).
+/// Where a restart begins: the generation to form, this process's place
+/// in the one it leaves, and a formation already tried beside it.
+struct Restart {
+    generation: u64,
+    survivor: Survivor,
+    tried: Option<Result<ProcessGroup, RestartError>>,
+}
+
+/// The supervisor's loop: wait for an abort or a joiner, then restart or
+/// swap (SV-9, SV-12, SV-13).
 async fn supervise(
     shared: Arc<Shared>,
     base: Base,
@@ -1044,13 +1053,6 @@ async fn supervise(
     loop {
         let group = shared.current.borrow().clone();
         let mut failures = group.failures();
-        let (old_generation, old_rank) = (group.generation(), group.rank());
-        let mut survivor = Survivor {
-            old_rank,
-            world_size: group.world_size(),
-            generation: Some(old_generation),
-            failed: Vec::new(),
-        };
         let admit = tokio::select! {
             seen = failures.wait_for(Option::is_some) => match seen {
                 Ok(aborted) => Err(aborted.clone().expect("waited for Some")),
@@ -1059,123 +1061,177 @@ async fn supervise(
             },
             admit = admission(&group, &base, &shared) => Ok(admit),
         };
-        let mut generation = old_generation + 1;
-        // A formation already tried (beside the running generation).
-        let mut tried = None;
-        match admit {
+        let restart = match admit {
             Ok(Admit::Restart(why)) => {
                 group.abort(why.clone());
                 group.tear_down(&why);
                 tracing::info!(
-                    generation = old_generation,
-                    rank = old_rank,
+                    generation = group.generation(),
+                    rank = group.rank(),
                     "{why}; restarting to admit them"
                 );
+                Ok(Some(Restart::after(&group, Vec::new())))
             }
-            Ok(Admit::Beside) => {
-                let mut place = Some(survivor.clone());
-                match form_beside(&shared, &base, &group, &mut place).await {
-                    Ok(Beside::Swapped) => continue,
-                    Ok(Beside::Failed(aborted)) => {
-                        // Restart from the generation that failed (every
-                        // member's place in it is known).
-                        generation = aborted.generation + 1;
-                        survivor = place.expect("a formed generation leaves a place");
-                        survivor.failed = aborted.failed_ranks.clone();
-                        if !aborted.reason.peers_shut_down()
-                            && let Err(error) = budget.admit(aborted, Instant::now())
-                        {
-                            return give_up(error);
-                        }
-                    }
-                    Err(error) => {
-                        survivor = place.unwrap_or(survivor);
-                        tried = Some(Err(error));
-                    }
-                }
-            }
-            Err(aborted) => {
-                group.tear_down(&aborted.to_string());
-                survivor.failed = aborted.failed_ranks.clone();
-                // Another rank may have aborted to admit a newcomer (SV-13):
-                // this rank then sees that rank's links close.
-                let admitting = *shared.admit_requested.borrow() == Some(old_generation)
-                    || group.world_size() < base.max_world
-                        && matches!(
-                            elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(old_generation + 1)).await,
-                            Ok(1..)
-                        );
-                // Peers that shut down on purpose are not a failure to charge.
-                if admitting || aborted.reason.peers_shut_down() {
-                    tracing::info!(
-                        generation = old_generation,
-                        rank = old_rank,
-                        "{aborted}; processes wait to join: restarting to admit them"
-                    );
-                } else {
-                    if let Err(error) = budget.admit(aborted, Instant::now()) {
-                        return give_up(error);
-                    }
-                    tracing::warn!(
-                        generation = old_generation,
-                        rank = old_rank,
-                        "restarting the group into the next generation"
-                    );
-                }
+            Ok(Admit::Beside) => admit_beside(&shared, &base, &group, &mut budget).await,
+            Err(aborted) => after_abort(&shared, &base, &group, aborted, &mut budget)
+                .await
+                .map(Some),
+        };
+        let (old_rank, old_generation) = (group.rank(), group.generation());
+        drop(group);
+        match restart {
+            Ok(None) => {}
+            Ok(Some(restart)) => match reform(&base, &mut budget, old_generation, restart).await {
+                Ok(next) => install(&shared, next, old_rank),
+                Err(error) => return give_up(error),
+            },
+            Err(error) => return give_up(error),
+        }
+    }
+}
+
+impl Restart {
+    /// Into the generation after `group`'s, which failed with `failed`.
+    fn after(group: &ProcessGroup, failed: Vec<usize>) -> Self {
+        Self {
+            generation: group.generation() + 1,
+            survivor: Survivor {
+                old_rank: group.rank(),
+                world_size: group.world_size(),
+                generation: Some(group.generation()),
+                failed,
+            },
+            tried: None,
+        }
+    }
+}
+
+/// The members agreed to admit joiners: forms their generation beside
+/// `group` ([`form_beside`]). `None` once it is swapped in; otherwise the
+/// restart to run, charged to the budget when the new generation failed
+/// before the swap (its members are known: it restarts from there).
+async fn admit_beside(
+    shared: &Shared,
+    base: &Base,
+    group: &ProcessGroup,
+    budget: &mut RestartBudget,
+) -> Result<Option<Restart>, RestartError> {
+    let mut restart = Restart::after(group, Vec::new());
+    let mut place = Some(restart.survivor.clone());
+    match form_beside(shared, base, group, &mut place).await {
+        Ok(Beside::Swapped) => return Ok(None),
+        Ok(Beside::Failed(aborted)) => {
+            restart.generation = aborted.generation + 1;
+            restart.survivor = place.expect("a formed generation leaves a place");
+            restart.survivor.failed = aborted.failed_ranks.clone();
+            if !aborted.reason.peers_shut_down() {
+                budget.admit(aborted, Instant::now())?;
             }
         }
-        drop(group);
-        let mut survivor = Some(survivor);
-        let next = loop {
-            let formed = match tried.take() {
-                Some(formed) => formed,
-                None => base.form(generation, &mut survivor).await,
+        Err(error) => {
+            restart.survivor = place.unwrap_or(restart.survivor);
+            restart.tried = Some(Err(error));
+        }
+    }
+    Ok(Some(restart))
+}
+
+/// `group` aborted: ends it and charges the restart budget (SV-12), unless
+/// the abort admits a newcomer (SV-13) or the peers gone left on purpose.
+async fn after_abort(
+    shared: &Shared,
+    base: &Base,
+    group: &ProcessGroup,
+    aborted: GroupAborted,
+    budget: &mut RestartBudget,
+) -> Result<Restart, RestartError> {
+    let (generation, rank) = (group.generation(), group.rank());
+    group.tear_down(&aborted.to_string());
+    let restart = Restart::after(group, aborted.failed_ranks.clone());
+    // Another rank may have aborted to admit a newcomer (SV-13): this rank
+    // then sees that rank's links close.
+    let admitting = *shared.admit_requested.borrow() == Some(generation)
+        || group.world_size() < base.max_world
+            && matches!(
+                elastic_rdzv::newcomers(base.store.clone(), &base.rendezvous(generation + 1)).await,
+                Ok(1..)
+            );
+    if admitting || aborted.reason.peers_shut_down() {
+        tracing::info!(
+            generation,
+            rank,
+            "{aborted}; processes wait to join: restarting to admit them"
+        );
+    } else {
+        budget.admit(aborted, Instant::now())?;
+        tracing::warn!(generation, rank, "restarting the group into the next generation");
+    }
+    Ok(restart)
+}
+
+/// Forms the generation after `old_generation`, which this process left
+/// as `restart` says: a generation that closes but cannot form is a
+/// failure of its own, retried under the budget (SV-12); a lost store or
+/// any other error ends the restarts, with the error to give up with.
+async fn reform(
+    base: &Base,
+    budget: &mut RestartBudget,
+    old_generation: u64,
+    restart: Restart,
+) -> Result<ProcessGroup, RestartError> {
+    let Restart {
+        mut generation,
+        survivor,
+        mut tried,
+    } = restart;
+    let old_rank = survivor.old_rank;
+    let mut survivor = Some(survivor);
+    loop {
+        let formed = match tried.take() {
+            Some(formed) => formed,
+            None => base.form(generation, &mut survivor).await,
+        }
+        .map_err(into_lost_store);
+        match formed {
+            Ok(next) => return Ok(next),
+            // Retrying cannot help: end at once, saying which store is gone.
+            Err(Ok(source)) => {
+                return Err(RestartError::StoreLost {
+                    location: base.store.location(),
+                    generation: old_generation,
+                    source: Box::new(source),
+                    failures: budget.failures().to_vec(),
+                });
             }
-            .map_err(into_lost_store);
-            match formed {
-                Ok(next) => break next,
-                // Retrying cannot help: end at once, saying which store is gone.
-                Err(Ok(source)) => {
-                    return give_up(RestartError::StoreLost {
-                        location: base.store.location(),
-                        generation: old_generation,
-                        source: Box::new(source),
-                        failures: budget.failures().to_vec(),
-                    });
+            // A member admitted to the generation died before it formed
+            // (its records or links never came): a failure of that
+            // generation, retried in the next one under the budget (SV-12).
+            Err(Err(RestartError::Init(error))) => {
+                let failed_ranks = match error.cause() {
+                    InitError::Rendezvous(RendezvousError::Incomplete { missing, .. }) => missing.clone(),
+                    _ => Vec::new(),
+                };
+                if let Some(survivor) = &mut survivor {
+                    survivor.failed = failed_ranks.clone();
                 }
-                // A member admitted to the generation died before it formed
-                // (its records or links never came): a failure of that
-                // generation, retried in the next one under the budget (SV-12).
-                Err(Err(RestartError::Init(error))) => {
-                    let failed_ranks = match error.cause() {
-                        InitError::Rendezvous(RendezvousError::Incomplete { missing, .. }) => missing.clone(),
-                        _ => Vec::new(),
-                    };
-                    if let Some(survivor) = &mut survivor {
-                        survivor.failed = failed_ranks.clone();
-                    }
-                    let failure = GroupAborted {
-                        rank: old_rank,
-                        generation,
-                        reason: AbortReason::OperationFailed(format!("generation {generation} did not form: {error}")),
-                        failed_ranks,
-                    };
-                    tracing::warn!(generation, "{}; trying the next generation", failure.reason);
-                    if let Err(spent) = budget.admit(failure, Instant::now()) {
-                        return give_up(spent);
-                    }
-                    generation = survivor.as_ref().and_then(|s| s.generation).unwrap_or(generation) + 1;
-                }
-                Err(Err(source)) => {
-                    return give_up(RestartError::RestartFailed {
-                        generation: old_generation,
-                        source: Box::new(source),
-                        failures: budget.failures().to_vec(),
-                    });
-                }
+                let failure = GroupAborted {
+                    rank: old_rank,
+                    generation,
+                    reason: AbortReason::OperationFailed(format!("generation {generation} did not form: {error}")),
+                    failed_ranks,
+                };
+                tracing::warn!(generation, "{}; trying the next generation", failure.reason);
+                budget.admit(failure, Instant::now())?;
+                generation = survivor.as_ref().and_then(|s| s.generation).unwrap_or(generation) + 1;
             }
-        };
-        install(&shared, next, old_rank);
+            Err(Err(source)) => {
+                return Err(RestartError::RestartFailed {
+                    generation: old_generation,
+                    source: Box::new(source),
+                    failures: budget.failures().to_vec(),
+                });
+            }
+        }
     }
 }
 
