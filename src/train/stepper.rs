@@ -76,6 +76,15 @@ pub struct Begun {
     pub transfer: Option<TransferReport>,
 }
 
+/// What a due state check found.
+enum Checked {
+    /// Every member agrees: the step may run.
+    Agreed,
+    /// Begin again: a member was healed (the transfer, for the step's
+    /// report) or the generation failed under the check.
+    Again(Option<TransferReport>),
+}
+
 /// One member's side of per-step commit (see the module docs).
 #[derive(Debug)]
 pub struct Stepper {
@@ -192,62 +201,19 @@ impl Stepper {
             }
             let pg = group.current();
             if self.current.as_ref().is_some_and(|c| c.generation() == pg.generation()) {
-                let (rank, step) = (pg.rank(), self.progress.step);
-                let asked = (!self.in_step).then(|| self.live.as_ref().and_then(Live::take_corruption));
-                if let Some(target) = asked.flatten() {
-                    match target {
-                        StateTarget::Params => self.guard.ask(StateCorruption {
-                            rank,
-                            step,
-                            target,
-                            bit: None,
-                        }),
-                        StateTarget::Grads => tracing::warn!(
-                            "a corruption of the local gradient was asked for: this loop syncs its own gradients, so it is not carried out"
-                        ),
-                    }
-                }
-                if !self.in_step && self.guard.wants_state(rank, step) {
-                    let Some(state) = state.as_deref_mut() else {
-                        self.asked_at.get_or_insert_with(Instant::now);
-                        return Ok(Begin::NeedState);
-                    };
-                    self.guard.inject(rank, step, &mut *state);
-                    let mut outer = Outer::default();
-                    let mut full = Full {
-                        job: state,
-                        outer: &mut outer,
-                        progress: &mut self.progress,
-                        written: false,
-                    };
-                    let asked_at = self.asked_at.take();
-                    match self
-                        .guard
-                        .check(&pg, &mut full, step, self.options.max_rejections, asked_at)
-                        .await?
-                    {
-                        Check::NotDue | Check::Agree => {}
-                        Check::GroupFailed => {
-                            self.failed = Some(pg.generation());
-                            continue;
-                        }
-                        Check::Outvoted(ranks) => {
-                            // Healed in place from the majority, then checked again.
-                            self.has_state &= !ranks.contains(&rank);
-                            let mine = self.has_state.then(|| full.progress.units());
-                            match sync_state(&pg, &mut full, mine, &self.options.transfer).await {
-                                Ok(transfer) => {
-                                    self.has_state = true;
-                                    healed = Some(transfer);
-                                }
-                                Err(
-                                    TransferError::Collective(_)
-                                    | TransferError::Protocol { .. }
-                                    | TransferError::Timeout { .. },
-                                ) => self.failed = Some(pg.generation()),
-                                Err(other) => return Err(TrainError::Transfer(other)),
+                if !self.in_step {
+                    self.take_asked_corruption(&pg);
+                    if self.guard.wants_state(pg.rank(), self.progress.step) {
+                        let Some(state) = state.as_deref_mut() else {
+                            self.asked_at.get_or_insert_with(Instant::now);
+                            return Ok(Begin::NeedState);
+                        };
+                        match self.check_state(&pg, state).await? {
+                            Checked::Agreed => {}
+                            Checked::Again(transfer) => {
+                                healed = transfer.or(healed);
+                                continue;
                             }
-                            continue;
                         }
                     }
                 }
@@ -265,74 +231,147 @@ impl Stepper {
             let Some(state) = state.as_deref_mut() else {
                 return Ok(Begin::NeedState);
             };
-            // A generation swapped in between two steps is a recovery too
-            // (a joiner admitted into a healthy group).
-            if self.current.take().is_some() && self.pending.is_none() {
-                self.pending = Some(Pending::new(Instant::now()));
+            if let Some(begun) = self.join(pg, state).await? {
+                return Ok(Begin::Ready(begun));
             }
-            if let Some(p) = self.pending.as_mut() {
-                p.formed.get_or_insert_with(|| p.failed_at.elapsed());
-            }
-            let started = Instant::now();
-            let before = self.progress.step;
-            let mut outer = Outer::default();
-            let mut full = Full {
-                job: state,
-                outer: &mut outer,
-                progress: &mut self.progress,
-                written: false,
-            };
-            let units = self.has_state.then(|| full.progress.units());
-            match self.guard.vet_sources(&pg, &mut full, units).await? {
-                Check::NotDue | Check::Agree => {}
-                Check::Outvoted(ranks) => self.has_state &= !ranks.contains(&pg.rank()),
-                Check::GroupFailed => {
-                    self.failed = Some(pg.generation());
-                    continue;
-                }
-            }
-            let mine = self.has_state.then(|| full.progress.units());
-            let joined = match sync_state(&pg, &mut full, mine, &self.options.transfer).await {
-                Ok(transfer) => verify_state(&pg, &mut full).await.map(|()| transfer),
-                Err(e) => Err(e),
-            };
-            let written = full.written;
-            let transfer = match joined {
-                Ok(transfer) => transfer,
-                Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
-                    // A receiver cut off mid-transfer holds a mix of two
-                    // states: it must receive again.
-                    if written {
-                        self.has_state = false;
-                    }
-                    self.failed = Some(pg.generation());
-                    continue;
-                }
-                Err(other) => return Err(TrainError::Transfer(other)),
-            };
-            if transfer.receivers.contains(&pg.rank()) {
-                self.report.adopted += self.progress.step - before;
-            }
-            self.has_state = true;
-            // Every member of the new generation passes here: the next
-            // state check is set from the step alone, so a joiner agrees.
-            self.guard.check_at(self.progress.step + FIRST_INTERVAL);
-            if let Some(p) = self.pending.as_mut() {
-                p.generation = pg.generation();
-                p.world_size = pg.world_size();
-                p.resumed_step = self.progress.step;
-                p.receivers = transfer.receivers.clone();
-                p.bytes = transfer.bytes;
-                p.transferred = Some((Instant::now(), started.elapsed()));
-            }
-            self.current = Some(pg.clone());
-            self.in_step = true;
-            return Ok(Begin::Ready(Begun {
-                group: pg,
-                step: self.progress.step,
-                transfer: Some(transfer),
-            }));
         }
+    }
+
+    /// A corruption asked for from a dashboard or `chorus chaos` (`live`),
+    /// for this member's state at the step about to begin.
+    fn take_asked_corruption(&mut self, pg: &ProcessGroup) {
+        match self.live.as_ref().and_then(Live::take_corruption) {
+            Some(StateTarget::Params) => self.guard.ask(StateCorruption {
+                rank: pg.rank(),
+                step: self.progress.step,
+                target: StateTarget::Params,
+                bit: None,
+            }),
+            Some(StateTarget::Grads) => tracing::warn!(
+                "a corruption of the local gradient was asked for: this loop syncs its own gradients, so it is not carried out"
+            ),
+            None => {}
+        }
+    }
+
+    /// The members' periodic state check, due now: an outvoted member
+    /// receives the majority's state here (`Again` with the transfer),
+    /// and the check runs again; a generation that failed under it is
+    /// waited out (`Again` without one).
+    async fn check_state(&mut self, pg: &ProcessGroup, state: &mut dyn TrainState) -> Result<Checked, TrainError> {
+        let (rank, step) = (pg.rank(), self.progress.step);
+        self.guard.inject(rank, step, &mut *state);
+        let mut outer = Outer::default();
+        let mut full = Full {
+            job: state,
+            outer: &mut outer,
+            progress: &mut self.progress,
+            written: false,
+        };
+        let asked_at = self.asked_at.take();
+        match self
+            .guard
+            .check(pg, &mut full, step, self.options.max_rejections, asked_at)
+            .await?
+        {
+            Check::NotDue | Check::Agree => Ok(Checked::Agreed),
+            Check::GroupFailed => {
+                self.failed = Some(pg.generation());
+                Ok(Checked::Again(None))
+            }
+            Check::Outvoted(ranks) => {
+                // Healed in place from the majority, then checked again.
+                self.has_state &= !ranks.contains(&rank);
+                let mine = self.has_state.then(|| full.progress.units());
+                match sync_state(pg, &mut full, mine, &self.options.transfer).await {
+                    Ok(transfer) => {
+                        self.has_state = true;
+                        Ok(Checked::Again(Some(transfer)))
+                    }
+                    Err(
+                        TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. },
+                    ) => {
+                        self.failed = Some(pg.generation());
+                        Ok(Checked::Again(None))
+                    }
+                    Err(other) => Err(TrainError::Transfer(other)),
+                }
+            }
+        }
+    }
+
+    /// Joins generation `pg`, new to this member: the state moves from the
+    /// most advanced members to the others (after the senders compared
+    /// theirs), then every member's is checked equal. `None` when the
+    /// generation failed meanwhile (wait for the next).
+    async fn join(&mut self, pg: Arc<ProcessGroup>, state: &mut dyn TrainState) -> Result<Option<Begun>, TrainError> {
+        // A generation swapped in between two steps is a recovery too
+        // (a joiner admitted into a healthy group).
+        if self.current.take().is_some() && self.pending.is_none() {
+            self.pending = Some(Pending::new(Instant::now()));
+        }
+        if let Some(p) = self.pending.as_mut() {
+            p.formed.get_or_insert_with(|| p.failed_at.elapsed());
+        }
+        let started = Instant::now();
+        let before = self.progress.step;
+        let mut outer = Outer::default();
+        let mut full = Full {
+            job: state,
+            outer: &mut outer,
+            progress: &mut self.progress,
+            written: false,
+        };
+        let units = self.has_state.then(|| full.progress.units());
+        match self.guard.vet_sources(&pg, &mut full, units).await? {
+            Check::NotDue | Check::Agree => {}
+            Check::Outvoted(ranks) => self.has_state &= !ranks.contains(&pg.rank()),
+            Check::GroupFailed => {
+                self.failed = Some(pg.generation());
+                return Ok(None);
+            }
+        }
+        let mine = self.has_state.then(|| full.progress.units());
+        let joined = match sync_state(&pg, &mut full, mine, &self.options.transfer).await {
+            Ok(transfer) => verify_state(&pg, &mut full).await.map(|()| transfer),
+            Err(e) => Err(e),
+        };
+        let written = full.written;
+        let transfer = match joined {
+            Ok(transfer) => transfer,
+            Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
+                // A receiver cut off mid-transfer holds a mix of two
+                // states: it must receive again.
+                if written {
+                    self.has_state = false;
+                }
+                self.failed = Some(pg.generation());
+                return Ok(None);
+            }
+            Err(other) => return Err(TrainError::Transfer(other)),
+        };
+        if transfer.receivers.contains(&pg.rank()) {
+            self.report.adopted += self.progress.step - before;
+        }
+        self.has_state = true;
+        // Every member of the new generation passes here: the next
+        // state check is set from the step alone, so a joiner agrees.
+        self.guard.check_at(self.progress.step + FIRST_INTERVAL);
+        if let Some(p) = self.pending.as_mut() {
+            p.generation = pg.generation();
+            p.world_size = pg.world_size();
+            p.resumed_step = self.progress.step;
+            p.receivers = transfer.receivers.clone();
+            p.bytes = transfer.bytes;
+            p.transferred = Some((Instant::now(), started.elapsed()));
+        }
+        self.current = Some(pg.clone());
+        self.in_step = true;
+        Ok(Some(Begun {
+            group: pg,
+            step: self.progress.step,
+            transfer: Some(transfer),
+        }))
     }
 
     /// The step's vote: `ok` when this member's gradient sync succeeded
