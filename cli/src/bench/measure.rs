@@ -1,8 +1,8 @@
 //! One rank's side of a measurement, shared by every kind of side
 //! ([`super::side`]) and the sweep that drives them
 //! ([`super::collective`]): the collective measured ([`BenchOp`]), what a
-//! run asks ([`Spec`]), the timed calls ([`measure`]), the check of the
-//! outputs against exact expected values, and a rank's answer ([`Raw`])
+//! run asks (`Spec`), the timed calls (`measure`), the check of the
+//! outputs against exact expected values, and a rank's answer (`Raw`)
 //! as the JSON line a worker prints.
 
 use anyhow::{Result, bail};
