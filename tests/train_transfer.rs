@@ -9,12 +9,13 @@
 //! memory by cross-memory attach) and QUIC, a chunk corrupted on its way
 //! into a shm ring, a chunk damaged where it landed in the joiner's
 //! memory, and a source frozen or killed between such writes;
-//! `verify_state` names a diverged rank.
+//! `verify_state` names a diverged rank; `sync_verified` moves and checks
+//! in one call, naming a divergence where nothing moved too.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use chorus::train::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
+use chorus::train::{TransferError, TransferOptions, TransferReport, sync_state, sync_verified, verify_state};
 use chorus::{CollectiveError, InitOptions, NamedState};
 
 mod common;
@@ -374,6 +375,61 @@ fn verify_state_names_the_diverged_ranks_and_their_first_entry() {
         }),
     );
     for (rank, verified) in results.iter().enumerate() {
+        match verified {
+            Err(TransferError::Diverged(ranks)) => {
+                let named: Vec<(usize, &str)> = ranks.iter().map(|d| (d.rank, d.first.as_str())).collect();
+                assert_eq!(named, [(1, "running_var"), (2, "extras")], "rank {rank}");
+            }
+            other => panic!("rank {rank}: expected Diverged, got {other:?}"),
+        }
+    }
+}
+
+/// Runs `sync_verified` on 3 in-process ranks, each starting as `start`
+/// says, and returns each rank's result and state afterwards.
+fn sync_verified_on_three(start: Start) -> Vec<(Result<TransferReport, TransferError>, NamedState)> {
+    run(
+        None,
+        within(30, "sync_verified", async move {
+            chorus::spawn_with(3, options(), move |pg| async move {
+                let (step, mut state) = start(pg.rank());
+                let report = sync_verified(&pg, &mut state, step, &small_chunks()).await;
+                (report, state)
+            })
+            .await
+            .unwrap()
+        }),
+    )
+}
+
+#[test]
+fn sync_verified_moves_the_state_then_checks_it_and_names_a_divergence_where_nothing_moved() {
+    // Nobody behind, all equal: nothing moves, and that is the check.
+    for (rank, (report, _)) in sync_verified_on_three(|_| (Some(5), state(2))).iter().enumerate() {
+        let report = report.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(report.receivers.is_empty() && report.bytes == 0, "rank {rank}: {report:?}");
+    }
+    // A joiner: it receives, then every member's state is checked equal.
+    let joined = sync_verified_on_three(|rank| match rank {
+        2 => (None, state(9)),
+        _ => (Some(5), state(2)),
+    });
+    for (rank, (report, after)) in joined.iter().enumerate() {
+        let report = report.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(report.receivers, [2], "rank {rank}");
+        assert_eq!(bits(after), bits(&state(2)), "rank {rank}");
+    }
+    // Nobody behind, but two states differ at the same step: named on every rank.
+    let diverged = sync_verified_on_three(|rank| {
+        let mut s = state(2);
+        match rank {
+            1 => s.buffers[1].1[12] = f32::from_bits(s.buffers[1].1[12].to_bits() ^ 1),
+            2 => s.extra.push(0),
+            _ => {}
+        }
+        (Some(5), s)
+    });
+    for (rank, (verified, _)) in diverged.iter().enumerate() {
         match verified {
             Err(TransferError::Diverged(ranks)) => {
                 let named: Vec<(usize, &str)> = ranks.iter().map(|d| (d.rank, d.first.as_str())).collect();

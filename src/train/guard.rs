@@ -69,7 +69,7 @@ impl CommHook for Sum {
 /// since a job may keep per-rank state there (RNG, data position) that
 /// differs between healthy members.
 fn tensor_sums(state: &mut dyn TrainState) -> Vec<u64> {
-    entry_sums(state, false)
+    entry_sums(state, None)
 }
 
 /// See the module docs.

@@ -9,7 +9,8 @@
 //!   named `f32` vectors.
 //! - [`transfer`]: [`sync_state`], live state transfer from the most
 //!   advanced members to those behind (chunked, striped over every source,
-//!   checksummed, damaged chunks fetched again), and [`verify_state`];
+//!   checksummed, damaged chunks fetched again), [`verify_state`], and
+//!   [`sync_verified`], both in one call;
 //!   [`transfer_plan`]: its decisions, sans IO.
 //! - [`integrity`]: silent data corruption, sans IO: whose state or
 //!   gradient disagrees with the others', how often to check, and the bit
@@ -41,4 +42,4 @@ pub use record::{CommitRecord, RECORD_ENV, checksum};
 pub use state::{InPlace, NamedState, StateEntry, TrainState, entries, for_each_entry};
 pub use stepper::{Begin, Begun, Stepper, StepperOptions};
 pub use trainer::{Committed, Job, Mode, Recovery, Step, TrainError, TrainOptions, TrainReport, train};
-pub use transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
+pub use transfer::{TransferError, TransferOptions, TransferReport, sync_state, sync_verified, verify_state};

@@ -26,7 +26,7 @@ use super::state::TrainState;
 use super::trainer::{
     Boundary, Committed, Full, Outcome, Outer, Pending, Progress, TrainError, TrainReport, decide, vote, wait_next,
 };
-use super::transfer::{TransferError, TransferOptions, TransferReport, sync_state, verify_state};
+use super::transfer::{TransferError, TransferOptions, TransferReport, sync_state, sync_verified};
 use crate::elastic::ElasticGroup;
 use crate::group::ProcessGroup;
 
@@ -332,10 +332,7 @@ impl Stepper {
             }
         }
         let mine = self.has_state.then(|| full.progress.units());
-        let joined = match sync_state(&pg, &mut full, mine, &self.options.transfer).await {
-            Ok(transfer) => verify_state(&pg, &mut full).await.map(|()| transfer),
-            Err(e) => Err(e),
-        };
+        let joined = sync_verified(&pg, &mut full, mine, &self.options.transfer).await;
         let written = full.written;
         let transfer = match joined {
             Ok(transfer) => transfer,

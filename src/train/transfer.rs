@@ -12,7 +12,8 @@
 //!
 //! # Data flow of [`sync_state`]
 //! 1. One all-gather of a [`Hello`] per rank: its step (or none), a
-//!    fingerprint of its entry list, its extras' length, a nonce. A list
+//!    fingerprint of its entry list, its extras' length, a nonce (and, for
+//!    [`sync_verified`], a checksum of its whole state). A list
 //!    that differs from rank 0's is [`TransferError::Mismatch`] on every
 //!    rank (both lists are broadcast so every rank names the same entry).
 //! 2. [`roles`]: sources are the ranks at the highest step, receivers
@@ -44,6 +45,10 @@
 //!    agree on the next round: each bad chunk from another source, up to
 //!    `max_rounds`.
 //! 4. The extras travel as the last chunk; receivers [`load_extra`] them.
+//! 5. [`sync_verified`] only: every rank's per-entry checksums are
+//!    compared ([`verify_state`]'s check, without its hello). Where nothing
+//!    moved, the hellos' state checksums already agreed, so step 5 runs
+//!    only when they differ, to name the entry.
 //!
 //! # Cross-memory attach: where it works, and what it asks
 //! The kernel lets a process write another's memory where it may ptrace
@@ -92,9 +97,10 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::cma;
+use super::integrity;
 use super::state::{StateEntry, TrainState, entries, for_each_entry};
 use super::transfer_plan::{
-    BLOCK, Chunks, HEADER, Header, Hello, Offer, Piece, Region, Schedule, block_checksum, checksum, chunk_checksum,
+    BLOCK, Chunks, HEADER, Header, Hello, Offer, Piece, Region, Roles, Schedule, block_checksum, checksum, chunk_checksum,
     combine, decode_round, encode_round, roles, segments,
 };
 use crate::group::ProcessGroup;
@@ -259,10 +265,43 @@ pub async fn sync_state(
     step: Option<u64>,
     options: &TransferOptions,
 ) -> Result<TransferReport, TransferError> {
+    transfer(group, state, step, options, false).await
+}
+
+/// [`sync_state`], then [`verify_state`], as a join needs them, for less:
+/// each member's [`Hello`] carries a checksum of its whole state, so when
+/// nobody is behind (a group that only shrank) one collective both finds
+/// nothing to move and shows the states equal; after a transfer the check
+/// reuses the hello's agreement on the entry lists. A divergence is
+/// [`TransferError::Diverged`], as from [`verify_state`].
+///
+/// # Cancel safety
+///
+/// As [`sync_state`].
+pub async fn sync_verified(
+    group: &ProcessGroup,
+    state: &mut dyn TrainState,
+    step: Option<u64>,
+    options: &TransferOptions,
+) -> Result<TransferReport, TransferError> {
+    transfer(group, state, step, options, true).await
+}
+
+async fn transfer(
+    group: &ProcessGroup,
+    state: &mut dyn TrainState,
+    step: Option<u64>,
+    options: &TransferOptions,
+    verify: bool,
+) -> Result<TransferReport, TransferError> {
     let started = Instant::now();
     let list = entries(state);
     let extra = state.save_extra();
-    let hellos = hello(group, &list, step, extra.len()).await?;
+    // Hashed before the roles are known: a receiver's checksum is wasted,
+    // but a group where nothing moves then needs no second collective.
+    let sums = verify.then(|| entry_sums(state, Some(&extra)));
+    let checksum = sums.as_deref().map(integrity::fingerprint);
+    let hellos = hello(group, &list, step, extra.len(), checksum).await?;
     let roles = roles(&hellos.iter().map(|h| h.step).collect::<Vec<_>>());
     let sizes: Vec<usize> = list.iter().map(StateEntry::bytes).collect();
     let chunks = Chunks::new(&sizes, options.chunk_bytes);
@@ -276,13 +315,75 @@ pub async fn sync_state(
     if roles.receivers.is_empty() {
         report.bytes = 0;
         report.sources.clear();
+        if let Some(sums) = sums.filter(|_| hellos.iter().any(|h| h.state != hellos[0].state)) {
+            // Some state differs: the rows name the entry.
+            compare_sums(group, &list, &sums).await?;
+        }
         report.elapsed = started.elapsed();
         return Ok(report);
     }
+    let moving = Moving {
+        roles: &roles,
+        chunks: &chunks,
+        sizes: &sizes,
+        extra: &extra,
+        extra_lens: &hellos.iter().map(|h| h.extra_len as usize).collect::<Vec<_>>(),
+        // Rank 0's nonce names this call's frames; never u64::MAX (a signature's tag).
+        nonce: hellos[0].nonce >> 1,
+    };
+    run_rounds(group, state, &moving, options, &mut report).await?;
+    if verify {
+        // Saved again: a receiver's extras are what it loaded.
+        let extra = state.save_extra();
+        compare_sums(group, &list, &entry_sums(state, Some(&extra))).await?;
+    }
+    report.elapsed = started.elapsed();
+    tracing::info!(
+        rank = group.rank(),
+        step = report.step,
+        bytes = report.bytes,
+        sources = ?report.sources,
+        receivers = ?report.receivers,
+        refetched = report.refetched,
+        cma_bytes = report.cma_bytes,
+        elapsed_ms = report.elapsed.as_millis() as u64,
+        "state transfer done"
+    );
+    Ok(report)
+}
+
+/// What one transfer moves, the same on every rank.
+struct Moving<'a> {
+    roles: &'a Roles,
+    chunks: &'a Chunks,
+    sizes: &'a [usize],
+    /// This rank's extras (sent when it is a source).
+    extra: &'a [u8],
+    /// Every rank's extras' length.
+    extra_lens: &'a [usize],
+    /// The frames' tags start here, a round each.
+    nonce: u64,
+}
+
+/// Step 3: the rounds, until every receiver holds every chunk intact (or
+/// `max_rounds` ran out); then the receivers load the extras.
+async fn run_rounds(
+    group: &ProcessGroup,
+    state: &mut dyn TrainState,
+    moving: &Moving<'_>,
+    options: &TransferOptions,
+    report: &mut TransferReport,
+) -> Result<(), TransferError> {
+    let Moving {
+        roles,
+        chunks,
+        sizes,
+        extra,
+        extra_lens,
+        nonce,
+    } = *moving;
+    let tag = |round: u32| nonce.wrapping_add(u64::from(round));
     let me = group.rank();
-    let extra_lens: Vec<usize> = hellos.iter().map(|h| h.extra_len as usize).collect();
-    // Rank 0's nonce names this call's frames; never u64::MAX (a signature's tag).
-    let tag = |round: u32| (hellos[0].nonce >> 1).wrapping_add(u64::from(round));
     let mut schedule = Schedule::new(&roles.sources, &roles.receivers, chunks.count(), options.max_rounds);
     let mut received_extra = None;
     loop {
@@ -292,9 +393,9 @@ pub async fn sync_state(
         if roles.sources.contains(&me) {
             let sends = schedule.sends(me);
             let sending = Sending {
-                chunks: &chunks,
-                sizes: &sizes,
-                extra: &extra,
+                chunks,
+                sizes,
+                extra,
                 round,
                 tag: tag(round),
                 damage: options.damage_cma_chunk.filter(|_| round == 0),
@@ -304,9 +405,9 @@ pub async fn sync_state(
             let receives = schedule.receives(me);
             let mut ctx = Receiving {
                 state: &mut *state,
-                chunks: &chunks,
-                sizes: &sizes,
-                extra_lens: &extra_lens,
+                chunks,
+                sizes,
+                extra_lens,
                 round,
                 tag: tag(round),
                 extra: &mut received_extra,
@@ -357,19 +458,7 @@ pub async fn sync_state(
         state.load_extra(&extra).map_err(TransferError::Extra)?;
     }
     report.refetched = schedule.refetched();
-    report.elapsed = started.elapsed();
-    tracing::info!(
-        rank = me,
-        step = report.step,
-        bytes = report.bytes,
-        sources = ?report.sources,
-        receivers = ?report.receivers,
-        refetched = report.refetched,
-        cma_bytes = report.cma_bytes,
-        elapsed_ms = report.elapsed.as_millis() as u64,
-        "state transfer done"
-    );
-    Ok(report)
+    Ok(())
 }
 
 /// Checksums of every entry (and the extras) compared across ranks: an
@@ -382,9 +471,15 @@ pub async fn sync_state(
 /// no state, so after the group is re-formed it can simply be called again.
 pub async fn verify_state(group: &ProcessGroup, state: &mut dyn TrainState) -> Result<(), TransferError> {
     let list = entries(state);
-    hello(group, &list, None, state.save_extra().len()).await?;
-    let sums = entry_sums(state, true);
-    let all = u64s(group.all_gather(Tensor::from_slice(&sums)).await?)?;
+    let extra = state.save_extra();
+    hello(group, &list, None, extra.len(), None).await?;
+    compare_sums(group, &list, &entry_sums(state, Some(&extra))).await
+}
+
+/// Every rank's [`entry_sums`] (the lists already agreed) compared: an
+/// error on every rank naming each rank that differs from rank 0.
+async fn compare_sums(group: &ProcessGroup, list: &[StateEntry], sums: &[u64]) -> Result<(), TransferError> {
+    let all = u64s(group.all_gather(Tensor::from_slice(sums)).await?)?;
     let rows: Vec<Vec<u64>> = all.chunks(sums.len()).map(<[u64]>::to_vec).collect();
     let diverged = sync_plan::diverged(&rows);
     if diverged.is_empty() {
@@ -400,8 +495,9 @@ pub async fn verify_state(group: &ProcessGroup, state: &mut dyn TrainState) -> R
 }
 
 /// A checksum of each entry of `state` in [`for_each_entry`]'s order, and
-/// of its extras last when `with_extras`: equal states give equal rows.
-pub(super) fn entry_sums(state: &mut dyn TrainState, with_extras: bool) -> Vec<u64> {
+/// of `extra` (its saved extras) last when given: equal states give equal
+/// rows.
+pub(super) fn entry_sums(state: &mut dyn TrainState, extra: Option<&[u8]>) -> Vec<u64> {
     const PIECE: usize = 4 << 20;
     let mut sums = Vec::new();
     let mut scratch = Vec::new();
@@ -423,8 +519,8 @@ pub(super) fn entry_sums(state: &mut dyn TrainState, with_extras: bool) -> Vec<u
         }
         sums.push(sum);
     });
-    if with_extras {
-        sums.push(checksum(u64::MAX, &state.save_extra()));
+    if let Some(extra) = extra {
+        sums.push(checksum(u64::MAX, extra));
     }
     sums
 }
@@ -460,6 +556,7 @@ async fn hello(
     list: &[StateEntry],
     step: Option<u64>,
     extra_len: usize,
+    state: Option<u64>,
 ) -> Result<Vec<Hello>, TransferError> {
     let encoded = sync_plan::encode_specs(&specs(list));
     let mine = Hello {
@@ -468,6 +565,7 @@ async fn hello(
         step,
         extra_len: extra_len as u64,
         nonce: random_nonce(),
+        state,
     };
     let all = u64s(group.all_gather(Tensor::from_slice(&mine.encode())).await?)?;
     let hellos: Vec<Hello> = all.chunks(Hello::WORDS).filter_map(Hello::decode).collect();

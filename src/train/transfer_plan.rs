@@ -25,11 +25,14 @@ pub struct Hello {
     pub extra_len: u64,
     /// A random number; rank 0's names this call's frames.
     pub nonce: u64,
+    /// A checksum of its whole state (entries and extras), when the call
+    /// verifies the states too: equal states give equal checksums.
+    pub state: Option<u64>,
 }
 
 impl Hello {
     /// Words per rank.
-    pub const WORDS: usize = 6;
+    pub const WORDS: usize = 8;
 
     /// As words.
     pub fn encode(&self) -> [u64; Self::WORDS] {
@@ -40,12 +43,14 @@ impl Hello {
             self.step.unwrap_or(0),
             self.extra_len,
             self.nonce,
+            self.state.is_some() as u64,
+            self.state.unwrap_or(0),
         ]
     }
 
     /// From [`encode`](Self::encode)'s words (`None` unless exactly [`WORDS`](Self::WORDS)).
     pub fn decode(words: &[u64]) -> Option<Self> {
-        let &[fingerprint, entries, has_step, step, extra_len, nonce] = words else {
+        let &[fingerprint, entries, has_step, step, extra_len, nonce, has_state, state] = words else {
             return None;
         };
         Some(Self {
@@ -54,6 +59,7 @@ impl Hello {
             step: (has_step != 0).then_some(step),
             extra_len,
             nonce,
+            state: (has_state != 0).then_some(state),
         })
     }
 }
@@ -597,10 +603,15 @@ mod tests {
             step: None,
             extra_len: 12,
             nonce: 77,
+            state: None,
         };
         assert_eq!(Hello::decode(&hello.encode()), Some(hello));
-        let zero = Hello { step: Some(0), ..hello };
-        assert_eq!(Hello::decode(&zero.encode()), Some(zero), "step 0 is not None");
+        let zero = Hello {
+            step: Some(0),
+            state: Some(0),
+            ..hello
+        };
+        assert_eq!(Hello::decode(&zero.encode()), Some(zero), "0 is not None");
         assert_eq!(Hello::decode(&[1, 2]), None);
     }
 
