@@ -262,12 +262,7 @@ impl Stepper {
         let (rank, step) = (pg.rank(), self.progress.step);
         self.guard.inject(rank, step, &mut *state);
         let mut outer = Outer::default();
-        let mut full = Full {
-            job: state,
-            outer: &mut outer,
-            progress: &mut self.progress,
-            written: false,
-        };
+        let mut full = Full::new(state, &mut outer, &mut self.progress);
         let asked_at = self.asked_at.take();
         match self
             .guard
@@ -316,12 +311,7 @@ impl Stepper {
         let started = Instant::now();
         let before = self.progress.step;
         let mut outer = Outer::default();
-        let mut full = Full {
-            job: state,
-            outer: &mut outer,
-            progress: &mut self.progress,
-            written: false,
-        };
+        let mut full = Full::new(state, &mut outer, &mut self.progress);
         let units = self.has_state.then(|| full.progress.units());
         match self.guard.vet_sources(&pg, &mut full, units).await? {
             Check::NotDue | Check::Agree => {}

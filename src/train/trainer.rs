@@ -358,6 +358,17 @@ pub(super) struct Full<'a, J: ?Sized> {
     pub(super) written: bool,
 }
 
+impl<'a, J: ?Sized> Full<'a, J> {
+    pub(super) fn new(job: &'a mut J, outer: &'a mut Outer, progress: &'a mut Progress) -> Self {
+        Self {
+            job,
+            outer,
+            progress,
+            written: false,
+        }
+    }
+}
+
 /// A buffer that reports writes into it (see [`Full::written`]).
 struct Tracked<'b> {
     inner: &'b mut dyn ParamBuffer,
@@ -570,285 +581,365 @@ pub async fn train<J: Job>(
     group: &ElasticGroup,
     job: &mut J,
     options: &TrainOptions,
-    mut observe: impl FnMut(&Committed),
+    observe: impl FnMut(&Committed),
 ) -> Result<TrainReport, TrainError> {
-    let outer_mode = options.mode.outer();
-    let mut outer = Outer::default();
-    if let Some((_, rule, _)) = outer_mode {
-        outer.anchor = read_params(job)?;
-        if matches!(rule, OuterRule::Nesterov { .. }) {
-            outer.momentum = vec![0.0; outer.anchor.len()];
-        }
-    }
-    let mut progress = Progress::default();
-    let mut has_state = group.generation() == 0;
-    let mut report = TrainReport::default();
-    let mut synced: Option<(u64, DistributedSync<'static>)> = None;
-    let mut pending: Option<Pending> = None;
-    let mut rejections = 0u32;
-    let mut recorder = Recorder::from_env();
-    let live = Live::start(group);
-    let mut guard = Guard::new(&options.integrity, &options.corruptions, options.mode == Mode::Ddp);
-    // Members whose state a check outvoted, in a generation.
-    let mut outvoted: Option<(u64, Vec<usize>)> = None;
+    let mut run = Run::new(group, job, options, observe)?;
     loop {
-        // The next outer sync (or fragment sync), once its step is committed.
-        let outer_due = outer_mode.and_then(|(every, rule, fragments)| {
-            let (at, fragment) = sync_point(progress.outer_syncs, every, fragments);
-            (at <= progress.step).then_some((rule, fragment, fragments))
-        });
-        if progress.step >= options.steps && outer_due.is_none() {
+        let outer_due = run.outer_due();
+        if run.progress.step >= options.steps && outer_due.is_none() {
             break;
         }
         let pg = group.current();
-        let generation = pg.generation();
-        // Silent corruption found on these members: they take the
-        // majority's state in this generation; nobody else moves. (In a
-        // new generation the transfer below and the check after it do.)
-        if let Some((_, ranks)) = outvoted.take().filter(|(g, _)| *g == generation) {
-            has_state &= !ranks.contains(&pg.rank());
-            let mine = has_state.then(|| progress.units());
-            let mut full = Full {
-                job: &mut *job,
-                outer: &mut outer,
-                progress: &mut progress,
-                written: false,
-            };
-            match sync_state(&pg, &mut full, mine, &options.transfer).await {
-                Ok(_) => has_state = true,
-                Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
-                    Pending::extend(&mut pending);
-                    wait_next(group, generation).await?;
-                    continue;
-                }
-                Err(other) => return Err(TrainError::Transfer(other)),
-            }
+        if run.heal_outvoted(&pg).await? == Next::Again {
+            continue;
         }
-        if synced.as_ref().is_none_or(|(g, _)| *g != generation) {
-            // A generation swapped in between two operations is a recovery
-            // too (a joiner admitted into a healthy group).
-            if synced.take().is_some() && pending.is_none() {
-                pending = Some(Pending::new(Instant::now()));
-            }
-            if let Some(p) = pending.as_mut() {
-                p.formed.get_or_insert_with(|| p.failed_at.elapsed());
-            }
-            let started = Instant::now();
-            let mut full = Full {
-                job: &mut *job,
-                outer: &mut outer,
-                progress: &mut progress,
-                written: false,
-            };
-            let units = has_state.then(|| full.progress.units());
-            match guard.vet_sources(&pg, &mut full, units).await? {
-                Check::NotDue | Check::Agree => {}
-                Check::Outvoted(ranks) => has_state &= !ranks.contains(&pg.rank()),
-                Check::GroupFailed => {
-                    wait_next(group, generation).await?;
-                    continue;
-                }
-            }
-            let mine = has_state.then(|| progress.units());
-            let before = progress.step;
-            let mut full = Full {
-                job: &mut *job,
-                outer: &mut outer,
-                progress: &mut progress,
-                written: false,
-            };
-            let transfer = match sync_state(&pg, &mut full, mine, &options.transfer).await {
-                Ok(transfer) => transfer,
-                Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
-                    // A receiver cut off mid-transfer holds a mix of two
-                    // states: it must receive again, even if every member
-                    // ahead of it died and its old step became the newest.
-                    if full.written {
-                        has_state = false;
-                    }
-                    wait_next(group, generation).await?;
-                    continue;
-                }
-                Err(other) => return Err(TrainError::Transfer(other)),
-            };
-            if transfer.receivers.contains(&pg.rank()) {
-                // The extras (and so `progress`) load only once every chunk
-                // arrived: `before` is what this member had applied itself.
-                report.adopted += progress.step - before;
-            }
-            has_state = true;
-            let sync_options = SyncOptions {
-                bucket_cap_mb: options.bucket_cap_mb,
-                init_sync: false,
-                ..SyncOptions::default()
-            };
-            let mut sync = match DistributedSync::new(pg.clone(), &mut *job, sync_options).await {
-                Ok(sync) => sync,
-                Err(SyncError::Collective(_) | SyncError::Aborted { .. }) => {
-                    wait_next(group, generation).await?;
-                    continue;
-                }
-                Err(other) => return Err(TrainError::Sync(other)),
-            };
-            sync.register_comm_hook(guard.hook());
-            synced = Some((generation, sync));
-            // The state just moved: checked before the first step.
-            guard.check_at(progress.step);
-            if let Some(p) = pending.as_mut() {
-                p.generation = generation;
-                p.world_size = pg.world_size();
-                p.resumed_step = progress.step;
-                p.receivers = transfer.receivers;
-                p.bytes = transfer.bytes;
-                p.transferred = Some((Instant::now(), started.elapsed()));
-            }
+        let joined = run.synced.as_ref().is_some_and(|(g, _)| *g == pg.generation());
+        if !joined && run.join(&pg).await? == Next::Again {
+            continue;
         }
-        let (_, sync) = synced.as_mut().expect("synced above");
-        let boundary = Boundary::of(group, generation);
+        let boundary = Boundary::of(group, pg.generation());
         let outcome = match outer_due {
             Some((rule, fragment, fragments)) => {
-                let fragment = (fragment, fragments);
-                outer_sync(&pg, &mut *job, &mut outer, rule, fragment, progress.step, boundary).await?
+                let (job, at) = (&mut *run.job, run.progress.step);
+                outer_sync(&pg, job, &mut run.outer, rule, (fragment, fragments), at, boundary).await?
             }
-            None => {
-                let at = progress.step;
-                // A corruption asked for from a dashboard or `chorus chaos` (`live`).
-                if let Some(target) = live.as_ref().and_then(Live::take_corruption) {
-                    guard.ask(StateCorruption {
-                        rank: pg.rank(),
-                        step: at,
-                        target,
-                        bit: None,
-                    });
-                }
-                guard.inject(pg.rank(), at, &mut *job);
-                let mut full = Full {
-                    job: &mut *job,
-                    outer: &mut outer,
-                    progress: &mut progress,
-                    written: false,
-                };
-                match guard.check(&pg, &mut full, at, options.max_rejections, None).await? {
-                    Check::NotDue | Check::Agree => {}
-                    Check::Outvoted(ranks) => {
-                        outvoted = Some((generation, ranks));
-                        continue;
-                    }
-                    Check::GroupFailed => {
-                        Pending::extend(&mut pending);
-                        wait_next(group, generation).await?;
-                        continue;
-                    }
-                }
-                let step = Step {
-                    step: progress.step,
-                    rank: pg.rank(),
-                    world_size: pg.world_size(),
-                    generation,
-                    global_batch: options.global_batch,
-                    grad_scale: match options.mode {
-                        Mode::Ddp => 1.0 / options.global_batch.max(1) as f32,
-                        _ => 1.0 / shard(options.global_batch, pg.world_size(), pg.rank()).len().max(1) as f32,
-                    },
-                };
-                // A slow rank asked for from a dashboard (`live`).
-                if let Some(pause) = live.as_ref().and_then(Live::slowdown) {
-                    tokio::time::sleep(pause).await;
-                }
-                let ddp = options.mode == Mode::Ddp;
-                let (outcome, loss, outliers) =
-                    run_step(&pg, &mut *job, sync, &step, (ddp, boundary), &mut guard).await?;
-                if !outliers.is_empty() && rejections >= options.max_rejections {
-                    return Err(TrainError::Unhealed {
-                        step: step.step,
-                        ranks: outliers,
-                        times: rejections + 1,
-                    });
-                }
-                if let Outcome::Committed { .. } = outcome {
-                    report.applied += 1;
-                    guard.committed();
-                    let committed = Committed {
-                        step: step.step,
-                        loss: loss / options.global_batch.max(1) as f64,
-                        world_size: step.world_size,
-                        generation,
-                    };
-                    if let Some(recorder) = recorder.as_mut() {
-                        recorder.write(&CommitRecord {
-                            pid: std::process::id(),
-                            generation,
-                            rank: step.rank,
-                            world_size: step.world_size,
-                            step: step.step,
-                            loss: Some(committed.loss),
-                            checksum: (options.mode == Mode::Ddp).then(|| record::checksum(&mut *job)),
-                            applied: report.applied,
-                            adopted: report.adopted,
-                            at_us: record::unix_us(),
-                            corruptions_injected: guard.injected,
-                            corruptions_detected: guard.detected,
-                            check_interval: guard.interval,
-                        });
-                    }
-                    if let Some(live) = &live {
-                        live.committed(&committed, step.rank);
-                    }
-                    observe(&committed);
-                }
-                outcome
-            }
+            None => match run.step(&pg, boundary).await? {
+                Some(outcome) => outcome,
+                None => continue,
+            },
         };
+        run.conclude(&pg, outcome, outer_due.is_some()).await?;
+    }
+    Ok(run.finish())
+}
+
+/// After a step of [`Run`]: go on in this generation, or look at the
+/// group again (a generation failed and the next is formed, or a member
+/// must be healed first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    Go,
+    Again,
+}
+
+/// [`train`]'s loop state, between units of progress.
+struct Run<'a, J: Job, F> {
+    group: &'a ElasticGroup,
+    job: &'a mut J,
+    options: &'a TrainOptions,
+    observe: F,
+    outer: Outer,
+    progress: Progress,
+    /// Whether this member's state is a committed step's (a fresh joiner's
+    /// is none, nor is one a broken transfer half wrote).
+    has_state: bool,
+    report: TrainReport,
+    /// The gradient sync of the generation this member joined.
+    synced: Option<(u64, DistributedSync<'static>)>,
+    pending: Option<Pending>,
+    /// Votes down in a row at this step.
+    rejections: u32,
+    recorder: Option<Recorder>,
+    live: Option<Live>,
+    guard: Guard,
+    /// Members whose state a check outvoted, in a generation.
+    outvoted: Option<(u64, Vec<usize>)>,
+}
+
+impl<'a, J: Job, F: FnMut(&Committed)> Run<'a, J, F> {
+    fn new(group: &'a ElasticGroup, job: &'a mut J, options: &'a TrainOptions, observe: F) -> Result<Self, TrainError> {
+        let mut outer = Outer::default();
+        if let Some((_, rule, _)) = options.mode.outer() {
+            outer.anchor = read_params(job)?;
+            if matches!(rule, OuterRule::Nesterov { .. }) {
+                outer.momentum = vec![0.0; outer.anchor.len()];
+            }
+        }
+        Ok(Self {
+            group,
+            job,
+            options,
+            observe,
+            outer,
+            progress: Progress::default(),
+            has_state: group.generation() == 0,
+            report: TrainReport::default(),
+            synced: None,
+            pending: None,
+            rejections: 0,
+            recorder: Recorder::from_env(),
+            live: Live::start(group),
+            guard: Guard::new(&options.integrity, &options.corruptions, options.mode == Mode::Ddp),
+            outvoted: None,
+        })
+    }
+
+    /// The next outer sync (or fragment sync), once its step is committed.
+    fn outer_due(&self) -> Option<(OuterRule, u32, u32)> {
+        self.options.mode.outer().and_then(|(every, rule, fragments)| {
+            let (at, fragment) = sync_point(self.progress.outer_syncs, every, fragments);
+            (at <= self.progress.step).then_some((rule, fragment, fragments))
+        })
+    }
+
+    /// The generation failed: wait for the next one.
+    async fn failed(&mut self, generation: u64) -> Result<Next, TrainError> {
+        Pending::extend(&mut self.pending);
+        wait_next(self.group, generation).await?;
+        Ok(Next::Again)
+    }
+
+    /// Silent corruption found on these members: they take the majority's
+    /// state in this generation; nobody else moves. (In a new generation
+    /// the join's transfer and the check after it do.)
+    async fn heal_outvoted(&mut self, pg: &ProcessGroup) -> Result<Next, TrainError> {
+        let generation = pg.generation();
+        let Some((_, ranks)) = self.outvoted.take().filter(|(g, _)| *g == generation) else {
+            return Ok(Next::Go);
+        };
+        self.has_state &= !ranks.contains(&pg.rank());
+        let mine = self.has_state.then(|| self.progress.units());
+        let options = self.options;
+        let mut full = Full::new(&mut *self.job, &mut self.outer, &mut self.progress);
+        match sync_state(pg, &mut full, mine, &options.transfer).await {
+            Ok(_) => {
+                self.has_state = true;
+                Ok(Next::Go)
+            }
+            Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
+                self.failed(generation).await
+            }
+            Err(other) => Err(TrainError::Transfer(other)),
+        }
+    }
+
+    /// Joins generation `pg`, new to this member: the state moves from the
+    /// most advanced members (after they compared theirs) to those behind,
+    /// and the gradient sync is set up on the new group.
+    async fn join(&mut self, pg: &Arc<ProcessGroup>) -> Result<Next, TrainError> {
+        let generation = pg.generation();
+        // A generation swapped in between two operations is a recovery
+        // too (a joiner admitted into a healthy group).
+        if self.synced.take().is_some() && self.pending.is_none() {
+            self.pending = Some(Pending::new(Instant::now()));
+        }
+        if let Some(p) = self.pending.as_mut() {
+            p.formed.get_or_insert_with(|| p.failed_at.elapsed());
+        }
+        let started = Instant::now();
+        let units = self.has_state.then(|| self.progress.units());
+        let mut full = Full::new(&mut *self.job, &mut self.outer, &mut self.progress);
+        match self.guard.vet_sources(pg, &mut full, units).await? {
+            Check::NotDue | Check::Agree => {}
+            Check::Outvoted(ranks) => self.has_state &= !ranks.contains(&pg.rank()),
+            Check::GroupFailed => {
+                wait_next(self.group, generation).await?;
+                return Ok(Next::Again);
+            }
+        }
+        let mine = self.has_state.then(|| self.progress.units());
+        let before = self.progress.step;
+        let mut full = Full::new(&mut *self.job, &mut self.outer, &mut self.progress);
+        let transfer = match sync_state(pg, &mut full, mine, &self.options.transfer).await {
+            Ok(transfer) => transfer,
+            Err(TransferError::Collective(_) | TransferError::Protocol { .. } | TransferError::Timeout { .. }) => {
+                // A receiver cut off mid-transfer holds a mix of two
+                // states: it must receive again, even if every member
+                // ahead of it died and its old step became the newest.
+                if full.written {
+                    self.has_state = false;
+                }
+                wait_next(self.group, generation).await?;
+                return Ok(Next::Again);
+            }
+            Err(other) => return Err(TrainError::Transfer(other)),
+        };
+        if transfer.receivers.contains(&pg.rank()) {
+            // The extras (and so `progress`) load only once every chunk
+            // arrived: `before` is what this member had applied itself.
+            self.report.adopted += self.progress.step - before;
+        }
+        self.has_state = true;
+        let sync_options = SyncOptions {
+            bucket_cap_mb: self.options.bucket_cap_mb,
+            init_sync: false,
+            ..SyncOptions::default()
+        };
+        let mut sync = match DistributedSync::new(pg.clone(), &mut *self.job, sync_options).await {
+            Ok(sync) => sync,
+            Err(SyncError::Collective(_) | SyncError::Aborted { .. }) => {
+                wait_next(self.group, generation).await?;
+                return Ok(Next::Again);
+            }
+            Err(other) => return Err(TrainError::Sync(other)),
+        };
+        sync.register_comm_hook(self.guard.hook());
+        self.synced = Some((generation, sync));
+        // The state just moved: checked before the first step.
+        self.guard.check_at(self.progress.step);
+        if let Some(p) = self.pending.as_mut() {
+            p.generation = generation;
+            p.world_size = pg.world_size();
+            p.resumed_step = self.progress.step;
+            p.receivers = transfer.receivers;
+            p.bytes = transfer.bytes;
+            p.transferred = Some((Instant::now(), started.elapsed()));
+        }
+        Ok(Next::Go)
+    }
+
+    /// One step in generation `pg`: the due state check, the job's step
+    /// and its vote. `None`: look at the group again first.
+    async fn step(&mut self, pg: &ProcessGroup, boundary: Boundary) -> Result<Option<Outcome>, TrainError> {
+        let (at, generation) = (self.progress.step, pg.generation());
+        // A corruption asked for from a dashboard or `chorus chaos` (`live`).
+        if let Some(target) = self.live.as_ref().and_then(Live::take_corruption) {
+            self.guard.ask(StateCorruption {
+                rank: pg.rank(),
+                step: at,
+                target,
+                bit: None,
+            });
+        }
+        self.guard.inject(pg.rank(), at, &mut *self.job);
+        let max_rejections = self.options.max_rejections;
+        let mut full = Full::new(&mut *self.job, &mut self.outer, &mut self.progress);
+        match self.guard.check(pg, &mut full, at, max_rejections, None).await? {
+            Check::NotDue | Check::Agree => {}
+            Check::Outvoted(ranks) => {
+                self.outvoted = Some((generation, ranks));
+                return Ok(None);
+            }
+            Check::GroupFailed => {
+                self.failed(generation).await?;
+                return Ok(None);
+            }
+        }
+        let options = self.options;
+        let step = Step {
+            step: at,
+            rank: pg.rank(),
+            world_size: pg.world_size(),
+            generation,
+            global_batch: options.global_batch,
+            grad_scale: match options.mode {
+                Mode::Ddp => 1.0 / options.global_batch.max(1) as f32,
+                _ => 1.0 / shard(options.global_batch, pg.world_size(), pg.rank()).len().max(1) as f32,
+            },
+        };
+        // A slow rank asked for from a dashboard (`live`).
+        if let Some(pause) = self.live.as_ref().and_then(Live::slowdown) {
+            tokio::time::sleep(pause).await;
+        }
+        let ddp = options.mode == Mode::Ddp;
+        let (_, sync) = self.synced.as_mut().expect("joined before a step");
+        let (outcome, loss, outliers) =
+            run_step(pg, &mut *self.job, sync, &step, (ddp, boundary), &mut self.guard).await?;
+        if !outliers.is_empty() && self.rejections >= options.max_rejections {
+            return Err(TrainError::Unhealed {
+                step: step.step,
+                ranks: outliers,
+                times: self.rejections + 1,
+            });
+        }
+        if let Outcome::Committed { .. } = outcome {
+            self.committed(&step, loss);
+        }
+        Ok(Some(outcome))
+    }
+
+    /// A committed step: counted, recorded, shown and observed.
+    fn committed(&mut self, step: &Step, loss: f64) {
+        self.report.applied += 1;
+        self.guard.committed();
+        let committed = Committed {
+            step: step.step,
+            loss: loss / self.options.global_batch.max(1) as f64,
+            world_size: step.world_size,
+            generation: step.generation,
+        };
+        let ddp = self.options.mode == Mode::Ddp;
+        if let Some(recorder) = self.recorder.as_mut() {
+            recorder.write(&CommitRecord {
+                pid: std::process::id(),
+                generation: step.generation,
+                rank: step.rank,
+                world_size: step.world_size,
+                step: step.step,
+                loss: Some(committed.loss),
+                checksum: ddp.then(|| record::checksum(&mut *self.job)),
+                applied: self.report.applied,
+                adopted: self.report.adopted,
+                at_us: record::unix_us(),
+                corruptions_injected: self.guard.injected,
+                corruptions_detected: self.guard.detected,
+                check_interval: self.guard.interval,
+            });
+        }
+        if let Some(live) = &self.live {
+            live.committed(&committed, step.rank);
+        }
+        (self.observe)(&committed);
+    }
+
+    /// What a unit's outcome leads to: the next unit, a recovery ended or
+    /// begun, a swap to the generation formed beside, or a step run again.
+    async fn conclude(&mut self, pg: &ProcessGroup, outcome: Outcome, outer: bool) -> Result<(), TrainError> {
         match outcome {
             Outcome::Committed { admit, swap } => {
-                rejections = 0;
-                match outer_due {
-                    Some(_) => progress.outer_syncs += 1,
-                    None => progress.step += 1,
+                self.rejections = 0;
+                match outer {
+                    true => self.progress.outer_syncs += 1,
+                    false => self.progress.step += 1,
                 }
                 // A recovery ends at the first committed unit, but the
                 // initial formation (no failure before it) is none.
-                if let Some(recovery) = pending.take().and_then(Pending::finish) {
-                    if let Some(live) = &live {
+                if let Some(recovery) = self.pending.take().and_then(Pending::finish) {
+                    if let Some(live) = &self.live {
                         live.recovered(&recovery);
                     }
-                    report.recoveries.push(recovery);
+                    self.report.recoveries.push(recovery);
                 }
                 if swap {
-                    pending = Some(Pending::new(Instant::now()));
-                    group.swap_at_boundary(&pg).await;
-                    wait_next(group, generation).await?;
+                    self.pending = Some(Pending::new(Instant::now()));
+                    self.group.swap_at_boundary(pg).await;
+                    wait_next(self.group, pg.generation()).await?;
                 } else if admit {
-                    group.admit_at_boundary(&pg);
+                    self.group.admit_at_boundary(pg);
                 }
             }
             Outcome::GroupFailed => {
-                Pending::extend(&mut pending);
-                if let Some(live) = &live {
-                    live.failed(&pg);
+                if let Some(live) = &self.live {
+                    live.failed(pg);
                 }
-                wait_next(group, generation).await?;
+                self.failed(pg.generation()).await?;
             }
             Outcome::Rejected => {
-                report.rejected += 1;
-                rejections += 1;
+                self.report.rejected += 1;
+                self.rejections += 1;
                 // A member may hold a corrupt state (a loss gone non-finite,
                 // an outlier gradient): compare before running it again.
-                guard.check_at(progress.step);
-                if rejections > options.max_rejections {
+                self.guard.check_at(self.progress.step);
+                if self.rejections > self.options.max_rejections {
                     return Err(TrainError::Rejected {
-                        step: progress.step,
-                        times: rejections,
+                        step: self.progress.step,
+                        times: self.rejections,
                     });
                 }
             }
         }
+        Ok(())
     }
-    report.steps = progress.step;
-    report.outer_syncs = progress.outer_syncs;
-    report.corruptions_injected = guard.injected;
-    report.corruptions_detected = guard.detected;
-    Ok(report)
+
+    fn finish(self) -> TrainReport {
+        TrainReport {
+            steps: self.progress.step,
+            outer_syncs: self.progress.outer_syncs,
+            corruptions_injected: self.guard.injected,
+            corruptions_detected: self.guard.detected,
+            ..self.report
+        }
+    }
 }
 
 pub(super) async fn wait_next(group: &ElasticGroup, generation: u64) -> Result<(), TrainError> {
@@ -1117,21 +1208,10 @@ mod tests {
                 outer_syncs: 2,
             },
         );
-        let bytes = Full {
-            job: &mut source,
-            outer: &mut outer,
-            progress: &mut progress,
-            written: false,
-        }
-        .save_extra();
+        let bytes = Full::new(&mut source, &mut outer, &mut progress).save_extra();
         let mut joiner = Plain(crate::train::NamedState::default());
         let mut got = Progress::default();
-        let mut full = Full {
-            job: &mut joiner,
-            outer: &mut outer,
-            progress: &mut got,
-            written: false,
-        };
+        let mut full = Full::new(&mut joiner, &mut outer, &mut got);
         full.load_extra(&bytes).unwrap();
         assert!(full.load_extra(&bytes[..3]).is_err());
         assert_eq!(

@@ -100,8 +100,8 @@ use super::cma;
 use super::integrity;
 use super::state::{StateEntry, TrainState, entries, for_each_entry};
 use super::transfer_plan::{
-    BLOCK, Chunks, HEADER, Header, Hello, Offer, Piece, Region, Roles, Schedule, block_checksum, checksum, chunk_checksum,
-    combine, decode_round, encode_round, roles, segments,
+    BLOCK, Chunks, HEADER, Header, Hello, Offer, Piece, Region, Roles, Schedule, block_checksum, checksum,
+    chunk_checksum, combine, decode_round, encode_round, roles, segments,
 };
 use crate::group::ProcessGroup;
 use crate::sync::plan::{self as sync_plan, ParamSpec};
@@ -677,77 +677,18 @@ async fn send_round(
         ..
     } = *sending;
     let timeout = group.collective_timeout();
-    let mut outbound = std::collections::HashMap::new();
-    let mut tasks = JoinSet::new();
-    for receiver in sends.iter().flat_map(|(_, r)| r.iter().copied()) {
-        if outbound.contains_key(&receiver) {
-            continue;
-        }
-        let link = link(group, receiver)?;
-        let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_PER_RECEIVER);
-        let queued = Arc::new(AtomicUsize::new(0));
-        outbound.insert(receiver, (link.clone(), tx, queued.clone()));
-        tasks.spawn(async move {
-            while let Some(frame) = rx.recv().await {
-                match tokio::time::timeout(timeout, link.send(TRANSFER_CHANNEL, tag, frame)).await {
-                    Ok(Ok(())) => queued.fetch_sub(1, Ordering::AcqRel),
-                    Ok(Err(e)) => return Err(TransferError::Collective(e.error.into())),
-                    Err(_) => {
-                        return Err(TransferError::Timeout {
-                            peer: receiver,
-                            waited: timeout,
-                        });
-                    }
-                };
-            }
-            Ok(())
-        });
-    }
+    let receivers = sends.iter().flat_map(|(_, r)| r.iter().copied());
+    let (mut outbound, mut tasks) = spawn_senders(group, receivers, tag, timeout)?;
     let pool = Pool::default();
     let work = async {
-        let mut offers = std::collections::HashMap::new();
-        for (&receiver, (link, ..)) in &outbound {
-            if link.kind() == TransportKind::Shm {
-                let offer = receive_offer(link.as_ref(), receiver, tag, timeout).await?;
-                // Ranks of one process share its memory (no use for this),
-                // and a fault must act on every byte this link carries.
-                if offer.pid != 0 && offer.pid != std::process::id() && !link.injects_faults() {
-                    tracing::debug!(
-                        source = group.rank(),
-                        receiver,
-                        round,
-                        "state transfer: writing chunks into the receiver's memory"
-                    );
-                    offers.insert(receiver, offer);
-                }
-            }
-        }
+        let mut offers = receive_offers(group, &outbound, round, tag, timeout).await?;
         'chunks: for (chunk, receivers) in sends {
             let len = HEADER + chunk_len(extra, chunks, *chunk);
             let pieces = chunks.pieces(*chunk);
             let mut owned = None;
             for receiver in receivers {
                 let (link, queue, queued) = &outbound[receiver];
-                let mut notice = None;
-                if let Some(offer) = offers.get(receiver).filter(|o| o.covers(&pieces, sending.sizes)) {
-                    // After an abort the receiver may have returned and reused
-                    // its memory: no write then (the module docs say what remains).
-                    let written = match group.failures().borrow().is_some() {
-                        true => Err(std::io::Error::other("the group was aborted")),
-                        false => write_cma(state, *chunk, &pieces, offer, round, sending.damage == Some(*chunk)),
-                    };
-                    match written {
-                        Ok(header) => notice = Some(header),
-                        Err(e) => {
-                            tracing::warn!(
-                                receiver,
-                                error = %e,
-                                "state transfer: cross-memory attach refused; this receiver's chunks go on the link"
-                            );
-                            offers.remove(receiver);
-                        }
-                    }
-                }
+                let notice = write_into_receiver(group, state, sending, (*chunk, &pieces), &mut offers, *receiver);
                 let frame_len = if notice.is_some() { HEADER } else { len };
                 if queued.load(Ordering::Acquire) == 0 {
                     let in_place = std::future::poll_fn(|cx| {
@@ -796,6 +737,115 @@ async fn send_round(
         Ok(())
     };
     unless_aborted(group, work).await.map_err(|e| fail(group, e))
+}
+
+/// Per receiver: its link, the queue its sender task reads frames from,
+/// and how many frames wait there.
+type Outbound = std::collections::HashMap<usize, (Arc<dyn Link>, mpsc::Sender<Bytes>, Arc<AtomicUsize>)>;
+
+/// A sender task per receiver, sending the frames queued for it in order
+/// (each within `timeout`).
+fn spawn_senders(
+    group: &ProcessGroup,
+    receivers: impl Iterator<Item = usize>,
+    tag: u64,
+    timeout: Duration,
+) -> Result<(Outbound, JoinSet<Result<(), TransferError>>), TransferError> {
+    let mut outbound = Outbound::new();
+    let mut tasks = JoinSet::new();
+    for receiver in receivers {
+        if outbound.contains_key(&receiver) {
+            continue;
+        }
+        let link = link(group, receiver)?;
+        let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_PER_RECEIVER);
+        let queued = Arc::new(AtomicUsize::new(0));
+        outbound.insert(receiver, (link.clone(), tx, queued.clone()));
+        tasks.spawn(async move {
+            while let Some(frame) = rx.recv().await {
+                match tokio::time::timeout(timeout, link.send(TRANSFER_CHANNEL, tag, frame)).await {
+                    Ok(Ok(())) => queued.fetch_sub(1, Ordering::AcqRel),
+                    Ok(Err(e)) => return Err(TransferError::Collective(e.error.into())),
+                    Err(_) => {
+                        return Err(TransferError::Timeout {
+                            peer: receiver,
+                            waited: timeout,
+                        });
+                    }
+                };
+            }
+            Ok(())
+        });
+    }
+    Ok((outbound, tasks))
+}
+
+/// The [`Offer`]s of the receivers on shared-memory links whose memory
+/// this source may write into.
+async fn receive_offers(
+    group: &ProcessGroup,
+    outbound: &Outbound,
+    round: u32,
+    tag: u64,
+    timeout: Duration,
+) -> Result<std::collections::HashMap<usize, Offer>, TransferError> {
+    let mut offers = std::collections::HashMap::new();
+    for (&receiver, (link, ..)) in outbound {
+        if link.kind() == TransportKind::Shm {
+            let offer = receive_offer(link.as_ref(), receiver, tag, timeout).await?;
+            // Ranks of one process share its memory (no use for this),
+            // and a fault must act on every byte this link carries.
+            if offer.pid != 0 && offer.pid != std::process::id() && !link.injects_faults() {
+                tracing::debug!(
+                    source = group.rank(),
+                    receiver,
+                    round,
+                    "state transfer: writing chunks into the receiver's memory"
+                );
+                offers.insert(receiver, offer);
+            }
+        }
+    }
+    Ok(offers)
+}
+
+/// Writes `chunk` into `receiver`'s memory where its offer covers it and
+/// returns the notice to send instead of the chunk; `None`: the chunk
+/// goes on the link (a refused write also drops the receiver's offer).
+fn write_into_receiver(
+    group: &ProcessGroup,
+    state: &mut dyn TrainState,
+    sending: &Sending<'_>,
+    (chunk, pieces): (usize, &[Piece]),
+    offers: &mut std::collections::HashMap<usize, Offer>,
+    receiver: usize,
+) -> Option<Header> {
+    let offer = offers.get(&receiver).filter(|o| o.covers(pieces, sending.sizes))?;
+    // After an abort the receiver may have returned and reused its
+    // memory: no write then (the module docs say what remains).
+    let written = match group.failures().borrow().is_some() {
+        true => Err(std::io::Error::other("the group was aborted")),
+        false => write_cma(
+            state,
+            chunk,
+            pieces,
+            offer,
+            sending.round,
+            sending.damage == Some(chunk),
+        ),
+    };
+    match written {
+        Ok(header) => Some(header),
+        Err(e) => {
+            tracing::warn!(
+                receiver,
+                error = %e,
+                "state transfer: cross-memory attach refused; this receiver's chunks go on the link"
+            );
+            offers.remove(&receiver);
+            None
+        }
+    }
 }
 
 /// The next frame of this transfer (tagged `tag`) from `peer` on `link`:
