@@ -201,40 +201,7 @@ pub struct ChaosReport {
 /// Runs the reference and the chaos run and judges them; `say` gets a
 /// line per event (faults, phases).
 pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosReport, ChaosError> {
-    if options.nodes == 0 || options.nproc_per_node == 0 {
-        return Err(ChaosError::Options("--nodes and --nproc-per-node: at least 1".into()));
-    }
-    if options.nodes * options.nproc_per_node < 2 {
-        return Err(ChaosError::Options(
-            "at least 2 workers in all: one to fail and one to go on".into(),
-        ));
-    }
-    if options.every.0 > options.every.1 || options.every.0.is_zero() {
-        return Err(ChaosError::Options(format!(
-            "--fault-every {:?}..{:?}: a positive range, low to high",
-            options.every.0, options.every.1
-        )));
-    }
-    if !options.hosts
-        && let Some(kind) = options.faults.iter().find(|k| k.network())
-    {
-        return Err(ChaosError::Options(format!(
-            "the {} fault acts between simulated hosts: give --hosts N",
-            kind.name()
-        )));
-    }
-    // SAFETY: geteuid has no preconditions.
-    if options.hosts && unsafe { libc::geteuid() } != 0 {
-        return Err(HostsError::NotRoot.into());
-    }
-    if let Program::Example(path) = &options.program
-        && !path.exists()
-    {
-        return Err(ChaosError::Options(format!(
-            "{} missing: build it (cargo build --release --example train) or give a program after --",
-            path.display()
-        )));
-    }
+    check_options(options)?;
     let (dir, keep) = match &options.dir {
         Some(dir) => (dir.clone(), true),
         None => (
@@ -250,14 +217,7 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         .map_err(io("starting the store's runtime"))?;
     let secret = crate::launch::random_hex(16).map_err(|e| ChaosError::Options(e.to_string()))?;
     let _signals = Interrupts::catch();
-    let mut hosts = match options.hosts {
-        true => {
-            say(&format!("chaos: making {} simulated hosts", options.nodes));
-            let root = std::env::temp_dir().join(format!("chorus-chaos-hosts-{}", std::process::id()));
-            Some(Hosts::up(&std::process::id().to_string(), options.nodes, &root)?)
-        }
-        false => None,
-    };
+    let mut hosts = simulated_hosts(options, say)?;
     let mut driver = Driver {
         options,
         runtime: &runtime,
@@ -266,49 +226,10 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         hosts: hosts.as_mut(),
     };
 
-    let steps = match (&options.program, options.steps) {
-        (Program::Example(_), Some(steps)) => Some(steps),
-        (Program::Example(_), None) => {
-            say(&format!("chaos: calibrating: {CALIBRATION_STEPS} fault-free steps"));
-            let calibration = driver.phase(
-                "calibration",
-                &dir.join("calibration"),
-                Some(CALIBRATION_STEPS),
-                &[],
-                say,
-            )?;
-            let rate = calibration.rate().ok_or_else(|| ChaosError::Phase {
-                phase: "calibration",
-                why: match calibration.records.len() {
-                    // The job ran but wrote nothing: a trainer built before
-                    // the records existed (an old build of the example).
-                    0 => "no commit records were written: is the program built from this tree?".into(),
-                    _ => "too few steps committed to measure a rate".into(),
-                },
-                dir: dir.join("calibration"),
-            })?;
-            let steps = (rate * options.duration.as_secs_f64()).round().max(20.0) as u64;
-            say(&format!(
-                "chaos: {rate:.1} steps/s fault-free: {steps} steps fill {:.0} s",
-                options.duration.as_secs_f64()
-            ));
-            Some(steps)
-        }
-        (Program::Command(_), _) => None,
-    };
+    let steps = driver.steps(&dir, say)?;
     say("chaos: the fault-free reference");
     let reference = driver.phase("reference", &dir.join("reference"), steps, &[], say)?;
-    let steps = match steps {
-        Some(steps) => steps,
-        None => reference.records.iter().map(|r| r.step + 1).max().unwrap_or(0),
-    };
-    if reference.records.iter().map(|r| r.step + 1).max() != Some(steps) {
-        return Err(ChaosError::Phase {
-            phase: "reference",
-            why: format!("it did not commit its {steps} steps"),
-            dir: dir.join("reference"),
-        });
-    }
+    let steps = reference_steps(&reference, steps, &dir)?;
     let planned = schedule::schedule(&ScheduleSpec {
         seed: options.seed,
         duration: options.horizon(),
@@ -362,6 +283,74 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         reference_seconds: reference.seconds,
         dir: keep.then_some(dir),
     })
+}
+
+/// The options a run cannot go with, and why.
+fn check_options(options: &ChaosOptions) -> Result<(), ChaosError> {
+    if options.nodes == 0 || options.nproc_per_node == 0 {
+        return Err(ChaosError::Options("--nodes and --nproc-per-node: at least 1".into()));
+    }
+    if options.nodes * options.nproc_per_node < 2 {
+        return Err(ChaosError::Options(
+            "at least 2 workers in all: one to fail and one to go on".into(),
+        ));
+    }
+    if options.every.0 > options.every.1 || options.every.0.is_zero() {
+        return Err(ChaosError::Options(format!(
+            "--fault-every {:?}..{:?}: a positive range, low to high",
+            options.every.0, options.every.1
+        )));
+    }
+    if !options.hosts
+        && let Some(kind) = options.faults.iter().find(|k| k.network())
+    {
+        return Err(ChaosError::Options(format!(
+            "the {} fault acts between simulated hosts: give --hosts N",
+            kind.name()
+        )));
+    }
+    // SAFETY: geteuid has no preconditions.
+    if options.hosts && unsafe { libc::geteuid() } != 0 {
+        return Err(HostsError::NotRoot.into());
+    }
+    if let Program::Example(path) = &options.program
+        && !path.exists()
+    {
+        return Err(ChaosError::Options(format!(
+            "{} missing: build it (cargo build --release --example train) or give a program after --",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// With `--hosts`, a simulated host per node.
+fn simulated_hosts(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<Option<Hosts>, ChaosError> {
+    Ok(match options.hosts {
+        true => {
+            say(&format!("chaos: making {} simulated hosts", options.nodes));
+            let root = std::env::temp_dir().join(format!("chorus-chaos-hosts-{}", std::process::id()));
+            Some(Hosts::up(&std::process::id().to_string(), options.nodes, &root)?)
+        }
+        false => None,
+    })
+}
+
+/// The job's steps, `steps` or for a command those the reference
+/// committed; an error unless the reference committed them all.
+fn reference_steps(reference: &PhaseOutcome, steps: Option<u64>, dir: &Path) -> Result<u64, ChaosError> {
+    let steps = match steps {
+        Some(steps) => steps,
+        None => reference.records.iter().map(|r| r.step + 1).max().unwrap_or(0),
+    };
+    if reference.records.iter().map(|r| r.step + 1).max() != Some(steps) {
+        return Err(ChaosError::Phase {
+            phase: "reference",
+            why: format!("it did not commit its {steps} steps"),
+            dir: dir.join("reference"),
+        });
+    }
+    Ok(steps)
 }
 
 /// What one run (calibration, reference or chaos) left.
@@ -603,6 +592,43 @@ impl Driver<'_> {
         dirs
     }
 
+    /// The example's steps: `--steps`, or as many as fill the duration at
+    /// the rate of a fault-free calibration run; `None` for a command,
+    /// whose steps are its own.
+    fn steps(&mut self, dir: &Path, say: &mut dyn FnMut(&str)) -> Result<Option<u64>, ChaosError> {
+        let options = self.options;
+        match (&options.program, options.steps) {
+            (Program::Example(_), Some(steps)) => Ok(Some(steps)),
+            (Program::Command(_), _) => Ok(None),
+            (Program::Example(_), None) => {
+                say(&format!("chaos: calibrating: {CALIBRATION_STEPS} fault-free steps"));
+                let calibration = self.phase(
+                    "calibration",
+                    &dir.join("calibration"),
+                    Some(CALIBRATION_STEPS),
+                    &[],
+                    say,
+                )?;
+                let rate = calibration.rate().ok_or_else(|| ChaosError::Phase {
+                    phase: "calibration",
+                    why: match calibration.records.len() {
+                        // The job ran but wrote nothing: a trainer built before
+                        // the records existed (an old build of the example).
+                        0 => "no commit records were written: is the program built from this tree?".into(),
+                        _ => "too few steps committed to measure a rate".into(),
+                    },
+                    dir: dir.join("calibration"),
+                })?;
+                let steps = (rate * options.duration.as_secs_f64()).round().max(20.0) as u64;
+                say(&format!(
+                    "chaos: {rate:.1} steps/s fault-free: {steps} steps fill {:.0} s",
+                    options.duration.as_secs_f64()
+                ));
+                Ok(Some(steps))
+            }
+        }
+    }
+
     /// One run of the job: `faults` injected at their times until every
     /// launcher ended, then the leftovers.
     fn phase(
@@ -619,177 +645,31 @@ impl Driver<'_> {
         let marker = format!("chaos-{}-{phase}-{store}", std::process::id());
         let program = self.program(&dir.join("run"), steps);
         let shm_before: BTreeSet<PathBuf> = self.shm_dirs().iter().flat_map(|d| ring_files(d)).collect();
-        let started = Instant::now();
-        let mut nodes = Vec::new();
-        let mut stopped = None;
-        for node in 0..self.options.nodes {
-            match self.launch(dir, &store, &marker, node, &program) {
-                Ok(child) => nodes.push(Node {
-                    child: Some(child),
-                    back_at: None,
-                    ended: None,
-                    cut_until: None,
-                }),
-                Err(e) => {
-                    stopped = Some(e);
-                    break;
-                }
-            }
-        }
-        let limit = self.options.horizon();
-        let mut known: BTreeSet<u32> = BTreeSet::new();
-        let mut injected = Vec::new();
-        let mut due: Vec<Due> = Vec::new();
-        let mut undo: Vec<Undo> = Vec::new();
-        let mut next = 0;
-        let mut last_scan = Instant::now();
-        let timed_out = stopped.is_none()
-            && loop {
-                let now = Instant::now();
-                if INTERRUPTED.load(Ordering::SeqCst) {
-                    stopped = Some(ChaosError::Interrupted);
-                    break false;
-                }
-                let mut finishing = false;
-                for node in nodes.iter_mut() {
-                    if let Some(child) = node.child.as_mut()
-                        && let Ok(Some(status)) = child.try_wait()
-                    {
-                        node.child = None;
-                        match node.cut_until {
-                            // Cut off from the store: back after the heal.
-                            Some(until) if !status.success() => {
-                                node.back_at = Some(until.max(now) + LAUNCHER_BACK);
-                            }
-                            _ => node.ended = Some(status),
-                        }
-                    }
-                    finishing |= node.ended.is_some();
-                }
-                if now.duration_since(last_scan) > Duration::from_millis(250) {
-                    known.extend(workers_of(&nodes).into_values().flatten());
-                    last_scan = now;
-                }
-                for d in due.iter().filter(|d| d.at <= now) {
-                    process::signal(d.pid, d.signal);
-                }
-                due.retain(|d| d.at > now);
-                for u in undo.iter().filter(|u| u.at <= now) {
-                    say(&format!("chaos: {} of node {} undone", u.kind.name(), u.node));
-                    if let Err(e) = self.undo(u) {
-                        stopped = Some(e);
-                    }
-                }
-                undo.retain(|u| u.at > now);
-                for (i, node) in nodes.iter_mut().enumerate() {
-                    if node.back_at.is_some_and(|at| at <= now) {
-                        node.back_at = None;
-                        if !finishing && stopped.is_none() {
-                            say(&format!("chaos: starting node {i}'s launcher again"));
-                            match self.launch(dir, &store, &marker, i, &program) {
-                                Ok(child) => node.child = Some(child),
-                                Err(e) => stopped = Some(e),
-                            }
-                            node.cut_until = None;
-                        }
-                    }
-                }
-                while stopped.is_none()
-                    && !finishing
-                    && next < faults.len()
-                    && faults[next].at <= now.duration_since(started)
-                {
-                    let fault = faults[next].clone();
-                    next += 1;
-                    let job = (store.as_str(), marker.as_str());
-                    let (outcome, acted) = self.inject(&fault, dir, job, &mut nodes, &mut due, &mut undo);
-                    say(&format!(
-                        "chaos: {:>6.1} s {} node {} worker {}: {outcome}",
-                        fault.at.as_secs_f64(),
-                        fault.kind.name(),
-                        fault.node,
-                        fault.local_rank
-                    ));
-                    injected.push((
-                        Injected {
-                            planned: fault,
-                            outcome,
-                            acted,
-                        },
-                        unix_us(),
-                    ));
-                }
-                if stopped.is_some() {
-                    break false;
-                }
-                let running = nodes
-                    .iter()
-                    .any(|n| n.child.is_some() || (n.back_at.is_some() && !finishing));
-                if !running && due.is_empty() {
-                    break false;
-                }
-                if now.duration_since(started) > limit {
-                    break true;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            };
-        let seconds = started.elapsed().as_secs_f64();
-        for node in nodes.iter_mut() {
-            if let Some(mut child) = node.child.take() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-        // SIGCONT any worker a due signal would have woken.
-        for d in &due {
-            process::signal(d.pid, libc::SIGCONT);
-        }
-        // The network as it was, for the next run (an error here is reported
-        // after the leftovers are cleared).
-        for u in &undo {
-            if let Err(e) = self.undo(u) {
-                stopped.get_or_insert(e);
-            }
-        }
+        let mut run = PhaseRun {
+            driver: self,
+            say,
+            phase,
+            dir,
+            faults,
+            store,
+            marker,
+            program,
+            started: Instant::now(),
+            nodes: Vec::new(),
+            stopped: None,
+            known: BTreeSet::new(),
+            injected: Vec::new(),
+            due: Vec::new(),
+            undo: Vec::new(),
+            next: 0,
+            last_scan: Instant::now(),
+        };
+        run.start_launchers();
+        let timed_out = run.stopped.is_none() && run.until_ended();
+        let seconds = run.started.elapsed().as_secs_f64();
+        run.wind_down();
         drop(server);
-        let records = read_records(&dir.join("records"))?;
-        known.extend(records.iter().map(|r| r.pid));
-        let net_inodes = self.hosts.as_ref().map(|h| h.net_inodes()).unwrap_or_default();
-        let orphans = orphans(&marker, &net_inodes);
-        let leaked_shm: Vec<String> = self
-            .shm_dirs()
-            .iter()
-            .flat_map(|d| leaked_rings(d, &shm_before, &known))
-            .collect();
-        if let Some(e) = stopped {
-            return Err(e);
-        }
-        let failed = nodes.iter().filter_map(|n| n.ended).filter(|s| !s.success()).count();
-        say(&format!(
-            "chaos: the {phase} run ended after {seconds:.1} s: {} records{}",
-            records.len(),
-            match failed {
-                0 => String::new(),
-                n => format!(", {n} launchers failed"),
-            }
-        ));
-        if phase != "chaos" && (timed_out || failed > 0) {
-            return Err(ChaosError::Phase {
-                phase,
-                why: match timed_out {
-                    true => format!("it ran past {:.0} s", limit.as_secs_f64()),
-                    false => format!("{failed} launchers exited with an error"),
-                },
-                dir: dir.to_path_buf(),
-            });
-        }
-        Ok(PhaseOutcome {
-            records,
-            injected,
-            orphans,
-            leaked_shm,
-            seconds,
-        })
+        run.leftovers(&shm_before, seconds, timed_out)
     }
 
     /// Undoes network fault `u`.
@@ -926,6 +806,260 @@ impl Driver<'_> {
             });
         }
         (format!("worker pid {pid}: {outcome}"), true)
+    }
+}
+
+/// One run of the job while it goes: its launchers, the faults injected
+/// and those still to act or to undo.
+struct PhaseRun<'p, 'a> {
+    driver: &'p mut Driver<'a>,
+    say: &'p mut dyn FnMut(&str),
+    phase: &'static str,
+    dir: &'p Path,
+    /// The schedule, injected from `next` on.
+    faults: &'p [PlannedFault],
+    /// The job's store address and run id (the marker).
+    store: String,
+    marker: String,
+    program: Vec<String>,
+    started: Instant,
+    nodes: Vec<Node>,
+    /// Why the run stopped early.
+    stopped: Option<ChaosError>,
+    /// Every worker pid seen, whose ring files are the run's.
+    known: BTreeSet<u32>,
+    injected: Vec<(Injected, i64)>,
+    due: Vec<Due>,
+    undo: Vec<Undo>,
+    next: usize,
+    last_scan: Instant,
+}
+
+impl PhaseRun<'_, '_> {
+    /// Starts every node's launcher, until one fails to start.
+    fn start_launchers(&mut self) {
+        for node in 0..self.driver.options.nodes {
+            match self
+                .driver
+                .launch(self.dir, &self.store, &self.marker, node, &self.program)
+            {
+                Ok(child) => self.nodes.push(Node {
+                    child: Some(child),
+                    back_at: None,
+                    ended: None,
+                    cut_until: None,
+                }),
+                Err(e) => {
+                    self.stopped = Some(e);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Turns until the job ended or the run stopped; whether it ran past
+    /// the horizon instead.
+    fn until_ended(&mut self) -> bool {
+        loop {
+            if let Some(timed_out) = self.turn() {
+                return timed_out;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// One look at the run: launchers that ended, signals and undos due,
+    /// launchers due back, faults due; `Some(timed out)` once it is over.
+    fn turn(&mut self) -> Option<bool> {
+        let now = Instant::now();
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            self.stopped = Some(ChaosError::Interrupted);
+            return Some(false);
+        }
+        let finishing = self.reap(now);
+        if now.duration_since(self.last_scan) > Duration::from_millis(250) {
+            self.known.extend(workers_of(&self.nodes).into_values().flatten());
+            self.last_scan = now;
+        }
+        for d in self.due.iter().filter(|d| d.at <= now) {
+            process::signal(d.pid, d.signal);
+        }
+        self.due.retain(|d| d.at > now);
+        for u in self.undo.iter().filter(|u| u.at <= now) {
+            (self.say)(&format!("chaos: {} of node {} undone", u.kind.name(), u.node));
+            if let Err(e) = self.driver.undo(u) {
+                self.stopped = Some(e);
+            }
+        }
+        self.undo.retain(|u| u.at > now);
+        self.bring_back(now, finishing);
+        if !finishing {
+            self.inject_due(now);
+        }
+        if self.stopped.is_some() {
+            return Some(false);
+        }
+        let running = self
+            .nodes
+            .iter()
+            .any(|n| n.child.is_some() || (n.back_at.is_some() && !finishing));
+        if !running && self.due.is_empty() {
+            return Some(false);
+        }
+        if now.duration_since(self.started) > self.driver.options.horizon() {
+            return Some(true);
+        }
+        None
+    }
+
+    /// Notes the launchers that exited; whether any ended for good (the
+    /// job is finishing).
+    fn reap(&mut self, now: Instant) -> bool {
+        let mut finishing = false;
+        for node in self.nodes.iter_mut() {
+            if let Some(child) = node.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                node.child = None;
+                match node.cut_until {
+                    // Cut off from the store: back after the heal.
+                    Some(until) if !status.success() => {
+                        node.back_at = Some(until.max(now) + LAUNCHER_BACK);
+                    }
+                    _ => node.ended = Some(status),
+                }
+            }
+            finishing |= node.ended.is_some();
+        }
+        finishing
+    }
+
+    /// Starts again the launchers due back, unless the job is finishing.
+    fn bring_back(&mut self, now: Instant, finishing: bool) {
+        for (i, node) in self.nodes.iter_mut().enumerate() {
+            if node.back_at.is_some_and(|at| at <= now) {
+                node.back_at = None;
+                if !finishing && self.stopped.is_none() {
+                    (self.say)(&format!("chaos: starting node {i}'s launcher again"));
+                    match self
+                        .driver
+                        .launch(self.dir, &self.store, &self.marker, i, &self.program)
+                    {
+                        Ok(child) => node.child = Some(child),
+                        Err(e) => self.stopped = Some(e),
+                    }
+                    node.cut_until = None;
+                }
+            }
+        }
+    }
+
+    /// Injects the faults whose time came.
+    fn inject_due(&mut self, now: Instant) {
+        while self.stopped.is_none()
+            && self.next < self.faults.len()
+            && self.faults[self.next].at <= now.duration_since(self.started)
+        {
+            let fault = self.faults[self.next].clone();
+            self.next += 1;
+            let job = (self.store.as_str(), self.marker.as_str());
+            let (outcome, acted) =
+                self.driver
+                    .inject(&fault, self.dir, job, &mut self.nodes, &mut self.due, &mut self.undo);
+            (self.say)(&format!(
+                "chaos: {:>6.1} s {} node {} worker {}: {outcome}",
+                fault.at.as_secs_f64(),
+                fault.kind.name(),
+                fault.node,
+                fault.local_rank
+            ));
+            self.injected.push((
+                Injected {
+                    planned: fault,
+                    outcome,
+                    acted,
+                },
+                unix_us(),
+            ));
+        }
+    }
+
+    /// Kills the launchers still running, wakes the workers a due signal
+    /// would have, and puts the network back as it was.
+    fn wind_down(&mut self) {
+        for node in self.nodes.iter_mut() {
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        // SIGCONT any worker a due signal would have woken.
+        for d in &self.due {
+            process::signal(d.pid, libc::SIGCONT);
+        }
+        // The network as it was, for the next run (an error here is reported
+        // after the leftovers are cleared).
+        for u in &self.undo {
+            if let Err(e) = self.driver.undo(u) {
+                self.stopped.get_or_insert(e);
+            }
+        }
+    }
+
+    /// What the run left: its records, the processes and ring files left
+    /// behind; an error when it stopped early, or when a fault-free run
+    /// failed or ran past the horizon.
+    fn leftovers(
+        mut self,
+        shm_before: &BTreeSet<PathBuf>,
+        seconds: f64,
+        timed_out: bool,
+    ) -> Result<PhaseOutcome, ChaosError> {
+        let (phase, dir) = (self.phase, self.dir);
+        let records = read_records(&dir.join("records"))?;
+        self.known.extend(records.iter().map(|r| r.pid));
+        let net_inodes = self.driver.hosts.as_ref().map(|h| h.net_inodes()).unwrap_or_default();
+        let orphans = orphans(&self.marker, &net_inodes);
+        let leaked_shm: Vec<String> = self
+            .driver
+            .shm_dirs()
+            .iter()
+            .flat_map(|d| leaked_rings(d, shm_before, &self.known))
+            .collect();
+        if let Some(e) = self.stopped {
+            return Err(e);
+        }
+        let failed = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.ended)
+            .filter(|s| !s.success())
+            .count();
+        (self.say)(&format!(
+            "chaos: the {phase} run ended after {seconds:.1} s: {} records{}",
+            records.len(),
+            match failed {
+                0 => String::new(),
+                n => format!(", {n} launchers failed"),
+            }
+        ));
+        if phase != "chaos" && (timed_out || failed > 0) {
+            return Err(ChaosError::Phase {
+                phase,
+                why: match timed_out {
+                    true => format!("it ran past {:.0} s", self.driver.options.horizon().as_secs_f64()),
+                    false => format!("{failed} launchers exited with an error"),
+                },
+                dir: dir.to_path_buf(),
+            });
+        }
+        Ok(PhaseOutcome {
+            records,
+            injected: self.injected,
+            orphans,
+            leaked_shm,
+            seconds,
+        })
     }
 }
 

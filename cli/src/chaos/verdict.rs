@@ -189,9 +189,70 @@ fn check(name: &'static str, value: String, bound: String, problems: Vec<String>
 /// Judges `evidence` under `bounds`.
 pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
     let records = &evidence.records;
-    let mut checks = Vec::new();
+    let corruptions = corruptions(records);
+    let mismatched = parameters_differ(records, &corruptions.silent);
+    let repeated = not_exactly_once(records);
+    let loss = LossCheck::judge(evidence, bounds);
+    let goodput = GoodputCheck::judge(evidence, bounds);
+    let recovery_ms = recoveries(records, &evidence.faults);
+    let recovery = stats(&recovery_ms);
+    let checks = vec![
+        completed(evidence),
+        one_history(records),
+        check(
+            "parameters equal",
+            format!("{} steps differ", mismatched.len()),
+            "0".into(),
+            mismatched,
+        ),
+        check(
+            "exactly once",
+            format!("{} violations", repeated.len()),
+            "0".into(),
+            repeated,
+        ),
+        loss.check,
+        goodput.check,
+        recovery_check(&recovery_ms, recovery.as_ref(), bounds),
+        corruptions_check(evidence.corruptions_asked, corruptions),
+        check(
+            "orphans",
+            format!("{} processes", evidence.orphans.len()),
+            "0".into(),
+            evidence
+                .orphans
+                .iter()
+                .map(|pid| format!("process {pid} outlived the run (killed)"))
+                .collect(),
+        ),
+        check(
+            "shared memory",
+            format!("{} files left", evidence.leaked_shm.len()),
+            "0".into(),
+            evidence
+                .leaked_shm
+                .iter()
+                .map(|f| format!("{f} left in /dev/shm (removed)"))
+                .collect(),
+        ),
+    ];
+    Verdict {
+        checks,
+        steps_per_second: goodput.rate,
+        reference_steps_per_second: goodput.reference_rate,
+        goodput: goodput.goodput,
+        final_loss: loss.final_loss,
+        reference_loss: loss.reference_loss,
+        recovery,
+        recovery_ms,
+        generations: records.iter().map(|r| r.generation).collect::<BTreeSet<_>>().len(),
+        members: records.iter().map(|r| r.pid).collect::<BTreeSet<_>>().len(),
+    }
+}
 
-    let committed: BTreeSet<u64> = records.iter().map(|r| r.step).collect();
+/// The `completed` check.
+fn completed(evidence: &Evidence) -> Check {
+    let committed: BTreeSet<u64> = evidence.records.iter().map(|r| r.step).collect();
     let missing: Vec<u64> = (0..evidence.steps).filter(|s| !committed.contains(s)).collect();
     let mut problems: Vec<String> = missing
         .iter()
@@ -201,108 +262,132 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
     if evidence.steps == 0 {
         problems.push("no steps to commit".into());
     }
-    checks.push(check(
+    check(
         "completed",
         format!("{} of {} steps", evidence.steps - missing.len() as u64, evidence.steps),
         format!("{} of {}", evidence.steps, evidence.steps),
         problems,
-    ));
+    )
+}
 
-    checks.push(check(
+/// The `one history` check.
+fn one_history(records: &[CommitRecord]) -> Check {
+    let mut history = check(
         "one history",
         String::new(),
         "no split brain".into(),
         split_brain(records),
-    ));
-    let history = checks.last_mut().expect("pushed");
+    );
     history.value = match history.pass {
         true => "one sequence of generations".into(),
         false => format!("{} violations", history.problems.len()),
     };
+    history
+}
 
-    let corruptions = corruptions(records);
-    let mismatched = parameters_differ(records, &corruptions.silent);
-    checks.push(check(
-        "parameters equal",
-        format!("{} steps differ", mismatched.len()),
-        "0".into(),
-        mismatched,
-    ));
+/// The `final loss` check, and the losses it compared.
+struct LossCheck {
+    check: Check,
+    final_loss: Option<f64>,
+    reference_loss: Option<f64>,
+}
 
-    let repeated = not_exactly_once(records);
-    checks.push(check(
-        "exactly once",
-        format!("{} violations", repeated.len()),
-        "0".into(),
-        repeated,
-    ));
-
-    // One step's loss is one batch's: where the global batch follows the
-    // membership (a Python job's sampler), it moves by several percent
-    // from step to step, so the last steps' mean is compared.
-    let window = loss_window(evidence.steps);
-    let loss_at = |records: &[CommitRecord]| {
-        let first = evidence.steps.checked_sub(window)?;
-        let losses = (first..evidence.steps)
-            .map(|step| records.iter().filter(|r| r.step == step).find_map(|r| r.loss))
-            .collect::<Option<Vec<f64>>>()?;
-        Some(losses.iter().sum::<f64>() / losses.len() as f64)
-    };
-    let (final_loss, reference_loss) = (loss_at(records), loss_at(&evidence.reference));
-    let (value, problems) = match (final_loss, reference_loss) {
-        (Some(loss), Some(reference)) => {
-            let off = loss / reference - 1.0;
-            let problems = match off.abs() <= bounds.loss_tolerance {
-                true => Vec::new(),
-                false => vec![format!("{loss:.5} against the reference's {reference:.5}")],
-            };
-            (format!("{loss:.4} vs {reference:.4} ({:+.2}%)", off * 100.0), problems)
+impl LossCheck {
+    fn judge(evidence: &Evidence, bounds: &Bounds) -> Self {
+        // One step's loss is one batch's: where the global batch follows the
+        // membership (a Python job's sampler), it moves by several percent
+        // from step to step, so the last steps' mean is compared.
+        let window = loss_window(evidence.steps);
+        let loss_at = |records: &[CommitRecord]| {
+            let first = evidence.steps.checked_sub(window)?;
+            let losses = (first..evidence.steps)
+                .map(|step| records.iter().filter(|r| r.step == step).find_map(|r| r.loss))
+                .collect::<Option<Vec<f64>>>()?;
+            Some(losses.iter().sum::<f64>() / losses.len() as f64)
+        };
+        let (final_loss, reference_loss) = (loss_at(&evidence.records), loss_at(&evidence.reference));
+        let (value, problems) = match (final_loss, reference_loss) {
+            (Some(loss), Some(reference)) => {
+                let off = loss / reference - 1.0;
+                let problems = match off.abs() <= bounds.loss_tolerance {
+                    true => Vec::new(),
+                    false => vec![format!("{loss:.5} against the reference's {reference:.5}")],
+                };
+                (format!("{loss:.4} vs {reference:.4} ({:+.2}%)", off * 100.0), problems)
+            }
+            (loss, _) => (
+                "-".into(),
+                vec![format!(
+                    "a loss of the last {window} steps is missing from the {}",
+                    if loss.is_none() { "chaos run" } else { "reference" }
+                )],
+            ),
+        };
+        let check = check(
+            "final loss",
+            value,
+            format!("within {:.1}% of the reference", bounds.loss_tolerance * 100.0),
+            problems,
+        );
+        LossCheck {
+            check,
+            final_loss,
+            reference_loss,
         }
-        (loss, _) => (
-            "-".into(),
-            vec![format!(
-                "a loss of the last {window} steps is missing from the {}",
-                if loss.is_none() { "chaos run" } else { "reference" }
-            )],
-        ),
-    };
-    checks.push(check(
-        "final loss",
-        value,
-        format!("within {:.1}% of the reference", bounds.loss_tolerance * 100.0),
-        problems,
-    ));
+    }
+}
 
-    let (rate, reference_rate) = (steps_per_second(records), steps_per_second(&evidence.reference));
-    let goodput = rate.zip(reference_rate).map(|(r, f)| r / f);
-    let problems = match goodput {
-        Some(g) if g >= bounds.min_goodput => Vec::new(),
-        Some(g) => vec![format!(
-            "{:.1} steps/s against the reference's {:.1}: {g:.3}",
-            rate.unwrap_or_default(),
-            reference_rate.unwrap_or_default()
-        )],
-        None => vec!["too few steps to measure a rate".into()],
-    };
-    checks.push(check(
-        "goodput",
-        goodput.map_or("-".into(), |g| {
-            format!(
-                "{g:.3} ({:.1} / {:.1} steps/s)",
+/// The `goodput` check, and the rates it compared.
+struct GoodputCheck {
+    check: Check,
+    rate: Option<f64>,
+    reference_rate: Option<f64>,
+    goodput: Option<f64>,
+}
+
+impl GoodputCheck {
+    fn judge(evidence: &Evidence, bounds: &Bounds) -> Self {
+        let (rate, reference_rate) = (
+            steps_per_second(&evidence.records),
+            steps_per_second(&evidence.reference),
+        );
+        let goodput = rate.zip(reference_rate).map(|(r, f)| r / f);
+        let problems = match goodput {
+            Some(g) if g >= bounds.min_goodput => Vec::new(),
+            Some(g) => vec![format!(
+                "{:.1} steps/s against the reference's {:.1}: {g:.3}",
                 rate.unwrap_or_default(),
                 reference_rate.unwrap_or_default()
-            )
-        }),
-        format!(">= {}", bounds.min_goodput),
-        problems,
-    ));
+            )],
+            None => vec!["too few steps to measure a rate".into()],
+        };
+        let check = check(
+            "goodput",
+            goodput.map_or("-".into(), |g| {
+                format!(
+                    "{g:.3} ({:.1} / {:.1} steps/s)",
+                    rate.unwrap_or_default(),
+                    reference_rate.unwrap_or_default()
+                )
+            }),
+            format!(">= {}", bounds.min_goodput),
+            problems,
+        );
+        GoodputCheck {
+            check,
+            rate,
+            reference_rate,
+            goodput,
+        }
+    }
+}
 
-    let recovery_ms = recoveries(records, &evidence.faults);
-    let recovery = stats(&recovery_ms);
+/// The `recovery` check of the recoveries measured.
+fn recovery_check(recovery_ms: &[f64], recovery: Option<&RecoveryStats>, bounds: &Bounds) -> Check {
     let limit_ms = bounds.max_recovery.as_secs_f64() * 1e3;
-    checks.push(check(
+    check(
         "recovery",
-        recovery.as_ref().map_or("none measured".into(), |s| {
+        recovery.map_or("none measured".into(), |s| {
             format!(
                 "median {:.0} ms, p99 {:.0} ms, max {:.0} ms ({})",
                 s.median_ms, s.p99_ms, s.max_ms, s.count
@@ -314,13 +399,16 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
             .filter(|&&ms| ms > limit_ms)
             .map(|ms| format!("a recovery took {ms:.0} ms"))
             .collect(),
-    ));
+    )
+}
 
-    checks.push(check(
+/// The `corruptions` check, of `asked` corruptions.
+fn corruptions_check(asked: usize, corruptions: Corruptions) -> Check {
+    check(
         "corruptions",
         format!(
             "{} asked, {} carried out, {} found in time{}",
-            evidence.corruptions_asked,
+            asked,
             corruptions.carried_out,
             corruptions.found,
             match corruptions.ended_first {
@@ -330,41 +418,7 @@ pub fn judge(evidence: &Evidence, bounds: &Bounds) -> Verdict {
         ),
         "each found within the check interval".into(),
         corruptions.problems,
-    ));
-
-    checks.push(check(
-        "orphans",
-        format!("{} processes", evidence.orphans.len()),
-        "0".into(),
-        evidence
-            .orphans
-            .iter()
-            .map(|pid| format!("process {pid} outlived the run (killed)"))
-            .collect(),
-    ));
-    checks.push(check(
-        "shared memory",
-        format!("{} files left", evidence.leaked_shm.len()),
-        "0".into(),
-        evidence
-            .leaked_shm
-            .iter()
-            .map(|f| format!("{f} left in /dev/shm (removed)"))
-            .collect(),
-    ));
-
-    Verdict {
-        checks,
-        steps_per_second: rate,
-        reference_steps_per_second: reference_rate,
-        goodput,
-        final_loss,
-        reference_loss,
-        recovery,
-        recovery_ms,
-        generations: records.iter().map(|r| r.generation).collect::<BTreeSet<_>>().len(),
-        members: records.iter().map(|r| r.pid).collect::<BTreeSet<_>>().len(),
-    }
+    )
 }
 
 /// The split-brain violations (see the module docs).

@@ -463,188 +463,19 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         return Ok(Parsed::Help);
     }
 
-    let nproc_per_node = match given.get("nproc-per-node") {
-        None => 1,
-        Some((spelled, value)) => match value.trim() {
-            "auto" | "cpu" => host.cpus,
-            "gpu" if host.gpus > 0 => host.gpus,
-            "gpu" => return Err(invalid(&spelled, &value, "no GPU found; give a number, or auto/cpu")),
-            n => match n.parse::<usize>() {
-                Ok(n) if n > 0 => n,
-                _ => return Err(invalid(&spelled, &value, "give a positive number, or auto, cpu or gpu")),
-            },
-        },
-    };
-
-    let (min_nodes, max_nodes) = match given.get("nnodes") {
-        None => (1, 1),
-        Some((spelled, value)) => {
-            let hint = "give N or MIN:MAX with 0 < MIN <= MAX, e.g. 2 or 1:4";
-            let number = |s: &str| s.trim().parse::<usize>().map_err(|_| invalid(&spelled, &value, hint));
-            let (min, max) = match value.split_once(':') {
-                Some((min, max)) => (number(min)?, number(max)?),
-                None => (number(&value)?, number(&value)?),
-            };
-            if min == 0 || min > max {
-                return Err(invalid(&spelled, &value, hint));
-            }
-            (min, max)
-        }
-    };
-
-    let node_rank: Option<usize> = given.number("node-rank", "give a node rank, 0..nnodes")?;
-    if let Some(rank) = node_rank {
-        if rank >= max_nodes {
-            return Err(invalid(
-                "--node-rank",
-                &rank.to_string(),
-                &format!("it must be below --nnodes ({max_nodes})"),
-            ));
-        }
-        // An elastic job hands out dense node ranks anew in every round.
-        if min_nodes != max_nodes {
-            return Err(invalid(
-                "--node-rank",
-                &rank.to_string(),
-                "with --nnodes MIN:MAX node ranks are handed out at each restart; drop --node-rank, or give --nnodes N",
-            ));
-        }
-    }
-
-    let backend = match given.get("rdzv-backend") {
-        None => Backend::Static,
-        Some((spelled, value)) => match value.trim() {
-            "static" => Backend::Static,
-            "c10d" => Backend::C10d,
-            "etcd" => Backend::Etcd,
-            _ => {
-                return Err(invalid(&spelled, &value, "give static, c10d or etcd"));
-            }
-        },
-    };
-    let endpoint = given.get("rdzv-endpoint").filter(|(_, v)| !v.trim().is_empty());
-    let (rdzv_endpoint, etcd_url) = match (backend, endpoint) {
-        (Backend::Etcd, None) => {
-            return Err(invalid(
-                "--rdzv-backend",
-                "etcd",
-                "give etcd's address with --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...][/PREFIX]",
-            ));
-        }
-        (Backend::Etcd, Some((spelled, value))) => {
-            let (endpoints, prefix) = chorus_runtime::store::parse_endpoints(value.trim())
-                .map_err(|hint| invalid(&spelled, &value, &hint))?;
-            let first = host_port(&spelled, &endpoints[0], chorus_runtime::store::DEFAULT_ETCD_PORT)?;
-            (Some(first), Some(format!("etcd://{}{prefix}", endpoints.join(","))))
-        }
-        (_, endpoint) => (
-            endpoint
-                .map(|(spelled, value)| host_port(&spelled, value.trim(), DEFAULT_RDZV_PORT))
-                .transpose()?,
-            None,
-        ),
-    };
-
-    let mut join_timeout = Duration::from_secs(600);
-    let mut last_call_timeout = Duration::from_secs(30);
-    let mut keep_alive_interval = Duration::from_secs(5);
-    let mut keep_alive_max_attempt = 3u32;
-    if let Some((spelled, value)) = given.get("rdzv-conf") {
-        for pair in value.split(',').filter(|p| !p.trim().is_empty()) {
-            let hint = "give join_timeout, last_call_timeout, keep_alive_interval (seconds) and/or \
-                        keep_alive_max_attempt (a count) as KEY=VALUE, comma separated";
-            let (key, number) = pair.split_once('=').ok_or_else(|| invalid(&spelled, &value, hint))?;
-            if key.trim() == "keep_alive_max_attempt" {
-                keep_alive_max_attempt = number
-                    .trim()
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or_else(|| invalid(&spelled, &value, hint))?;
-                continue;
-            }
-            let seconds = number
-                .trim()
-                .parse::<f64>()
-                .ok()
-                .and_then(|s| Duration::try_from_secs_f64(s).ok())
-                .ok_or_else(|| invalid(&spelled, &value, hint))?;
-            match key.trim() {
-                "join_timeout" => join_timeout = seconds,
-                "last_call_timeout" => last_call_timeout = seconds,
-                "keep_alive_interval" => keep_alive_interval = seconds,
-                _ => return Err(invalid(&spelled, &value, hint)),
-            }
-        }
-    }
-
-    let restart_policy = match given.get("restart-policy") {
-        None => RestartPolicy::All,
-        Some((spelled, value)) => match value.trim() {
-            "all" => RestartPolicy::All,
-            "worker" => RestartPolicy::Worker,
-            _ => {
-                return Err(invalid(
-                    &spelled,
-                    &value,
-                    "give all (restart the whole group, as torchrun) or worker (relaunch only the failed worker)",
-                ));
-            }
-        },
-    };
-
-    let standby = given
-        .number::<usize>("standby", "give a number of standby workers, 0 or more")?
-        .unwrap_or(0);
-    if standby > 0 && restart_policy != RestartPolicy::Worker {
-        return Err(invalid(
-            "--standby",
-            &standby.to_string(),
-            "standby workers replace one failed worker; add --restart-policy worker",
-        ));
-    }
-
-    let local_ranks_filter = given
-        .get("local-ranks-filter")
-        .map(|(spelled, value)| {
-            value
-                .split(',')
-                .map(|r| r.trim().parse::<usize>())
-                .collect::<Result<BTreeSet<_>, _>>()
-                .map_err(|_| invalid(&spelled, &value, "give local ranks separated by commas, e.g. 0,1"))
-        })
-        .transpose()?;
-
-    let standalone = given.switch("standalone")?;
-    if standalone && max_nodes > 1 {
-        return Err(invalid(
-            "--standalone",
-            "",
-            "it runs one node; drop --nnodes or --standalone",
-        ));
-    }
-
-    if program.is_empty() {
-        return Err(ConfigError::NoProgram);
-    }
-    let python = lookup("PYTHON_EXEC").unwrap_or_else(|| "python3".to_string());
-    let module = given.switch("module")?;
-    let no_python = given.switch("no-python")?;
-    if module && no_python {
-        return Err(invalid(
-            "--module",
-            "",
-            "it runs a python module; drop --module or --no-python",
-        ));
-    }
-    let mut command = Vec::new();
-    if module {
-        command.extend([python, "-u".to_string(), "-m".to_string()]);
-    } else if !no_python && program[0].ends_with(".py") {
-        command.extend([python, "-u".to_string()]);
-    }
-    command.push(program[0].clone());
-
+    // Each step validates one flag or group; their order decides which
+    // error a command line with several mistakes reports.
+    let nproc_per_node = given.nproc_per_node(host)?;
+    let (min_nodes, max_nodes) = given.nnodes()?;
+    let node_rank = given.node_rank(min_nodes, max_nodes)?;
+    let backend = given.backend()?;
+    let (rdzv_endpoint, etcd_url) = given.rdzv_endpoint(backend)?;
+    let waits = given.rdzv_conf()?;
+    let restart_policy = given.restart_policy()?;
+    let standby = given.standby(restart_policy)?;
+    let local_ranks_filter = given.local_ranks_filter()?;
+    let standalone = given.standalone(max_nodes)?;
+    let command = given.command(&program)?;
     let tee = given.get("tee").map(|(s, v)| Streams::parse(&s, &v)).transpose()?;
     let redirects = given
         .get("redirects")
@@ -667,9 +498,9 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         etcd_url,
         rdzv_id: given.get("rdzv-id").map(|(_, v)| v),
         standalone,
-        join_timeout,
-        last_call_timeout,
-        keep_alive_timeout: keep_alive_interval * keep_alive_max_attempt,
+        join_timeout: waits.join_timeout,
+        last_call_timeout: waits.last_call_timeout,
+        keep_alive_timeout: waits.keep_alive_interval * waits.keep_alive_max_attempt,
         max_restarts: given
             .number("max-restarts", "give a number of restarts, 0 or more")?
             .unwrap_or(0),
@@ -678,14 +509,7 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         fork_server: !given.switch("no-fork-server")?,
         monitor_interval: given.seconds("monitor-interval", 0.1)?,
         shutdown_timeout: given.seconds("shutdown-timeout", 30.0)?,
-        numa_binding: given
-            .get("numa-binding")
-            .map(|(spelled, value)| {
-                value
-                    .parse()
-                    .map_err(|_| invalid(&spelled, &value, &format!("give {}", NumaBinding::CHOICES)))
-            })
-            .transpose()?,
+        numa_binding: given.numa_binding()?,
         // With a log directory and no --tee, both streams go to the files too.
         tee: tee.unwrap_or(if log_dir.is_some() {
             Streams::BOTH
@@ -703,6 +527,241 @@ pub fn parse(args: &[String], lookup: &dyn Fn(&str) -> Option<String>, host: Hos
         command,
         args: program[1..].to_vec(),
     })))
+}
+
+/// `--rdzv-conf`'s waits, torchrun's defaults where not given.
+struct RdzvWaits {
+    join_timeout: Duration,
+    last_call_timeout: Duration,
+    keep_alive_interval: Duration,
+    keep_alive_max_attempt: u32,
+}
+
+impl Default for RdzvWaits {
+    fn default() -> Self {
+        RdzvWaits {
+            join_timeout: Duration::from_secs(600),
+            last_call_timeout: Duration::from_secs(30),
+            keep_alive_interval: Duration::from_secs(5),
+            keep_alive_max_attempt: 3,
+        }
+    }
+}
+
+/// The steps of [`parse`], one flag (or group of flags) each.
+impl Given<'_> {
+    fn nproc_per_node(&self, host: HostFacts) -> Result<usize, ConfigError> {
+        let Some((spelled, value)) = self.get("nproc-per-node") else {
+            return Ok(1);
+        };
+        match value.trim() {
+            "auto" | "cpu" => Ok(host.cpus),
+            "gpu" if host.gpus > 0 => Ok(host.gpus),
+            "gpu" => Err(invalid(&spelled, &value, "no GPU found; give a number, or auto/cpu")),
+            n => match n.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => Err(invalid(&spelled, &value, "give a positive number, or auto, cpu or gpu")),
+            },
+        }
+    }
+
+    /// `--nnodes` as (min, max).
+    fn nnodes(&self) -> Result<(usize, usize), ConfigError> {
+        let Some((spelled, value)) = self.get("nnodes") else {
+            return Ok((1, 1));
+        };
+        let hint = "give N or MIN:MAX with 0 < MIN <= MAX, e.g. 2 or 1:4";
+        let number = |s: &str| s.trim().parse::<usize>().map_err(|_| invalid(&spelled, &value, hint));
+        let (min, max) = match value.split_once(':') {
+            Some((min, max)) => (number(min)?, number(max)?),
+            None => (number(&value)?, number(&value)?),
+        };
+        if min == 0 || min > max {
+            return Err(invalid(&spelled, &value, hint));
+        }
+        Ok((min, max))
+    }
+
+    fn node_rank(&self, min_nodes: usize, max_nodes: usize) -> Result<Option<usize>, ConfigError> {
+        let node_rank: Option<usize> = self.number("node-rank", "give a node rank, 0..nnodes")?;
+        if let Some(rank) = node_rank {
+            if rank >= max_nodes {
+                return Err(invalid(
+                    "--node-rank",
+                    &rank.to_string(),
+                    &format!("it must be below --nnodes ({max_nodes})"),
+                ));
+            }
+            // An elastic job hands out dense node ranks anew in every round.
+            if min_nodes != max_nodes {
+                return Err(invalid(
+                    "--node-rank",
+                    &rank.to_string(),
+                    "with --nnodes MIN:MAX node ranks are handed out at each restart; drop --node-rank, or give --nnodes N",
+                ));
+            }
+        }
+        Ok(node_rank)
+    }
+
+    fn backend(&self) -> Result<Backend, ConfigError> {
+        match self.get("rdzv-backend") {
+            None => Ok(Backend::Static),
+            Some((spelled, value)) => match value.trim() {
+                "static" => Ok(Backend::Static),
+                "c10d" => Ok(Backend::C10d),
+                "etcd" => Ok(Backend::Etcd),
+                _ => Err(invalid(&spelled, &value, "give static, c10d or etcd")),
+            },
+        }
+    }
+
+    /// `--rdzv-endpoint` as host and port, and with etcd the store's `etcd://` URL.
+    fn rdzv_endpoint(&self, backend: Backend) -> Result<(Option<(String, u16)>, Option<String>), ConfigError> {
+        let endpoint = self.get("rdzv-endpoint").filter(|(_, v)| !v.trim().is_empty());
+        match (backend, endpoint) {
+            (Backend::Etcd, None) => Err(invalid(
+                "--rdzv-backend",
+                "etcd",
+                "give etcd's address with --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...][/PREFIX]",
+            )),
+            (Backend::Etcd, Some((spelled, value))) => {
+                let (endpoints, prefix) = chorus_runtime::store::parse_endpoints(value.trim())
+                    .map_err(|hint| invalid(&spelled, &value, &hint))?;
+                let first = host_port(&spelled, &endpoints[0], chorus_runtime::store::DEFAULT_ETCD_PORT)?;
+                Ok((Some(first), Some(format!("etcd://{}{prefix}", endpoints.join(",")))))
+            }
+            (_, endpoint) => Ok((
+                endpoint
+                    .map(|(spelled, value)| host_port(&spelled, value.trim(), DEFAULT_RDZV_PORT))
+                    .transpose()?,
+                None,
+            )),
+        }
+    }
+
+    fn rdzv_conf(&self) -> Result<RdzvWaits, ConfigError> {
+        let mut waits = RdzvWaits::default();
+        let Some((spelled, value)) = self.get("rdzv-conf") else {
+            return Ok(waits);
+        };
+        for pair in value.split(',').filter(|p| !p.trim().is_empty()) {
+            let hint = "give join_timeout, last_call_timeout, keep_alive_interval (seconds) and/or \
+                        keep_alive_max_attempt (a count) as KEY=VALUE, comma separated";
+            let (key, number) = pair.split_once('=').ok_or_else(|| invalid(&spelled, &value, hint))?;
+            if key.trim() == "keep_alive_max_attempt" {
+                waits.keep_alive_max_attempt = number
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| invalid(&spelled, &value, hint))?;
+                continue;
+            }
+            let seconds = number
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .ok_or_else(|| invalid(&spelled, &value, hint))?;
+            match key.trim() {
+                "join_timeout" => waits.join_timeout = seconds,
+                "last_call_timeout" => waits.last_call_timeout = seconds,
+                "keep_alive_interval" => waits.keep_alive_interval = seconds,
+                _ => return Err(invalid(&spelled, &value, hint)),
+            }
+        }
+        Ok(waits)
+    }
+
+    fn restart_policy(&self) -> Result<RestartPolicy, ConfigError> {
+        match self.get("restart-policy") {
+            None => Ok(RestartPolicy::All),
+            Some((spelled, value)) => match value.trim() {
+                "all" => Ok(RestartPolicy::All),
+                "worker" => Ok(RestartPolicy::Worker),
+                _ => Err(invalid(
+                    &spelled,
+                    &value,
+                    "give all (restart the whole group, as torchrun) or worker (relaunch only the failed worker)",
+                )),
+            },
+        }
+    }
+
+    fn standby(&self, restart_policy: RestartPolicy) -> Result<usize, ConfigError> {
+        let standby = self
+            .number::<usize>("standby", "give a number of standby workers, 0 or more")?
+            .unwrap_or(0);
+        if standby > 0 && restart_policy != RestartPolicy::Worker {
+            return Err(invalid(
+                "--standby",
+                &standby.to_string(),
+                "standby workers replace one failed worker; add --restart-policy worker",
+            ));
+        }
+        Ok(standby)
+    }
+
+    fn local_ranks_filter(&self) -> Result<Option<BTreeSet<usize>>, ConfigError> {
+        self.get("local-ranks-filter")
+            .map(|(spelled, value)| {
+                value
+                    .split(',')
+                    .map(|r| r.trim().parse::<usize>())
+                    .collect::<Result<BTreeSet<_>, _>>()
+                    .map_err(|_| invalid(&spelled, &value, "give local ranks separated by commas, e.g. 0,1"))
+            })
+            .transpose()
+    }
+
+    fn standalone(&self, max_nodes: usize) -> Result<bool, ConfigError> {
+        let standalone = self.switch("standalone")?;
+        if standalone && max_nodes > 1 {
+            return Err(invalid(
+                "--standalone",
+                "",
+                "it runs one node; drop --nnodes or --standalone",
+            ));
+        }
+        Ok(standalone)
+    }
+
+    /// The worker command before its arguments: the program, under python
+    /// for a script or a module.
+    fn command(&self, program: &[String]) -> Result<Vec<String>, ConfigError> {
+        if program.is_empty() {
+            return Err(ConfigError::NoProgram);
+        }
+        let python = (self.lookup)("PYTHON_EXEC").unwrap_or_else(|| "python3".to_string());
+        let module = self.switch("module")?;
+        let no_python = self.switch("no-python")?;
+        if module && no_python {
+            return Err(invalid(
+                "--module",
+                "",
+                "it runs a python module; drop --module or --no-python",
+            ));
+        }
+        let mut command = Vec::new();
+        if module {
+            command.extend([python, "-u".to_string(), "-m".to_string()]);
+        } else if !no_python && program[0].ends_with(".py") {
+            command.extend([python, "-u".to_string()]);
+        }
+        command.push(program[0].clone());
+        Ok(command)
+    }
+
+    fn numa_binding(&self) -> Result<Option<NumaBinding>, ConfigError> {
+        self.get("numa-binding")
+            .map(|(spelled, value)| {
+                value
+                    .parse()
+                    .map_err(|_| invalid(&spelled, &value, &format!("give {}", NumaBinding::CHOICES)))
+            })
+            .transpose()
+    }
 }
 
 impl LaunchConfig {

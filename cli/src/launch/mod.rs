@@ -647,170 +647,186 @@ async fn run(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
     })
 }
 
+/// The launcher's rounds: it joins one, runs its workers there until the
+/// round ends for it ([`GroupRound`] or [`ElasticRound`]), then joins the
+/// next or exits.
 async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError> {
     let config = &job.config;
-    let store = job.store.store.clone();
-    let mut round = nodes::current_attempt(store.as_ref(), &job.keys).await?;
+    let store = job.store.store.as_ref();
+    let mut round = nodes::current_attempt(store, &job.keys).await?;
     if config.max_nodes > 1 {
         let policy = match config.restart_policy {
             RestartPolicy::All => "all",
             RestartPolicy::Worker => "worker",
         };
-        nodes::agree_policy(store.as_ref(), &job.keys, policy).await?;
+        nodes::agree_policy(store, &job.keys, policy).await?;
     }
     loop {
-        let joining = Joining {
-            node_rank: config.node_rank,
-            nproc_per_node: config.nproc_per_node,
-            min_nodes: config.min_nodes,
-            max_nodes: config.max_nodes,
-            join_timeout: config.join_timeout,
-            last_call_timeout: config.last_call_timeout,
-            poll: config.monitor_interval.max(Duration::from_millis(10)),
-            launcher_id: &job.launcher_id,
+        let formed = match join_round(job, signals, &mut round).await? {
+            Joined::Formed(formed) => formed,
+            Joined::Signaled(signo) => return Ok(128 + signo),
         };
-        let joined = tokio::select! {
-            formed = nodes::join(store.as_ref(), &job.keys, &mut round, &joining) => Ok(formed),
-            signo = signals.recv() => Err(signo),
-        };
-        let formed = match joined {
-            Ok(formed) => formed?,
-            Err(signo) => {
-                // Best effort: the launcher is leaving either way.
-                let _ = nodes::withdraw(store.as_ref(), &job.keys, round, &job.launcher_id).await;
-                return Ok(128 + signo);
-            }
-        };
-        if config.max_nodes > 1 {
-            say(format!(
-                "round {round}: this launcher ({}) is node {} of {}",
-                job.launcher_id, formed.node_rank, formed.nnodes
-            ));
-        }
-        let job_env = env::JobEnv {
-            role: config.role.clone(),
-            nproc_per_node: config.nproc_per_node,
-            node_rank: formed.node_rank,
-            nnodes: formed.nnodes,
-            master_addr: job.store.host.clone(),
-            master_port: job.store.port,
-            store_url: job.store.url.clone(),
-            // Every round restarts the workers, so each gets its own count:
-            // chorus workers take it as their rendezvous generation.
-            restart_count: round,
-            max_restarts: config.max_restarts,
-            run_id: job.run_id.clone(),
-            secret: job.secret.clone(),
-            attempt_dir: env::attempt_dir(&job.run_dir, round),
-            elastic_world: (config.restart_policy == RestartPolicy::Worker).then_some((
-                config.min_nodes * config.nproc_per_node,
-                config.max_nodes * config.nproc_per_node,
-            )),
-            // Under the worker policy only the first round starts the group;
-            // workers started in a later one join it.
-            join_running: config.restart_policy == RestartPolicy::Worker && round > 0,
-        };
+        let job_env = round_env(job, &formed, round);
         let mut workers = Workers::spawn(specs(job, &job_env)?, config.shutdown_timeout).await?;
-        if config.restart_policy == RestartPolicy::Worker {
-            match run_elastic_round(job, signals, formed, job_env, &mut workers).await? {
-                ElasticEnd::Exit(code) => return Ok(code),
-                ElasticEnd::Rejoin(next) => {
-                    round = next;
-                    continue;
-                }
-            }
+        let after = if config.restart_policy == RestartPolicy::Worker {
+            run_elastic_round(job, signals, formed, job_env, &mut workers).await?
+        } else {
+            let group = GroupRound {
+                job,
+                round,
+                formed,
+                job_env,
+                workers: &mut workers,
+            };
+            group.run(signals).await?
+        };
+        match after {
+            AfterRound::Exit(code) => return Ok(code),
+            AfterRound::Rejoin(next) => round = next,
         }
-        let outcome = supervise(&mut workers, job, &formed, &mut plan::KeepAlives::default(), signals).await;
-        let store = store.as_ref();
+    }
+}
+
+/// How joining a round ended.
+enum Joined {
+    /// This node's place in the round.
+    Formed(nodes::Formed),
+    /// The launcher got this signal first (and withdrew).
+    Signaled(i32),
+}
+
+/// Joins `round`, or the later one the launchers form (`round` is moved on
+/// to it).
+async fn join_round(job: &Job, signals: &mut Signals, round: &mut u64) -> Result<Joined, LaunchError> {
+    let config = &job.config;
+    let store = job.store.store.as_ref();
+    let joining = Joining {
+        node_rank: config.node_rank,
+        nproc_per_node: config.nproc_per_node,
+        min_nodes: config.min_nodes,
+        max_nodes: config.max_nodes,
+        join_timeout: config.join_timeout,
+        last_call_timeout: config.last_call_timeout,
+        poll: config.monitor_interval.max(Duration::from_millis(10)),
+        launcher_id: &job.launcher_id,
+    };
+    let joined = tokio::select! {
+        formed = nodes::join(store, &job.keys, round, &joining) => Ok(formed),
+        signo = signals.recv() => Err(signo),
+    };
+    let formed = match joined {
+        Ok(formed) => formed?,
+        Err(signo) => {
+            // Best effort: the launcher is leaving either way.
+            let _ = nodes::withdraw(store, &job.keys, *round, &job.launcher_id).await;
+            return Ok(Joined::Signaled(signo));
+        }
+    };
+    if config.max_nodes > 1 {
+        say(format!(
+            "round {round}: this launcher ({}) is node {} of {}",
+            job.launcher_id, formed.node_rank, formed.nnodes
+        ));
+    }
+    Ok(Joined::Formed(formed))
+}
+
+/// The environment of this node's workers in `round`.
+fn round_env(job: &Job, formed: &nodes::Formed, round: u64) -> env::JobEnv {
+    let config = &job.config;
+    env::JobEnv {
+        role: config.role.clone(),
+        nproc_per_node: config.nproc_per_node,
+        node_rank: formed.node_rank,
+        nnodes: formed.nnodes,
+        master_addr: job.store.host.clone(),
+        master_port: job.store.port,
+        store_url: job.store.url.clone(),
+        // Every round restarts the workers, so each gets its own count:
+        // chorus workers take it as their rendezvous generation.
+        restart_count: round,
+        max_restarts: config.max_restarts,
+        run_id: job.run_id.clone(),
+        secret: job.secret.clone(),
+        attempt_dir: env::attempt_dir(&job.run_dir, round),
+        elastic_world: (config.restart_policy == RestartPolicy::Worker).then_some((
+            config.min_nodes * config.nproc_per_node,
+            config.max_nodes * config.nproc_per_node,
+        )),
+        // Under the worker policy only the first round starts the group;
+        // workers started in a later one join it.
+        join_running: config.restart_policy == RestartPolicy::Worker && round > 0,
+    }
+}
+
+/// What a node does once its workers' run in a round is over.
+enum AfterRound {
+    /// The launcher exits with this code.
+    Exit(i32),
+    /// It joins round `.0`: the next one after a group restart, or, for a
+    /// node left out of a round (its workers stopped), the one it waits to
+    /// join again as a newcomer.
+    Rejoin(u64),
+}
+
+/// One round under `--restart-policy all` (torchrun's): this node's workers
+/// run until the round ends anywhere, then every node's group restarts in
+/// the next round or the job is over.
+struct GroupRound<'a> {
+    job: &'a Job,
+    round: u64,
+    formed: nodes::Formed,
+    job_env: env::JobEnv,
+    workers: &'a mut Workers,
+}
+
+impl GroupRound<'_> {
+    async fn run(mut self, signals: &mut Signals) -> Result<AfterRound, LaunchError> {
+        let (job, round) = (self.job, self.round);
+        let store = job.store.store.as_ref();
+        let outcome = supervise(
+            self.workers,
+            job,
+            &self.formed,
+            &mut plan::KeepAlives::default(),
+            signals,
+        )
+        .await;
         let end = match outcome {
-            Outcome::Succeeded => {
-                // Every worker exited: their last lines reach the console and
-                // the logs before this launcher may exit (and nothing they
-                // left running in their process groups outlives them).
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                match wait_for_nodes(job, &formed, signals).await? {
-                    AllDone::Yes => {
-                        nodes::end_job(store, &job.keys, round, "the job finished").await?;
-                        return Ok(0);
-                    }
-                    AllDone::Signaled(signo) => return Ok(128 + signo),
-                    AllDone::Moved => ended_elsewhere(store, &job.keys, round).await?,
-                }
-            }
-            Outcome::Failed(ended) => {
-                let tail = workers.tail(ended.rank).await;
-                let reports: Vec<PathBuf> = (0..config.nproc_per_node)
-                    .map(|local_rank| job_env.error_file(job_env.rank(local_rank)))
-                    .collect();
-                await_reports(&job_env.error_file(ended.rank), &reports).await;
-                let (culprit, what) = failure(&workers, &ended, formed.node_rank, round, &reports);
-                report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
-                // End the round before stopping: the others stop at once, and
-                // none takes this node for hung while its workers wind down.
-                // A node cut off from the store gives up within the keep-alive window.
-                let ours = RoundEnd::Failure(what.clone());
-                let told = async {
-                    publish_exit(job, &job_env, ended.pid, &job_env.error_file(ended.rank)).await?;
-                    bounded(job, nodes::end_round(store, &job.keys, round, &ours)).await
-                }
-                .await;
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                let won = told?;
-                if won != ours {
-                    won
-                } else {
-                    match plan::after_failure(formed.restarts, config.max_restarts) {
-                        AfterFailure::Restart { next } => {
-                            say(format!(
-                                "restarting the group (restart {next} of {})",
-                                config.max_restarts
-                            ));
-                            round += 1;
-                            continue;
-                        }
-                        AfterFailure::GiveUp => {
-                            say(format!(
-                                "{culprit} failed and --max-restarts {} is used up; exiting",
-                                config.max_restarts
-                            ));
-                            bounded(job, nodes::end_job(store, &job.keys, round, ours.what())).await?;
-                            return Ok(ended.exit.launcher_code());
-                        }
-                    }
-                }
-            }
+            Outcome::Succeeded => return self.succeeded(signals).await,
+            Outcome::Failed(ended) => return self.failed(ended).await,
             Outcome::Moved => {
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                self.stop(libc::SIGTERM).await;
                 ended_elsewhere(store, &job.keys, round).await?
             }
             Outcome::Waiting(id) => {
                 // Tell the other nodes first, so every group stops at once.
                 let why = RoundEnd::Membership(format!("node {id} waits to join"));
                 let won = nodes::end_round(store, &job.keys, round, &why).await?;
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                self.stop(libc::SIGTERM).await;
                 won
             }
             Outcome::Stalled(id) => {
-                let rank = formed.members.iter().position(|m| *m == id).unwrap_or(0);
+                let rank = self.formed.members.iter().position(|m| *m == id).unwrap_or(0);
                 let why = RoundEnd::Failure(format!(
                     "node {rank} (launcher {id}) sent no keep-alive for {:?}; taking it for hung",
-                    config.keep_alive_timeout
+                    job.config.keep_alive_timeout
                 ));
                 let won = nodes::end_round(store, &job.keys, round, &why).await?;
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                self.stop(libc::SIGTERM).await;
                 won
             }
             Outcome::Signaled(signo) => {
                 say(format!("got {}; stopping the workers", plan::signal_name(signo)));
-                workers.stop(signo, config.shutdown_timeout).await;
-                return Ok(128 + signo);
+                self.stop(signo).await;
+                return Ok(AfterRound::Exit(128 + signo));
             }
             Outcome::StoreLost(source) => {
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                self.stop(libc::SIGTERM).await;
                 return Err(LaunchError::Store(source));
             }
             Outcome::StoreUnreachable(waited) => {
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                self.stop(libc::SIGTERM).await;
                 return Err(LaunchError::StoreUnreachable {
                     addr: job.store.addr(),
                     waited,
@@ -818,16 +834,91 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
             }
             // Only set under --restart-policy worker, which every node of the job runs.
             Outcome::Over(why) => {
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
+                self.stop(libc::SIGTERM).await;
                 say(format!("the job ended: {why}; stopped this node's workers"));
-                return Ok(1);
+                return Ok(AfterRound::Exit(1));
             }
         };
-        match &end {
+        self.restart_after(&end).await
+    }
+
+    async fn stop(&mut self, signo: i32) {
+        self.workers.stop(signo, self.job.config.shutdown_timeout).await;
+    }
+
+    /// Every local worker succeeded: the job is over once every node's have.
+    async fn succeeded(mut self, signals: &mut Signals) -> Result<AfterRound, LaunchError> {
+        let store = self.job.store.store.as_ref();
+        // Every worker exited: their last lines reach the console and
+        // the logs before this launcher may exit (and nothing they
+        // left running in their process groups outlives them).
+        self.stop(libc::SIGTERM).await;
+        match wait_for_nodes(self.job, &self.formed, signals).await? {
+            AllDone::Yes => {
+                nodes::end_job(store, &self.job.keys, self.round, "the job finished").await?;
+                Ok(AfterRound::Exit(0))
+            }
+            AllDone::Signaled(signo) => Ok(AfterRound::Exit(128 + signo)),
+            AllDone::Moved => {
+                let end = ended_elsewhere(store, &self.job.keys, self.round).await?;
+                self.restart_after(&end).await
+            }
+        }
+    }
+
+    /// A local worker failed: reports it, and ends the round for every node.
+    async fn failed(mut self, ended: workers::Ended) -> Result<AfterRound, LaunchError> {
+        let (job, round, job_env) = (self.job, self.round, &self.job_env);
+        let (config, store) = (&job.config, job.store.store.as_ref());
+        let tail = self.workers.tail(ended.rank).await;
+        let reports: Vec<PathBuf> = (0..config.nproc_per_node)
+            .map(|local_rank| job_env.error_file(job_env.rank(local_rank)))
+            .collect();
+        await_reports(&job_env.error_file(ended.rank), &reports).await;
+        let (culprit, what) = failure(self.workers, &ended, self.formed.node_rank, round, &reports);
+        report(&what, ended.rank, &tail, &job_env.error_file(ended.rank));
+        // End the round before stopping: the others stop at once, and
+        // none takes this node for hung while its workers wind down.
+        // A node cut off from the store gives up within the keep-alive window.
+        let ours = RoundEnd::Failure(what.clone());
+        let told = async {
+            publish_exit(job, job_env, ended.pid, &job_env.error_file(ended.rank)).await?;
+            bounded(job, nodes::end_round(store, &job.keys, round, &ours)).await
+        }
+        .await;
+        self.stop(libc::SIGTERM).await;
+        let won = told?;
+        if won != ours {
+            return self.restart_after(&won).await;
+        }
+        match plan::after_failure(self.formed.restarts, config.max_restarts) {
+            AfterFailure::Restart { next } => {
+                say(format!(
+                    "restarting the group (restart {next} of {})",
+                    config.max_restarts
+                ));
+                Ok(AfterRound::Rejoin(round + 1))
+            }
+            AfterFailure::GiveUp => {
+                say(format!(
+                    "{culprit} failed and --max-restarts {} is used up; exiting",
+                    config.max_restarts
+                ));
+                bounded(job, nodes::end_job(store, &job.keys, round, ours.what())).await?;
+                Ok(AfterRound::Exit(ended.exit.launcher_code()))
+            }
+        }
+    }
+
+    /// After the round ended for `end` (its workers stopped): the next
+    /// round, unless a failure used up `--max-restarts`.
+    async fn restart_after(&self, end: &RoundEnd) -> Result<AfterRound, LaunchError> {
+        let (job, config) = (self.job, &self.job.config);
+        match end {
             RoundEnd::Membership(why) => say(format!(
                 "{why}; restarting the workers to admit it (a membership change: --max-restarts is not used)"
             )),
-            RoundEnd::Failure(what) => match plan::after_failure(formed.restarts, config.max_restarts) {
+            RoundEnd::Failure(what) => match plan::after_failure(self.formed.restarts, config.max_restarts) {
                 AfterFailure::Restart { next } => say(format!(
                     "{what}; restarting this node's workers (restart {next} of {})",
                     config.max_restarts
@@ -837,22 +928,13 @@ async fn run_rounds(job: &Job, signals: &mut Signals) -> Result<i32, LaunchError
                         "{what}; --max-restarts {} is used up; exiting",
                         config.max_restarts
                     ));
-                    nodes::end_job(store, &job.keys, round, what).await?;
-                    return Ok(1);
+                    nodes::end_job(job.store.store.as_ref(), &job.keys, self.round, what).await?;
+                    return Ok(AfterRound::Exit(1));
                 }
             },
         }
-        round += 1;
+        Ok(AfterRound::Rejoin(self.round + 1))
     }
-}
-
-/// How a node's run under `--restart-policy worker` ended.
-enum ElasticEnd {
-    /// The launcher exits with this code.
-    Exit(i32),
-    /// This node was left out of round `.0` (its workers are stopped): it
-    /// waits to join again, as a newcomer.
-    Rejoin(u64),
 }
 
 /// Runs this node's workers under `--restart-policy worker` from the round
@@ -863,209 +945,325 @@ enum ElasticEnd {
 async fn run_elastic_round(
     job: &Job,
     signals: &mut Signals,
-    mut formed: nodes::Formed,
-    mut job_env: env::JobEnv,
+    formed: nodes::Formed,
+    job_env: env::JobEnv,
     workers: &mut Workers,
-) -> Result<ElasticEnd, LaunchError> {
-    let config = &job.config;
-    let store = job.store.store.as_ref();
-    let multi = config.max_nodes > 1;
-    // The budget of --max-restarts counts this node's relaunches; the
-    // restart count of a relaunched worker goes on from the round its node
-    // started in, so it stays above that of the workers it replaces.
-    let mut restarts = formed.restarts;
-    let first_restarts = formed.restarts;
-    let first_count = job_env.restart_count;
-    let mut slots: Vec<Slot> = (0..config.nproc_per_node)
-        .map(|local_rank| Slot {
-            count: first_count,
-            error_file: job_env.error_file(job_env.rank(local_rank)),
-        })
-        .collect();
-    if config.fork_server
-        && (config.max_restarts > 0 || config.standby > 0)
-        && workers.start_fork_server(&spec(job, &job_env, 0)?)?
-    {
-        say("fork server started: replacement workers will be forked from it (--no-fork-server to start them afresh)");
+) -> Result<AfterRound, LaunchError> {
+    ElasticRound::start(job, formed, job_env, workers)
+        .await?
+        .run(signals)
+        .await
+}
+
+/// This node under `--restart-policy worker`: its workers, each slot's
+/// latest, its standbys, and the round it is in, which moves on while the
+/// workers keep running.
+struct ElasticRound<'a> {
+    job: &'a Job,
+    workers: &'a mut Workers,
+    formed: nodes::Formed,
+    job_env: env::JobEnv,
+    /// This node's relaunches so far, which `--max-restarts` bounds.
+    restarts: u64,
+    /// `restarts` when this node's run began.
+    first_restarts: u64,
+    /// The workers' restart count when this node's run began.
+    first_count: u64,
+    slots: Vec<Slot>,
+    standbys: Standbys,
+    alive: plan::KeepAlives,
+}
+
+impl<'a> ElasticRound<'a> {
+    /// Takes over the workers started in `formed`, and starts the fork
+    /// server and the standby workers beside them.
+    async fn start(
+        job: &'a Job,
+        formed: nodes::Formed,
+        job_env: env::JobEnv,
+        workers: &'a mut Workers,
+    ) -> Result<Self, LaunchError> {
+        let config = &job.config;
+        let first_count = job_env.restart_count;
+        let slots: Vec<Slot> = (0..config.nproc_per_node)
+            .map(|local_rank| Slot {
+                count: first_count,
+                error_file: job_env.error_file(job_env.rank(local_rank)),
+            })
+            .collect();
+        if config.fork_server
+            && (config.max_restarts > 0 || config.standby > 0)
+            && workers.start_fork_server(&spec(job, &job_env, 0)?)?
+        {
+            say(
+                "fork server started: replacement workers will be forked from it (--no-fork-server to start them afresh)",
+            );
+        }
+        let mut node = ElasticRound {
+            job,
+            workers,
+            restarts: formed.restarts,
+            first_restarts: formed.restarts,
+            first_count,
+            formed,
+            job_env,
+            slots,
+            standbys: Standbys::new(config.standby),
+            alive: plan::KeepAlives::default(),
+        };
+        // Standby workers start as the next relaunch would.
+        for number in 0..config.standby {
+            node.start_standby(number).await?;
+        }
+        Ok(node)
     }
-    // Standby workers start as the next relaunch would.
-    let mut standbys = Standbys::new(config.standby);
-    let next_count = |restarts: u64| first_count + (restarts + 1 - first_restarts);
-    for number in 0..config.standby {
-        standbys
-            .start(job, &job_env, workers, number, next_count(restarts))
-            .await?;
+
+    /// The restart count of the worker started by this node's relaunch
+    /// `restart`: it goes on from the round this node started in, so it
+    /// stays above that of the workers it replaces.
+    fn count_of(&self, restart: u64) -> u64 {
+        self.first_count + (restart - self.first_restarts)
     }
-    let mut alive = plan::KeepAlives::default();
-    loop {
-        let outcome = supervise(workers, job, &formed, &mut alive, signals).await;
-        match outcome {
-            Outcome::Failed(
-                ended @ workers::Ended {
-                    standby: Some(number), ..
-                },
-            ) => {
-                standbys.vacate(number);
-                let tail = workers.tail(ended.rank).await;
-                say(format!(
-                    "standby worker s{number} (pid {}) {} before it was needed",
-                    ended.pid, ended.exit
-                ));
-                if ended.exit.success() {
-                    // It chose to leave (e.g. it saw the job ending): not a failure.
-                    continue;
-                }
-                for line in &tail {
-                    print_line(&format!("  [s{number}]: {line}"));
-                }
-                match plan::after_failure(restarts, config.max_restarts) {
-                    AfterFailure::Restart { next } => {
-                        restarts = next;
-                        standbys
-                            .start(job, &job_env, workers, number, next_count(restarts))
-                            .await?;
-                    }
-                    AfterFailure::GiveUp => say(format!(
-                        "--max-restarts {} is used up: going on without standby worker s{number}",
-                        config.max_restarts
-                    )),
-                }
-            }
-            Outcome::Failed(ended) => {
-                let slot_env = job_env.for_attempt(slots[ended.local_rank].count, &job.run_dir);
-                let error_file = slots[ended.local_rank].error_file.clone();
-                let tail = workers.tail(ended.rank).await;
-                let reports: Vec<PathBuf> = slots.iter().map(|slot| slot.error_file.clone()).collect();
-                await_reports(&error_file, &reports).await;
-                let (_, what) = failure(workers, &ended, formed.node_rank, slot_env.restart_count, &reports);
-                report(&what, ended.rank, &tail, &error_file);
-                if let Err(error) = publish_exit(job, &slot_env, ended.pid, &error_file).await {
-                    workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                    return Err(error);
-                }
-                match plan::after_failure(restarts, config.max_restarts) {
-                    AfterFailure::Restart { next } => {
-                        let rank = job_env.rank(ended.local_rank);
-                        match standbys.promote(job, workers, ended.local_rank, rank).await {
-                            Ok(Some((number, pid, slot))) => {
-                                say(format!(
-                                    "promoted standby worker s{number} (pid {pid}) into rank {rank}'s slot (restart {next} of {}{}); the other workers keep running",
-                                    config.max_restarts,
-                                    if multi { " on this node" } else { "" }
-                                ));
-                                slots[ended.local_rank] = slot;
-                                restarts = next;
-                                standbys
-                                    .start(job, &job_env, workers, number, next_count(restarts))
-                                    .await?;
-                                continue;
-                            }
-                            Ok(None) => {}
-                            Err(error) => {
-                                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                                return Err(error);
-                            }
-                        }
-                        let count = first_count + (next - first_restarts);
-                        let new_env = env::JobEnv {
-                            join_running: true,
-                            ..job_env.for_attempt(count, &job.run_dir)
-                        };
-                        let spec = spec(job, &new_env, ended.local_rank)?;
-                        match workers.relaunch(spec).await {
-                            Ok((pid, how)) => say(format!(
-                                "relaunching rank {} alone as pid {pid}{} (restart {next} of {}{}); the other workers keep running",
-                                new_env.rank(ended.local_rank),
-                                match how {
-                                    workers::Started::Forked => ", forked from the fork server".to_string(),
-                                    workers::Started::New => String::new(),
-                                    workers::Started::NewInstead(why) => format!(", a new process ({why})"),
-                                },
-                                config.max_restarts,
-                                if multi { " on this node" } else { "" }
-                            )),
-                            Err(error) => {
-                                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                                return Err(error);
-                            }
-                        }
-                        restarts = next;
-                        slots[ended.local_rank] = Slot {
-                            count,
-                            error_file: new_env.error_file(new_env.rank(ended.local_rank)),
-                        };
-                    }
-                    AfterFailure::GiveUp => {
-                        let why = format!(
-                            "rank {} failed and --max-restarts {} is used up",
-                            ended.rank, config.max_restarts
-                        );
-                        if multi {
-                            // Tell the other nodes first, so every node stops at once.
-                            let over = format!("{why} on node {}", formed.node_rank);
-                            let told = async {
-                                bounded(job, nodes::end_for_good(store, &job.keys, &over)).await?;
-                                bounded(job, nodes::end_job(store, &job.keys, formed.round, &why)).await
-                            }
-                            .await;
-                            if let Err(error) = told {
-                                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                                return Err(error);
-                            }
-                        }
-                        workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                        say(format!("{why}; stopped the other workers; exiting"));
-                        return Ok(ElasticEnd::Exit(ended.exit.launcher_code()));
+
+    /// Starts standby `number` as the next relaunch would start a worker
+    /// (on failure, with every worker stopped).
+    async fn start_standby(&mut self, number: usize) -> Result<(), LaunchError> {
+        let count = self.count_of(self.restarts + 1);
+        self.standbys
+            .start(self.job, &self.job_env, self.workers, number, count)
+            .await
+    }
+
+    async fn stop(&mut self, signo: i32) {
+        self.workers.stop(signo, self.job.config.shutdown_timeout).await;
+    }
+
+    fn multi(&self) -> bool {
+        self.job.config.max_nodes > 1
+    }
+
+    /// How a relaunch message names where the others keep running.
+    fn on_this_node(&self) -> &'static str {
+        if self.multi() { " on this node" } else { "" }
+    }
+
+    async fn run(mut self, signals: &mut Signals) -> Result<AfterRound, LaunchError> {
+        let (job, config) = (self.job, &self.job.config);
+        let store = job.store.store.as_ref();
+        loop {
+            let outcome = supervise(self.workers, job, &self.formed, &mut self.alive, signals).await;
+            match outcome {
+                Outcome::Failed(
+                    ended @ workers::Ended {
+                        standby: Some(number), ..
+                    },
+                ) => self.standby_exited(ended, number).await?,
+                Outcome::Failed(ended) => {
+                    if let Some(after) = self.worker_failed(ended).await? {
+                        return Ok(after);
                     }
                 }
-            }
-            Outcome::Succeeded => {
-                // Only standby workers are left: there is nothing for them to replace.
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                if !multi {
-                    return Ok(ElasticEnd::Exit(0));
+                Outcome::Succeeded => return self.succeeded(signals).await,
+                Outcome::Moved => {
+                    if let Some(end) = follow(job, &mut self.formed, &mut self.alive).await? {
+                        self.stop(libc::SIGTERM).await;
+                        return Ok(end);
+                    }
+                    // Later relaunches take this node's place in the new round.
+                    self.job_env.node_rank = self.formed.node_rank;
+                    self.job_env.nnodes = self.formed.nnodes;
                 }
-                return wait_for_members(job, formed, &mut alive, signals).await;
-            }
-            Outcome::Moved => {
-                if let Some(end) = follow(job, &mut formed, &mut alive).await? {
-                    workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                    return Ok(end);
+                Outcome::Waiting(id) => {
+                    let why = format!("node {id} waits to join");
+                    nodes::reform(store, &job.keys, &self.formed, &[], config.max_nodes, &why).await?;
                 }
-                // Later relaunches take this node's place in the new round.
-                job_env.node_rank = formed.node_rank;
-                job_env.nnodes = formed.nnodes;
-            }
-            Outcome::Waiting(id) => {
-                let why = format!("node {id} waits to join");
-                nodes::reform(store, &job.keys, &formed, &[], config.max_nodes, &why).await?;
-            }
-            Outcome::Stalled(id) => {
-                let why = gone_message(job, &formed, &id);
-                nodes::reform(store, &job.keys, &formed, &[id.as_str()], config.max_nodes, &why).await?;
-            }
-            Outcome::Over(why) => {
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                say(format!("the job ended: {why}; stopped this node's workers"));
-                return Ok(ElasticEnd::Exit(1));
-            }
-            Outcome::Signaled(signo) => {
-                say(format!("got {}; stopping the workers", plan::signal_name(signo)));
-                workers.stop(signo, config.shutdown_timeout).await;
-                return Ok(ElasticEnd::Exit(128 + signo));
-            }
-            Outcome::StoreLost(source) => {
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                return Err(LaunchError::Store(source));
-            }
-            Outcome::StoreUnreachable(waited) => {
-                workers.stop(libc::SIGTERM, config.shutdown_timeout).await;
-                return Err(LaunchError::StoreUnreachable {
-                    addr: job.store.addr(),
-                    waited,
-                });
+                Outcome::Stalled(id) => {
+                    let why = gone_message(job, &self.formed, &id);
+                    nodes::reform(store, &job.keys, &self.formed, &[id.as_str()], config.max_nodes, &why).await?;
+                }
+                Outcome::Over(why) => {
+                    self.stop(libc::SIGTERM).await;
+                    say(format!("the job ended: {why}; stopped this node's workers"));
+                    return Ok(AfterRound::Exit(1));
+                }
+                Outcome::Signaled(signo) => {
+                    say(format!("got {}; stopping the workers", plan::signal_name(signo)));
+                    self.stop(signo).await;
+                    return Ok(AfterRound::Exit(128 + signo));
+                }
+                Outcome::StoreLost(source) => {
+                    self.stop(libc::SIGTERM).await;
+                    return Err(LaunchError::Store(source));
+                }
+                Outcome::StoreUnreachable(waited) => {
+                    self.stop(libc::SIGTERM).await;
+                    return Err(LaunchError::StoreUnreachable {
+                        addr: job.store.addr(),
+                        waited,
+                    });
+                }
             }
         }
+    }
+
+    /// Every worker succeeded.
+    async fn succeeded(mut self, signals: &mut Signals) -> Result<AfterRound, LaunchError> {
+        // Only standby workers are left: there is nothing for them to replace.
+        self.stop(libc::SIGTERM).await;
+        if !self.multi() {
+            return Ok(AfterRound::Exit(0));
+        }
+        wait_for_members(self.job, self.formed, &mut self.alive, signals).await
+    }
+
+    /// Standby `number` exited before it was needed: another takes its
+    /// place, within `--max-restarts`, unless it left of its own accord.
+    async fn standby_exited(&mut self, ended: workers::Ended, number: usize) -> Result<(), LaunchError> {
+        let max_restarts = self.job.config.max_restarts;
+        self.standbys.vacate(number);
+        let tail = self.workers.tail(ended.rank).await;
+        say(format!(
+            "standby worker s{number} (pid {}) {} before it was needed",
+            ended.pid, ended.exit
+        ));
+        if ended.exit.success() {
+            // It chose to leave (e.g. it saw the job ending): not a failure.
+            return Ok(());
+        }
+        for line in &tail {
+            print_line(&format!("  [s{number}]: {line}"));
+        }
+        match plan::after_failure(self.restarts, max_restarts) {
+            AfterFailure::Restart { next } => {
+                self.restarts = next;
+                self.start_standby(number).await?;
+            }
+            AfterFailure::GiveUp => say(format!(
+                "--max-restarts {max_restarts} is used up: going on without standby worker s{number}"
+            )),
+        }
+        Ok(())
+    }
+
+    /// A worker failed: reports it, then replaces it alone, or ends the
+    /// job once `--max-restarts` is used up.
+    async fn worker_failed(&mut self, ended: workers::Ended) -> Result<Option<AfterRound>, LaunchError> {
+        let job = self.job;
+        let slot = &self.slots[ended.local_rank];
+        let slot_env = self.job_env.for_attempt(slot.count, &job.run_dir);
+        let error_file = slot.error_file.clone();
+        let tail = self.workers.tail(ended.rank).await;
+        let reports: Vec<PathBuf> = self.slots.iter().map(|slot| slot.error_file.clone()).collect();
+        await_reports(&error_file, &reports).await;
+        let (_, what) = failure(
+            self.workers,
+            &ended,
+            self.formed.node_rank,
+            slot_env.restart_count,
+            &reports,
+        );
+        report(&what, ended.rank, &tail, &error_file);
+        if let Err(error) = publish_exit(job, &slot_env, ended.pid, &error_file).await {
+            self.stop(libc::SIGTERM).await;
+            return Err(error);
+        }
+        match plan::after_failure(self.restarts, job.config.max_restarts) {
+            AfterFailure::Restart { next } => {
+                if !self.promote_standby(&ended, next).await? {
+                    self.relaunch(&ended, next).await?;
+                }
+                Ok(None)
+            }
+            AfterFailure::GiveUp => self.give_up(&ended).await.map(Some),
+        }
+    }
+
+    /// Moves a waiting standby into the failed worker's slot as relaunch
+    /// `next`, and starts another standby in its place; `false` when none
+    /// waits.
+    async fn promote_standby(&mut self, ended: &workers::Ended, next: u64) -> Result<bool, LaunchError> {
+        let rank = self.job_env.rank(ended.local_rank);
+        let promoted = self
+            .standbys
+            .promote(self.job, self.workers, ended.local_rank, rank)
+            .await;
+        let (number, pid, slot) = match promoted {
+            Ok(Some(promoted)) => promoted,
+            Ok(None) => return Ok(false),
+            Err(error) => {
+                self.stop(libc::SIGTERM).await;
+                return Err(error);
+            }
+        };
+        say(format!(
+            "promoted standby worker s{number} (pid {pid}) into rank {rank}'s slot (restart {next} of {}{}); the other workers keep running",
+            self.job.config.max_restarts,
+            self.on_this_node()
+        ));
+        self.slots[ended.local_rank] = slot;
+        self.restarts = next;
+        self.start_standby(number).await?;
+        Ok(true)
+    }
+
+    /// Starts a new worker in the failed worker's slot as relaunch `next`.
+    async fn relaunch(&mut self, ended: &workers::Ended, next: u64) -> Result<(), LaunchError> {
+        let job = self.job;
+        let count = self.count_of(next);
+        let new_env = env::JobEnv {
+            join_running: true,
+            ..self.job_env.for_attempt(count, &job.run_dir)
+        };
+        let spec = spec(job, &new_env, ended.local_rank)?;
+        match self.workers.relaunch(spec).await {
+            Ok((pid, how)) => say(format!(
+                "relaunching rank {} alone as pid {pid}{} (restart {next} of {}{}); the other workers keep running",
+                new_env.rank(ended.local_rank),
+                match how {
+                    workers::Started::Forked => ", forked from the fork server".to_string(),
+                    workers::Started::New => String::new(),
+                    workers::Started::NewInstead(why) => format!(", a new process ({why})"),
+                },
+                job.config.max_restarts,
+                self.on_this_node()
+            )),
+            Err(error) => {
+                self.stop(libc::SIGTERM).await;
+                return Err(error);
+            }
+        }
+        self.restarts = next;
+        self.slots[ended.local_rank] = Slot {
+            count,
+            error_file: new_env.error_file(new_env.rank(ended.local_rank)),
+        };
+        Ok(())
+    }
+
+    /// A worker failed past `--max-restarts`: the job ends, for every node.
+    async fn give_up(&mut self, ended: &workers::Ended) -> Result<AfterRound, LaunchError> {
+        let job = self.job;
+        let store = job.store.store.as_ref();
+        let why = format!(
+            "rank {} failed and --max-restarts {} is used up",
+            ended.rank, job.config.max_restarts
+        );
+        if self.multi() {
+            // Tell the other nodes first, so every node stops at once.
+            let over = format!("{why} on node {}", self.formed.node_rank);
+            let told = async {
+                bounded(job, nodes::end_for_good(store, &job.keys, &over)).await?;
+                bounded(job, nodes::end_job(store, &job.keys, self.formed.round, &why)).await
+            }
+            .await;
+            if let Err(error) = told {
+                self.stop(libc::SIGTERM).await;
+                return Err(error);
+            }
+        }
+        self.stop(libc::SIGTERM).await;
+        say(format!("{why}; stopped the other workers; exiting"));
+        Ok(AfterRound::Exit(ended.exit.launcher_code()))
     }
 }
 
@@ -1165,7 +1363,7 @@ async fn follow(
     job: &Job,
     formed: &mut nodes::Formed,
     alive: &mut plan::KeepAlives,
-) -> Result<Option<ElasticEnd>, LaunchError> {
+) -> Result<Option<AfterRound>, LaunchError> {
     let store = job.store.store.as_ref();
     match nodes::adopt(store, &job.keys, &job.launcher_id).await? {
         nodes::Adopted::Member(next) => {
@@ -1186,11 +1384,11 @@ async fn follow(
             say(format!(
                 "round {round} formed without this launcher (taken for gone); stopping its workers and waiting to join again"
             ));
-            Ok(Some(ElasticEnd::Rejoin(round)))
+            Ok(Some(AfterRound::Rejoin(round)))
         }
         nodes::Adopted::Ended(why) => {
             say(format!("the job ended: {why}; stopped this node's workers"));
-            Ok(Some(ElasticEnd::Exit(1)))
+            Ok(Some(AfterRound::Exit(1)))
         }
     }
 }
@@ -1204,7 +1402,7 @@ async fn wait_for_members(
     mut formed: nodes::Formed,
     alive: &mut plan::KeepAlives,
     signals: &mut Signals,
-) -> Result<ElasticEnd, LaunchError> {
+) -> Result<AfterRound, LaunchError> {
     let config = &job.config;
     let store = job.store.store.as_ref();
     nodes::mark_finished(store, &job.keys, &job.launcher_id).await?;
@@ -1212,11 +1410,11 @@ async fn wait_for_members(
     loop {
         if nodes::finished_among(store, &job.keys, &formed.members).await? == formed.nnodes {
             nodes::end_job(store, &job.keys, formed.round, "the job finished").await?;
-            return Ok(ElasticEnd::Exit(0));
+            return Ok(AfterRound::Exit(0));
         }
         tokio::select! {
             _ = poll.tick() => {}
-            signo = signals.recv() => return Ok(ElasticEnd::Exit(128 + signo)),
+            signo = signals.recv() => return Ok(AfterRound::Exit(128 + signo)),
         }
         match watch_round(job, &formed, alive).await? {
             None | Some(Outcome::Waiting(_)) => {}
@@ -1224,7 +1422,7 @@ async fn wait_for_members(
                 if let Some(end) = follow(job, &mut formed, alive).await? {
                     // Left out after its work was done: the others finish without it.
                     return Ok(match end {
-                        ElasticEnd::Rejoin(_) => ElasticEnd::Exit(0),
+                        AfterRound::Rejoin(_) => AfterRound::Exit(0),
                         end => end,
                     });
                 }
@@ -1235,7 +1433,7 @@ async fn wait_for_members(
             }
             Some(Outcome::Over(why)) => {
                 say(format!("the job ended: {why}"));
-                return Ok(ElasticEnd::Exit(1));
+                return Ok(AfterRound::Exit(1));
             }
             Some(_) => {}
         }

@@ -439,11 +439,16 @@ async fn restarts_before(store: &dyn Store, keys: &Keys, round: u64) -> Result<u
 /// forms with this launcher in it, closing it when the rule says so, and
 /// checks every node runs as many workers as this one.
 pub async fn join(store: &dyn Store, keys: &Keys, round: &mut u64, me: &Joining<'_>) -> Result<Formed, LaunchError> {
-    let start = Instant::now();
-    let mut notes = wait::Notes::new(me.join_timeout);
-    let mut entered = None;
-    let mut previous: Vec<String> = Vec::new();
-    let mut open_with_min: Option<Instant> = None;
+    let mut joiner = Joiner {
+        store,
+        keys,
+        me,
+        start: Instant::now(),
+        notes: wait::Notes::new(me.join_timeout),
+        entered: None,
+        previous: Vec::new(),
+        open_with_min: None,
+    };
     loop {
         let r = *round;
         match closed(store, keys, r).await? {
@@ -464,19 +469,8 @@ pub async fn join(store: &dyn Store, keys: &Keys, round: &mut u64, me: &Joining<
             }
             None => {}
         }
-        if entered != Some(r) {
-            if let Some(rank) = me.node_rank {
-                claim(store, keys, r, rank, me.launcher_id).await?;
-            }
-            store
-                .append(&keys.round_key(r, "joiners"), joiner_line(me).as_bytes())
-                .await?;
-            entered = Some(r);
-            previous = match r.checked_sub(1) {
-                Some(last) => member_ids(store, keys, last).await?,
-                None => Vec::new(),
-            };
-            open_with_min = None;
+        if joiner.entered != Some(r) {
+            joiner.enter(r).await?;
             // Look again at once: the round may have closed meanwhile.
             continue;
         }
@@ -485,84 +479,149 @@ pub async fn join(store: &dyn Store, keys: &Keys, round: &mut u64, me: &Joining<
             Some(text) => parse_joiners(&text),
             None => Vec::new(),
         };
+        if joiner.close(r, open, &arrivals).await? {
+            continue;
+        }
+        if joiner.start.elapsed() >= me.join_timeout {
+            if joiner.withdraw(r).await? {
+                continue;
+            }
+            return Err(joiner.not_joined(open, arrivals.len()));
+        }
+        if joiner.notes.due() {
+            joiner.say_waiting(r, open, arrivals.len());
+        }
+        tokio::time::sleep(me.poll).await;
+    }
+}
+
+/// A launcher joining a round, and what it saw of the round it entered.
+struct Joiner<'a> {
+    store: &'a dyn Store,
+    keys: &'a Keys,
+    me: &'a Joining<'a>,
+    start: Instant,
+    notes: wait::Notes,
+    /// The round this launcher wrote itself into the joiners of.
+    entered: Option<u64>,
+    /// The members of the round before the one entered.
+    previous: Vec<String>,
+    /// Since when the entered round has been open with `min_nodes` in.
+    open_with_min: Option<Instant>,
+}
+
+impl Joiner<'_> {
+    /// Writes this launcher into round `r`'s joiners (claiming its node
+    /// rank, if given), and notes the round before's members.
+    async fn enter(&mut self, r: u64) -> Result<(), LaunchError> {
+        let (store, keys, me) = (self.store, self.keys, self.me);
+        if let Some(rank) = me.node_rank {
+            claim(store, keys, r, rank, me.launcher_id).await?;
+        }
+        store
+            .append(&keys.round_key(r, "joiners"), joiner_line(me).as_bytes())
+            .await?;
+        self.entered = Some(r);
+        self.previous = match r.checked_sub(1) {
+            Some(last) => member_ids(store, keys, last).await?,
+            None => Vec::new(),
+        };
+        self.open_with_min = None;
+        Ok(())
+    }
+
+    /// Closes round `r` (when `open`) if the rule says it forms with
+    /// `arrivals`; whether it wrote a group.
+    async fn close(&mut self, r: u64, open: bool, arrivals: &[plan::Arrival]) -> Result<bool, LaunchError> {
+        let (store, keys, me) = (self.store, self.keys, self.me);
         if open && arrivals.len() >= me.min_nodes {
-            open_with_min.get_or_insert_with(Instant::now);
+            self.open_with_min.get_or_insert_with(Instant::now);
         } else {
-            open_with_min = None;
+            self.open_with_min = None;
         }
         let formed = membership::closes_with(
             arrivals.len(),
             (me.min_nodes, me.max_nodes),
-            plan::previous_back(&arrivals, &previous),
-            open_with_min.map(|t| t.elapsed()),
+            plan::previous_back(arrivals, &self.previous),
+            self.open_with_min.map(|t| t.elapsed()),
             me.last_call_timeout,
         );
-        if let Some(n) = formed.filter(|_| open) {
-            let members = plan::members(&arrivals, &previous, n)
-                .into_iter()
-                .map(|a| Member {
-                    id: a.id,
-                    nproc: a.nproc,
-                })
-                .collect();
-            let record = Closed::Formed {
-                restarts: restarts_before(store, keys, r).await?,
-                members,
-            };
-            // First writer wins; the loop reads back whichever group won.
-            store
-                .compare_set(&keys.round_key(r, "closed"), b"", record.encode().as_bytes())
-                .await?;
-            continue;
+        let Some(n) = formed.filter(|_| open) else {
+            return Ok(false);
+        };
+        let members = plan::members(arrivals, &self.previous, n)
+            .into_iter()
+            .map(|a| Member {
+                id: a.id,
+                nproc: a.nproc,
+            })
+            .collect();
+        let record = Closed::Formed {
+            restarts: restarts_before(store, keys, r).await?,
+            members,
+        };
+        // First writer wins; the loop reads back whichever group won.
+        store
+            .compare_set(&keys.round_key(r, "closed"), b"", record.encode().as_bytes())
+            .await?;
+        Ok(true)
+    }
+
+    /// Withdraws from round `r` on timing out; whether it formed with this
+    /// launcher meanwhile.
+    async fn withdraw(&self, r: u64) -> Result<bool, LaunchError> {
+        let (store, keys, me) = (self.store, self.keys, self.me);
+        store
+            .append(
+                &keys.round_key(r, "joiners"),
+                format!("- {}\n", me.launcher_id).as_bytes(),
+            )
+            .await?;
+        // A launcher that closed the round just before the withdrawal counts us in.
+        if let Some(Closed::Formed { members, .. }) = closed(store, keys, r).await?
+            && members.iter().any(|m| m.id == me.launcher_id)
+        {
+            return Ok(true);
         }
-        if start.elapsed() >= me.join_timeout {
-            store
-                .append(
-                    &keys.round_key(r, "joiners"),
-                    format!("- {}\n", me.launcher_id).as_bytes(),
-                )
-                .await?;
-            // A launcher that closed the round just before the withdrawal counts us in.
-            if let Some(Closed::Formed { members, .. }) = closed(store, keys, r).await?
-                && members.iter().any(|m| m.id == me.launcher_id)
-            {
-                continue;
+        Ok(false)
+    }
+
+    /// Why no group took this launcher within the join timeout.
+    fn not_joined(&self, open: bool, joined: usize) -> LaunchError {
+        let me = self.me;
+        if open {
+            LaunchError::NodesMissing {
+                joined,
+                expected: me.min_nodes,
+                waited: me.join_timeout,
             }
-            return Err(if open {
-                LaunchError::NodesMissing {
-                    joined: arrivals.len(),
-                    expected: me.min_nodes,
-                    waited: me.join_timeout,
-                }
-            } else if previous.len() >= me.max_nodes {
-                LaunchError::JobFull {
-                    max: me.max_nodes,
-                    waited: me.join_timeout,
-                }
-            } else {
-                LaunchError::NotAdmitted {
-                    running: previous.len(),
-                    waited: me.join_timeout,
-                }
-            });
+        } else if self.previous.len() >= me.max_nodes {
+            LaunchError::JobFull {
+                max: me.max_nodes,
+                waited: me.join_timeout,
+            }
+        } else {
+            LaunchError::NotAdmitted {
+                running: self.previous.len(),
+                waited: me.join_timeout,
+            }
         }
-        if notes.due() {
-            let waiting_for = match open {
-                true => format!(
-                    "for nodes to join ({} joined; {}..{} may form it)",
-                    arrivals.len(),
-                    me.min_nodes,
-                    me.max_nodes
-                ),
-                false => "for the running job to admit this launcher".to_string(),
-            };
-            super::say(format!(
-                "round {r}: waiting {waiting_for} at {}; {}",
-                store.location(),
-                notes.progress()
-            ));
-        }
-        tokio::time::sleep(me.poll).await;
+    }
+
+    fn say_waiting(&self, r: u64, open: bool, joined: usize) {
+        let me = self.me;
+        let waiting_for = match open {
+            true => format!(
+                "for nodes to join ({joined} joined; {}..{} may form it)",
+                me.min_nodes, me.max_nodes
+            ),
+            false => "for the running job to admit this launcher".to_string(),
+        };
+        super::say(format!(
+            "round {r}: waiting {waiting_for} at {}; {}",
+            self.store.location(),
+            self.notes.progress()
+        ));
     }
 }
 
