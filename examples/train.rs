@@ -157,6 +157,39 @@ struct Args {
 }
 
 impl Args {
+    /// The training mode and the injected corruption the flags ask for.
+    fn train_options(&self) -> TrainOptions {
+        let mode = match self.mode {
+            ModeArg::Ddp => Mode::Ddp,
+            ModeArg::LocalSgd => Mode::LocalSgd { every: self.every },
+            ModeArg::Diloco => Mode::DiLoCo {
+                every: self.every,
+                outer_lr: self.outer_lr,
+                outer_momentum: self.outer_momentum,
+                fragments: self.fragments,
+            },
+        };
+        let corruptions = match self.fault {
+            Fault::Corrupt => vec![StateCorruption {
+                rank: self.world - 1,
+                step: self.fault_step(),
+                target: match self.corrupt {
+                    CorruptArg::Params => StateTarget::Params,
+                    CorruptArg::Grads => StateTarget::Grads,
+                },
+                bit: None,
+            }],
+            _ => Vec::new(),
+        };
+        TrainOptions {
+            mode,
+            steps: self.steps,
+            global_batch: self.batch,
+            corruptions,
+            ..TrainOptions::default()
+        }
+    }
+
     /// The step of `--fault`: given, or 3/8 of the way (150 of 400).
     fn fault_step(&self) -> u64 {
         self.fault_step.unwrap_or(self.steps * 3 / 8).max(1)
@@ -644,6 +677,50 @@ struct RecoveryOut {
     since_failure_ms: Option<f64>,
 }
 
+impl Outcome {
+    /// The last generation's rank 0's result: the model evaluated on
+    /// held-out data, and each recovery with the failure before it.
+    fn of(args: &Args, run_dir: &Path, job: &Mlp, report: &train::TrainReport, train_seconds: f64) -> Result<Self> {
+        let eval = Dataset::generate(args.seed, EVAL_SAMPLES, 2);
+        let all: Vec<usize> = (0..eval.len()).collect();
+        let (loss, _) = job.loss(&eval, &all, false)?;
+        let failures_us: Vec<i64> = failures(run_dir).into_iter().map(|(at, _)| at).collect();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let recovery = |r: &train::Recovery| {
+            let at = r
+                .first_step_at
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as i64);
+            RecoveryOut {
+                generation: r.generation,
+                world_size: r.world_size,
+                resumed_step: r.resumed_step,
+                bytes: r.bytes,
+                rendezvous_ms: ms(r.rendezvous),
+                transfer_ms: ms(r.transfer),
+                first_step_ms: ms(r.first_step),
+                total_ms: ms(r.total()),
+                // The last failure injected before it recovered.
+                since_failure_ms: failures_us
+                    .iter()
+                    .filter(|&&f| f < at)
+                    .max()
+                    .map(|f| (at - f) as f64 / 1e3),
+            }
+        };
+        Ok(Self {
+            final_loss: f64::from(loss),
+            accuracy: f64::from(job.accuracy(&eval)?),
+            steps: report.steps,
+            applied: report.applied,
+            adopted: report.adopted,
+            corruptions_detected: report.corruptions_detected,
+            train_seconds,
+            recoveries: report.recoveries.iter().map(recovery).collect(),
+        })
+    }
+}
+
 fn unix_us() -> i64 {
     chorus_cli::bench::recovery::unix_us()
 }
@@ -710,80 +787,18 @@ fn worker(args: Args) -> Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let mut options = InitOptions::from_url("env://")?
-            .timeout(Duration::from_secs(60))
-            .heartbeat_timeout(Duration::from_millis(args.heartbeat_ms))
-            .last_call(Duration::from_millis(300))
-            .restart_budget(1000, Duration::from_secs(600));
-        if args.fault == Fault::Freeze {
-            // The frozen worker is not dead: the others go on without it.
-            options = options.elastic_world(args.world - 1, args.world);
-        }
-        // The data and the model are made while joining: a relaunched
-        // worker's peers wait for it from the moment they form the
-        // generation until it takes part in the transfer, and the sooner
-        // it joins, the sooner that is (forming the links takes longer
-        // than building these).
-        let (seed, steps, hidden, state_mib) = (args.seed, args.steps, args.hidden, args.state_mib);
-        let dir = run_dir.clone();
-        let job = tokio::task::spawn_blocking(move || {
-            let data = Arc::new(Dataset::load_or_generate(&dir, seed, TRAIN_SAMPLES));
-            Mlp::new(seed, data, steps, 0.05, hidden, state_mib)
-        });
-        let finished = run_dir.join("finished");
-        // A worker relaunched after the others finished (a freeze found
-        // late, say) has no job left to join: it would wait out the
-        // rendezvous timeout, again on every relaunch.
-        let group = tokio::select! {
-            group = ElasticGroup::init(options) => match group {
-                Err(e) if e.job_finished() => {
-                    eprintln!("the job finished before this worker could rejoin it");
-                    return Ok(());
-                }
-                group => group?,
-            },
-            () = appears(&finished) => {
-                eprintln!("the job finished before this worker could rejoin it");
-                return Ok(());
-            }
+        let Some((group, mut job)) = join_job(&args, &run_dir).await? else {
+            eprintln!("the job finished before this worker could rejoin it");
+            return Ok(());
         };
         let first_rank = group.rank();
         let relaunched = group.generation() > 0;
-        let mut job = job.await.context("building the model and data")?;
         let _ = std::fs::create_dir_all(run_dir.join("pids"));
         let _ = std::fs::write(
             run_dir.join("pids").join(first_rank.to_string()),
             std::process::id().to_string(),
         );
-        let mode = match args.mode {
-            ModeArg::Ddp => Mode::Ddp,
-            ModeArg::LocalSgd => Mode::LocalSgd { every: args.every },
-            ModeArg::Diloco => Mode::DiLoCo {
-                every: args.every,
-                outer_lr: args.outer_lr,
-                outer_momentum: args.outer_momentum,
-                fragments: args.fragments,
-            },
-        };
-        let corruptions = match args.fault {
-            Fault::Corrupt => vec![StateCorruption {
-                rank: args.world - 1,
-                step: args.fault_step(),
-                target: match args.corrupt {
-                    CorruptArg::Params => StateTarget::Params,
-                    CorruptArg::Grads => StateTarget::Grads,
-                },
-                bit: None,
-            }],
-            _ => Vec::new(),
-        };
-        let options = TrainOptions {
-            mode,
-            steps: args.steps,
-            global_batch: args.batch,
-            corruptions,
-            ..TrainOptions::default()
-        };
+        let options = args.train_options();
         let reporter = first_rank == 0 && !relaunched;
         let mut progress = match reporter {
             true => Some(std::fs::File::create(run_dir.join("progress"))?),
@@ -801,7 +816,7 @@ fn worker(args: Args) -> Result<()> {
         })
         .await?;
         let train_seconds = started.elapsed().as_secs_f64();
-        std::fs::write(&finished, b"")?;
+        std::fs::write(run_dir.join("finished"), b"")?;
         if report.corruptions_injected > 0 {
             let mut file = std::fs::OpenOptions::new()
                 .create(true)
@@ -810,7 +825,7 @@ fn worker(args: Args) -> Result<()> {
             writeln!(file, "{}", report.corruptions_injected)?;
         }
         let pg = group.current();
-        if mode == Mode::Ddp {
+        if options.mode == Mode::Ddp {
             // Every member holds the same model and optimizer state.
             train::verify_state(&pg, &mut job).await?;
         }
@@ -818,46 +833,7 @@ fn worker(args: Args) -> Result<()> {
         // gone with its host (survivors keep their order, so this is the
         // lowest surviving first rank).
         if pg.rank() == 0 {
-            let eval = Dataset::generate(args.seed, EVAL_SAMPLES, 2);
-            let all: Vec<usize> = (0..eval.len()).collect();
-            let (loss, _) = job.loss(&eval, &all, false)?;
-            let failures_us: Vec<i64> = failures(&run_dir).into_iter().map(|(at, _)| at).collect();
-            let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            let outcome = Outcome {
-                final_loss: f64::from(loss),
-                accuracy: f64::from(job.accuracy(&eval)?),
-                steps: report.steps,
-                applied: report.applied,
-                adopted: report.adopted,
-                corruptions_detected: report.corruptions_detected,
-                train_seconds,
-                recoveries: report
-                    .recoveries
-                    .iter()
-                    .map(|r| {
-                        let at = r
-                            .first_step_at
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| d.as_micros() as i64);
-                        RecoveryOut {
-                            generation: r.generation,
-                            world_size: r.world_size,
-                            resumed_step: r.resumed_step,
-                            bytes: r.bytes,
-                            rendezvous_ms: ms(r.rendezvous),
-                            transfer_ms: ms(r.transfer),
-                            first_step_ms: ms(r.first_step),
-                            total_ms: ms(r.total()),
-                            // The last failure injected before it recovered.
-                            since_failure_ms: failures_us
-                                .iter()
-                                .filter(|&&f| f < at)
-                                .max()
-                                .map(|f| (at - f) as f64 / 1e3),
-                        }
-                    })
-                    .collect(),
-            };
+            let outcome = Outcome::of(&args, &run_dir, &job, &report, train_seconds)?;
             std::fs::write(run_dir.join("result.json"), serde_json::to_string(&outcome)?)?;
         }
         // Every worker checks the counter: no step applied twice, none skipped.
@@ -873,6 +849,44 @@ fn worker(args: Args) -> Result<()> {
         group.destroy().await?;
         Ok(())
     })
+}
+
+/// Joins the job's elastic group while the data and the model are built;
+/// `None` when the job finished before this worker could join it.
+async fn join_job(args: &Args, run_dir: &Path) -> Result<Option<(ElasticGroup, Mlp)>> {
+    let mut options = InitOptions::from_url("env://")?
+        .timeout(Duration::from_secs(60))
+        .heartbeat_timeout(Duration::from_millis(args.heartbeat_ms))
+        .last_call(Duration::from_millis(300))
+        .restart_budget(1000, Duration::from_secs(600));
+    if args.fault == Fault::Freeze {
+        // The frozen worker is not dead: the others go on without it.
+        options = options.elastic_world(args.world - 1, args.world);
+    }
+    // The data and the model are made while joining: a relaunched
+    // worker's peers wait for it from the moment they form the
+    // generation until it takes part in the transfer, and the sooner
+    // it joins, the sooner that is (forming the links takes longer
+    // than building these).
+    let (seed, steps, hidden, state_mib) = (args.seed, args.steps, args.hidden, args.state_mib);
+    let dir = run_dir.to_owned();
+    let job = tokio::task::spawn_blocking(move || {
+        let data = Arc::new(Dataset::load_or_generate(&dir, seed, TRAIN_SAMPLES));
+        Mlp::new(seed, data, steps, 0.05, hidden, state_mib)
+    });
+    // A worker relaunched after the others finished (a freeze found
+    // late, say) has no job left to join: it would wait out the
+    // rendezvous timeout, again on every relaunch.
+    let finished = run_dir.join("finished");
+    let group = tokio::select! {
+        group = ElasticGroup::init(options) => match group {
+            Err(e) if e.job_finished() => return Ok(None),
+            group => group?,
+        },
+        () = appears(&finished) => return Ok(None),
+    };
+    let job = job.await.context("building the model and data")?;
+    Ok(Some((group, job)))
 }
 
 /// Returns once `path` exists.
