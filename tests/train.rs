@@ -389,10 +389,7 @@ async fn at_a_step_boundary_a_joiner_is_admitted_and_no_step_is_lost() {
 /// A member's loop that holds at the step boundary where it first holds
 /// generation 1 (formed beside 0) until `resume`; returns its report, the
 /// steps it lost and its final world size.
-fn held_once_ready(
-    group: Arc<ElasticGroup>,
-    mut resume: tokio::sync::broadcast::Receiver<()>,
-) -> tokio::task::JoinHandle<(TrainReport, u32, usize)> {
+fn held_once_ready(group: Arc<ElasticGroup>, mut resume: tokio::sync::broadcast::Receiver<()>) -> HeldLoop {
     tokio::spawn(async move {
         let mut job = Counter::new();
         let mut stepper = Stepper::new(&group, StepperOptions::default());
@@ -415,23 +412,49 @@ fn held_once_ready(
     })
 }
 
-/// Three members of generation 0 with room for a joiner, admitted at a step boundary.
-async fn three_admitting_at_a_boundary(options: impl Fn(usize) -> InitOptions) -> [Arc<ElasticGroup>; 3] {
-    within(20, "the first generation", async {
+type HeldLoop = tokio::task::JoinHandle<(TrainReport, u32, usize)>;
+
+/// Three members of generation 0, with room for a joiner admitted at a
+/// step boundary, each in a loop [`held_once_ready`]; and the joiner,
+/// whose generation 1 every member holds, formed beside generation 0.
+struct FormedBeside {
+    groups: [Arc<ElasticGroup>; 3],
+    members: Vec<HeldLoop>,
+    /// Lets the members' loops go on.
+    resume: tokio::sync::broadcast::Sender<()>,
+    joiner: ElasticGroup,
+}
+
+async fn formed_beside() -> FormedBeside {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let boundary = Admission::AtStepBoundary {
+        longest: Duration::from_secs(60),
+    };
+    let options = move |rank| options(&store, rank, 3).elastic_world(3, 4).admission(boundary);
+    let groups = within(20, "the first generation", async {
         let (a, b, c) = tokio::join!(init(options(0)), init(options(1)), init(options(2)));
         [a, b, c].map(Arc::new)
     })
-    .await
-}
-
-/// Until every member holds generation 1, formed beside generation 0.
-async fn all_ready(groups: &[Arc<ElasticGroup>]) {
+    .await;
+    let (resume, _) = tokio::sync::broadcast::channel::<()>(1);
+    let members = groups
+        .iter()
+        .map(|g| held_once_ready(g.clone(), resume.subscribe()))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let joiner = within(20, "the joiner's generation, formed beside", init(options(0))).await;
     within(20, "every member holding generation 1", async {
         while !groups.iter().all(|g| g.next_ready(0)) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await;
+    FormedBeside {
+        groups,
+        members,
+        resume,
+        joiner,
+    }
 }
 
 /// The next generation forms beside the running one: the joiner and
@@ -440,21 +463,13 @@ async fn all_ready(groups: &[Arc<ElasticGroup>]) {
 /// swap); then the first vote in which all hold it swaps, and no step is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_generation_forms_beside_the_running_one_and_the_members_swap_together() {
-    let store: Arc<dyn Store> = Arc::new(HashStore::default());
-    let boundary = Admission::AtStepBoundary {
-        longest: Duration::from_secs(60),
-    };
-    let options = move |rank| options(&store, rank, 3).elastic_world(3, 4).admission(boundary);
-    let groups = three_admitting_at_a_boundary(&options).await;
-    let (resume, _) = tokio::sync::broadcast::channel::<()>(1);
-    let members: Vec<_> = groups
-        .iter()
-        .map(|g| held_once_ready(g.clone(), resume.subscribe()))
-        .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let joiner = within(20, "the joiner's generation, formed beside", init(options(0))).await;
+    let FormedBeside {
+        groups,
+        members,
+        resume,
+        joiner,
+    } = formed_beside().await;
     assert_eq!((joiner.generation(), joiner.world_size()), (1, 4));
-    all_ready(&groups).await;
     for group in &groups {
         assert_eq!(group.generation(), 0, "a member left generation 0 before the swap");
     }
@@ -477,20 +492,12 @@ async fn the_next_generation_forms_beside_the_running_one_and_the_members_swap_t
 /// peers held at the boundary) runs that step again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_next_generation_that_fails_before_the_swap_ends_both_and_the_members_go_on() {
-    let store: Arc<dyn Store> = Arc::new(HashStore::default());
-    let boundary = Admission::AtStepBoundary {
-        longest: Duration::from_secs(60),
-    };
-    let options = move |rank| options(&store, rank, 3).elastic_world(3, 4).admission(boundary);
-    let groups = three_admitting_at_a_boundary(&options).await;
-    let (resume, _) = tokio::sync::broadcast::channel::<()>(1);
-    let members: Vec<_> = groups
-        .iter()
-        .map(|g| held_once_ready(g.clone(), resume.subscribe()))
-        .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let joiner = within(20, "the joiner's generation, formed beside", init(options(0))).await;
-    all_ready(&groups).await;
+    let FormedBeside {
+        groups,
+        members,
+        resume,
+        joiner,
+    } = formed_beside().await;
     joiner.shutdown("the joiner leaves before the swap").await;
     within(20, "the members' generation 2", async {
         while !groups.iter().all(|g| g.generation() == 2) {
