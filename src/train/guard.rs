@@ -65,6 +65,12 @@ impl CommHook for Sum {
     }
 }
 
+/// Every member's `row`, rank after rank; `None`: the group failed.
+async fn gather_u64s(pg: &ProcessGroup, row: &[u64]) -> Option<Vec<u64>> {
+    let all = pg.all_gather(Tensor::from_slice(row)).await.ok()?;
+    all.to_vec::<u64>().ok()
+}
+
 /// A checksum of each tensor entry of `state`: the extras are left out,
 /// since a job may keep per-rank state there (RNG, data position) that
 /// differs between healthy members.
@@ -244,12 +250,7 @@ impl Guard {
             units.unwrap_or(0),
             integrity::fingerprint(&sums),
         ];
-        let Some(all) = pg
-            .all_gather(Tensor::from_slice(&mine))
-            .await
-            .ok()
-            .and_then(|t| t.to_vec::<u64>().ok())
-        else {
+        let Some(all) = gather_u64s(pg, &mine).await else {
             return Ok(Check::GroupFailed);
         };
         let rows: Vec<&[u64]> = all.chunks(mine.len()).collect();
@@ -299,12 +300,7 @@ impl Guard {
         let mut row = tensor_sums(state);
         let width = row.len();
         row.extend([self.last_cost_ns, step_ns]);
-        let Some(all) = pg
-            .all_gather(Tensor::from_slice(&row))
-            .await
-            .ok()
-            .and_then(|t| t.to_vec::<u64>().ok())
-        else {
+        let Some(all) = gather_u64s(pg, &row).await else {
             return Ok(Check::GroupFailed);
         };
         let rows: Vec<Vec<u64>> = all.chunks(width + 2).map(<[u64]>::to_vec).collect();
