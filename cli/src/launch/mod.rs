@@ -21,6 +21,8 @@
 //!   its nodes rank, when to admit a waiting node, keep-alives, exit codes.
 //! - `nodes`: serving or reaching the store; the launchers' rounds, their
 //!   key layout and shared secret on it.
+//! - `records`: sans-IO; the rounds' records as the store holds them
+//!   (`joiners` lines, the `closed` group, the `end`), parsed totally.
 //! - `binding`: `--numa-binding`, each worker's CPUs from `/sys` (a sans-IO
 //!   plan over a [`binding::Topology`]).
 //! - `workers`: the worker processes of one attempt and their output.
@@ -66,6 +68,7 @@ pub mod env;
 pub mod fork_server;
 pub mod nodes;
 pub mod plan;
+pub mod records;
 pub mod workers;
 
 pub use config::{ConfigError, LaunchConfig, Parsed, RestartPolicy};
@@ -74,8 +77,9 @@ use binding::{BindingError, Topology};
 use chorus_runtime::rendezvous::{HostId, elastic};
 use chorus_runtime::store::{Store, StoreError};
 use config::{HostFacts, Streams};
-use nodes::{JobStore, Joining, Keys, RoundEnd};
+use nodes::{JobStore, Joining, Keys};
 use plan::AfterFailure;
+use records::RoundEnd;
 use workers::{WorkerSpec, Workers};
 
 /// Why a launch failed before or between its workers' runs.

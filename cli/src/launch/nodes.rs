@@ -95,6 +95,7 @@ use chorus_runtime::wait;
 use super::LaunchError;
 use super::config::{StorePlan, StoreRole};
 use super::plan;
+use super::records::{self, Closed, Member, RoundEnd, parse_joiners};
 
 /// The job's store as this launcher sees it.
 #[derive(Debug)]
@@ -286,117 +287,12 @@ impl Keys {
     }
 }
 
-/// Why a round ended, as `a<n>/end` holds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RoundEnd {
-    /// A worker failed (or a node left, which its peers' workers see as a
-    /// failure): counts against `--max-restarts`.
-    Failure(String),
-    /// The group restarts to admit a waiting node: free, as in torchrun.
-    Membership(String),
-}
-
-impl RoundEnd {
-    fn encode(&self) -> String {
-        match self {
-            RoundEnd::Failure(what) => format!("failure {what}"),
-            RoundEnd::Membership(what) => format!("membership {what}"),
-        }
-    }
-
-    fn parse(text: &str) -> RoundEnd {
-        match text.split_once(' ') {
-            Some(("membership", what)) => RoundEnd::Membership(what.to_string()),
-            Some(("failure", what)) => RoundEnd::Failure(what.to_string()),
-            _ => RoundEnd::Failure(text.to_string()),
-        }
-    }
-
-    /// What happened, for messages.
-    pub fn what(&self) -> &str {
-        match self {
-            RoundEnd::Failure(what) | RoundEnd::Membership(what) => what,
-        }
-    }
-}
-
-/// A member of a formed round.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Member {
-    id: String,
-    nproc: usize,
-}
-
-/// What `a<n>/closed` holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Closed {
-    /// The round formed with these members, in node rank order.
-    Formed { restarts: u64, members: Vec<Member> },
-    /// The job ended before the round formed.
-    Ended(String),
-}
-
-impl Closed {
-    fn encode(&self) -> String {
-        match self {
-            Closed::Formed { restarts, members } => {
-                let mut text = format!("restarts {restarts}\n");
-                for m in members {
-                    text.push_str(&format!("{} {}\n", m.id, m.nproc));
-                }
-                text
-            }
-            Closed::Ended(why) => format!("ended {why}"),
-        }
-    }
-
-    fn parse(text: &str) -> Closed {
-        if let Some(why) = text.strip_prefix("ended ") {
-            return Closed::Ended(why.to_string());
-        }
-        let mut lines = text.lines();
-        let restarts = lines
-            .next()
-            .and_then(|l| l.strip_prefix("restarts "))
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
-        let members = lines
-            .filter_map(|l| l.split_once(' '))
-            .map(|(id, nproc)| Member {
-                id: id.to_string(),
-                nproc: nproc.parse().unwrap_or(0),
-            })
-            .collect();
-        Closed::Formed { restarts, members }
-    }
-}
-
 fn joiner_line(me: &Joining<'_>) -> String {
-    let rank = me.node_rank.map_or("-".to_string(), |r| r.to_string());
-    format!("+ {} {} {rank}\n", me.launcher_id, me.nproc_per_node)
-}
-
-/// The launchers in a round's `joiners` text, in arrival order: each once,
-/// less those that withdrew.
-fn parse_joiners(text: &str) -> Vec<plan::Arrival> {
-    let mut arrivals: Vec<plan::Arrival> = Vec::new();
-    for line in text.lines() {
-        let mut words = line.split(' ');
-        match (words.next(), words.next()) {
-            (Some("+"), Some(id)) if !arrivals.iter().any(|a| a.id == id) => {
-                let nproc = words.next().and_then(|n| n.parse().ok()).unwrap_or(0);
-                let node_rank = words.next().and_then(|r| r.parse().ok());
-                arrivals.push(plan::Arrival {
-                    id: id.to_string(),
-                    nproc,
-                    node_rank,
-                });
-            }
-            (Some("-"), Some(id)) => arrivals.retain(|a| a.id != id),
-            _ => {}
-        }
-    }
-    arrivals
+    records::joiner_line(&plan::Arrival {
+        id: me.launcher_id.to_string(),
+        nproc: me.nproc_per_node,
+        node_rank: me.node_rank,
+    })
 }
 
 /// The value of `key`, or `None` when it is not set (keys here are never deleted).
@@ -1160,31 +1056,5 @@ mod tests {
             "{error:?}"
         );
         assert_eq!(error.exit_code(), 2);
-    }
-
-    #[test]
-    fn records_read_back_as_written() {
-        let closed = Closed::Formed {
-            restarts: 2,
-            members: vec![
-                Member {
-                    id: "h:1".into(),
-                    nproc: 2,
-                },
-                Member {
-                    id: "h:2".into(),
-                    nproc: 2,
-                },
-            ],
-        };
-        assert_eq!(Closed::parse(&closed.encode()), closed);
-        let ended = Closed::Ended("rank 1 failed".into());
-        assert_eq!(Closed::parse(&ended.encode()), ended);
-        for end in [RoundEnd::Failure("a b".into()), RoundEnd::Membership("c d".into())] {
-            assert_eq!(RoundEnd::parse(&end.encode()), end);
-        }
-        let arrivals = parse_joiners("+ a 2 -\n+ b 2 1\n+ a 2 -\n- a\n+ c 2 -\n");
-        let ids: Vec<_> = arrivals.iter().map(|a| (a.id.as_str(), a.node_rank)).collect();
-        assert_eq!(ids, [("b", Some(1)), ("c", None)]);
     }
 }
