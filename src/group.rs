@@ -735,7 +735,16 @@ pub(crate) async fn form(
             (membership, None, links, (!heartbeats).then_some(mesh))
         }
     };
-    start_rank(config, membership, opened, links, endpoint, local, options, arbiter).await
+    let rank = FormedRank {
+        config,
+        membership,
+        opened,
+        links,
+        endpoint,
+        local,
+        arbiter,
+    };
+    start_rank(rank, options).await
 }
 
 /// The peers of this rank whose processes it can watch (SV-15): other
@@ -802,132 +811,79 @@ fn blamed_ranks(exit: &elastic::Exit, members: &[(usize, String, u32)]) -> Vec<u
         .collect()
 }
 
-/// Starts a formed rank: its actor, heartbeats and watchdog on `arbiter`.
-/// Shared by whole groups and subgroups. A rank of an in-process `local`
-/// mesh has no heartbeats: its watchdog learns of closed links from the
-/// mesh.
-#[allow(clippy::too_many_arguments)]
-async fn start_rank(
+/// A formed rank, before it starts: its group's configuration and
+/// membership, the store it met on, its links and the thread it runs on.
+struct FormedRank {
     config: RendezvousConfig,
     membership: Membership,
     opened: rendezvous::OpenedStore,
     links: Vec<Option<Arc<dyn Link>>>,
+    /// The endpoint its QUIC links live on (none in-process).
     endpoint: Option<QuicEndpoint>,
+    /// The in-process mesh whose watcher stands in for its heartbeats.
     local: Option<Arc<LocalMesh>>,
-    options: &InitOptions,
     arbiter: RankThread,
-) -> Result<ProcessGroup, InitError> {
-    let (overrides, pool) = match arbiter {
-        RankThread::Shared(_) => (options.overrides().sharing_threads(), system::shared_frame_pool()),
-        RankThread::Own(_) => (options.overrides(), FramePool::default()),
-    };
-    let actor_links = links.clone();
-    let (rank, collective_timeout) = (config.rank, options.collective_timeout);
-    let flight = FlightRecorder::new(flight::capacity_from_env());
-    let trace_dir = flight::trace_dir_from_env();
-    let generation = membership.generation;
-    // The options went through `with_env_defaults`: what is unset here
-    // was unset in the environment too.
-    let mode = options.error_handling.unwrap_or(ErrorHandling::Abort);
-    let window = options.heartbeat_timeout.unwrap_or(HeartbeatConfig::default().window);
-    let watchdog = WatchdogConfig {
-        stall_timeout: options
-            .watchdog_timeout
-            .unwrap_or(WatchdogConfig::default().stall_timeout),
-        overdue_grace: window,
-        ..WatchdogConfig::default()
-    };
-    let metrics = Arc::new(GroupMetrics::new(&config.run_id));
-    metrics.formed(generation, membership.world_size());
-    let mut supervision = Supervision::new(rank, generation, mode, links.clone()).with_metrics((*metrics).clone());
-    // A rank process tells its launcher whom it blames; ranks sharing a
-    // process (one error file) leave it to the process.
-    if let (RankThread::Own(_), Some(hook)) = (&arbiter, crate::error_file::hook(&membership)) {
-        supervision = supervision.with_failure_hook(hook);
-    }
-    let supervision = Arc::new(supervision);
-    let (actor_supervision, actor_metrics) = (supervision.clone(), metrics.clone());
-    // With a trace directory, SIGTERM (a launcher stopping the job) dumps
-    // the recorder before the process exits (crate::terminate).
-    let (dump_notice, dumped) = watch::channel(false);
-    let dumps = trace_dir.is_some();
-    let actor = RankActor::start_in_arbiter(&arbiter.handle(), move |_| {
-        let actor = RankActor::new(rank, actor_links, collective_timeout, overrides, actor_supervision)
-            .with_frame_pool(pool)
-            .with_flight_recorder(flight, trace_dir, generation)
-            .with_metrics(actor_metrics);
-        if dumps {
-            actor.with_dump_notice(dump_notice)
-        } else {
-            actor
+}
+
+/// How a rank handles failures and how soon it detects them, from its
+/// options.
+struct Detection {
+    mode: ErrorHandling,
+    /// The heartbeat window.
+    window: Duration,
+    watchdog: WatchdogConfig,
+}
+
+impl Detection {
+    fn from_options(options: &InitOptions) -> Self {
+        // The options went through `with_env_defaults`: what is unset here
+        // was unset in the environment too.
+        let window = options.heartbeat_timeout.unwrap_or(HeartbeatConfig::default().window);
+        Self {
+            mode: options.error_handling.unwrap_or(ErrorHandling::Abort),
+            window,
+            watchdog: WatchdogConfig {
+                stall_timeout: options
+                    .watchdog_timeout
+                    .unwrap_or(WatchdogConfig::default().stall_timeout),
+                overdue_grace: window,
+                ..WatchdogConfig::default()
+            },
         }
-    });
-    let on_sigterm = match dumps {
-        true => Some(crate::terminate::register(supervision.clone(), actor.clone(), dumped)?),
-        false => None,
-    };
+    }
+}
+
+/// Starts a formed rank: its actor, heartbeats and watchdog on its
+/// arbiter. Shared by whole groups and subgroups. A rank of an in-process
+/// `local` mesh has no heartbeats: its watchdog learns of closed links
+/// from the mesh.
+async fn start_rank(rank: FormedRank, options: &InitOptions) -> Result<ProcessGroup, InitError> {
+    let detection = Detection::from_options(options);
+    let metrics = Arc::new(GroupMetrics::new(&rank.config.run_id));
+    metrics.formed(rank.membership.generation, rank.membership.world_size());
+    let supervision = rank.supervision(detection.mode, &metrics);
+    let (actor, on_sigterm) = rank.start_actor(options, &supervision, &metrics)?;
     let (stop_supervision, stop) = watch::channel(false);
-    let peers = (0..links.len()).filter(|&r| r != rank);
-    let monitor = SharedMonitor::new(match &local {
-        Some(_) => HeartbeatMonitor::closures_only(links.len(), rank),
-        None => HeartbeatMonitor::new(peers, window, std::time::Instant::now()),
-    });
-    let watch = local.as_ref().map(|mesh| mesh.watch(rank));
-    let processes = local_processes(&membership);
-    let exits_monitor = monitor.clone();
-    let (heartbeat_links, watched, watchdog_stop, notify) =
-        (links.clone(), supervision.clone(), stop.clone(), actor.clone());
-    let missed = metrics.heartbeats_missed().clone();
-    on_arbiter(&arbiter, async move {
-        match watch {
-            Some(watch) => heartbeat::spawn_local(watch, monitor.clone(), watchdog_stop.clone()),
-            None => heartbeat::spawn(
-                &heartbeat_links,
-                HeartbeatConfig::with_window(window),
-                monitor.clone(),
-                watchdog_stop.clone(),
-                missed,
-            ),
-        }
-        supervision::spawn_watchdog(
-            watched,
-            monitor,
-            processes,
-            watchdog,
-            move || notify.do_send(Aborted),
-            watchdog_stop,
-        );
-    })
-    .await?;
-    let me = membership.me();
-    let remote: Vec<usize> = membership
-        .peers
-        .iter()
-        .filter(|peer| !peer.host.same_pids(&me.host))
-        .map(|peer| peer.rank as usize)
-        .collect();
-    if !remote.is_empty() {
-        let members = membership
-            .peers
-            .iter()
-            .map(|peer| (peer.rank as usize, peer.host.hostname.clone(), peer.pid))
-            .collect();
-        let (store, run_id, stop) = (opened.store.clone(), config.run_id.clone(), stop.clone());
-        arbiter.handle().spawn(watch_remote_exits(
-            store,
-            run_id,
-            (members, remote),
-            exits_monitor,
-            stop,
-        ));
-    }
+    let monitor = rank
+        .detect_failures(&detection, &supervision, &actor, &metrics, stop.clone())
+        .await?;
+    rank.watch_remote_exits(monitor, stop.clone());
     supervision::spawn_stall_monitor(
         supervision.clone(),
-        watchdog.stall_timeout,
+        detection.watchdog.stall_timeout,
         stop,
         supervision::exit_on_stall,
     )
     .map_err(|e| system_error(&format!("could not start the watchdog monitor: {e}")))?;
+    let FormedRank {
+        config,
+        membership,
+        opened,
+        links,
+        endpoint,
+        local,
+        arbiter,
+    } = rank;
     tracing::info!(
         rank = membership.rank,
         world_size = membership.world_size(),
@@ -952,6 +908,132 @@ async fn start_rank(
         _endpoint: endpoint,
         _on_sigterm: on_sigterm,
     })
+}
+
+impl FormedRank {
+    /// Its supervision, handling failures as `mode` says.
+    fn supervision(&self, mode: ErrorHandling, metrics: &GroupMetrics) -> Arc<Supervision> {
+        let (rank, generation) = (self.config.rank, self.membership.generation);
+        let mut supervision =
+            Supervision::new(rank, generation, mode, self.links.clone()).with_metrics(metrics.clone());
+        // A rank process tells its launcher whom it blames; ranks sharing a
+        // process (one error file) leave it to the process.
+        if let (RankThread::Own(_), Some(hook)) = (&self.arbiter, crate::error_file::hook(&self.membership)) {
+            supervision = supervision.with_failure_hook(hook);
+        }
+        Arc::new(supervision)
+    }
+
+    /// Starts its actor on its arbiter, and with a trace directory has
+    /// SIGTERM (a launcher stopping the job) dump the recorder before the
+    /// process exits (crate::terminate).
+    fn start_actor(
+        &self,
+        options: &InitOptions,
+        supervision: &Arc<Supervision>,
+        metrics: &Arc<GroupMetrics>,
+    ) -> Result<(Addr<RankActor>, Option<crate::terminate::Registration>), InitError> {
+        let (overrides, pool) = match self.arbiter {
+            RankThread::Shared(_) => (options.overrides().sharing_threads(), system::shared_frame_pool()),
+            RankThread::Own(_) => (options.overrides(), FramePool::default()),
+        };
+        let (rank, collective_timeout) = (self.config.rank, options.collective_timeout);
+        let (links, generation) = (self.links.clone(), self.membership.generation);
+        let flight = FlightRecorder::new(flight::capacity_from_env());
+        let trace_dir = flight::trace_dir_from_env();
+        let (actor_supervision, actor_metrics) = (supervision.clone(), metrics.clone());
+        let (dump_notice, dumped) = watch::channel(false);
+        let dumps = trace_dir.is_some();
+        let actor = RankActor::start_in_arbiter(&self.arbiter.handle(), move |_| {
+            let actor = RankActor::new(rank, links, collective_timeout, overrides, actor_supervision)
+                .with_frame_pool(pool)
+                .with_flight_recorder(flight, trace_dir, generation)
+                .with_metrics(actor_metrics);
+            if dumps {
+                actor.with_dump_notice(dump_notice)
+            } else {
+                actor
+            }
+        });
+        let on_sigterm = match dumps {
+            true => Some(crate::terminate::register(supervision.clone(), actor.clone(), dumped)?),
+            false => None,
+        };
+        Ok((actor, on_sigterm))
+    }
+
+    /// Spawns its heartbeats (or, in-process, the mesh's watcher) and its
+    /// watchdog on its arbiter, until `stop`; returns the monitor they
+    /// share, where the watchdog learns of failed peers.
+    async fn detect_failures(
+        &self,
+        detection: &Detection,
+        supervision: &Arc<Supervision>,
+        actor: &Addr<RankActor>,
+        metrics: &GroupMetrics,
+        stop: watch::Receiver<bool>,
+    ) -> Result<Arc<SharedMonitor>, InitError> {
+        let (rank, links) = (self.config.rank, &self.links);
+        let peers = (0..links.len()).filter(|&r| r != rank);
+        let monitor = SharedMonitor::new(match &self.local {
+            Some(_) => HeartbeatMonitor::closures_only(links.len(), rank),
+            None => HeartbeatMonitor::new(peers, detection.window, std::time::Instant::now()),
+        });
+        let watch = self.local.as_ref().map(|mesh| mesh.watch(rank));
+        let processes = local_processes(&self.membership);
+        let (heartbeat_links, watched, notify, window) =
+            (links.clone(), supervision.clone(), actor.clone(), detection.window);
+        let (watchdog, watchdog_monitor) = (detection.watchdog, monitor.clone());
+        let missed = metrics.heartbeats_missed().clone();
+        on_arbiter(&self.arbiter, async move {
+            match watch {
+                Some(watch) => heartbeat::spawn_local(watch, watchdog_monitor.clone(), stop.clone()),
+                None => heartbeat::spawn(
+                    &heartbeat_links,
+                    HeartbeatConfig::with_window(window),
+                    watchdog_monitor.clone(),
+                    stop.clone(),
+                    missed,
+                ),
+            }
+            supervision::spawn_watchdog(
+                watched,
+                watchdog_monitor,
+                processes,
+                watchdog,
+                move || notify.do_send(Aborted),
+                stop,
+            );
+        })
+        .await?;
+        Ok(monitor)
+    }
+
+    /// Has `monitor` learn of the exits of peers on other hosts, as their
+    /// launchers publish them, until `stop`.
+    fn watch_remote_exits(&self, monitor: Arc<SharedMonitor>, stop: watch::Receiver<bool>) {
+        let me = self.membership.me();
+        let remote: Vec<usize> = self
+            .membership
+            .peers
+            .iter()
+            .filter(|peer| !peer.host.same_pids(&me.host))
+            .map(|peer| peer.rank as usize)
+            .collect();
+        if remote.is_empty() {
+            return;
+        }
+        let members = self
+            .membership
+            .peers
+            .iter()
+            .map(|peer| (peer.rank as usize, peer.host.hostname.clone(), peer.pid))
+            .collect();
+        let (store, run_id) = (self.opened.store.clone(), self.config.run_id.clone());
+        self.arbiter
+            .handle()
+            .spawn(watch_remote_exits(store, run_id, (members, remote), monitor, stop));
+    }
 }
 
 /// Starts `world` ranks inside this process (PyTorch's
@@ -1257,9 +1339,16 @@ impl ProcessGroup {
             RankThread::Shared(_) => RankThread::Shared(system::shared_arbiter(self.rank(), self.world_size())?),
             RankThread::Own(_) => RankThread::Own(system::new_arbiter()?),
         };
-        Ok(Some(
-            start_rank(config, membership, opened, links, None, None, &self.options, arbiter).await?,
-        ))
+        let rank = FormedRank {
+            config,
+            membership,
+            opened,
+            links,
+            endpoint: None,
+            local: None,
+            arbiter,
+        };
+        Ok(Some(start_rank(rank, &self.options).await?))
     }
 
     /// This rank's link to `rank` (`None` for itself or out of range).

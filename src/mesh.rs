@@ -360,93 +360,127 @@ impl MeshPlan {
         run_id: &str,
         timeout: Duration,
     ) -> Result<(QuicEndpoint, Vec<Option<Arc<dyn Link>>>), MeshError> {
-        let me = membership.me();
-        let mut quic_peers = Vec::new();
-        let mut shm_peers = Vec::new();
-        for peer in membership.peers.iter().filter(|peer| peer.rank != me.rank) {
-            let rank = peer.rank as usize;
-            if let Some(secret) = &self.secret {
-                let message = signed_message(run_id, membership.generation, peer);
-                if !peer.extra(MAC_EXTRA).is_some_and(|tag| secret.verify(&message, tag)) {
-                    return Err(MeshError::Unauthenticated {
-                        rank,
-                        pid: peer.pid,
-                        host: peer.host.hostname.clone(),
-                    });
-                }
-            }
-            let same_shm = peer.host.same_shm(&me.host);
-            let use_shm = match self.choice {
-                TransportChoice::Auto => same_shm,
-                TransportChoice::Quic => false,
-                TransportChoice::Shm if same_shm => true,
-                TransportChoice::Shm => {
-                    return Err(MeshError::NotOnThisHost {
-                        rank,
-                        host: peer.host.hostname.clone(),
-                    });
-                }
-            };
-            if use_shm {
-                let nonce = peer
-                    .extra(SHM_EXTRA)
-                    .and_then(|b| b.try_into().ok())
-                    .map(u64::from_le_bytes)
-                    .ok_or(MeshError::MissingEndpoint {
-                        rank,
-                        what: "shared-memory nonce",
-                    })?;
-                shm_peers.push(ShmPeer { rank, nonce });
-                continue;
-            }
-            let (port, fingerprint) = quic_extra(peer).ok_or(MeshError::MissingEndpoint {
-                rank,
-                what: "QUIC endpoint",
-            })?;
-            let ip = netif::peer_address(&peer.addrs, peer.host.same_network(&me.host)).ok_or_else(|| {
-                MeshError::Unreachable {
-                    rank,
-                    host: peer.host.hostname.clone(),
-                }
-            })?;
-            quic_peers.push(QuicPeer {
-                rank,
-                addr: SocketAddr::new(ip, port),
-                fingerprint,
+        let mut peers = Peers::default();
+        for peer in membership.peers.iter().filter(|peer| peer.rank != membership.me().rank) {
+            self.verify(peer, run_id, membership.generation)?;
+            peers.add(self.route(peer, membership.me())?);
+        }
+        let shm_dir = ShmOptions::default().dir;
+        let ring_capacity = self.ring_capacity(&peers, membership.rank, &shm_dir)?;
+        let links = self.dial(&peers, membership, ring_capacity, shm_dir, timeout).await?;
+        let links = match self.faults {
+            Some(plan) => wrap_links(membership.rank, links, plan),
+            None => links,
+        };
+        Ok((self.endpoint, links))
+    }
+
+    /// Checks that `peer`'s record is signed with the job's secret, when
+    /// there is one.
+    fn verify(&self, peer: &PeerRecord, run_id: &str, generation: u64) -> Result<(), MeshError> {
+        let Some(secret) = &self.secret else {
+            return Ok(());
+        };
+        let message = signed_message(run_id, generation, peer);
+        if !peer.extra(MAC_EXTRA).is_some_and(|tag| secret.verify(&message, tag)) {
+            return Err(MeshError::Unauthenticated {
+                rank: peer.rank as usize,
+                pid: peer.pid,
+                host: peer.host.hostname.clone(),
             });
         }
-        let mut links: Vec<Option<Arc<dyn Link>>> = (0..membership.world_size()).map(|_| None).collect();
-        let shm_dir = ShmOptions::default().dir;
-        let ring_capacity = if shm_peers.is_empty() {
-            0
-        } else {
-            // One rank per host clears rings that killed ranks left (of
-            // this job or an earlier one), before the space is counted.
-            if shm_peers.iter().all(|peer| peer.rank > membership.rank) {
-                let removed = shm::remove_dead_rings(&shm_dir);
-                if removed > 0 {
-                    tracing::info!(
-                        "removed {removed} shared-memory rings of dead ranks from {}",
-                        shm_dir.display()
-                    );
-                }
+        Ok(())
+    }
+
+    /// The path to `peer`, from what it published and where it runs
+    /// beside `me`.
+    fn route(&self, peer: &PeerRecord, me: &PeerRecord) -> Result<Route, MeshError> {
+        let rank = peer.rank as usize;
+        let same_shm = peer.host.same_shm(&me.host);
+        let use_shm = match self.choice {
+            TransportChoice::Auto => same_shm,
+            TransportChoice::Quic => false,
+            TransportChoice::Shm if same_shm => true,
+            TransportChoice::Shm => {
+                return Err(MeshError::NotOnThisHost {
+                    rank,
+                    host: peer.host.hostname.clone(),
+                });
             }
-            let space = shm::tmpfs_space(&shm_dir).map_err(|e| TransportError::Connect {
-                peer: membership.rank,
-                reason: format!("reading the room in {}: {e}", shm_dir.display()),
-            })?;
-            shm_capacity(
-                shm_peers.len() + 1,
-                self.shm_budget,
-                shm::page_size() as u64,
-                &shm_dir,
-                space,
-            )?
         };
+        if use_shm {
+            let nonce = peer
+                .extra(SHM_EXTRA)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes)
+                .ok_or(MeshError::MissingEndpoint {
+                    rank,
+                    what: "shared-memory nonce",
+                })?;
+            return Ok(Route::Shm(ShmPeer { rank, nonce }));
+        }
+        let (port, fingerprint) = quic_extra(peer).ok_or(MeshError::MissingEndpoint {
+            rank,
+            what: "QUIC endpoint",
+        })?;
+        let ip = netif::peer_address(&peer.addrs, peer.host.same_network(&me.host)).ok_or_else(|| {
+            MeshError::Unreachable {
+                rank,
+                host: peer.host.hostname.clone(),
+            }
+        })?;
+        Ok(Route::Quic(QuicPeer {
+            rank,
+            addr: SocketAddr::new(ip, port),
+            fingerprint,
+        }))
+    }
+
+    /// The data bytes of each of this rank's shared-memory rings (0: it
+    /// has none), from the budget and the room in `shm_dir`.
+    fn ring_capacity(&self, peers: &Peers, rank: usize, shm_dir: &Path) -> Result<usize, MeshError> {
+        if peers.shm.is_empty() {
+            return Ok(0);
+        }
+        // One rank per host clears rings that killed ranks left (of
+        // this job or an earlier one), before the space is counted.
+        if peers.shm.iter().all(|peer| peer.rank > rank) {
+            let removed = shm::remove_dead_rings(shm_dir);
+            if removed > 0 {
+                tracing::info!(
+                    "removed {removed} shared-memory rings of dead ranks from {}",
+                    shm_dir.display()
+                );
+            }
+        }
+        let space = shm::tmpfs_space(shm_dir).map_err(|e| TransportError::Connect {
+            peer: rank,
+            reason: format!("reading the room in {}: {e}", shm_dir.display()),
+        })?;
+        shm_capacity(
+            peers.shm.len() + 1,
+            self.shm_budget,
+            shm::page_size() as u64,
+            shm_dir,
+            space,
+        )
+    }
+
+    /// Connects to `peers` over both paths at once, within `timeout`, with
+    /// shared-memory rings of `ring_capacity` bytes in `shm_dir`; the links
+    /// are indexed by rank.
+    async fn dial(
+        &self,
+        peers: &Peers,
+        membership: &Membership,
+        ring_capacity: usize,
+        shm_dir: PathBuf,
+        timeout: Duration,
+    ) -> Result<Vec<Option<Arc<dyn Link>>>, MeshError> {
         // Both sides connect at once, each within `timeout`, and a failure
         // names the peers and addresses that did not answer.
         let shm = async {
-            if shm_peers.is_empty() {
+            if peers.shm.is_empty() {
                 return Ok(Vec::new());
             }
             let options = ShmOptions {
@@ -456,29 +490,20 @@ impl MeshPlan {
                 ..ShmOptions::default()
             };
             ShmEndpoint::with_nonce(membership.rank, self.shm_nonce, options)
-                .connect_mesh(&shm_peers)
+                .connect_mesh(&peers.shm)
                 .await
         };
         let quic = async {
-            if quic_peers.is_empty() {
+            if peers.quic.is_empty() {
                 return Ok(Vec::new());
             }
             // Its own limit ends a little before the stage's, so a peer
             // that never answered is named with the address dialled and
             // the interface it left from, not only as a stage that ran out.
             let limit = timeout.saturating_sub((timeout / 10).min(Duration::from_millis(200)));
-            self.endpoint.connect_mesh_within(&quic_peers, limit).await
+            self.endpoint.connect_mesh_within(&peers.quic, limit).await
         };
-        let waiting_for = || {
-            let shm: Vec<usize> = shm_peers.iter().map(|p| p.rank).collect();
-            let quic: Vec<String> = quic_peers.iter().map(|p| format!("{} at {}", p.rank, p.addr)).collect();
-            format!(
-                "rank {}: connecting to its peers (shared memory: ranks [{}]; QUIC: ranks [{}])",
-                membership.rank,
-                wait::rank_list(&shm),
-                quic.join(", ")
-            )
-        };
+        let waiting_for = || peers.waiting_for(membership.rank);
         // Shared memory's limit was set from the whole stage: this one ends
         // the stage on time.
         let (shm, quic) = tokio::time::timeout(
@@ -490,6 +515,7 @@ impl MeshPlan {
             peer: membership.rank,
             reason: format!("the mesh did not form within {timeout:?}: {}", waiting_for()),
         })?;
+        let mut links: Vec<Option<Arc<dyn Link>>> = (0..membership.world_size()).map(|_| None).collect();
         // Each list is indexed by rank, `None` where the other side serves.
         for side in [shm?, quic?] {
             for (rank, link) in side.into_iter().enumerate() {
@@ -498,11 +524,41 @@ impl MeshPlan {
                 }
             }
         }
-        let links = match self.faults {
-            Some(plan) => wrap_links(membership.rank, links, plan),
-            None => links,
-        };
-        Ok((self.endpoint, links))
+        Ok(links)
+    }
+}
+
+/// The path to one peer.
+enum Route {
+    Shm(ShmPeer),
+    Quic(QuicPeer),
+}
+
+/// The peers a rank connects to, by path.
+#[derive(Default)]
+struct Peers {
+    shm: Vec<ShmPeer>,
+    quic: Vec<QuicPeer>,
+}
+
+impl Peers {
+    fn add(&mut self, route: Route) {
+        match route {
+            Route::Shm(peer) => self.shm.push(peer),
+            Route::Quic(peer) => self.quic.push(peer),
+        }
+    }
+
+    /// What rank `rank` waits for while it connects, for messages.
+    fn waiting_for(&self, rank: usize) -> String {
+        let shm: Vec<usize> = self.shm.iter().map(|p| p.rank).collect();
+        let quic: Vec<String> = self.quic.iter().map(|p| format!("{} at {}", p.rank, p.addr)).collect();
+        format!(
+            "rank {}: connecting to its peers (shared memory: ranks [{}]; QUIC: ranks [{}])",
+            rank,
+            wait::rank_list(&shm),
+            quic.join(", ")
+        )
     }
 }
 

@@ -115,6 +115,16 @@ pub struct Collective {
 /// Sequence number, channel, ranks to announce to, ranks to check.
 type Placement = (u64, ChannelId, Vec<usize>, Vec<usize>);
 
+/// A collective the actor admitted: numbered, placed and planned.
+struct Admitted {
+    placement: Placement,
+    signature: Signature,
+    /// The bytes its spec moves, for its span.
+    bytes: usize,
+    algorithm: Algorithm,
+    prepared: Arc<Prepared>,
+}
+
 /// One rank's actor.
 pub struct RankActor {
     rank: usize,
@@ -305,31 +315,37 @@ impl Handler<Submit> for RankActor {
 impl RankActor {
     /// Runs `msg` next: the future ends when the collective does.
     fn start(&mut self, msg: Collective) -> ResponseActFuture<Self, Result<Buffer, CollectiveError>> {
-        let metrics = self.metrics.clone();
-        if let Some(metrics) = &metrics {
+        if let Some(metrics) = &self.metrics {
             metrics.op(msg.kind).started.increment(1);
         }
-        let immediate = |result: Result<Buffer, CollectiveError>| {
-            if let (Some(metrics), Err(_)) = (&metrics, &result) {
-                metrics.op(msg.kind).failed.increment(1);
+        match self.admit(&msg) {
+            Ok(admitted) => self.launch(msg, admitted),
+            Err(error) => {
+                if let Some(metrics) = &self.metrics {
+                    metrics.op(msg.kind).failed.increment(1);
+                }
+                Box::pin(actix::fut::ready(Err(error)))
             }
-            Box::pin(actix::fut::ready(result))
-        };
+        }
+    }
+
+    /// Refuses `msg` when the group is broken or aborted or its operator
+    /// does not apply to its type; otherwise numbers, places and plans it.
+    fn admit(&mut self, msg: &Collective) -> Result<Admitted, CollectiveError> {
         if let Some(reason) = &self.broken {
-            return immediate(Err(CollectiveError::Broken(reason.clone())));
+            return Err(CollectiveError::Broken(reason.clone()));
         }
         if let Some(aborted) = self.supervision.aborted() {
-            return immediate(Err(aborted.into()));
+            return Err(aborted.into());
         }
         if let (true, Some(op)) = (msg.kind.reduces(), msg.op)
             && !op.supports(msg.dtype)
         {
-            return immediate(Err(ReduceError::Unsupported { op, dtype: msg.dtype }.into()));
+            return Err(ReduceError::Unsupported { op, dtype: msg.dtype }.into());
         }
-        let (seq, channel, announce_to, check_from) = self.place();
-        let sign_data = self.world > FULL_SIGNATURE_CHECK;
+        let placement = self.place();
         let signature = Signature {
-            seq,
+            seq: placement.0,
             kind: msg.kind,
             dtype: msg.dtype,
             count: msg.count,
@@ -350,26 +366,50 @@ impl RankActor {
         let algorithm = choose_algorithm(msg.kind, spec.bytes(), self.world, &self.overrides);
         // A reducing collective given an input runs out of place on it.
         let out_of_place = msg.kind.reduces() && !msg.input.is_empty();
+        let prepared = self.prepared(spec, algorithm, out_of_place)?;
+        Ok(Admitted {
+            placement,
+            signature,
+            bytes: spec.bytes(),
+            algorithm,
+            prepared,
+        })
+    }
+
+    /// The plan of `spec` by `algorithm`, from the cache or made (and
+    /// cached unless large).
+    fn prepared(&mut self, spec: Spec, algorithm: Algorithm, out_of_place: bool) -> Result<Arc<Prepared>, PlanError> {
         let key = (spec, self.rank, algorithm, out_of_place);
-        let prepared = match self.plans.get(&key) {
-            Some(prepared) => prepared,
-            None => {
-                let planned = match out_of_place {
-                    true => spec.plan_out_of_place(self.rank, algorithm),
-                    false => spec.plan(self.rank, algorithm),
-                };
-                let plan = match planned {
-                    Ok(plan) => plan,
-                    Err(e) => return immediate(Err(e.into())),
-                };
-                let bytes = plan_bytes(&plan, &self.links, msg.dtype.size());
-                let prepared = Prepared { plan, bytes };
-                match prepared.plan.steps().len() <= CACHED_PLAN_STEPS {
-                    true => self.plans.insert(key, prepared),
-                    false => Arc::new(prepared),
-                }
-            }
-        };
+        if let Some(prepared) = self.plans.get(&key) {
+            return Ok(prepared);
+        }
+        let plan = match out_of_place {
+            true => spec.plan_out_of_place(self.rank, algorithm),
+            false => spec.plan(self.rank, algorithm),
+        }?;
+        let bytes = plan_bytes(&plan, &self.links, spec.dtype.size());
+        let prepared = Prepared { plan, bytes };
+        Ok(match prepared.plan.steps().len() <= CACHED_PLAN_STEPS {
+            true => self.plans.insert(key, prepared),
+            false => Arc::new(prepared),
+        })
+    }
+
+    /// Records `msg` as started and runs its plan on its links; the future
+    /// settles the result on the actor (metrics, recorder, breakage).
+    fn launch(
+        &mut self,
+        msg: Collective,
+        admitted: Admitted,
+    ) -> ResponseActFuture<Self, Result<Buffer, CollectiveError>> {
+        let Admitted {
+            placement: (seq, channel, announce_to, check_from),
+            signature,
+            bytes: spec_bytes,
+            algorithm,
+            prepared,
+        } = admitted;
+        let sign_data = self.world > FULL_SIGNATURE_CHECK;
         let entry = {
             let mut flight = lock(&self.flight);
             let entry = flight.record_signature(seq, &signature, SystemTime::now());
@@ -389,7 +429,7 @@ impl RankActor {
             group = self.metrics.as_deref().map_or("", GroupMetrics::group),
             seq,
             op = msg.kind.name(),
-            bytes = spec.bytes(),
+            bytes = spec_bytes,
             algorithm = ?algorithm,
         );
         let bytes = self.metrics.as_ref().map(|_| prepared.bytes);

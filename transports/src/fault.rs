@@ -294,115 +294,41 @@ impl<'a> RuleSyntax<'a> {
     /// is blamed where they meet, not for the argument that then seems
     /// missing.
     fn split(rule: &'a str) -> Result<Self, FaultSpecError> {
-        let bytes = rule.as_bytes();
-        let bad = |at: usize, reason: String| FaultSpecError::at(rule, at, reason);
-        let skip_ws = |mut i: usize| {
-            while i < bytes.len() && bytes[i].is_ascii_whitespace() {
-                i += 1;
-            }
-            i
-        };
-        let run = |mut i: usize, fits: &dyn Fn(u8) -> bool| {
-            while i < bytes.len() && fits(bytes[i]) {
-                i += 1;
-            }
-            i
-        };
-        let word = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
-        let kind_end = run(0, &word);
-        if kind_end == 0 {
-            return Err(bad(0, "expected kind(arguments), like drop(0->1)".into()));
-        }
-        let kind = Piece {
-            text: &rule[..kind_end],
-            at: 0,
-        };
-        let mut i = skip_ws(kind_end);
-        if bytes.get(i) != Some(&b'(') {
-            return Err(bad(i, format!("expected ( after {}: kind(arguments)", kind.text)));
-        }
-        i += 1;
+        let mut cursor = Cursor { rule, i: 0 };
+        let kind = cursor.kind()?;
         let (mut positional, mut named) = (Vec::new(), Vec::<(Piece, Piece)>::new());
         loop {
-            i = skip_ws(i);
-            let Some(&c) = bytes.get(i) else {
-                return Err(bad(i, "missing closing parenthesis".into()));
+            cursor.skip_ws();
+            let Some(c) = cursor.peek() else {
+                return Err(cursor.bad(cursor.i, "missing closing parenthesis".into()));
             };
             if c == b')' && positional.is_empty() && named.is_empty() {
                 break;
             }
-            let start = i;
-            let last = if c.is_ascii_alphabetic() || c == b'_' {
-                let key_end = run(i, &word);
-                let key = Piece {
-                    text: &rule[i..key_end],
-                    at: i,
-                };
-                i = skip_ws(key_end);
-                if bytes.get(i) != Some(&b'=') {
-                    return Err(bad(i, format!("expected = after {}", key.text)));
-                }
-                i = skip_ws(i + 1);
-                let value_end = run(i, &|b| !b.is_ascii_whitespace() && b != b',' && b != b')');
-                if value_end == i {
-                    return Err(bad(i, format!("expected a value for {}=", key.text)));
-                }
-                let value = Piece {
-                    text: &rule[i..value_end],
-                    at: i,
-                };
+            let start = cursor.i;
+            if c.is_ascii_alphabetic() || c == b'_' {
+                let (key, value) = cursor.named()?;
                 if let Some((earlier, _)) = named.iter().find(|(k, _)| k.text == key.text) {
-                    return Err(bad(key.at, format!("{} is given twice", earlier.text)));
+                    return Err(cursor.bad(key.at, format!("{} is given twice", earlier.text)));
                 }
                 named.push((key, value));
-                i = value_end;
-                &rule[start..i]
             } else {
-                // Ranks (or `*`) joined by `->`, `<->` or `|`, spaces
-                // allowed around the joins: a link, or a piece of a
-                // partition's sides (`0,1|2,3` is three of them).
-                let item = |i: usize| run(i, &|b| b.is_ascii_digit() || b == b'*');
-                let mut end = item(i);
-                if end == i {
-                    return Err(bad(
-                        i,
-                        "expected an argument: a link like 0->1, ranks like 0,1|2,3, or name=value".into(),
-                    ));
-                }
-                loop {
-                    let j = skip_ws(end);
-                    let join = ["<->", "->", "|"].into_iter().find(|j2| rule[j..].starts_with(j2));
-                    let Some(join) = join else {
-                        if matches!(bytes.get(j), Some(b'-' | b'<' | b'>' | b'=')) {
-                            return Err(bad(j, "expected -> or <-> between two ranks".into()));
-                        }
-                        break;
-                    };
-                    let k = skip_ws(j + join.len());
-                    end = item(k);
-                    if end == k {
-                        return Err(bad(k, format!("expected a rank or * after {join}")));
-                    }
-                }
-                positional.push(Piece {
-                    text: &rule[i..end],
-                    at: i,
-                });
-                i = end;
-                &rule[start..i]
-            };
-            i = skip_ws(i);
-            match bytes.get(i) {
-                Some(b',') => i += 1,
+                positional.push(cursor.positional()?);
+            }
+            let last = &rule[start..cursor.i];
+            cursor.skip_ws();
+            match cursor.peek() {
+                Some(b',') => cursor.i += 1,
                 Some(b')') => break,
-                None => return Err(bad(i, "missing closing parenthesis".into())),
-                Some(_) => return Err(bad(i, format!("expected , or ) after {last}"))),
+                None => return Err(cursor.bad(cursor.i, "missing closing parenthesis".into())),
+                Some(_) => return Err(cursor.bad(cursor.i, format!("expected , or ) after {last}"))),
             }
         }
-        let close = i;
-        let after = skip_ws(close + 1);
-        if after < bytes.len() {
-            return Err(bad(after, "unexpected text after the closing parenthesis".into()));
+        let close = cursor.i;
+        cursor.i = close + 1;
+        cursor.skip_ws();
+        if cursor.i < rule.len() {
+            return Err(cursor.bad(cursor.i, "unexpected text after the closing parenthesis".into()));
         }
         Ok(Self {
             kind,
@@ -410,6 +336,285 @@ impl<'a> RuleSyntax<'a> {
             named,
             close,
         })
+    }
+}
+
+/// Where [`RuleSyntax::split`] is in a rule: `i` is a byte offset.
+struct Cursor<'a> {
+    rule: &'a str,
+    i: usize,
+}
+
+/// A byte of a kind or an argument's name.
+fn is_word(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_'
+}
+
+impl<'a> Cursor<'a> {
+    fn bad(&self, at: usize, reason: String) -> FaultSpecError {
+        FaultSpecError::at(self.rule, at, reason)
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.rule.as_bytes().get(self.i).copied()
+    }
+
+    fn skip_ws(&mut self) {
+        self.i = self.run(self.i, |b| b.is_ascii_whitespace());
+    }
+
+    /// Where the bytes from `i` on that `fits` stop.
+    fn run(&self, mut i: usize, fits: impl Fn(u8) -> bool) -> usize {
+        let bytes = self.rule.as_bytes();
+        while i < bytes.len() && fits(bytes[i]) {
+            i += 1;
+        }
+        i
+    }
+
+    /// The piece of the rule from `start` to the cursor.
+    fn piece_from(&self, start: usize) -> Piece<'a> {
+        Piece {
+            text: &self.rule[start..self.i],
+            at: start,
+        }
+    }
+
+    /// The kind, at the start, and the opening parenthesis after it.
+    fn kind(&mut self) -> Result<Piece<'a>, FaultSpecError> {
+        self.i = self.run(0, is_word);
+        if self.i == 0 {
+            return Err(self.bad(0, "expected kind(arguments), like drop(0->1)".into()));
+        }
+        let kind = self.piece_from(0);
+        self.skip_ws();
+        if self.peek() != Some(b'(') {
+            return Err(self.bad(self.i, format!("expected ( after {}: kind(arguments)", kind.text)));
+        }
+        self.i += 1;
+        Ok(kind)
+    }
+
+    /// A `name=value` argument: its name and value.
+    fn named(&mut self) -> Result<(Piece<'a>, Piece<'a>), FaultSpecError> {
+        let start = self.i;
+        self.i = self.run(start, is_word);
+        let key = self.piece_from(start);
+        self.skip_ws();
+        if self.peek() != Some(b'=') {
+            return Err(self.bad(self.i, format!("expected = after {}", key.text)));
+        }
+        self.i += 1;
+        self.skip_ws();
+        let start = self.i;
+        self.i = self.run(start, |b| !b.is_ascii_whitespace() && b != b',' && b != b')');
+        if self.i == start {
+            return Err(self.bad(start, format!("expected a value for {}=", key.text)));
+        }
+        Ok((key, self.piece_from(start)))
+    }
+
+    /// Ranks (or `*`) joined by `->`, `<->` or `|`, spaces allowed around
+    /// the joins: a link, or a piece of a partition's sides (`0,1|2,3` is
+    /// three of them).
+    fn positional(&mut self) -> Result<Piece<'a>, FaultSpecError> {
+        let item = |i: usize| self.run(i, |b| b.is_ascii_digit() || b == b'*');
+        let start = self.i;
+        let mut end = item(start);
+        if end == start {
+            return Err(self.bad(
+                start,
+                "expected an argument: a link like 0->1, ranks like 0,1|2,3, or name=value".into(),
+            ));
+        }
+        loop {
+            let j = self.run(end, |b| b.is_ascii_whitespace());
+            let join = ["<->", "->", "|"].into_iter().find(|j2| self.rule[j..].starts_with(j2));
+            let Some(join) = join else {
+                if matches!(self.rule.as_bytes().get(j), Some(b'-' | b'<' | b'>' | b'=')) {
+                    return Err(self.bad(j, "expected -> or <-> between two ranks".into()));
+                }
+                break;
+            };
+            let k = self.run(j + join.len(), |b| b.is_ascii_whitespace());
+            end = item(k);
+            if end == k {
+                return Err(self.bad(k, format!("expected a rank or * after {join}")));
+            }
+        }
+        self.i = end;
+        Ok(self.piece_from(start))
+    }
+}
+
+/// A split rule while the meaning of its arguments is read: each named
+/// argument is taken once, so those left at the end are unknown.
+struct RuleArgs<'a> {
+    rule: &'a str,
+    syntax: RuleSyntax<'a>,
+}
+
+impl<'a> RuleArgs<'a> {
+    fn bad(&self, at: usize, reason: &str) -> FaultSpecError {
+        FaultSpecError::at(self.rule, at, reason.to_string())
+    }
+
+    /// Takes the named argument `key`, if given.
+    fn take(&mut self, key: &str) -> Option<Piece<'a>> {
+        let found = self.syntax.named.iter().position(|(k, _)| k.text == key)?;
+        Some(self.syntax.named.remove(found).1)
+    }
+
+    /// A number given as `value`, or `default` when it is not given;
+    /// `reason` says what is wrong with one that does not parse.
+    fn parse_number<T: std::str::FromStr>(
+        &self,
+        value: Option<Piece>,
+        default: T,
+        reason: &str,
+    ) -> Result<T, FaultSpecError> {
+        value.map_or(Ok(default), |v| v.text.parse().map_err(|_| self.bad(v.at, reason)))
+    }
+
+    /// The named number `key`, or `default` when it is not given.
+    fn number<T: std::str::FromStr>(&mut self, key: &str, default: T, reason: &str) -> Result<T, FaultSpecError> {
+        let value = self.take(key);
+        self.parse_number(value, default, reason)
+    }
+
+    /// The named number `key`, which must be given (`missing` says so).
+    fn required_number(&mut self, key: &str, missing: &str, reason: &str) -> Result<u64, FaultSpecError> {
+        let value = self.take(key).ok_or_else(|| self.bad(self.syntax.close, missing))?;
+        self.parse_number(Some(value), 0, reason)
+    }
+
+    /// `p=P`, a probability (default 1).
+    fn probability(&mut self) -> Result<f64, FaultSpecError> {
+        match self.take("p") {
+            Some(p) => p
+                .text
+                .parse::<f64>()
+                .ok()
+                .filter(|v| (0.0..=1.0).contains(v))
+                .ok_or_else(|| self.bad(p.at, "p must be between 0 and 1")),
+            None => Ok(1.0),
+        }
+    }
+
+    /// `rank=R`, which must be given and be a number, not `*`.
+    fn rank(&mut self) -> Result<usize, FaultSpecError> {
+        let rank = self
+            .take("rank")
+            .ok_or_else(|| self.bad(self.syntax.close, "needs rank=R"))?;
+        let number = parse_rank(rank.text).map_err(|reason| self.bad(rank.at, &reason))?;
+        number.ok_or_else(|| self.bad(rank.at, "rank must be a number"))
+    }
+
+    /// What the rule does, and the frames it applies to where its kind
+    /// decides them (`None`: the link its positional argument names).
+    fn kind_and_link(&mut self) -> Result<(FaultKind, Option<LinkMatch>), FaultSpecError> {
+        let kind = match self.syntax.kind.text {
+            "drop" => FaultKind::Drop(self.probability()?),
+            "corrupt" if self.syntax.named.iter().any(|(k, _)| k.text == "rank") => {
+                return self.state_corruption();
+            }
+            "corrupt" => {
+                let p = self.probability()?;
+                FaultKind::Corrupt(p, self.number("times", u64::MAX, "times must be an integer")?)
+            }
+            "delay" => {
+                let ms = self.required_number("ms", "delay needs ms=D", "ms must be an integer")?;
+                let jitter = self.number("jitter_ms", 0, "jitter_ms must be an integer")?;
+                FaultKind::Delay(Duration::from_millis(ms), Duration::from_millis(jitter))
+            }
+            "partition" => return Ok((FaultKind::Partition, Some(self.partition()?))),
+            "close" => FaultKind::Close,
+            "kill" => return Ok((FaultKind::Kill, Some(LinkMatch::Rank(self.rank()?)))),
+            "freeze" => return Ok((FaultKind::Freeze, Some(LinkMatch::Rank(self.rank()?)))),
+            other => {
+                return Err(self.bad(
+                    self.syntax.kind.at,
+                    &format!("unknown kind {other:?}; use drop, delay, corrupt, partition, close, kill or freeze"),
+                ));
+            }
+        };
+        Ok((kind, None))
+    }
+
+    /// `corrupt(rank=R, step=S[, what=params|grads][, bit=B])`: a flip in
+    /// the rank's own state, which no link sees.
+    fn state_corruption(&mut self) -> Result<(FaultKind, Option<LinkMatch>), FaultSpecError> {
+        let rank = self.rank()?;
+        let step = self.required_number("step", "corrupt(rank=R) needs step=S", "step must be an integer")?;
+        let target = match self.take("what") {
+            None => StateTarget::Params,
+            Some(w) if w.text == "params" => StateTarget::Params,
+            Some(w) if w.text == "grads" => StateTarget::Grads,
+            Some(w) => return Err(self.bad(w.at, "what must be params or grads")),
+        };
+        let bit = match self.take("bit") {
+            None => None,
+            Some(b) => Some(
+                b.text
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|b| *b < 64)
+                    .ok_or_else(|| self.bad(b.at, "bit must be an integer from 0 to 63"))?,
+            ),
+        };
+        if let Some(link_only) = self.take("p").or_else(|| self.take("times")) {
+            return Err(self.bad(
+                link_only.at,
+                "p and times apply to a link's corruption, not a rank's state",
+            ));
+        }
+        let kind = FaultKind::CorruptState { step, target, bit };
+        Ok((kind, Some(LinkMatch::Rank(rank))))
+    }
+
+    /// `partition(0,1|2,3)`: its two sides, from the positional arguments.
+    fn partition(&self) -> Result<LinkMatch, FaultSpecError> {
+        let mut sides = [Vec::new(), Vec::new()];
+        let mut side = 0;
+        for piece in &self.syntax.positional {
+            for (n, ranks) in piece.text.split('|').enumerate() {
+                side += usize::from(n > 0);
+                let rank = ranks
+                    .trim()
+                    .parse()
+                    .map_err(|_| self.bad(piece.at, "sides list ranks"))?;
+                match sides.get_mut(side) {
+                    Some(list) => list.push(rank),
+                    None => return Err(self.bad(piece.at, "write partition(0,1|2,3)")),
+                }
+            }
+        }
+        let at = self.syntax.positional.first().map_or(self.syntax.close, |p| p.at);
+        if side != 1 || sides.iter().any(Vec::is_empty) {
+            return Err(self.bad(at, "write partition(0,1|2,3)"));
+        }
+        let [left, right] = sides;
+        Ok(LinkMatch::Partition(left, right))
+    }
+
+    /// The one link the positional argument names: `A->B`, `A<->B`.
+    fn link(&self) -> Result<LinkMatch, FaultSpecError> {
+        let spec = match self.syntax.positional.as_slice() {
+            [spec] => spec,
+            [_, extra, ..] => return Err(self.bad(extra.at, "name one link, like 0->1, 0<->1 or *->2")),
+            [] => return Err(self.bad(self.syntax.close, "name one link, like 0->1, 0<->1 or *->2")),
+        };
+        let rank = |text: &str| parse_rank(text).map_err(|reason| self.bad(spec.at, &reason));
+        if let Some((a, b)) = spec.text.split_once("<->") {
+            match (rank(a)?, rank(b)?) {
+                (Some(a), Some(b)) => Ok(LinkMatch::Both(a, b)),
+                _ => Err(self.bad(spec.at, "<-> needs two ranks; use -> with * instead")),
+            }
+        } else if let Some((a, b)) = spec.text.split_once("->") {
+            Ok(LinkMatch::Directed(rank(a)?, rank(b)?))
+        } else {
+            Err(self.bad(spec.at, "name one link, like 0->1, 0<->1 or *->2"))
+        }
     }
 }
 
@@ -432,152 +637,28 @@ impl FaultPlan {
     }
 
     fn parse_rule(rule: &str) -> Result<FaultRule, FaultSpecError> {
-        let syntax = RuleSyntax::split(rule)?;
-        let bad = |at: usize, reason: &str| FaultSpecError::at(rule, at, reason.to_string());
-        let mut named = syntax.named.clone();
-        let mut take = |key: &str| {
-            let found = named.iter().position(|(k, _)| k.text == key)?;
-            Some(named.remove(found).1)
+        let mut args = RuleArgs {
+            rule,
+            syntax: RuleSyntax::split(rule)?,
         };
-        // A named number, or `default` when it is not given.
-        fn number<T: std::str::FromStr>(
-            value: Option<Piece>,
-            default: T,
-            fail: impl Fn(usize) -> FaultSpecError,
-        ) -> Result<T, FaultSpecError> {
-            value.map_or(Ok(default), |v| v.text.parse().map_err(|_| fail(v.at)))
-        }
-        let probability = |p: Option<Piece>| match p {
-            Some(p) => p
-                .text
-                .parse::<f64>()
-                .ok()
-                .filter(|v| (0.0..=1.0).contains(v))
-                .ok_or_else(|| bad(p.at, "p must be between 0 and 1")),
-            None => Ok(1.0),
-        };
-        let mut positional = syntax.positional.clone();
-        let mut link = None;
-        let kind = match syntax.kind.text {
-            "drop" => FaultKind::Drop(probability(take("p"))?),
-            "corrupt" if syntax.named.iter().any(|(k, _)| k.text == "rank") => {
-                let rank = take("rank").expect("found above");
-                let rank = parse_rank(rank.text)
-                    .map_err(|reason| bad(rank.at, &reason))?
-                    .ok_or_else(|| bad(rank.at, "rank must be a number"))?;
-                link = Some(LinkMatch::Rank(rank));
-                let step = take("step").ok_or_else(|| bad(syntax.close, "corrupt(rank=R) needs step=S"))?;
-                let step = number(Some(step), 0, |at| bad(at, "step must be an integer"))?;
-                let target = match take("what") {
-                    None => StateTarget::Params,
-                    Some(w) if w.text == "params" => StateTarget::Params,
-                    Some(w) if w.text == "grads" => StateTarget::Grads,
-                    Some(w) => return Err(bad(w.at, "what must be params or grads")),
-                };
-                let bit = match take("bit") {
-                    None => None,
-                    Some(b) => Some(
-                        b.text
-                            .parse::<u32>()
-                            .ok()
-                            .filter(|b| *b < 64)
-                            .ok_or_else(|| bad(b.at, "bit must be an integer from 0 to 63"))?,
-                    ),
-                };
-                if let Some(link_only) = take("p").or_else(|| take("times")) {
-                    return Err(bad(
-                        link_only.at,
-                        "p and times apply to a link's corruption, not a rank's state",
-                    ));
-                }
-                FaultKind::CorruptState { step, target, bit }
-            }
-            "corrupt" => {
-                let p = probability(take("p"))?;
-                let times = number(take("times"), u64::MAX, |at| bad(at, "times must be an integer"))?;
-                FaultKind::Corrupt(p, times)
-            }
-            "delay" => {
-                let ms = take("ms").ok_or_else(|| bad(syntax.close, "delay needs ms=D"))?;
-                let ms = number(Some(ms), 0, |at| bad(at, "ms must be an integer"))?;
-                let jitter = number(take("jitter_ms"), 0, |at| bad(at, "jitter_ms must be an integer"))?;
-                FaultKind::Delay(Duration::from_millis(ms), Duration::from_millis(jitter))
-            }
-            "partition" => {
-                let mut sides = [Vec::new(), Vec::new()];
-                let mut side = 0;
-                for piece in &positional {
-                    for (n, ranks) in piece.text.split('|').enumerate() {
-                        side += usize::from(n > 0);
-                        let rank = ranks.trim().parse().map_err(|_| bad(piece.at, "sides list ranks"))?;
-                        match sides.get_mut(side) {
-                            Some(list) => list.push(rank),
-                            None => return Err(bad(piece.at, "write partition(0,1|2,3)")),
-                        }
-                    }
-                }
-                let at = positional.first().map_or(syntax.close, |p| p.at);
-                if side != 1 || sides.iter().any(Vec::is_empty) {
-                    return Err(bad(at, "write partition(0,1|2,3)"));
-                }
-                let [left, right] = sides;
-                link = Some(LinkMatch::Partition(left, right));
-                positional.clear();
-                FaultKind::Partition
-            }
-            "close" => FaultKind::Close,
-            "kill" | "freeze" => {
-                let rank = take("rank").ok_or_else(|| bad(syntax.close, "needs rank=R"))?;
-                let number = parse_rank(rank.text).map_err(|reason| bad(rank.at, &reason))?;
-                let number = number.ok_or_else(|| bad(rank.at, "rank must be a number"))?;
-                link = Some(LinkMatch::Rank(number));
-                if syntax.kind.text == "kill" {
-                    FaultKind::Kill
-                } else {
-                    FaultKind::Freeze
-                }
-            }
-            other => {
-                return Err(bad(
-                    syntax.kind.at,
-                    &format!("unknown kind {other:?}; use drop, delay, corrupt, partition, close, kill or freeze"),
-                ));
-            }
-        };
+        let (kind, link) = args.kind_and_link()?;
         let link = match link {
             Some(link) => link,
-            None => {
-                let spec = match positional.as_slice() {
-                    [spec] => spec,
-                    [_, extra, ..] => return Err(bad(extra.at, "name one link, like 0->1, 0<->1 or *->2")),
-                    [] => return Err(bad(syntax.close, "name one link, like 0->1, 0<->1 or *->2")),
-                };
-                let rank = |text: &str| parse_rank(text).map_err(|reason| bad(spec.at, &reason));
-                if let Some((a, b)) = spec.text.split_once("<->") {
-                    match (rank(a)?, rank(b)?) {
-                        (Some(a), Some(b)) => LinkMatch::Both(a, b),
-                        _ => return Err(bad(spec.at, "<-> needs two ranks; use -> with * instead")),
-                    }
-                } else if let Some((a, b)) = spec.text.split_once("->") {
-                    LinkMatch::Directed(rank(a)?, rank(b)?)
-                } else {
-                    return Err(bad(spec.at, "name one link, like 0->1, 0<->1 or *->2"));
-                }
-            }
+            None => args.link()?,
         };
-        let after = match take("after") {
-            Some(t) => parse_duration(t.text).map_err(|reason| bad(t.at, &reason))?,
+        let after = match args.take("after") {
+            Some(t) => parse_duration(t.text).map_err(|reason| args.bad(t.at, &reason))?,
             None => Duration::ZERO,
         };
-        let after_frames = number(take("after_frames"), 0, |at| bad(at, "after_frames must be an integer"))?;
-        let after_received = take("after_received");
-        let after_received_at = after_received.map_or(syntax.close, |p| p.at);
-        let after_received = number(after_received, 0, |at| bad(at, "after_received must be an integer"))?;
+        let after_frames = args.number("after_frames", 0, "after_frames must be an integer")?;
+        let after_received = args.take("after_received");
+        let after_received_at = after_received.map_or(args.syntax.close, |p| p.at);
+        let after_received = args.parse_number(after_received, 0, "after_received must be an integer")?;
         if after_received > 0 && !matches!(kind, FaultKind::Kill | FaultKind::Freeze) {
-            return Err(bad(after_received_at, "after_received applies to kill and freeze only"));
+            return Err(args.bad(after_received_at, "after_received applies to kill and freeze only"));
         }
-        if let Some((unknown, _)) = named.first() {
-            return Err(bad(unknown.at, &format!("unknown argument {:?}", unknown.text)));
+        if let Some((unknown, _)) = args.syntax.named.first() {
+            return Err(args.bad(unknown.at, &format!("unknown argument {:?}", unknown.text)));
         }
         Ok(FaultRule {
             kind,

@@ -62,8 +62,20 @@ pub(crate) fn run(
     bufs: &mut [Buffers],
     seed: u64,
 ) -> Result<Vec<u64>, String> {
+    check_plans(plans, bufs, dtype.size())?;
+    let mut sim = Sim::new(plans, dtype, op, seed);
+    while sim.left > 0 {
+        let (r, i) = sim.pick()?;
+        let know = sim.execute(r, i, &mut bufs[r])?;
+        sim.complete(r, i, know);
+    }
+    sim.finish()
+}
+
+/// Checks that `plans` are for their ranks of one world, that `bufs` have
+/// their lengths, and that they leave no data hazards open.
+fn check_plans(plans: &[Plan], bufs: &[Buffers], size: usize) -> Result<(), String> {
     let world = plans.len();
-    let size = dtype.size();
     for (r, (plan, buf)) in plans.iter().zip(bufs.iter()).enumerate() {
         if plan.rank() != r || plan.world() != world {
             return Err(format!("plan {r} is for rank {} of {}", plan.rank(), plan.world()));
@@ -73,67 +85,110 @@ pub(crate) fn run(
         }
         check_hazards(plan)?;
     }
-    let mut pending: Vec<Vec<usize>> = Vec::new();
-    let mut dependents: Vec<Vec<Vec<usize>>> = Vec::new();
-    let mut ready: Vec<(usize, usize)> = Vec::new();
-    for (r, plan) in plans.iter().enumerate() {
-        let n = plan.steps().len();
-        let mut deps_left = vec![0; n];
-        let mut after = vec![Vec::new(); n];
-        for (i, left) in deps_left.iter_mut().enumerate() {
-            for d in plan.deps(StepId(i as u32)) {
-                *left += 1;
-                after[d.index()].push(i);
+    Ok(())
+}
+
+/// The state of a run: which steps are ready, what each step knows, the
+/// messages in flight. Steps are `(rank, index)`.
+struct Sim<'a> {
+    plans: &'a [Plan],
+    dtype: DType,
+    op: ReduceOp,
+    /// Per rank and step, the dependencies not yet done.
+    pending: Vec<Vec<usize>>,
+    /// Per rank and step, the steps that depend on it.
+    dependents: Vec<Vec<Vec<usize>>>,
+    ready: Vec<(usize, usize)>,
+    /// Per rank and step, the ranks it heard from (when done).
+    knows: Vec<Vec<u64>>,
+    flight: HashMap<(usize, usize, Tag), Message>,
+    sent: HashSet<(usize, usize, Tag)>,
+    rng: Rng,
+    /// Steps not yet done.
+    left: usize,
+}
+
+impl<'a> Sim<'a> {
+    fn new(plans: &'a [Plan], dtype: DType, op: ReduceOp, seed: u64) -> Self {
+        let mut pending: Vec<Vec<usize>> = Vec::new();
+        let mut dependents: Vec<Vec<Vec<usize>>> = Vec::new();
+        let mut ready: Vec<(usize, usize)> = Vec::new();
+        for (r, plan) in plans.iter().enumerate() {
+            let n = plan.steps().len();
+            let mut deps_left = vec![0; n];
+            let mut after = vec![Vec::new(); n];
+            for (i, left) in deps_left.iter_mut().enumerate() {
+                for d in plan.deps(StepId(i as u32)) {
+                    *left += 1;
+                    after[d.index()].push(i);
+                }
+                if *left == 0 {
+                    ready.push((r, i));
+                }
             }
-            if *left == 0 {
-                ready.push((r, i));
-            }
+            pending.push(deps_left);
+            dependents.push(after);
         }
-        pending.push(deps_left);
-        dependents.push(after);
+        Self {
+            plans,
+            dtype,
+            op,
+            pending,
+            dependents,
+            ready,
+            knows: plans.iter().map(|p| vec![0; p.steps().len()]).collect(),
+            flight: HashMap::new(),
+            sent: HashSet::new(),
+            rng: Rng(seed | 1),
+            left: plans.iter().map(|p| p.steps().len()).sum(),
+        }
     }
-    let mut knows: Vec<Vec<u64>> = plans.iter().map(|p| vec![0; p.steps().len()]).collect();
-    let mut flight: HashMap<(usize, usize, Tag), Message> = HashMap::new();
-    let mut sent: HashSet<(usize, usize, Tag)> = HashSet::new();
-    let mut rng = Rng(seed | 1);
-    let mut left: usize = plans.iter().map(|p| p.steps().len()).sum();
-    while left > 0 {
-        let runnable: Vec<usize> = (0..ready.len())
+
+    /// Takes a ready step that can run now (a receive only once its message
+    /// is in flight), chosen at random; none is a deadlock.
+    fn pick(&mut self) -> Result<(usize, usize), String> {
+        let plans = self.plans;
+        let runnable: Vec<usize> = (0..self.ready.len())
             .filter(|&k| {
-                let (r, i) = ready[k];
+                let (r, i) = self.ready[k];
                 match &plans[r].steps()[i].action {
-                    Action::Recv { from, tag, .. } => flight.contains_key(&(*from, r, *tag)),
+                    Action::Recv { from, tag, .. } => self.flight.contains_key(&(*from, r, *tag)),
                     _ => true,
                 }
             })
             .collect();
         if runnable.is_empty() {
-            let waiting: Vec<String> = ready
+            let waiting: Vec<String> = self
+                .ready
                 .iter()
                 .map(|&(r, i)| format!("rank {r} step {i}: {:?}", plans[r].steps()[i].action))
                 .collect();
-            return Err(format!("deadlock with {left} steps left; waiting: {waiting:?}"));
+            return Err(format!("deadlock with {} steps left; waiting: {waiting:?}", self.left));
         }
-        let (r, i) = ready.swap_remove(runnable[rng.below(runnable.len())]);
-        let plan = &plans[r];
+        Ok(self.ready.swap_remove(runnable[self.rng.below(runnable.len())]))
+    }
+
+    /// Runs step `i` of rank `r` over its buffers `buf`; returns the ranks
+    /// it heard from.
+    fn execute(&mut self, r: usize, i: usize, buf: &mut Buffers) -> Result<u64, String> {
+        let (plan, world, size) = (&self.plans[r], self.plans.len(), self.dtype.size());
         let mut know = 1u64 << r;
         for d in plan.deps(StepId(i as u32)) {
-            know |= knows[r][d.index()];
+            know |= self.knows[r][d.index()];
         }
-        let buf = &mut bufs[r];
         match &plan.steps()[i].action {
             Action::Send { to, tag, src } => {
-                if *to >= world || *to == r || !sent.insert((r, *to, *tag)) {
+                if *to >= world || *to == r || !self.sent.insert((r, *to, *tag)) {
                     return Err(format!("rank {r} step {i}: bad or repeated send to {to} {tag:?}"));
                 }
                 let bytes = match src {
                     Region::Input(range) => slice(&buf.input, range, size, r)?,
                     Region::Output(range) => slice(&buf.output, range, size, r)?,
                 };
-                flight.insert((r, *to, *tag), (bytes.to_vec(), know));
+                self.flight.insert((r, *to, *tag), (bytes.to_vec(), know));
             }
             Action::Recv { from, tag, dst, then } => {
-                let (payload, theirs) = flight.remove(&(*from, r, *tag)).ok_or("checked above")?;
+                let (payload, theirs) = self.flight.remove(&(*from, r, *tag)).ok_or("checked above")?;
                 know |= theirs;
                 let dst_bytes = slice_mut(&mut buf.output, dst, size, r)?;
                 if payload.len() != dst_bytes.len() {
@@ -143,22 +198,8 @@ pub(crate) fn run(
                         dst_bytes.len()
                     ));
                 }
-                let done = match then {
-                    Combine::Copy => {
-                        dst_bytes.copy_from_slice(&payload);
-                        Ok(())
-                    }
-                    Combine::Reduce => reduce_into(op, dtype, dst_bytes, &payload),
-                    Combine::ReduceComplete => reduce_complete_into(op, dtype, dst_bytes, &payload, world),
-                    Combine::ReduceInput => {
-                        reduce_from(op, dtype, dst_bytes, slice(&buf.input, dst, size, r)?, &payload)
-                    }
-                    Combine::ReduceCompleteInput => {
-                        let own = slice(&buf.input, dst, size, r)?;
-                        reduce_complete_from(op, dtype, dst_bytes, own, &payload, world)
-                    }
-                };
-                done.map_err(|e| e.to_string())?;
+                let own = || slice(&buf.input, dst, size, r);
+                self.combine(*then, dst_bytes, &payload, own)?;
             }
             Action::Copy { src, dst } => {
                 let src_bytes = slice(&buf.input, src, size, r)?.to_vec();
@@ -169,24 +210,59 @@ pub(crate) fn run(
                 dst_bytes.copy_from_slice(&src_bytes);
             }
         }
-        knows[r][i] = know;
-        left -= 1;
-        for &j in &dependents[r][i] {
-            pending[r][j] -= 1;
-            if pending[r][j] == 0 {
-                ready.push((r, j));
+        Ok(know)
+    }
+
+    /// Lands a received `payload` in `dst` as `then` says; `own` reads this
+    /// rank's input where it lands, for the combines that take it in.
+    fn combine<'b>(
+        &self,
+        then: Combine,
+        dst: &mut [u8],
+        payload: &[u8],
+        own: impl FnOnce() -> Result<&'b [u8], String>,
+    ) -> Result<(), String> {
+        let (op, dtype, world) = (self.op, self.dtype, self.plans.len());
+        let done = match then {
+            Combine::Copy => {
+                dst.copy_from_slice(payload);
+                Ok(())
+            }
+            Combine::Reduce => reduce_into(op, dtype, dst, payload),
+            Combine::ReduceComplete => reduce_complete_into(op, dtype, dst, payload, world),
+            Combine::ReduceInput => reduce_from(op, dtype, dst, own()?, payload),
+            Combine::ReduceCompleteInput => reduce_complete_from(op, dtype, dst, own()?, payload, world),
+        };
+        done.map_err(|e| e.to_string())
+    }
+
+    /// Marks step `i` of rank `r` done, knowing `know`, and readies the
+    /// steps that waited only for it.
+    fn complete(&mut self, r: usize, i: usize, know: u64) {
+        self.knows[r][i] = know;
+        self.left -= 1;
+        for &j in &self.dependents[r][i] {
+            self.pending[r][j] -= 1;
+            if self.pending[r][j] == 0 {
+                self.ready.push((r, j));
             }
         }
     }
-    if !flight.is_empty() {
-        let keys: Vec<_> = flight.keys().collect();
-        return Err(format!("messages sent but never received (from, to, tag): {keys:?}"));
+
+    /// Every message must have been received; returns per rank the ranks
+    /// it heard from.
+    fn finish(self) -> Result<Vec<u64>, String> {
+        if !self.flight.is_empty() {
+            let keys: Vec<_> = self.flight.keys().collect();
+            return Err(format!("messages sent but never received (from, to, tag): {keys:?}"));
+        }
+        Ok(self
+            .knows
+            .iter()
+            .enumerate()
+            .map(|(r, k)| k.iter().fold(1u64 << r, |a, b| a | b))
+            .collect())
     }
-    Ok(knows
-        .iter()
-        .enumerate()
-        .map(|(r, k)| k.iter().fold(1u64 << r, |a, b| a | b))
-        .collect())
 }
 
 fn bytes_of(range: &Range<usize>, size: usize) -> Range<usize> {

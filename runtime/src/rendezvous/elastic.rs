@@ -516,110 +516,9 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
     if newcomer {
         scoped.add("newcomers", 1).await?;
     }
-    let started = tokio::time::Instant::now();
-    let mut notes = Notes::new(config.timeout);
-    let mut min_seen: Option<tokio::time::Instant> = None;
-    // The arrivals read so far, and whether they account for the previous generation.
-    let mut members: Vec<Joiner> = Vec::new();
-    let mut accounted = false;
-    let mut quorate = reference.is_none();
-    let admitted = loop {
-        if store.check(&[&finished_key(&config.run_id)]).await? {
-            return Err(ElasticError::Finished {
-                run_id: config.run_id.clone(),
-            });
-        }
-        if scoped.check(&["closed"]).await? {
-            let value = scoped.get("closed").await?;
-            break parse_count(&value, config)?;
-        }
-        let joined = scoped.add("count", 0).await?.max(0) as usize;
-        if joined >= config.min_world && min_seen.is_none() {
-            min_seen = Some(tokio::time::Instant::now());
-        }
-        let counted = joined.min(config.max_world);
-        if joined >= config.min_world && members.len() != counted {
-            members = read_members(&scoped, config, counted).await?;
-            accounted = accounted_for(&members);
-        }
-        if let (Some(reference), false, true) = (&reference, quorate && accounted, joined >= config.min_world) {
-            let mut exited = Vec::new();
-            let unaccounted = reference.unaccounted(&members);
-            for &rank in &unaccounted {
-                let member = &reference.members[rank];
-                if has_exited(store.as_ref(), &config.run_id, &member.hostname, member.pid).await? {
-                    exited.push(rank);
-                }
-            }
-            quorate = reference.quorate(&members, &exited);
-            // A published exit accounts for its member as a seen failure does.
-            accounted |= exited.len() == unaccounted.len();
-        }
-        match decide(
-            config,
-            joined,
-            accounted,
-            quorate,
-            min_seen.map(|t| t.elapsed()),
-            started.elapsed(),
-        ) {
-            Step::Close(n) => {
-                let agreed = scoped.compare_set("closed", b"", n.to_string().as_bytes()).await?;
-                break parse_count(&agreed, config)?;
-            }
-            Step::TooFew => {
-                return Err(ElasticError::TooFew {
-                    generation: config.generation,
-                    min_world: config.min_world,
-                    came: read_members(&scoped, config, joined).await?,
-                    waited: started.elapsed(),
-                });
-            }
-            Step::NoQuorum => {
-                let reference = reference.expect("only a reference can lack a quorum");
-                return Err(ElasticError::NoQuorum {
-                    generation: config.generation,
-                    reference: reference.generation,
-                    reference_world: reference.members.len(),
-                    joined_members: members.iter().filter(|m| reference.is_member(m)).count(),
-                    missing: reference
-                        .unaccounted(&members)
-                        .into_iter()
-                        .map(|rank| reference.members[rank].clone())
-                        .collect(),
-                    waited: started.elapsed(),
-                });
-            }
-            Step::Wait => {
-                if notes.due() {
-                    let missing = match &reference {
-                        Some(reference) if joined >= config.min_world => {
-                            Some((reference.generation, reference.unaccounted(&members)))
-                        }
-                        _ => None,
-                    };
-                    let waiting_for = match missing {
-                        Some((previous, missing)) if !missing.is_empty() => format!(
-                            "{joined} joined; waiting for ranks {} of generation {previous} to rejoin or be known failed",
-                            wait::rank_list(&missing),
-                        ),
-                        _ => format!(
-                            "{} joined, {}..{} may form it",
-                            joined, config.min_world, config.max_world
-                        ),
-                    };
-                    tracing::info!(
-                        target: wait::TARGET,
-                        "waiting for ranks to form generation {} at {}: {waiting_for}; {}",
-                        config.generation,
-                        store.location(),
-                        notes.progress()
-                    );
-                }
-                tokio::time::sleep(config.poll).await
-            }
-        }
-    };
+    let admitted = Waiting::new(store.as_ref(), &scoped, config, reference)
+        .until_closed()
+        .await?;
     if arrival >= admitted {
         return Err(ElasticError::Late {
             generation: config.generation,
@@ -636,6 +535,170 @@ pub async fn join(store: Arc<dyn Store>, config: &ElasticConfig, me: Joiner) -> 
         rank: ranks[arrival],
         members: ordered.into_iter().map(|(_, m)| m).collect(),
     })
+}
+
+/// A participant waiting for its generation to close, and what it has
+/// seen of the others so far.
+struct Waiting<'a> {
+    store: &'a dyn Store,
+    scoped: &'a PrefixStore,
+    config: &'a ElasticConfig,
+    /// The generation this one grows from, if any.
+    reference: Option<Reference>,
+    started: tokio::time::Instant,
+    notes: Notes,
+    /// When `min_world` participants had joined.
+    min_seen: Option<tokio::time::Instant>,
+    /// The arrivals read so far, and whether they account for the previous generation.
+    members: Vec<Joiner>,
+    accounted: bool,
+    quorate: bool,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(
+        store: &'a dyn Store,
+        scoped: &'a PrefixStore,
+        config: &'a ElasticConfig,
+        reference: Option<Reference>,
+    ) -> Self {
+        Self {
+            store,
+            scoped,
+            config,
+            started: tokio::time::Instant::now(),
+            notes: Notes::new(config.timeout),
+            min_seen: None,
+            members: Vec::new(),
+            accounted: false,
+            quorate: reference.is_none(),
+            reference,
+        }
+    }
+
+    /// Polls until the generation closes, closing it when [`decide`] says
+    /// so; returns how many it admitted.
+    async fn until_closed(mut self) -> Result<usize, ElasticError> {
+        let config = self.config;
+        loop {
+            if self.store.check(&[&finished_key(&config.run_id)]).await? {
+                return Err(ElasticError::Finished {
+                    run_id: config.run_id.clone(),
+                });
+            }
+            if self.scoped.check(&["closed"]).await? {
+                let value = self.scoped.get("closed").await?;
+                return parse_count(&value, config);
+            }
+            let joined = self.look().await?;
+            match decide(
+                config,
+                joined,
+                self.accounted,
+                self.quorate,
+                self.min_seen.map(|t| t.elapsed()),
+                self.started.elapsed(),
+            ) {
+                Step::Close(n) => {
+                    let agreed = self.scoped.compare_set("closed", b"", n.to_string().as_bytes()).await?;
+                    return parse_count(&agreed, config);
+                }
+                Step::TooFew => {
+                    return Err(ElasticError::TooFew {
+                        generation: config.generation,
+                        min_world: config.min_world,
+                        came: read_members(self.scoped, config, joined).await?,
+                        waited: self.started.elapsed(),
+                    });
+                }
+                Step::NoQuorum => return Err(self.no_quorum()),
+                Step::Wait => {
+                    if self.notes.due() {
+                        self.note_waiting(joined);
+                    }
+                    tokio::time::sleep(config.poll).await
+                }
+            }
+        }
+    }
+
+    /// Reads how many joined, and once they are enough, who they are and
+    /// whether they account for the reference; returns how many joined.
+    async fn look(&mut self) -> Result<usize, ElasticError> {
+        let config = self.config;
+        let joined = self.scoped.add("count", 0).await?.max(0) as usize;
+        if joined >= config.min_world && self.min_seen.is_none() {
+            self.min_seen = Some(tokio::time::Instant::now());
+        }
+        let counted = joined.min(config.max_world);
+        if joined >= config.min_world && self.members.len() != counted {
+            self.members = read_members(self.scoped, config, counted).await?;
+            self.accounted = accounted_for(&self.members);
+        }
+        if let (Some(reference), false, true) = (
+            &self.reference,
+            self.quorate && self.accounted,
+            joined >= config.min_world,
+        ) {
+            let mut exited = Vec::new();
+            let unaccounted = reference.unaccounted(&self.members);
+            for &rank in &unaccounted {
+                let member = &reference.members[rank];
+                if has_exited(self.store, &config.run_id, &member.hostname, member.pid).await? {
+                    exited.push(rank);
+                }
+            }
+            self.quorate = reference.quorate(&self.members, &exited);
+            // A published exit accounts for its member as a seen failure does.
+            self.accounted |= exited.len() == unaccounted.len();
+        }
+        Ok(joined)
+    }
+
+    /// Why the generation cannot form: too few of the reference's members.
+    fn no_quorum(self) -> ElasticError {
+        let reference = self.reference.expect("only a reference can lack a quorum");
+        ElasticError::NoQuorum {
+            generation: self.config.generation,
+            reference: reference.generation,
+            reference_world: reference.members.len(),
+            joined_members: self.members.iter().filter(|m| reference.is_member(m)).count(),
+            missing: reference
+                .unaccounted(&self.members)
+                .into_iter()
+                .map(|rank| reference.members[rank].clone())
+                .collect(),
+            waited: self.started.elapsed(),
+        }
+    }
+
+    /// Says whom the generation waits for, `joined` having joined.
+    fn note_waiting(&self, joined: usize) {
+        let config = self.config;
+        let missing = match &self.reference {
+            Some(reference) if joined >= config.min_world => {
+                Some((reference.generation, reference.unaccounted(&self.members)))
+            }
+            _ => None,
+        };
+        let waiting_for = match missing {
+            Some((previous, missing)) if !missing.is_empty() => format!(
+                "{joined} joined; waiting for ranks {} of generation {previous} to rejoin or be known failed",
+                wait::rank_list(&missing),
+            ),
+            _ => format!(
+                "{} joined, {}..{} may form it",
+                joined, config.min_world, config.max_world
+            ),
+        };
+        tracing::info!(
+            target: wait::TARGET,
+            "waiting for ranks to form generation {} at {}: {waiting_for}; {}",
+            config.generation,
+            self.store.location(),
+            self.notes.progress()
+        );
+    }
 }
 
 fn parse_count(value: &[u8], config: &ElasticConfig) -> Result<usize, ElasticError> {

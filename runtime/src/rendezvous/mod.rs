@@ -420,79 +420,7 @@ pub fn resolve(
         Err(_) if !needs_env => None,
         Err(error) => return Err(error.into()),
     };
-    let (store, url_rank, url_world) = match method {
-        InitMethod::Tcp {
-            host,
-            port,
-            rank,
-            world_size,
-        } => (StoreSpec::Tcp { host, port }, rank, world_size),
-        InitMethod::File { path, rank, world_size } => (StoreSpec::File { path }, rank, world_size),
-        InitMethod::Etcd {
-            endpoints,
-            prefix,
-            rank,
-            world_size,
-        } => (StoreSpec::Etcd { endpoints, prefix }, rank, world_size),
-        InitMethod::Store(store) => (StoreSpec::Given(store), None, None),
-        InitMethod::Env if lookup(STORE_ENV).is_some_and(|v| !v.trim().is_empty()) => {
-            let text = lookup(STORE_ENV).unwrap_or_default();
-            let store = match InitMethod::parse(text.trim())? {
-                InitMethod::Etcd {
-                    endpoints,
-                    prefix,
-                    rank: None,
-                    world_size: None,
-                } => StoreSpec::Etcd { endpoints, prefix },
-                InitMethod::Tcp {
-                    host,
-                    port,
-                    rank: None,
-                    world_size: None,
-                } => StoreSpec::Tcp { host, port },
-                InitMethod::File {
-                    path,
-                    rank: None,
-                    world_size: None,
-                } => StoreSpec::File { path },
-                _ => {
-                    return Err(RendezvousError::BadUrl {
-                        url: text,
-                        reason: format!(
-                            "{STORE_ENV} names the store only: etcd://, tcp:// or file:// without rank or world_size"
-                        ),
-                    });
-                }
-            };
-            (store, None, None)
-        }
-        InitMethod::Env => {
-            let launch = launch.as_ref().ok_or(EnvError::Missing {
-                var: "MASTER_ADDR",
-                launcher: Launcher::Env,
-            })?;
-            let host = launch.master_addr.clone().ok_or(EnvError::Missing {
-                var: "MASTER_ADDR",
-                launcher: launch.launcher,
-            })?;
-            let port = match (launch.master_port, launch.launcher) {
-                (Some(port), _) => port,
-                // Slurm hands out no port: derive one from the job id, as
-                // Lightning does, so two jobs sharing a node do not collide.
-                (None, Launcher::Slurm) => launch.run_id.as_deref().map_or(DEFAULT_PORT, slurm_port),
-                // MPI hands out no port either; PyTorch's default is the convention.
-                (None, Launcher::OpenMpi | Launcher::Mpich) => DEFAULT_PORT,
-                (None, launcher) => {
-                    return Err(EnvError::Missing {
-                        var: "MASTER_PORT",
-                        launcher,
-                    }
-                    .into());
-                }
-            };
-            (StoreSpec::Tcp { host, port }, None, None)
-        }
-    };
+    let (store, url_rank, url_world) = method_store(method, launch.as_ref(), lookup)?;
     let rank = rank
         .or(url_rank)
         .or(launch.as_ref().map(|l| l.rank))
@@ -521,6 +449,93 @@ pub fn resolve(
         launcher: launch.map(|l| l.launcher),
         serve_store: rank == 0 && !env::uses_agent_store(lookup),
     })
+}
+
+/// The store `method` meets on, with the rank and world size its URL
+/// gives; `env://` takes it from [`STORE_ENV`] or else the launcher's
+/// `launch` environment.
+fn method_store(
+    method: InitMethod,
+    launch: Option<&LaunchEnv>,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<(StoreSpec, Option<usize>, Option<usize>), RendezvousError> {
+    Ok(match method {
+        InitMethod::Tcp {
+            host,
+            port,
+            rank,
+            world_size,
+        } => (StoreSpec::Tcp { host, port }, rank, world_size),
+        InitMethod::File { path, rank, world_size } => (StoreSpec::File { path }, rank, world_size),
+        InitMethod::Etcd {
+            endpoints,
+            prefix,
+            rank,
+            world_size,
+        } => (StoreSpec::Etcd { endpoints, prefix }, rank, world_size),
+        InitMethod::Store(store) => (StoreSpec::Given(store), None, None),
+        InitMethod::Env if lookup(STORE_ENV).is_some_and(|v| !v.trim().is_empty()) => {
+            (named_store(lookup(STORE_ENV).unwrap_or_default())?, None, None)
+        }
+        InitMethod::Env => (master_store(launch)?, None, None),
+    })
+}
+
+/// The store the URL `text` of [`STORE_ENV`] names, which gives no rank
+/// or world size.
+fn named_store(text: String) -> Result<StoreSpec, RendezvousError> {
+    match InitMethod::parse(text.trim())? {
+        InitMethod::Etcd {
+            endpoints,
+            prefix,
+            rank: None,
+            world_size: None,
+        } => Ok(StoreSpec::Etcd { endpoints, prefix }),
+        InitMethod::Tcp {
+            host,
+            port,
+            rank: None,
+            world_size: None,
+        } => Ok(StoreSpec::Tcp { host, port }),
+        InitMethod::File {
+            path,
+            rank: None,
+            world_size: None,
+        } => Ok(StoreSpec::File { path }),
+        _ => Err(RendezvousError::BadUrl {
+            url: text,
+            reason: format!("{STORE_ENV} names the store only: etcd://, tcp:// or file:// without rank or world_size"),
+        }),
+    }
+}
+
+/// The TCP store at the launcher's `MASTER_ADDR` and `MASTER_PORT` (or the
+/// port its launcher's convention gives).
+fn master_store(launch: Option<&LaunchEnv>) -> Result<StoreSpec, RendezvousError> {
+    let launch = launch.ok_or(EnvError::Missing {
+        var: "MASTER_ADDR",
+        launcher: Launcher::Env,
+    })?;
+    let host = launch.master_addr.clone().ok_or(EnvError::Missing {
+        var: "MASTER_ADDR",
+        launcher: launch.launcher,
+    })?;
+    let port = match (launch.master_port, launch.launcher) {
+        (Some(port), _) => port,
+        // Slurm hands out no port: derive one from the job id, as
+        // Lightning does, so two jobs sharing a node do not collide.
+        (None, Launcher::Slurm) => launch.run_id.as_deref().map_or(DEFAULT_PORT, slurm_port),
+        // MPI hands out no port either; PyTorch's default is the convention.
+        (None, Launcher::OpenMpi | Launcher::Mpich) => DEFAULT_PORT,
+        (None, launcher) => {
+            return Err(EnvError::Missing {
+                var: "MASTER_PORT",
+                launcher,
+            }
+            .into());
+        }
+    };
+    Ok(StoreSpec::Tcp { host, port })
 }
 
 /// An open store, with the server this process hosts for it (rank 0 of `tcp://`).
@@ -774,8 +789,13 @@ pub async fn rendezvous(
     if rank >= world_size {
         return Err(RendezvousError::RankOutOfRange { rank, world_size });
     }
-    let location = store.location();
-    let scoped = PrefixStore::new(format!("chorus/{}/g{}", config.run_id, generation), store);
+    let exchange = Exchange {
+        location: store.location(),
+        scoped: PrefixStore::new(format!("chorus/{}/g{}", config.run_id, generation), store),
+        rank,
+        world_size,
+        generation,
+    };
     record.rank = rank as u32;
     let me = Claimant {
         hostname: record.host.hostname.clone(),
@@ -784,111 +804,160 @@ pub async fn rendezvous(
         world_size: world_size as u32,
         rank: rank as u32,
     };
-    let mine = crate::codec::encode(&me);
+    exchange.claim(me).await?;
+    exchange.publish(&record).await?;
+    exchange.wait_for_all(timeout).await?;
+    exchange.membership().await
+}
 
-    let registered = scoped.compare_set("world_size", b"", &mine).await?;
-    let first = decode_claim(rank, &registered)?;
-    if first.world_size as usize != world_size {
-        let theirs = first.world_size as usize;
-        let error = RendezvousError::WorldSizeMismatch {
-            ours: world_size,
-            ours_by: me,
-            theirs,
-            theirs_by: first,
-        };
-        return Err(report_conflict(&scoped, theirs, error).await);
+/// One rank's part in the exchange of a generation's records, under the
+/// generation's keys.
+struct Exchange {
+    scoped: PrefixStore,
+    /// The store's location, for notes.
+    location: String,
+    rank: usize,
+    world_size: usize,
+    generation: u64,
+}
+
+impl Exchange {
+    /// Claims the world size (the first claimant's must match) and this
+    /// rank (no other process may hold it); a conflict is reported to every
+    /// rank of the generation.
+    async fn claim(&self, me: Claimant) -> Result<(), RendezvousError> {
+        let (rank, world_size) = (self.rank, self.world_size);
+        let mine = crate::codec::encode(&me);
+        let registered = self.scoped.compare_set("world_size", b"", &mine).await?;
+        let first = decode_claim(rank, &registered)?;
+        if first.world_size as usize != world_size {
+            let theirs = first.world_size as usize;
+            let error = RendezvousError::WorldSizeMismatch {
+                ours: world_size,
+                ours_by: me,
+                theirs,
+                theirs_by: first,
+            };
+            return Err(report_conflict(&self.scoped, theirs, error).await);
+        }
+        let claimed = self.scoped.compare_set(&format!("rank/{rank}"), b"", &mine).await?;
+        if claimed != mine {
+            let error = RendezvousError::DuplicateRank {
+                rank,
+                first: decode_claim(rank, &claimed)?,
+                second: me,
+            };
+            return Err(report_conflict(&self.scoped, world_size, error).await);
+        }
+        Ok(())
     }
 
-    let claimed = scoped.compare_set(&format!("rank/{rank}"), b"", &mine).await?;
-    if claimed != mine {
-        let error = RendezvousError::DuplicateRank {
-            rank,
-            first: decode_claim(rank, &claimed)?,
-            second: me,
-        };
-        return Err(report_conflict(&scoped, world_size, error).await);
+    /// Publishes this rank's record.
+    async fn publish(&self, record: &PeerRecord) -> Result<(), RendezvousError> {
+        // Written once: a conflict written here first stays, and fails us.
+        let published = record.encode();
+        let current = self
+            .scoped
+            .compare_set(&format!("peer/{}", self.rank), b"", &published)
+            .await?;
+        if let Some(conflict) = conflict_in(&current) {
+            return Err(conflict_seen(&self.scoped, self.rank, self.world_size, conflict).await);
+        }
+        Ok(())
     }
 
-    // Written once: a conflict written here first stays, and fails us.
-    let published = record.encode();
-    let current = scoped.compare_set(&format!("peer/{rank}"), b"", &published).await?;
-    if let Some(conflict) = conflict_in(&current) {
-        return Err(conflict_seen(&scoped, rank, world_size, conflict).await);
+    /// Every rank's record key, in rank order.
+    fn peer_keys(&self) -> Vec<String> {
+        (0..self.world_size).map(|r| format!("peer/{r}")).collect()
     }
-    let keys: Vec<String> = (0..world_size).map(|r| format!("peer/{r}")).collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let started = tokio::time::Instant::now();
-    let deadline = started + timeout;
-    let mut notes = Notes::new(timeout);
-    let missing = async || -> Result<Vec<usize>, StoreError> {
+
+    /// The ranks whose record is not published yet.
+    async fn missing(&self) -> Result<Vec<usize>, StoreError> {
         let mut missing = Vec::new();
-        for (r, key) in keys.iter().enumerate() {
-            if !scoped.check(&[key.as_str()]).await? {
+        for (r, key) in self.peer_keys().iter().enumerate() {
+            if !self.scoped.check(&[key.as_str()]).await? {
                 missing.push(r);
             }
         }
         Ok(missing)
-    };
-    // In slices, each ending at the next note: who is missing is said
-    // while the wait goes on, not only once it failed.
-    loop {
-        let until = notes.next_at().min(deadline);
-        // Never 0, which a store may read as "no limit".
-        let slice = until
-            .saturating_duration_since(tokio::time::Instant::now())
-            .max(Duration::from_millis(1));
-        match scoped.wait_timeout(&key_refs, slice).await {
-            Ok(()) => break,
-            Err(StoreError::Timeout { .. }) if tokio::time::Instant::now() < deadline => {
-                if notes.due() {
-                    let missing = missing().await?;
-                    tracing::info!(
-                        target: wait::TARGET,
-                        "rank {rank}: waiting for ranks {} of {world_size} (generation {generation}) at {location}; {}",
-                        wait::rank_list(&missing),
-                        notes.progress()
-                    );
+    }
+
+    /// Waits up to `timeout` until every rank published its record.
+    async fn wait_for_all(&self, timeout: Duration) -> Result<(), RendezvousError> {
+        let (rank, world_size, generation) = (self.rank, self.world_size, self.generation);
+        let keys = self.peer_keys();
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let started = tokio::time::Instant::now();
+        let deadline = started + timeout;
+        let mut notes = Notes::new(timeout);
+        // In slices, each ending at the next note: who is missing is said
+        // while the wait goes on, not only once it failed.
+        loop {
+            let until = notes.next_at().min(deadline);
+            // Never 0, which a store may read as "no limit".
+            let slice = until
+                .saturating_duration_since(tokio::time::Instant::now())
+                .max(Duration::from_millis(1));
+            match self.scoped.wait_timeout(&key_refs, slice).await {
+                Ok(()) => return Ok(()),
+                Err(StoreError::Timeout { .. }) if tokio::time::Instant::now() < deadline => {
+                    if notes.due() {
+                        let missing = self.missing().await?;
+                        tracing::info!(
+                            target: wait::TARGET,
+                            "rank {rank}: waiting for ranks {} of {world_size} (generation {generation}) at {}; {}",
+                            wait::rank_list(&missing),
+                            self.location,
+                            notes.progress()
+                        );
+                    }
                 }
+                Err(StoreError::Timeout { .. }) => {
+                    let missing = self.missing().await?;
+                    return Err(RendezvousError::Incomplete {
+                        generation,
+                        arrived: world_size - missing.len(),
+                        missing,
+                        world_size,
+                        waited: started.elapsed(),
+                        location: self.scoped.location(),
+                    });
+                }
+                Err(other) => return Err(other.into()),
             }
-            Err(StoreError::Timeout { .. }) => {
-                let missing = missing().await?;
-                return Err(RendezvousError::Incomplete {
-                    generation,
-                    arrived: world_size - missing.len(),
-                    missing,
-                    world_size,
-                    waited: started.elapsed(),
-                    location: scoped.location(),
+        }
+    }
+
+    /// Reads every rank's record, once all are published.
+    async fn membership(&self) -> Result<Membership, RendezvousError> {
+        let keys = self.peer_keys();
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let values = self.scoped.multi_get(&key_refs).await?;
+        // Every key exists now and is never written again: every rank sees
+        // the same values, so all of them fail on a conflict, or none.
+        if let Some(conflict) = values.iter().find_map(|v| conflict_in(v)) {
+            return Err(conflict_seen(&self.scoped, self.rank, self.world_size, conflict).await);
+        }
+        let mut peers = Vec::with_capacity(self.world_size);
+        for (r, bytes) in values.iter().enumerate() {
+            let peer = PeerRecord::decode(bytes).map_err(|e| RendezvousError::BadRecord {
+                rank: r,
+                reason: e.to_string(),
+            })?;
+            if peer.rank as usize != r {
+                return Err(RendezvousError::BadRecord {
+                    rank: r,
+                    reason: format!("it says it is rank {}", peer.rank),
                 });
             }
-            Err(other) => return Err(other.into()),
+            peers.push(peer);
         }
+        Ok(Membership {
+            generation: self.generation,
+            rank: self.rank,
+            peers,
+        })
     }
-    let values = scoped.multi_get(&key_refs).await?;
-    // Every key exists now and is never written again: every rank sees
-    // the same values, so all of them fail on a conflict, or none.
-    if let Some(conflict) = values.iter().find_map(|v| conflict_in(v)) {
-        return Err(conflict_seen(&scoped, rank, world_size, conflict).await);
-    }
-    let mut peers = Vec::with_capacity(world_size);
-    for (r, bytes) in values.iter().enumerate() {
-        let peer = PeerRecord::decode(bytes).map_err(|e| RendezvousError::BadRecord {
-            rank: r,
-            reason: e.to_string(),
-        })?;
-        if peer.rank as usize != r {
-            return Err(RendezvousError::BadRecord {
-                rank: r,
-                reason: format!("it says it is rank {}", peer.rank),
-            });
-        }
-        peers.push(peer);
-    }
-    Ok(Membership {
-        generation,
-        rank,
-        peers,
-    })
 }
 
 #[cfg(test)]
