@@ -218,74 +218,80 @@ enum BenchSubcommand {
     /// All-reduce algorithms per transport across sizes: the table, the crossovers and the CHORUS_ALGO_THRESHOLDS line.
     Tune(chorus_cli::bench::tune::TuneArgs),
     /// Recovery time of an elastic group: SIGKILL a random rank, time until the survivors' next collective.
-    Recovery {
-        /// Ranks per trial (one is killed; the survivors form the next generation).
-        #[arg(long, default_value_t = 4)]
-        world: usize,
-        /// How many trials.
-        #[arg(long, default_value_t = 10)]
-        trials: usize,
-        /// CHORUS_TRANSPORT for the ranks (auto, quic, shm); default: auto.
-        #[arg(long)]
-        transport: Option<String>,
-        /// CHORUS_HEARTBEAT_TIMEOUT for the ranks, seconds; default: the library's.
-        #[arg(long)]
-        heartbeat_timeout: Option<u64>,
-        /// The elastic rendezvous' last-call window, milliseconds (the library's default).
-        #[arg(long, default_value_t = 1000)]
-        last_call_ms: u64,
-        /// All-reduces per rank (the kill comes after the 20th).
-        #[arg(long, default_value_t = 150)]
-        iterations: u64,
-        /// Seeds which rank is killed and when (default: random).
-        #[arg(long)]
-        seed: Option<u64>,
-        /// Print JSON lines instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// Also measure torchrun restarting a Gloo job (needs torch), trials alternating.
-        #[arg(long, value_parser = ["torchrun"])]
-        compare: Option<String>,
-        /// The Python that runs torchrun for --compare.
-        #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
-        python: String,
-    },
+    Recovery(RecoveryArgs),
     /// Throughput and 8-byte round trip between two processes, per transport, next to raw TCP.
-    Transport {
-        /// Bytes per transfer.
-        #[arg(long, default_value_t = 64 << 20)]
-        size: usize,
-        /// Transfers per throughput sample.
-        #[arg(long, default_value_t = 8)]
-        iters: usize,
-        /// Round trips per latency sample.
-        #[arg(long, default_value_t = 2000)]
-        rtt_iters: usize,
-        /// Samples per path (paths alternate between rounds).
-        #[arg(long, default_value_t = 5)]
-        rounds: usize,
-        /// Print machine-readable rows (JSON lines) instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// The paths to measure, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "tcp,quic,shm", value_parser = ["tcp", "quic", "shm"])]
-        paths: Vec<String>,
-        /// This process's address (e.g. a host of scripts/netem-pair.sh).
-        #[arg(long, default_value = "127.0.0.1")]
-        bind: std::net::IpAddr,
-        /// The peer's address [default: --bind].
-        #[arg(long)]
-        peer_bind: Option<std::net::IpAddr>,
-        /// Command words that start the peer where --peer-bind is, e.g. "ip netns exec NAME-b".
-        #[arg(long)]
-        peer_prefix: Option<String>,
-        /// QUIC's congestion controller: auto (Cubic on loopback, BBR between hosts), cubic, newreno, bbr.
-        #[arg(long, default_value = "auto", value_parser = ["auto", "cubic", "newreno", "bbr"])]
-        quic_congestion: String,
-        /// Internal: run as the peer process, using this store.
-        #[arg(long, hide = true)]
-        peer_store: Option<std::net::SocketAddr>,
-    },
+    Transport(TransportArgs),
+}
+
+#[derive(Args)]
+struct RecoveryArgs {
+    /// Ranks per trial (one is killed; the survivors form the next generation).
+    #[arg(long, default_value_t = 4)]
+    world: usize,
+    /// How many trials.
+    #[arg(long, default_value_t = 10)]
+    trials: usize,
+    /// CHORUS_TRANSPORT for the ranks (auto, quic, shm); default: auto.
+    #[arg(long)]
+    transport: Option<String>,
+    /// CHORUS_HEARTBEAT_TIMEOUT for the ranks, seconds; default: the library's.
+    #[arg(long)]
+    heartbeat_timeout: Option<u64>,
+    /// The elastic rendezvous' last-call window, milliseconds (the library's default).
+    #[arg(long, default_value_t = 1000)]
+    last_call_ms: u64,
+    /// All-reduces per rank (the kill comes after the 20th).
+    #[arg(long, default_value_t = 150)]
+    iterations: u64,
+    /// Seeds which rank is killed and when (default: random).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print JSON lines instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Also measure torchrun restarting a Gloo job (needs torch), trials alternating.
+    #[arg(long, value_parser = ["torchrun"])]
+    compare: Option<String>,
+    /// The Python that runs torchrun for --compare.
+    #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
+    python: String,
+}
+
+#[derive(Args)]
+struct TransportArgs {
+    /// Bytes per transfer.
+    #[arg(long, default_value_t = 64 << 20)]
+    size: usize,
+    /// Transfers per throughput sample.
+    #[arg(long, default_value_t = 8)]
+    iters: usize,
+    /// Round trips per latency sample.
+    #[arg(long, default_value_t = 2000)]
+    rtt_iters: usize,
+    /// Samples per path (paths alternate between rounds).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Print machine-readable rows (JSON lines) instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// The paths to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "tcp,quic,shm", value_parser = ["tcp", "quic", "shm"])]
+    paths: Vec<String>,
+    /// This process's address (e.g. a host of scripts/netem-pair.sh).
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: std::net::IpAddr,
+    /// The peer's address [default: --bind].
+    #[arg(long)]
+    peer_bind: Option<std::net::IpAddr>,
+    /// Command words that start the peer where --peer-bind is, e.g. "ip netns exec NAME-b".
+    #[arg(long)]
+    peer_prefix: Option<String>,
+    /// QUIC's congestion controller: auto (Cubic on loopback, BBR between hosts), cubic, newreno, bbr.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "cubic", "newreno", "bbr"])]
+    quic_congestion: String,
+    /// Internal: run as the peer process, using this store.
+    #[arg(long, hide = true)]
+    peer_store: Option<std::net::SocketAddr>,
 }
 
 #[derive(Subcommand)]
@@ -1149,80 +1155,7 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
 }
 
 async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
-    use chorus_cli::bench::transport::{TransportBench, run_leader, run_peer};
-    if let Some(BenchSubcommand::Ddp(args)) = command.command {
-        return tokio::task::spawn_blocking(move || match args.worker {
-            true => chorus_cli::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
-            false => chorus_cli::bench::ddp::run(&args),
-        })
-        .await?;
-    }
-    if let Some(BenchSubcommand::Memory(args)) = command.command {
-        return tokio::task::spawn_blocking(move || chorus_cli::bench::memory::run(&args)).await?;
-    }
-    if let Some(BenchSubcommand::Tune(args)) = command.command {
-        return tokio::task::spawn_blocking(move || chorus_cli::bench::tune::run(&args)).await?;
-    }
-    if let Some(BenchSubcommand::Scale(args)) = command.command {
-        let ok = tokio::task::spawn_blocking(move || chorus_cli::bench::scale::run(&args)).await??;
-        return Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
-    }
-    if let Some(BenchSubcommand::Transfer(args)) = command.command {
-        // The parent only waits on its ranks; a rank runs on a runtime of its own.
-        return tokio::task::spawn_blocking(move || match args.worker {
-            true => chorus_cli::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
-            false => chorus_cli::bench::transfer::run(&args),
-        })
-        .await?;
-    }
-    if let Some(BenchSubcommand::Recovery {
-        world,
-        trials,
-        transport,
-        heartbeat_timeout,
-        last_call_ms,
-        iterations,
-        seed,
-        json,
-        compare,
-        python,
-    }) = command.command
-    {
-        if world < 2 || iterations <= 20 {
-            bail!("--world must be at least 2 and --iterations above 20 (the kill comes after the 20th)");
-        }
-        let bench = chorus_cli::bench::recovery::RecoveryBench {
-            world,
-            trials,
-            transport,
-            heartbeat_timeout,
-            last_call_ms,
-            iterations,
-            seed: seed.unwrap_or_else(rand_seed),
-            trial_timeout: Duration::from_secs(60),
-            compare_torchrun: compare.map(|_| python),
-        };
-        let failed = chorus_cli::bench::recovery::run(&bench, json).await?;
-        return Ok(if failed == 0 {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        });
-    }
-    let Some(BenchSubcommand::Transport {
-        size,
-        iters,
-        rtt_iters,
-        rounds,
-        json,
-        paths,
-        bind,
-        peer_bind,
-        peer_prefix,
-        quic_congestion,
-        peer_store,
-    }) = command.command
-    else {
+    let Some(subcommand) = command.command else {
         let args = command.collective;
         if args.worker {
             chorus_cli::bench::collective::run_worker(&args).await?;
@@ -1231,30 +1164,89 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         // The parent only waits on its ranks' pipes: off the async thread.
         return tokio::task::spawn_blocking(move || chorus_cli::bench::collective::run(&args)).await?;
     };
+    match subcommand {
+        BenchSubcommand::Ddp(args) => {
+            tokio::task::spawn_blocking(move || match args.worker {
+                true => chorus_cli::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+                false => chorus_cli::bench::ddp::run(&args),
+            })
+            .await?
+        }
+        BenchSubcommand::Memory(args) => {
+            tokio::task::spawn_blocking(move || chorus_cli::bench::memory::run(&args)).await?
+        }
+        BenchSubcommand::Tune(args) => tokio::task::spawn_blocking(move || chorus_cli::bench::tune::run(&args)).await?,
+        BenchSubcommand::Scale(args) => {
+            let ok = tokio::task::spawn_blocking(move || chorus_cli::bench::scale::run(&args)).await??;
+            Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        BenchSubcommand::Transfer(args) => {
+            // The parent only waits on its ranks; a rank runs on a runtime of its own.
+            tokio::task::spawn_blocking(move || match args.worker {
+                true => chorus_cli::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+                false => chorus_cli::bench::transfer::run(&args),
+            })
+            .await?
+        }
+        BenchSubcommand::Recovery(args) => bench_recovery(args).await,
+        BenchSubcommand::Transport(args) => bench_transport(args).await,
+    }
+}
+
+/// `chorus bench recovery`: the trials, then success where every one recovered.
+async fn bench_recovery(args: RecoveryArgs) -> Result<ExitCode> {
+    if args.world < 2 || args.iterations <= 20 {
+        bail!("--world must be at least 2 and --iterations above 20 (the kill comes after the 20th)");
+    }
+    let bench = chorus_cli::bench::recovery::RecoveryBench {
+        world: args.world,
+        trials: args.trials,
+        transport: args.transport,
+        heartbeat_timeout: args.heartbeat_timeout,
+        last_call_ms: args.last_call_ms,
+        iterations: args.iterations,
+        seed: args.seed.unwrap_or_else(rand_seed),
+        trial_timeout: Duration::from_secs(60),
+        compare_torchrun: args.compare.map(|_| args.python),
+    };
+    let failed = chorus_cli::bench::recovery::run(&bench, args.json).await?;
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `chorus bench transport`: as the leader, the table (or JSON rows); as
+/// the peer process, its half of every path.
+async fn bench_transport(args: TransportArgs) -> Result<ExitCode> {
+    use chorus_cli::bench::transport::{TransportBench, run_leader, run_peer};
     let bench = TransportBench {
-        size,
-        iters,
-        rtt_iters,
-        rounds: rounds.max(1),
+        size: args.size,
+        iters: args.iters,
+        rtt_iters: args.rtt_iters,
+        rounds: args.rounds.max(1),
         paths: chorus_cli::bench::transport::PATHS
             .into_iter()
-            .filter(|p| paths.iter().any(|q| q == p))
+            .filter(|p| args.paths.iter().any(|q| q == p))
             .collect(),
-        bind,
-        peer_bind: peer_bind.unwrap_or(bind),
-        peer_prefix: peer_prefix
+        bind: args.bind,
+        peer_bind: args.peer_bind.unwrap_or(args.bind),
+        peer_prefix: args
+            .peer_prefix
             .map(|p| p.split_whitespace().map(str::to_string).collect())
             .unwrap_or_default(),
-        quic_congestion,
+        quic_congestion: args.quic_congestion,
     };
-    if let Some(store) = peer_store {
+    if let Some(store) = args.peer_store {
         run_peer(&bench, store).await?;
         return Ok(ExitCode::SUCCESS);
     }
     let exe = std::env::current_exe().context("locating the chorus binary")?;
     let (results, memcpy) = run_leader(&bench, &exe).await?;
     let tcp = results.iter().find(|r| r.path == "tcp").map(|r| (r.gbps, r.rtt_us));
-    if json {
+    let size = args.size;
+    if args.json {
         for r in &results {
             println!(
                 "{{\"path\":\"{}\",\"bytes\":{},\"gbps\":{:.6},\"rtt_us\":{:.1},\"memcpy_gbps\":{:.2}}}",
@@ -1263,6 +1255,7 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
+    let (iters, rtt_iters, rounds) = (args.iters, args.rtt_iters, args.rounds);
     println!(
         "# chorus bench transport: {size} B x {iters} per sample, {rtt_iters} round trips, median of {rounds} rounds"
     );
