@@ -438,51 +438,13 @@ fn main() -> ExitCode {
             .build()
             .context("starting the async runtime")
             .and_then(|runtime| runtime.block_on(store_command(command))),
-        // A rank drives its links from one thread, as its actor will: a
-        // cross-thread wake-up per packet tripled the QUIC round trip.
         Commands::Selftest {
             init,
             timeout,
             counts,
             dtypes,
-            backend: chorus_cli::selftest::SelfTestBackend::Cpu,
-        } => run_async(selftest(
-            init,
-            Duration::from_secs(timeout),
-            counts.unwrap_or_else(|| vec![0, 1, 13, 1000]),
-            dtypes.unwrap_or_else(|| chorus_cli::selftest::ALL_DTYPES.to_vec()),
-        )),
-        Commands::Selftest {
-            dtypes: Some(_),
-            backend: chorus_cli::selftest::SelfTestBackend::Nccl,
-            ..
-        } => {
-            eprintln!("chorus: selftest --backend nccl checks its own dtypes; --dtypes is for --backend cpu");
-            Ok(ExitCode::from(2))
-        }
-        // One GPU per process; the probe's message and exit code 2 where
-        // CUDA or NCCL is missing, which the launcher reports as the worker's.
-        Commands::Selftest {
-            init,
-            timeout,
-            counts,
-            dtypes: None,
-            backend: chorus_cli::selftest::SelfTestBackend::Nccl,
-        } => run_async(async move {
-            use chorus_cli::selftest::nccl;
-            let counts = counts.unwrap_or_else(|| nccl::DEFAULT_COUNTS.to_vec());
-            let mut report = |line: &str| println!("{line}");
-            match nccl::run(&init, Duration::from_secs(timeout), &counts, &mut report).await {
-                Ok(summary) => {
-                    println!("{summary}");
-                    Ok(ExitCode::SUCCESS)
-                }
-                Err(error) => {
-                    eprintln!("chorus: selftest --backend nccl: {error}");
-                    Ok(ExitCode::from(error.exit_code()))
-                }
-            }
-        }),
+            backend,
+        } => selftest_command(init, Duration::from_secs(timeout), counts, dtypes, backend),
         Commands::Bench(command) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -528,6 +490,49 @@ fn main() -> ExitCode {
             eprintln!("chorus: error: {}", chorus::error_report(error.as_ref()));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `chorus selftest`: the cpu backend's check of every collective and dtype,
+/// or the nccl backend's (which picks its own dtypes).
+fn selftest_command(
+    init: String,
+    timeout: Duration,
+    counts: Option<Vec<usize>>,
+    dtypes: Option<Vec<DType>>,
+    backend: chorus_cli::selftest::SelfTestBackend,
+) -> Result<ExitCode> {
+    use chorus_cli::selftest::SelfTestBackend;
+    match (backend, dtypes) {
+        // A rank drives its links from one thread, as its actor will: a
+        // cross-thread wake-up per packet tripled the QUIC round trip.
+        (SelfTestBackend::Cpu, dtypes) => run_async(selftest(
+            init,
+            timeout,
+            counts.unwrap_or_else(|| vec![0, 1, 13, 1000]),
+            dtypes.unwrap_or_else(|| chorus_cli::selftest::ALL_DTYPES.to_vec()),
+        )),
+        (SelfTestBackend::Nccl, Some(_)) => {
+            eprintln!("chorus: selftest --backend nccl checks its own dtypes; --dtypes is for --backend cpu");
+            Ok(ExitCode::from(2))
+        }
+        // One GPU per process; the probe's message and exit code 2 where
+        // CUDA or NCCL is missing, which the launcher reports as the worker's.
+        (SelfTestBackend::Nccl, None) => run_async(async move {
+            use chorus_cli::selftest::nccl;
+            let counts = counts.unwrap_or_else(|| nccl::DEFAULT_COUNTS.to_vec());
+            let mut report = |line: &str| println!("{line}");
+            match nccl::run(&init, timeout, &counts, &mut report).await {
+                Ok(summary) => {
+                    println!("{summary}");
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(error) => {
+                    eprintln!("chorus: selftest --backend nccl: {error}");
+                    Ok(ExitCode::from(error.exit_code()))
+                }
+            }
+        }),
     }
 }
 
