@@ -933,100 +933,142 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
         _ => chorus_cli::launch::random_hex(32)?,
     };
     println!("chorus hello: {} ranks meeting over {url}", args.world);
-    // (rank, from stderr, line)
-    let (lines_tx, lines_rx) = mpsc::channel::<(usize, bool, String)>();
-    let mut children: Vec<Child> = Vec::new();
-    for rank in 0..args.world {
-        let mut command = Command::new(&exe);
-        torchrun_env(&mut command, rank, args.world, port);
-        command
-            .args(["hello", "--timeout", &args.timeout.to_string(), "--worker", &url])
-            .env("CHORUS_JOB_SECRET", &secret)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = command.spawn().with_context(|| format!("starting rank {rank}"))?;
-        let stdout = child
-            .stdout
-            .take()
-            .map(|s| (false, Box::new(s) as Box<dyn std::io::Read + Send>));
-        let stderr = child
-            .stderr
-            .take()
-            .map(|s| (true, Box::new(s) as Box<dyn std::io::Read + Send>));
-        for (is_stderr, stream) in [stdout, stderr].into_iter().flatten() {
-            let tx = lines_tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send((rank, is_stderr, line));
-                }
-            });
-        }
-        children.push(child);
-    }
-    drop(lines_tx);
-    let mut last_error: Vec<Option<String>> = vec![None; args.world];
-    let mut show = |(rank, is_stderr, line): (usize, bool, String)| {
-        if is_stderr && !line.trim().is_empty() {
-            last_error[rank] = Some(line.clone());
-        }
-        println!("[{rank}]: {line}");
-    };
-    let deadline = Instant::now() + Duration::from_secs(args.timeout) + Duration::from_secs(5);
-    let mut failed: Vec<(usize, String)> = Vec::new();
-    let mut running: Vec<usize> = (0..children.len()).collect();
-    while !running.is_empty() && failed.is_empty() {
-        while let Ok(line) = lines_rx.try_recv() {
-            show(line);
-        }
-        running.retain(|&rank| match children[rank].try_wait() {
-            Ok(Some(status)) => {
-                if !status.success() {
-                    failed.push((rank, format!("exited with {status}")));
-                }
-                false
-            }
-            Ok(None) => true,
-            Err(_) => false,
-        });
-        if failed.is_empty() && Instant::now() > deadline {
-            failed.extend(
-                running
-                    .iter()
-                    .map(|&rank| (rank, format!("was still running after {}s", args.timeout))),
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for &rank in &running {
-        let _ = children[rank].kill();
-    }
-    for child in &mut children {
-        let _ = child.wait();
-    }
-    for line in lines_rx.iter() {
-        show(line);
-    }
+    let mut ranks = HelloRanks::start(args, &exe, &url, port, &secret)?;
+    let failed = ranks.watch(args.timeout);
+    ranks.stop();
     let _ = std::fs::remove_file(&store_file);
     if failed.is_empty() {
         println!("chorus hello: all {} ranks found each other", args.world);
         return Ok(ExitCode::SUCCESS);
     }
-    let mut why: Vec<String> = failed
-        .iter()
-        .map(|(rank, how)| match &last_error[*rank] {
-            Some(line) => format!("rank {rank} {how}: {}", line.trim_start_matches("chorus: error: ")),
-            None => format!("rank {rank} {how}"),
+    bail!("{}", ranks.why(&failed))
+}
+
+/// The rank processes of `chorus hello`, and what they printed.
+struct HelloRanks {
+    children: Vec<Child>,
+    /// (rank, from stderr, line)
+    lines: mpsc::Receiver<(usize, bool, String)>,
+    /// Each rank's last line on stderr: why it failed.
+    last_error: Vec<Option<String>>,
+    /// The ranks not seen to exit.
+    running: Vec<usize>,
+}
+
+impl HelloRanks {
+    /// Starts every rank, its output forwarded line by line.
+    fn start(args: &HelloArgs, exe: &std::path::Path, url: &str, port: u16, secret: &str) -> Result<Self> {
+        let (lines_tx, lines) = mpsc::channel::<(usize, bool, String)>();
+        let mut children: Vec<Child> = Vec::new();
+        for rank in 0..args.world {
+            let mut command = Command::new(exe);
+            torchrun_env(&mut command, rank, args.world, port);
+            command
+                .args(["hello", "--timeout", &args.timeout.to_string(), "--worker", url])
+                .env("CHORUS_JOB_SECRET", secret)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let mut child = command.spawn().with_context(|| format!("starting rank {rank}"))?;
+            let stdout = child
+                .stdout
+                .take()
+                .map(|s| (false, Box::new(s) as Box<dyn std::io::Read + Send>));
+            let stderr = child
+                .stderr
+                .take()
+                .map(|s| (true, Box::new(s) as Box<dyn std::io::Read + Send>));
+            for (is_stderr, stream) in [stdout, stderr].into_iter().flatten() {
+                let tx = lines_tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                        let _ = tx.send((rank, is_stderr, line));
+                    }
+                });
+            }
+            children.push(child);
+        }
+        Ok(Self {
+            running: (0..children.len()).collect(),
+            last_error: vec![None; args.world],
+            children,
+            lines,
         })
-        .collect();
-    let stopped: Vec<String> = running
-        .iter()
-        .filter(|r| !failed.iter().any(|(f, _)| f == *r))
-        .map(ToString::to_string)
-        .collect();
-    if !stopped.is_empty() {
-        why.push(format!("killed the other ranks still running ({})", stopped.join(", ")));
     }
-    bail!("{}", why.join("; "))
+
+    /// Prints a rank's line, and keeps it when it may say why the rank failed.
+    fn show(&mut self, (rank, is_stderr, line): (usize, bool, String)) {
+        if is_stderr && !line.trim().is_empty() {
+            self.last_error[rank] = Some(line.clone());
+        }
+        println!("[{rank}]: {line}");
+    }
+
+    /// Shows the ranks' lines until every rank exited, one failed, or the
+    /// job outlived `timeout` seconds (every rank still running failed);
+    /// returns the failures.
+    fn watch(&mut self, timeout: u64) -> Vec<(usize, String)> {
+        let deadline = Instant::now() + Duration::from_secs(timeout) + Duration::from_secs(5);
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        while !self.running.is_empty() && failed.is_empty() {
+            while let Ok(line) = self.lines.try_recv() {
+                self.show(line);
+            }
+            self.running.retain(|&rank| match self.children[rank].try_wait() {
+                Ok(Some(status)) => {
+                    if !status.success() {
+                        failed.push((rank, format!("exited with {status}")));
+                    }
+                    false
+                }
+                Ok(None) => true,
+                Err(_) => false,
+            });
+            if failed.is_empty() && Instant::now() > deadline {
+                failed.extend(
+                    self.running
+                        .iter()
+                        .map(|&rank| (rank, format!("was still running after {timeout}s"))),
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        failed
+    }
+
+    /// Kills the ranks still running, waits for every one and shows their last lines.
+    fn stop(&mut self) {
+        for &rank in &self.running {
+            let _ = self.children[rank].kill();
+        }
+        for child in &mut self.children {
+            let _ = child.wait();
+        }
+        while let Ok(line) = self.lines.recv() {
+            self.show(line);
+        }
+    }
+
+    /// Why the job failed: each failed rank with its last error line, and
+    /// the ranks killed because of it.
+    fn why(&self, failed: &[(usize, String)]) -> String {
+        let mut why: Vec<String> = failed
+            .iter()
+            .map(|(rank, how)| match &self.last_error[*rank] {
+                Some(line) => format!("rank {rank} {how}: {}", line.trim_start_matches("chorus: error: ")),
+                None => format!("rank {rank} {how}"),
+            })
+            .collect();
+        let stopped: Vec<String> = self
+            .running
+            .iter()
+            .filter(|r| !failed.iter().any(|(f, _)| f == *r))
+            .map(ToString::to_string)
+            .collect();
+        if !stopped.is_empty() {
+            why.push(format!("killed the other ranks still running ({})", stopped.join(", ")));
+        }
+        why.join("; ")
+    }
 }
 
 /// `chorus dashboard`: the page of the job on `store`, until interrupted.
