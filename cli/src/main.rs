@@ -801,88 +801,87 @@ async fn elastic_probe(
     last_call: Duration,
     kill_after: Option<u64>,
 ) -> Result<ExitCode> {
-    use chorus::{ReduceOp, Tensor};
     let mut options = InitOptions::from_url(&url)?
         .timeout(Duration::from_secs(30))
         .last_call(last_call);
     options.min_world = min_world;
     options.max_world = max_world;
     let group = chorus::ElasticGroup::init(options).await?;
-    let pg = group.current();
-    println!(
-        "probe rank={} gen={} world={} pid={} event=ready",
-        pg.rank(),
-        pg.generation(),
-        pg.world_size(),
-        std::process::id()
-    );
-    let mut done = 0u64;
-    if pg.generation() > 0 {
-        // Joined a running job (a relaunched worker): the survivors agree on
-        // the step to resume from, and a joiner has none to offer.
-        let step = pg
-            .all_reduce(Tensor::from_slice(&[f64::INFINITY]), ReduceOp::Min)
-            .await?;
-        let step = step.to_vec::<f64>()?[0];
-        done = if step.is_finite() { step as u64 } else { 0 };
+    let mut probe = ElasticProbe::ready(group, kill_after).await?;
+    while probe.done < iterations {
+        probe.step().await?;
+    }
+    probe.leave().await
+}
+
+/// `chorus elastic-probe` between two all-reduces: its group, the
+/// all-reduces done and the generation they were done in.
+struct ElasticProbe {
+    group: chorus::ElasticGroup,
+    done: u64,
+    generation: u64,
+    /// The all-reduces after which this process SIGKILLs itself.
+    kill_after: Option<u64>,
+}
+
+impl ElasticProbe {
+    /// Says it is ready; a process that joined a running job first agrees
+    /// with the survivors on the step to resume from.
+    async fn ready(group: chorus::ElasticGroup, kill_after: Option<u64>) -> Result<Self> {
+        use chorus::{ReduceOp, Tensor};
+        let pg = group.current();
         println!(
-            "probe rank={} gen={} world={} event=joined resume={done}",
+            "probe rank={} gen={} world={} pid={} event=ready",
             pg.rank(),
             pg.generation(),
-            pg.world_size()
+            pg.world_size(),
+            std::process::id()
         );
+        let mut done = 0u64;
+        if pg.generation() > 0 {
+            // Joined a running job (a relaunched worker): the survivors agree on
+            // the step to resume from, and a joiner has none to offer.
+            let step = pg
+                .all_reduce(Tensor::from_slice(&[f64::INFINITY]), ReduceOp::Min)
+                .await?;
+            let step = step.to_vec::<f64>()?[0];
+            done = if step.is_finite() { step as u64 } else { 0 };
+            println!(
+                "probe rank={} gen={} world={} event=joined resume={done}",
+                pg.rank(),
+                pg.generation(),
+                pg.world_size()
+            );
+        }
+        let generation = pg.generation();
+        Ok(Self {
+            group,
+            done,
+            generation,
+            kill_after,
+        })
     }
-    let mut generation = pg.generation();
-    while done < iterations {
-        let pg = group.current();
-        let result = if pg.generation() != generation {
+
+    /// One all-reduce of ones checked, or the first of a new generation.
+    async fn step(&mut self) -> Result<()> {
+        use chorus::{ReduceOp, Tensor};
+        let pg = self.group.current();
+        let result = if pg.generation() != self.generation {
             // A new generation, seen through an error below or formed by the
             // supervisor between two operations: a collective may have
             // completed on some survivors only, so resume from the least step.
-            match pg.all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min).await {
-                Ok(step) => {
-                    done = step.to_vec::<f64>()?[0] as u64;
-                    generation = pg.generation();
-                    // at_us: when the first collective of the new generation completed here.
-                    println!(
-                        "probe rank={} gen={} world={} event=restarted resume={done} at_us={}",
-                        pg.rank(),
-                        pg.generation(),
-                        pg.world_size(),
-                        chorus_cli::bench::recovery::unix_us()
-                    );
-                    continue;
-                }
+            match pg
+                .all_reduce(Tensor::from_slice(&[self.done as f64]), ReduceOp::Min)
+                .await
+            {
+                Ok(step) => return self.resume(&pg, step),
                 Err(error) => Err(error),
             }
         } else {
             pg.all_reduce(Tensor::from_slice(&[1.0f32; 1024]), ReduceOp::Sum).await
         };
         match result {
-            Ok(sum) => {
-                if !sum.to_vec::<f32>()?.iter().all(|&v| v == pg.world_size() as f32) {
-                    bail!(
-                        "rank {} generation {}: all_reduce gave a wrong sum",
-                        pg.rank(),
-                        pg.generation()
-                    );
-                }
-                done += 1;
-                if Some(done) == kill_after {
-                    println!(
-                        "probe rank={} gen={} pid={} event=killing-self at_us={}",
-                        pg.rank(),
-                        pg.generation(),
-                        std::process::id(),
-                        chorus_cli::bench::recovery::unix_us()
-                    );
-                    process::signal_self(libc::SIGKILL);
-                }
-                if done == 20 {
-                    println!("probe rank={} gen={} event=running", pg.rank(), pg.generation());
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            Ok(sum) => self.summed(&pg, sum).await,
             Err(error) => {
                 println!(
                     "probe rank={} gen={} event=error at_us={} error={error}",
@@ -890,24 +889,74 @@ async fn elastic_probe(
                     pg.generation(),
                     chorus_cli::bench::recovery::unix_us()
                 );
-                group
+                self.group
                     .next_generation(pg.generation())
                     .await
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
+                Ok(())
             }
         }
     }
-    let pg = group.current();
-    println!(
-        "probe rank={} gen={} world={} event=done iterations={done} pid={}",
-        pg.rank(),
-        pg.generation(),
-        pg.world_size(),
-        std::process::id()
-    );
-    drop(pg);
-    group.destroy().await?;
-    Ok(ExitCode::SUCCESS)
+
+    /// Resumes in `pg`'s generation from the least step its members hold.
+    fn resume(&mut self, pg: &chorus::ProcessGroup, step: chorus::Tensor) -> Result<()> {
+        self.done = step.to_vec::<f64>()?[0] as u64;
+        self.generation = pg.generation();
+        // at_us: when the first collective of the new generation completed here.
+        println!(
+            "probe rank={} gen={} world={} event=restarted resume={} at_us={}",
+            pg.rank(),
+            pg.generation(),
+            pg.world_size(),
+            self.done,
+            chorus_cli::bench::recovery::unix_us()
+        );
+        Ok(())
+    }
+
+    /// Checks a sum against the world size and counts it; kills this
+    /// process where asked, says when it is running.
+    async fn summed(&mut self, pg: &chorus::ProcessGroup, sum: chorus::Tensor) -> Result<()> {
+        if !sum.to_vec::<f32>()?.iter().all(|&v| v == pg.world_size() as f32) {
+            bail!(
+                "rank {} generation {}: all_reduce gave a wrong sum",
+                pg.rank(),
+                pg.generation()
+            );
+        }
+        self.done += 1;
+        if Some(self.done) == self.kill_after {
+            println!(
+                "probe rank={} gen={} pid={} event=killing-self at_us={}",
+                pg.rank(),
+                pg.generation(),
+                std::process::id(),
+                chorus_cli::bench::recovery::unix_us()
+            );
+            process::signal_self(libc::SIGKILL);
+        }
+        if self.done == 20 {
+            println!("probe rank={} gen={} event=running", pg.rank(), pg.generation());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(())
+    }
+
+    /// Says it is done and leaves the group.
+    async fn leave(self) -> Result<ExitCode> {
+        let pg = self.group.current();
+        println!(
+            "probe rank={} gen={} world={} event=done iterations={} pid={}",
+            pg.rank(),
+            pg.generation(),
+            pg.world_size(),
+            self.done,
+            std::process::id()
+        );
+        drop(pg);
+        self.group.destroy().await?;
+        Ok(ExitCode::SUCCESS)
+    }
 }
 
 /// Starts `--world` worker processes, prefixes their output with their rank
