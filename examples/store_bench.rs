@@ -91,34 +91,94 @@ fn main() -> Result<()> {
     }
     let python_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python");
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-
-    // Servers.
     let chorus_bin = match &args.chorus_bin {
         Some(path) => path.clone(),
         None => default_chorus_bin()?,
     };
-    let mut chorus_server = Proc::spawn(
-        Command::new(&chorus_bin).args(["store", "serve", "--host", "127.0.0.1", "--port", "0"]),
-        &format!("{} store serve", chorus_bin.display()),
-    )?;
-    let first = chorus_server.line(Duration::from_secs(10))?;
-    let chorus_addr = first
-        .strip_prefix("chorus store serving on ")
-        .with_context(|| format!("chorus server said {first:?}, not \"chorus store serving on ADDR\""))?
-        .trim()
-        .to_string();
-    let mut servers = vec![Server {
-        name: CHORUS,
-        addr: chorus_addr,
-        pid: chorus_server.pid(),
-    }];
-    let mut pytorch_server = None;
-    let mut no_torch = None;
-    let mut python = Command::new(&args.python);
-    python
-        .arg(python_dir.join("serve_store.py"))
-        .env("PYTHONWARNINGS", "ignore");
-    match Proc::spawn(&mut python, "serve_store.py").and_then(|mut p| {
+    let servers = Servers::start(&args, &chorus_bin, &python_dir)?;
+    let use_python_clients = !args.skip_python_clients && servers.no_torch.is_none();
+    let mut clients = Clients::connect(&args, &runtime, &servers.list, &python_dir, use_python_clients)?;
+    let mut kinds = vec![CHORUS];
+    if use_python_clients {
+        kinds.push(PYTHON);
+    }
+    let out = Output { json: args.json };
+    out.header(
+        &args,
+        &servers.list,
+        &chorus_bin,
+        servers.no_torch.is_some(),
+        use_python_clients,
+    );
+    clients.warm_up(&kinds, &servers.list)?;
+    let rows = clients.rounds(&args, &kinds, &servers.list, &out)?;
+    out.summary(&rows, &kinds, &servers.list);
+    // Close the clients before the servers, so neither logs a broken connection.
+    clients.close();
+    servers.stop();
+    Ok(())
+}
+
+const PYTHON: &str = "python";
+
+/// The servers measured, each a process of its own; dropped on an early
+/// error, PyTorch's goes first, then chorus's.
+struct Servers {
+    /// What the clients reach: chorus's, then PyTorch's when torch is there.
+    list: Vec<Server>,
+    pytorch: Option<Proc>,
+    chorus: Proc,
+    /// Why PyTorch's server is not measured.
+    no_torch: Option<String>,
+}
+
+impl Servers {
+    /// Starts chorus's server, then PyTorch's where torch imports.
+    fn start(args: &Args, chorus_bin: &Path, python_dir: &Path) -> Result<Self> {
+        let mut chorus = Proc::spawn(
+            Command::new(chorus_bin).args(["store", "serve", "--host", "127.0.0.1", "--port", "0"]),
+            &format!("{} store serve", chorus_bin.display()),
+        )?;
+        let first = chorus.line(Duration::from_secs(10))?;
+        let chorus_addr = first
+            .strip_prefix("chorus store serving on ")
+            .with_context(|| format!("chorus server said {first:?}, not \"chorus store serving on ADDR\""))?
+            .trim()
+            .to_string();
+        let mut servers = Self {
+            list: vec![Server {
+                name: CHORUS,
+                addr: chorus_addr,
+                pid: chorus.pid(),
+            }],
+            pytorch: None,
+            chorus,
+            no_torch: None,
+        };
+        match Self::start_pytorch(args, python_dir) {
+            Ok((proc, port)) => {
+                servers.list.push(Server {
+                    name: PYTORCH,
+                    addr: format!("127.0.0.1:{port}"),
+                    pid: proc.pid(),
+                });
+                servers.pytorch = Some(proc);
+            }
+            Err(e) => servers.no_torch = Some(format!("{e:#}")),
+        }
+        if let Some(why) = &servers.no_torch {
+            eprintln!("store_bench: PyTorch's TCPStore is not available, measuring the chorus server only.\n  {why}");
+        }
+        Ok(servers)
+    }
+
+    /// PyTorch's libuv server, and the port it listens on.
+    fn start_pytorch(args: &Args, python_dir: &Path) -> Result<(Proc, u16)> {
+        let mut python = Command::new(&args.python);
+        python
+            .arg(python_dir.join("serve_store.py"))
+            .env("PYTHONWARNINGS", "ignore");
+        let mut p = Proc::spawn(&mut python, "serve_store.py")?;
         // Importing torch takes seconds on a loaded machine.
         let port = p.line(Duration::from_secs(120))?;
         let port: u16 = port
@@ -126,45 +186,72 @@ fn main() -> Result<()> {
             .parse()
             .with_context(|| format!("serve_store.py printed {port:?}"))?;
         Ok((p, port))
-    }) {
-        Ok((proc, port)) => {
-            servers.push(Server {
-                name: PYTORCH,
-                addr: format!("127.0.0.1:{port}"),
-                pid: proc.pid(),
-            });
-            pytorch_server = Some(proc);
-        }
-        Err(e) => no_torch = Some(format!("{e:#}")),
     }
-    if let Some(why) = &no_torch {
-        eprintln!("store_bench: PyTorch's TCPStore is not available, measuring the chorus server only.\n  {why}");
-    }
-    let use_python_clients = !args.skip_python_clients && no_torch.is_none();
 
-    // Clients: every client connects to every server now, once.
-    let value = vec![0xa5u8; args.value_bytes];
-    let chorus_clients: Vec<Vec<Arc<TcpStore>>> = runtime.block_on(async {
-        let mut all = Vec::new();
-        for server in &servers {
-            let mut clients = Vec::new();
-            for _ in 0..args.clients {
-                let options = TcpStoreOptions {
-                    timeout: Duration::from_secs(60),
-                    connect_timeout: Duration::from_secs(10),
-                    ..Default::default()
-                };
-                let store = TcpStore::connect(server.addr.clone(), options)
-                    .await
-                    .with_context(|| format!("connecting to the {} server at {}", server.name, server.addr))?;
-                clients.push(Arc::new(store));
-            }
-            all.push(clients);
+    /// Lets PyTorch's server exit, then kills chorus's.
+    fn stop(mut self) {
+        if let Some(server) = self.pytorch.take() {
+            server.finish();
         }
-        anyhow::Ok(all)
-    })?;
-    let mut python_clients = Vec::new();
-    if use_python_clients {
+        self.chorus.kill();
+    }
+}
+
+/// The load generators, every one connected to every server. Dropped on an
+/// early error, the Python clients go first.
+struct Clients<'a> {
+    runtime: &'a tokio::runtime::Runtime,
+    /// Python processes running PyTorch's client (none without them).
+    python: Vec<Proc>,
+    /// chorus's clients, [server][client].
+    chorus: Vec<Vec<Arc<TcpStore>>>,
+    /// The value every client sets.
+    value: Vec<u8>,
+}
+
+impl<'a> Clients<'a> {
+    /// Every client connects to every server now, once.
+    fn connect(
+        args: &Args,
+        runtime: &'a tokio::runtime::Runtime,
+        servers: &[Server],
+        python_dir: &Path,
+        use_python_clients: bool,
+    ) -> Result<Self> {
+        let value = vec![0xa5u8; args.value_bytes];
+        let chorus: Vec<Vec<Arc<TcpStore>>> = runtime.block_on(async {
+            let mut all = Vec::new();
+            for server in servers {
+                let mut clients = Vec::new();
+                for _ in 0..args.clients {
+                    let options = TcpStoreOptions {
+                        timeout: Duration::from_secs(60),
+                        connect_timeout: Duration::from_secs(10),
+                        ..Default::default()
+                    };
+                    let store = TcpStore::connect(server.addr.clone(), options)
+                        .await
+                        .with_context(|| format!("connecting to the {} server at {}", server.name, server.addr))?;
+                    clients.push(Arc::new(store));
+                }
+                all.push(clients);
+            }
+            anyhow::Ok(all)
+        })?;
+        let mut clients = Self {
+            runtime,
+            python: Vec::new(),
+            chorus,
+            value,
+        };
+        if use_python_clients {
+            clients.start_python(args, servers, python_dir)?;
+        }
+        Ok(clients)
+    }
+
+    /// PyTorch's clients, a process each, until every one is ready.
+    fn start_python(&mut self, args: &Args, servers: &[Server], python_dir: &Path) -> Result<()> {
         for index in 0..args.clients {
             let mut command = Command::new(&args.python);
             command
@@ -173,84 +260,110 @@ fn main() -> Result<()> {
                 .arg(args.value_bytes.to_string())
                 .args(servers.iter().map(|s| format!("{}={}", s.name, s.addr)))
                 .env("PYTHONWARNINGS", "ignore");
-            python_clients.push(Proc::spawn(&mut command, "bench_store_client.py")?);
+            self.python.push(Proc::spawn(&mut command, "bench_store_client.py")?);
         }
         // Started together, they import torch in parallel; wait for all.
-        for client in &mut python_clients {
+        for client in &mut self.python {
             let line = client.line(Duration::from_secs(300))?;
             if line.trim() != "ready" {
                 bail!("bench_store_client.py said {line:?}, not \"ready\"");
             }
         }
+        Ok(())
     }
 
-    let mut kinds = vec![CHORUS];
-    if use_python_clients {
-        kinds.push(PYTHON);
-    }
-    let seconds = Duration::from_secs_f64(args.seconds);
-    let out = Output { json: args.json };
-    out.header(&args, &servers, &chorus_bin, no_torch.is_some(), use_python_clients);
-
-    // Warm-up: page in code, grow buffers and the key table; not counted.
-    for kind in &kinds {
-        for (s, server) in servers.iter().enumerate() {
-            let warm = Duration::from_millis(500);
-            measure(
-                &runtime,
-                kind,
-                s,
-                server,
-                &chorus_clients,
-                &mut python_clients,
-                &value,
-                warm,
-            )?;
-        }
-    }
-
-    let mut rows = Vec::new();
-    for round in 1..=args.rounds {
-        for kind in &kinds {
+    /// Pages in code, grows buffers and the key table; not counted.
+    fn warm_up(&mut self, kinds: &[&str], servers: &[Server]) -> Result<()> {
+        for kind in kinds {
             for (s, server) in servers.iter().enumerate() {
-                let m = measure(
-                    &runtime,
-                    kind,
-                    s,
-                    server,
-                    &chorus_clients,
-                    &mut python_clients,
-                    &value,
-                    seconds,
-                )?;
-                let row = Row {
-                    round,
-                    clients: kind,
-                    server: server.name,
-                    pairs: m.pairs,
-                    pairs_per_s: m.pairs_per_s,
-                    cpu_us_per_pair: m.server_cpu_s * 1e6 / m.pairs.max(1) as f64,
-                };
-                out.round(&row);
-                rows.push(row);
+                let warm = Duration::from_millis(500);
+                self.measure(kind, s, server, warm)?;
             }
         }
+        Ok(())
     }
-    out.summary(&rows, &kinds, &servers);
 
-    // Close the clients before the servers, so neither logs a broken connection.
-    drop(chorus_clients);
-    for client in python_clients {
-        client.finish();
+    /// Every round: each client kind against each server in turn, a row each.
+    fn rounds(&mut self, args: &Args, kinds: &[&'static str], servers: &[Server], out: &Output) -> Result<Vec<Row>> {
+        let seconds = Duration::from_secs_f64(args.seconds);
+        let mut rows = Vec::new();
+        for round in 1..=args.rounds {
+            for kind in kinds {
+                for (s, server) in servers.iter().enumerate() {
+                    let m = self.measure(kind, s, server, seconds)?;
+                    let row = Row {
+                        round,
+                        clients: kind,
+                        server: server.name,
+                        pairs: m.pairs,
+                        pairs_per_s: m.pairs_per_s,
+                        cpu_us_per_pair: m.server_cpu_s * 1e6 / m.pairs.max(1) as f64,
+                    };
+                    out.round(&row);
+                    rows.push(row);
+                }
+            }
+        }
+        Ok(rows)
     }
-    if let Some(server) = pytorch_server {
-        server.finish();
+
+    /// Closes chorus's clients, then lets the Python ones exit.
+    fn close(self) {
+        let Self { python, chorus, .. } = self;
+        drop(chorus);
+        for client in python {
+            client.finish();
+        }
     }
-    chorus_server.kill();
-    Ok(())
+
+    /// One timed run of every client of `kind` against server number `s`.
+    fn measure(&mut self, kind: &str, s: usize, server: &Server, seconds: Duration) -> Result<Measured> {
+        let cpu_before = process_cpu_seconds(server.pid);
+        // Per client: pairs and the seconds it ran. The total rate is the sum of
+        // per-client rates, so a client that starts a little late counts fairly.
+        let results: Vec<(u64, f64)> = if kind == CHORUS {
+            self.runtime.block_on(async {
+                let tasks: Vec<_> = self.chorus[s]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, store)| {
+                        let store = store.clone();
+                        let value = self.value.to_vec();
+                        tokio::spawn(async move { chorus_client_loop(&store, i, &value, seconds).await })
+                    })
+                    .collect();
+                let mut results = Vec::new();
+                for task in tasks {
+                    results.push(task.await??);
+                }
+                anyhow::Ok(results)
+            })?
+        } else {
+            // Send every client its go first, then collect, so they run together.
+            let go = format!("{} {}\n", server.name, seconds.as_secs_f64());
+            for client in self.python.iter_mut() {
+                client.send(&go)?;
+            }
+            let mut results = Vec::new();
+            for client in self.python.iter_mut() {
+                let line = client.line(seconds + Duration::from_secs(60))?;
+                let mut fields = line.split_whitespace();
+                let parsed = (|| Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?)))();
+                results.push(parsed.with_context(|| format!("bench_store_client.py printed {line:?}"))?);
+            }
+            results
+        };
+        let cpu_after = process_cpu_seconds(server.pid);
+        Ok(Measured {
+            pairs: results.iter().map(|r| r.0).sum(),
+            pairs_per_s: results.iter().map(|&(n, t)| n as f64 / t).sum(),
+            server_cpu_s: match (cpu_before, cpu_after) {
+                (Some(a), Some(b)) => b - a,
+                _ => f64::NAN,
+            },
+        })
+    }
 }
-
-const PYTHON: &str = "python";
 
 /// `target/<profile>/chorus`: examples are built into `target/<profile>/examples/`.
 fn default_chorus_bin() -> Result<PathBuf> {
@@ -279,64 +392,6 @@ struct Measured {
     pairs: u64,
     pairs_per_s: f64,
     server_cpu_s: f64,
-}
-
-/// One timed run of every client of `kind` against server number `s`.
-#[allow(clippy::too_many_arguments)]
-fn measure(
-    runtime: &tokio::runtime::Runtime,
-    kind: &str,
-    s: usize,
-    server: &Server,
-    chorus_clients: &[Vec<Arc<TcpStore>>],
-    python_clients: &mut [Proc],
-    value: &[u8],
-    seconds: Duration,
-) -> Result<Measured> {
-    let cpu_before = process_cpu_seconds(server.pid);
-    // Per client: pairs and the seconds it ran. The total rate is the sum of
-    // per-client rates, so a client that starts a little late counts fairly.
-    let results: Vec<(u64, f64)> = if kind == CHORUS {
-        runtime.block_on(async {
-            let tasks: Vec<_> = chorus_clients[s]
-                .iter()
-                .enumerate()
-                .map(|(i, store)| {
-                    let store = store.clone();
-                    let value = value.to_vec();
-                    tokio::spawn(async move { chorus_client_loop(&store, i, &value, seconds).await })
-                })
-                .collect();
-            let mut results = Vec::new();
-            for task in tasks {
-                results.push(task.await??);
-            }
-            anyhow::Ok(results)
-        })?
-    } else {
-        // Send every client its go first, then collect, so they run together.
-        let go = format!("{} {}\n", server.name, seconds.as_secs_f64());
-        for client in python_clients.iter_mut() {
-            client.send(&go)?;
-        }
-        let mut results = Vec::new();
-        for client in python_clients.iter_mut() {
-            let line = client.line(seconds + Duration::from_secs(60))?;
-            let mut fields = line.split_whitespace();
-            let parsed = (|| Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?)))();
-            results.push(parsed.with_context(|| format!("bench_store_client.py printed {line:?}"))?);
-        }
-        results
-    };
-    let cpu_after = process_cpu_seconds(server.pid);
-    Ok(Measured {
-        pairs: results.iter().map(|r| r.0).sum(),
-        pairs_per_s: results.iter().map(|&(n, t)| n as f64 / t).sum(),
-        server_cpu_s: match (cpu_before, cpu_after) {
-            (Some(a), Some(b)) => b - a,
-            _ => f64::NAN,
-        },
-    })
 }
 
 async fn chorus_client_loop(store: &TcpStore, index: usize, value: &[u8], seconds: Duration) -> Result<(u64, f64)> {

@@ -218,74 +218,80 @@ enum BenchSubcommand {
     /// All-reduce algorithms per transport across sizes: the table, the crossovers and the CHORUS_ALGO_THRESHOLDS line.
     Tune(chorus_cli::bench::tune::TuneArgs),
     /// Recovery time of an elastic group: SIGKILL a random rank, time until the survivors' next collective.
-    Recovery {
-        /// Ranks per trial (one is killed; the survivors form the next generation).
-        #[arg(long, default_value_t = 4)]
-        world: usize,
-        /// How many trials.
-        #[arg(long, default_value_t = 10)]
-        trials: usize,
-        /// CHORUS_TRANSPORT for the ranks (auto, quic, shm); default: auto.
-        #[arg(long)]
-        transport: Option<String>,
-        /// CHORUS_HEARTBEAT_TIMEOUT for the ranks, seconds; default: the library's.
-        #[arg(long)]
-        heartbeat_timeout: Option<u64>,
-        /// The elastic rendezvous' last-call window, milliseconds (the library's default).
-        #[arg(long, default_value_t = 1000)]
-        last_call_ms: u64,
-        /// All-reduces per rank (the kill comes after the 20th).
-        #[arg(long, default_value_t = 150)]
-        iterations: u64,
-        /// Seeds which rank is killed and when (default: random).
-        #[arg(long)]
-        seed: Option<u64>,
-        /// Print JSON lines instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// Also measure torchrun restarting a Gloo job (needs torch), trials alternating.
-        #[arg(long, value_parser = ["torchrun"])]
-        compare: Option<String>,
-        /// The Python that runs torchrun for --compare.
-        #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
-        python: String,
-    },
+    Recovery(RecoveryArgs),
     /// Throughput and 8-byte round trip between two processes, per transport, next to raw TCP.
-    Transport {
-        /// Bytes per transfer.
-        #[arg(long, default_value_t = 64 << 20)]
-        size: usize,
-        /// Transfers per throughput sample.
-        #[arg(long, default_value_t = 8)]
-        iters: usize,
-        /// Round trips per latency sample.
-        #[arg(long, default_value_t = 2000)]
-        rtt_iters: usize,
-        /// Samples per path (paths alternate between rounds).
-        #[arg(long, default_value_t = 5)]
-        rounds: usize,
-        /// Print machine-readable rows (JSON lines) instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// The paths to measure, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "tcp,quic,shm", value_parser = ["tcp", "quic", "shm"])]
-        paths: Vec<String>,
-        /// This process's address (e.g. a host of scripts/netem-pair.sh).
-        #[arg(long, default_value = "127.0.0.1")]
-        bind: std::net::IpAddr,
-        /// The peer's address [default: --bind].
-        #[arg(long)]
-        peer_bind: Option<std::net::IpAddr>,
-        /// Command words that start the peer where --peer-bind is, e.g. "ip netns exec NAME-b".
-        #[arg(long)]
-        peer_prefix: Option<String>,
-        /// QUIC's congestion controller: auto (Cubic on loopback, BBR between hosts), cubic, newreno, bbr.
-        #[arg(long, default_value = "auto", value_parser = ["auto", "cubic", "newreno", "bbr"])]
-        quic_congestion: String,
-        /// Internal: run as the peer process, using this store.
-        #[arg(long, hide = true)]
-        peer_store: Option<std::net::SocketAddr>,
-    },
+    Transport(TransportArgs),
+}
+
+#[derive(Args)]
+struct RecoveryArgs {
+    /// Ranks per trial (one is killed; the survivors form the next generation).
+    #[arg(long, default_value_t = 4)]
+    world: usize,
+    /// How many trials.
+    #[arg(long, default_value_t = 10)]
+    trials: usize,
+    /// CHORUS_TRANSPORT for the ranks (auto, quic, shm); default: auto.
+    #[arg(long)]
+    transport: Option<String>,
+    /// CHORUS_HEARTBEAT_TIMEOUT for the ranks, seconds; default: the library's.
+    #[arg(long)]
+    heartbeat_timeout: Option<u64>,
+    /// The elastic rendezvous' last-call window, milliseconds (the library's default).
+    #[arg(long, default_value_t = 1000)]
+    last_call_ms: u64,
+    /// All-reduces per rank (the kill comes after the 20th).
+    #[arg(long, default_value_t = 150)]
+    iterations: u64,
+    /// Seeds which rank is killed and when (default: random).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print JSON lines instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Also measure torchrun restarting a Gloo job (needs torch), trials alternating.
+    #[arg(long, value_parser = ["torchrun"])]
+    compare: Option<String>,
+    /// The Python that runs torchrun for --compare.
+    #[arg(long, default_value = "python3", env = "CHORUS_BENCH_PYTHON")]
+    python: String,
+}
+
+#[derive(Args)]
+struct TransportArgs {
+    /// Bytes per transfer.
+    #[arg(long, default_value_t = 64 << 20)]
+    size: usize,
+    /// Transfers per throughput sample.
+    #[arg(long, default_value_t = 8)]
+    iters: usize,
+    /// Round trips per latency sample.
+    #[arg(long, default_value_t = 2000)]
+    rtt_iters: usize,
+    /// Samples per path (paths alternate between rounds).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Print machine-readable rows (JSON lines) instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// The paths to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "tcp,quic,shm", value_parser = ["tcp", "quic", "shm"])]
+    paths: Vec<String>,
+    /// This process's address (e.g. a host of scripts/netem-pair.sh).
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: std::net::IpAddr,
+    /// The peer's address [default: --bind].
+    #[arg(long)]
+    peer_bind: Option<std::net::IpAddr>,
+    /// Command words that start the peer where --peer-bind is, e.g. "ip netns exec NAME-b".
+    #[arg(long)]
+    peer_prefix: Option<String>,
+    /// QUIC's congestion controller: auto (Cubic on loopback, BBR between hosts), cubic, newreno, bbr.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "cubic", "newreno", "bbr"])]
+    quic_congestion: String,
+    /// Internal: run as the peer process, using this store.
+    #[arg(long, hide = true)]
+    peer_store: Option<std::net::SocketAddr>,
 }
 
 #[derive(Subcommand)]
@@ -432,51 +438,13 @@ fn main() -> ExitCode {
             .build()
             .context("starting the async runtime")
             .and_then(|runtime| runtime.block_on(store_command(command))),
-        // A rank drives its links from one thread, as its actor will: a
-        // cross-thread wake-up per packet tripled the QUIC round trip.
         Commands::Selftest {
             init,
             timeout,
             counts,
             dtypes,
-            backend: chorus_cli::selftest::SelfTestBackend::Cpu,
-        } => run_async(selftest(
-            init,
-            Duration::from_secs(timeout),
-            counts.unwrap_or_else(|| vec![0, 1, 13, 1000]),
-            dtypes.unwrap_or_else(|| chorus_cli::selftest::ALL_DTYPES.to_vec()),
-        )),
-        Commands::Selftest {
-            dtypes: Some(_),
-            backend: chorus_cli::selftest::SelfTestBackend::Nccl,
-            ..
-        } => {
-            eprintln!("chorus: selftest --backend nccl checks its own dtypes; --dtypes is for --backend cpu");
-            Ok(ExitCode::from(2))
-        }
-        // One GPU per process; the probe's message and exit code 2 where
-        // CUDA or NCCL is missing, which the launcher reports as the worker's.
-        Commands::Selftest {
-            init,
-            timeout,
-            counts,
-            dtypes: None,
-            backend: chorus_cli::selftest::SelfTestBackend::Nccl,
-        } => run_async(async move {
-            use chorus_cli::selftest::nccl;
-            let counts = counts.unwrap_or_else(|| nccl::DEFAULT_COUNTS.to_vec());
-            let mut report = |line: &str| println!("{line}");
-            match nccl::run(&init, Duration::from_secs(timeout), &counts, &mut report).await {
-                Ok(summary) => {
-                    println!("{summary}");
-                    Ok(ExitCode::SUCCESS)
-                }
-                Err(error) => {
-                    eprintln!("chorus: selftest --backend nccl: {error}");
-                    Ok(ExitCode::from(error.exit_code()))
-                }
-            }
-        }),
+            backend,
+        } => selftest_command(init, Duration::from_secs(timeout), counts, dtypes, backend),
         Commands::Bench(command) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -522,6 +490,49 @@ fn main() -> ExitCode {
             eprintln!("chorus: error: {}", chorus::error_report(error.as_ref()));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `chorus selftest`: the cpu backend's check of every collective and dtype,
+/// or the nccl backend's (which picks its own dtypes).
+fn selftest_command(
+    init: String,
+    timeout: Duration,
+    counts: Option<Vec<usize>>,
+    dtypes: Option<Vec<DType>>,
+    backend: chorus_cli::selftest::SelfTestBackend,
+) -> Result<ExitCode> {
+    use chorus_cli::selftest::SelfTestBackend;
+    match (backend, dtypes) {
+        // A rank drives its links from one thread, as its actor will: a
+        // cross-thread wake-up per packet tripled the QUIC round trip.
+        (SelfTestBackend::Cpu, dtypes) => run_async(selftest(
+            init,
+            timeout,
+            counts.unwrap_or_else(|| vec![0, 1, 13, 1000]),
+            dtypes.unwrap_or_else(|| chorus_cli::selftest::ALL_DTYPES.to_vec()),
+        )),
+        (SelfTestBackend::Nccl, Some(_)) => {
+            eprintln!("chorus: selftest --backend nccl checks its own dtypes; --dtypes is for --backend cpu");
+            Ok(ExitCode::from(2))
+        }
+        // One GPU per process; the probe's message and exit code 2 where
+        // CUDA or NCCL is missing, which the launcher reports as the worker's.
+        (SelfTestBackend::Nccl, None) => run_async(async move {
+            use chorus_cli::selftest::nccl;
+            let counts = counts.unwrap_or_else(|| nccl::DEFAULT_COUNTS.to_vec());
+            let mut report = |line: &str| println!("{line}");
+            match nccl::run(&init, timeout, &counts, &mut report).await {
+                Ok(summary) => {
+                    println!("{summary}");
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(error) => {
+                    eprintln!("chorus: selftest --backend nccl: {error}");
+                    Ok(ExitCode::from(error.exit_code()))
+                }
+            }
+        }),
     }
 }
 
@@ -790,88 +801,87 @@ async fn elastic_probe(
     last_call: Duration,
     kill_after: Option<u64>,
 ) -> Result<ExitCode> {
-    use chorus::{ReduceOp, Tensor};
     let mut options = InitOptions::from_url(&url)?
         .timeout(Duration::from_secs(30))
         .last_call(last_call);
     options.min_world = min_world;
     options.max_world = max_world;
     let group = chorus::ElasticGroup::init(options).await?;
-    let pg = group.current();
-    println!(
-        "probe rank={} gen={} world={} pid={} event=ready",
-        pg.rank(),
-        pg.generation(),
-        pg.world_size(),
-        std::process::id()
-    );
-    let mut done = 0u64;
-    if pg.generation() > 0 {
-        // Joined a running job (a relaunched worker): the survivors agree on
-        // the step to resume from, and a joiner has none to offer.
-        let step = pg
-            .all_reduce(Tensor::from_slice(&[f64::INFINITY]), ReduceOp::Min)
-            .await?;
-        let step = step.to_vec::<f64>()?[0];
-        done = if step.is_finite() { step as u64 } else { 0 };
+    let mut probe = ElasticProbe::ready(group, kill_after).await?;
+    while probe.done < iterations {
+        probe.step().await?;
+    }
+    probe.leave().await
+}
+
+/// `chorus elastic-probe` between two all-reduces: its group, the
+/// all-reduces done and the generation they were done in.
+struct ElasticProbe {
+    group: chorus::ElasticGroup,
+    done: u64,
+    generation: u64,
+    /// The all-reduces after which this process SIGKILLs itself.
+    kill_after: Option<u64>,
+}
+
+impl ElasticProbe {
+    /// Says it is ready; a process that joined a running job first agrees
+    /// with the survivors on the step to resume from.
+    async fn ready(group: chorus::ElasticGroup, kill_after: Option<u64>) -> Result<Self> {
+        use chorus::{ReduceOp, Tensor};
+        let pg = group.current();
         println!(
-            "probe rank={} gen={} world={} event=joined resume={done}",
+            "probe rank={} gen={} world={} pid={} event=ready",
             pg.rank(),
             pg.generation(),
-            pg.world_size()
+            pg.world_size(),
+            std::process::id()
         );
+        let mut done = 0u64;
+        if pg.generation() > 0 {
+            // Joined a running job (a relaunched worker): the survivors agree on
+            // the step to resume from, and a joiner has none to offer.
+            let step = pg
+                .all_reduce(Tensor::from_slice(&[f64::INFINITY]), ReduceOp::Min)
+                .await?;
+            let step = step.to_vec::<f64>()?[0];
+            done = if step.is_finite() { step as u64 } else { 0 };
+            println!(
+                "probe rank={} gen={} world={} event=joined resume={done}",
+                pg.rank(),
+                pg.generation(),
+                pg.world_size()
+            );
+        }
+        let generation = pg.generation();
+        Ok(Self {
+            group,
+            done,
+            generation,
+            kill_after,
+        })
     }
-    let mut generation = pg.generation();
-    while done < iterations {
-        let pg = group.current();
-        let result = if pg.generation() != generation {
+
+    /// One all-reduce of ones checked, or the first of a new generation.
+    async fn step(&mut self) -> Result<()> {
+        use chorus::{ReduceOp, Tensor};
+        let pg = self.group.current();
+        let result = if pg.generation() != self.generation {
             // A new generation, seen through an error below or formed by the
             // supervisor between two operations: a collective may have
             // completed on some survivors only, so resume from the least step.
-            match pg.all_reduce(Tensor::from_slice(&[done as f64]), ReduceOp::Min).await {
-                Ok(step) => {
-                    done = step.to_vec::<f64>()?[0] as u64;
-                    generation = pg.generation();
-                    // at_us: when the first collective of the new generation completed here.
-                    println!(
-                        "probe rank={} gen={} world={} event=restarted resume={done} at_us={}",
-                        pg.rank(),
-                        pg.generation(),
-                        pg.world_size(),
-                        chorus_cli::bench::recovery::unix_us()
-                    );
-                    continue;
-                }
+            match pg
+                .all_reduce(Tensor::from_slice(&[self.done as f64]), ReduceOp::Min)
+                .await
+            {
+                Ok(step) => return self.resume(&pg, step),
                 Err(error) => Err(error),
             }
         } else {
             pg.all_reduce(Tensor::from_slice(&[1.0f32; 1024]), ReduceOp::Sum).await
         };
         match result {
-            Ok(sum) => {
-                if !sum.to_vec::<f32>()?.iter().all(|&v| v == pg.world_size() as f32) {
-                    bail!(
-                        "rank {} generation {}: all_reduce gave a wrong sum",
-                        pg.rank(),
-                        pg.generation()
-                    );
-                }
-                done += 1;
-                if Some(done) == kill_after {
-                    println!(
-                        "probe rank={} gen={} pid={} event=killing-self at_us={}",
-                        pg.rank(),
-                        pg.generation(),
-                        std::process::id(),
-                        chorus_cli::bench::recovery::unix_us()
-                    );
-                    process::signal_self(libc::SIGKILL);
-                }
-                if done == 20 {
-                    println!("probe rank={} gen={} event=running", pg.rank(), pg.generation());
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            Ok(sum) => self.summed(&pg, sum).await,
             Err(error) => {
                 println!(
                     "probe rank={} gen={} event=error at_us={} error={error}",
@@ -879,24 +889,74 @@ async fn elastic_probe(
                     pg.generation(),
                     chorus_cli::bench::recovery::unix_us()
                 );
-                group
+                self.group
                     .next_generation(pg.generation())
                     .await
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
+                Ok(())
             }
         }
     }
-    let pg = group.current();
-    println!(
-        "probe rank={} gen={} world={} event=done iterations={done} pid={}",
-        pg.rank(),
-        pg.generation(),
-        pg.world_size(),
-        std::process::id()
-    );
-    drop(pg);
-    group.destroy().await?;
-    Ok(ExitCode::SUCCESS)
+
+    /// Resumes in `pg`'s generation from the least step its members hold.
+    fn resume(&mut self, pg: &chorus::ProcessGroup, step: chorus::Tensor) -> Result<()> {
+        self.done = step.to_vec::<f64>()?[0] as u64;
+        self.generation = pg.generation();
+        // at_us: when the first collective of the new generation completed here.
+        println!(
+            "probe rank={} gen={} world={} event=restarted resume={} at_us={}",
+            pg.rank(),
+            pg.generation(),
+            pg.world_size(),
+            self.done,
+            chorus_cli::bench::recovery::unix_us()
+        );
+        Ok(())
+    }
+
+    /// Checks a sum against the world size and counts it; kills this
+    /// process where asked, says when it is running.
+    async fn summed(&mut self, pg: &chorus::ProcessGroup, sum: chorus::Tensor) -> Result<()> {
+        if !sum.to_vec::<f32>()?.iter().all(|&v| v == pg.world_size() as f32) {
+            bail!(
+                "rank {} generation {}: all_reduce gave a wrong sum",
+                pg.rank(),
+                pg.generation()
+            );
+        }
+        self.done += 1;
+        if Some(self.done) == self.kill_after {
+            println!(
+                "probe rank={} gen={} pid={} event=killing-self at_us={}",
+                pg.rank(),
+                pg.generation(),
+                std::process::id(),
+                chorus_cli::bench::recovery::unix_us()
+            );
+            process::signal_self(libc::SIGKILL);
+        }
+        if self.done == 20 {
+            println!("probe rank={} gen={} event=running", pg.rank(), pg.generation());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(())
+    }
+
+    /// Says it is done and leaves the group.
+    async fn leave(self) -> Result<ExitCode> {
+        let pg = self.group.current();
+        println!(
+            "probe rank={} gen={} world={} event=done iterations={} pid={}",
+            pg.rank(),
+            pg.generation(),
+            pg.world_size(),
+            self.done,
+            std::process::id()
+        );
+        drop(pg);
+        self.group.destroy().await?;
+        Ok(ExitCode::SUCCESS)
+    }
 }
 
 /// Starts `--world` worker processes, prefixes their output with their rank
@@ -922,100 +982,142 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
         _ => chorus_cli::launch::random_hex(32)?,
     };
     println!("chorus hello: {} ranks meeting over {url}", args.world);
-    // (rank, from stderr, line)
-    let (lines_tx, lines_rx) = mpsc::channel::<(usize, bool, String)>();
-    let mut children: Vec<Child> = Vec::new();
-    for rank in 0..args.world {
-        let mut command = Command::new(&exe);
-        torchrun_env(&mut command, rank, args.world, port);
-        command
-            .args(["hello", "--timeout", &args.timeout.to_string(), "--worker", &url])
-            .env("CHORUS_JOB_SECRET", &secret)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = command.spawn().with_context(|| format!("starting rank {rank}"))?;
-        let stdout = child
-            .stdout
-            .take()
-            .map(|s| (false, Box::new(s) as Box<dyn std::io::Read + Send>));
-        let stderr = child
-            .stderr
-            .take()
-            .map(|s| (true, Box::new(s) as Box<dyn std::io::Read + Send>));
-        for (is_stderr, stream) in [stdout, stderr].into_iter().flatten() {
-            let tx = lines_tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send((rank, is_stderr, line));
-                }
-            });
-        }
-        children.push(child);
-    }
-    drop(lines_tx);
-    let mut last_error: Vec<Option<String>> = vec![None; args.world];
-    let mut show = |(rank, is_stderr, line): (usize, bool, String)| {
-        if is_stderr && !line.trim().is_empty() {
-            last_error[rank] = Some(line.clone());
-        }
-        println!("[{rank}]: {line}");
-    };
-    let deadline = Instant::now() + Duration::from_secs(args.timeout) + Duration::from_secs(5);
-    let mut failed: Vec<(usize, String)> = Vec::new();
-    let mut running: Vec<usize> = (0..children.len()).collect();
-    while !running.is_empty() && failed.is_empty() {
-        while let Ok(line) = lines_rx.try_recv() {
-            show(line);
-        }
-        running.retain(|&rank| match children[rank].try_wait() {
-            Ok(Some(status)) => {
-                if !status.success() {
-                    failed.push((rank, format!("exited with {status}")));
-                }
-                false
-            }
-            Ok(None) => true,
-            Err(_) => false,
-        });
-        if failed.is_empty() && Instant::now() > deadline {
-            failed.extend(
-                running
-                    .iter()
-                    .map(|&rank| (rank, format!("was still running after {}s", args.timeout))),
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for &rank in &running {
-        let _ = children[rank].kill();
-    }
-    for child in &mut children {
-        let _ = child.wait();
-    }
-    for line in lines_rx.iter() {
-        show(line);
-    }
+    let mut ranks = HelloRanks::start(args, &exe, &url, port, &secret)?;
+    let failed = ranks.watch(args.timeout);
+    ranks.stop();
     let _ = std::fs::remove_file(&store_file);
     if failed.is_empty() {
         println!("chorus hello: all {} ranks found each other", args.world);
         return Ok(ExitCode::SUCCESS);
     }
-    let mut why: Vec<String> = failed
-        .iter()
-        .map(|(rank, how)| match &last_error[*rank] {
-            Some(line) => format!("rank {rank} {how}: {}", line.trim_start_matches("chorus: error: ")),
-            None => format!("rank {rank} {how}"),
+    bail!("{}", ranks.why(&failed))
+}
+
+/// The rank processes of `chorus hello`, and what they printed.
+struct HelloRanks {
+    children: Vec<Child>,
+    /// (rank, from stderr, line)
+    lines: mpsc::Receiver<(usize, bool, String)>,
+    /// Each rank's last line on stderr: why it failed.
+    last_error: Vec<Option<String>>,
+    /// The ranks not seen to exit.
+    running: Vec<usize>,
+}
+
+impl HelloRanks {
+    /// Starts every rank, its output forwarded line by line.
+    fn start(args: &HelloArgs, exe: &std::path::Path, url: &str, port: u16, secret: &str) -> Result<Self> {
+        let (lines_tx, lines) = mpsc::channel::<(usize, bool, String)>();
+        let mut children: Vec<Child> = Vec::new();
+        for rank in 0..args.world {
+            let mut command = Command::new(exe);
+            torchrun_env(&mut command, rank, args.world, port);
+            command
+                .args(["hello", "--timeout", &args.timeout.to_string(), "--worker", url])
+                .env("CHORUS_JOB_SECRET", secret)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let mut child = command.spawn().with_context(|| format!("starting rank {rank}"))?;
+            let stdout = child
+                .stdout
+                .take()
+                .map(|s| (false, Box::new(s) as Box<dyn std::io::Read + Send>));
+            let stderr = child
+                .stderr
+                .take()
+                .map(|s| (true, Box::new(s) as Box<dyn std::io::Read + Send>));
+            for (is_stderr, stream) in [stdout, stderr].into_iter().flatten() {
+                let tx = lines_tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                        let _ = tx.send((rank, is_stderr, line));
+                    }
+                });
+            }
+            children.push(child);
+        }
+        Ok(Self {
+            running: (0..children.len()).collect(),
+            last_error: vec![None; args.world],
+            children,
+            lines,
         })
-        .collect();
-    let stopped: Vec<String> = running
-        .iter()
-        .filter(|r| !failed.iter().any(|(f, _)| f == *r))
-        .map(ToString::to_string)
-        .collect();
-    if !stopped.is_empty() {
-        why.push(format!("killed the other ranks still running ({})", stopped.join(", ")));
     }
-    bail!("{}", why.join("; "))
+
+    /// Prints a rank's line, and keeps it when it may say why the rank failed.
+    fn show(&mut self, (rank, is_stderr, line): (usize, bool, String)) {
+        if is_stderr && !line.trim().is_empty() {
+            self.last_error[rank] = Some(line.clone());
+        }
+        println!("[{rank}]: {line}");
+    }
+
+    /// Shows the ranks' lines until every rank exited, one failed, or the
+    /// job outlived `timeout` seconds (every rank still running failed);
+    /// returns the failures.
+    fn watch(&mut self, timeout: u64) -> Vec<(usize, String)> {
+        let deadline = Instant::now() + Duration::from_secs(timeout) + Duration::from_secs(5);
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        while !self.running.is_empty() && failed.is_empty() {
+            while let Ok(line) = self.lines.try_recv() {
+                self.show(line);
+            }
+            self.running.retain(|&rank| match self.children[rank].try_wait() {
+                Ok(Some(status)) => {
+                    if !status.success() {
+                        failed.push((rank, format!("exited with {status}")));
+                    }
+                    false
+                }
+                Ok(None) => true,
+                Err(_) => false,
+            });
+            if failed.is_empty() && Instant::now() > deadline {
+                failed.extend(
+                    self.running
+                        .iter()
+                        .map(|&rank| (rank, format!("was still running after {timeout}s"))),
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        failed
+    }
+
+    /// Kills the ranks still running, waits for every one and shows their last lines.
+    fn stop(&mut self) {
+        for &rank in &self.running {
+            let _ = self.children[rank].kill();
+        }
+        for child in &mut self.children {
+            let _ = child.wait();
+        }
+        while let Ok(line) = self.lines.recv() {
+            self.show(line);
+        }
+    }
+
+    /// Why the job failed: each failed rank with its last error line, and
+    /// the ranks killed because of it.
+    fn why(&self, failed: &[(usize, String)]) -> String {
+        let mut why: Vec<String> = failed
+            .iter()
+            .map(|(rank, how)| match &self.last_error[*rank] {
+                Some(line) => format!("rank {rank} {how}: {}", line.trim_start_matches("chorus: error: ")),
+                None => format!("rank {rank} {how}"),
+            })
+            .collect();
+        let stopped: Vec<String> = self
+            .running
+            .iter()
+            .filter(|r| !failed.iter().any(|(f, _)| f == *r))
+            .map(ToString::to_string)
+            .collect();
+        if !stopped.is_empty() {
+            why.push(format!("killed the other ranks still running ({})", stopped.join(", ")));
+        }
+        why.join("; ")
+    }
 }
 
 /// `chorus dashboard`: the page of the job on `store`, until interrupted.
@@ -1149,80 +1251,7 @@ async fn store_command(command: StoreCommand) -> Result<ExitCode> {
 }
 
 async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
-    use chorus_cli::bench::transport::{TransportBench, run_leader, run_peer};
-    if let Some(BenchSubcommand::Ddp(args)) = command.command {
-        return tokio::task::spawn_blocking(move || match args.worker {
-            true => chorus_cli::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
-            false => chorus_cli::bench::ddp::run(&args),
-        })
-        .await?;
-    }
-    if let Some(BenchSubcommand::Memory(args)) = command.command {
-        return tokio::task::spawn_blocking(move || chorus_cli::bench::memory::run(&args)).await?;
-    }
-    if let Some(BenchSubcommand::Tune(args)) = command.command {
-        return tokio::task::spawn_blocking(move || chorus_cli::bench::tune::run(&args)).await?;
-    }
-    if let Some(BenchSubcommand::Scale(args)) = command.command {
-        let ok = tokio::task::spawn_blocking(move || chorus_cli::bench::scale::run(&args)).await??;
-        return Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
-    }
-    if let Some(BenchSubcommand::Transfer(args)) = command.command {
-        // The parent only waits on its ranks; a rank runs on a runtime of its own.
-        return tokio::task::spawn_blocking(move || match args.worker {
-            true => chorus_cli::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
-            false => chorus_cli::bench::transfer::run(&args),
-        })
-        .await?;
-    }
-    if let Some(BenchSubcommand::Recovery {
-        world,
-        trials,
-        transport,
-        heartbeat_timeout,
-        last_call_ms,
-        iterations,
-        seed,
-        json,
-        compare,
-        python,
-    }) = command.command
-    {
-        if world < 2 || iterations <= 20 {
-            bail!("--world must be at least 2 and --iterations above 20 (the kill comes after the 20th)");
-        }
-        let bench = chorus_cli::bench::recovery::RecoveryBench {
-            world,
-            trials,
-            transport,
-            heartbeat_timeout,
-            last_call_ms,
-            iterations,
-            seed: seed.unwrap_or_else(rand_seed),
-            trial_timeout: Duration::from_secs(60),
-            compare_torchrun: compare.map(|_| python),
-        };
-        let failed = chorus_cli::bench::recovery::run(&bench, json).await?;
-        return Ok(if failed == 0 {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        });
-    }
-    let Some(BenchSubcommand::Transport {
-        size,
-        iters,
-        rtt_iters,
-        rounds,
-        json,
-        paths,
-        bind,
-        peer_bind,
-        peer_prefix,
-        quic_congestion,
-        peer_store,
-    }) = command.command
-    else {
+    let Some(subcommand) = command.command else {
         let args = command.collective;
         if args.worker {
             chorus_cli::bench::collective::run_worker(&args).await?;
@@ -1231,30 +1260,89 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         // The parent only waits on its ranks' pipes: off the async thread.
         return tokio::task::spawn_blocking(move || chorus_cli::bench::collective::run(&args)).await?;
     };
+    match subcommand {
+        BenchSubcommand::Ddp(args) => {
+            tokio::task::spawn_blocking(move || match args.worker {
+                true => chorus_cli::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+                false => chorus_cli::bench::ddp::run(&args),
+            })
+            .await?
+        }
+        BenchSubcommand::Memory(args) => {
+            tokio::task::spawn_blocking(move || chorus_cli::bench::memory::run(&args)).await?
+        }
+        BenchSubcommand::Tune(args) => tokio::task::spawn_blocking(move || chorus_cli::bench::tune::run(&args)).await?,
+        BenchSubcommand::Scale(args) => {
+            let ok = tokio::task::spawn_blocking(move || chorus_cli::bench::scale::run(&args)).await??;
+            Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        BenchSubcommand::Transfer(args) => {
+            // The parent only waits on its ranks; a rank runs on a runtime of its own.
+            tokio::task::spawn_blocking(move || match args.worker {
+                true => chorus_cli::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+                false => chorus_cli::bench::transfer::run(&args),
+            })
+            .await?
+        }
+        BenchSubcommand::Recovery(args) => bench_recovery(args).await,
+        BenchSubcommand::Transport(args) => bench_transport(args).await,
+    }
+}
+
+/// `chorus bench recovery`: the trials, then success where every one recovered.
+async fn bench_recovery(args: RecoveryArgs) -> Result<ExitCode> {
+    if args.world < 2 || args.iterations <= 20 {
+        bail!("--world must be at least 2 and --iterations above 20 (the kill comes after the 20th)");
+    }
+    let bench = chorus_cli::bench::recovery::RecoveryBench {
+        world: args.world,
+        trials: args.trials,
+        transport: args.transport,
+        heartbeat_timeout: args.heartbeat_timeout,
+        last_call_ms: args.last_call_ms,
+        iterations: args.iterations,
+        seed: args.seed.unwrap_or_else(rand_seed),
+        trial_timeout: Duration::from_secs(60),
+        compare_torchrun: args.compare.map(|_| args.python),
+    };
+    let failed = chorus_cli::bench::recovery::run(&bench, args.json).await?;
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `chorus bench transport`: as the leader, the table (or JSON rows); as
+/// the peer process, its half of every path.
+async fn bench_transport(args: TransportArgs) -> Result<ExitCode> {
+    use chorus_cli::bench::transport::{TransportBench, run_leader, run_peer};
     let bench = TransportBench {
-        size,
-        iters,
-        rtt_iters,
-        rounds: rounds.max(1),
+        size: args.size,
+        iters: args.iters,
+        rtt_iters: args.rtt_iters,
+        rounds: args.rounds.max(1),
         paths: chorus_cli::bench::transport::PATHS
             .into_iter()
-            .filter(|p| paths.iter().any(|q| q == p))
+            .filter(|p| args.paths.iter().any(|q| q == p))
             .collect(),
-        bind,
-        peer_bind: peer_bind.unwrap_or(bind),
-        peer_prefix: peer_prefix
+        bind: args.bind,
+        peer_bind: args.peer_bind.unwrap_or(args.bind),
+        peer_prefix: args
+            .peer_prefix
             .map(|p| p.split_whitespace().map(str::to_string).collect())
             .unwrap_or_default(),
-        quic_congestion,
+        quic_congestion: args.quic_congestion,
     };
-    if let Some(store) = peer_store {
+    if let Some(store) = args.peer_store {
         run_peer(&bench, store).await?;
         return Ok(ExitCode::SUCCESS);
     }
     let exe = std::env::current_exe().context("locating the chorus binary")?;
     let (results, memcpy) = run_leader(&bench, &exe).await?;
     let tcp = results.iter().find(|r| r.path == "tcp").map(|r| (r.gbps, r.rtt_us));
-    if json {
+    let size = args.size;
+    if args.json {
         for r in &results {
             println!(
                 "{{\"path\":\"{}\",\"bytes\":{},\"gbps\":{:.6},\"rtt_us\":{:.1},\"memcpy_gbps\":{:.2}}}",
@@ -1263,6 +1351,7 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
+    let (iters, rtt_iters, rounds) = (args.iters, args.rtt_iters, args.rounds);
     println!(
         "# chorus bench transport: {size} B x {iters} per sample, {rtt_iters} round trips, median of {rounds} rounds"
     );

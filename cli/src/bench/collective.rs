@@ -535,6 +535,45 @@ fn make_row(args: &CollectiveArgs, count: usize, raws: &[Raw]) -> Row {
 /// The parent: starts the sides, alternates them per size, prints the tables
 /// (or JSON rows) and draws the plot.
 pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
+    check_args(args)?;
+    let counts = sweep_counts(args)?;
+    let timeout = Duration::from_secs(args.timeout);
+    let mut sides = Sides::start(args, timeout)?;
+    for note in &sides.notes {
+        eprintln!("chorus bench: {note}");
+    }
+    let answers = match sides.sweep(args, &counts, timeout) {
+        Ok(answers) => answers,
+        Err(error) => {
+            // A failed step may have left a rank frozen: dropping a side kills
+            // its ranks (SIGKILL) instead of asking them to quit.
+            drop(sides);
+            return Err(error);
+        }
+    };
+    sides.finish();
+    let report = Report::new(args, &sides, &counts, &answers);
+    let json_rows = report.json_rows();
+    if let Some(path) = &args.json_file {
+        std::fs::write(path, &json_rows).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.json {
+        print!("{json_rows}");
+    } else {
+        report.print_tables();
+    }
+    if let Some(path) = &args.plot {
+        report.draw_plot(path)?;
+    }
+    Ok(if report.wrong() > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Refuses the flags that cannot be measured together.
+fn check_args(args: &CollectiveArgs) -> Result<()> {
     if args.world == 0 {
         bail!("--world must be at least 1");
     }
@@ -554,17 +593,17 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
     if args.min_bytes > args.max_bytes {
         bail!("-b {} is larger than -e {}", args.min_bytes, args.max_bytes);
     }
-    let spec = Spec::from(args);
-    let timeout = Duration::from_secs(args.timeout);
-    let counts: Vec<usize> = {
-        let mut c: Vec<usize> = sizes(args.min_bytes, args.max_bytes, args.step_factor)
-            .into_iter()
-            .map(|b| args.op.count_for(b, args.dtype, args.world))
-            .filter(|&c| c > 0)
-            .collect();
-        c.dedup();
-        c
-    };
+    Ok(())
+}
+
+/// The counts of the size sweep, each once, every one at least an element per rank.
+fn sweep_counts(args: &CollectiveArgs) -> Result<Vec<usize>> {
+    let mut counts: Vec<usize> = sizes(args.min_bytes, args.max_bytes, args.step_factor)
+        .into_iter()
+        .map(|b| args.op.count_for(b, args.dtype, args.world))
+        .filter(|&c| c > 0)
+        .collect();
+    counts.dedup();
     if counts.is_empty() {
         bail!(
             "no size in -b {} -e {} holds one element per rank",
@@ -572,20 +611,61 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
             args.max_bytes
         );
     }
+    Ok(counts)
+}
 
-    // The sides: chorus per transport, then the peer.
-    let mut sides: Vec<(Box<dyn Side>, String)> = Vec::new();
-    let mut notes = Vec::new();
-    let (cpus, bound) = rank_cpus(&args.numa_binding, args.world);
-    if !args.in_process {
-        notes.push(bound);
+/// The sides of a run: chorus per transport (or in process), then the peer.
+/// Dropped, they go in that order.
+struct Sides {
+    /// chorus's sides, each with its transport (`local` in process).
+    chorus: Vec<(Box<dyn Side>, String)>,
+    /// The peer, when `--compare` asked for it and it started.
+    gloo: Option<ProcessSide>,
+    /// The peer's name in the tables (`torch X gloo`), when it started.
+    peer_label: Option<String>,
+    /// What stderr and the tables' header say: the binding, a peer that did not start.
+    notes: Vec<String>,
+}
+
+/// Every answer of the sweep: [side][size][round] every rank's answer; the
+/// peer's [size][round] (None: that round failed).
+struct Answers {
+    chorus: Vec<Vec<Vec<Vec<Raw>>>>,
+    gloo: Vec<Vec<Option<Vec<Raw>>>>,
+}
+
+impl Sides {
+    /// Starts chorus's sides, then the peer's when asked for.
+    fn start(args: &CollectiveArgs, timeout: Duration) -> Result<Self> {
+        let mut notes = Vec::new();
+        let (cpus, bound) = rank_cpus(&args.numa_binding, args.world);
+        if !args.in_process {
+            notes.push(bound);
+        }
+        let chorus = Self::start_chorus(args, &cpus, timeout)?;
+        let mut sides = Self {
+            chorus,
+            gloo: None,
+            peer_label: None,
+            notes,
+        };
+        if args.compare == Some(Peer::Gloo) {
+            sides.start_gloo(args, &cpus, timeout)?;
+        }
+        Ok(sides)
     }
-    if args.in_process {
-        sides.push((
-            Box::new(InProcessSide::start(spec.clone(), args.world)?),
-            "local".into(),
-        ));
-    } else {
+
+    /// One in-process side, or a side of rank processes per transport.
+    fn start_chorus(
+        args: &CollectiveArgs,
+        cpus: &[Vec<usize>],
+        timeout: Duration,
+    ) -> Result<Vec<(Box<dyn Side>, String)>> {
+        if args.in_process {
+            let side = InProcessSide::start(Spec::from(args), args.world)?;
+            return Ok(vec![(Box::new(side), "local".into())]);
+        }
+        let mut sides: Vec<(Box<dyn Side>, String)> = Vec::new();
         let mut transports = args.transport.clone();
         transports.dedup();
         for transport in transports {
@@ -604,187 +684,260 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                 &flags,
                 args.world,
                 &[],
-                &cpus,
+                cpus,
                 timeout,
             )?;
             sides.push((Box::new(side), transport));
         }
-    }
-    let mut peer_label = None;
-    let mut gloo: Option<ProcessSide> = None;
-    if args.compare == Some(Peer::Gloo) {
-        match python_peer(&args.python, "gloo", GLOO_SCRIPT) {
-            Ok(peer) => {
-                let mut flags = vec!["-u".to_string(), peer.script.path().to_string_lossy().into_owned()];
-                flags.extend(worker_flags(args));
-                let env = vec![("OMP_NUM_THREADS".to_string(), "1".to_string())];
-                let version = peer.version;
-                let mut side = ProcessSide::start(
-                    format!("gloo (torch {version})"),
-                    &args.python,
-                    &flags,
-                    args.world,
-                    &env,
-                    &cpus,
-                )?;
-                // The ranks have read the script once their group formed.
-                let ready = side.wait_ready(timeout);
-                drop(peer.script);
-                match ready {
-                    Ok(()) => {
-                        peer_label = Some(format!("torch {version} gloo"));
-                        gloo = Some(side);
-                    }
-                    Err(e) => notes.push(format!("--compare gloo: Gloo did not start ({e:#}); no comparison")),
-                }
-            }
-            Err(e @ PeerError::NoTorch { .. }) => notes.push(format!(
-                "--compare gloo: {e}; no comparison (pip install torch to enable it)"
-            )),
-            Err(e) => return Err(e).context("the Gloo script"),
-        }
-    }
-    for note in &notes {
-        eprintln!("chorus bench: {note}");
+        Ok(sides)
     }
 
-    // The sweep, alternating the sides per size and round.
-    let rounds = args.rounds as usize;
-    let total = (counts.len() * rounds * (sides.len() + usize::from(gloo.is_some()))) as u64;
-    let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    // [side][size][round] every rank's answer; the peer's [size][round] (None: that round failed).
-    let mut answers: Vec<Vec<Vec<Vec<Raw>>>> = vec![Vec::new(); sides.len()];
-    let mut gloo_answers: Vec<Vec<Option<Vec<Raw>>>> = Vec::new();
-    // Piped output shows no table until the end (and no bar where stderr
-    // is not a terminal either): a line per finished size says it runs.
-    let per_size = !std::io::stdout().is_terminal();
-    let result: Result<()> = (|| {
-        for (done, &count) in counts.iter().enumerate() {
-            let bytes = args.op.bytes(count, args.dtype, args.world);
-            answers.iter_mut().for_each(|a| a.push(Vec::new()));
-            gloo_answers.push(Vec::new());
-            for round in 1..=rounds {
-                for (i, (side, _)) in sides.iter_mut().enumerate() {
-                    bar.set_message(format!("{} {} B {} round {round}", args.op.name(), bytes, side.label()));
-                    let raws = side.step(count, timeout)?;
-                    answers[i].last_mut().expect("pushed").push(raws);
-                    bar.inc(1);
-                }
-                if let Some(side) = gloo.as_mut() {
-                    bar.set_message(format!("{} {} B {} round {round}", args.op.name(), bytes, side.label()));
-                    let got = match side.step(count, timeout) {
-                        Ok(raws) => Some(raws),
-                        Err(e) => {
-                            bar.suspend(|| eprintln!("chorus bench: {}: {e:#}", side.label()));
-                            None
-                        }
-                    };
-                    gloo_answers.last_mut().expect("pushed").push(got);
-                    bar.inc(1);
-                }
+    /// Gloo's ranks; without torch, or when they do not start, a note instead.
+    fn start_gloo(&mut self, args: &CollectiveArgs, cpus: &[Vec<usize>], timeout: Duration) -> Result<()> {
+        let peer = match python_peer(&args.python, "gloo", GLOO_SCRIPT) {
+            Ok(peer) => peer,
+            Err(e @ PeerError::NoTorch { .. }) => {
+                self.notes.push(format!(
+                    "--compare gloo: {e}; no comparison (pip install torch to enable it)"
+                ));
+                return Ok(());
             }
+            Err(e) => return Err(e).context("the Gloo script"),
+        };
+        let mut flags = vec!["-u".to_string(), peer.script.path().to_string_lossy().into_owned()];
+        flags.extend(worker_flags(args));
+        let env = vec![("OMP_NUM_THREADS".to_string(), "1".to_string())];
+        let version = peer.version;
+        let mut side = ProcessSide::start(
+            format!("gloo (torch {version})"),
+            &args.python,
+            &flags,
+            args.world,
+            &env,
+            cpus,
+        )?;
+        // The ranks have read the script once their group formed.
+        let ready = side.wait_ready(timeout);
+        drop(peer.script);
+        match ready {
+            Ok(()) => {
+                self.peer_label = Some(format!("torch {version} gloo"));
+                self.gloo = Some(side);
+            }
+            Err(e) => self
+                .notes
+                .push(format!("--compare gloo: Gloo did not start ({e:#}); no comparison")),
+        }
+        Ok(())
+    }
+
+    /// The sweep, alternating the sides per size and round, under a progress bar.
+    fn sweep(&mut self, args: &CollectiveArgs, counts: &[usize], timeout: Duration) -> Result<Answers> {
+        let rounds = args.rounds as usize;
+        let total = (counts.len() * rounds * (self.chorus.len() + usize::from(self.gloo.is_some()))) as u64;
+        let bar = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let mut sweep = Sweep {
+            args,
+            timeout,
+            bar,
+            answers: Answers {
+                chorus: vec![Vec::new(); self.chorus.len()],
+                gloo: Vec::new(),
+            },
+        };
+        // Piped output shows no table until the end (and no bar where stderr
+        // is not a terminal either): a line per finished size says it runs.
+        let per_size = !std::io::stdout().is_terminal();
+        let result = counts.iter().enumerate().try_for_each(|(done, &count)| {
+            sweep.size(self, count)?;
             if per_size {
-                let mut times: Vec<String> = sides
-                    .iter()
-                    .zip(&answers)
-                    .map(|((side, _), sizes)| {
-                        let row = make_row(args, count, &Raw::pool(&sizes[done]));
-                        format!("{} {:.1} us", side.label(), row.oop.median_us)
-                    })
-                    .collect();
-                if let (Some(side), Some(rounds)) = (gloo.as_ref(), gloo_answers.last()) {
-                    let ok: Vec<Vec<Raw>> = rounds.iter().flatten().cloned().collect();
-                    if !ok.is_empty() {
-                        let row = make_row(args, count, &Raw::pool(&ok));
-                        times.push(format!("{} {:.1} us", side.label(), row.oop.median_us));
+                sweep.report_size(self, done, counts.len(), count);
+            }
+            Ok(())
+        });
+        sweep.bar.finish_and_clear();
+        result.map(|()| sweep.answers)
+    }
+
+    /// Lets every side's ranks quit.
+    fn finish(&mut self) {
+        for (side, _) in &mut self.chorus {
+            side.finish();
+        }
+        if let Some(side) = self.gloo.as_mut() {
+            side.finish();
+        }
+    }
+}
+
+/// The sweep under way: the answers so far and the progress shown.
+struct Sweep<'a> {
+    args: &'a CollectiveArgs,
+    timeout: Duration,
+    bar: indicatif::ProgressBar,
+    answers: Answers,
+}
+
+impl Sweep<'_> {
+    /// Every round of one size, each side in turn; a failed round of the
+    /// peer is said and left out, a failed chorus side ends the sweep.
+    fn size(&mut self, sides: &mut Sides, count: usize) -> Result<()> {
+        let args = self.args;
+        let bytes = args.op.bytes(count, args.dtype, args.world);
+        self.answers.chorus.iter_mut().for_each(|a| a.push(Vec::new()));
+        self.answers.gloo.push(Vec::new());
+        for round in 1..=args.rounds as usize {
+            for (i, (side, _)) in sides.chorus.iter_mut().enumerate() {
+                self.bar
+                    .set_message(format!("{} {} B {} round {round}", args.op.name(), bytes, side.label()));
+                let raws = side.step(count, self.timeout)?;
+                self.answers.chorus[i].last_mut().expect("pushed").push(raws);
+                self.bar.inc(1);
+            }
+            if let Some(side) = sides.gloo.as_mut() {
+                self.bar
+                    .set_message(format!("{} {} B {} round {round}", args.op.name(), bytes, side.label()));
+                let got = match side.step(count, self.timeout) {
+                    Ok(raws) => Some(raws),
+                    Err(e) => {
+                        self.bar.suspend(|| eprintln!("chorus bench: {}: {e:#}", side.label()));
+                        None
                     }
-                }
-                bar.suspend(|| {
-                    eprintln!(
-                        "chorus bench: {} {bytes} B done ({} of {} sizes): median {}",
-                        args.op.name(),
-                        done + 1,
-                        counts.len(),
-                        times.join(", ")
-                    )
-                });
+                };
+                self.answers.gloo.last_mut().expect("pushed").push(got);
+                self.bar.inc(1);
             }
         }
         Ok(())
-    })();
-    bar.finish_and_clear();
-    if let Err(error) = result {
-        // A failed step may have left a rank frozen: dropping a side kills
-        // its ranks (SIGKILL) instead of asking them to quit.
-        drop(sides);
-        drop(gloo);
-        return Err(error);
     }
-    for (side, _) in &mut sides {
-        side.finish();
-    }
-    if let Some(side) = gloo.as_mut() {
-        side.finish();
-    }
-    // Pooled rows per side and size; the peer's per-round rows, for the ratios.
-    let rows: Vec<Vec<Row>> = answers
-        .iter()
-        .map(|sizes| {
-            sizes
-                .iter()
-                .zip(&counts)
-                .map(|(r, &count)| make_row(args, count, &Raw::pool(r)))
-                .collect()
-        })
-        .collect();
-    let gloo_round_rows: Vec<Vec<Option<Row>>> = gloo_answers
-        .iter()
-        .zip(&counts)
-        .map(|(r, &count)| {
-            r.iter()
-                .map(|a| a.as_ref().map(|raws| make_row(args, count, raws)))
-                .collect()
-        })
-        .collect();
-    let gloo_rows: Vec<Option<Row>> = gloo_answers
-        .iter()
-        .zip(&counts)
-        .map(|(r, &count)| {
-            let ok: Vec<Vec<Raw>> = r.iter().flatten().cloned().collect();
-            (!ok.is_empty()).then(|| make_row(args, count, &Raw::pool(&ok)))
-        })
-        .collect();
-    // [side][size] the busbw ratios to the peer, round by round.
-    let ratios: Vec<Vec<(Spread, Spread)>> = answers
-        .iter()
-        .map(|sizes| {
-            sizes
-                .iter()
-                .zip(&counts)
-                .zip(&gloo_round_rows)
-                .map(|((r, &count), theirs)| {
-                    let ours: Vec<Row> = r.iter().map(|raws| make_row(args, count, raws)).collect();
-                    round_ratios(&ours, theirs)
-                })
-                .collect()
-        })
-        .collect();
-    let memcpy = super::transport::memcpy_gbps(64 << 20);
 
-    let mode = if args.in_process {
-        "in-process ranks (chorus::spawn)"
-    } else {
-        "separate processes"
-    };
-    let json_rows = {
+    /// The line saying that a size is done, with each side's median time.
+    fn report_size(&self, sides: &Sides, done: usize, sizes: usize, count: usize) {
+        let args = self.args;
+        let mut times: Vec<String> = sides
+            .chorus
+            .iter()
+            .zip(&self.answers.chorus)
+            .map(|((side, _), sizes)| {
+                let row = make_row(args, count, &Raw::pool(&sizes[done]));
+                format!("{} {:.1} us", side.label(), row.oop.median_us)
+            })
+            .collect();
+        if let (Some(side), Some(rounds)) = (sides.gloo.as_ref(), self.answers.gloo.last()) {
+            let ok: Vec<Vec<Raw>> = rounds.iter().flatten().cloned().collect();
+            if !ok.is_empty() {
+                let row = make_row(args, count, &Raw::pool(&ok));
+                times.push(format!("{} {:.1} us", side.label(), row.oop.median_us));
+            }
+        }
+        let bytes = args.op.bytes(count, args.dtype, args.world);
+        self.bar.suspend(|| {
+            eprintln!(
+                "chorus bench: {} {bytes} B done ({} of {sizes} sizes): median {}",
+                args.op.name(),
+                done + 1,
+                times.join(", ")
+            )
+        });
+    }
+}
+
+/// The sweep's results, as tables, JSON rows and a plot.
+struct Report<'a> {
+    args: &'a CollectiveArgs,
+    sides: &'a Sides,
+    /// Pooled rows per side and size.
+    rows: Vec<Vec<Row>>,
+    /// The peer's pooled row per size (None: every round failed).
+    gloo_rows: Vec<Option<Row>>,
+    /// [side][size] the busbw ratios to the peer, round by round.
+    ratios: Vec<Vec<(Spread, Spread)>>,
+    memcpy: f64,
+}
+
+impl<'a> Report<'a> {
+    /// Pooled rows per side and size; the peer's per-round rows, for the ratios.
+    fn new(args: &'a CollectiveArgs, sides: &'a Sides, counts: &[usize], answers: &Answers) -> Self {
+        let rows: Vec<Vec<Row>> = answers
+            .chorus
+            .iter()
+            .map(|sizes| {
+                sizes
+                    .iter()
+                    .zip(counts)
+                    .map(|(r, &count)| make_row(args, count, &Raw::pool(r)))
+                    .collect()
+            })
+            .collect();
+        let gloo_round_rows: Vec<Vec<Option<Row>>> = answers
+            .gloo
+            .iter()
+            .zip(counts)
+            .map(|(r, &count)| {
+                r.iter()
+                    .map(|a| a.as_ref().map(|raws| make_row(args, count, raws)))
+                    .collect()
+            })
+            .collect();
+        let gloo_rows: Vec<Option<Row>> = answers
+            .gloo
+            .iter()
+            .zip(counts)
+            .map(|(r, &count)| {
+                let ok: Vec<Vec<Raw>> = r.iter().flatten().cloned().collect();
+                (!ok.is_empty()).then(|| make_row(args, count, &Raw::pool(&ok)))
+            })
+            .collect();
+        let ratios: Vec<Vec<(Spread, Spread)>> = answers
+            .chorus
+            .iter()
+            .map(|sizes| {
+                sizes
+                    .iter()
+                    .zip(counts)
+                    .zip(&gloo_round_rows)
+                    .map(|((r, &count), theirs)| {
+                        let ours: Vec<Row> = r.iter().map(|raws| make_row(args, count, raws)).collect();
+                        round_ratios(&ours, theirs)
+                    })
+                    .collect()
+            })
+            .collect();
+        Self {
+            args,
+            sides,
+            rows,
+            gloo_rows,
+            ratios,
+            memcpy: super::transport::memcpy_gbps(64 << 20),
+        }
+    }
+
+    /// How the ranks ran, for the header and the plot's title.
+    fn mode(&self) -> &'static str {
+        if self.args.in_process {
+            "in-process ranks (chorus::spawn)"
+        } else {
+            "separate processes"
+        }
+    }
+
+    /// Every `--json` row: chorus's per side and size, then the peer's.
+    fn json_rows(&self) -> String {
+        let args = self.args;
+        let rounds = args.rounds as usize;
         let mut out = String::new();
-        for (((_, transport), side_rows), side_ratios) in sides.iter().zip(&rows).zip(&ratios) {
+        for (((_, transport), side_rows), side_ratios) in self.sides.chorus.iter().zip(&self.rows).zip(&self.ratios) {
             for (i, row) in side_rows.iter().enumerate() {
-                let theirs = gloo_rows.get(i).and_then(Option::as_ref).map(|g| (g, side_ratios[i]));
+                let theirs = self
+                    .gloo_rows
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .map(|g| (g, side_ratios[i]));
                 out.push_str(&json_row(
                     "chorus",
                     transport,
@@ -792,94 +945,101 @@ pub fn run(args: &CollectiveArgs) -> Result<ExitCode> {
                     row,
                     theirs,
                     rounds,
-                    memcpy,
+                    self.memcpy,
                 ));
                 out.push('\n');
             }
         }
-        for row in gloo_rows.iter().flatten() {
-            out.push_str(&json_row("gloo", "gloo", false, row, None, rounds, memcpy));
+        for row in self.gloo_rows.iter().flatten() {
+            out.push_str(&json_row("gloo", "gloo", false, row, None, rounds, self.memcpy));
             out.push('\n');
         }
         out
-    };
-    if let Some(path) = &args.json_file {
-        std::fs::write(path, &json_rows).with_context(|| format!("writing {}", path.display()))?;
     }
-    if args.json {
-        print!("{json_rows}");
-    } else {
+
+    /// The header line and notes, a table per chorus side, then the peer's.
+    fn print_tables(&self) {
+        let args = self.args;
+        let spec = Spec::from(args);
+        let rounds = args.rounds as usize;
+        let peer_label = &self.sides.peer_label;
         println!(
-            "# chorus bench: {} {} {}, world {} ({mode}), {} iters after {} warm-up, {} round{} per size, {}",
+            "# chorus bench: {} {} {}, world {} ({}), {} iters after {} warm-up, {} round{} per size, {}",
             args.op.name(),
             args.dtype.nccl_name(),
             if args.op.reduces() { args.redop.name() } else { "" },
             args.world,
+            self.mode(),
             spec.iters,
             spec.warmup,
             rounds,
             if rounds == 1 { "" } else { "s" },
-            match &peer_label {
+            match peer_label {
                 Some(p) => format!("alternating per size and round with {p}"),
                 None => "no comparison".into(),
             }
         );
-        for note in &notes {
+        for note in &self.sides.notes {
             println!("# {note}");
         }
-        for (((side, _), side_rows), side_ratios) in sides.iter().zip(&rows).zip(&ratios) {
+        for (((side, _), side_rows), side_ratios) in self.sides.chorus.iter().zip(&self.rows).zip(&self.ratios) {
             println!("#\n# {}", side.label());
             let peer = peer_label.as_ref().map(|_| ("gloo", side_ratios.as_slice()));
-            print!("{}", format_table(side_rows, peer, args.memory, Some(memcpy)));
+            print!("{}", format_table(side_rows, peer, args.memory, Some(self.memcpy)));
         }
-        if let Some(label) = &peer_label {
-            let present: Vec<Row> = gloo_rows.iter().flatten().cloned().collect();
+        if let Some(label) = peer_label {
+            let present: Vec<Row> = self.gloo_rows.iter().flatten().cloned().collect();
             println!("#\n# {label} (python3 cli/python/bench_gloo.py, one process per rank)");
             print!("{}", format_table(&present, None, false, None));
         }
     }
-    if let Some(path) = &args.plot {
-        let mut series: Vec<super::plot::Series> = sides
+
+    /// busbw against size, out of place, a line per side.
+    fn draw_plot(&self, path: &std::path::Path) -> Result<()> {
+        let args = self.args;
+        let mut series: Vec<super::plot::Series> = self
+            .sides
+            .chorus
             .iter()
-            .zip(&rows)
+            .zip(&self.rows)
             .map(|((side, _), r)| super::plot::Series {
                 label: side.label(),
-                points: r
-                    .iter()
-                    .map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us)))
-                    .collect(),
+                points: busbw_points(r.iter()),
             })
             .collect();
-        if let Some(label) = &peer_label {
+        if let Some(label) = &self.sides.peer_label {
             series.push(super::plot::Series {
                 label: label.clone(),
-                points: gloo_rows
-                    .iter()
-                    .flatten()
-                    .map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us)))
-                    .collect(),
+                points: busbw_points(self.gloo_rows.iter().flatten()),
             });
         }
         let title = format!(
-            "{} {}, world {} ({mode}): busbw, out of place",
+            "{} {}, world {} ({}): busbw, out of place",
             args.op.name(),
             args.dtype.nccl_name(),
-            args.world
+            args.world,
+            self.mode()
         );
         super::plot::draw(path, &title, &series).map_err(|e| anyhow!("--plot {}: {e}", path.display()))?;
         eprintln!("chorus bench: wrote {}", path.display());
+        Ok(())
     }
-    let wrong: u64 = rows
-        .iter()
-        .flatten()
-        .flat_map(|r| [r.oop.wrong, r.ip.wrong])
-        .flatten()
-        .sum();
-    Ok(if wrong > 0 {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
-    })
+
+    /// Wrong elements over every chorus row (`--check`).
+    fn wrong(&self) -> u64 {
+        self.rows
+            .iter()
+            .flatten()
+            .flat_map(|r| [r.oop.wrong, r.ip.wrong])
+            .flatten()
+            .sum()
+    }
+}
+
+/// A plot's points: (bytes, out-of-place busbw) per row.
+fn busbw_points<'r>(rows: impl Iterator<Item = &'r Row>) -> Vec<(f64, f64)> {
+    rows.map(|row| (row.bytes() as f64, row.busbw(row.oop.avg_us)))
+        .collect()
 }
 
 /// A number of a `--json` row: to 4 decimals, or `null` when not finite.

@@ -421,10 +421,60 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
     if args.world < 1 || args.steps < 1 {
         bail!("--world and --steps must be at least 1");
     }
+    let shapes = layer_shapes(args.params);
+    // [round] chorus's row, then the peer's when it ran.
+    let rounds = measure_rounds(args, &shapes)?;
+    let rows = rounds.last().cloned().unwrap_or_default();
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "chorus bench ddp: {}M float32 parameters, world {}, {} transport, {} hook",
+            args.params / 1_000_000,
+            args.world,
+            args.transport,
+            format!("{:?}", args.hook).to_lowercase()
+        );
+        draw_timeline(path, &title, &rows[0]).map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
+    }
+    if args.json {
+        for row in rounds.iter().flatten() {
+            println!("{row}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    print_table(args, shapes.len(), &rounds, &rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Every round: chorus's ranks, then the peer's when `--compare torch` asks
+/// for it and torch is there; a row each.
+fn measure_rounds(args: &DdpArgs, shapes: &[(String, usize)]) -> Result<Vec<Vec<Value>>> {
     let exe = std::env::current_exe()?.to_string_lossy().into_owned();
     let timeout = Duration::from_secs(args.timeout);
-    let shapes = layer_shapes(args.params);
-    let worker_args: Vec<String> = [
+    let worker_args = worker_args(args);
+    let mut rounds: Vec<Vec<Value>> = Vec::new();
+    for _ in 0..args.rounds {
+        let mut rows = vec![];
+        rows.push(run_ranks(
+            &exe,
+            &worker_args,
+            args.world,
+            &[
+                ("CHORUS_TRANSPORT", args.transport.clone()),
+                ("CHORUS_JOB_SECRET", job_secret()),
+            ],
+            timeout,
+        )?);
+        if args.compare == Some(DdpPeer::Torch) {
+            rows.extend(torch_row(args, shapes, timeout)?);
+        }
+        rounds.push(rows);
+    }
+    Ok(rounds)
+}
+
+/// The flags of chorus's rank processes (`chorus bench ddp --worker`).
+fn worker_args(args: &DdpArgs) -> Vec<String> {
+    [
         "bench",
         "ddp",
         "--worker",
@@ -444,68 +494,45 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
         &args.timeout.to_string(),
     ]
     .map(String::from)
-    .to_vec();
-    // [round] chorus's row, then the peer's when it ran.
-    let mut rounds: Vec<Vec<Value>> = Vec::new();
-    for _ in 0..args.rounds {
-        let mut rows = vec![];
-        rows.push(run_ranks(
-            &exe,
-            &worker_args,
-            args.world,
-            &[
-                ("CHORUS_TRANSPORT", args.transport.clone()),
-                ("CHORUS_JOB_SECRET", job_secret()),
-            ],
-            timeout,
-        )?);
-        if args.compare == Some(DdpPeer::Torch) {
-            match python_peer(&args.python, "ddp", TORCH_SCRIPT) {
-                Err(e @ PeerError::NoTorch { .. }) => eprintln!("# skipping --compare torch: {e}"),
-                Err(e) => return Err(e).context("the torch DDP script"),
-                Ok(peer) => {
-                    let sizes: Vec<String> = shapes.iter().map(|(_, n)| n.to_string()).collect();
-                    let torch_args = vec![
-                        peer.script.path().to_string_lossy().into_owned(),
-                        sizes.join(","),
-                        args.steps.to_string(),
-                        args.warmup.to_string(),
-                        args.bucket_cap_mb.to_string(),
-                        u8::from(args.torch_bucket_view).to_string(),
-                    ];
-                    rows.push(run_ranks(
-                        &args.python,
-                        &torch_args,
-                        args.world,
-                        &[("OMP_NUM_THREADS", "1".into())],
-                        timeout,
-                    )?);
-                }
-            }
+    .to_vec()
+}
+
+/// One round of torch's DDP over the same layers; `None`, said, without torch.
+fn torch_row(args: &DdpArgs, shapes: &[(String, usize)], timeout: Duration) -> Result<Option<Value>> {
+    let peer = match python_peer(&args.python, "ddp", TORCH_SCRIPT) {
+        Err(e @ PeerError::NoTorch { .. }) => {
+            eprintln!("# skipping --compare torch: {e}");
+            return Ok(None);
         }
-        rounds.push(rows);
-    }
-    let rows = rounds.last().cloned().unwrap_or_default();
-    if let Some(path) = &args.plot {
-        let title = format!(
-            "chorus bench ddp: {}M float32 parameters, world {}, {} transport, {} hook",
-            args.params / 1_000_000,
-            args.world,
-            args.transport,
-            format!("{:?}", args.hook).to_lowercase()
-        );
-        draw_timeline(path, &title, &rows[0]).map_err(|e| anyhow!("drawing {}: {e}", path.display()))?;
-    }
-    if args.json {
-        for row in rounds.iter().flatten() {
-            println!("{row}");
-        }
-        return Ok(ExitCode::SUCCESS);
-    }
+        Err(e) => return Err(e).context("the torch DDP script"),
+        Ok(peer) => peer,
+    };
+    let sizes: Vec<String> = shapes.iter().map(|(_, n)| n.to_string()).collect();
+    let torch_args = vec![
+        peer.script.path().to_string_lossy().into_owned(),
+        sizes.join(","),
+        args.steps.to_string(),
+        args.warmup.to_string(),
+        args.bucket_cap_mb.to_string(),
+        u8::from(args.torch_bucket_view).to_string(),
+    ];
+    let row = run_ranks(
+        &args.python,
+        &torch_args,
+        args.world,
+        &[("OMP_NUM_THREADS", "1".into())],
+        timeout,
+    )?;
+    Ok(Some(row))
+}
+
+/// The table: a line per library (the median over rounds of each column),
+/// then chorus/torch step time round by round.
+fn print_table(args: &DdpArgs, layers: usize, rounds: &[Vec<Value>], rows: &[Value]) {
     println!(
         "# chorus bench ddp: {} float32 parameters in {} layers, world {}, median of {} steps{}",
         args.params,
-        shapes.len(),
+        layers,
         args.world,
         args.steps,
         if args.rounds > 1 {
@@ -521,7 +548,7 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
         "{:<24} {:>10} {:>12} {:>16}",
         "library", "step_ms", "no_sync_ms", "exposed_sync_ms"
     );
-    for row in &rows {
+    for row in rows {
         let label = match row["library"].as_str() {
             Some("chorus") => format!(
                 "chorus ({}, {})",
@@ -530,7 +557,7 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
             ),
             _ => format!("torch {} gloo", row["version"].as_str().unwrap_or("?")),
         };
-        let f = |k: &str| round_median(&rounds, row, k);
+        let f = |k: &str| round_median(rounds, row, k);
         println!(
             "{label:<24} {:>10.2} {:>12.2} {:>16.2}",
             f("step_ms"),
@@ -550,7 +577,6 @@ pub fn run(args: &DdpArgs) -> Result<ExitCode> {
             spread.median, spread.rounds, spread.min, spread.max
         );
     }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Draws chorus's row (its `timeline`, `backward_ms` and `step_ms`) as a

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use crate::process;
 use thiserror::Error;
 
-use super::common::{PeerError, median, python_peer};
+use super::common::{PeerError, PythonPeer, median, python_peer};
 
 /// What `chorus bench recovery` does.
 #[derive(Debug, Clone)]
@@ -484,25 +484,78 @@ pub fn run_torchrun_trial(
 /// Runs every trial (each on a store of its own) and prints a row per
 /// trial and the summary (or JSON lines); returns how many trials failed.
 pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryError> {
-    use chorus_runtime::store::{TcpStoreServer, TcpStoreServerOptions};
-    let exe = std::env::current_exe().map_err(|e| RecoveryError::Setup(format!("locating the chorus binary: {e}")))?;
-    let mut schedule = Schedule::new(bench.seed);
-    let mut outcomes = Vec::new();
-    let mut failures = 0;
-    let torchrun = match &bench.compare_torchrun {
-        Some(python) => match python_peer(python, "recovery", TORCHRUN_SCRIPT) {
-            Ok(peer) => Some((python.clone(), peer)),
-            Err(e @ PeerError::NoTorch { .. }) => {
-                eprintln!("--compare torchrun: {e}; no comparison (pip install torch to enable it)");
-                None
-            }
-            Err(e) => return Err(RecoveryError::Setup(e.to_string())),
-        },
-        None => None,
-    };
-    let mut torchrun_us: Vec<i64> = Vec::new();
-    let mut torchrun_failed = 0;
-    if !json {
+    let mut trials = Trials::new(bench, json)?;
+    trials.print_header();
+    for trial in 0..bench.trials {
+        trials.chorus_trial(trial).await?;
+        trials.torchrun_trial(trial).await?;
+    }
+    // The script goes once every trial ran.
+    let compared = trials.torchrun.take().is_some();
+    trials.print_summary();
+    if compared {
+        trials.print_torchrun_summary();
+    }
+    Ok(trials.failures)
+}
+
+/// The trials of one run, chorus's and torchrun's alternating, and what
+/// they found so far.
+struct Trials<'a> {
+    bench: &'a RecoveryBench,
+    json: bool,
+    /// This binary: the ranks run its `elastic-probe`.
+    exe: std::path::PathBuf,
+    /// Which rank is killed, and when, trial after trial.
+    schedule: Schedule,
+    /// chorus's trials that recovered.
+    outcomes: Vec<TrialOutcome>,
+    /// chorus's trials that failed.
+    failures: usize,
+    /// torchrun's Python and script (`--compare torchrun`, torch found).
+    torchrun: Option<(String, PythonPeer)>,
+    /// torchrun's recoveries, microseconds.
+    torchrun_us: Vec<i64>,
+    /// torchrun's trials that did not recover.
+    torchrun_failed: usize,
+}
+
+impl<'a> Trials<'a> {
+    /// Locates the binary and, with `--compare torchrun`, the peer's torch.
+    fn new(bench: &'a RecoveryBench, json: bool) -> Result<Self, RecoveryError> {
+        let exe =
+            std::env::current_exe().map_err(|e| RecoveryError::Setup(format!("locating the chorus binary: {e}")))?;
+        let schedule = Schedule::new(bench.seed);
+        let torchrun = match &bench.compare_torchrun {
+            Some(python) => match python_peer(python, "recovery", TORCHRUN_SCRIPT) {
+                Ok(peer) => Some((python.clone(), peer)),
+                Err(e @ PeerError::NoTorch { .. }) => {
+                    eprintln!("--compare torchrun: {e}; no comparison (pip install torch to enable it)");
+                    None
+                }
+                Err(e) => return Err(RecoveryError::Setup(e.to_string())),
+            },
+            None => None,
+        };
+        Ok(Self {
+            bench,
+            json,
+            exe,
+            schedule,
+            outcomes: Vec::new(),
+            failures: 0,
+            torchrun,
+            torchrun_us: Vec::new(),
+            torchrun_failed: 0,
+        })
+    }
+
+    /// The table's header (none for JSON).
+    fn print_header(&self) {
+        if self.json {
+            return;
+        }
+        let bench = self.bench;
         println!(
             "# chorus bench recovery: {} ranks on loopback (transport {}), SIGKILL of a random rank mid-loop, {} trials",
             bench.world,
@@ -510,7 +563,7 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
             bench.trials
         );
         println!("# recovery = kill -> first all_reduce of generation 1 completed on every survivor");
-        if let Some((_, peer)) = &torchrun {
+        if let Some((_, peer)) = &self.torchrun {
             println!(
                 "# torchrun (torch {} gloo, --max-restarts 1) measured in the same run, trials alternating",
                 peer.version
@@ -518,7 +571,11 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
         }
         println!("#  trial  runtime   killed  detect(ms)  recovery(ms)");
     }
-    for trial in 0..bench.trials {
+
+    /// chorus's trial `trial`, on a store of its own, and its row; a failed
+    /// trial is said on stderr and counted.
+    async fn chorus_trial(&mut self, trial: usize) -> Result<(), RecoveryError> {
+        use chorus_runtime::store::{TcpStoreServer, TcpStoreServerOptions};
         let server = TcpStoreServer::bind(
             "127.0.0.1:0".parse().expect("literal address"),
             TcpStoreServerOptions::default(),
@@ -526,88 +583,94 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
         .await
         .map_err(|e| RecoveryError::Setup(format!("serving the store: {e}")))?;
         let url = format!("tcp://{}", server.local_addr());
-        let (task_bench, task_exe, mut task_schedule) = (bench.clone(), exe.clone(), schedule.clone());
+        let (task_bench, task_exe, mut task_schedule) = (self.bench.clone(), self.exe.clone(), self.schedule.clone());
         let (result, used) = tokio::task::spawn_blocking(move || {
             let result = run_trial(&task_bench, &task_exe, &url, trial, &mut task_schedule);
             (result, task_schedule)
         })
         .await
         .map_err(|e| RecoveryError::Setup(format!("the trial's thread failed: {e}")))?;
-        schedule = used;
+        self.schedule = used;
         server.shutdown().await;
         match result {
             Ok(outcome) => {
-                if json {
+                let (detect_ms, recovery_ms) =
+                    (outcome.detected_us() as f64 / 1e3, outcome.recovered_us() as f64 / 1e3);
+                if self.json {
                     println!(
-                        "{{\"trial\":{trial},\"killed\":{},\"detect_ms\":{:.1},\"recovery_ms\":{:.1}}}",
-                        outcome.killed,
-                        outcome.detected_us() as f64 / 1e3,
-                        outcome.recovered_us() as f64 / 1e3
+                        "{{\"trial\":{trial},\"killed\":{},\"detect_ms\":{detect_ms:.1},\"recovery_ms\":{recovery_ms:.1}}}",
+                        outcome.killed
                     );
                 } else {
                     println!(
-                        "   {trial:>5}  {:<8}  {:>6}  {:>10.1}  {:>12.1}",
-                        "chorus",
-                        outcome.killed,
-                        outcome.detected_us() as f64 / 1e3,
-                        outcome.recovered_us() as f64 / 1e3
+                        "   {trial:>5}  {:<8}  {:>6}  {detect_ms:>10.1}  {recovery_ms:>12.1}",
+                        "chorus", outcome.killed
                     );
                 }
-                outcomes.push(outcome);
+                self.outcomes.push(outcome);
             }
             Err(error) => {
-                failures += 1;
+                self.failures += 1;
                 eprintln!("chorus bench recovery: {error}");
             }
         }
-        if let Some((python, peer)) = &torchrun {
-            let killed = schedule.below(bench.world as u64) as usize;
-            let kill_after = 20 + schedule.below(10);
-            let (task_bench, python, script) = (bench.clone(), python.clone(), peer.script.path().to_path_buf());
-            let result = tokio::task::spawn_blocking(move || {
-                run_torchrun_trial(&task_bench, &python, &script, killed, kill_after)
-            })
-            .await
-            .map_err(|e| RecoveryError::Setup(format!("the trial's thread failed: {e}")))?;
-            match result {
-                Ok(us) => {
-                    if json {
-                        println!(
-                            "{{\"trial\":{trial},\"runtime\":\"torchrun\",\"killed\":{killed},\"recovery_ms\":{:.1}}}",
-                            us as f64 / 1e3
-                        );
-                    } else {
-                        println!(
-                            "   {trial:>5}  {:<8}  {killed:>6}  {:>10}  {:>12.1}",
-                            "torchrun",
-                            "-",
-                            us as f64 / 1e3
-                        );
-                    }
-                    torchrun_us.push(us);
+        Ok(())
+    }
+
+    /// torchrun's trial `trial` (with `--compare torchrun`) and its row.
+    async fn torchrun_trial(&mut self, trial: usize) -> Result<(), RecoveryError> {
+        let Some((python, peer)) = &self.torchrun else {
+            return Ok(());
+        };
+        let killed = self.schedule.below(self.bench.world as u64) as usize;
+        let kill_after = 20 + self.schedule.below(10);
+        let (task_bench, python, script) = (self.bench.clone(), python.clone(), peer.script.path().to_path_buf());
+        let result =
+            tokio::task::spawn_blocking(move || run_torchrun_trial(&task_bench, &python, &script, killed, kill_after))
+                .await
+                .map_err(|e| RecoveryError::Setup(format!("the trial's thread failed: {e}")))?;
+        match result {
+            Ok(us) => {
+                if self.json {
+                    println!(
+                        "{{\"trial\":{trial},\"runtime\":\"torchrun\",\"killed\":{killed},\"recovery_ms\":{:.1}}}",
+                        us as f64 / 1e3
+                    );
+                } else {
+                    println!(
+                        "   {trial:>5}  {:<8}  {killed:>6}  {:>10}  {:>12.1}",
+                        "torchrun",
+                        "-",
+                        us as f64 / 1e3
+                    );
                 }
-                Err(why) => {
-                    torchrun_failed += 1;
-                    if json {
-                        println!(
-                            "{{\"trial\":{trial},\"runtime\":\"torchrun\",\"killed\":{killed},\"failed\":{}}}",
-                            serde_json::Value::String(why)
-                        );
-                    } else {
-                        println!(
-                            "   {trial:>5}  {:<8}  {killed:>6}  {:>10}  {:>12}  did not recover: {why}",
-                            "torchrun", "-", "-"
-                        );
-                    }
+                self.torchrun_us.push(us);
+            }
+            Err(why) => {
+                self.torchrun_failed += 1;
+                if self.json {
+                    println!(
+                        "{{\"trial\":{trial},\"runtime\":\"torchrun\",\"killed\":{killed},\"failed\":{}}}",
+                        serde_json::Value::String(why)
+                    );
+                } else {
+                    println!(
+                        "   {trial:>5}  {:<8}  {killed:>6}  {:>10}  {:>12}  did not recover: {why}",
+                        "torchrun", "-", "-"
+                    );
                 }
             }
         }
+        Ok(())
     }
-    // The script goes once every trial ran.
-    let compared = torchrun.is_some();
-    drop(torchrun);
-    if let Some(summary) = Summary::of(&outcomes) {
-        if json {
+
+    /// chorus's summary over the trials that recovered (none without one).
+    fn print_summary(&self) {
+        let Some(summary) = Summary::of(&self.outcomes) else {
+            return;
+        };
+        let bench = self.bench;
+        if self.json {
             println!(
                 "{{\"trials\":{},\"recovered\":{},\"detect_median_ms\":{:.1},\"recovery_median_ms\":{:.1},\"recovery_p90_ms\":{:.1},\"recovery_max_ms\":{:.1}}}",
                 bench.trials,
@@ -630,32 +693,32 @@ pub async fn run(bench: &RecoveryBench, json: bool) -> Result<usize, RecoveryErr
             );
         }
     }
-    if compared {
-        let recovered = torchrun_us.len();
-        let mut torchrun_ms: Vec<f64> = torchrun_us.iter().map(|&us| us as f64 / 1e3).collect();
+
+    /// torchrun's summary, and chorus's median recovery over torchrun's.
+    fn print_torchrun_summary(&self) {
+        let trials = self.bench.trials;
+        let recovered = self.torchrun_us.len();
+        let mut torchrun_ms: Vec<f64> = self.torchrun_us.iter().map(|&us| us as f64 / 1e3).collect();
         let median = median(&mut torchrun_ms);
-        let ours = Summary::of(&outcomes).map(|s| s.recover_median_ms);
-        if json {
+        let ours = Summary::of(&self.outcomes).map(|s| s.recover_median_ms);
+        if self.json {
             println!(
-                "{{\"runtime\":\"torchrun\",\"trials\":{},\"recovered\":{recovered},\"recovery_median_ms\":{}}}",
-                bench.trials,
+                "{{\"runtime\":\"torchrun\",\"trials\":{trials},\"recovered\":{recovered},\"recovery_median_ms\":{}}}",
                 median.map_or("null".to_string(), |m| format!("{m:.1}"))
             );
-        } else {
-            match (median, ours) {
-                (Some(theirs), Some(ours)) => println!(
-                    "# torchrun: {recovered}/{} trials recovered, recovery median {theirs:.1} ms; chorus/torchrun {:.3}x",
-                    bench.trials,
-                    ours / theirs
-                ),
-                _ => println!(
-                    "# torchrun: {recovered}/{} trials recovered ({torchrun_failed} did not)",
-                    bench.trials
-                ),
-            }
+            return;
+        }
+        match (median, ours) {
+            (Some(theirs), Some(ours)) => println!(
+                "# torchrun: {recovered}/{trials} trials recovered, recovery median {theirs:.1} ms; chorus/torchrun {:.3}x",
+                ours / theirs
+            ),
+            _ => println!(
+                "# torchrun: {recovered}/{trials} trials recovered ({} did not)",
+                self.torchrun_failed
+            ),
         }
     }
-    Ok(failures)
 }
 
 #[cfg(test)]

@@ -239,132 +239,12 @@ fn process_of(record: &LiveRecord) -> Process {
 
 /// Builds the page's data from what was read.
 pub fn build(observed: &Observed) -> JobView {
-    let records: HashMap<Process, &LiveRecord> = observed.records.iter().map(|r| (process_of(r), r)).collect();
-    let faulted: HashMap<Process, &FaultLogEntry> = observed
-        .faults
-        .iter()
-        .map(|f| {
-            let process = Process {
-                host: f.host.clone(),
-                pid: f.pid,
-            };
-            (process, f)
-        })
-        .collect();
-    let silent = |p: &Process| {
-        records
-            .get(p)
-            .is_none_or(|r| observed.now_us - r.updated_us > SILENT_AFTER_US)
-    };
-    // Why `p` is gone, when it is.
-    let gone_cause = |p: &Process| -> Option<Cause> {
-        let exited = observed.exited.contains(p);
-        if !exited && !silent(p) {
-            return None;
-        }
-        Some(match faulted.get(p).map(|f| f.kind) {
-            Some(FaultKind::Kill) => Cause::Killed,
-            Some(FaultKind::Freeze) => Cause::Frozen,
-            Some(FaultKind::CutOff) => Cause::CutOff,
-            _ if observed.finished => Cause::Finished,
-            _ if exited => Cause::Killed,
-            _ => Cause::Silent,
-        })
-    };
-    let generations = timeline(observed, &records, &faulted, &gone_cause);
-
-    let newest = observed.generations.last();
-    let mut members = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for g in observed.generations.iter().rev() {
-        for (rank, p) in g.members.iter().enumerate() {
-            if !seen.insert(p.clone()) {
-                continue;
-            }
-            let record = records.get(p);
-            let cause = gone_cause(p);
-            let in_newest = newest.is_some_and(|n| n.generation == g.generation);
-            let state = match (cause, record) {
-                (Some(_), _) => MemberState::Gone,
-                (None, _) if !in_newest => MemberState::Recovering,
-                (None, Some(r)) if r.recovering => MemberState::Recovering,
-                (None, _) => MemberState::Training,
-            };
-            members.push(member(
-                p,
-                Some(rank),
-                Some(g.generation),
-                state,
-                cause,
-                record.copied(),
-                observed.now_us,
-            ));
-        }
-    }
-    for record in &observed.records {
-        let p = process_of(record);
-        if seen.insert(p.clone()) {
-            let cause = gone_cause(&p);
-            let state = match cause {
-                Some(_) => MemberState::Gone,
-                None => MemberState::Standby,
-            };
-            members.push(member(&p, None, None, state, cause, Some(record), observed.now_us));
-        }
-    }
-    members.sort_by_key(|m| {
-        (
-            m.state == MemberState::Gone,
-            std::cmp::Reverse(m.generation),
-            m.rank,
-            m.pid,
-        )
-    });
-
+    let lookup = Lookup::new(observed);
+    let generations = lookup.timeline();
+    let members = lookup.members();
     let steps = committed_steps(&observed.records);
     let step_rate = rate(&steps);
-    let mut failures: Vec<FailureMark> = observed
-        .faults
-        .iter()
-        .filter_map(|f| {
-            let step = steps.iter().find(|s| s.at_us >= f.at_us)?.step;
-            Some(FailureMark {
-                step,
-                what: format!("{} rank {}", f.kind.name(), f.rank),
-            })
-        })
-        .collect();
-    for g in &generations {
-        let left: Vec<&Change> = g.changes.iter().filter(|c| c.cause != Cause::Joined).collect();
-        // A fault asked for is marked already, where it was asked for.
-        if left.is_empty() || left.iter().any(|c| faulted.contains_key(&c.process)) {
-            continue;
-        }
-        if let Some(first) = steps.iter().find(|s| s.generation == g.generation) {
-            failures.push(FailureMark {
-                step: first.step,
-                what: format!(
-                    "g{}: rank {} {}",
-                    g.generation,
-                    left[0].rank.unwrap_or(0),
-                    left[0].cause.text()
-                ),
-            });
-        }
-    }
-    failures.sort_by_key(|f| f.step);
-
-    let mut first_abort: BTreeMap<u64, LiveAbort> = BTreeMap::new();
-    for abort in observed.records.iter().filter_map(|r| r.abort.as_ref()) {
-        first_abort
-            .entry(abort.generation)
-            .and_modify(|f| {
-                if abort.at_us < f.at_us {
-                    *f = abort.clone();
-                }
-            })
-            .or_insert_with(|| abort.clone());
-    }
+    let failures = lookup.failures(&steps, &generations);
     JobView {
         run_id: observed.run_id.clone(),
         now_us: observed.now_us,
@@ -374,9 +254,289 @@ pub fn build(observed: &Observed) -> JobView {
         steps,
         step_rate,
         failures,
-        findings: first_abort.into_values().rev().collect(),
+        findings: first_aborts(&observed.records),
         faults: observed.faults.clone(),
     }
+}
+
+/// What the page's parts are read from: the observation, with each
+/// process's record and the fault asked for against it at hand.
+struct Lookup<'a> {
+    observed: &'a Observed,
+    records: HashMap<Process, &'a LiveRecord>,
+    faulted: HashMap<Process, &'a FaultLogEntry>,
+}
+
+impl<'a> Lookup<'a> {
+    fn new(observed: &'a Observed) -> Self {
+        let records = observed.records.iter().map(|r| (process_of(r), r)).collect();
+        let faulted = observed
+            .faults
+            .iter()
+            .map(|f| {
+                let process = Process {
+                    host: f.host.clone(),
+                    pid: f.pid,
+                };
+                (process, f)
+            })
+            .collect();
+        Self {
+            observed,
+            records,
+            faulted,
+        }
+    }
+
+    /// Whether `p` wrote no record lately (or none at all).
+    fn silent(&self, p: &Process) -> bool {
+        self.records
+            .get(p)
+            .is_none_or(|r| self.observed.now_us - r.updated_us > SILENT_AFTER_US)
+    }
+
+    /// Why `p` is gone, when it is.
+    fn gone_cause(&self, p: &Process) -> Option<Cause> {
+        let exited = self.observed.exited.contains(p);
+        if !exited && !self.silent(p) {
+            return None;
+        }
+        Some(match self.faulted.get(p).map(|f| f.kind) {
+            Some(FaultKind::Kill) => Cause::Killed,
+            Some(FaultKind::Freeze) => Cause::Frozen,
+            Some(FaultKind::CutOff) => Cause::CutOff,
+            _ if self.observed.finished => Cause::Finished,
+            _ if exited => Cause::Killed,
+            _ => Cause::Silent,
+        })
+    }
+
+    /// Every process once: the generations' members, newest generation
+    /// first, then those with a record in none (standing by, or gone);
+    /// sorted with the newest generation's by rank first and the gone last.
+    fn members(&self) -> Vec<MemberView> {
+        let observed = self.observed;
+        let newest = observed.generations.last();
+        let mut members = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for g in observed.generations.iter().rev() {
+            for (rank, p) in g.members.iter().enumerate() {
+                if !seen.insert(p.clone()) {
+                    continue;
+                }
+                let record = self.records.get(p);
+                let cause = self.gone_cause(p);
+                let in_newest = newest.is_some_and(|n| n.generation == g.generation);
+                let state = match (cause, record) {
+                    (Some(_), _) => MemberState::Gone,
+                    (None, _) if !in_newest => MemberState::Recovering,
+                    (None, Some(r)) if r.recovering => MemberState::Recovering,
+                    (None, _) => MemberState::Training,
+                };
+                members.push(member(
+                    p,
+                    Some(rank),
+                    Some(g.generation),
+                    state,
+                    cause,
+                    record.copied(),
+                    observed.now_us,
+                ));
+            }
+        }
+        for record in &observed.records {
+            let p = process_of(record);
+            if seen.insert(p.clone()) {
+                let cause = self.gone_cause(&p);
+                let state = match cause {
+                    Some(_) => MemberState::Gone,
+                    None => MemberState::Standby,
+                };
+                members.push(member(&p, None, None, state, cause, Some(record), observed.now_us));
+            }
+        }
+        members.sort_by_key(|m| {
+            (
+                m.state == MemberState::Gone,
+                std::cmp::Reverse(m.generation),
+                m.rank,
+                m.pid,
+            )
+        });
+        members
+    }
+
+    /// The step chart's marks: each fault asked for, then each re-form
+    /// for another reason, at the first step committed after it.
+    fn failures(&self, steps: &[StepPoint], generations: &[GenerationView]) -> Vec<FailureMark> {
+        let mut failures: Vec<FailureMark> = self
+            .observed
+            .faults
+            .iter()
+            .filter_map(|f| {
+                let step = steps.iter().find(|s| s.at_us >= f.at_us)?.step;
+                Some(FailureMark {
+                    step,
+                    what: format!("{} rank {}", f.kind.name(), f.rank),
+                })
+            })
+            .collect();
+        for g in generations {
+            let left: Vec<&Change> = g.changes.iter().filter(|c| c.cause != Cause::Joined).collect();
+            // A fault asked for is marked already, where it was asked for.
+            if left.is_empty() || left.iter().any(|c| self.faulted.contains_key(&c.process)) {
+                continue;
+            }
+            if let Some(first) = steps.iter().find(|s| s.generation == g.generation) {
+                failures.push(FailureMark {
+                    step: first.step,
+                    what: format!(
+                        "g{}: rank {} {}",
+                        g.generation,
+                        left[0].rank.unwrap_or(0),
+                        left[0].cause.text()
+                    ),
+                });
+            }
+        }
+        failures.sort_by_key(|f| f.step);
+        failures
+    }
+
+    /// The generations with their causes and recoveries.
+    fn timeline(&self) -> Vec<GenerationView> {
+        let generations = &self.observed.generations;
+        let mut out: Vec<GenerationView> = Vec::new();
+        for (i, g) in generations.iter().enumerate() {
+            // Only a generation that follows its predecessor directly is compared with it.
+            let previous = i
+                .checked_sub(1)
+                .map(|j| &generations[j])
+                .filter(|p| p.generation + 1 == g.generation);
+            let changes = previous.map_or_else(Vec::new, |previous| self.changes(previous, g));
+            let recovery = self.recovery(g, &changes);
+            let started_us = self
+                .observed
+                .records
+                .iter()
+                .flat_map(|r| r.steps.iter())
+                .filter(|s| s.generation == g.generation)
+                .map(|s| s.at_us)
+                .min();
+            out.push(GenerationView {
+                generation: g.generation,
+                world_size: g.members.len(),
+                changes,
+                recovery,
+                started_us,
+            });
+        }
+        out
+    }
+
+    /// Who left `previous` (and why), who was hit by a fault there and came
+    /// back into `g`, and who joined `g`.
+    fn changes(&self, previous: &Generation, g: &Generation) -> Vec<Change> {
+        let observed = self.observed;
+        let mut changes = Vec::new();
+        // An operation failure reported by a survivor marks the ranks it blamed corrupted.
+        let corrupted = observed
+            .records
+            .iter()
+            .filter_map(|r| r.abort.as_ref())
+            .any(|a| a.generation == previous.generation && a.label == "operation_failed");
+        for (rank, p) in previous.members.iter().enumerate() {
+            if g.members.contains(p) {
+                continue;
+            }
+            let cause = match self.faulted.get(p).map(|f| f.kind) {
+                Some(FaultKind::Kill) => Cause::Killed,
+                Some(FaultKind::Freeze) => Cause::Frozen,
+                Some(FaultKind::CutOff) => Cause::CutOff,
+                _ if corrupted => Cause::Corrupted,
+                _ => self.gone_cause(p).unwrap_or(Cause::Silent),
+            };
+            changes.push(Change {
+                cause,
+                rank: Some(rank),
+                process: p.clone(),
+            });
+        }
+        // A member frozen or cut off that came back into g: the fault asked for is the cause.
+        for f in observed.faults.iter().filter(|f| f.generation == previous.generation) {
+            let p = Process {
+                host: f.host.clone(),
+                pid: f.pid,
+            };
+            let cause = match f.kind {
+                FaultKind::Kill => Cause::Killed,
+                FaultKind::Freeze => Cause::Frozen,
+                FaultKind::CutOff => Cause::CutOff,
+                // The member stays: healed in place, no generation changes.
+                FaultKind::Slow | FaultKind::CorruptParams | FaultKind::CorruptGrads => continue,
+            };
+            if previous.members.contains(&p) && !changes.iter().any(|c| c.process == p) {
+                changes.push(Change {
+                    cause,
+                    rank: Some(f.rank),
+                    process: p,
+                });
+            }
+        }
+        for p in g.members.iter().filter(|p| !previous.members.contains(p)) {
+            changes.push(Change {
+                cause: Cause::Joined,
+                rank: None,
+                process: p.clone(),
+            });
+        }
+        changes
+    }
+
+    /// The slowest member's recovery into `g` is the group's; its detection
+    /// counts from the latest fault asked for against a changed member.
+    fn recovery(&self, g: &Generation, changes: &[Change]) -> Option<Phases> {
+        let recovery = g
+            .members
+            .iter()
+            .filter_map(|p| self.records.get(p))
+            .filter_map(|r| r.recoveries.iter().find(|rc| rc.generation == g.generation))
+            .max_by(|a, b| {
+                let end = |r: &chorus::train::live::LiveRecovery| r.reform_ms + r.transfer_ms + r.first_step_ms;
+                end(a).total_cmp(&end(b))
+            });
+        recovery.map(|r| {
+            let fault = changes
+                .iter()
+                .filter_map(|c| self.faulted.get(&c.process))
+                .map(|f| f.at_us)
+                .filter(|&at| at <= r.failed_at_us)
+                .max();
+            Phases {
+                detect_ms: fault.map(|at| (r.failed_at_us - at) as f64 / 1e3),
+                reform_ms: r.reform_ms,
+                transfer_ms: r.transfer_ms,
+                first_step_ms: r.first_step_ms,
+            }
+        })
+    }
+}
+
+/// Each generation's first abort report (the one closest to the cause),
+/// newest generation first.
+fn first_aborts(records: &[LiveRecord]) -> Vec<LiveAbort> {
+    let mut first_abort: BTreeMap<u64, LiveAbort> = BTreeMap::new();
+    for abort in records.iter().filter_map(|r| r.abort.as_ref()) {
+        first_abort
+            .entry(abort.generation)
+            .and_modify(|f| {
+                if abort.at_us < f.at_us {
+                    *f = abort.clone();
+                }
+            })
+            .or_insert_with(|| abort.clone());
+    }
+    first_abort.into_values().rev().collect()
 }
 
 fn member(
@@ -399,116 +559,6 @@ fn member(
         heartbeat_age_ms: record.map(|r| (now_us - r.updated_us).max(0) as f64 / 1e3),
         last_step: record.and_then(|r| r.steps.back()).map(|s| s.step),
     }
-}
-
-/// The generations with their causes and recoveries.
-fn timeline(
-    observed: &Observed,
-    records: &HashMap<Process, &LiveRecord>,
-    faulted: &HashMap<Process, &FaultLogEntry>,
-    gone_cause: &dyn Fn(&Process) -> Option<Cause>,
-) -> Vec<GenerationView> {
-    let mut out: Vec<GenerationView> = Vec::new();
-    for (i, g) in observed.generations.iter().enumerate() {
-        // Only a generation that follows its predecessor directly is compared with it.
-        let previous = i
-            .checked_sub(1)
-            .map(|j| &observed.generations[j])
-            .filter(|p| p.generation + 1 == g.generation);
-        let mut changes = Vec::new();
-        if let Some(previous) = previous {
-            // An operation failure reported by a survivor marks the ranks it blamed corrupted.
-            let corrupted = observed
-                .records
-                .iter()
-                .filter_map(|r| r.abort.as_ref())
-                .any(|a| a.generation == previous.generation && a.label == "operation_failed");
-            for (rank, p) in previous.members.iter().enumerate() {
-                if g.members.contains(p) {
-                    continue;
-                }
-                let cause = match faulted.get(p).map(|f| f.kind) {
-                    Some(FaultKind::Kill) => Cause::Killed,
-                    Some(FaultKind::Freeze) => Cause::Frozen,
-                    Some(FaultKind::CutOff) => Cause::CutOff,
-                    _ if corrupted => Cause::Corrupted,
-                    _ => gone_cause(p).unwrap_or(Cause::Silent),
-                };
-                changes.push(Change {
-                    cause,
-                    rank: Some(rank),
-                    process: p.clone(),
-                });
-            }
-            // A member frozen or cut off that came back into g: the fault asked for is the cause.
-            for f in observed.faults.iter().filter(|f| f.generation == previous.generation) {
-                let p = Process {
-                    host: f.host.clone(),
-                    pid: f.pid,
-                };
-                let cause = match f.kind {
-                    FaultKind::Kill => Cause::Killed,
-                    FaultKind::Freeze => Cause::Frozen,
-                    FaultKind::CutOff => Cause::CutOff,
-                    // The member stays: healed in place, no generation changes.
-                    FaultKind::Slow | FaultKind::CorruptParams | FaultKind::CorruptGrads => continue,
-                };
-                if previous.members.contains(&p) && !changes.iter().any(|c| c.process == p) {
-                    changes.push(Change {
-                        cause,
-                        rank: Some(f.rank),
-                        process: p,
-                    });
-                }
-            }
-            for p in g.members.iter().filter(|p| !previous.members.contains(p)) {
-                changes.push(Change {
-                    cause: Cause::Joined,
-                    rank: None,
-                    process: p.clone(),
-                });
-            }
-        }
-        // The slowest member's recovery into g is the group's.
-        let recovery = g
-            .members
-            .iter()
-            .filter_map(|p| records.get(p))
-            .filter_map(|r| r.recoveries.iter().find(|rc| rc.generation == g.generation))
-            .max_by(|a, b| {
-                let end = |r: &chorus::train::live::LiveRecovery| r.reform_ms + r.transfer_ms + r.first_step_ms;
-                end(a).total_cmp(&end(b))
-            });
-        let recovery = recovery.map(|r| {
-            let fault = changes
-                .iter()
-                .filter_map(|c| faulted.get(&c.process))
-                .map(|f| f.at_us)
-                .filter(|&at| at <= r.failed_at_us)
-                .max();
-            Phases {
-                detect_ms: fault.map(|at| (r.failed_at_us - at) as f64 / 1e3),
-                reform_ms: r.reform_ms,
-                transfer_ms: r.transfer_ms,
-                first_step_ms: r.first_step_ms,
-            }
-        });
-        let started_us = observed
-            .records
-            .iter()
-            .flat_map(|r| r.steps.iter())
-            .filter(|s| s.generation == g.generation)
-            .map(|s| s.at_us)
-            .min();
-        out.push(GenerationView {
-            generation: g.generation,
-            world_size: g.members.len(),
-            changes,
-            recovery,
-            started_us,
-        });
-    }
-    out
 }
 
 /// Every committed step any record holds, once each (members agree on a
