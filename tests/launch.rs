@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 mod common;
 use common::{CHORUS, LAUNCHER, finish, free_port, text};
 
-const PYTHON_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/python");
+const PYTHON_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/python");
 
 /// `chorus launch ARGS`, with stdout and stderr captured.
 fn launch(args: &[&str]) -> Command {
