@@ -32,7 +32,7 @@ use chorus::train::{
     self, InPlace, Job, Mode, NamedState, StateCorruption, StateTarget, Step, TrainOptions, TrainState,
 };
 use chorus::{ElasticGroup, InitOptions};
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use clap::{Parser, ValueEnum};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -756,11 +756,11 @@ fn inject(fault: Fault, group: &ElasticGroup, run_dir: &Path, rank: usize, step:
     match fault {
         Fault::None => {}
         Fault::Kill => {
-            process::signal_self(libc::SIGKILL);
+            process::signal_self(Signal::SIGKILL);
         }
         Fault::Freeze => {
             let _ = std::fs::write(run_dir.join("frozen"), format!("{} {rank}", std::process::id()));
-            process::signal_self(libc::SIGSTOP);
+            process::signal_self(Signal::SIGSTOP);
         }
         // The trainer flips the bit (TrainOptions::corruptions).
         Fault::Corrupt => {}
@@ -918,7 +918,7 @@ fn fault_loop(run_dir: PathBuf, world: usize, every: f64, done: Arc<AtomicBool>)
         if let Some(pid) = pid {
             let at = started.elapsed().as_secs_f64();
             record_failure(&run_dir, &format!("kill of rank {next} at {at:.1} s"));
-            process::signal(pid, libc::SIGKILL);
+            process::signal(pid, Signal::SIGKILL);
         }
         next = next % (world - 1) + 1;
     }
@@ -954,7 +954,7 @@ fn thaw_loop(run_dir: PathBuf, after: Duration, done: Arc<AtomicBool>) {
             "train: killing the frozen rank {rank} (pid {pid}) {:.1} s after it froze ({why}), for the launcher to relaunch it",
             froze.elapsed().as_secs_f64()
         ));
-        process::signal(pid, libc::SIGKILL);
+        process::signal(pid, Signal::SIGKILL);
         return;
     }
 }

@@ -47,9 +47,10 @@
 //! - [`mesh`]: building those links: transport choice, published endpoints,
 //!   job-secret signatures, fault injection.
 //! - [`store`], [`rendezvous`]: re-exported from `chorus-runtime`.
-//! - [`netif`], [`auth`], [`fault`], [`link`]: re-exported from
+//! - [`netif`], [`auth`], [`fault`], [`link`], [`process`]: re-exported from
 //!   `chorus-transports` (which address a rank publishes, which one a peer
-//!   connects to; the job secret; fault plans; the link trait).
+//!   connects to; the job secret; fault plans; the link trait; signals to
+//!   processes).
 //! - `terminate`: with `CHORUS_TRACE_DIR` set, SIGTERM dumps every live
 //!   group's flight recorder before the process exits.
 //! - [`trace`]: the analysis behind `chorus trace DIR`: reads the ranks'
@@ -122,7 +123,7 @@ pub use chorus_actors::rank::Collective;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
 pub use chorus_runtime::collective::{CollectiveKind, DType, Overrides, ReduceOp, Thresholds};
 pub use chorus_runtime::{rendezvous, store};
-pub use chorus_transports::{auth, fault, link, netif};
+pub use chorus_transports::{auth, fault, link, netif, process};
 pub use collectives::Work;
 pub use elastic::{Admission, ElasticGroup, GroupSupervisor, MembershipChange, RestartError};
 pub use group::{InitError, InitOptions, InitStage, ProcessGroup, init_process_group, spawn, spawn_with};

@@ -4,7 +4,7 @@
 
 use std::process::{Command, Stdio};
 
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use serde_json::Value;
 
 mod common;
@@ -380,7 +380,7 @@ fn a_rank_stopped_mid_run_ends_the_bench_naming_it() {
     };
     let frozen = ranks[1];
     let frozen_rank = rank_of(frozen);
-    process::signal(frozen, libc::SIGSTOP);
+    process::signal(frozen, Signal::SIGSTOP);
     let stopped = Instant::now();
     let output = common::finish(child, 60, "chorus bench with a stopped rank", Stop::Kill);
     let took = stopped.elapsed();

@@ -15,7 +15,7 @@ use chorus::rendezvous::elastic::Joiner;
 use chorus::store::{HashStore, Store};
 use chorus::train::live::{self, LiveRecord, secret_tag};
 use chorus_cli::dashboard::{self, Dashboard, DashboardOptions};
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
@@ -231,7 +231,7 @@ struct Job(Child);
 
 impl Drop for Job {
     fn drop(&mut self) {
-        process::signal(self.0.id(), libc::SIGTERM);
+        process::signal(self.0.id(), Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline && matches!(self.0.try_wait(), Ok(None)) {
             std::thread::sleep(Duration::from_millis(100));

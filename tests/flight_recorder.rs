@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use serde_json::{Value, json};
 
 mod common;
@@ -186,7 +186,7 @@ fn chorus_trace_names_a_sigstopped_rank() {
     std::thread::sleep(pause);
     // Drop continues and kills it.
     assert!(
-        process::signal(probes.pid(STOPPED), libc::SIGSTOP),
+        process::signal(probes.pid(STOPPED), Signal::SIGSTOP),
         "SIGSTOP rank {STOPPED}"
     );
     // A survivor prints its error, then whether the next call failed too, then exits.

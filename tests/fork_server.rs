@@ -8,7 +8,7 @@
 //! Every child runs under a deadline: past it, the test kills it and fails
 //! with what it printed. Without python3 the tests skip and say so.
 
-use chorus_cli::process;
+use chorus::process;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -5,7 +5,7 @@
 //! Every child runs under a deadline: past it, the test kills it and fails
 //! with what it printed.
 
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -319,7 +319,7 @@ fn assert_all_gone(pids: &[i32], within: Duration, what: &str) {
     let left: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
     for &pid in &left {
         // Clean up before failing.
-        process::signal(pid, libc::SIGKILL);
+        process::signal(pid, Signal::SIGKILL);
     }
     assert!(left.is_empty(), "{what}: {left:?}");
 }
@@ -340,7 +340,7 @@ wait"#,
     command.arg(&worker).env("OUT", dir.path());
     let child = command.spawn().unwrap();
     let pids = worker_pids(dir.path(), 2);
-    process::signal(child.id(), libc::SIGTERM);
+    process::signal(child.id(), Signal::SIGTERM);
     let output = finish(child, 15, "the launcher after SIGTERM", LAUNCHER);
     assert_eq!(output.status.code(), Some(128 + 15), "{}", text(&output));
     assert_all_gone(&pids, Duration::from_secs(2), "processes left behind");

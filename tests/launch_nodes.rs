@@ -248,7 +248,7 @@ fn a_node_past_max_waits_then_gives_up_with_a_clear_error() {
     // Both at once: a launcher that outlives the one serving the store
     // would fail, having lost it.
     for tag in ["b", "a"] {
-        job.signal(tag, libc::SIGTERM);
+        job.signal(tag, chorus::process::Signal::SIGTERM);
     }
     let codes = [job.finish("a", 15).code(), job.finish("b", 15).code()];
     let all = job.all_output();
@@ -313,10 +313,10 @@ fn a_hung_launcher_is_noticed_by_its_keep_alive() {
     for tag in ["a", "b", "c"] {
         job.wait_for_lines(tag, "event=running", 1);
     }
-    job.signal("c", libc::SIGSTOP);
+    job.signal("c", chorus::process::Signal::SIGSTOP);
     let b = job.finish("b", 30);
     // The hung launcher still holds a connection the store's host would wait for.
-    job.signal("c", libc::SIGKILL);
+    job.signal("c", chorus::process::Signal::SIGKILL);
     let a = job.finish("a", 15);
     let all = job.all_output();
     assert!(a.success() && b.success(), "{all}");

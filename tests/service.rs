@@ -2,7 +2,7 @@
 //! through a Prometheus exporter; the counters move between two scrapes,
 //! and SIGTERM shuts the service down cleanly.
 
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command};
@@ -87,7 +87,7 @@ fn the_example_service_exports_metrics_that_move_and_stops_on_sigterm() {
     );
 
     let child = service.0.take().expect("running");
-    assert!(process::signal(child.id(), libc::SIGTERM));
+    assert!(process::signal(child.id(), Signal::SIGTERM));
     let output = common::finish(child, 20, "examples/service after SIGTERM", Stop::Kill);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(

@@ -16,7 +16,7 @@
 
 mod common;
 
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
@@ -109,7 +109,7 @@ impl Launchers {
             unreachable!("launchers get a grace period")
         };
         for (_, child) in &self.children {
-            process::signal(child.id(), libc::SIGTERM);
+            process::signal(child.id(), Signal::SIGTERM);
         }
         std::thread::sleep(grace);
         for (_, child) in &mut self.children {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use chorus::store::protocol::{self, QueryType, Request};
 use chorus::store::{Store, StoreError, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -492,7 +492,7 @@ fn store_get_against_a_stopped_store_server_returns_in_time() {
     let mut ready = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(server.stdout.take().unwrap()), &mut ready).unwrap();
     assert!(ready.contains("serving"), "{ready}");
-    process::signal(server.id(), libc::SIGSTOP);
+    process::signal(server.id(), Signal::SIGSTOP);
     let started = std::time::Instant::now();
     let output = common::run(
         std::process::Command::new(CHORUS).args([

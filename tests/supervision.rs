@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chorus::{CollectiveError, ErrorHandling, InitOptions, ReduceOp, Tensor, spawn_with};
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 
 mod common;
 use common::{CHORUS, Ranks, free_port, within};
@@ -317,7 +317,7 @@ fn sv1_sigkill_of_a_random_rank_fails_every_survivor_within_the_window() {
         let transport = if trial % 2 == 0 { "shm" } else { "quic" };
         let mut probes = Probes::start(4, &[("CHORUS_TRANSPORT", transport)]);
         probes.until_running();
-        assert!(process::signal(probes.pid(victim), libc::SIGKILL));
+        assert!(process::signal(probes.pid(victim), Signal::SIGKILL));
         let killed = unix_ms();
         let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
         let errors = probes.errors(&survivors, Instant::now() + Duration::from_secs(10));
@@ -350,7 +350,7 @@ fn sv14_sigkill_blames_the_killed_rank_not_the_survivors() {
         let victim = (trial * 3 + 1) % 4;
         let mut probes = Probes::start(4, &[("CHORUS_TRANSPORT", transport)]);
         probes.until_running();
-        assert!(process::signal(probes.pid(victim), libc::SIGKILL));
+        assert!(process::signal(probes.pid(victim), Signal::SIGKILL));
         let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
         let errors = probes.errors(&survivors, Instant::now() + Duration::from_secs(10));
         assert_blame(
@@ -388,7 +388,7 @@ fn sv15_a_sigkilled_peer_on_this_host_is_seen_at_once_over_quic() {
     // death within the test's 10 s deadline, as QUIC carries no word of it.
     let mut probes = Probes::start(4, &[("CHORUS_TRANSPORT", "quic"), ("CHORUS_HEARTBEAT_TIMEOUT", "60")]);
     probes.until_running();
-    assert!(process::signal(probes.pid(1), libc::SIGKILL));
+    assert!(process::signal(probes.pid(1), Signal::SIGKILL));
     let errors = probes.errors(&[0, 2, 3], Instant::now() + Duration::from_secs(10));
     assert_blame(&[0, 2, 3], &errors, 1, "rank 1 killed", &probes);
     assert!(
@@ -403,7 +403,7 @@ fn sv1_a_sigstopped_rank_is_detected() {
     let mut probes = Probes::start(4, &[("CHORUS_TRANSPORT", "shm")]);
     probes.until_running();
     // Drop continues and kills it.
-    assert!(process::signal(probes.pid(2), libc::SIGSTOP));
+    assert!(process::signal(probes.pid(2), Signal::SIGSTOP));
     let stopped = unix_ms();
     let errors = probes.errors(&[0, 1, 3], Instant::now() + Duration::from_secs(10));
     for error in &errors {
@@ -449,7 +449,7 @@ fn sv7_blocking_wait_returns_errors_to_the_caller() {
     );
     probes.until_running();
     // Drop continues and kills it.
-    assert!(process::signal(probes.pid(1), libc::SIGSTOP));
+    assert!(process::signal(probes.pid(1), Signal::SIGSTOP));
     let stopped = unix_ms();
     let errors = probes.errors(&[0, 2], Instant::now() + Duration::from_secs(10));
     for (me, error) in [0, 2].into_iter().zip(&errors) {

@@ -41,7 +41,7 @@ impl Watched {
         match &self.handle {
             Handle::Pidfd(fd) => readable(fd),
             Handle::Registered(fd) => readable(fd.get_ref()),
-            Handle::Signal => !process_exists(self.pid),
+            Handle::Signal => !chorus_transports::process::exists(self.pid),
         }
     }
 }
@@ -153,12 +153,6 @@ fn readable(fd: &OwnedFd) -> bool {
     // SAFETY: one valid pollfd, timeout 0: returns at once.
     let ready = unsafe { libc::poll(&mut poll, 1, 0) };
     ready > 0 && poll.revents & libc::POLLIN != 0
-}
-
-fn process_exists(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    let sent = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    sent == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 #[cfg(test)]

@@ -13,8 +13,6 @@
 //! - [`selftest`]: every collective against a naive reference, run by every
 //!   rank (`chorus selftest`).
 //! - [`logging`]: the command's and the examples' log output.
-//! - [`process`]: signals to processes (the one `kill(2)` of the command
-//!   line, its example and its tests).
 //! - [`netem`]: `chorus netem`, a userspace link impairer (loss, delay,
 //!   jitter, rate) between two interfaces, for tests across namespaces.
 //! - [`trace`]: `chorus trace DIR`, printing the report of
@@ -29,6 +27,5 @@ pub mod dashboard;
 pub mod launch;
 pub mod logging;
 pub mod netem;
-pub mod process;
 pub mod selftest;
 pub mod trace;

@@ -28,7 +28,7 @@ use anyhow::{Context, Result, bail};
 use chorus::store::{self, Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
 use chorus::{DType, InitOptions, init_process_group};
 use chorus_cli::bench::common::{free_port, torchrun_env};
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -933,7 +933,7 @@ impl ElasticProbe {
                 std::process::id(),
                 chorus_cli::bench::recovery::unix_us()
             );
-            process::signal_self(libc::SIGKILL);
+            process::signal_self(Signal::SIGKILL);
         }
         if self.done == 20 {
             println!("probe rank={} gen={} event=running", pg.rank(), pg.generation());

@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use chorus_runtime::store::Store;
 use chorus_transports::auth::JobSecret;
+use chorus_transports::process;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -567,10 +568,7 @@ impl Publisher {
         }
         tracing::warn!(target: "chorus::train::live", kind = request.kind.name(), who = %request.who, "injecting a fault asked for from a dashboard");
         match request.kind {
-            // SAFETY: kill(2) sends a signal to this process; no memory is involved.
-            FaultKind::Kill => unsafe {
-                libc::kill(std::process::id() as i32, libc::SIGKILL);
-            },
+            FaultKind::Kill => process::signal_self(process::Signal::SIGKILL),
             FaultKind::Freeze => freeze(),
             FaultKind::CutOff => {
                 let pg = self.groups.borrow().clone();
@@ -602,8 +600,7 @@ fn freeze() {
         Ok(mut helper) => {
             // Reaped once it ends (after this process continues).
             std::thread::spawn(move || helper.wait());
-            // SAFETY: kill(2) sends a signal to this process; no memory is involved.
-            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+            process::signal_self(process::Signal::SIGSTOP);
         }
         Err(e) => {
             tracing::warn!(target: "chorus::train::live", error = %e, "cannot start the helper that would continue this process; not freezing it");

@@ -6,7 +6,7 @@
 //! launcher and fails with what each printed. The tests take turns
 //! ([`lock`]): each starts several launchers and workers on a small machine.
 
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Mutex, MutexGuard};
@@ -182,7 +182,7 @@ impl Job {
     pub(crate) fn stop_all(&self) {
         for (_, child) in &self.launchers {
             // SIGKILL takes the workers too (their parent-death signal).
-            process::signal(child.id(), libc::SIGKILL);
+            process::signal(child.id(), Signal::SIGKILL);
         }
     }
 
@@ -202,7 +202,7 @@ impl Job {
         }
     }
 
-    pub(crate) fn signal(&mut self, tag: &str, signal: i32) {
+    pub(crate) fn signal(&mut self, tag: &str, signal: Signal) {
         process::signal(self.child(tag).id(), signal);
     }
 }

@@ -7,7 +7,7 @@
 // Each test binary compiles this module on its own and uses a subset of it.
 #![allow(dead_code)]
 
-use chorus_cli::process;
+use chorus::process::{self, Signal};
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
@@ -187,7 +187,7 @@ pub(crate) fn finish(mut child: Child, secs: u64, what: &str, stop: Stop) -> Out
 
 fn stop_child(child: &mut Child, stop: Stop) {
     if let Stop::Term(grace) = stop {
-        process::signal(child.id(), libc::SIGTERM);
+        process::signal(child.id(), Signal::SIGTERM);
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
             std::thread::sleep(Duration::from_millis(20));
@@ -314,7 +314,7 @@ impl Ranks {
         for child in &mut self.children {
             if matches!(child.try_wait(), Ok(None)) {
                 // SIGCONT lets a stopped one run to its death.
-                process::signal(child.id(), libc::SIGCONT);
+                process::signal(child.id(), Signal::SIGCONT);
                 let _ = child.kill();
             }
             let _ = child.wait();

@@ -812,10 +812,7 @@ impl FaultyLink {
         tracing::warn!(rank = self.me, "fault injection: killing this rank");
         if self.inner.kind() != TransportKind::Local {
             // A rank with a process of its own dies as under SIGKILL.
-            // SAFETY: kill(2) on our own pid with a valid signal number.
-            unsafe {
-                libc::kill(libc::getpid(), libc::SIGKILL);
-            }
+            crate::process::signal_self(crate::process::Signal::SIGKILL);
         }
         for link in self.rank.links.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             link.cut("rank killed by fault injection");

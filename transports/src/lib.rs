@@ -27,6 +27,8 @@
 //!   of the interface list, an optional `CHORUS_SOCKET_IFNAME` /
 //!   `GLOO_SOCKET_IFNAME` spec and the route to the master; listing the
 //!   interfaces and asking the kernel for that route are thin wrappers.
+//! - [`process`]: signals to processes (fault injection's kills and
+//!   freezes, a peer's liveness), without `unsafe` at any caller.
 //!
 //! This crate knows nothing of stores or collectives: it is handed peers
 //! (rank, address, fingerprint) and moves frames.
@@ -37,6 +39,7 @@ pub mod fault;
 pub mod link;
 pub mod local;
 pub mod netif;
+pub mod process;
 pub mod quic;
 pub mod scoped;
 #[cfg(target_os = "linux")]

@@ -30,7 +30,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::bench::collective::parse_size;
-use crate::process;
+use chorus::process::{self, Signal};
 
 /// `chorus bench memory`.
 #[derive(Debug, Clone, Args)]
@@ -276,7 +276,7 @@ pub fn run(args: &MemoryArgs) -> Result<ExitCode> {
             // Children first would let the parent start new ones: the
             // whole tree as it is now, root first.
             for (pid, _) in &processes {
-                process::signal(*pid as libc::pid_t, libc::SIGKILL);
+                process::signal(*pid, Signal::SIGKILL);
             }
         }
         std::thread::sleep(Duration::from_millis(args.interval_ms.max(1)));

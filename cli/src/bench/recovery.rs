@@ -30,7 +30,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::process;
+use chorus::process::{self, Signal};
 use thiserror::Error;
 
 use super::common::{PeerError, PythonPeer, median, python_peer};
@@ -469,7 +469,7 @@ pub fn run_torchrun_trial(
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 // SIGTERM lets the torchrun we started stop its workers.
-                process::signal(child.id(), libc::SIGTERM);
+                process::signal(child.id(), Signal::SIGTERM);
                 std::thread::sleep(Duration::from_secs(2));
                 let _ = child.kill();
                 let _ = child.wait();

@@ -28,7 +28,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use crate::process;
+use chorus::process::{self, Signal};
 use thiserror::Error;
 
 /// The store's address on the switch.
@@ -362,7 +362,7 @@ impl Drop for Hosts {
             if let Ok(output) = Command::new("ip").args(["netns", "pids", &name]).output() {
                 for pid in String::from_utf8_lossy(&output.stdout).split_whitespace() {
                     if let Ok(pid) = pid.parse::<i32>() {
-                        process::signal(pid, libc::SIGKILL);
+                        process::signal(pid, Signal::SIGKILL);
                     }
                 }
             }

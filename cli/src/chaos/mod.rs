@@ -53,7 +53,7 @@ use thiserror::Error;
 
 use crate::bench::recovery::unix_us;
 use crate::dashboard::source::StoreSource;
-use crate::process;
+use chorus::process::{self, Signal};
 pub use hosts::{Hosts, HostsError};
 pub use schedule::{FaultKind, PlannedFault, ScheduleSpec};
 pub use verdict::{Bounds, Check, Evidence, Verdict};
@@ -391,7 +391,7 @@ struct Node {
 struct Due {
     at: Instant,
     pid: i32,
-    signal: i32,
+    signal: Signal,
 }
 
 /// A network fault to undo later.
@@ -762,15 +762,15 @@ impl Driver<'_> {
                     Err(why) => (format!("worker pid {pid}: {} not asked for: {why}", kind.name()), false),
                 };
             }
-            FaultKind::Kill => (libc::SIGKILL, None, "SIGKILL"),
+            FaultKind::Kill => (Signal::SIGKILL, None, "SIGKILL"),
             FaultKind::Stop => (
-                libc::SIGSTOP,
-                Some((self.options.heartbeat * 2, libc::SIGKILL)),
+                Signal::SIGSTOP,
+                Some((self.options.heartbeat * 2, Signal::SIGKILL)),
                 "SIGSTOP, SIGKILL twice the heartbeat window later",
             ),
             FaultKind::Slow => (
-                libc::SIGSTOP,
-                Some((SLOW, libc::SIGCONT)),
+                Signal::SIGSTOP,
+                Some((SLOW, Signal::SIGCONT)),
                 "SIGSTOP, SIGCONT 400 ms later",
             ),
             FaultKind::KillLauncher => {
@@ -995,7 +995,7 @@ impl PhaseRun<'_, '_> {
         }
         // SIGCONT any worker a due signal would have woken.
         for d in &self.due {
-            process::signal(d.pid, libc::SIGCONT);
+            process::signal(d.pid, Signal::SIGCONT);
         }
         // The network as it was, for the next run (an error here is reported
         // after the leftovers are cleared).
@@ -1168,7 +1168,7 @@ fn orphans(marker: &str, net_inodes: &[u64]) -> Vec<u32> {
         left = find();
     }
     for &pid in &left {
-        process::signal(pid as i32, libc::SIGKILL);
+        process::signal(pid as i32, Signal::SIGKILL);
     }
     left
 }

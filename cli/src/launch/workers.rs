@@ -25,7 +25,7 @@ use super::binding;
 use super::config::Streams;
 use super::fork_server::{ForkServer, PythonCommand, Request};
 use super::plan::WorkerExit;
-use crate::process;
+use chorus::process::{self, Signal};
 
 /// Lines kept per worker for the failure report.
 pub const TAIL_LINES: usize = 20;
@@ -246,7 +246,7 @@ impl Workers {
         {
             Some(index) => {
                 // Children the old worker started in its group must not linger.
-                process::signal_group(self.workers[index].pid, libc::SIGKILL);
+                process::signal_group(self.workers[index].pid, Signal::SIGKILL);
                 index
             }
             None if spec.standby.is_some() => self.workers.len(),
@@ -303,16 +303,18 @@ impl Workers {
     /// Sends `signal` to every running worker's process group, waits up to
     /// `grace` for them to end, then kills what is left of every group.
     pub async fn stop(&mut self, signal: i32, grace: Duration) {
+        // Only the signals a launcher handles come here, each a valid one.
+        let signal = Signal::try_from(signal).unwrap_or(Signal::SIGTERM);
         for worker in self.workers.iter().filter(|w| w.running) {
             process::signal_group(worker.pid, signal);
             // A stopped (SIGSTOPped) worker would keep the signal pending
             // until the grace ran out: resume it so it acts on it now.
-            process::signal_group(worker.pid, libc::SIGCONT);
+            process::signal_group(worker.pid, Signal::SIGCONT);
         }
         let _ = tokio::time::timeout(grace, async { while self.any_exit().await.is_some() {} }).await;
         // Children a worker started in its group may outlive it: no orphans.
         for worker in &self.workers {
-            process::signal_group(worker.pid, libc::SIGKILL);
+            process::signal_group(worker.pid, Signal::SIGKILL);
         }
         while self.any_exit().await.is_some() {}
         for worker in &mut self.workers {

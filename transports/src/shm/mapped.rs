@@ -466,10 +466,7 @@ pub(super) fn alive(pid: u32) -> bool {
     if pid == 0 {
         return true;
     }
-    // SAFETY: signal 0 only checks that the process exists.
-    if unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
-        && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
-    {
+    if !crate::process::exists(pid) {
         return false;
     }
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
