@@ -721,10 +721,6 @@ impl Outcome {
     }
 }
 
-fn unix_us() -> i64 {
-    chorus_cli::bench::recovery::unix_us()
-}
-
 /// Appends an injected failure to the run's list: its wall-clock time and
 /// what it was (`kill of rank 3 at step 150`), for the summary.
 fn record_failure(run_dir: &Path, what: &str) {
@@ -733,7 +729,7 @@ fn record_failure(run_dir: &Path, what: &str) {
         .append(true)
         .open(run_dir.join("failures"))
     {
-        let _ = writeln!(file, "{} {what}", unix_us());
+        let _ = writeln!(file, "{} {what}", chorus::train::record::unix_us());
     }
 }
 

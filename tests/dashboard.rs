@@ -95,7 +95,7 @@ async fn made_up_job() -> Arc<dyn Store> {
             recoveries: VecDeque::new(),
             abort: None,
             started_us: 0,
-            updated_us: chorus_cli::bench::recovery::unix_us(),
+            updated_us: chorus::train::record::unix_us(),
             secret_tag: Some(secret_tag(&chorus::auth::JobSecret::new(SECRET.as_bytes()), "r")),
         };
         store

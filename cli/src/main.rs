@@ -887,7 +887,7 @@ impl ElasticProbe {
                     "probe rank={} gen={} event=error at_us={} error={error}",
                     pg.rank(),
                     pg.generation(),
-                    chorus_cli::bench::recovery::unix_us()
+                    chorus::train::record::unix_us()
                 );
                 self.group
                     .next_generation(pg.generation())
@@ -909,7 +909,7 @@ impl ElasticProbe {
             pg.generation(),
             pg.world_size(),
             self.done,
-            chorus_cli::bench::recovery::unix_us()
+            chorus::train::record::unix_us()
         );
         Ok(())
     }
@@ -931,7 +931,7 @@ impl ElasticProbe {
                 pg.rank(),
                 pg.generation(),
                 std::process::id(),
-                chorus_cli::bench::recovery::unix_us()
+                chorus::train::record::unix_us()
             );
             process::signal_self(Signal::SIGKILL);
         }
@@ -979,7 +979,7 @@ fn hello(args: &HelloArgs) -> Result<ExitCode> {
     // The ranks sign their records with one secret, as under `chorus launch`.
     let secret = match std::env::var("CHORUS_JOB_SECRET") {
         Ok(secret) if !secret.is_empty() => secret,
-        _ => chorus_cli::launch::random_hex(32)?,
+        _ => chorus::auth::random_hex(32)?,
     };
     println!("chorus hello: {} ranks meeting over {url}", args.world);
     let mut ranks = HelloRanks::start(args, &exe, &url, port, &secret)?;

@@ -124,7 +124,7 @@ pub fn checksum(params: &mut dyn Parameters) -> u64 {
 }
 
 /// Microseconds since the Unix epoch.
-pub(crate) fn unix_us() -> i64 {
+pub fn unix_us() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as i64)

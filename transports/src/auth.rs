@@ -8,6 +8,14 @@
 
 use aws_lc_rs::hmac;
 
+/// `bytes` random bytes from the system's generator as lowercase hex: a
+/// fresh job secret (`chorus launch` hands out 32 bytes' worth), a run id.
+pub fn random_hex(bytes: usize) -> std::io::Result<String> {
+    let mut buf = vec![0u8; bytes];
+    aws_lc_rs::rand::fill(&mut buf).map_err(|_| std::io::Error::other("the system's random generator failed"))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Length of a record's signature.
 pub const TAG_LEN: usize = 32;
 
@@ -44,6 +52,14 @@ impl JobSecret {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn random_hex_is_lowercase_hex_of_the_length_asked_and_never_repeats() {
+        let (a, b) = (random_hex(16).unwrap(), random_hex(16).unwrap());
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')), "{a}");
+        assert_ne!(a, b);
+    }
 
     #[test]
     fn only_the_same_secret_verifies() {

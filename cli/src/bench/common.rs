@@ -74,15 +74,6 @@ pub fn torchrun_env(command: &mut Command, rank: usize, world: usize, port: u16)
         .env("LOCAL_WORLD_SIZE", world.to_string());
 }
 
-/// A random job secret for the rank processes, as `chorus launch` hands out.
-pub(crate) fn job_secret() -> String {
-    let mut bytes = [0u8; 16];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = std::io::Read::read_exact(&mut f, &mut bytes);
-    }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Whether `python` can import torch.distributed with Gloo; its version or
 /// why not.
 pub(crate) fn torch_version(python: &str) -> Result<String, String> {
@@ -227,12 +218,5 @@ mod tests {
         );
         let path = std::env::temp_dir().join(format!("chorus-bench-test-{}.py", std::process::id()));
         assert!(!path.exists());
-    }
-
-    #[test]
-    fn job_secrets_differ() {
-        let (a, b) = (job_secret(), job_secret());
-        assert_eq!(a.len(), 32);
-        assert_ne!(a, b);
     }
 }

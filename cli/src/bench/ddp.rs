@@ -28,7 +28,7 @@ use chorus::sync::{
 };
 use chorus::tensor::Tensor;
 
-use super::common::{PeerError, Spread, free_port, job_secret, median, python_peer, torchrun_env};
+use super::common::{PeerError, Spread, free_port, median, python_peer, torchrun_env};
 
 /// PyTorch DDP's side, embedded so that the binary works from anywhere.
 const TORCH_SCRIPT: &str = include_str!("../../python/ddp_bench.py");
@@ -460,7 +460,7 @@ fn measure_rounds(args: &DdpArgs, shapes: &[(String, usize)]) -> Result<Vec<Vec<
             args.world,
             &[
                 ("CHORUS_TRANSPORT", args.transport.clone()),
-                ("CHORUS_JOB_SECRET", job_secret()),
+                ("CHORUS_JOB_SECRET", chorus::auth::random_hex(16)?),
             ],
             timeout,
         )?);

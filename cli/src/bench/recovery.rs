@@ -281,14 +281,6 @@ fn forward_lines(child: &mut Child, tag: usize, tx: &mpsc::Sender<(usize, String
     }
 }
 
-/// Microseconds since the Unix epoch: the probes' event times (`at_us=`)
-/// and the kill's, comparable between processes of one host.
-pub fn unix_us() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as i64)
-}
-
 /// The ranks of one trial; dropping it kills whatever still runs.
 struct Ranks {
     children: Vec<Child>,
@@ -389,7 +381,7 @@ pub fn run_trial(
     // A random moment within a few all-reduces, so the kill lands in any phase.
     std::thread::sleep(Duration::from_millis(schedule.below(50)));
     let killed = schedule.below(bench.world as u64) as usize;
-    let killed_at_us = unix_us();
+    let killed_at_us = chorus::train::record::unix_us();
     ranks.children[killed]
         .kill()
         .map_err(|e| RecoveryError::Setup(format!("killing rank {killed}: {e}")))?;

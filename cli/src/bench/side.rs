@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::Value;
 
-use super::common::{free_port, job_secret, torchrun_env};
+use super::common::{free_port, torchrun_env};
 use super::measure::{Raw, Spec, measure};
 use crate::launch::binding;
 
@@ -215,7 +215,7 @@ impl ProcessSide {
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(" ");
-        env.push(("CHORUS_JOB_SECRET".to_string(), job_secret()));
+        env.push(("CHORUS_JOB_SECRET".to_string(), chorus::auth::random_hex(16)?));
         let mut side = Self::start(label, &exe.to_string_lossy(), flags, world, &env, cpus)?;
         side.wait_ready(timeout).context(settings)?;
         Ok(side)

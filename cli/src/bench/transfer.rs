@@ -25,7 +25,7 @@ use chorus::group::ProcessGroup;
 use chorus::tensor::Tensor;
 use chorus::train::{NamedState, TransferOptions, sync_state, verify_state};
 
-use super::common::{job_secret, median};
+use super::common::{median};
 
 /// The channel of the plain link measurement (beside the transfer's).
 const LINK_CHANNEL: u32 = 0xFFFF_FE00;
@@ -281,7 +281,7 @@ pub fn run(args: &TransferArgs) -> Result<std::process::ExitCode> {
                 }
                 let env = [
                     ("CHORUS_TRANSPORT", transport.clone()),
-                    ("CHORUS_JOB_SECRET", job_secret()),
+                    ("CHORUS_JOB_SECRET", chorus::auth::random_hex(16)?),
                 ];
                 let row = super::ddp::run_ranks(&exe, &worker, sources + 1, &env, timeout)
                     .with_context(|| format!("{transport}, {size} B, {sources} sources"))?;

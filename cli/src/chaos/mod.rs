@@ -51,7 +51,7 @@ use chorus::train::{CommitRecord, RECORD_ENV, live};
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::bench::recovery::unix_us;
+use chorus::train::record::unix_us;
 use crate::dashboard::source::StoreSource;
 use chorus::process::{self, Signal};
 pub use hosts::{Hosts, HostsError};
@@ -215,7 +215,7 @@ pub fn run(options: &ChaosOptions, say: &mut dyn FnMut(&str)) -> Result<ChaosRep
         .enable_all()
         .build()
         .map_err(io("starting the store's runtime"))?;
-    let secret = crate::launch::random_hex(16).map_err(|e| ChaosError::Options(e.to_string()))?;
+    let secret = chorus::auth::random_hex(16).map_err(|e| ChaosError::Options(e.to_string()))?;
     let _signals = Interrupts::catch();
     let mut hosts = simulated_hosts(options, say)?;
     let mut driver = Driver {

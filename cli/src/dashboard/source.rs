@@ -13,7 +13,7 @@ use thiserror::Error;
 use tokio::sync::Mutex;
 
 use super::view::{Generation, Observed, Process};
-use crate::bench::recovery::unix_us;
+use chorus::train::record::unix_us;
 
 /// Generations read back from the newest.
 const GENERATIONS: u64 = 32;

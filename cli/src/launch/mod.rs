@@ -369,17 +369,13 @@ fn own_executable(program: &str) -> Option<String> {
     (program == "chorus" && own.file_name()? == "chorus").then(|| own.display().to_string())
 }
 
-/// `bytes` random bytes from the OS, in hex: a fresh job secret.
-pub fn random_hex(bytes: usize) -> Result<String, LaunchError> {
-    use std::io::Read;
-    let mut buf = vec![0u8; bytes];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .map_err(|source| LaunchError::Io {
-            what: "reading /dev/urandom".into(),
-            source,
-        })?;
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+/// `bytes` random bytes in hex (a job secret, a run id), failing as the
+/// launcher does.
+fn random_hex(bytes: usize) -> Result<String, LaunchError> {
+    chorus::auth::random_hex(bytes).map_err(|source| LaunchError::Io {
+        what: "drawing random bytes".into(),
+        source,
+    })
 }
 
 /// The signals the launcher forwards to its workers (torchrun's
