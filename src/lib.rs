@@ -31,6 +31,8 @@
 //! - [`elastic`]: [`ElasticGroup`], a group that restarts itself into a
 //!   new generation after a failure (rules SV-9..SV-13); [`elastic_nccl`]:
 //!   NCCL communicators that follow it through its generations (EN-1..EN-3).
+//! - [`binding`]: torchrun's `--numa-binding` modes: each local rank's CPUs
+//!   from the host's topology (a sans-IO plan over [`binding::Topology`]).
 //! - [`error_file`]: what a rank process whose group aborts writes for its
 //!   launcher (`TORCHELASTIC_ERROR_FILE`), naming the peers it blames.
 //! - [`metrics`]: what a running group reports through the `metrics`
@@ -101,6 +103,7 @@ pub struct SupervisionDoctests;
 #[doc = include_str!("../docs/training.md")]
 pub struct TrainingDoctests;
 
+pub mod binding;
 pub mod collectives;
 pub mod elastic;
 pub mod elastic_nccl;

@@ -23,12 +23,15 @@
 //!   line per committed step and member, which `chorus chaos` checks.
 //! - [`live`]: each process's live progress in the job's store (recent
 //!   steps, recoveries with their phases, aborts) and the faults a
-//!   dashboard asks it for, with the job secret.
+//!   dashboard asks it for, with the job secret; [`observe`]: all of it
+//!   read back by an outside watcher (a dashboard, `chorus chaos`), and
+//!   fault requests written.
 
 mod cma;
 mod guard;
 pub mod integrity;
 pub mod live;
+pub mod observe;
 pub mod outer;
 pub mod record;
 pub mod state;

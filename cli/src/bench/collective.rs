@@ -54,7 +54,7 @@ use super::common::{PeerError, Spread, median, python_peer};
 pub use super::measure::BenchOp;
 use super::measure::{Raw, Spec, WorkerError, WorkerLine, measure, round, to_line};
 use super::side::{InProcessSide, ProcessSide, Side};
-use crate::launch::binding::{NumaBinding, Topology, format_cpu_list};
+use chorus::binding::{NumaBinding, Topology, format_cpu_list};
 
 /// The Gloo side's script, embedded so that the binary works from anywhere.
 const GLOO_SCRIPT: &str = include_str!("../../python/bench_gloo.py");

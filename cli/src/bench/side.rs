@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use super::common::{free_port, torchrun_env};
 use super::measure::{Raw, Spec, measure};
-use crate::launch::binding;
+use chorus::binding;
 
 /// Something that measures one size when asked: a set of rank processes or in-process ranks.
 pub(crate) trait Side {

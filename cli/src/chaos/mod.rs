@@ -52,7 +52,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use chorus::train::record::unix_us;
-use crate::dashboard::source::StoreSource;
+use chorus::train::observe::StoreSource;
 use chorus::process::{self, Signal};
 pub use hosts::{Hosts, HostsError};
 pub use schedule::{FaultKind, PlannedFault, ScheduleSpec};

@@ -11,11 +11,13 @@
 //! signed with the job secret, and the target process carries them out.
 //!
 //! # Layout
+//! - reading the store and writing fault requests is the library's
+//!   [`chorus::train::observe`] (`chorus chaos` asks for faults through it
+//!   too).
 //! - [`view`]: sans IO; what was read ([`view::Observed`]) into the
 //!   page's data ([`view::JobView`]): members and their states, the
 //!   timeline with causes and recovery phases, steps, findings.
 //! - [`page`]: sans IO; the page as HTML with inline SVG.
-//! - [`source`]: reading the store, writing fault requests.
 //! - [`server`]: the axum routes.
 //! - this file: binding and serving in a task of its own ([`start`]).
 //!
@@ -27,13 +29,13 @@
 
 pub mod page;
 pub mod server;
-pub mod source;
 pub mod view;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use chorus::store::Store;
+use chorus::train::observe::StoreSource;
 use thiserror::Error;
 
 /// Why the dashboard could not start.
@@ -123,7 +125,7 @@ pub async fn start(store: Arc<dyn Store>, options: &DashboardOptions) -> Result<
         .local_addr()
         .map_err(|source| DashboardError::Bind { addr: wanted, source })?;
     let shared = Arc::new(server::Shared {
-        source: source::StoreSource::new(store, options.run_id.clone()),
+        source: StoreSource::new(store, options.run_id.clone()),
         secret: options.secret.as_bytes().to_vec(),
         faults: options.faults,
     });

@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use chorus::auth::JobSecret;
 use chorus::train::live::{self, FaultKind};
 
-use super::source::{SourceError, StoreSource};
+use chorus::train::observe::{SourceError, StoreSource};
 use super::{page, view};
 
 /// What every request handler shares.

@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use chorus::train::live::{FaultKind, FaultLogEntry, LiveAbort, LiveRecord};
+pub use chorus::train::observe::{Generation, Observed, Process};
 use serde::Serialize;
 
 /// A record not rewritten for this long belongs to a process that stopped
@@ -13,43 +14,6 @@ pub const SILENT_AFTER_US: i64 = 5_000_000;
 
 /// Steps over which the step rate is measured.
 const RATE_WINDOW: usize = 20;
-
-/// A process, as the elastic rendezvous recorded it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct Process {
-    /// Its host name.
-    pub host: String,
-    /// Its process id.
-    pub pid: u32,
-}
-
-/// One formed generation: its members by rank.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Generation {
-    /// Its number.
-    pub generation: u64,
-    /// Its members, indexed by rank.
-    pub members: Vec<Process>,
-}
-
-/// Everything read from the store at one moment.
-#[derive(Debug, Clone, Default)]
-pub struct Observed {
-    /// When, microseconds since the Unix epoch.
-    pub now_us: i64,
-    /// The run.
-    pub run_id: String,
-    /// The newest formed generations, ascending.
-    pub generations: Vec<Generation>,
-    /// Every process's live record.
-    pub records: Vec<LiveRecord>,
-    /// Processes whose exit a launcher published.
-    pub exited: Vec<Process>,
-    /// The fault log, oldest first.
-    pub faults: Vec<FaultLogEntry>,
-    /// Whether the members left on purpose (the job finished).
-    pub finished: bool,
-}
 
 /// What a member is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::binding::NumaBinding;
+use chorus::binding::NumaBinding;
 
 /// torchrun's default port for a `--rdzv-endpoint` without one.
 pub const DEFAULT_RDZV_PORT: u16 = 29400;

@@ -23,8 +23,6 @@
 //!   key layout and shared secret on it.
 //! - `records`: sans-IO; the rounds' records as the store holds them
 //!   (`joiners` lines, the `closed` group, the `end`), parsed totally.
-//! - `binding`: `--numa-binding`, each worker's CPUs from `/sys` (a sans-IO
-//!   plan over a [`binding::Topology`]).
 //! - `workers`: the worker processes of one attempt and their output.
 //! - `fork_server`: the pre-started Python process replacement workers are
 //!   forked from (its command parsing and protocol sans IO;
@@ -62,7 +60,6 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
-pub mod binding;
 pub mod config;
 pub mod env;
 pub mod fork_server;
@@ -73,7 +70,7 @@ pub mod workers;
 
 pub use config::{ConfigError, LaunchConfig, Parsed, RestartPolicy};
 
-use binding::{BindingError, Topology};
+use chorus::binding::{self, BindingError, Topology};
 use chorus_runtime::rendezvous::{HostId, elastic};
 use chorus_runtime::store::{Store, StoreError};
 use config::{HostFacts, Streams};

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::LaunchError;
-use super::binding;
+use chorus::binding;
 use super::config::Streams;
 use super::fork_server::{ForkServer, PythonCommand, Request};
 use super::plan::WorkerExit;

@@ -1,24 +1,64 @@
-//! Reading a job from its store into an [`Observed`], and writing the
-//! fault requests and log (see [`chorus::train::live`] for the keys).
+//! A job read back from its store, as a dashboard or `chorus chaos` sees
+//! it: the newest generations and their members, every process's live
+//! record, the exits its launchers published and the fault log; and fault
+//! requests written, signed with the job secret (see [`super::live`] for
+//! the keys).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chorus::auth::JobSecret;
-use chorus::rendezvous::elastic::{self, ElasticConfig, ElasticError};
-use chorus::store::{Store, StoreError};
-use chorus::train::live::{self, FaultKind, FaultLogEntry, FaultRequest, LiveRecord};
+use chorus_runtime::rendezvous::elastic::{self, ElasticConfig, ElasticError};
+use chorus_runtime::store::{Store, StoreError};
+use chorus_transports::auth::JobSecret;
+use serde::Serialize;
 use thiserror::Error;
 use tokio::sync::Mutex;
 
-use super::view::{Generation, Observed, Process};
-use chorus::train::record::unix_us;
+use super::live::{self, FaultKind, FaultLogEntry, FaultRequest, LiveRecord};
+use super::record::unix_us;
 
 /// Generations read back from the newest.
 const GENERATIONS: u64 = 32;
 /// Processes' records read back from the newest slot.
 const SLOTS: i64 = 256;
+
+/// A process, as the elastic rendezvous recorded it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Process {
+    /// Its host name.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+}
+
+/// One formed generation: its members by rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Its number.
+    pub generation: u64,
+    /// Its members, indexed by rank.
+    pub members: Vec<Process>,
+}
+
+/// Everything read from the store at one moment.
+#[derive(Debug, Clone, Default)]
+pub struct Observed {
+    /// When, microseconds since the Unix epoch.
+    pub now_us: i64,
+    /// The run.
+    pub run_id: String,
+    /// The newest formed generations, ascending.
+    pub generations: Vec<Generation>,
+    /// Every process's live record.
+    pub records: Vec<LiveRecord>,
+    /// Processes whose exit a launcher published.
+    pub exited: Vec<Process>,
+    /// The fault log, oldest first.
+    pub faults: Vec<FaultLogEntry>,
+    /// Whether the members left on purpose (the job finished).
+    pub finished: bool,
+}
 
 /// Why the store could not be read or written.
 #[derive(Debug, Error)]

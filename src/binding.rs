@@ -1,5 +1,6 @@
-//! `--numa-binding`: the CPUs each worker process may run on, in torchrun's
-//! four modes (`torch/numa/binding.py`, PyTorch 2.8+).
+//! NUMA binding (`chorus launch --numa-binding`, the benches' ranks): the
+//! CPUs each worker process may run on, in torchrun's four modes
+//! (`torch/numa/binding.py`, PyTorch 2.8+).
 //!
 //! Binding matters to chorus beyond memory locality: a rank's threads hand
 //! work to each other (the caller to its actor, a socket or ring to the
