@@ -9,13 +9,13 @@
 //!
 //! - chorus: `chorus store serve --host 127.0.0.1 --port 0` (the `chorus`
 //!   binary next to this example's directory, or `--chorus-bin`);
-//! - PyTorch: `python3 cli/python/serve_store.py` (its libuv server).
+//! - PyTorch: `python3 lab/python/serve_store.py` (its libuv server).
 //!
 //! Two kinds of load generator are measured against each server:
 //!
 //! - `chorus` clients: N [`TcpStore`] clients, tokio tasks in this process;
 //! - `python` clients: N Python processes running PyTorch's own client
-//!   (`cli/python/bench_store_client.py`), skipped with `--skip-python-clients`.
+//!   (`lab/python/bench_store_client.py`), skipped with `--skip-python-clients`.
 //!
 //! Rounds alternate between the servers (chorus, pytorch, chorus, ...) so
 //! that a noisy shared machine slows both alike. Every client connects once,
@@ -89,7 +89,7 @@ fn main() -> Result<()> {
     if args.clients == 0 || args.rounds == 0 || args.seconds <= 0.0 {
         bail!("--clients, --rounds and --seconds must be positive");
     }
-    let python_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cli/python");
+    let python_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("lab/python");
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let chorus_bin = match &args.chorus_bin {
         Some(path) => path.clone(),
@@ -583,7 +583,7 @@ impl Output {
             let how = if server.name == CHORUS {
                 format!("{} store serve", chorus_bin.display())
             } else {
-                "cli/python/serve_store.py (PyTorch's libuv TCPStore)".to_string()
+                "lab/python/serve_store.py (PyTorch's libuv TCPStore)".to_string()
             };
             println!(
                 "  {:<8} server on {:<16} pid {:<8} {how}",

@@ -27,12 +27,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use candle_core::{D, DType as CDType, Device, Tensor as CTensor, Var};
+use chorus::process::{self, Signal};
 use chorus::sync::{DistributedSync, ParamBuffer, Parameters};
 use chorus::train::{
     self, InPlace, Job, Mode, NamedState, StateCorruption, StateTarget, Step, TrainOptions, TrainState,
 };
 use chorus::{ElasticGroup, InitOptions};
-use chorus::process::{self, Signal};
 use clap::{Parser, ValueEnum};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -1175,7 +1175,7 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
 }
 
 fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Result<()> {
-    use chorus_cli::bench::plot::{LABEL, canvas, legend};
+    use chorus_lab::bench::plot::{LABEL, canvas, legend};
     use plotters::prelude::*;
     let curves: Vec<&Vec<(u64, f64)>> = std::iter::once(&run.curve).chain(reference.map(|r| &r.curve)).collect();
     let xmax = curves.iter().flat_map(|c| c.iter()).map(|p| p.0).max().unwrap_or(1) as f64 + 1.0;

@@ -8,7 +8,7 @@ use chorus::process::{self, Signal};
 use serde_json::Value;
 
 mod common;
-use common::{CHORUS, Stop};
+use common::{Stop, chorus_bin};
 
 const HEADER: &str = "#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong";
 const UNITS: &str =
@@ -22,7 +22,7 @@ struct Output {
 
 /// Runs `chorus bench ARGS`, killing it after `secs`.
 fn bench(args: &[&str], secs: u64) -> Output {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .arg("bench")
         .args(args)
@@ -269,7 +269,7 @@ fn torch_compare_gloo_adds_the_ratio_columns() {
     assert!(out.ok, "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
     assert!(out.stdout.contains("chorus/gloo busbw"), "{}", out.stdout);
     assert!(
-        out.stdout.contains("gloo (python3 cli/python/bench_gloo.py"),
+        out.stdout.contains("gloo (python3 lab/python/bench_gloo.py"),
         "{}",
         out.stdout
     );
@@ -335,7 +335,7 @@ fn children(parent: u32) -> Vec<i32> {
 #[test]
 fn a_rank_stopped_mid_run_ends_the_bench_naming_it() {
     use std::time::{Duration, Instant};
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .args([
             "bench",

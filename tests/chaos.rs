@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use std::sync::{Mutex, mpsc};
 use std::time::Duration;
 
-use chorus_cli::chaos::{self, Bounds, ChaosOptions, FaultKind, Program};
+use chorus_lab::chaos::{self, Bounds, ChaosOptions, FaultKind, Program};
 
 mod common;
-use common::{CHORUS, example};
+use common::{chorus_bin, example};
 
 /// Runs `options` on a thread, failing the test past `secs`; the report
 /// and what the run said.
@@ -54,7 +54,7 @@ fn netns_a_minute_of_faults_across_three_simulated_hosts_passes_every_check() {
     ];
     let options = ChaosOptions {
         program: Program::Example(example("train")),
-        chorus: PathBuf::from(CHORUS),
+        chorus: PathBuf::from(chorus_bin()),
         nodes: 3,
         hosts: true,
         nproc_per_node: 1,
@@ -128,7 +128,7 @@ const EVERY: (Duration, Duration) = (Duration::from_secs(8), Duration::from_secs
 fn a_minute_of_faults_on_three_nodes_passes_every_check() {
     let options = ChaosOptions {
         program: Program::Example(example("train")),
-        chorus: PathBuf::from(CHORUS),
+        chorus: PathBuf::from(chorus_bin()),
         nodes: 3,
         hosts: false,
         nproc_per_node: 1,
@@ -185,7 +185,7 @@ fn a_minute_of_faults_on_three_nodes_passes_every_check() {
 fn corruptions_among_kills_are_found_and_healed_in_place() {
     let options = ChaosOptions {
         program: Program::Example(example("train")),
-        chorus: PathBuf::from(CHORUS),
+        chorus: PathBuf::from(chorus_bin()),
         nodes: 3,
         hosts: false,
         nproc_per_node: 1,

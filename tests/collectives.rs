@@ -6,10 +6,10 @@
 use std::process::Command;
 
 use chorus::{CollectiveError, DType, ReduceOp, Tensor, spawn};
-use chorus_cli::selftest::{ALL_DTYPES, check_collectives, check_subgroups};
+use chorus_lab::selftest::{ALL_DTYPES, check_collectives, check_subgroups};
 
 mod common;
-use common::{CHORUS, Stop, joined, run, within};
+use common::{Stop, chorus_bin, joined, run, within};
 
 async fn check_world(world: usize, dtypes: &'static [DType], counts: &'static [usize]) {
     let results = spawn(world, move |pg| async move {
@@ -169,14 +169,14 @@ async fn a_large_world_checks_signatures_along_its_plan() {
 /// `chorus launch --nproc-per-node world -- chorus selftest` with `transport`,
 /// more environment and `more` selftest arguments.
 fn selftest_processes(world: usize, transport: &str, env: &[(&str, &str)], more: &[&str]) {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .args([
             "launch",
             "--nproc-per-node",
             &world.to_string(),
             "--",
-            CHORUS,
+            chorus_bin(),
             "selftest",
             "--timeout",
             "60",

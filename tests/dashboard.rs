@@ -11,11 +11,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use chorus::process::{self, Signal};
 use chorus::rendezvous::elastic::Joiner;
 use chorus::store::{HashStore, Store};
 use chorus::train::live::{self, LiveRecord, secret_tag};
 use chorus_cli::dashboard::{self, Dashboard, DashboardOptions};
-use chorus::process::{self, Signal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;

@@ -8,7 +8,7 @@ mod common;
 
 use std::process::{Child, Command};
 
-use common::{CHORUS, Stop, finish, free_port, joined, spawn_piped};
+use common::{Stop, chorus_bin, finish, free_port, joined, spawn_piped};
 
 const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/deploy");
 
@@ -43,7 +43,7 @@ fn the_kubeflow_manifest_forms_a_job_from_the_operators_variables() {
         for _ in 0..*replicas {
             // What the training operator and Kubernetes put in each pod
             // (MASTER_ADDR is the master's service; here it is this machine).
-            let mut pod = Command::new(CHORUS);
+            let mut pod = Command::new(chorus_bin());
             pod.args(&command[1..])
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
@@ -87,7 +87,7 @@ fn slurm_the_sbatch_script_forms_a_job_from_slurms_variables_alone() {
         .arg(format!("--output={}", out.display()))
         .arg(format!("{DEPLOY}/slurm.sbatch"))
         .env("SLURM_CONF", &conf)
-        .env("CHORUS", CHORUS);
+        .env("CHORUS", chorus_bin());
     let submitted = finish(spawn_piped(&mut sbatch, "sbatch"), 180, "sbatch --wait", Stop::Kill);
     let job = std::fs::read_to_string(&out).unwrap_or_default();
     Command::new("bash")

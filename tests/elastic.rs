@@ -11,7 +11,7 @@ use chorus::store::{HashStore, Store};
 use chorus::{ElasticGroup, InitOptions, ReduceOp, Tensor};
 
 mod common;
-use common::{CHORUS, Ranks, Stop, elastic_options as options, free_port, within};
+use common::{Ranks, Stop, chorus_bin, elastic_options as options, free_port, within};
 
 async fn init(options: InitOptions) -> ElasticGroup {
     ElasticGroup::init_with(options, |e| eprintln!("gave up: {e}"))
@@ -229,7 +229,7 @@ struct Job {
 impl Job {
     fn start() -> Self {
         let port = free_port();
-        let mut store = Command::new(CHORUS)
+        let mut store = Command::new(chorus_bin())
             .args(["store", "serve", "--host", "127.0.0.1", "--port", &port.to_string()])
             .stdout(Stdio::piped())
             .spawn()
@@ -247,7 +247,7 @@ impl Job {
     }
 
     fn rank(&mut self, rank: usize, world: usize, args: &[&str], env: &[(&str, &str)]) {
-        let mut command = Command::new(CHORUS);
+        let mut command = Command::new(chorus_bin());
         command
             .args(["elastic-probe", "--init", &self.url])
             .args(args)
@@ -336,7 +336,7 @@ fn sv9_sigkill_mid_loop_survivors_form_generation_1_of_3_and_finish() {
 fn a_process_started_to_join_waits_for_the_first_generation_then_joins_the_next() {
     let mut job = Job::start();
     let probe = |rank: usize, extra: &[(&str, &str)]| {
-        let mut command = Command::new(CHORUS);
+        let mut command = Command::new(chorus_bin());
         command
             .args(["elastic-probe", "--init", &job.url, "--iterations", "200"])
             .env("RANK", rank.to_string())
@@ -397,7 +397,7 @@ fn sv9_sigkill_of_a_random_rank_survivors_re_form_every_trial() {
     // ranks, 4 elastic-probe ranks, a random one SIGKILLed mid-loop; a trial
     // counts only if every survivor formed generation 1 of 3 ranks and
     // finished its loop with correct sums.
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .args(["bench", "recovery", "--json", "--heartbeat-timeout", "2"])
         .args(["--trials", &trials.to_string()]);

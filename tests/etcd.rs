@@ -18,7 +18,7 @@ use chorus::store::{EtcdStore, EtcdStoreOptions, HashStore, Store, StoreError};
 mod common;
 use common::etcd::Etcd;
 use common::launchers::{Job, lock};
-use common::{CHORUS, Ranks, Stop, field, joined, within};
+use common::{Ranks, Stop, chorus_bin, field, joined, within};
 
 fn b(s: &str) -> Bytes {
     Bytes::copy_from_slice(s.as_bytes())
@@ -285,7 +285,7 @@ fn etcd_ranks_meet_over_an_etcd_url() {
     let mut ranks = Ranks::new();
     for rank in 0..world {
         let url = format!("{}?rank={rank}&world_size={world}", etcd.url("/hello"));
-        let mut command = Command::new(CHORUS);
+        let mut command = Command::new(chorus_bin());
         command
             .args(["hello", "--timeout", "30", "--worker", &url])
             .env("CHORUS_JOB_SECRET", "etcd-hello");
@@ -320,7 +320,7 @@ fn etcd_an_elastic_group_re_forms_after_a_sigkill() {
     let url = etcd.url("/elastic");
     let mut ranks = Ranks::new();
     for rank in 0..3 {
-        let mut command = Command::new(CHORUS);
+        let mut command = Command::new(chorus_bin());
         command
             .args(["elastic-probe", "--init", &url, "--iterations", "300"])
             .args(["--min-world", "2", "--max-world", "3"])
@@ -433,7 +433,7 @@ fn etcd_launch_goes_on_when_the_first_launcher_is_killed() {
 #[test]
 fn launch_with_etcd_needs_an_endpoint() {
     let output = common::run(
-        Command::new(CHORUS).args(["launch", "--rdzv-backend", "etcd", "--", "true"]),
+        Command::new(chorus_bin()).args(["launch", "--rdzv-backend", "etcd", "--", "true"]),
         30,
         "chorus launch",
         Stop::Kill,

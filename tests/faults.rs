@@ -12,7 +12,7 @@ use chorus::mesh::MeshError;
 use chorus::{CollectiveError, InitError, InitOptions, ReduceOp, Tensor};
 
 mod common;
-use common::{CHORUS, LAUNCHER, free_port, joined, within};
+use common::{LAUNCHER, chorus_bin, free_port, joined, within};
 
 /// The in-process tests set environment variables the library reads, and
 /// the process tests' ranks are several processes on a 2-core machine: one
@@ -149,7 +149,7 @@ fn a_killed_in_process_rank_fails_its_peers() {
 fn a_rank_process_refuses_a_fault_rule_for_a_rank_outside_the_world() {
     let _serial = one_at_a_time();
     let output = common::run(
-        Command::new(CHORUS)
+        Command::new(chorus_bin())
             .args(["fault-probe", "--seconds", "5", "--init"])
             .arg(format!("tcp://127.0.0.1:{}", free_port()))
             .env("RANK", "0")
@@ -174,13 +174,13 @@ fn the_readme_fault_example_ends_in_a_detected_failure() {
     let _serial = one_at_a_time();
     let started = Instant::now();
     let output = common::run(
-        Command::new(CHORUS)
+        Command::new(chorus_bin())
             .args([
                 "launch",
                 "--nproc-per-node",
                 "4",
                 "--",
-                CHORUS,
+                chorus_bin(),
                 "fault-probe",
                 "--seconds",
                 "120",

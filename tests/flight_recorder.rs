@@ -11,7 +11,7 @@ use chorus::process::{self, Signal};
 use serde_json::{Value, json};
 
 mod common;
-use common::{CHORUS, Ranks, Stop, field, free_port, joined};
+use common::{Ranks, Stop, chorus_bin, field, free_port, joined};
 
 /// Each test runs several ranks; one at a time on a 2-core machine, so one
 /// test's ranks do not starve the other's past its timeouts (the frozen
@@ -33,13 +33,13 @@ fn chorus_trace_names_the_frozen_rank() {
     let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let (ok, job) = run(
-        Command::new(CHORUS)
+        Command::new(chorus_bin())
             .args([
                 "launch",
                 "--nproc-per-node",
                 "3",
                 "--",
-                CHORUS,
+                chorus_bin(),
                 "selftest",
                 "--timeout",
                 "4",
@@ -69,7 +69,7 @@ fn chorus_trace_names_the_frozen_rank() {
             "rank {rank} must dump: {dumps:?}\n{job}"
         );
     }
-    let (ok, report) = run(Command::new(CHORUS).arg("trace").arg(dir.path()), 30);
+    let (ok, report) = run(Command::new(chorus_bin()).arg("trace").arg(dir.path()), 30);
     assert!(ok, "{report}");
     let verdict = report.lines().next().unwrap_or_default();
     assert!(verdict.contains("rank 2"), "the verdict must name rank 2:\n{report}");
@@ -85,13 +85,13 @@ fn ra5_every_survivor_dumps_under_chorus_launch() {
     for run_number in 0..3 {
         let dir = tempfile::tempdir().unwrap();
         let (ok, job) = run(
-            Command::new(CHORUS)
+            Command::new(chorus_bin())
                 .args([
                     "launch",
                     "--nproc-per-node",
                     "4",
                     "--",
-                    CHORUS,
+                    chorus_bin(),
                     "fault-probe",
                     "--seconds",
                     "120",
@@ -106,7 +106,7 @@ fn ra5_every_survivor_dumps_under_chorus_launch() {
             let dump = dir.path().join(format!("chorus-trace-g0-r{rank}.json"));
             assert!(dump.exists(), "run {run_number}: survivor {rank} must dump:\n{job}");
         }
-        let (ok, report) = run(Command::new(CHORUS).arg("trace").arg(dir.path()), 30);
+        let (ok, report) = run(Command::new(chorus_bin()).arg("trace").arg(dir.path()), 30);
         assert!(ok, "{report}");
         let verdict = report.lines().next().unwrap_or_default();
         assert!(
@@ -124,7 +124,7 @@ fn start_probes(world: usize, trace_dir: &Path) -> Ranks {
     let port = free_port();
     let mut probes = Ranks::new();
     for rank in 0..world {
-        let mut command = Command::new(CHORUS);
+        let mut command = Command::new(chorus_bin());
         command
             .args(["fault-probe", "--seconds", "120", "--init"])
             .arg(format!("tcp://127.0.0.1:{port}"))
@@ -227,7 +227,7 @@ fn chorus_trace_names_a_sigstopped_rank() {
         )
     };
 
-    let (ok, report) = run(Command::new(CHORUS).arg("trace").arg(dir.path()), 30);
+    let (ok, report) = run(Command::new(chorus_bin()).arg("trace").arg(dir.path()), 30);
     assert!(ok, "{}", context(&report));
     let verdict = report.lines().next().unwrap_or_default();
     assert!(
@@ -251,7 +251,10 @@ fn chorus_trace_names_a_sigstopped_rank() {
         );
     }
 
-    let (ok, json) = run(Command::new(CHORUS).arg("trace").arg(dir.path()).arg("--json"), 30);
+    let (ok, json) = run(
+        Command::new(chorus_bin()).arg("trace").arg(dir.path()).arg("--json"),
+        30,
+    );
     assert!(ok, "{}", context(&json));
     let json: Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {}", context(&json)));
     assert_eq!(

@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{CHORUS, LAUNCHER, text};
+use common::{LAUNCHER, chorus_bin, text};
 
 /// The interpreter python3 runs (not a shim that would change the
 /// environment on its way), or `None`: the tests then skip.
@@ -79,7 +79,7 @@ impl Job {
 
     /// `chorus launch --restart-policy worker FLAGS probe.py a b`, in the job's directory.
     fn command(&self, python: &str, flags: &[&str], env: &[(&str, &str)]) -> Command {
-        let mut command = Command::new(CHORUS);
+        let mut command = Command::new(chorus_bin());
         command
             .current_dir(self.path())
             .args(["launch", "--restart-policy", "worker"])
@@ -244,7 +244,7 @@ fn without_the_fork_server_or_a_python_script_replacements_start_afresh() {
     )
     .unwrap();
     std::fs::set_permissions(&worker, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .current_dir(job.path())
         .args([

@@ -13,13 +13,13 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{CHORUS, LAUNCHER, finish, free_port, text};
+use common::{LAUNCHER, chorus_bin, finish, free_port, text};
 
 const PYTHON_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/python");
 
 /// `chorus launch ARGS`, with stdout and stderr captured.
 fn launch(args: &[&str]) -> Command {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .arg("launch")
         .args(args)
@@ -540,7 +540,15 @@ fn pytorch_gloo_allreduce_runs_unmodified() {
 #[test]
 fn chorus_ranks_meet_on_the_launchers_store() {
     let output = run(
-        launch(&["--nproc-per-node", "3", "--", CHORUS, "hello", "--worker", "env://"]),
+        launch(&[
+            "--nproc-per-node",
+            "3",
+            "--",
+            chorus_bin(),
+            "hello",
+            "--worker",
+            "env://",
+        ]),
         30,
     );
     let all = text(&output);
@@ -606,7 +614,8 @@ fn prefixed_lines_stay_whole_when_stdout_and_stderr_share_a_pipe() {
     command
         .arg("-c")
         .arg(format!(
-            "exec {CHORUS} launch --nproc-per-node 4 {} 2>&1",
+            "exec {} launch --nproc-per-node 4 {} 2>&1",
+            chorus_bin(),
             worker.display()
         ))
         .env_remove("CHORUS_JOB_SECRET")
@@ -683,7 +692,7 @@ fn chorus_launches_chorus_without_it_on_path() {
     assert!(output.status.success(), "{all}");
     assert!(all.contains("[1]: selftest: rank 1 of 2"), "{all}");
 
-    let mut alone = Command::new(CHORUS);
+    let mut alone = Command::new(chorus_bin());
     alone
         .args(["selftest", "--timeout", "5"])
         .env_remove("MASTER_ADDR")
@@ -708,7 +717,15 @@ fn chorus_launches_chorus_without_it_on_path() {
 #[test]
 fn the_summary_blames_the_frozen_rank_not_the_first_to_exit() {
     let traces = tempfile::tempdir().unwrap();
-    let mut command = launch(&["--nproc-per-node", "3", "--", CHORUS, "fault-probe", "--seconds", "60"]);
+    let mut command = launch(&[
+        "--nproc-per-node",
+        "3",
+        "--",
+        chorus_bin(),
+        "fault-probe",
+        "--seconds",
+        "60",
+    ]);
     command
         .env("CHORUS_TRACE_DIR", traces.path())
         .env("CHORUS_FAULTS", "freeze(rank=2, after=2s)")

@@ -9,15 +9,15 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{CHORUS, LAUNCHER, field, text};
+use common::{LAUNCHER, chorus_bin, field, text};
 
 /// `chorus launch ARGS -- chorus elastic-probe PROBE`, run to the end.
 fn launch_probe(args: &[&str], probe: &[&str], secs: u64) -> Output {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .arg("launch")
         .args(args)
-        .args(["--", CHORUS, "elastic-probe"])
+        .args(["--", chorus_bin(), "elastic-probe"])
         .args(probe)
         .env_remove("CHORUS_JOB_SECRET")
         .env_remove("CHORUS_FAULTS")

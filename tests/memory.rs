@@ -12,7 +12,7 @@
 use std::process::Command;
 
 mod common;
-use common::{CHORUS, LAUNCHER, free_ports, joined, run};
+use common::{LAUNCHER, chorus_bin, free_ports, joined, run};
 
 /// Runs `script` under `sh -eu` in a private mount namespace with an
 /// 8 MiB tmpfs on `/dev/shm`; `None` where this user cannot.
@@ -30,7 +30,7 @@ fn in_small_shm(script: &str, secs: u64) -> Option<std::process::Output> {
     let mut command = Command::new("unshare");
     command
         .args(["--mount", "--propagation", "private", "sh", "-eu", "-c", &script])
-        .env("CHORUS", CHORUS)
+        .env("CHORUS", chorus_bin())
         .envs(
             ["PORT", "PORT2", "PORT3", "PORT4"]
                 .into_iter()

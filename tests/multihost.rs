@@ -12,12 +12,12 @@ mod common;
 use std::process::{Child, Command, Output};
 
 use common::cluster::{self, Cluster};
-use common::{CHORUS, LAUNCHER, finish, joined, spawn_piped};
+use common::{LAUNCHER, chorus_bin, finish, joined, spawn_piped};
 
 /// `chorus launch` on `host` of a job of `nnodes` nodes whose store is on
 /// host 1, with `flags`, running `program`.
 fn launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, flags: &[&str], program: &[&str]) -> Command {
-    let mut command = cluster.command(host, CHORUS);
+    let mut command = cluster.command(host, chorus_bin());
     command
         .args([
             "launch",
@@ -45,7 +45,7 @@ fn run_job(cluster: &Cluster, hosts: usize, nproc: usize, program: &[&str], secs
 }
 
 fn hello() -> Vec<&'static str> {
-    vec![CHORUS, "hello", "--worker", "env://", "--timeout", "20"]
+    vec![chorus_bin(), "hello", "--worker", "env://", "--timeout", "20"]
 }
 
 /// Every launcher succeeded and printed, per rank, how it reached each peer.
@@ -89,7 +89,7 @@ fn netns_mh2_three_hosts_of_two_ranks_pass_selftest_and_never_pick_the_decoy() {
         &cluster,
         3,
         2,
-        &[CHORUS, "selftest", "--timeout", "60", "--counts", "0,13,1000"],
+        &[chorus_bin(), "selftest", "--timeout", "60", "--counts", "0,13,1000"],
         240,
     );
     let all = assert_all_succeeded(&outputs);
@@ -155,7 +155,7 @@ fn netns_mh5_a_failed_connect_names_the_address_and_the_interface() {
     let _one = cluster::lock();
     let cluster = Cluster::up("mhe", 2, &[]);
     // Host 2 publishes only its docker0 address: host 1 cannot reach it.
-    let program = [CHORUS, "hello", "--worker", "env://", "--timeout", "4"];
+    let program = [chorus_bin(), "hello", "--worker", "env://", "--timeout", "4"];
     let first = spawn_piped(&mut launcher(&cluster, 1, 2, 1, &[], &program), "launcher 1");
     let second = spawn_piped(
         launcher(&cluster, 2, 2, 1, &[], &program).env("CHORUS_SOCKET_IFNAME", "=docker0"),
@@ -194,7 +194,7 @@ fn ranks_of(line: &str) -> (usize, usize) {
 /// `chorus launch --restart-policy worker --nnodes 1:N` on `host`, running
 /// `chorus elastic-probe` with `probe`'s flags and the launcher's bounds.
 fn elastic_launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize, probe: &[&str]) -> Command {
-    let mut command = cluster.command(host, CHORUS);
+    let mut command = cluster.command(host, chorus_bin());
     command
         .args(["launch", "--restart-policy", "worker", "--max-restarts", "2"])
         .args([
@@ -220,7 +220,7 @@ fn elastic_launcher(cluster: &Cluster, host: usize, nnodes: usize, nproc: usize,
             "sh",
             "-c",
             r#"exec "$0" elastic-probe --min-world "$CHORUS_MIN_WORLD" --max-world "$CHORUS_MAX_WORLD" "$@""#,
-            CHORUS,
+            chorus_bin(),
         ])
         .args(probe)
         .env("CHORUS_JOB_SECRET", "multihost-test");
@@ -300,7 +300,7 @@ fn netns_mh7_a_killed_rank_on_another_host_is_detected_within_a_second() {
 fn netns_mh8_a_cut_off_node_reports_at_once_and_gives_up_on_the_store_within_the_keep_alive_window() {
     let _one = cluster::lock();
     let cluster = Cluster::up("mhh", 2, &[]);
-    let probe = [CHORUS, "elastic-probe", "--iterations", "100000"];
+    let probe = [chorus_bin(), "elastic-probe", "--iterations", "100000"];
     let start = |host: usize| {
         let flags = ["--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2"];
         let mut command = launcher(&cluster, host, 2, 1, &flags, &probe);
@@ -400,7 +400,7 @@ fn netns_mh10_a_killed_node_leaves_a_group_that_goes_on_under_either_restart_pol
             "--rdzv-conf",
             "keep_alive_interval=1,keep_alive_max_attempt=2",
         ];
-        let mut command = cluster.command(host, CHORUS);
+        let mut command = cluster.command(host, chorus_bin());
         command
             .args([
                 "launch",
@@ -418,7 +418,7 @@ fn netns_mh10_a_killed_node_leaves_a_group_that_goes_on_under_either_restart_pol
                 "mh10",
             ])
             .args(flags)
-            .args(["--", CHORUS, "elastic-probe", "--iterations", "2500"])
+            .args(["--", chorus_bin(), "elastic-probe", "--iterations", "2500"])
             .env("CHORUS_JOB_SECRET", "multihost-test");
         spawn_piped(&mut command, "a launcher")
     };
@@ -448,7 +448,7 @@ fn netns_mh11_a_job_across_a_link_with_20_ms_and_1_percent_loss_forms_and_sums_r
             "impair",
         ])
         .args([cluster.prefix(), "2", "--delay-ms", "20", "--loss", "1%", "--seed", "3"])
-        .env("CHORUS", CHORUS)
+        .env("CHORUS", chorus_bin())
         .status()
         .unwrap();
     assert!(impaired.success(), "could not impair host 2's link");

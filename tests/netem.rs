@@ -112,7 +112,7 @@ fn netns_quic_keeps_its_rate_through_delay_and_loss() {
     let peer = format!("ip netns exec {}", pair.namespace('b'));
     let mut command = std::process::Command::new("ip");
     command
-        .args(["netns", "exec", &pair.namespace('a'), common::CHORUS])
+        .args(["netns", "exec", &pair.namespace('a'), common::chorus_bin()])
         .args(["bench", "transport", "--json", "--paths", "quic", "--size", "16777216"])
         .args(["--iters", "1", "--rtt-iters", "5", "--rounds", "1"])
         .args([

@@ -5,7 +5,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{CHORUS, Stop, free_port, joined, spawn_piped};
+use common::{Stop, chorus_bin, free_port, joined, spawn_piped};
 
 /// Runs `command` to completion, killing it and failing the test after `secs`.
 fn run(mut command: Command, secs: u64) -> Output {
@@ -13,7 +13,7 @@ fn run(mut command: Command, secs: u64) -> Output {
 }
 
 fn hello(world: usize, init: &str) {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     // Info events go to a pipe here: they must come without colour codes.
     command.env("CHORUS_LOG", "info").env_remove("CHORUS_JOB_SECRET").args([
         "hello",
@@ -79,7 +79,7 @@ fn processes_meet_over_env() {
 
 /// One rank process, with a clean environment plus `env`.
 fn worker(url: &str, timeout_secs: u64, env: &[(&str, String)]) -> Command {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .args(["hello", "--timeout", &timeout_secs.to_string(), "--worker", url])
         .env_clear()
@@ -138,7 +138,7 @@ fn an_unreachable_store_is_reported_with_address_and_time() {
 
 #[test]
 fn hello_with_a_bad_setting_fails_fast_naming_the_rank_and_why() {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .args(["hello", "--world", "4", "--timeout", "60"])
         .env("CHORUS_TRANSPORT", "bogus");
@@ -287,7 +287,7 @@ fn a_rank_without_the_job_secret_is_refused() {
 
 #[test]
 fn faults_from_the_environment_kill_the_named_rank() {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .args(["hello", "--world", "3", "--timeout", "5"])
         .env("CHORUS_FAULTS", "kill(rank=1)");
@@ -303,7 +303,7 @@ fn faults_from_the_environment_kill_the_named_rank() {
 #[test]
 fn the_transport_follows_chorus_transport() {
     for (choice, expected) in [("auto", "shm said"), ("quic", "quic said"), ("shm", "shm said")] {
-        let mut command = Command::new(CHORUS);
+        let mut command = Command::new(chorus_bin());
         command
             .args(["hello", "--world", "3", "--timeout", "30"])
             .env("CHORUS_TRANSPORT", choice);
@@ -321,7 +321,7 @@ fn the_transport_follows_chorus_transport() {
             "every rank checks its all_reduce:\n{all}"
         );
     }
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
         .args(["hello", "--world", "2", "--timeout", "10"])
         .env("CHORUS_TRANSPORT", "carrier-pigeon");

@@ -11,15 +11,15 @@ use std::time::Duration;
 use chorus_actors::nccl::{ProbeError, probe};
 
 mod common;
-use common::{CHORUS, Stop, text};
+use common::{Stop, chorus_bin, text};
 
 /// `chorus launch --nproc-per-node N -- chorus selftest --backend nccl ARGS`;
 /// past `secs` SIGTERM, 3 s for the launcher to stop its workers, SIGKILL,
 /// and the test fails.
 fn launch_selftest(nproc: usize, args: &[&str], secs: u64) -> Output {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command
-        .args(["launch", "--nproc-per-node", &nproc.to_string(), "--", CHORUS])
+        .args(["launch", "--nproc-per-node", &nproc.to_string(), "--", chorus_bin()])
         .args(["selftest", "--backend", "nccl"])
         .args(args)
         .env_remove("CHORUS_JOB_SECRET");

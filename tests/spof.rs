@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use common::cluster::{self, Cluster};
 use common::etcd::Etcd;
-use common::{CHORUS, LAUNCHER, example, joined};
+use common::{LAUNCHER, chorus_bin, example, joined};
 
 /// The workers' heartbeat window (`CHORUS_HEARTBEAT_TIMEOUT`), in seconds.
 const HEARTBEAT_S: u64 = 3;
@@ -136,7 +136,7 @@ fn netns_spof1_the_c10d_store_hosts_death_ends_every_other_launcher_and_rank_nam
     let store = format!("{}:29400", cluster.addr(1));
     let mut job = Launchers::new();
     for host in 1..=3 {
-        let mut command = cluster.command(host, CHORUS);
+        let mut command = cluster.command(host, chorus_bin());
         command
             .args(["launch", "--restart-policy", "worker", "--max-restarts", "2"])
             .args(["--nnodes", "2:3", "--nproc-per-node", "1"])
@@ -152,7 +152,7 @@ fn netns_spof1_the_c10d_store_hosts_death_ends_every_other_launcher_and_rank_nam
                 "--rdzv-conf",
                 "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
             ])
-            .args(["--", CHORUS, "elastic-probe", "--iterations", "1000000"])
+            .args(["--", chorus_bin(), "elastic-probe", "--iterations", "1000000"])
             .env("CHORUS_JOB_SECRET", "spof-test")
             .env("CHORUS_HEARTBEAT_TIMEOUT", HEARTBEAT_S.to_string())
             .env_remove("CHORUS_FAULTS");
@@ -269,7 +269,7 @@ fn start_training(cluster: &Cluster, etcd: &[Etcd], run_id: &str) -> (Launchers,
     let endpoint = format!("{}/spof", endpoints.join(","));
     let mut job = Launchers::new();
     for host in 1..=3 {
-        let mut command = cluster.command(host, CHORUS);
+        let mut command = cluster.command(host, chorus_bin());
         command
             .args(["launch", "--restart-policy", "worker", "--max-restarts", "3"])
             .args(["--nnodes", "2:3", "--nproc-per-node", "1"])

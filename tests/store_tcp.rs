@@ -5,14 +5,14 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
+use chorus::process::{self, Signal};
 use chorus::store::protocol::{self, QueryType, Request};
 use chorus::store::{Store, StoreError, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
-use chorus::process::{self, Signal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 mod common;
-use common::{CHORUS, free_port, within};
+use common::{chorus_bin, free_port, within};
 
 async fn server_with(options: TcpStoreServerOptions) -> TcpStoreServer {
     TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), options)
@@ -293,7 +293,7 @@ async fn bad_input_closes_only_the_offending_connection() {
 async fn ten_thousand_idle_connections_do_not_starve_a_working_client() {
     within(120, "10k idle connections", async {
         // The server runs in its own process so each side holds 10 000 sockets, not 20 000.
-        let mut server = tokio::process::Command::new(CHORUS)
+        let mut server = tokio::process::Command::new(chorus_bin())
             .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
@@ -483,7 +483,7 @@ async fn an_address_without_a_port_fails_at_once() {
 #[test]
 fn store_get_against_a_stopped_store_server_returns_in_time() {
     let port = free_port();
-    let mut server = std::process::Command::new(CHORUS)
+    let mut server = std::process::Command::new(chorus_bin())
         .args(["store", "serve", "--port", &port.to_string()])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -495,7 +495,7 @@ fn store_get_against_a_stopped_store_server_returns_in_time() {
     process::signal(server.id(), Signal::SIGSTOP);
     let started = std::time::Instant::now();
     let output = common::run(
-        std::process::Command::new(CHORUS).args([
+        std::process::Command::new(chorus_bin()).args([
             "store",
             "get",
             "k",
@@ -524,7 +524,7 @@ fn store_get_against_a_stopped_store_server_returns_in_time() {
 /// Runs `chorus store ARGS` to its end (20 s at most).
 fn store_cli(args: &[&str]) -> std::process::Output {
     common::run(
-        std::process::Command::new(CHORUS).arg("store").args(args),
+        std::process::Command::new(chorus_bin()).arg("store").args(args),
         20,
         &format!("chorus store {args:?}"),
         common::Stop::Kill,
@@ -590,7 +590,7 @@ fn store_cli_check_names_missing_keys_and_keys_raw_shows_them_as_stored() {
 
 #[test]
 fn store_serve_listens_on_loopback_unless_told_otherwise() {
-    let mut server = std::process::Command::new(CHORUS)
+    let mut server = std::process::Command::new(chorus_bin())
         .args(["store", "serve", "--port", "0"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())

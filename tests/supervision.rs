@@ -12,11 +12,11 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use chorus::{CollectiveError, ErrorHandling, InitOptions, ReduceOp, Tensor, spawn_with};
 use chorus::process::{self, Signal};
+use chorus::{CollectiveError, ErrorHandling, InitOptions, ReduceOp, Tensor, spawn_with};
 
 mod common;
-use common::{CHORUS, Ranks, free_port, within};
+use common::{Ranks, chorus_bin, free_port, within};
 
 const WINDOW_MS: u128 = 2000;
 const SIGKILL_TRIALS: usize = 5;
@@ -203,7 +203,7 @@ impl Probes {
         let port = free_port();
         let mut ranks = Ranks::new();
         for rank in 0..world {
-            let mut command = Command::new(CHORUS);
+            let mut command = Command::new(chorus_bin());
             command
                 .args([
                     "fault-probe",

@@ -528,7 +528,7 @@ async fn gradients_are_views_and_busy_while_their_bucket_is_reduced() {
 
 #[test]
 fn bench_ddp_over_real_processes_reports_buckets_started_during_the_backward_pass() {
-    let mut command = std::process::Command::new(common::CHORUS);
+    let mut command = std::process::Command::new(common::chorus_bin());
     command
         .args([
             "bench", "ddp", "--world", "3", "--params", "3M", "--steps", "2", "--warmup", "1",

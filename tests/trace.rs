@@ -9,7 +9,7 @@ use chorus_runtime::flight::{self, FlightOp, FlightRecorder};
 use serde_json::Value;
 
 mod common;
-use common::{CHORUS, Stop};
+use common::{Stop, chorus_bin};
 
 fn at(ms: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_secs(1_700_000_000) + Duration::from_millis(ms)
@@ -44,7 +44,7 @@ fn write_rank(dir: &Path, rank: usize, world: usize, generation: u64, completed:
 }
 
 fn trace(dir: &Path, json: bool) -> Output {
-    let mut command = Command::new(CHORUS);
+    let mut command = Command::new(chorus_bin());
     command.arg("trace").arg(dir).stdin(Stdio::null());
     if json {
         command.arg("--json");

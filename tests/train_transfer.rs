@@ -407,7 +407,10 @@ fn sync_verified_moves_the_state_then_checks_it_and_names_a_divergence_where_not
     // Nobody behind, all equal: nothing moves, and that is the check.
     for (rank, (report, _)) in sync_verified_on_three(|_| (Some(5), state(2))).iter().enumerate() {
         let report = report.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert!(report.receivers.is_empty() && report.bytes == 0, "rank {rank}: {report:?}");
+        assert!(
+            report.receivers.is_empty() && report.bytes == 0,
+            "rank {rank}: {report:?}"
+        );
     }
     // A joiner: it receives, then every member's state is checked equal.
     let joined = sync_verified_on_three(|rank| match rank {
@@ -445,7 +448,7 @@ fn sync_verified_moves_the_state_then_checks_it_and_names_a_divergence_where_not
 /// state differs exits with an error), over `transports`, with `extra`
 /// flags.
 fn bench_command(transports: &str, extra: &[&str]) -> std::process::Command {
-    let mut command = std::process::Command::new(common::CHORUS);
+    let mut command = std::process::Command::new(common::chorus_bin());
     command.args([
         "bench",
         "transfer",

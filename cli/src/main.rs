@@ -11,7 +11,7 @@
 //! - `chorus chaos`: a training job across N nodes of this host (or N
 //!   simulated hosts, `--hosts`, with partitions and lossy and slow links)
 //!   under random faults from a seed, checked against its fault-free run
-//!   (`chorus_cli::chaos`).
+//!   (`chorus_lab::chaos`).
 //! - `chorus trace DIR [--json]`: name the rank(s) a stuck collective waits
 //!   for, from the flight-recorder dumps in DIR (`chorus::trace`).
 //! - `chorus fault-probe` (hidden): one rank that all-reduces in a loop and
@@ -25,10 +25,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use chorus::process::{self, Signal};
 use chorus::store::{self, Store, TcpStore, TcpStoreOptions, TcpStoreServer, TcpStoreServerOptions};
 use chorus::{DType, InitOptions, init_process_group};
-use chorus_cli::bench::common::{free_port, torchrun_env};
-use chorus::process::{self, Signal};
+use chorus_lab::bench::common::{free_port, torchrun_env};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -65,7 +65,7 @@ enum Commands {
         dtypes: Option<Vec<DType>>,
         /// The backend to check: cpu (every collective and dtype over the mesh) or nccl (one GPU per process, as torchrun starts them; exits 2 where CUDA or NCCL is missing).
         #[arg(long, value_enum, default_value_t)]
-        backend: chorus_cli::selftest::SelfTestBackend,
+        backend: chorus_lab::selftest::SelfTestBackend,
     },
     /// Measure chorus against the peers it must beat (`chorus bench --help`).
     Bench(Box<BenchCommand>),
@@ -158,7 +158,7 @@ struct NetemArgs {
     #[arg(long, default_value_t = 0.0)]
     jitter_ms: f64,
     /// Probability that a frame is dropped, each direction: 0.01 or 1%.
-    #[arg(long, default_value = "0", value_parser = |s: &str| chorus_cli::netem::core::parse_loss(s))]
+    #[arg(long, default_value = "0", value_parser = |s: &str| chorus_lab::netem::core::parse_loss(s))]
     loss: f64,
     /// Seeds the losses and delays (default: random).
     #[arg(long)]
@@ -202,21 +202,21 @@ struct BenchCommand {
     #[command(subcommand)]
     command: Option<BenchSubcommand>,
     #[command(flatten)]
-    collective: chorus_cli::bench::collective::CollectiveArgs,
+    collective: chorus_lab::bench::collective::CollectiveArgs,
 }
 
 #[derive(Subcommand)]
 enum BenchSubcommand {
     /// Data-parallel gradient sync (DistributedSync) on a 25M-parameter model: step time with and without sync.
-    Ddp(chorus_cli::bench::ddp::DdpArgs),
+    Ddp(chorus_lab::bench::ddp::DdpArgs),
     /// The memory a job takes on this host: peak /dev/shm segments and the processes' summed peak resident memory (`chorus bench memory -- chorus launch --nproc-per-node 64 chorus selftest`).
-    Memory(chorus_cli::bench::memory::MemoryArgs),
+    Memory(chorus_lab::bench::memory::MemoryArgs),
     /// In-process ranks and TCP store rendezvous against the world size (8..1024): time and peak memory.
-    Scale(chorus_cli::bench::scale::ScaleArgs),
+    Scale(chorus_lab::bench::scale::ScaleArgs),
     /// Live state transfer (sync_state) from S sources to one joiner, next to the link's own throughput.
-    Transfer(chorus_cli::bench::transfer::TransferArgs),
+    Transfer(chorus_lab::bench::transfer::TransferArgs),
     /// All-reduce algorithms per transport across sizes: the table, the crossovers and the CHORUS_ALGO_THRESHOLDS line.
-    Tune(chorus_cli::bench::tune::TuneArgs),
+    Tune(chorus_lab::bench::tune::TuneArgs),
     /// Recovery time of an elastic group: SIGKILL a random rank, time until the survivors' next collective.
     Recovery(RecoveryArgs),
     /// Throughput and 8-byte round trip between two processes, per transport, next to raw TCP.
@@ -373,17 +373,17 @@ struct ChaosArgs {
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
     /// How long the job trains (60s, 10m): the example gets the steps that fill it at the measured fault-free rate; faults go on until it ends.
-    #[arg(long, default_value = "60s", value_parser = |s: &str| chorus_cli::chaos::schedule::parse_duration(s))]
+    #[arg(long, default_value = "60s", value_parser = |s: &str| chorus_lab::chaos::schedule::parse_duration(s))]
     duration: Duration,
     /// Steps for the example instead of filling --duration.
     #[arg(long)]
     steps: Option<u64>,
     /// Seconds between faults, drawn uniformly from LOW..HIGH (or fixed: 15).
-    #[arg(long, default_value = "10..20", value_parser = |s: &str| chorus_cli::chaos::schedule::parse_range(s))]
+    #[arg(long, default_value = "10..20", value_parser = |s: &str| chorus_lab::chaos::schedule::parse_range(s))]
     fault_every: (Duration, Duration),
     /// The faults drawn from, comma-separated [default: kill,stop,kill-launcher,slow; with --hosts also partition,lossy-link,slow-link].
     #[arg(long, value_enum, value_delimiter = ',')]
-    faults: Vec<chorus_cli::chaos::FaultKind>,
+    faults: Vec<chorus_lab::chaos::FaultKind>,
     /// The schedule's seed: the same seed, the same faults at the same times.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -500,9 +500,9 @@ fn selftest_command(
     timeout: Duration,
     counts: Option<Vec<usize>>,
     dtypes: Option<Vec<DType>>,
-    backend: chorus_cli::selftest::SelfTestBackend,
+    backend: chorus_lab::selftest::SelfTestBackend,
 ) -> Result<ExitCode> {
-    use chorus_cli::selftest::SelfTestBackend;
+    use chorus_lab::selftest::SelfTestBackend;
     match (backend, dtypes) {
         // A rank drives its links from one thread, as its actor will: a
         // cross-thread wake-up per packet tripled the QUIC round trip.
@@ -510,7 +510,7 @@ fn selftest_command(
             init,
             timeout,
             counts.unwrap_or_else(|| vec![0, 1, 13, 1000]),
-            dtypes.unwrap_or_else(|| chorus_cli::selftest::ALL_DTYPES.to_vec()),
+            dtypes.unwrap_or_else(|| chorus_lab::selftest::ALL_DTYPES.to_vec()),
         )),
         (SelfTestBackend::Nccl, Some(_)) => {
             eprintln!("chorus: selftest --backend nccl checks its own dtypes; --dtypes is for --backend cpu");
@@ -519,7 +519,7 @@ fn selftest_command(
         // One GPU per process; the probe's message and exit code 2 where
         // CUDA or NCCL is missing, which the launcher reports as the worker's.
         (SelfTestBackend::Nccl, None) => run_async(async move {
-            use chorus_cli::selftest::nccl;
+            use chorus_lab::selftest::nccl;
             let counts = counts.unwrap_or_else(|| nccl::DEFAULT_COUNTS.to_vec());
             let mut report = |line: &str| println!("{line}");
             match nccl::run(&init, timeout, &counts, &mut report).await {
@@ -619,10 +619,10 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>, dtypes: Ve
     let mut checks = 0;
     for &dtype in &dtypes {
         for &count in &counts {
-            checks += chorus_cli::selftest::check_collectives(&group, dtype, count).await?;
+            checks += chorus_lab::selftest::check_collectives(&group, dtype, count).await?;
         }
     }
-    checks += chorus_cli::selftest::check_subgroups(&group).await?;
+    checks += chorus_lab::selftest::check_subgroups(&group).await?;
     println!(
         "selftest: rank {} of {}: {checks} checks passed ({} dtypes, counts {counts:?})",
         group.rank(),
@@ -636,20 +636,20 @@ async fn selftest(url: String, timeout: Duration, counts: Vec<usize>, dtypes: Ve
 /// A seed from the clock and the pid, for runs that name none.
 fn netem(args: NetemArgs) -> Result<ExitCode> {
     let ms = |v: f64| Duration::try_from_secs_f64(v / 1e3).context("--delay-ms and --jitter-ms must be >= 0");
-    let impairment = chorus_cli::netem::core::Impairment::new(
+    let impairment = chorus_lab::netem::core::Impairment::new(
         ms(args.delay_ms)?,
         ms(args.jitter_ms)?,
         args.loss,
         args.rate_mbit.map(|r| r * 1e6),
         args.limit,
     )?;
-    let options = chorus_cli::netem::NetemOptions {
+    let options = chorus_lab::netem::NetemOptions {
         a: args.a,
         b: args.b,
         impairment,
         seed: args.seed.unwrap_or_else(rand_seed),
     };
-    chorus_cli::netem::run(&options)?;
+    chorus_lab::netem::run(&options)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -657,13 +657,13 @@ fn netem(args: NetemArgs) -> Result<ExitCode> {
 fn chaos(args: ChaosArgs) -> Result<ExitCode> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let program = match args.program.is_empty() {
-        true => chorus_cli::chaos::Program::Example(exe.with_file_name("examples").join("train")),
-        false => chorus_cli::chaos::Program::Command(args.program),
+        true => chorus_lab::chaos::Program::Example(exe.with_file_name("examples").join("train")),
+        false => chorus_lab::chaos::Program::Command(args.program),
     };
     let faults = match args.faults.is_empty() {
         false => args.faults,
         true => {
-            use chorus_cli::chaos::FaultKind::*;
+            use chorus_lab::chaos::FaultKind::*;
             let mut kinds = vec![Kill, Stop, KillLauncher, Slow];
             if args.hosts.is_some() {
                 kinds.extend([Partition, LossyLink, SlowLink]);
@@ -671,7 +671,7 @@ fn chaos(args: ChaosArgs) -> Result<ExitCode> {
             kinds
         }
     };
-    let options = chorus_cli::chaos::ChaosOptions {
+    let options = chorus_lab::chaos::ChaosOptions {
         program,
         chorus: exe,
         nodes: args.hosts.unwrap_or(args.nodes),
@@ -683,14 +683,14 @@ fn chaos(args: ChaosArgs) -> Result<ExitCode> {
         faults,
         seed: args.seed,
         heartbeat: Duration::from_millis(args.heartbeat_ms),
-        bounds: chorus_cli::chaos::Bounds {
+        bounds: chorus_lab::chaos::Bounds {
             loss_tolerance: args.loss_tolerance,
             min_goodput: args.min_goodput,
             max_recovery: Duration::from_millis(args.max_recovery_ms),
         },
         dir: args.dir,
     };
-    let report = chorus_cli::chaos::run(&options, &mut |line| eprintln!("{line}"))?;
+    let report = chorus_lab::chaos::run(&options, &mut |line| eprintln!("{line}"))?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -1254,33 +1254,33 @@ async fn bench_command(command: BenchCommand) -> Result<ExitCode> {
     let Some(subcommand) = command.command else {
         let args = command.collective;
         if args.worker {
-            chorus_cli::bench::collective::run_worker(&args).await?;
+            chorus_lab::bench::collective::run_worker(&args).await?;
             return Ok(ExitCode::SUCCESS);
         }
         // The parent only waits on its ranks' pipes: off the async thread.
-        return tokio::task::spawn_blocking(move || chorus_cli::bench::collective::run(&args)).await?;
+        return tokio::task::spawn_blocking(move || chorus_lab::bench::collective::run(&args)).await?;
     };
     match subcommand {
         BenchSubcommand::Ddp(args) => {
             tokio::task::spawn_blocking(move || match args.worker {
-                true => chorus_cli::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
-                false => chorus_cli::bench::ddp::run(&args),
+                true => chorus_lab::bench::ddp::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+                false => chorus_lab::bench::ddp::run(&args),
             })
             .await?
         }
         BenchSubcommand::Memory(args) => {
-            tokio::task::spawn_blocking(move || chorus_cli::bench::memory::run(&args)).await?
+            tokio::task::spawn_blocking(move || chorus_lab::bench::memory::run(&args)).await?
         }
-        BenchSubcommand::Tune(args) => tokio::task::spawn_blocking(move || chorus_cli::bench::tune::run(&args)).await?,
+        BenchSubcommand::Tune(args) => tokio::task::spawn_blocking(move || chorus_lab::bench::tune::run(&args)).await?,
         BenchSubcommand::Scale(args) => {
-            let ok = tokio::task::spawn_blocking(move || chorus_cli::bench::scale::run(&args)).await??;
+            let ok = tokio::task::spawn_blocking(move || chorus_lab::bench::scale::run(&args)).await??;
             Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
         BenchSubcommand::Transfer(args) => {
             // The parent only waits on its ranks; a rank runs on a runtime of its own.
             tokio::task::spawn_blocking(move || match args.worker {
-                true => chorus_cli::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
-                false => chorus_cli::bench::transfer::run(&args),
+                true => chorus_lab::bench::transfer::run_worker_blocking(&args).map(|()| ExitCode::SUCCESS),
+                false => chorus_lab::bench::transfer::run(&args),
             })
             .await?
         }
@@ -1294,7 +1294,7 @@ async fn bench_recovery(args: RecoveryArgs) -> Result<ExitCode> {
     if args.world < 2 || args.iterations <= 20 {
         bail!("--world must be at least 2 and --iterations above 20 (the kill comes after the 20th)");
     }
-    let bench = chorus_cli::bench::recovery::RecoveryBench {
+    let bench = chorus_lab::bench::recovery::RecoveryBench {
         world: args.world,
         trials: args.trials,
         transport: args.transport,
@@ -1305,7 +1305,7 @@ async fn bench_recovery(args: RecoveryArgs) -> Result<ExitCode> {
         trial_timeout: Duration::from_secs(60),
         compare_torchrun: args.compare.map(|_| args.python),
     };
-    let failed = chorus_cli::bench::recovery::run(&bench, args.json).await?;
+    let failed = chorus_lab::bench::recovery::run(&bench, args.json).await?;
     Ok(if failed == 0 {
         ExitCode::SUCCESS
     } else {
@@ -1316,13 +1316,13 @@ async fn bench_recovery(args: RecoveryArgs) -> Result<ExitCode> {
 /// `chorus bench transport`: as the leader, the table (or JSON rows); as
 /// the peer process, its half of every path.
 async fn bench_transport(args: TransportArgs) -> Result<ExitCode> {
-    use chorus_cli::bench::transport::{TransportBench, run_leader, run_peer};
+    use chorus_lab::bench::transport::{TransportBench, run_leader, run_peer};
     let bench = TransportBench {
         size: args.size,
         iters: args.iters,
         rtt_iters: args.rtt_iters,
         rounds: args.rounds.max(1),
-        paths: chorus_cli::bench::transport::PATHS
+        paths: chorus_lab::bench::transport::PATHS
             .into_iter()
             .filter(|p| args.paths.iter().any(|q| q == p))
             .collect(),

@@ -12,7 +12,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{CHORUS, free_port};
+use super::{chorus_bin, free_port};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -86,7 +86,7 @@ impl Job {
             None => ("c10d", format!("127.0.0.1:{}", self.port)),
         };
         let log = |stream: &str| std::fs::File::create(self.out().join(format!("{tag}.{stream}"))).unwrap();
-        let mut command = Command::new(CHORUS);
+        let mut command = Command::new(chorus_bin());
         command
             .arg("launch")
             .args([
@@ -106,7 +106,7 @@ impl Job {
             .env("CHORUS_TRANSPORT", "quic")
             .env_remove("CHORUS_FAULTS")
             .env_remove("OMP_NUM_THREADS")
-            .env("CHORUS", CHORUS)
+            .env("CHORUS", chorus_bin())
             // A launcher SIGKILLed here leaves its run directory behind.
             .env("TMPDIR", self.out())
             .stdin(Stdio::null())

@@ -19,14 +19,36 @@ pub(crate) mod etcd;
 pub(crate) mod launchers;
 pub(crate) mod netem;
 
-/// The `chorus` binary under test.
-pub(crate) const CHORUS: &str = env!("CARGO_BIN_EXE_chorus");
+/// The `chorus` binary under test. Cargo names it to the tests of
+/// chorus-cli, which builds it; the lab's tests (chorus-lab) find it in
+/// their own target folder, where a workspace `cargo test` builds it too
+/// before any test runs, and fail saying so where it is missing.
+pub(crate) fn chorus_bin() -> &'static str {
+    static BESIDE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(built) = option_env!("CARGO_BIN_EXE_chorus") {
+        return built;
+    }
+    BESIDE.get_or_init(|| {
+        // A test runs as <target>/<profile>/deps/<test>-<hash>.
+        let exe = std::env::current_exe().expect("the test's own path");
+        let chorus = exe.parent().and_then(std::path::Path::parent).map(|profile| profile.join("chorus"));
+        match chorus {
+            Some(chorus) if chorus.exists() => chorus.display().to_string(),
+            _ => panic!(
+                "the `chorus` binary is not built beside {}: run the lab's tests through `cargo test --workspace` (or `cargo build -p chorus-cli` with the same profile first)",
+                exe.display()
+            ),
+        }
+    })
+}
 
 /// The example `name` (`examples/<name>.rs`), which `cargo test` builds
 /// beside the `chorus` binary; a single `--test` may not, and the failure
 /// says how to build it.
 pub(crate) fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::path::PathBuf::from(CHORUS).with_file_name("examples").join(name);
+    let exe = std::path::PathBuf::from(chorus_bin())
+        .with_file_name("examples")
+        .join(name);
     assert!(
         exe.exists(),
         "{} missing: `cargo test` builds the examples, a single `--test` may not (cargo build --release --example {name})",

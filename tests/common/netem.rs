@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::{CHORUS, Stop, run, text};
+use super::{Stop, chorus_bin, run, text};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/netem-pair.sh");
 
@@ -34,7 +34,7 @@ impl NetemPair {
             .arg(SCRIPT)
             .args(["up", &name])
             .args(flags)
-            .env("CHORUS", CHORUS);
+            .env("CHORUS", chorus_bin());
         let output = run(&mut command, 30, "netem-pair.sh up", Stop::Kill);
         assert!(
             output.status.success(),

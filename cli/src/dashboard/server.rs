@@ -16,8 +16,8 @@ use axum::routing::{get, post};
 use chorus::auth::JobSecret;
 use chorus::train::live::{self, FaultKind};
 
-use chorus::train::observe::{SourceError, StoreSource};
 use super::{page, view};
+use chorus::train::observe::{SourceError, StoreSource};
 
 /// What every request handler shares.
 pub struct Shared {

@@ -432,8 +432,11 @@ fn split(args: &[String]) -> Result<(Flags, Vec<String>), ConfigError> {
     Ok((flags, Vec::new()))
 }
 
+/// A host name or address and a port.
+type HostPort = (String, u16);
+
 /// Parses `host[:port]` (IPv6 in brackets).
-fn host_port(flag: &str, text: &str, default_port: u16) -> Result<(String, u16), ConfigError> {
+fn host_port(flag: &str, text: &str, default_port: u16) -> Result<HostPort, ConfigError> {
     let bad = || invalid(flag, text, "give HOST or HOST:PORT, e.g. node0:29400 or [::1]:29400");
     let (host, port) = if let Some(rest) = text.strip_prefix('[') {
         let (host, after) = rest.split_once(']').ok_or_else(bad)?;
@@ -617,7 +620,7 @@ impl Given<'_> {
     }
 
     /// `--rdzv-endpoint` as host and port, and with etcd the store's `etcd://` URL.
-    fn rdzv_endpoint(&self, backend: Backend) -> Result<(Option<(String, u16)>, Option<String>), ConfigError> {
+    fn rdzv_endpoint(&self, backend: Backend) -> Result<(Option<HostPort>, Option<String>), ConfigError> {
         let endpoint = self.get("rdzv-endpoint").filter(|(_, v)| !v.trim().is_empty());
         match (backend, endpoint) {
             (Backend::Etcd, None) => Err(invalid(

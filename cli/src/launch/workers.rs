@@ -21,10 +21,10 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::LaunchError;
-use chorus::binding;
 use super::config::Streams;
 use super::fork_server::{ForkServer, PythonCommand, Request};
 use super::plan::WorkerExit;
+use chorus::binding;
 use chorus::process::{self, Signal};
 
 /// Lines kept per worker for the failure report.

@@ -51,9 +51,9 @@ use chorus::train::{CommitRecord, RECORD_ENV, live};
 use serde::Serialize;
 use thiserror::Error;
 
-use chorus::train::record::unix_us;
-use chorus::train::observe::StoreSource;
 use chorus::process::{self, Signal};
+use chorus::train::observe::StoreSource;
+use chorus::train::record::unix_us;
 pub use hosts::{Hosts, HostsError};
 pub use schedule::{FaultKind, PlannedFault, ScheduleSpec};
 pub use verdict::{Bounds, Check, Evidence, Verdict};

@@ -25,7 +25,7 @@ use chorus::group::ProcessGroup;
 use chorus::tensor::Tensor;
 use chorus::train::{NamedState, TransferOptions, sync_state, verify_state};
 
-use super::common::{median};
+use super::common::median;
 
 /// The channel of the plain link measurement (beside the transfer's).
 const LINK_CHANNEL: u32 = 0xFFFF_FE00;
