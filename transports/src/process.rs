@@ -25,7 +25,7 @@ pub fn signal(pid: impl TryInto<i32>, signal: Signal) -> bool {
 
 /// Sends `signal` to every process of the group `leader` leads (a worker
 /// spawned with `process_group(0)`, its children included); false as
-/// [`signal`] says.
+/// [`signal()`] says.
 pub fn signal_group(leader: impl TryInto<i32>, signal: Signal) -> bool {
     one(leader).is_some_and(|leader| signal::killpg(leader, signal).is_ok())
 }
