@@ -1073,8 +1073,57 @@ struct Run {
 
 fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Result<Run> {
     std::fs::create_dir_all(run_dir)?;
+    let launch_args = launch_args(args, fault, label, run_dir)?;
+    let done = Arc::new(AtomicBool::new(false));
+    let show = !args.json;
+    let progress = {
+        let (dir, done) = (run_dir.to_path_buf(), done.clone());
+        let size = (args.steps, args.batch);
+        std::thread::spawn(move || progress_loop(dir, size, label, done, show))
+    };
+    let mut helpers = Vec::new();
+    if fault == Fault::Freeze {
+        let (dir, done) = (run_dir.to_path_buf(), done.clone());
+        let after = Duration::from_millis(2 * args.heartbeat_ms);
+        helpers.push(std::thread::spawn(move || thaw_loop(dir, after, done)));
+    }
+    if let Some(every) = args.fault_every.filter(|_| fault != Fault::None) {
+        let (dir, done, world) = (run_dir.to_path_buf(), done.clone(), args.world);
+        helpers.push(std::thread::spawn(move || fault_loop(dir, world, every, done)));
+    }
+    let code = chorus_cli::launch::main(&launch_args);
+    done.store(true, Ordering::Relaxed);
+    let curve = progress.join().unwrap_or_default();
+    for helper in helpers {
+        let _ = helper.join();
+    }
+    let result = run_dir.join("result.json");
+    let outcome: Outcome = match std::fs::read_to_string(&result) {
+        Ok(text) => serde_json::from_str(&text)?,
+        Err(_) => bail!(
+            "the {label} run ended ({code:?}) without a result; the workers' logs are under {}",
+            run_dir.join("logs").display()
+        ),
+    };
+    let injected = failures(run_dir).into_iter().map(|(_, what)| what).collect();
+    let corruptions_injected = std::fs::read_to_string(run_dir.join("corruptions-injected"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse::<u64>().ok())
+        .sum();
+    Ok(Run {
+        corruptions_injected,
+        outcome,
+        curve,
+        injected,
+    })
+}
+
+/// `chorus launch`'s command line for the `label` run: the launcher's
+/// flags, then this executable as the worker with the run's flags.
+fn launch_args(args: &Args, fault: Fault, label: &str, run_dir: &Path) -> Result<Vec<String>> {
     let exe = std::env::current_exe()?;
-    let mut worker_args: Vec<String> = vec![
+    let mut launch_args: Vec<String> = vec![
         "--nproc-per-node".into(),
         args.world.to_string(),
         "--restart-policy".into(),
@@ -1102,7 +1151,7 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         if args.dashboard_faults {
             flags.push("--dashboard-faults".into());
         }
-        worker_args.splice(0..0, flags);
+        launch_args.splice(0..0, flags);
     }
     let mode = match args.mode {
         ModeArg::Ddp => "ddp",
@@ -1126,52 +1175,10 @@ fn launch(args: &Args, fault: Fault, label: &'static str, run_dir: &Path) -> Res
         ("--state-mib", args.state_mib.to_string()),
         ("--heartbeat-ms", args.heartbeat_ms.to_string()),
     ] {
-        worker_args.push(flag.into());
-        worker_args.push(value);
+        launch_args.push(flag.into());
+        launch_args.push(value);
     }
-    let done = Arc::new(AtomicBool::new(false));
-    let show = !args.json;
-    let progress = {
-        let (dir, done) = (run_dir.to_path_buf(), done.clone());
-        let size = (args.steps, args.batch);
-        std::thread::spawn(move || progress_loop(dir, size, label, done, show))
-    };
-    let mut helpers = Vec::new();
-    if fault == Fault::Freeze {
-        let (dir, done) = (run_dir.to_path_buf(), done.clone());
-        let after = Duration::from_millis(2 * args.heartbeat_ms);
-        helpers.push(std::thread::spawn(move || thaw_loop(dir, after, done)));
-    }
-    if let Some(every) = args.fault_every.filter(|_| fault != Fault::None) {
-        let (dir, done, world) = (run_dir.to_path_buf(), done.clone(), args.world);
-        helpers.push(std::thread::spawn(move || fault_loop(dir, world, every, done)));
-    }
-    let code = chorus_cli::launch::main(&worker_args);
-    done.store(true, Ordering::Relaxed);
-    let curve = progress.join().unwrap_or_default();
-    for helper in helpers {
-        let _ = helper.join();
-    }
-    let result = run_dir.join("result.json");
-    let outcome: Outcome = match std::fs::read_to_string(&result) {
-        Ok(text) => serde_json::from_str(&text)?,
-        Err(_) => bail!(
-            "the {label} run ended ({code:?}) without a result; the workers' logs are under {}",
-            run_dir.join("logs").display()
-        ),
-    };
-    let injected = failures(run_dir).into_iter().map(|(_, what)| what).collect();
-    let corruptions_injected = std::fs::read_to_string(run_dir.join("corruptions-injected"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.trim().parse::<u64>().ok())
-        .sum();
-    Ok(Run {
-        corruptions_injected,
-        outcome,
-        curve,
-        injected,
-    })
+    Ok(launch_args)
 }
 
 fn plot(path: &Path, run: &Run, reference: Option<&Run>, failures: &[u64]) -> Result<()> {

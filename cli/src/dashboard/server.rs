@@ -14,10 +14,10 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use chorus::auth::JobSecret;
-use chorus::train::live::{self, FaultKind};
+use chorus::train::live::{self, FaultKind, LiveRecord};
 
 use super::{page, view};
-use chorus::train::observe::{SourceError, StoreSource};
+use chorus::train::observe::{Observed, SourceError, StoreSource};
 
 /// What every request handler shares.
 pub struct Shared {
@@ -80,104 +80,22 @@ async fn fault_handler(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if !shared.faults {
-        return refuse(
-            StatusCode::FORBIDDEN,
-            "faults are off on this dashboard; start it with --dashboard-faults (chorus launch) or --faults (chorus dashboard)".into(),
-        );
-    }
-    let form_type = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"));
-    if !form_type {
-        return refuse(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "send the fault request as application/x-www-form-urlencoded (rank, kind, secret, who)".into(),
-        );
-    }
-    let form: HashMap<String, String> = form_urlencoded::parse(&body).into_owned().collect();
-    let given = headers
-        .get("x-chorus-secret")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-        .or_else(|| form.get("secret").cloned());
-    let Some(given) = given else {
-        return refuse(
-            StatusCode::UNAUTHORIZED,
-            "the job secret is required (secret, or X-Chorus-Secret)".into(),
-        );
-    };
-    // Compared as HMAC tags: in constant time.
-    let secret = JobSecret::new(&shared.secret);
-    let probe = b"chorus dashboard secret check";
-    if !secret.verify(probe, &JobSecret::new(given.as_bytes()).sign(probe)) {
-        return refuse(StatusCode::FORBIDDEN, "wrong job secret; nothing was injected".into());
-    }
-    let Some(kind) = form.get("kind").and_then(|k| FaultKind::from_name(k)) else {
-        return refuse(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "kind must be one of {} (got {:?})",
-                FaultKind::ALL.map(FaultKind::name).join(", "),
-                form.get("kind").map(String::as_str).unwrap_or("")
-            ),
-        );
-    };
-    let Some(rank) = form.get("rank").and_then(|r| r.trim().parse::<usize>().ok()) else {
-        return refuse(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "rank must be a number (got {:?})",
-                form.get("rank").map(String::as_str).unwrap_or("")
-            ),
-        );
-    };
-    let who = match form.get("who").map(|w| w.trim()).filter(|w| !w.is_empty()) {
-        Some(name) => format!("{peer} ({})", name.chars().take(40).collect::<String>()),
-        None => peer.to_string(),
+    let (ask, secret) = match checked_ask(&shared, peer, &headers, &body) {
+        Ok(checked) => checked,
+        Err(refused) => return refused,
     };
     let observed = match shared.source.observe().await {
         Ok(observed) => observed,
         Err(e) => return unavailable(&e),
     };
-    let Some(newest) = observed.generations.last() else {
-        return refuse(StatusCode::CONFLICT, "no generation has formed yet".into());
+    let (generation, record) = match target(&observed, ask.rank, &secret) {
+        Ok(found) => found,
+        Err(refused) => return refused,
     };
-    let Some(process) = newest.members.get(rank) else {
-        return refuse(
-            StatusCode::NOT_FOUND,
-            format!(
-                "no rank {rank} in generation {} (ranks 0 to {})",
-                newest.generation,
-                newest.members.len().saturating_sub(1)
-            ),
-        );
-    };
-    let Some(record) = observed
-        .records
-        .iter()
-        .find(|r| r.pid == process.pid && r.host == process.host)
-    else {
-        return refuse(
-            StatusCode::CONFLICT,
-            format!(
-                "rank {rank} (pid {}) publishes no live progress (it does not train through chorus::train)",
-                process.pid
-            ),
-        );
-    };
-    if let Some(tag) = &record.secret_tag
-        && *tag != live::secret_tag(&secret, &observed.run_id)
-    {
-        return refuse(
-            StatusCode::FORBIDDEN,
-            "this dashboard's secret is not the job's; its processes would ignore the request".into(),
-        );
-    }
+    let Ask { kind, rank, who } = ask;
     if let Err(e) = shared
         .source
-        .request_fault(&secret, record, rank, newest.generation, kind, &who)
+        .request_fault(&secret, record, rank, generation, kind, &who)
         .await
     {
         return unavailable(&e);
@@ -193,4 +111,121 @@ async fn fault_handler(
         ),
     )
         .into_response()
+}
+
+/// A fault request that passed the checks: what, on which rank, asked by whom.
+struct Ask {
+    kind: FaultKind,
+    rank: usize,
+    who: String,
+}
+
+/// The request read from its form, with faults on and the job secret
+/// given and right; or the response refusing it.
+fn checked_ask(
+    shared: &Shared,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<(Ask, JobSecret), Response> {
+    if !shared.faults {
+        return Err(refuse(
+            StatusCode::FORBIDDEN,
+            "faults are off on this dashboard; start it with --dashboard-faults (chorus launch) or --faults (chorus dashboard)".into(),
+        ));
+    }
+    let form_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"));
+    if !form_type {
+        return Err(refuse(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "send the fault request as application/x-www-form-urlencoded (rank, kind, secret, who)".into(),
+        ));
+    }
+    let form: HashMap<String, String> = form_urlencoded::parse(body).into_owned().collect();
+    let given = headers
+        .get("x-chorus-secret")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| form.get("secret").cloned());
+    let Some(given) = given else {
+        return Err(refuse(
+            StatusCode::UNAUTHORIZED,
+            "the job secret is required (secret, or X-Chorus-Secret)".into(),
+        ));
+    };
+    // Compared as HMAC tags: in constant time.
+    let secret = JobSecret::new(&shared.secret);
+    let probe = b"chorus dashboard secret check";
+    if !secret.verify(probe, &JobSecret::new(given.as_bytes()).sign(probe)) {
+        return Err(refuse(
+            StatusCode::FORBIDDEN,
+            "wrong job secret; nothing was injected".into(),
+        ));
+    }
+    let field = |name: &str| form.get(name).map(String::as_str).unwrap_or("");
+    let Some(kind) = FaultKind::from_name(field("kind")) else {
+        return Err(refuse(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "kind must be one of {} (got {:?})",
+                FaultKind::ALL.map(FaultKind::name).join(", "),
+                field("kind")
+            ),
+        ));
+    };
+    let Ok(rank) = field("rank").trim().parse::<usize>() else {
+        return Err(refuse(
+            StatusCode::BAD_REQUEST,
+            format!("rank must be a number (got {:?})", field("rank")),
+        ));
+    };
+    let who = match field("who").trim() {
+        "" => peer.to_string(),
+        name => format!("{peer} ({})", name.chars().take(40).collect::<String>()),
+    };
+    Ok((Ask { kind, rank, who }, secret))
+}
+
+/// The newest generation and the live record of its rank `rank`, whose
+/// process would obey a request signed with `secret`; or the response
+/// saying why there is none.
+fn target<'a>(observed: &'a Observed, rank: usize, secret: &JobSecret) -> Result<(u64, &'a LiveRecord), Response> {
+    let Some(newest) = observed.generations.last() else {
+        return Err(refuse(StatusCode::CONFLICT, "no generation has formed yet".into()));
+    };
+    let Some(process) = newest.members.get(rank) else {
+        return Err(refuse(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no rank {rank} in generation {} (ranks 0 to {})",
+                newest.generation,
+                newest.members.len().saturating_sub(1)
+            ),
+        ));
+    };
+    let Some(record) = observed
+        .records
+        .iter()
+        .find(|r| r.pid == process.pid && r.host == process.host)
+    else {
+        return Err(refuse(
+            StatusCode::CONFLICT,
+            format!(
+                "rank {rank} (pid {}) publishes no live progress (it does not train through chorus::train)",
+                process.pid
+            ),
+        ));
+    };
+    if let Some(tag) = &record.secret_tag
+        && *tag != live::secret_tag(secret, &observed.run_id)
+    {
+        return Err(refuse(
+            StatusCode::FORBIDDEN,
+            "this dashboard's secret is not the job's; its processes would ignore the request".into(),
+        ));
+    }
+    Ok((newest.generation, record))
 }

@@ -434,6 +434,14 @@ enum Outcome {
     Waiting(String),
     /// This member's keep-alive stood still: it is taken for hung.
     Stalled(String),
+    /// This node's workers stop and the launcher ends, under either
+    /// restart policy.
+    Leave(Leave),
+}
+
+/// The ends of a round after which this launcher stops its workers and
+/// exits, whatever its restart policy.
+enum Leave {
     /// The launcher got this signal.
     Signaled(i32),
     /// The store is out of reach.
@@ -442,6 +450,33 @@ enum Outcome {
     StoreUnreachable(Duration),
     /// Another node ended the job for good (`--restart-policy worker`).
     Over(String),
+}
+
+impl Leave {
+    /// Stops this node's workers (with the signal the launcher got, else
+    /// SIGTERM) and says how the launcher ends.
+    async fn stop_workers(self, workers: &mut Workers, job: &Job) -> Result<AfterRound, LaunchError> {
+        let signo = match &self {
+            Leave::Signaled(signo) => {
+                say(format!("got {}; stopping the workers", plan::signal_name(*signo)));
+                *signo
+            }
+            _ => libc::SIGTERM,
+        };
+        workers.stop(signo, job.config.shutdown_timeout).await;
+        match self {
+            Leave::Signaled(signo) => Ok(AfterRound::Exit(128 + signo)),
+            Leave::StoreLost(source) => Err(LaunchError::Store(source)),
+            Leave::StoreUnreachable(waited) => Err(LaunchError::StoreUnreachable {
+                addr: job.store.addr(),
+                waited,
+            }),
+            Leave::Over(why) => {
+                say(format!("the job ended: {why}; stopped this node's workers"));
+                Ok(AfterRound::Exit(1))
+            }
+        }
+    }
 }
 
 /// Everything fixed for the whole run.
@@ -813,28 +848,7 @@ impl GroupRound<'_> {
                 self.stop(libc::SIGTERM).await;
                 won
             }
-            Outcome::Signaled(signo) => {
-                say(format!("got {}; stopping the workers", plan::signal_name(signo)));
-                self.stop(signo).await;
-                return Ok(AfterRound::Exit(128 + signo));
-            }
-            Outcome::StoreLost(source) => {
-                self.stop(libc::SIGTERM).await;
-                return Err(LaunchError::Store(source));
-            }
-            Outcome::StoreUnreachable(waited) => {
-                self.stop(libc::SIGTERM).await;
-                return Err(LaunchError::StoreUnreachable {
-                    addr: job.store.addr(),
-                    waited,
-                });
-            }
-            // Only set under --restart-policy worker, which every node of the job runs.
-            Outcome::Over(why) => {
-                self.stop(libc::SIGTERM).await;
-                say(format!("the job ended: {why}; stopped this node's workers"));
-                return Ok(AfterRound::Exit(1));
-            }
+            Outcome::Leave(leave) => return leave.stop_workers(self.workers, job).await,
         };
         self.restart_after(&end).await
     }
@@ -1078,27 +1092,7 @@ impl<'a> ElasticRound<'a> {
                     let why = gone_message(job, &self.formed, &id);
                     nodes::reform(store, &job.keys, &self.formed, &[id.as_str()], config.max_nodes, &why).await?;
                 }
-                Outcome::Over(why) => {
-                    self.stop(libc::SIGTERM).await;
-                    say(format!("the job ended: {why}; stopped this node's workers"));
-                    return Ok(AfterRound::Exit(1));
-                }
-                Outcome::Signaled(signo) => {
-                    say(format!("got {}; stopping the workers", plan::signal_name(signo)));
-                    self.stop(signo).await;
-                    return Ok(AfterRound::Exit(128 + signo));
-                }
-                Outcome::StoreLost(source) => {
-                    self.stop(libc::SIGTERM).await;
-                    return Err(LaunchError::Store(source));
-                }
-                Outcome::StoreUnreachable(waited) => {
-                    self.stop(libc::SIGTERM).await;
-                    return Err(LaunchError::StoreUnreachable {
-                        addr: job.store.addr(),
-                        waited,
-                    });
-                }
+                Outcome::Leave(leave) => return leave.stop_workers(self.workers, job).await,
             }
         }
     }
@@ -1428,7 +1422,7 @@ async fn wait_for_members(
                 let why = gone_message(job, &formed, &id);
                 nodes::reform(store, &job.keys, &formed, &[id.as_str()], config.max_nodes, &why).await?;
             }
-            Some(Outcome::Over(why)) => {
+            Some(Outcome::Leave(Leave::Over(why))) => {
                 say(format!("the job ended: {why}"));
                 return Ok(AfterRound::Exit(1));
             }
@@ -1573,7 +1567,7 @@ async fn supervise(
                 Some(ended) if !ended.exit.success() || ended.standby.is_some() => return Outcome::Failed(ended),
                 Some(_) => {}
             },
-            signo = signals.recv() => return Outcome::Signaled(signo),
+            signo = signals.recv() => return Outcome::Leave(Leave::Signaled(signo)),
             _ = poll.tick(), if watch && looking.is_none() => {
                 // The look owns the keep-alive record while it runs.
                 let mut record = std::mem::take(alive);
@@ -1589,12 +1583,12 @@ async fn supervise(
                         *alive = record;
                         seen
                     }
-                    Err(_) => return Outcome::StoreUnreachable(window),
+                    Err(_) => return Outcome::Leave(Leave::StoreUnreachable(window)),
                 };
                 match seen {
                     Ok(Some(outcome)) => return outcome,
                     Ok(None) => {}
-                    Err(error) => return Outcome::StoreLost(error),
+                    Err(error) => return Outcome::Leave(Leave::StoreLost(error)),
                 }
             }
         }
@@ -1611,7 +1605,7 @@ async fn watch_round(
     let elastic = job.config.restart_policy == RestartPolicy::Worker;
     nodes::keep_alive(store, &job.keys, &job.launcher_id).await?;
     if elastic && let Some(why) = nodes::over(store, &job.keys).await? {
-        return Ok(Some(Outcome::Over(why)));
+        return Ok(Some(Outcome::Leave(Leave::Over(why))));
     }
     if nodes::current_attempt(store, &job.keys).await? > formed.round {
         return Ok(Some(Outcome::Moved));

@@ -401,110 +401,127 @@ macro_rules! need_res {
 pub fn decode_request(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Request>, ProtocolError> {
     // Parse ranges first, then split the buffer once, so keys and values are
     // zero-copy slices of the receive buffer.
-    enum Shape {
-        Fixed(Request),
-        One(QueryType, (usize, usize)),
-        Two(QueryType, (usize, usize), (usize, usize)),
-        Three((usize, usize), (usize, usize), (usize, usize)),
-        KeyAndInt(QueryType, (usize, usize), i64),
-        Keys(QueryType, Vec<(usize, usize)>),
-        Pairs(Vec<((usize, usize), (usize, usize))>),
-    }
     let mut cur = Cursor::new(&buf[..], *limits);
-    let code = need!(cur.u8());
-    let query = QueryType::from_u8(code).ok_or(ProtocolError::UnknownQuery(code))?;
-    let shape = match query {
-        QueryType::Validate => Shape::Fixed(Request::Validate {
-            magic: need!(cur.u32()),
-        }),
-        QueryType::GetNumKeys => Shape::Fixed(Request::GetNumKeys),
-        QueryType::CancelWait => Shape::Fixed(Request::CancelWait),
-        QueryType::ListKeys => Shape::Fixed(Request::ListKeys),
-        QueryType::Ping => Shape::Fixed(Request::Ping {
-            nonce: need!(cur.u32()),
-        }),
-        QueryType::Set | QueryType::Append | QueryType::QueuePush => {
-            let key = need_res!(cur.key());
-            let value = need_res!(cur.value());
-            Shape::Two(query, key, value)
-        }
-        QueryType::CompareSet => {
-            let key = need_res!(cur.key());
-            let expected = need_res!(cur.value());
-            let desired = need_res!(cur.value());
-            Shape::Three(key, expected, desired)
-        }
-        QueryType::Get | QueryType::DeleteKey | QueryType::QueuePop | QueryType::QueueLen => {
-            Shape::One(query, need_res!(cur.key()))
-        }
-        QueryType::Add | QueryType::Barrier => {
-            let key = need_res!(cur.key());
-            Shape::KeyAndInt(query, key, need!(cur.i64()))
-        }
-        QueryType::Check | QueryType::Wait | QueryType::MultiGet => {
-            let raw = cur.u64().map(i128::from);
-            let count = need_res!(cur.count(raw));
-            let mut keys = Vec::new();
-            for _ in 0..count {
-                keys.push(need_res!(cur.key()));
-            }
-            Shape::Keys(query, keys)
-        }
-        QueryType::MultiSet => {
-            let raw = cur.i64().map(i128::from);
-            let count = need_res!(cur.count(raw));
-            let mut pairs = Vec::new();
-            for _ in 0..count {
-                let key = need_res!(cur.key());
-                let value = need_res!(cur.value());
-                pairs.push((key, value));
-            }
-            Shape::Pairs(pairs)
-        }
+    let Some(shape) = Shape::read(&mut cur)? else {
+        return Ok(None);
     };
     let frame = buf.split_to(cur.pos).freeze();
-    let slice = |(start, len): (usize, usize)| frame.slice(start..start + len);
-    Ok(Some(match shape {
-        Shape::Fixed(request) => request,
-        Shape::One(query, key) => {
-            let key = slice(key);
-            match query {
-                QueryType::Get => Request::Get { key },
-                QueryType::DeleteKey => Request::DeleteKey { key },
-                QueryType::QueuePop => Request::QueuePop { key },
-                _ => Request::QueueLen { key },
+    Ok(Some(shape.into_request(&frame)))
+}
+
+/// A request read as byte ranges of the receive buffer (start, length),
+/// before the buffer is split.
+enum Shape {
+    Fixed(Request),
+    One(QueryType, (usize, usize)),
+    Two(QueryType, (usize, usize), (usize, usize)),
+    Three((usize, usize), (usize, usize), (usize, usize)),
+    KeyAndInt(QueryType, (usize, usize), i64),
+    Keys(QueryType, Vec<(usize, usize)>),
+    Pairs(Vec<((usize, usize), (usize, usize))>),
+}
+
+impl Shape {
+    /// Reads one request's fields; `Ok(None)` where bytes are missing.
+    fn read(cur: &mut Cursor<'_>) -> Result<Option<Self>, ProtocolError> {
+        let code = need!(cur.u8());
+        let query = QueryType::from_u8(code).ok_or(ProtocolError::UnknownQuery(code))?;
+        Ok(Some(match query {
+            QueryType::Validate => Shape::Fixed(Request::Validate {
+                magic: need!(cur.u32()),
+            }),
+            QueryType::GetNumKeys => Shape::Fixed(Request::GetNumKeys),
+            QueryType::CancelWait => Shape::Fixed(Request::CancelWait),
+            QueryType::ListKeys => Shape::Fixed(Request::ListKeys),
+            QueryType::Ping => Shape::Fixed(Request::Ping {
+                nonce: need!(cur.u32()),
+            }),
+            QueryType::Set | QueryType::Append | QueryType::QueuePush => {
+                let key = need_res!(cur.key());
+                let value = need_res!(cur.value());
+                Shape::Two(query, key, value)
             }
-        }
-        Shape::Two(query, key, value) => {
-            let (key, value) = (slice(key), slice(value));
-            match query {
-                QueryType::Set => Request::Set { key, value },
-                QueryType::Append => Request::Append { key, value },
-                _ => Request::QueuePush { key, value },
+            QueryType::CompareSet => {
+                let key = need_res!(cur.key());
+                let expected = need_res!(cur.value());
+                let desired = need_res!(cur.value());
+                Shape::Three(key, expected, desired)
             }
-        }
-        Shape::Three(key, expected, desired) => Request::CompareSet {
-            key: slice(key),
-            expected: slice(expected),
-            desired: slice(desired),
-        },
-        Shape::KeyAndInt(QueryType::Add, key, delta) => Request::Add { key: slice(key), delta },
-        Shape::KeyAndInt(_, key, world_size) => Request::Barrier {
-            key: slice(key),
-            world_size,
-        },
-        Shape::Keys(query, keys) => {
-            let keys = keys.into_iter().map(slice).collect();
-            match query {
-                QueryType::Check => Request::Check { keys },
-                QueryType::Wait => Request::Wait { keys },
-                _ => Request::MultiGet { keys },
+            QueryType::Get | QueryType::DeleteKey | QueryType::QueuePop | QueryType::QueueLen => {
+                Shape::One(query, need_res!(cur.key()))
             }
+            QueryType::Add | QueryType::Barrier => {
+                let key = need_res!(cur.key());
+                Shape::KeyAndInt(query, key, need!(cur.i64()))
+            }
+            QueryType::Check | QueryType::Wait | QueryType::MultiGet => {
+                let raw = cur.u64().map(i128::from);
+                let count = need_res!(cur.count(raw));
+                let mut keys = Vec::new();
+                for _ in 0..count {
+                    keys.push(need_res!(cur.key()));
+                }
+                Shape::Keys(query, keys)
+            }
+            QueryType::MultiSet => {
+                let raw = cur.i64().map(i128::from);
+                let count = need_res!(cur.count(raw));
+                let mut pairs = Vec::new();
+                for _ in 0..count {
+                    let key = need_res!(cur.key());
+                    let value = need_res!(cur.value());
+                    pairs.push((key, value));
+                }
+                Shape::Pairs(pairs)
+            }
+        }))
+    }
+
+    /// The request, its keys and values slices of `frame` (its bytes).
+    fn into_request(self, frame: &Bytes) -> Request {
+        let slice = |(start, len): (usize, usize)| frame.slice(start..start + len);
+        match self {
+            Shape::Fixed(request) => request,
+            Shape::One(query, key) => {
+                let key = slice(key);
+                match query {
+                    QueryType::Get => Request::Get { key },
+                    QueryType::DeleteKey => Request::DeleteKey { key },
+                    QueryType::QueuePop => Request::QueuePop { key },
+                    _ => Request::QueueLen { key },
+                }
+            }
+            Shape::Two(query, key, value) => {
+                let (key, value) = (slice(key), slice(value));
+                match query {
+                    QueryType::Set => Request::Set { key, value },
+                    QueryType::Append => Request::Append { key, value },
+                    _ => Request::QueuePush { key, value },
+                }
+            }
+            Shape::Three(key, expected, desired) => Request::CompareSet {
+                key: slice(key),
+                expected: slice(expected),
+                desired: slice(desired),
+            },
+            Shape::KeyAndInt(QueryType::Add, key, delta) => Request::Add { key: slice(key), delta },
+            Shape::KeyAndInt(_, key, world_size) => Request::Barrier {
+                key: slice(key),
+                world_size,
+            },
+            Shape::Keys(query, keys) => {
+                let keys = keys.into_iter().map(slice).collect();
+                match query {
+                    QueryType::Check => Request::Check { keys },
+                    QueryType::Wait => Request::Wait { keys },
+                    _ => Request::MultiGet { keys },
+                }
+            }
+            Shape::Pairs(pairs) => Request::MultiSet {
+                pairs: pairs.into_iter().map(|(k, v)| (slice(k), slice(v))).collect(),
+            },
         }
-        Shape::Pairs(pairs) => Request::MultiSet {
-            pairs: pairs.into_iter().map(|(k, v)| (slice(k), slice(v))).collect(),
-        },
-    }))
+    }
 }
 
 /// The shape of the reply a request calls for; the client decodes with it.

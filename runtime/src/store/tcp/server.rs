@@ -346,16 +346,9 @@ impl Connection<'_> {
                 protocol::CHECK_NOT_READY
             }),
             Request::Wait { keys } => {
-                let number = self.next_wait;
-                self.next_wait += 1;
-                match self.shared.lock().register_wait(&keys, (self.wake_tx.clone(), number)) {
-                    Err(_) => Reply::U8(protocol::WAIT_STOP_WAITING),
-                    Ok(id) => {
-                        self.waits.insert(id);
-                        self.wait_ids.insert(number, id);
-                        Reply::Nothing
-                    }
-                }
+                let number = self.next_wait_number();
+                let registered = self.shared.lock().register_wait(&keys, (self.wake_tx.clone(), number));
+                self.waiting(number, registered.ok())
             }
             Request::GetNumKeys => Reply::I64(self.shared.lock().num_keys()),
             Request::DeleteKey { key } => Reply::I64(self.shared.lock().delete(&key)),
@@ -369,24 +362,17 @@ impl Connection<'_> {
                 Reply::Values(keys.iter().map(|k| state.get(k).unwrap_or_default()).collect())
             }
             Request::MultiSet { pairs } => {
-                let mut woken = Vec::new();
-                {
+                let woken: Vec<_> = {
                     let mut state = self.shared.lock();
-                    for (key, value) in pairs {
-                        woken.extend(state.set(key, value));
-                    }
-                }
+                    pairs
+                        .into_iter()
+                        .flat_map(|(key, value)| state.set(key, value))
+                        .collect()
+                };
                 wake(woken);
                 Reply::Nothing
             }
-            Request::CancelWait => {
-                let mut state = self.shared.lock();
-                for id in self.waits.drain() {
-                    state.cancel_wait(id);
-                }
-                self.wait_ids.clear();
-                Reply::U8(protocol::WAIT_CANCELED)
-            }
+            Request::CancelWait => self.cancel_waits(),
             Request::Ping { nonce } => Reply::U32(nonce),
             Request::QueuePush { key, value } => {
                 let woken = self.shared.lock().queue_push(key, value);
@@ -400,25 +386,45 @@ impl Connection<'_> {
             Request::QueueLen { key } => Reply::I64(self.shared.lock().queue_len(&key)),
             Request::ListKeys => Reply::Keys(self.shared.lock().keys()),
             Request::Barrier { key, world_size } => {
-                let number = self.next_wait;
-                self.next_wait += 1;
+                let number = self.next_wait_number();
                 let result = self
                     .shared
                     .lock()
                     .barrier(key, world_size, (self.wake_tx.clone(), number));
                 let (registered, woken) = result.map_err(|source| CloseReason::Refused { op: "BARRIER", source })?;
                 wake(woken);
-                match registered {
-                    Err(_) => Reply::U8(protocol::WAIT_STOP_WAITING),
-                    Ok(id) => {
-                        self.waits.insert(id);
-                        self.wait_ids.insert(number, id);
-                        Reply::Nothing
-                    }
-                }
+                self.waiting(number, registered.ok())
             }
         };
         protocol::encode_reply(&reply, out);
         Ok(())
+    }
+
+    /// The number of this connection's next wait, which its wake-up names.
+    fn next_wait_number(&mut self) -> u64 {
+        self.next_wait += 1;
+        self.next_wait - 1
+    }
+
+    /// The reply to a wait (`WAIT`, `BARRIER`) the store registered as `id`
+    /// (answered once it is woken), or did not (already satisfied).
+    fn waiting(&mut self, number: u64, id: Option<WaitId>) -> Reply {
+        match id {
+            None => Reply::U8(protocol::WAIT_STOP_WAITING),
+            Some(id) => {
+                self.waits.insert(id);
+                self.wait_ids.insert(number, id);
+                Reply::Nothing
+            }
+        }
+    }
+
+    fn cancel_waits(&mut self) -> Reply {
+        let mut state = self.shared.lock();
+        for id in self.waits.drain() {
+            state.cancel_wait(id);
+        }
+        self.wait_ids.clear();
+        Reply::U8(protocol::WAIT_CANCELED)
     }
 }
