@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 mod common;
 use common::{LAUNCHER, chorus_bin, finish, free_port, text};
 
-const PYTHON_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/python");
+const PYTHON_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../lab/python");
 
 /// `chorus launch ARGS`, with stdout and stderr captured.
 fn launch(args: &[&str]) -> Command {

@@ -16,7 +16,7 @@ use tokio::process::{Child, Command};
 mod common;
 use common::within;
 
-const SCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/python");
+const SCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../lab/python");
 
 /// PyTorch's own server, in a Python process that lives while `Child` does.
 async fn pytorch_server() -> (Child, u16) {

@@ -35,7 +35,7 @@ pub(crate) fn chorus_bin() -> &'static str {
         match chorus {
             Some(chorus) if chorus.exists() => chorus.display().to_string(),
             _ => panic!(
-                "the `chorus` binary is not built beside {}: run the lab's tests through `cargo test --workspace` (or `cargo build -p chorus-cli` with the same profile first)",
+                "the `chorus` binary is not built beside {}: `cargo test --workspace` builds it; before a single lab test, `cargo build -p chorus-cli --bins --examples` with the same profile",
                 exe.display()
             ),
         }

@@ -8,7 +8,7 @@
 //! with `MASTER_ADDR`/`MASTER_PORT`/`RANK`/`WORLD_SIZE` and
 //! `CHORUS_TRANSPORT`), or with `--in-process` one thread running
 //! [`chorus::spawn`]. With `--compare gloo` one more side runs
-//! `cli/python/bench_gloo.py` (embedded in the binary) once per rank. Every
+//! `lab/python/bench_gloo.py` (embedded in the binary) once per rank. Every
 //! side forms its group once and then waits for commands: `run COUNT`
 //! measures one size (warm-up, then `--iters` timed calls out of place, the
 //! same in place, then the check) and answers one JSON line per rank. The
@@ -989,7 +989,7 @@ impl<'a> Report<'a> {
         }
         if let Some(label) = peer_label {
             let present: Vec<Row> = self.gloo_rows.iter().flatten().cloned().collect();
-            println!("#\n# {label} (python3 cli/python/bench_gloo.py, one process per rank)");
+            println!("#\n# {label} (python3 lab/python/bench_gloo.py, one process per rank)");
             print!("{}", format_table(&present, None, false, None));
         }
     }

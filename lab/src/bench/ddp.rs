@@ -4,7 +4,7 @@
 //! processes: the step time with sync, without (`no_sync`), and their
 //! difference, the communication the backward pass did not hide
 //! (`exposed_sync_ms`). With `--compare torch`, PyTorch DDP over Gloo on the
-//! same shapes (`cli/python/ddp_bench.py`, embedded) in the same run;
+//! same shapes (`lab/python/ddp_bench.py`, embedded) in the same run;
 //! `--rounds N` runs the two in turn N times and shows medians over the
 //! rounds and the step-time ratio's median [min-max].
 //!

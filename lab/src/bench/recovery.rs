@@ -16,7 +16,7 @@
 //! between processes of one host.
 //!
 //! With `--compare torchrun`, the peer is measured in the same run, trials
-//! alternating: `cli/python/elastic_gloo.py` (embedded) under torchrun
+//! alternating: `lab/python/elastic_gloo.py` (embedded) under torchrun
 //! `--max-restarts 1`, a Gloo all-reduce loop in which a random rank
 //! SIGKILLs itself; torchrun restarts every worker, and the recovery is the
 //! kill to the first all-reduce of the new attempt on every worker.
