@@ -188,6 +188,17 @@ async fn a_failed_step_is_re_run_never_applied_twice_and_the_joiner_gets_the_sur
 /// subtracts 1 from every parameter and counts 1. Returns whether it
 /// committed.
 async fn own_step(stepper: &mut Stepper, group: &ElasticGroup, job: &mut Counter) -> Result<bool, train::TrainError> {
+    own_step_holding(stepper, group, job, async || {}).await
+}
+
+/// [`own_step`], running `before_vote` between the step's sync and its
+/// commit vote.
+async fn own_step_holding(
+    stepper: &mut Stepper,
+    group: &ElasticGroup,
+    job: &mut Counter,
+    before_vote: impl AsyncFnOnce(),
+) -> Result<bool, train::TrainError> {
     let begun = match stepper.begin(group, None).await? {
         Begin::Ready(begun) => begun,
         Begin::NeedState => match stepper.begin(group, Some(&mut *job)).await? {
@@ -202,6 +213,7 @@ async fn own_step(stepper: &mut Stepper, group: &ElasticGroup, job: &mut Counter
         .all_reduce(Tensor::from_slice(&[1.0f32]), ReduceOp::Sum)
         .await
         .is_ok_and(|sum| sum.to_vec::<f32>().unwrap() == [world as f32]);
+    before_vote().await;
     let (committed, _) = stepper.commit(group, synced, false, 0.0).await?;
     if committed {
         job.state.params[0].1.iter_mut().for_each(|x| *x -= 1.0);
@@ -386,21 +398,25 @@ async fn at_a_step_boundary_a_joiner_is_admitted_and_no_step_is_lost() {
     );
 }
 
-/// A member's loop that holds at the step boundary where it first holds
-/// generation 1 (formed beside 0) until `resume`; returns its report, the
-/// steps it lost and its final world size.
-fn held_once_ready(group: Arc<ElasticGroup>, mut resume: tokio::sync::broadcast::Receiver<()>) -> HeldLoop {
+/// A member's loop that, once it holds generation 1 (formed beside 0),
+/// holds until `resume` just before its step's vote (which reads whether
+/// it holds generation 1 right after): no vote can swap before the test
+/// says so. Returns its report, the steps it lost and its final world size.
+fn held_once_ready(group: Arc<ElasticGroup>, resume: tokio::sync::broadcast::Receiver<()>) -> HeldLoop {
     tokio::spawn(async move {
         let mut job = Counter::new();
         let mut stepper = Stepper::new(&group, StepperOptions::default());
-        let (mut lost, mut held) = (0, false);
+        let (mut lost, mut resume) = (0, Some(resume));
         while stepper.step() < STEPS {
-            if !held && group.next_ready(0) {
-                held = true;
-                resume.recv().await.unwrap();
-            }
             std::thread::sleep(Duration::from_millis(2));
-            if !own_step(&mut stepper, &group, &mut job).await.unwrap() {
+            let hold = async || {
+                if group.next_ready(0)
+                    && let Some(mut resume) = resume.take()
+                {
+                    resume.recv().await.unwrap();
+                }
+            };
+            if !own_step_holding(&mut stepper, &group, &mut job, hold).await.unwrap() {
                 lost += 1;
             }
         }
@@ -458,8 +474,8 @@ async fn formed_beside() -> FormedBeside {
 }
 
 /// The next generation forms beside the running one: the joiner and
-/// every member hold it while the members are still in generation 0 (they
-/// hold their loops at a step boundary once they hold it, so no vote can
+/// every member hold it while the members are still in generation 0 (each
+/// holds its loop before its next vote once it holds it, so no vote can
 /// swap); then the first vote in which all hold it swaps, and no step is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_generation_forms_beside_the_running_one_and_the_members_swap_together() {
@@ -488,8 +504,8 @@ async fn the_next_generation_forms_beside_the_running_one_and_the_members_swap_t
 
 /// A joiner that leaves after generation 1 formed beside generation 0,
 /// before the swap: both generations end and the members re-form without
-/// it (generation 2, three members); a member caught inside a step (its
-/// peers held at the boundary) runs that step again.
+/// it (generation 2, three members); the step each member was in when
+/// generation 0 ended runs again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_next_generation_that_fails_before_the_swap_ends_both_and_the_members_go_on() {
     let FormedBeside {

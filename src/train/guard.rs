@@ -50,7 +50,8 @@ impl CommHook for Sum {
         if let Some((bit, step)) = self.0.flip.lock().expect("not poisoned").take() {
             let size = dtype.size();
             let bit = bit.or_else(|| integrity::default_bit(StateTarget::Grads, dtype));
-            let index = integrity::element(step, bytes.len() / size.max(1));
+            let from = integrity::element(step, bytes.len() / size.max(1));
+            let index = integrity::nonzero_element(&bytes, size, from);
             if let Some(bit) = bit.filter(|&b| integrity::flip_bit(&mut bytes, size, index, b)) {
                 tracing::warn!(
                     step,

@@ -211,6 +211,24 @@ pub fn element(step: u64, len: usize) -> usize {
     (step.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) as usize % len.max(1)
 }
 
+/// The first element at or after `from` (wrapping) of little-endian
+/// floating-point elements of `size` bytes in `bytes` that is not zero
+/// (`from` when all are). A gradient corruption strikes it: the top
+/// exponent bit of a zero makes it 2.0, no far outlier for a large
+/// gradient, so that flip is not the one the fault promises.
+pub fn nonzero_element(bytes: &[u8], size: usize, from: usize) -> usize {
+    let len = bytes.len() / size.max(1);
+    // Zero is every bit clear but the sign (the top bit of the last byte).
+    let is_zero = |i: usize| {
+        let element = &bytes[i * size..(i + 1) * size];
+        element[..size - 1].iter().all(|&b| b == 0) && element[size - 1] & 0x7f == 0
+    };
+    (0..len)
+        .map(|k| (from + k) % len)
+        .find(|&i| !is_zero(i))
+        .unwrap_or(from)
+}
+
 /// Flips `bit` of element `index` of little-endian elements of `size`
 /// bytes in `bytes`. Returns false when it is out of range.
 pub fn flip_bit(bytes: &mut [u8], size: usize, index: usize, bit: u32) -> bool {
@@ -365,6 +383,30 @@ mod tests {
         let halves = [half::bf16::from_f32(2.0), half::bf16::from_f32(-1.0)];
         assert_eq!(sum_of_squares(DType::BFloat16, bytemuck::cast_slice(&halves)), 5.0);
         assert_eq!(sum_of_squares(DType::Int32, &[1, 0, 0, 0]), 0.0);
+    }
+
+    #[test]
+    fn a_gradient_corruption_strikes_the_next_element_that_is_not_zero() {
+        let bytes: Vec<u8> = [0.5f32, 0.0, -0.0, 0.0, 0.25]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(nonzero_element(&bytes, 4, 0), 0);
+        assert_eq!(nonzero_element(&bytes, 4, 1), 4);
+        // It wraps around.
+        assert_eq!(nonzero_element(&bytes[..16], 4, 1), 0);
+        let zeros = [0u8; 16];
+        assert_eq!(nonzero_element(&zeros, 4, 3), 3);
+        // The top exponent bit of the struck element makes it a far outlier.
+        let mut struck = bytes.clone();
+        let index = nonzero_element(&struck, 4, 2);
+        assert!(flip_bit(
+            &mut struck,
+            4,
+            index,
+            default_bit(StateTarget::Grads, DType::Float32).unwrap()
+        ));
+        assert!(sum_of_squares(DType::Float32, &struck) > 1e30);
     }
 
     #[test]

@@ -66,9 +66,18 @@ async fn job_handler(State(shared): State<Arc<Shared>>) -> Response {
     }
 }
 
-fn refuse(status: StatusCode, message: String) -> Response {
+fn refuse(status: StatusCode, message: String) -> Refused {
     tracing::warn!(target: "chorus::dashboard", status = status.as_u16(), "fault request refused: {message}");
-    (status, format!("{message}\n")).into_response()
+    Refused(status, message)
+}
+
+/// A fault request's refusal: its status and why, the response's text.
+struct Refused(StatusCode, String);
+
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        (self.0, format!("{}\n", self.1)).into_response()
+    }
 }
 
 /// `POST /api/fault` with a form body: `rank`, `kind` (kill, freeze,
@@ -82,7 +91,7 @@ async fn fault_handler(
 ) -> Response {
     let (ask, secret) = match checked_ask(&shared, peer, &headers, &body) {
         Ok(checked) => checked,
-        Err(refused) => return refused,
+        Err(refused) => return refused.into_response(),
     };
     let observed = match shared.source.observe().await {
         Ok(observed) => observed,
@@ -90,7 +99,7 @@ async fn fault_handler(
     };
     let (generation, record) = match target(&observed, ask.rank, &secret) {
         Ok(found) => found,
-        Err(refused) => return refused,
+        Err(refused) => return refused.into_response(),
     };
     let Ask { kind, rank, who } = ask;
     if let Err(e) = shared
@@ -127,7 +136,7 @@ fn checked_ask(
     peer: SocketAddr,
     headers: &HeaderMap,
     body: &[u8],
-) -> Result<(Ask, JobSecret), Response> {
+) -> Result<(Ask, JobSecret), Refused> {
     if !shared.faults {
         return Err(refuse(
             StatusCode::FORBIDDEN,
@@ -192,7 +201,7 @@ fn checked_ask(
 /// The newest generation and the live record of its rank `rank`, whose
 /// process would obey a request signed with `secret`; or the response
 /// saying why there is none.
-fn target<'a>(observed: &'a Observed, rank: usize, secret: &JobSecret) -> Result<(u64, &'a LiveRecord), Response> {
+fn target<'a>(observed: &'a Observed, rank: usize, secret: &JobSecret) -> Result<(u64, &'a LiveRecord), Refused> {
     let Some(newest) = observed.generations.last() else {
         return Err(refuse(StatusCode::CONFLICT, "no generation has formed yet".into()));
     };
