@@ -125,7 +125,7 @@ pub use chorus_actors::nccl::NcclOp;
 pub use chorus_actors::rank::Collective;
 pub use chorus_actors::supervision::{AbortReason, ErrorHandling, GroupAborted};
 pub use chorus_runtime::collective::{CollectiveKind, DType, Overrides, ReduceOp, Thresholds};
-pub use chorus_runtime::{rendezvous, store};
+pub use chorus_runtime::{rendezvous, store, wait};
 pub use chorus_transports::{auth, fault, link, netif, process};
 pub use collectives::Work;
 pub use elastic::{Admission, ElasticGroup, GroupSupervisor, MembershipChange, RestartError};

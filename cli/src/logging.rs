@@ -4,16 +4,11 @@
 //! default, warnings and the notes of long waits (who a rendezvous or a
 //! connection waits for, [`chorus_runtime::wait`]).
 
-/// The filter without `CHORUS_LOG`.
-pub fn default_filter() -> String {
-    format!("warn,{}=info", chorus_runtime::wait::TARGET)
-}
-
 /// Installs the process's `tracing` subscriber.
 pub fn init() {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("CHORUS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter()));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(chorus_runtime::wait::default_log_filter()));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -31,9 +31,25 @@ use pyo3::prelude::*;
 /// The extension module.
 #[pymodule]
 fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    install_logging();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<group::Group>()?;
     m.add_class::<work::Work>()?;
     m.add_class::<manager::Trainer>()?;
     Ok(())
+}
+
+/// The library's log lines on stderr, filtered by `CHORUS_LOG` as the
+/// `chorus` command's are (by default warnings and the notes of long
+/// waits), so that a worker's log says why a group aborted. Left alone
+/// when the process already has a subscriber (another extension's).
+fn install_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_env("CHORUS_LOG").unwrap_or_else(|_| EnvFilter::new(chorus::wait::default_log_filter()));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
 }

@@ -13,6 +13,13 @@ use tokio::time::Instant;
 /// The `tracing` target of the notes, for filters (`chorus::wait=info`).
 pub const TARGET: &str = "chorus::wait";
 
+/// The log filter of the programs that show warnings and these notes
+/// (the `chorus` command, the examples, the Python package) where
+/// `CHORUS_LOG` names none.
+pub fn default_log_filter() -> String {
+    format!("warn,{TARGET}=info")
+}
+
 /// The first note comes after this long: shorter waits are normal.
 pub const FIRST: Duration = Duration::from_secs(5);
 
