@@ -241,12 +241,10 @@ impl Reference {
     /// majority joined or their exits are published.
     pub fn unaccounted(&self, joined: &[Joiner]) -> Vec<usize> {
         let members: Vec<&Joiner> = joined.iter().filter(|j| self.is_member(j)).collect();
-        (0..self.members.len())
-            .filter(|&rank| {
-                !members
-                    .iter()
-                    .any(|m| m.old_rank == Some(rank as u32) || m.failed.contains(&(rank as u32)))
-            })
+        let failed = credible_failures(&members);
+        (0..self.members.len() as u32)
+            .filter(|rank| !members.iter().any(|m| m.old_rank == Some(*rank)) && !failed.contains(rank))
+            .map(|rank| rank as usize)
             .collect()
     }
 
@@ -260,31 +258,62 @@ impl Reference {
     }
 }
 
+/// The ranks `members` (of one generation) saw fail, taking the word only
+/// of members no other one saw fail: a process cut off from the rest (its
+/// own links cut, a partition on its side) sees every peer go, and its
+/// word would close the next generation without a healthy rank that is
+/// merely a moment late.
+fn credible_failures(members: &[&Joiner]) -> Vec<u32> {
+    let seen_failing = |j: &Joiner| {
+        j.old_rank
+            .is_some_and(|rank| members.iter().any(|m| m.failed.contains(&rank)))
+    };
+    members
+        .iter()
+        .filter(|m| !seen_failing(m))
+        .flat_map(|m| m.failed.iter().copied())
+        .collect()
+}
+
+/// The members among `members` that come from the newest generation any
+/// of them comes from: an old rank of an older one names another process.
+fn from_newest(members: &[Joiner]) -> Vec<&Joiner> {
+    let survivors = || members.iter().filter(|m| m.old_rank.is_some());
+    let Some(newest) = survivors().map(|m| m.previous_generation).max() else {
+        return Vec::new();
+    };
+    survivors().filter(|m| m.previous_generation == newest).collect()
+}
+
 /// Whether every rank of the previous generation is accounted for among
-/// `members`: it joined, or one of them saw it fail. False when no member
-/// comes from a previous generation (there is nobody to account for, and
-/// the last call decides).
+/// `members`: it joined, or one of them that no other saw fail saw it
+/// fail. The previous generation is the newest
+/// any of them comes from; false when none comes from one (there is
+/// nobody to account for, and the last call decides).
 pub fn accounted_for(members: &[Joiner]) -> bool {
-    let Some(previous_world) = members.iter().filter_map(|m| m.previous_world).max() else {
+    let from_it = from_newest(members);
+    let Some(previous_world) = from_it.iter().filter_map(|m| m.previous_world).max() else {
         return false;
     };
-    (0..previous_world).all(|rank| {
-        members
-            .iter()
-            .any(|m| m.old_rank == Some(rank) || m.failed.contains(&rank))
-    })
+    let failed = credible_failures(&from_it);
+    (0..previous_world).all(|rank| from_it.iter().any(|m| m.old_rank == Some(rank)) || failed.contains(&rank))
 }
 
 /// New dense ranks for the admitted participants, given in arrival order:
-/// `result[i]` is the new rank of `members[i]`. Survivors (with an old rank)
-/// come first, by old rank; new processes follow in arrival order
+/// `result[i]` is the new rank of `members[i]`. Survivors (with an old rank
+/// in the newest generation any comes from) come first, by old rank; new
+/// processes, and those of an older generation, follow in arrival order
 /// ([`membership::places`]).
 pub fn assign_ranks(members: &[Joiner]) -> Vec<usize> {
+    let newest = from_newest(members).first().map(|m| m.previous_generation);
     let claims: Vec<Claim> = members
         .iter()
         .map(|m| Claim {
             fixed: None,
-            previous: m.old_rank.map(|r| r as usize),
+            previous: m
+                .old_rank
+                .filter(|_| Some(m.previous_generation) == newest)
+                .map(|r| r as usize),
         })
         .collect();
     let mut ranks = vec![0; members.len()];
@@ -961,6 +990,35 @@ mod tests {
         assert!(accounted_for(&[survivor(0, 2, &[1])]));
         assert!(!accounted_for(&[joiner(None, 9)]));
         assert!(!accounted_for(&[]));
+    }
+
+    #[test]
+    fn a_member_others_saw_fail_cannot_account_for_a_healthy_late_rank() {
+        // Rank 3 cut its own links: it saw rank 0 go, the others saw it go.
+        // Rank 0 is alive and a moment late: wait for it.
+        let cut = [member(0, 1, 4, &[3]), member(0, 2, 4, &[3]), member(0, 3, 4, &[0])];
+        assert!(!accounted_for(&cut));
+        let g0 = reference(0, 4);
+        assert_eq!(g0.unaccounted(&cut), vec![0]);
+        let all = [cut.as_slice(), &[member(0, 0, 4, &[3])]].concat();
+        assert!(accounted_for(&all) && g0.unaccounted(&all).is_empty());
+        // A killed rank: the survivors, whom nobody saw fail, account for it.
+        let killed = [member(0, 0, 4, &[3]), member(0, 1, 4, &[3]), member(0, 2, 4, &[3])];
+        assert!(accounted_for(&killed) && g0.unaccounted(&killed).is_empty());
+    }
+
+    #[test]
+    fn an_old_rank_of_an_older_generation_names_another_process() {
+        // Generation 1 (ranks 0..3) forms its successor beside it with a
+        // process left out of it, whose old rank 0 is generation 0's: the
+        // successor waits for generation 1's rank 0.
+        let stale = member(0, 0, 4, &[3]);
+        let arrivals = [stale.clone(), member(1, 1, 3, &[]), member(1, 2, 3, &[])];
+        assert!(!accounted_for(&arrivals));
+        let all = [arrivals.as_slice(), &[member(1, 0, 3, &[])]].concat();
+        assert!(accounted_for(&all));
+        // It is placed as a new process, after generation 1's members.
+        assert_eq!(assign_ranks(&all), vec![3, 1, 2, 0]);
     }
 
     #[test]
