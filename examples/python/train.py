@@ -169,8 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     (run / "pids" / str(first_rank)).write_text(str(os.getpid()))
     slot = int(os.environ.get("LOCAL_RANK", "-1"))
     victim = not relaunched and slot == args.world - 1 and args.fault != "none"
-    reporter = not relaunched and slot == 0
-    progress = open(run / "progress", "a") if reporter else None
+    progress = open(run / "progress", "a") if not relaunched and slot == 0 else None
 
     def backward(step: ct.Step) -> float:
         if victim and args.fault == "freeze" and step.step == args.fault_step:
@@ -215,7 +214,9 @@ def worker(args: argparse.Namespace) -> None:
     manager.verify()
     if report["applied"] + report["adopted"] != report["steps"]:
         raise SystemExit(f"rank {first_rank}: applied {report['applied']} + adopted {report['adopted']} != {report['steps']}")
-    if reporter:
+    # The result comes from the last generation's rank 0: whichever slot
+    # it is, it trained to the end.
+    if manager.rank == 0:
         ex, ey = dataset(args.seed, EVAL_SAMPLES, 2)
         with torch.no_grad():
             loss = torch.nn.functional.cross_entropy(net(ex), ey).item()
