@@ -57,10 +57,11 @@
 //!   at the boundary only the state moves. If g fails while g+1 forms or
 //!   waits, the members swap to g+1 at once (it fails in turn if it lost
 //!   a member); if g+1 fails before the swap, both end and the members
-//!   restart from g+1. If no boundary comes within the bound (a loop that
-//!   stopped stepping), the group restarts as under
-//!   [`Admission::Immediate`], or swaps without the barrier once g+1 is
-//!   formed. A joiner that comes while the members re-form after a
+//!   restart from g+1 (a member that leaves the job before the swap
+//!   closes g+1 with a notice, so it is seen to leave, not to crash). If
+//!   no boundary comes within the bound (a loop that stopped stepping),
+//!   the group restarts as under [`Admission::Immediate`], or swaps
+//!   without the barrier once g+1 is formed. A joiner that comes while the members re-form after a
 //!   failure waits for the generation after theirs, so the survivors
 //!   finish the step they were in (its gradients synced again among them)
 //!   before it is admitted.
@@ -983,6 +984,7 @@ async fn form_beside(
         install(shared, next, group.rank());
         return Ok(Beside::Swapped);
     }
+    let next = HeldBeside(Some(next));
     let bound = match shared.admission {
         Admission::AtStepBoundary { longest } => longest,
         Admission::Immediate => Duration::ZERO,
@@ -1002,7 +1004,7 @@ async fn form_beside(
             let aborted = aborted.clone().expect("waited for Some");
             shared.next_ready.send_replace(None);
             end(&format!("generation {} failed before the swap: {aborted}", next.generation()));
-            next.tear_down(&aborted.to_string());
+            next.take().tear_down(&aborted.to_string());
             return Ok(Beside::Failed(aborted));
         }
         () = tokio::time::sleep(bound) => {
@@ -1012,8 +1014,36 @@ async fn form_beside(
     shared.next_ready.send_replace(None);
     end(&why);
     tracing::info!(generation, rank = group.rank(), "{why}");
-    install(shared, next, group.rank());
+    install(shared, next.take(), group.rank());
     Ok(Beside::Swapped)
+}
+
+/// A generation formed beside the running one, until it is swapped in or
+/// ends. Dropped with it (the supervisor stopped: this process leaves the
+/// job), it closes with a notice, so that its other members see this
+/// process leave rather than crash.
+struct HeldBeside(Option<ProcessGroup>);
+
+impl HeldBeside {
+    fn take(mut self) -> ProcessGroup {
+        self.0.take().expect("held until taken")
+    }
+}
+
+impl std::ops::Deref for HeldBeside {
+    type Target = ProcessGroup;
+
+    fn deref(&self) -> &ProcessGroup {
+        self.0.as_ref().expect("held until taken")
+    }
+}
+
+impl Drop for HeldBeside {
+    fn drop(&mut self) {
+        if let Some(next) = self.0.take() {
+            next.leave_now("this process left the job before the members swapped to the next generation");
+        }
+    }
 }
 
 /// Makes `next` the current generation and says so.

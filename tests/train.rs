@@ -555,6 +555,54 @@ async fn with_no_step_boundary_a_joiner_is_admitted_after_the_bound() {
     }
 }
 
+/// A member that leaves the job while the next generation is formed
+/// beside the running one, before the swap, closes that generation with a
+/// notice: its other members see it leave, not crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_leaving_before_the_swap_closes_the_next_generation_with_a_notice() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let boundary = Admission::AtStepBoundary {
+        longest: Duration::from_secs(60),
+    };
+    let options = move |rank| options(&store, rank, 2).elastic_world(2, 3).admission(boundary);
+    let (a, b) = within(20, "the first generation", async {
+        tokio::join!(init(options(0)), init(options(1)))
+    })
+    .await;
+    let joining = tokio::spawn(init(options(0)));
+    within(20, "the members seeing the joiner", async {
+        while !(a.joiners_waiting(0) && b.joiners_waiting(0)) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    // The members agree at a step boundary, as a commit vote would.
+    for member in [&a, &b] {
+        member.admit_at_boundary(&member.current());
+    }
+    let joiner = within(20, "the joiner's generation, formed beside", joining)
+        .await
+        .unwrap();
+    assert_eq!(joiner.generation(), 1);
+    within(20, "both members holding generation 1", async {
+        while !(a.next_ready(0) && b.next_ready(0)) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let mut failures = joiner.current().failures();
+    a.shutdown("the member leaves before the swap").await;
+    let aborted = within(20, "the joiner's generation ending", async {
+        failures.wait_for(Option::is_some).await.unwrap().clone().unwrap()
+    })
+    .await;
+    let said = aborted.to_string();
+    assert!(
+        said.contains("shut down") && !said.contains("without closing"),
+        "{said}"
+    );
+}
+
 /// A member whose state cannot be made equal to the others' (its extras
 /// name its own process here): the join says so, naming the entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
