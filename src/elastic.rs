@@ -61,10 +61,10 @@
 //!   closes g+1 with a notice, so it is seen to leave, not to crash). If
 //!   no boundary comes within the bound (a loop that stopped stepping),
 //!   the group restarts as under [`Admission::Immediate`], or swaps
-//!   without the barrier once g+1 is formed. A joiner that comes while the members re-form after a
-//!   failure waits for the generation after theirs, so the survivors
-//!   finish the step they were in (its gradients synced again among them)
-//!   before it is admitted.
+//!   without the barrier once g+1 is formed. A joiner that comes while
+//!   the members re-form after a failure waits for the generation after
+//!   theirs, so the survivors finish the step they were in (its gradients
+//!   synced again among them) before it is admitted.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -287,9 +287,9 @@ fn from_newest(members: &[Joiner]) -> Vec<&Joiner> {
 
 /// Whether every rank of the previous generation is accounted for among
 /// `members`: it joined, or one of them that no other saw fail saw it
-/// fail. The previous generation is the newest
-/// any of them comes from; false when none comes from one (there is
-/// nobody to account for, and the last call decides).
+/// fail. The previous generation is the newest any of them comes from;
+/// false when none comes from one (there is nobody to account for, and
+/// the last call decides).
 pub fn accounted_for(members: &[Joiner]) -> bool {
     let from_it = from_newest(members);
     let Some(previous_world) = from_it.iter().filter_map(|m| m.previous_world).max() else {
