@@ -280,43 +280,20 @@ impl<'a> Lookup<'a> {
     /// sorted with the newest generation's by rank first and the gone last.
     fn members(&self) -> Vec<MemberView> {
         let observed = self.observed;
-        let newest = observed.generations.last();
         let mut members = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for g in observed.generations.iter().rev() {
             for (rank, p) in g.members.iter().enumerate() {
-                if !seen.insert(p.clone()) {
-                    continue;
+                if seen.insert(p.clone()) {
+                    let record = self.records.get(p).copied();
+                    members.push(self.member(p, Some((rank, g.generation)), record));
                 }
-                let record = self.records.get(p);
-                let cause = self.gone_cause(p);
-                let in_newest = newest.is_some_and(|n| n.generation == g.generation);
-                let state = match (cause, record) {
-                    (Some(_), _) => MemberState::Gone,
-                    (None, _) if !in_newest => MemberState::Recovering,
-                    (None, Some(r)) if r.recovering => MemberState::Recovering,
-                    (None, _) => MemberState::Training,
-                };
-                members.push(member(
-                    p,
-                    Some(rank),
-                    Some(g.generation),
-                    state,
-                    cause,
-                    record.copied(),
-                    observed.now_us,
-                ));
             }
         }
         for record in &observed.records {
             let p = process_of(record);
             if seen.insert(p.clone()) {
-                let cause = self.gone_cause(&p);
-                let state = match cause {
-                    Some(_) => MemberState::Gone,
-                    None => MemberState::Standby,
-                };
-                members.push(member(&p, None, None, state, cause, Some(record), observed.now_us));
+                members.push(self.member(&p, None, Some(record)));
             }
         }
         members.sort_by_key(|m| {
@@ -328,6 +305,31 @@ impl<'a> Lookup<'a> {
             )
         });
         members
+    }
+
+    /// `p`'s row: at `place` (its rank in a generation), or in none
+    /// (standing by, or gone); `record`: its live record, if any.
+    fn member(&self, p: &Process, place: Option<(usize, u64)>, record: Option<&LiveRecord>) -> MemberView {
+        let cause = self.gone_cause(p);
+        let newest = self.observed.generations.last().map(|g| g.generation);
+        let state = match (cause, place, record) {
+            (Some(_), ..) => MemberState::Gone,
+            (None, None, _) => MemberState::Standby,
+            (None, Some((_, generation)), _) if Some(generation) != newest => MemberState::Recovering,
+            (None, _, Some(r)) if r.recovering => MemberState::Recovering,
+            (None, ..) => MemberState::Training,
+        };
+        MemberView {
+            rank: place.map(|(rank, _)| rank),
+            generation: place.map(|(_, generation)| generation),
+            node: record.and_then(|r| r.node),
+            host: p.host.clone(),
+            pid: p.pid,
+            state,
+            cause,
+            heartbeat_age_ms: record.map(|r| (self.observed.now_us - r.updated_us).max(0) as f64 / 1e3),
+            last_step: record.and_then(|r| r.steps.back()).map(|s| s.step),
+        }
     }
 
     /// The step chart's marks: each fault asked for, then each re-form
@@ -501,28 +503,6 @@ fn first_aborts(records: &[LiveRecord]) -> Vec<LiveAbort> {
             .or_insert_with(|| abort.clone());
     }
     first_abort.into_values().rev().collect()
-}
-
-fn member(
-    p: &Process,
-    rank: Option<usize>,
-    generation: Option<u64>,
-    state: MemberState,
-    cause: Option<Cause>,
-    record: Option<&LiveRecord>,
-    now_us: i64,
-) -> MemberView {
-    MemberView {
-        rank,
-        generation,
-        node: record.and_then(|r| r.node),
-        host: p.host.clone(),
-        pid: p.pid,
-        state,
-        cause,
-        heartbeat_age_ms: record.map(|r| (now_us - r.updated_us).max(0) as f64 / 1e3),
-        last_step: record.and_then(|r| r.steps.back()).map(|s| s.step),
-    }
 }
 
 /// Every committed step any record holds, once each (members agree on a
