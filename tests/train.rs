@@ -341,17 +341,25 @@ async fn in_the_callers_loop_a_silently_changed_state_is_outvoted_and_healed() {
     }
 }
 
+/// Options of rank `rank` of `members` on one fresh store, with room for
+/// one joiner, admitted at a step boundary within `longest`.
+fn room_for_a_joiner(members: usize, longest: Duration) -> impl Fn(usize) -> InitOptions {
+    let store: Arc<dyn Store> = Arc::new(HashStore::default());
+    let boundary = Admission::AtStepBoundary { longest };
+    move |rank| {
+        options(&store, rank, members)
+            .elastic_world(members, members + 1)
+            .admission(boundary)
+    }
+}
+
 /// Under `Admission::AtStepBoundary` a joiner restarts no step under way:
 /// the members' vote says it waits, and they admit it between two steps.
 /// Its bound (60 s) is past the test's limit, so the boundary admitted it.
 /// (Under `Admission::Immediate` this test fails: a step is lost.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_a_step_boundary_a_joiner_is_admitted_and_no_step_is_lost() {
-    let store: Arc<dyn Store> = Arc::new(HashStore::default());
-    let boundary = Admission::AtStepBoundary {
-        longest: Duration::from_secs(60),
-    };
-    let options = move |rank| options(&store, rank, 3).elastic_world(3, 4).admission(boundary);
+    let options = room_for_a_joiner(3, Duration::from_secs(60));
     let halfway = Arc::new(tokio::sync::Notify::new());
     let members: Vec<_> = (0..3)
         .map(|rank| {
@@ -442,11 +450,7 @@ struct FormedBeside {
 }
 
 async fn formed_beside() -> FormedBeside {
-    let store: Arc<dyn Store> = Arc::new(HashStore::default());
-    let boundary = Admission::AtStepBoundary {
-        longest: Duration::from_secs(60),
-    };
-    let options = move |rank| options(&store, rank, 3).elastic_world(3, 4).admission(boundary);
+    let options = room_for_a_joiner(3, Duration::from_secs(60));
     let groups = within(20, "the first generation", async {
         let (a, b, c) = tokio::join!(init(options(0)), init(options(1)), init(options(2)));
         [a, b, c].map(Arc::new)
@@ -537,11 +541,7 @@ async fn a_next_generation_that_fails_before_the_swap_ends_both_and_the_members_
 /// A loop that stopped stepping still admits a joiner, once the bound passed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_no_step_boundary_a_joiner_is_admitted_after_the_bound() {
-    let store: Arc<dyn Store> = Arc::new(HashStore::default());
-    let boundary = Admission::AtStepBoundary {
-        longest: Duration::from_millis(300),
-    };
-    let options = move |rank| options(&store, rank, 2).elastic_world(2, 3).admission(boundary);
+    let options = room_for_a_joiner(2, Duration::from_millis(300));
     let (a, b) = (init(options(0)), init(options(1)));
     let (a, b) = within(20, "the first generation", async { tokio::join!(a, b) }).await;
     let joiner = within(20, "the joiner's admission", init(options(0))).await;
@@ -560,11 +560,7 @@ async fn with_no_step_boundary_a_joiner_is_admitted_after_the_bound() {
 /// notice: its other members see it leave, not crash.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_leaving_before_the_swap_closes_the_next_generation_with_a_notice() {
-    let store: Arc<dyn Store> = Arc::new(HashStore::default());
-    let boundary = Admission::AtStepBoundary {
-        longest: Duration::from_secs(60),
-    };
-    let options = move |rank| options(&store, rank, 2).elastic_world(2, 3).admission(boundary);
+    let options = room_for_a_joiner(2, Duration::from_secs(60));
     let (a, b) = within(20, "the first generation", async {
         tokio::join!(init(options(0)), init(options(1)))
     })
