@@ -614,6 +614,9 @@ impl ElasticGroup {
         if let Some(scope) = env(SCOPE_ENV).filter(|s| !s.trim().is_empty()) {
             config.run_id = format!("{}/{}", config.run_id, scope.trim());
         }
+        if let Some(scope) = options.elastic_scope.as_deref().filter(|s| !s.trim().is_empty()) {
+            config.run_id = format!("{}/{}", config.run_id, scope.trim());
+        }
         let budget = budget_from(&options)?;
         let opened = rendezvous::open_store(&config, options.timeout)
             .await

@@ -272,6 +272,11 @@ pub struct InitOptions {
     /// When an elastic group admits a process waiting to join (SV-13):
     /// at once (the default), or at the members' next step boundary.
     pub admission: Admission,
+    /// Scopes an elastic group within its run, under the launcher's own
+    /// scope (`CHORUS_ELASTIC_SCOPE`): several elastic groups of one run,
+    /// each of its own members (the replica groups of a sharded job, one
+    /// per shard), keep their keys apart. `None`: the run's group.
+    pub elastic_scope: Option<String>,
     /// Restarts an elastic group may make per `restart_window`; `None`:
     /// `CHORUS_MAX_RESTARTS`, else 3.
     pub max_restarts: Option<u32>,
@@ -322,6 +327,7 @@ impl Default for InitOptions {
             max_world: None,
             last_call: Duration::from_secs(1),
             admission: Admission::Immediate,
+            elastic_scope: None,
             max_restarts: None,
             restart_window: None,
             store_host: None,

@@ -67,6 +67,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-fork-server", action="store_true",
                    help="start a relaunched worker afresh instead of forking it from chorus launch's fork server")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="heartbeat window (default 1000)")
+    p.add_argument("--replica-group-size", type=int, default=1,
+                   help="ranks per replica group (default 1): above 1, each group shards the model with FSDP2 and "
+                        "the groups are the fault-tolerant replicas (HSDP)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dashboard", metavar="ADDR",
@@ -77,6 +80,11 @@ def parse() -> argparse.Namespace:
     args = p.parse_args()
     if args.world < 2:
         p.error("--world must be at least 2 (a fault needs survivors)")
+    if args.replica_group_size < 1 or args.world % args.replica_group_size or args.world // args.replica_group_size < 2:
+        p.error(f"--replica-group-size {args.replica_group_size} must divide --world {args.world} into at least 2 "
+                "groups")
+    if args.replica_group_size > 1 and args.standby:
+        p.error("--standby keeps single workers warm, not whole replica groups: use it without --replica-group-size")
     if args.fault != "none" and not 0 < args.fault_step < args.steps:
         p.error(f"--fault-step {args.fault_step} never fires: it must be between 1 and --steps - 1")
     if min(args.batch, args.context, args.width, args.layers, args.steps) < 1 or args.standby < 0:
@@ -178,11 +186,11 @@ class Harness:
                 os.kill(os.getpid(), signal.SIGKILL)
             manager.cut_off()
 
-    def finish(self, net, held_out, **more) -> None:
+    def finish(self, final_loss: float, **more) -> None:
         if self.reporter:
             gaps = sorted(b - a for a, b in zip(self.commits, self.commits[1:]))
             (self.run / "result.json").write_text(json.dumps({
-                "final_loss": evaluate(net, held_out, self.args.context),
+                "final_loss": final_loss,
                 "train_seconds": time.monotonic() - self.started,
                 "longest_stall_ms": gaps[-1] * 1e3 if gaps else 0.0,
                 "median_step_ms": gaps[len(gaps) // 2] * 1e3 if gaps else 0.0, **more,
@@ -214,8 +222,18 @@ def worker(args: argparse.Namespace) -> None:
     train_set, held_out = Sequences(data[:split], args.context), data[split:split + 64 * args.context + 1]
     net = build_model(args)
 
-    manager = ct.Manager(min_replica_size=args.world - 1, heartbeat_timeout=args.heartbeat_ms / 1e3, timeout=120)
-    model = ct.DistributedDataParallel(manager, net)
+    group = args.replica_group_size
+    replicas = args.world // group
+    manager = ct.Manager(min_replica_size=replicas - 1, heartbeat_timeout=args.heartbeat_ms / 1e3, timeout=120,
+                         replica_group_size=group if group > 1 else None)
+    if group > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in net.blocks.layers:
+            fully_shard(block, mesh=manager.device_mesh)
+        model = ct.ReplicateShards(manager, fully_shard(net, mesh=manager.device_mesh))
+    else:
+        model = ct.DistributedDataParallel(manager, net)
     optimizer = ct.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
     sampler = ct.DistributedSampler(train_set, manager, args.batch, seed=args.seed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
@@ -243,7 +261,9 @@ def worker(args: argparse.Namespace) -> None:
             harness.step_ended(before, manager.current_step(), manager)
     manager.verify()
     report = manager.report()
-    harness.finish(net, held_out, steps=report["steps"], recoveries=report["recoveries"], joins=report["joins"],
+    # A sharded model's forward pass takes its whole group.
+    final_loss = evaluate(net, held_out, args.context) if harness.reporter or group > 1 else float("nan")
+    harness.finish(final_loss, steps=report["steps"], recoveries=report["recoveries"], joins=report["joins"],
                    state_verified=all(j["verified"] for j in report["joins"]))
     manager.shutdown()
 
@@ -255,7 +275,7 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
            "--log-dir", str(run / "logs"), "--",
            sys.executable, os.path.abspath(__file__), "--run-dir", str(run), "--fault", fault]
     for flag in ("world", "steps", "batch", "context", "width", "layers", "lr", "warmup", "fault_step",
-                 "heartbeat_ms", "seed"):
+                 "heartbeat_ms", "seed", "replica_group_size"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.compile:
         cmd.append("--compile")

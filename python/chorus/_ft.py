@@ -21,9 +21,12 @@ import pickle
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from chorus import _chorus
 from chorus._errors import GroupAborted, InvalidArgument, JobFinished
@@ -40,6 +43,12 @@ _NO_LOSS = float("nan")
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's own memory: a DTensor's local shard (what a sharded
+    model holds on this rank), any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _tensor_leaves(value: Any, path: str = "") -> List[Tuple[str, torch.Tensor]]:
@@ -120,6 +129,9 @@ class _Snapshot:
     def __init__(self, objects: Dict[str, Any]) -> None:
         self._objects = objects
         self._held: List[torch.Tensor] = []
+        # Each sharded tensor's layout (mesh, placements, global shape): a
+        # DTensor moves as its local shard and is loaded as a DTensor again.
+        self._specs: List[Any] = []
         self.entries: List[Named] = []
         for name, obj in objects.items():
             # One byte under the object's name, so that members registering
@@ -128,6 +140,8 @@ class _Snapshot:
             first, again = _tensor_leaves(obj.state_dict(), name), _tensor_leaves(obj.state_dict())
             for (path, t), (_, u) in zip(first, again):
                 index = len(self._held)
+                self._specs.append(t._spec if isinstance(t, DTensor) else None)
+                t, u = _local(t), _local(u)
                 if t.device.type != "cpu":
                     raise InvalidArgument(
                         f"{path} is on {t.device}: the manager moves CPU tensors (keep the model and optimizer on the "
@@ -142,6 +156,7 @@ class _Snapshot:
                 self.entries.append((f"{path}:{_dtype_name(t)}{list(t.shape)}", flat.view(torch.uint8)))
 
     def _slot(self, t: torch.Tensor, index: int) -> Any:
+        t = _local(t)
         held = self._held[index] if index < len(self._held) else None
         if held is None or held.numel() == 0 or held.shape != t.shape or held.dtype != t.dtype:
             return _inline(t)
@@ -158,8 +173,78 @@ class _Snapshot:
 
     def load_extra(self, data: bytes) -> None:
         saved = pickle.loads(data)
+        loadable = [held if spec is None else
+                    DTensor.from_local(held, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                       stride=spec.stride)
+                    for held, spec in zip(self._held, self._specs)]
         for name, obj in self._objects.items():
-            obj.load_state_dict(_decode(saved[name], self._held))
+            obj.load_state_dict(_decode(saved[name], loadable))
+
+
+class _ReplicaGroup:
+    """This worker's replica group: ``size`` consecutive ranks of the
+    launcher's world (rank ``r`` is in group ``r // size``) that shard the
+    model among themselves over a process group of their own, torch's
+    default group in this process. A group is one unit of failure: when
+    any of its ranks fails, the others leave too and the launcher relaunches
+    them all, as a new incarnation of the group (its ranks meet under a
+    store prefix of their own, counted by arrivals)."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if size < 1 or world % size:
+            raise InvalidArgument(f"replica_group_size {size} does not divide the launcher's world of {world} ranks")
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise InvalidArgument("replica groups meet through the launcher's store: run under `chorus launch` "
+                                  "(MASTER_ADDR and MASTER_PORT are not set)")
+        if dist.is_initialized():
+            raise InvalidArgument("the manager makes the replica group's process group: do not call "
+                                  "init_process_group() yourself")
+        self.size, self.index, self.local, self.groups = size, rank // size, rank % size, world // size
+        wait = timedelta(seconds=timeout)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=wait)
+        arrival = store.add(f"chorus/replica-group/{self.index}/arrivals", 1)
+        self.incarnation = (arrival - 1) // size
+        here = dist.PrefixStore(f"chorus/replica-group/{self.index}/{self.incarnation}/", store)
+        dist.init_process_group("chorus", store=here, rank=self.local, world_size=size, timeout=wait)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("shard",))
+
+    def all_true(self, *flags: bool) -> List[bool]:
+        """Whether each flag holds on every rank of the group; a group that
+        lost a rank ends this worker (see :meth:`leave`)."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        except Exception as error:
+            self.leave(error)
+        return [bool(v) for v in t.tolist()]
+
+    def leave(self, error: BaseException) -> None:
+        """Ends this worker after its group lost a rank: exits with an
+        error, so that the launcher relaunches it beside the failed one."""
+        raise SystemExit(f"chorus: replica group {self.index} (incarnation {self.incarnation}) lost a rank "
+                         f"({error}); rank {self.local} of the group leaves so that the launcher relaunches the "
+                         "whole group")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Counter:
+    """The committed steps a replica-group member applied, as state."""
+
+    def __init__(self) -> None:
+        self.applied = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"applied": self.applied}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.applied = state["applied"]
 
 
 class Manager:
@@ -201,6 +286,22 @@ class Manager:
     (torchrun, ``chorus launch`` without ``--restart-policy worker``) would
     undo what the manager keeps; it is refused at construction unless
     ``allow_full_restart``.
+
+    ``replica_group_size``: fault-tolerant HSDP. The launcher's ranks form
+    replica groups of that many consecutive ranks; inside a group the model
+    is sharded (``fully_shard(module, mesh=manager.device_mesh)``, wrapped
+    in :class:`ReplicateShards`) over the group's own process group, which
+    the manager makes as torch's default group. Across groups each shard
+    is replicated, and rank ``i`` of every group is a member of shard
+    ``i``'s elastic group, whose members are the replica groups
+    (``min_replica_size`` and ``max_world`` count groups). A step applies
+    only when every shard's vote committed it, so all groups apply the
+    same steps. A rank that dies takes its group out: its group-mates
+    leave when their group fails, the launcher relaunches them, and each
+    new rank receives its shard's state from the matching rank of a
+    healthy group, checked by hash. A relaunched group is admitted at a
+    step boundary, the same one in every shard; its ranks wait for it in
+    their first ``zero_grad()`` (no warm-up step of their own).
     """
 
     def __init__(
@@ -215,18 +316,27 @@ class Manager:
         rng: bool = True,
         first_wait: float = 3.0,
         allow_full_restart: bool = False,
+        replica_group_size: Optional[int] = None,
     ) -> None:
         if (state_dict is None) != (load_state_dict is None):
             raise InvalidArgument("give state_dict and load_state_dict together (or neither)")
         if not allow_full_restart:
             _refuse_full_restarts()
+        self._replica = _ReplicaGroup(replica_group_size, timeout) if replica_group_size else None
+        self._applied_steps = _Counter()
         self._objects: Dict[str, Any] = {}
         if state_dict is not None:
             self._objects["user"] = _UserState(state_dict, load_state_dict)
         if rng:
             self._objects["rng"] = _RngState()
         self._timeout = timeout
-        self._join_options = (timeout, heartbeat_timeout, min_replica_size, max_world, first_wait)
+        self._join_options: Tuple[Any, ...] = (timeout, heartbeat_timeout, min_replica_size, max_world, first_wait)
+        if self._replica is not None:
+            replica = self._replica
+            # Steps voted down because another shard's group failed are the
+            # normal course of a group's loss, not a member's fault.
+            self._join_options += (replica.index, replica.groups, f"replica-shard-{replica.local}", True, 1000)
+            self._objects["replica"] = self._applied_steps
         # Joined at the first step, not here: survivors keep training while
         # a joiner builds its model, optimizer and data loader.
         self._trainer: Optional[_chorus.Trainer] = None
@@ -291,7 +401,9 @@ class Manager:
         self._given_up = False
         self._quorum_started = time.monotonic()
         if self._trainer is None:
-            if warm_up and self._joining is None and _joins_running_job():
+            # A replica group's ranks run every step together: none of them
+            # warms up alone while the others are in a step.
+            if warm_up and self._replica is None and self._joining is None and _joins_running_job():
                 self._joining = _Joining(self._join_options)
                 self._warming = True
                 return
@@ -379,6 +491,8 @@ class Manager:
             return False
         if self._step is None:
             raise InvalidArgument("should_commit() without a step: call optimizer.zero_grad() first")
+        if self._replica is not None:
+            return self._replica_should_commit()
         ok = not self._errors
         self._step = None
         loss, self._loss = self._loss, _NO_LOSS
@@ -386,6 +500,24 @@ class Manager:
         if committed:
             self._last["step"] += 1
         return committed
+
+    def _replica_should_commit(self) -> bool:
+        """The vote across replica groups: the group's ranks agree first
+        (a rank whose sync failed makes its whole group vote no in every
+        shard, so no shard's members count a step the group does not
+        apply; a joining group's ranks are swapped in by every shard at
+        the same step, when each shard holds its generation with them),
+        each shard's elastic group votes, and the step applies only when
+        every shard committed it."""
+        replica = self._replica
+        ok, ready = replica.all_true(not self._errors, self._trainer.next_ready())
+        self._step = None
+        loss, self._loss = self._loss, _NO_LOSS
+        committed, _ = self._trainer.commit_step(ok, False, loss, ready)
+        (applied,) = replica.all_true(committed)
+        if applied:
+            self._applied_steps.applied += 1
+        return applied
 
     def _applied(self, params: List[torch.Tensor]) -> None:
         """The committed step's update is applied to ``params``: its commit
@@ -395,7 +527,7 @@ class Manager:
 
     def current_step(self) -> int:
         """Committed steps so far (the same on every member)."""
-        return self._last["step"]
+        return self._applied_steps.applied if self._replica is not None else self._last["step"]
 
     def num_participants(self) -> int:
         """Members of the current step."""
@@ -404,6 +536,23 @@ class Manager:
     def participating_rank(self) -> int:
         """This member's rank in the current step."""
         return self._last["rank"]
+
+    @property
+    def device_mesh(self):
+        """With ``replica_group_size``: this replica group's one-dimensional
+        DeviceMesh (dimension ``"shard"``), to shard the model on."""
+        if self._replica is None:
+            raise InvalidArgument("device_mesh belongs to replica groups: pass Manager(replica_group_size=N)")
+        return self._replica.mesh
+
+    def _data_shard(self) -> Tuple[int, int]:
+        """This worker's share of each global batch: ``(index, shares)``.
+        Every rank of every replica group reads its own."""
+        members = max(1, self.num_participants())
+        rank = min(self.participating_rank(), members - 1)
+        if self._replica is None:
+            return rank, members
+        return rank * self._replica.size + self._replica.local, members * self._replica.size
 
     @property
     def generation(self) -> int:
@@ -436,6 +585,8 @@ class Manager:
         """Leaves the job (after the last step)."""
         if self._trainer is not None:
             self._trainer.destroy()
+        if self._replica is not None:
+            self._replica.close()
 
     def _joined(self) -> "_chorus.Trainer":
         if self._trainer is None:
@@ -545,6 +696,8 @@ class DistributedDataParallel(torch.nn.Module):
             params.append(p)
         if not params:
             raise InvalidArgument(f"{type(module).__name__} has no parameter that requires grad: nothing to sync")
+        if manager._replica is not None:
+            raise InvalidArgument("with replica groups, shard the module and wrap it in ReplicateShards")
         self._buckets = _bucketize(params, bucket_cap_mb, first_bucket_mb)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._sync = True
@@ -618,6 +771,70 @@ class DistributedDataParallel(torch.nn.Module):
         an all-reduce wrote into), so the sync can run again."""
         return all(p.grad is None or p.grad.data_ptr() != view.data_ptr()
                    for bucket in self._buckets for p, view in zip(bucket.params, bucket.views))
+
+
+class ReplicateShards(torch.nn.Module):
+    """``module``, sharded inside the replica group (``fully_shard`` over
+    ``manager.device_mesh``, FSDP2), its gradient shards averaged across
+    the replica groups when each backward pass ends, after FSDP2's
+    reduce-scatter inside the group: rank ``i`` of every group averages
+    shard ``i`` over shard ``i``'s elastic group. When ``backward()``
+    returns, every ``.grad`` holds the average over every rank of every
+    group, so clipping (``clip_grad_norm_`` on the sharded gradients) and
+    logging work as under HSDP. Registers the module's sharded state."""
+
+    def __init__(self, manager: Manager, module: torch.nn.Module) -> None:
+        super().__init__()
+        if manager._replica is None:
+            raise InvalidArgument("ReplicateShards needs replica groups: pass Manager(replica_group_size=N)")
+        self.module = module
+        self._manager = manager
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        if not self._params:
+            raise InvalidArgument(f"{type(module).__name__} has no parameter that requires grad: nothing to sync")
+        for name, p in module.named_parameters():
+            if p.requires_grad and not isinstance(p, DTensor):
+                raise InvalidArgument(f"parameter {name} is not sharded: fully_shard the module (and its "
+                                      "blocks) over manager.device_mesh before wrapping it")
+            if p.device.type != "cpu":
+                raise InvalidArgument(f"parameter {name} is on {p.device}: the manager syncs CPU tensors")
+        self._in_backward = False
+        module.register_forward_hook(self._watch_backward)
+        manager.register_state("model", module)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _watch_backward(self, _module, _inputs, output) -> None:
+        for t in _tensor_leaves(output):
+            if t[1].requires_grad:
+                t[1].register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_fsdp)
+        return grad
+
+    def _after_fsdp(self) -> None:
+        # FSDP2 finishes its reduce-scatter in a callback of its own, queued
+        # in this backward pass too: run after it.
+        torch.autograd.Variable._execution_engine.queue_callback(self._sync)
+
+    def _sync(self) -> None:
+        self._in_backward = False
+        shards = [_local(p.grad) for p in self._params if p.grad is not None]
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for g in shards:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        flats = [(torch.cat([g.reshape(-1) for g in group]), group) for group in by_dtype.values()]
+        for work in [self._manager.allreduce(flat) for flat, _ in flats]:
+            work.wait()
+        for flat, group in flats:
+            at = 0
+            for g in group:
+                g.copy_(flat[at : at + g.numel()].view_as(g))
+                at += g.numel()
 
 
 def _bucketize(params: List[torch.nn.Parameter], cap_mb: float, first_mb: float) -> List[_Bucket]:
@@ -766,8 +983,7 @@ class DistributedSampler(torch.utils.data.Sampler):
         while self.cursor < self._size:
             if self.epoch != epoch:  # a joiner received the survivors' position
                 epoch, order = self.epoch, self._order()
-            members = max(1, self._manager.num_participants())
-            rank = min(self._manager.participating_rank(), members - 1)
+            rank, members = self._manager._data_shard()
             start = self.cursor + rank * self.batch_size
             mine = order[start : min(start + self.batch_size, self._size)].tolist()
             self.cursor += members * self.batch_size
@@ -776,7 +992,7 @@ class DistributedSampler(torch.utils.data.Sampler):
             yield from mine
 
     def __len__(self) -> int:
-        members = max(1, self._manager.num_participants())
+        _, members = self._manager._data_shard()
         per_member = self._size / members
         return int(per_member) if self.drop_last else math.ceil(per_member)
 

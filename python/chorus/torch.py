@@ -730,8 +730,9 @@ def _forward_work_state() -> None:
 _forward_work_state()
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
-from chorus._ft import DiLoCo, DistributedDataParallel, DistributedSampler, LocalSGD, Manager, Optimizer  # noqa: E402
+from chorus._ft import (  # noqa: E402
+    DiLoCo, DistributedDataParallel, DistributedSampler, LocalSGD, Manager, Optimizer, ReplicateShards)
 from chorus._manager import ElasticTrainer, Step  # noqa: E402  (after the backend's registration)
 
 __all__ += ["DiLoCo", "DistributedDataParallel", "DistributedSampler", "ElasticTrainer", "LocalSGD", "Manager",
-            "Optimizer", "Step"]
+            "Optimizer", "ReplicateShards", "Step"]

@@ -309,6 +309,8 @@ pub(crate) struct Trainer {
     /// The generation lent to Python at the last step, kept while it runs
     /// (one `Group` object per generation, not per step).
     lent: Option<(u64, Py<Group>)>,
+    /// Steps voted down in a row before the job stops.
+    max_rejections: u32,
 }
 
 fn report_dict<'py>(py: Python<'py>, report: &TrainReport) -> PyResult<Bound<'py, PyDict>> {
@@ -358,9 +360,15 @@ impl Trainer {
     /// worker joins the running generation. `min_world`..`max_world` ranks
     /// may form a generation (None: the launcher's world size). A process
     /// that comes to join is admitted at the members' next step boundary
-    /// (the commit vote carries it), so no step under way is lost to it.
+    /// (the commit vote carries it), so no step under way is lost to it;
+    /// without `at_boundary`, the running generation restarts for it at
+    /// once. `rank`, `world_size` and `scope` make it one of several
+    /// elastic groups of the launcher's run (a replica group's shard
+    /// `scope`, its place among the replica groups `rank`).
     #[new]
-    #[pyo3(signature = (timeout = 300.0, heartbeat_timeout = None, min_world = None, max_world = None, last_call = 0.3))]
+    #[pyo3(signature = (timeout = 300.0, heartbeat_timeout = None, min_world = None, max_world = None, last_call = 0.3,
+                        rank = None, world_size = None, scope = None, at_boundary = true, max_rejections = 3))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
         py: Python<'_>,
         timeout: f64,
@@ -368,14 +376,26 @@ impl Trainer {
         min_world: Option<usize>,
         max_world: Option<usize>,
         last_call: f64,
+        rank: Option<usize>,
+        world_size: Option<usize>,
+        scope: Option<String>,
+        at_boundary: bool,
+        max_rejections: u32,
     ) -> PyResult<Self> {
         let mut options = InitOptions {
             init_method: InitMethod::Env,
+            rank,
+            world_size,
             timeout: Duration::from_secs_f64(timeout.max(0.001)),
             last_call: Duration::from_secs_f64(last_call.max(0.0)),
             min_world,
             max_world,
-            admission: Admission::at_step_boundary(),
+            admission: if at_boundary {
+                Admission::at_step_boundary()
+            } else {
+                Admission::Immediate
+            },
+            elastic_scope: scope,
             ..InitOptions::default()
         }
         .restart_budget(1000, Duration::from_secs(600));
@@ -395,6 +415,7 @@ impl Trainer {
             group: Some(group),
             stepper: None,
             lent: None,
+            max_rejections,
         })
     }
 
@@ -484,6 +505,7 @@ impl Trainer {
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
         let rt = runtime()?;
+        let max_rejections = self.max_rejections;
         let stepper = self.stepper.get_or_insert_with(|| {
             let _runtime = rt.enter();
             // No periodic state check yet: the snapshot's entries include
@@ -499,6 +521,7 @@ impl Trainer {
                 group,
                 StepperOptions {
                     integrity,
+                    max_rejections,
                     ..StepperOptions::default()
                 },
             )
@@ -550,11 +573,30 @@ impl Trainer {
         Ok(dict.into_any().unbind())
     }
 
+    /// Whether this process holds the next generation, formed beside the
+    /// current step's (its word toward the swap to it).
+    fn next_ready(&self) -> bool {
+        match (&self.stepper, &self.group) {
+            (Some(stepper), Some(group)) => stepper.next_ready(group),
+            _ => false,
+        }
+    }
+
     /// The vote of the step begun last: `ok` when this member's gradient
     /// sync succeeded and its loss is finite, `fatal` when it stops for
-    /// good. Returns `(committed, summed loss)`: apply the update only when
-    /// committed. Blocks with the GIL released.
-    fn commit_step(&mut self, py: Python<'_>, ok: bool, fatal: bool, loss: f64) -> PyResult<(bool, f64)> {
+    /// good; `ready`, when given, replaces this member's own word on the
+    /// swap to the next generation (agreed with other elastic groups that
+    /// must swap at the same step). Returns `(committed, summed loss)`:
+    /// apply the update only when committed. Blocks with the GIL released.
+    #[pyo3(signature = (ok, fatal, loss, ready = None))]
+    fn commit_step(
+        &mut self,
+        py: Python<'_>,
+        ok: bool,
+        fatal: bool,
+        loss: f64,
+        ready: Option<bool>,
+    ) -> PyResult<(bool, f64)> {
         let stepper = self
             .stepper
             .as_mut()
@@ -564,7 +606,7 @@ impl Trainer {
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("the trainer was destroyed"))?;
         let rt = runtime()?;
-        py.detach(|| rt.block_on(stepper.commit(group, ok, fatal, loss)))
+        py.detach(|| rt.block_on(stepper.commit_with(group, ok, fatal, loss, ready)))
             .map_err(|e| {
                 Failure::new(
                     Class::GroupAborted,

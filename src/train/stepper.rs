@@ -381,6 +381,29 @@ impl Stepper {
         fatal: bool,
         loss: f64,
     ) -> Result<(bool, f64), TrainError> {
+        self.commit_with(group, ok, fatal, loss, None).await
+    }
+
+    /// Whether this process holds the next generation, formed beside the
+    /// step's own (what its vote would say toward the swap).
+    pub fn next_ready(&self, group: &ElasticGroup) -> bool {
+        self.current
+            .as_ref()
+            .is_some_and(|pg| Boundary::of(group, pg.generation()).ready)
+    }
+
+    /// [`commit`](Self::commit) with this member's word on the swap given:
+    /// several elastic groups whose members must swap at the same step
+    /// (the shards of one replica group) each vote their shared
+    /// [`next_ready`](Self::next_ready), agreed among themselves first.
+    pub async fn commit_with(
+        &mut self,
+        group: &ElasticGroup,
+        ok: bool,
+        fatal: bool,
+        loss: f64,
+        ready: Option<bool>,
+    ) -> Result<(bool, f64), TrainError> {
         let Some(pg) = self.current.clone().filter(|_| self.in_step) else {
             return Err(TrainError::Job {
                 step: self.progress.step,
@@ -388,7 +411,11 @@ impl Stepper {
             });
         };
         self.in_step = false;
-        let votes = vote(&pg, ok, fatal, loss, Boundary::of(group, pg.generation()), None).await;
+        let mut boundary = Boundary::of(group, pg.generation());
+        if let Some(ready) = ready {
+            boundary.ready = ready;
+        }
+        let votes = vote(&pg, ok, fatal, loss, boundary, None).await;
         let summed = votes.as_ref().map_or(0.0, |v| v.sums[2]);
         match decide(&pg, self.progress.step, votes.as_ref())? {
             Outcome::Committed { admit, swap } => {

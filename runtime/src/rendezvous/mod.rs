@@ -420,6 +420,11 @@ pub fn resolve(
         Err(_) if !needs_env => None,
         Err(error) => return Err(error.into()),
     };
+    // A store the caller made is its own scope (torch prefixes it per group
+    // and per attempt already); the launcher's restart count scopes only a
+    // store found through the environment or a URL. Under a per-worker
+    // restart policy the count differs between ranks of one group.
+    let given_store = matches!(method, InitMethod::Store(_));
     let (store, url_rank, url_world) = method_store(method, launch.as_ref(), lookup)?;
     let rank = rank
         .or(url_rank)
@@ -441,7 +446,10 @@ pub fn resolve(
         world_size,
         local_rank: launch.as_ref().map(|l| l.local_rank),
         local_world_size: launch.as_ref().map(|l| l.local_world_size),
-        generation: launch.as_ref().map_or(0, |l| l.restart_count),
+        generation: match &launch {
+            Some(launch) if !given_store => launch.restart_count,
+            _ => 0,
+        },
         run_id: launch
             .as_ref()
             .and_then(|l| l.run_id.clone())
@@ -1058,6 +1066,31 @@ mod tests {
         let missing = resolve(file, None, Some(2), &env).unwrap_err().to_string();
         assert!(missing.starts_with("RANK is not set"), "{missing}");
         assert!(resolve(InitMethod::Env, Some(0), Some(2), &env).is_err());
+    }
+
+    #[test]
+    fn a_given_store_is_not_scoped_by_the_launchers_restart_count() {
+        // Under a per-worker restart policy, two ranks of one group carry
+        // different restart counts; a store the caller made must not split them.
+        for count in ["1", "2"] {
+            let launched = [
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "29500"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("GROUP_RANK", "0"),
+                ("TORCHELASTIC_RUN_ID", "job"),
+                ("TORCHELASTIC_RESTART_COUNT", count),
+            ];
+            let env = lookup(&launched);
+            let store = InitMethod::Store(Arc::new(HashStore::default()));
+            let c = resolve(store, Some(0), Some(2), &env).unwrap();
+            assert_eq!(c.generation, 0, "restart count {count}");
+            let from_env = resolve(InitMethod::Env, None, None, &env).unwrap();
+            assert_eq!(from_env.generation.to_string(), count);
+        }
     }
 
     #[test]
