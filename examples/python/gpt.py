@@ -15,9 +15,10 @@ with the shape torchft's wrappers have:
     sampler = ct.DistributedSampler(data, manager, batch)  # the shard follows the membership
 
 --world workers run under `chorus launch --restart-policy worker`. At
---fault-step the last worker fails: SIGKILLed (kill), SIGSTOPped in the
-middle of its step (freeze: the heartbeats find it; it is killed later so
-that the launcher replaces it) or cut off from the others (partition). The
+--fault-step one worker (--fault-rank, the last by default) fails:
+SIGKILLed (kill), SIGSTOPped in the middle of its step (freeze: the
+heartbeats find it; it is killed later so that the launcher replaces it)
+or cut off from the others (partition). The
 survivors discard that step, re-form and go on as a smaller group; the
 launcher relaunches the worker (or promotes one of --standby warm
 workers), which joins at a step boundary and receives the model, the
@@ -26,6 +27,14 @@ live from the survivors, checked equal by hash right after. The last line
 puts the final held-out loss beside a fault-free run of the same steps
 (--json: one object, with `final_loss`, `reference_loss`, `recoveries`,
 `state_verified`).
+
+With --replica-group-size N the workers form replica groups of N ranks
+(fault-tolerant HSDP): FSDP2 shards the model inside each group, each shard
+is replicated across the groups, and a failed rank takes its whole group
+out until the launcher relaunches it:
+
+    manager = ct.Manager(min_replica_size=groups - 1, replica_group_size=N)
+    model = ct.ReplicateShards(manager, fully_shard(GPT(), mesh=manager.device_mesh))
 
 Needs torch, the chorus package (`pip install ./python`) and the `chorus`
 command (`cargo build --release -p chorus-cli`; target/release/chorus is
@@ -62,7 +71,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
     p.add_argument("--fault", choices=["none", "kill", "freeze", "partition"], default="kill")
-    p.add_argument("--fault-step", type=int, default=120, help="the last worker fails at this step (default 120)")
+    p.add_argument("--fault-step", type=int, default=120, help="the worker fails at this step (default 120)")
+    p.add_argument("--fault-rank", type=int, help="the worker that fails (default: the last)")
     p.add_argument("--standby", type=int, default=0, help="warm standby workers (default 0: relaunch)")
     p.add_argument("--no-fork-server", action="store_true",
                    help="start a relaunched worker afresh instead of forking it from chorus launch's fork server")
@@ -85,6 +95,10 @@ def parse() -> argparse.Namespace:
                 "groups")
     if args.replica_group_size > 1 and args.standby:
         p.error("--standby keeps single workers warm, not whole replica groups: use it without --replica-group-size")
+    if args.fault_rank is None:
+        args.fault_rank = args.world - 1
+    if not 0 <= args.fault_rank < args.world:
+        p.error(f"--fault-rank {args.fault_rank} is not a rank of --world {args.world}")
     if args.fault != "none" and not 0 < args.fault_step < args.steps:
         p.error(f"--fault-step {args.fault_step} never fires: it must be between 1 and --steps - 1")
     if min(args.batch, args.context, args.width, args.layers, args.steps) < 1 or args.standby < 0:
@@ -158,8 +172,7 @@ class Harness:
 
     def __init__(self, args: argparse.Namespace, slot: int, relaunched: bool) -> None:
         self.args, self.run, self.relaunched = args, Path(args.run_dir), relaunched
-        self.victim = not relaunched and slot == args.world - 1 and args.fault != "none"
-        self.reporter = not relaunched and slot == 0
+        self.victim = not relaunched and slot == args.fault_rank and args.fault != "none"
         self.commits = []
         attempt = os.environ.get("ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.record = open(self.run / f"commits.{slot}.{attempt}", "a")
@@ -186,8 +199,8 @@ class Harness:
                 os.kill(os.getpid(), signal.SIGKILL)
             manager.cut_off()
 
-    def finish(self, final_loss: float, **more) -> None:
-        if self.reporter:
+    def finish(self, reporter: bool, final_loss: float, **more) -> None:
+        if reporter:
             gaps = sorted(b - a for a, b in zip(self.commits, self.commits[1:]))
             (self.run / "result.json").write_text(json.dumps({
                 "final_loss": final_loss,
@@ -261,9 +274,11 @@ def worker(args: argparse.Namespace) -> None:
             harness.step_ended(before, manager.current_step(), manager)
     manager.verify()
     report = manager.report()
-    # A sharded model's forward pass takes its whole group.
-    final_loss = evaluate(net, held_out, args.context) if harness.reporter or group > 1 else float("nan")
-    harness.finish(final_loss, steps=report["steps"], recoveries=report["recoveries"], joins=report["joins"],
+    # The last generation's first rank reports (whichever worker it is);
+    # a sharded model's forward pass takes its whole group.
+    reporter = manager.participating_rank() == 0 and int(os.environ["RANK"]) % group == 0
+    final_loss = evaluate(net, held_out, args.context) if reporter or group > 1 else float("nan")
+    harness.finish(reporter, final_loss, steps=report["steps"], recoveries=report["recoveries"], joins=report["joins"],
                    state_verified=all(j["verified"] for j in report["joins"]))
     manager.shutdown()
 
@@ -275,7 +290,7 @@ def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
            "--log-dir", str(run / "logs"), "--",
            sys.executable, os.path.abspath(__file__), "--run-dir", str(run), "--fault", fault]
     for flag in ("world", "steps", "batch", "context", "width", "layers", "lr", "warmup", "fault_step",
-                 "heartbeat_ms", "seed", "replica_group_size"):
+                 "heartbeat_ms", "seed", "replica_group_size", "fault_rank"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.compile:
         cmd.append("--compile")

@@ -225,9 +225,13 @@ class _ReplicaGroup:
     def leave(self, error: BaseException) -> None:
         """Ends this worker after its group lost a rank: exits with an
         error, so that the launcher relaunches it beside the failed one."""
+        self.on_leave(f"replica group {self.index} lost a rank")
         raise SystemExit(f"chorus: replica group {self.index} (incarnation {self.incarnation}) lost a rank "
                          f"({error}); rank {self.local} of the group leaves so that the launcher relaunches the "
                          "whole group")
+
+    def on_leave(self, why: str) -> None:
+        """Set by the manager: leaves the shard's elastic group at once."""
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -337,6 +341,18 @@ class Manager:
             # normal course of a group's loss, not a member's fault.
             self._join_options += (replica.index, replica.groups, f"replica-shard-{replica.local}", True, 1000)
             self._objects["replica"] = self._applied_steps
+            replica.on_leave = self._leave_now
+            # A group-mate's failure mostly surfaces inside the user's forward
+            # or backward pass (FSDP2's collectives) and ends the worker with
+            # a traceback: the shard's other members hear it at once instead
+            # of when this process is gone (its teardown takes a second).
+            hook = sys.excepthook
+
+            def leave_then_report(kind, value, traceback):
+                self._leave_now(f"replica group {replica.index}'s rank {replica.local} failed: {value}")
+                hook(kind, value, traceback)
+
+            sys.excepthook = leave_then_report
         # Joined at the first step, not here: survivors keep training while
         # a joiner builds its model, optimizer and data loader.
         self._trainer: Optional[_chorus.Trainer] = None
@@ -580,6 +596,14 @@ class Manager:
         """Fault injection: cuts this member's links to every other member
         while it keeps running, as a network partition would."""
         self._joined().cut_links(reason)
+
+    def _leave_now(self, why: str) -> None:
+        trainer, self._trainer = self._trainer, None
+        if trainer is not None:
+            try:
+                trainer.leave(why)
+            except Exception:  # leaving anyway: the process ends next
+                pass
 
     def shutdown(self) -> None:
         """Leaves the job (after the last step)."""

@@ -701,6 +701,18 @@ impl Trainer {
         Ok(())
     }
 
+    /// Leaves the job now, in the middle of it (this worker is about to
+    /// exit): the other members re-form without it at once, told `why`,
+    /// rather than when its links drop as the process ends.
+    fn leave(&mut self, py: Python<'_>, why: &str) -> PyResult<()> {
+        self.lent = None;
+        if let Some(group) = self.group.take() {
+            let rt = runtime()?;
+            py.detach(|| rt.block_on(group.shutdown(why)));
+        }
+        Ok(())
+    }
+
     /// Leaves the job on purpose (after the last step).
     fn destroy(&mut self, py: Python<'_>) -> PyResult<()> {
         self.lent = None;

@@ -1,5 +1,6 @@
 """chorus.torch.Manager in the user's own training loop: the GPT example
-through a kill, a freeze and a warm standby against its fault-free run;
+through a kill, a freeze and a warm standby against its fault-free run,
+and sharded in replica groups (HSDP) through a kill of any rank;
 every dtype moved to a joiner and verified; bad input refused before
 training; the sampler's shards."""
 
@@ -44,6 +45,22 @@ def test_the_gpt_example_survives_a_fault_with_its_state_verified_and_the_fault_
         assert run["standby_promotions"] >= 1, run
         assert run["replacement_ms"] is not None and max(r["bytes"] for r in run["recoveries"]) > 1 << 20, run
 
+
+@needs_launcher
+@pytest.mark.parametrize("victim", [0, 3])
+def test_replica_groups_shard_the_gpt_and_survive_a_kill_of_any_rank(victim):
+    """HSDP: 2 groups of 2 ranks, FSDP2 inside each. The victim's group
+    leaves, the other commits on alone, the relaunched group's ranks each
+    receive their shard from the matching rank and every shard hashes
+    equal across the groups at the end (the run fails otherwise)."""
+    run = gpt("--world", "4", "--replica-group-size", "2", "--steps", "60", "--fault", "kill", "--fault-step", "25",
+              "--fault-rank", str(victim))
+    assert run["steps"] == 60 and run["state_verified"] is True, run
+    assert run["within"] < 0.02, run
+    alone, rejoined = run["recoveries"][0], run["recoveries"][-1]
+    assert alone["world_size"] == 1 and alone["resumed_step"] == 25, run
+    assert rejoined["world_size"] == 2 and rejoined["bytes"] > 1 << 20, run
+    assert run["replacement_ms"] is not None, run
 
 
 def launch(scenario, world, timeout=240, *extra):
@@ -128,6 +145,14 @@ def test_bad_input_is_refused_before_training(monkeypatch):
         manager.register_state("plain", object())
     with pytest.raises(InvalidArgument, match="no step is under way"):
         manager.allreduce(torch.ones(2))
+    with pytest.raises(InvalidArgument, match="needs replica groups"):
+        ct.ReplicateShards(manager, torch.nn.Linear(2, 2))
+    with pytest.raises(InvalidArgument, match="belongs to replica groups"):
+        manager.device_mesh
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(InvalidArgument, match="does not divide the launcher's world of 4"):
+        ct.Manager(replica_group_size=3)
     # A launcher that restarts every worker from step 0 undoes recovery.
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.delenv("CHORUS_MIN_WORLD", raising=False)
@@ -148,6 +173,9 @@ class Members:
 
     def participating_rank(self):
         return self.rank
+
+    def _data_shard(self):
+        return self.rank, self.world
 
     def register_state(self, name, obj):
         pass
