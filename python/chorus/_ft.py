@@ -190,7 +190,7 @@ class _ReplicaGroup:
     them all, as a new incarnation of the group (its ranks meet under a
     store prefix of their own, counted by arrivals)."""
 
-    def __init__(self, size: int, timeout: float) -> None:
+    def __init__(self, size: int, timeout: float, heartbeat_timeout: Optional[float]) -> None:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         if size < 1 or world % size:
             raise InvalidArgument(f"replica_group_size {size} does not divide the launcher's world of {world} ranks")
@@ -207,7 +207,10 @@ class _ReplicaGroup:
         arrival = store.add(f"chorus/replica-group/{self.index}/arrivals", 1)
         self.incarnation = (arrival - 1) // size
         here = dist.PrefixStore(f"chorus/replica-group/{self.index}/{self.incarnation}/", store)
-        dist.init_process_group("chorus", store=here, rank=self.local, world_size=size, timeout=wait)
+        # The group's heartbeats find a frozen group-mate as the shards' do.
+        options = None if heartbeat_timeout is None else {"heartbeat_timeout": heartbeat_timeout}
+        dist.init_process_group("chorus", store=here, rank=self.local, world_size=size, timeout=wait,
+                                pg_options=options)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("shard",))
@@ -326,7 +329,7 @@ class Manager:
             raise InvalidArgument("give state_dict and load_state_dict together (or neither)")
         if not allow_full_restart:
             _refuse_full_restarts()
-        self._replica = _ReplicaGroup(replica_group_size, timeout) if replica_group_size else None
+        self._replica = _ReplicaGroup(replica_group_size, timeout, heartbeat_timeout) if replica_group_size else None
         self._applied_steps = _Counter()
         self._objects: Dict[str, Any] = {}
         if state_dict is not None:

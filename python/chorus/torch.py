@@ -652,7 +652,8 @@ def _store_host(store) -> Optional[str]:
     return host if host else os.environ.get("MASTER_ADDR")
 
 
-def _form(store, rank: int, world_size: int, timeout: Optional[float]) -> _chorus.Group:
+def _form(store, rank: int, world_size: int, timeout: Optional[float],
+          heartbeat_timeout: Optional[float] = None) -> _chorus.Group:
     """Forms one rank's chorus group through `store`."""
     seconds = timeout or _DEFAULT_TIMEOUT
     if world_size == 1:
@@ -660,14 +661,22 @@ def _form(store, rank: int, world_size: int, timeout: Optional[float]) -> _choru
         # store prefix (one per rank), which would look like a rank claimed
         # twice in a shared store.
         store = dist.HashStore()
-    return _chorus.Group.init(store, rank, world_size, seconds, seconds, _store_host(store))
+    return _chorus.Group.init(store, rank, world_size, seconds, seconds, _store_host(store), heartbeat_timeout)
 
 
 def _create(opts, backend_options=None) -> ChorusBackend:
     """torch's backend constructor (the extended API): the group's store,
-    this rank's place in it and its timeout."""
+    this rank's place in it and its timeout. ``backend_options`` is
+    ``init_process_group``'s ``pg_options``: a dict whose
+    ``"heartbeat_timeout"`` (seconds) is how long a silent peer is waited
+    for before it is taken for dead or frozen."""
     timeout = _seconds(opts.timeout)
-    return ChorusBackend(_form(opts.store, opts.group_rank, opts.group_size, timeout), timeout)
+    heartbeat = None
+    if backend_options is not None:
+        if not isinstance(backend_options, dict) or set(backend_options) - {"heartbeat_timeout"}:
+            raise InvalidArgument(f"chorus takes pg_options={{'heartbeat_timeout': seconds}}, not {backend_options!r}")
+        heartbeat = backend_options.get("heartbeat_timeout")
+    return ChorusBackend(_form(opts.store, opts.group_rank, opts.group_size, timeout, heartbeat), timeout)
 
 
 #: The attribute a received tensor carries its sender's rank in, for

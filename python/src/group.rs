@@ -127,9 +127,12 @@ impl Group {
     /// rendezvous, links to every peer (shared memory on this host, QUIC
     /// between hosts), supervision. Blocks up to `timeout` seconds with the
     /// GIL released. `store_host` is the host the store lives on (None: in
-    /// this process), which tells whether the job spans hosts.
+    /// this process), which tells whether the job spans hosts;
+    /// `heartbeat_timeout` the silence after which a peer is taken for
+    /// dead or frozen (None: `CHORUS_HEARTBEAT_TIMEOUT`, else 5 s).
     #[staticmethod]
-    #[pyo3(signature = (store, rank, world_size, timeout, collective_timeout, store_host = None))]
+    #[pyo3(signature = (store, rank, world_size, timeout, collective_timeout, store_host = None, heartbeat_timeout = None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn init(
         py: Python<'_>,
         store: Py<PyAny>,
@@ -138,6 +141,7 @@ impl Group {
         timeout: f64,
         collective_timeout: f64,
         store_host: Option<String>,
+        heartbeat_timeout: Option<f64>,
     ) -> PyResult<Group> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -152,6 +156,9 @@ impl Group {
             timeout: seconds("timeout", timeout)?,
             collective_timeout: seconds("collective_timeout", collective_timeout)?,
             store_host,
+            heartbeat_timeout: heartbeat_timeout
+                .map(|h| seconds("heartbeat_timeout", h))
+                .transpose()?,
             ..InitOptions::default()
         };
         let rt = runtime()?;
