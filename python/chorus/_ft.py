@@ -206,6 +206,7 @@ class _ReplicaGroup:
                               timeout=wait)
         arrival = store.add(f"chorus/replica-group/{self.index}/arrivals", 1)
         self.incarnation = (arrival - 1) // size
+        self._store, self._finished_key = store, f"chorus/replica-group/{self.index}/{self.incarnation}/finished"
         here = dist.PrefixStore(f"chorus/replica-group/{self.index}/{self.incarnation}/", store)
         # The group's heartbeats find a frozen group-mate as the shards' do.
         options = None if heartbeat_timeout is None else {"heartbeat_timeout": heartbeat_timeout}
@@ -225,9 +226,30 @@ class _ReplicaGroup:
             self.leave(error)
         return [bool(v) for v in t.tolist()]
 
+    def mark_finished(self) -> None:
+        """Tells the group-mates that the job ended before this group
+        rejoined it (this rank exits, and their group fails with it)."""
+        self._store.set(self._finished_key, "1")
+
+    def finished(self) -> bool:
+        """Whether a group-mate found the job ended: the group's failure is
+        then the end of the job, not a fault."""
+        try:
+            return self._store.check([self._finished_key])
+        except Exception:  # the launcher's store is gone with the job
+            return True
+
+    def end_if_finished(self) -> None:
+        if self.finished():
+            print(f"chorus: the job ended while replica group {self.index} rejoined it; this worker exits",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(0)
+
     def leave(self, error: BaseException) -> None:
         """Ends this worker after its group lost a rank: exits with an
-        error, so that the launcher relaunches it beside the failed one."""
+        error, so that the launcher relaunches it beside the failed one
+        (without one when the job ended)."""
+        self.end_if_finished()
         self.on_leave(f"replica group {self.index} lost a rank")
         raise SystemExit(f"chorus: replica group {self.index} (incarnation {self.incarnation}) lost a rank "
                          f"({error}); rank {self.local} of the group leaves so that the launcher relaunches the "
@@ -235,6 +257,11 @@ class _ReplicaGroup:
 
     def on_leave(self, why: str) -> None:
         """Set by the manager: leaves the shard's elastic group at once."""
+
+    def cut_off(self, reason: str) -> None:
+        """Fault injection: cuts this rank's links in the group's process
+        group, so the group-mates' next collective with it fails."""
+        dist.group.WORLD._get_backend(torch.device("cpu"))._core.cut_links(reason)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -330,6 +357,8 @@ class Manager:
         if not allow_full_restart:
             _refuse_full_restarts()
         self._replica = _ReplicaGroup(replica_group_size, timeout, heartbeat_timeout) if replica_group_size else None
+        # Why this worker left its shard's elastic group mid-job (it exits next).
+        self._left: Optional[str] = None
         self._applied_steps = _Counter()
         self._objects: Dict[str, Any] = {}
         if state_dict is not None:
@@ -352,6 +381,10 @@ class Manager:
             hook = sys.excepthook
 
             def leave_then_report(kind, value, traceback):
+                if replica.finished():
+                    print(f"chorus: the job ended while replica group {replica.index} rejoined it; this worker "
+                          "exits", file=sys.stderr, flush=True)
+                    os._exit(0)  # the exception was the group-mate's exit at the end, not a fault
                 self._leave_now(f"replica group {replica.index}'s rank {replica.local} failed: {value}")
                 hook(kind, value, traceback)
 
@@ -417,6 +450,9 @@ class Manager:
         background and runs this first step on its own."""
         if self._step is not None or self._warming:
             return
+        if self._left is not None:
+            raise SystemExit(f"chorus: this worker left the job ({self._left}); it exits so that the launcher "
+                             "relaunches its replica group")
         self._given_up = False
         self._quorum_started = time.monotonic()
         if self._trainer is None:
@@ -430,6 +466,8 @@ class Manager:
                 self._trainer = self._joining.wait() if self._joining else _chorus.Trainer(*self._join_options)
             except JobFinished as finished:
                 # A replacement that came after the last step: its work is done.
+                if self._replica is not None:
+                    self._replica.mark_finished()
                 print(f"chorus: {finished}; this worker exits", file=sys.stderr, flush=True)
                 raise SystemExit(0) from None
             finally:
@@ -597,10 +635,20 @@ class Manager:
 
     def cut_off(self, reason: str = "injected partition") -> None:
         """Fault injection: cuts this member's links to every other member
-        while it keeps running, as a network partition would."""
+        while it keeps running, as a network partition would. In a replica
+        group it cuts its links to its group-mates and leaves its shard:
+        the partition takes the whole group out."""
+        if self._replica is not None:
+            # Its group is out: the group-mates' links are cut, and it
+            # leaves its shard (cut links there would have its elastic
+            # group try to re-form with it while it leaves).
+            self._replica.cut_off(reason)
+            self._leave_now(reason)
+            return
         self._joined().cut_links(reason)
 
     def _leave_now(self, why: str) -> None:
+        self._left = why
         trainer, self._trainer = self._trainer, None
         if trainer is not None:
             try:

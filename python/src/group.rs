@@ -313,6 +313,19 @@ impl Group {
         Ok(())
     }
 
+    /// Fault injection: cuts this rank's links to every peer while it
+    /// keeps running, as a network partition would; their next collective
+    /// with it fails.
+    fn cut_links(&self, reason: &str) {
+        if let Some(group) = self.group.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            for rank in 0..group.world_size() {
+                if let Some(link) = group.link(rank) {
+                    link.cut(reason);
+                }
+            }
+        }
+    }
+
     /// Whether the group is still formed (not destroyed).
     fn is_alive(&self) -> bool {
         self.group.lock().unwrap_or_else(|p| p.into_inner()).is_some()

@@ -1,6 +1,6 @@
 """chorus.torch.Manager in the user's own training loop: the GPT example
 through a kill, a freeze and a warm standby against its fault-free run,
-and sharded in replica groups (HSDP) through a kill of any rank;
+and sharded in replica groups (HSDP) through the loss of any rank;
 every dtype moved to a joiner and verified; bad input refused before
 training; the sampler's shards."""
 
@@ -47,13 +47,13 @@ def test_the_gpt_example_survives_a_fault_with_its_state_verified_and_the_fault_
 
 
 @needs_launcher
-@pytest.mark.parametrize("victim", [0, 3])
-def test_replica_groups_shard_the_gpt_and_survive_a_kill_of_any_rank(victim):
+@pytest.mark.parametrize("fault,victim", [("kill", 0), ("kill", 3), ("freeze", 1), ("partition", 2)])
+def test_replica_groups_shard_the_gpt_and_survive_the_loss_of_any_rank(fault, victim):
     """HSDP: 2 groups of 2 ranks, FSDP2 inside each. The victim's group
     leaves, the other commits on alone, the relaunched group's ranks each
     receive their shard from the matching rank and every shard hashes
     equal across the groups at the end (the run fails otherwise)."""
-    run = gpt("--world", "4", "--replica-group-size", "2", "--steps", "60", "--fault", "kill", "--fault-step", "25",
+    run = gpt("--world", "4", "--replica-group-size", "2", "--steps", "60", "--fault", fault, "--fault-step", "25",
               "--fault-rank", str(victim))
     assert run["steps"] == 60 and run["state_verified"] is True, run
     assert run["within"] < 0.02, run
