@@ -498,8 +498,13 @@ impl Drop for GroupSupervisor {
 }
 
 /// What the supervisor does when it gives up: print and exit, so a
-/// launcher sees the failure.
+/// launcher sees the failure. A job whose members finished it as this
+/// process came has nothing for it to do: that exit is a success.
 pub fn exit_on_give_up(error: &RestartError) {
+    if error.job_finished() {
+        eprintln!("chorus: the job ended as this process joined it ({error}); it exits");
+        std::process::exit(0);
+    }
     eprintln!("chorus: elastic group gives up: {error}");
     std::process::exit(1);
 }
@@ -862,16 +867,25 @@ impl ElasticGroup {
         }
     }
 
+    /// Whether the job's members left it on purpose (it ended): a member
+    /// that came as they finished has nothing left to do.
+    pub async fn job_finished(&self) -> Result<bool, StoreError> {
+        let (store, run_id) = &self.job;
+        elastic_rdzv::is_finished(store.as_ref(), run_id).await
+    }
+
     /// Leaves once every rank of the current generation leaves: stops the
     /// supervisor first, so ranks leaving are not restarted.
     pub async fn destroy(self) -> Result<(), InitError> {
         let (store, run_id) = self.job.clone();
         let (shared, server) = self.stop_supervisor();
         let group = shared.current.borrow().clone();
-        group.leave().await?;
-        // Every member left: a late joiner has nothing to wait for (it may
-        // already be gone with the store, which changes nothing).
+        // The members leave: a late joiner has nothing to wait for, and one
+        // admitted as they took their last step learns it before their
+        // last barrier, which it then joins (the store may already be gone
+        // with it, which changes nothing).
         let _ = elastic_rdzv::publish_finished(store.as_ref(), &run_id).await;
+        group.leave().await?;
         drop(group);
         drop(shared);
         if let Some(server) = server {

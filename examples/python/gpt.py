@@ -95,9 +95,7 @@ def parse() -> argparse.Namespace:
                 "groups")
     if args.replica_group_size > 1 and args.standby:
         p.error("--standby keeps single workers warm, not whole replica groups: use it without --replica-group-size")
-    if args.fault_rank is None:
-        args.fault_rank = args.world - 1
-    if not 0 <= args.fault_rank < args.world:
+    if args.fault_rank is not None and not 0 <= args.fault_rank < args.world:
         p.error(f"--fault-rank {args.fault_rank} is not a rank of --world {args.world}")
     if args.fault != "none" and not 0 < args.fault_step < args.steps:
         p.error(f"--fault-step {args.fault_step} never fires: it must be between 1 and --steps - 1")
@@ -172,7 +170,8 @@ class Harness:
 
     def __init__(self, args: argparse.Namespace, slot: int, relaunched: bool) -> None:
         self.args, self.run, self.relaunched = args, Path(args.run_dir), relaunched
-        self.victim = not relaunched and slot == args.fault_rank and args.fault != "none"
+        victim = args.world - 1 if args.fault_rank is None else args.fault_rank
+        self.slot, self.victim = slot, not relaunched and slot == victim and args.fault != "none"
         self.commits = []
         attempt = os.environ.get("ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.record = open(self.run / f"commits.{slot}.{attempt}", "a")
@@ -199,7 +198,16 @@ class Harness:
                 os.kill(os.getpid(), signal.SIGKILL)
             manager.cut_off()
 
-    def finish(self, reporter: bool, final_loss: float, **more) -> None:
+    def finish(self, net, held_out, manager=None, **more) -> None:
+        """Writes the result from one worker: the first rank of the
+        manager's last generation (the first worker's without one)."""
+        if manager is None:
+            reporter = not self.relaunched and self.slot == 0
+        else:
+            reporter = manager.participating_rank() == 0 and self.slot % self.args.replica_group_size == 0
+        # A sharded model's forward pass takes its whole group.
+        if reporter or self.args.replica_group_size > 1:
+            final_loss = evaluate(net, held_out, self.args.context)
         if reporter:
             gaps = sorted(b - a for a, b in zip(self.commits, self.commits[1:]))
             (self.run / "result.json").write_text(json.dumps({
@@ -222,6 +230,22 @@ def warmup_cosine(args: argparse.Namespace):
     return factor
 
 
+def replica_groups(args: argparse.Namespace) -> dict:
+    """The Manager's replica-group argument, when the workers form groups."""
+    return {"replica_group_size": args.replica_group_size} if args.replica_group_size > 1 else {}
+
+
+def sharded(manager, net):
+    """`net` sharded inside the replica group with FSDP2 (each block, then
+    the rest), its gradient shards averaged across the groups."""
+    import chorus.torch as ct
+    from torch.distributed.fsdp import fully_shard
+
+    for block in net.blocks.layers:
+        fully_shard(block, mesh=manager.device_mesh)
+    return ct.ReplicateShards(manager, fully_shard(net, mesh=manager.device_mesh))
+
+
 def worker(args: argparse.Namespace) -> None:
     """The training script (under chorus launch --restart-policy worker)."""
     import torch
@@ -235,18 +259,9 @@ def worker(args: argparse.Namespace) -> None:
     train_set, held_out = Sequences(data[:split], args.context), data[split:split + 64 * args.context + 1]
     net = build_model(args)
 
-    group = args.replica_group_size
-    replicas = args.world // group
-    manager = ct.Manager(min_replica_size=replicas - 1, heartbeat_timeout=args.heartbeat_ms / 1e3, timeout=120,
-                         replica_group_size=group if group > 1 else None)
-    if group > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in net.blocks.layers:
-            fully_shard(block, mesh=manager.device_mesh)
-        model = ct.ReplicateShards(manager, fully_shard(net, mesh=manager.device_mesh))
-    else:
-        model = ct.DistributedDataParallel(manager, net)
+    manager = ct.Manager(min_replica_size=args.world // args.replica_group_size - 1,
+                         heartbeat_timeout=args.heartbeat_ms / 1e3, timeout=120, **replica_groups(args))
+    model = sharded(manager, net) if args.replica_group_size > 1 else ct.DistributedDataParallel(manager, net)
     optimizer = ct.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
     sampler = ct.DistributedSampler(train_set, manager, args.batch, seed=args.seed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
@@ -274,24 +289,24 @@ def worker(args: argparse.Namespace) -> None:
             harness.step_ended(before, manager.current_step(), manager)
     manager.verify()
     report = manager.report()
-    # The last generation's first rank reports (whichever worker it is);
-    # a sharded model's forward pass takes its whole group.
-    reporter = manager.participating_rank() == 0 and int(os.environ["RANK"]) % group == 0
-    final_loss = evaluate(net, held_out, args.context) if reporter or group > 1 else float("nan")
-    harness.finish(reporter, final_loss, steps=report["steps"], recoveries=report["recoveries"], joins=report["joins"],
+    harness.finish(net, held_out, manager, steps=report["steps"], recoveries=report["recoveries"], joins=report["joins"],
                    state_verified=all(j["verified"] for j in report["joins"]))
     manager.shutdown()
 
 
 def launch(args: argparse.Namespace, fault: str, run: Path) -> dict:
     run.mkdir(parents=True, exist_ok=True)
+    # A failed rank takes its replica group out: each of its ranks is relaunched.
+    restarts = 3 * args.replica_group_size
     cmd = [chorus_command(), "launch", "--nproc-per-node", str(args.world), "--restart-policy", "worker",
-           "--max-restarts", "3", "--standby", str(args.standby), "--master-port", str(free_port()),
+           "--max-restarts", str(restarts), "--standby", str(args.standby), "--master-port", str(free_port()),
            "--log-dir", str(run / "logs"), "--",
            sys.executable, os.path.abspath(__file__), "--run-dir", str(run), "--fault", fault]
     for flag in ("world", "steps", "batch", "context", "width", "layers", "lr", "warmup", "fault_step",
-                 "heartbeat_ms", "seed", "replica_group_size", "fault_rank"):
+                 "heartbeat_ms", "seed", "replica_group_size"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.fault_rank is not None:
+        cmd += ["--fault-rank", str(args.fault_rank)]
     if args.compile:
         cmd.append("--compile")
     if args.no_fork_server:

@@ -204,6 +204,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--fault", default="none", help=argparse.SUPPRESS)
+    p.set_defaults(fault_rank=None, replica_group_size=1)  # the example's Harness: the last worker fails
     args = p.parse_args()
     if args.worker:
         {"plain": plain_ddp, "torchft": torchft_twin}[args.worker](args)

@@ -36,6 +36,9 @@ Named = Tuple[str, torch.Tensor]
 _SYNC_RETRIES = 3
 _TENSOR = "__chorus_tensor__"
 _ENTRY = "__chorus_entry__"
+#: How long a rejoining replica group's rank, its group failed, looks for
+#: the job's end before it takes the failure for a fault.
+_END_GRACE = 2.0
 #: The loss is the user's: without ``Manager.report_loss`` the vote carries
 #: none (a dashboard and the commit records then show no loss).
 _NO_LOSS = float("nan")
@@ -239,17 +242,14 @@ class _ReplicaGroup:
         except Exception:  # the launcher's store is gone with the job
             return True
 
-    def end_if_finished(self) -> None:
-        if self.finished():
-            print(f"chorus: the job ended while replica group {self.index} rejoined it; this worker exits",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(0)
-
     def leave(self, error: BaseException) -> None:
         """Ends this worker after its group lost a rank: exits with an
         error, so that the launcher relaunches it beside the failed one
         (without one when the job ended)."""
-        self.end_if_finished()
+        if self.job_ended():
+            print(f"chorus: the job ended while replica group {self.index} rejoined it; this worker exits",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(0)
         self.on_leave(f"replica group {self.index} lost a rank")
         raise SystemExit(f"chorus: replica group {self.index} (incarnation {self.incarnation}) lost a rank "
                          f"({error}); rank {self.local} of the group leaves so that the launcher relaunches the "
@@ -257,6 +257,10 @@ class _ReplicaGroup:
 
     def on_leave(self, why: str) -> None:
         """Set by the manager: leaves the shard's elastic group at once."""
+
+    def job_ended(self) -> bool:
+        """Set by the manager: whether the group's failure is the job's end."""
+        return self.finished()
 
     def cut_off(self, reason: str) -> None:
         """Fault injection: cuts this rank's links in the group's process
@@ -359,6 +363,8 @@ class Manager:
         self._replica = _ReplicaGroup(replica_group_size, timeout, heartbeat_timeout) if replica_group_size else None
         # Why this worker left its shard's elastic group mid-job (it exits next).
         self._left: Optional[str] = None
+        # Whether this process applied a step in a replica group.
+        self._applied_here = False
         self._applied_steps = _Counter()
         self._objects: Dict[str, Any] = {}
         if state_dict is not None:
@@ -373,7 +379,7 @@ class Manager:
             # normal course of a group's loss, not a member's fault.
             self._join_options += (replica.index, replica.groups, f"replica-shard-{replica.local}", True, 1000)
             self._objects["replica"] = self._applied_steps
-            replica.on_leave = self._leave_now
+            replica.on_leave, replica.job_ended = self._leave_now, self._job_ended
             # A group-mate's failure mostly surfaces inside the user's forward
             # or backward pass (FSDP2's collectives) and ends the worker with
             # a traceback: the shard's other members hear it at once instead
@@ -381,7 +387,7 @@ class Manager:
             hook = sys.excepthook
 
             def leave_then_report(kind, value, traceback):
-                if replica.finished():
+                if self._job_ended():
                     print(f"chorus: the job ended while replica group {replica.index} rejoined it; this worker "
                           "exits", file=sys.stderr, flush=True)
                     os._exit(0)  # the exception was the group-mate's exit at the end, not a fault
@@ -466,13 +472,16 @@ class Manager:
                 self._trainer = self._joining.wait() if self._joining else _chorus.Trainer(*self._join_options)
             except JobFinished as finished:
                 # A replacement that came after the last step: its work is done.
-                if self._replica is not None:
-                    self._replica.mark_finished()
-                print(f"chorus: {finished}; this worker exits", file=sys.stderr, flush=True)
-                raise SystemExit(0) from None
+                self._end_with_the_job(str(finished))
             finally:
                 self._joining = None
-        step = self._trainer.begin_step(self._state)
+        try:
+            step = self._trainer.begin_step(self._state)
+        except GroupAborted:
+            # Admitted as the members took their last step: they left.
+            if self._trainer.job_finished():
+                self._end_with_the_job("the job ended as this worker joined it")
+            raise
         if step["transfer"] is not None:
             self._joins.append({**step["transfer"], "generation": step["generation"],
                                 "world_size": step["world_size"], "verified": True,
@@ -483,6 +492,36 @@ class Manager:
         self._errors = []
         self._step = step
         self._last = {k: step[k] for k in ("step", "rank", "world_size", "generation")}
+
+    def _job_ended(self) -> bool:
+        """Whether a replica group's failure is the end of the job: a
+        group-mate found it ended, or, for a group that rejoins and has
+        applied nothing yet, this shard's members leave it within a grace
+        (the shards end together; a healthy group never waits here)."""
+        if self._replica.finished():
+            return True
+        if self._trainer is None or self._applied_here:
+            return False
+        deadline = time.monotonic() + _END_GRACE
+        while time.monotonic() < deadline:
+            try:
+                if self._trainer.job_finished():
+                    return True
+            except Exception:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def _end_with_the_job(self, why: str) -> None:
+        if self._replica is not None:
+            self._replica.mark_finished()
+        if self._trainer is not None:
+            try:
+                self._trainer.destroy()  # the members' last barrier counts this process too
+            except Exception:  # leaving anyway
+                pass
+        print(f"chorus: {why}; this worker exits", file=sys.stderr, flush=True)
+        raise SystemExit(0) from None
 
     def _group(self):
         if self._step is None:
@@ -574,6 +613,7 @@ class Manager:
         (applied,) = replica.all_true(committed)
         if applied:
             self._applied_steps.applied += 1
+            self._applied_here = True
         return applied
 
     def _applied(self, params: List[torch.Tensor]) -> None:
@@ -629,7 +669,15 @@ class Manager:
     def verify(self) -> None:
         """Raises unless every member holds the same state (checksums of
         every entry compared across the members, naming the first that
-        differs). Call it between steps, on every member."""
+        differs). Call it between steps, on every member. After a step that
+        swapped joiners in, it checks nothing (they hold no state yet; the
+        members' was checked at their last join)."""
+        if self._joined().generation != self._last["generation"] and self._step is None:
+            # Joiners were swapped in as the last step ended and wait for
+            # their state, which they will not need: the members leave next
+            # and the joiners find the job ended. The members' state was
+            # checked at their last join.
+            return
         snapshot, entries = self._state()
         self._joined().verify(snapshot, [], [], entries)
 

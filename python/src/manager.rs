@@ -573,6 +573,14 @@ impl Trainer {
         Ok(dict.into_any().unbind())
     }
 
+    /// Whether the job's members left it on purpose (it ended; the store
+    /// out of reach counts as ended). Blocks with the GIL released.
+    fn job_finished(&self, py: Python<'_>) -> PyResult<bool> {
+        let group = self.group()?;
+        let rt = runtime()?;
+        Ok(py.detach(|| rt.block_on(group.job_finished())).unwrap_or(true))
+    }
+
     /// Whether this process holds the next generation, formed beside the
     /// current step's (its word toward the swap to it).
     fn next_ready(&self) -> bool {
