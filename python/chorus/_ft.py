@@ -664,6 +664,9 @@ class Manager:
         with its phases in ms) and ``joins`` (each transfer, verified)."""
         report = self._joined().step_report()
         report["joins"] = list(self._joins)
+        if self._replica is not None:
+            # The shard's own count may hold a step another shard failed.
+            report["steps"] = self._applied_steps.applied
         return report
 
     def verify(self) -> None:
