@@ -156,9 +156,7 @@ impl Group {
             timeout: seconds("timeout", timeout)?,
             collective_timeout: seconds("collective_timeout", collective_timeout)?,
             store_host,
-            heartbeat_timeout: heartbeat_timeout
-                .map(|h| seconds("heartbeat_timeout", h))
-                .transpose()?,
+            heartbeat_timeout: heartbeat_timeout.map(|h| seconds("heartbeat_timeout", h)).transpose()?,
             ..InitOptions::default()
         };
         let rt = runtime()?;
