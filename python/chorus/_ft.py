@@ -251,9 +251,11 @@ class _ReplicaGroup:
                   file=sys.stderr, flush=True)
             raise SystemExit(0)
         self.on_leave(f"replica group {self.index} lost a rank")
-        raise SystemExit(f"chorus: replica group {self.index} (incarnation {self.incarnation}) lost a rank "
-                         f"({error}); rank {self.local} of the group leaves so that the launcher relaunches the "
-                         "whole group")
+        print(f"chorus: replica group {self.index} (incarnation {self.incarnation}) lost a rank ({error}); rank "
+              f"{self.local} of the group leaves so that the launcher relaunches the whole group", file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # relaunched once gone: the interpreter's teardown would only delay it
 
     def on_leave(self, why: str) -> None:
         """Set by the manager: leaves the shard's elastic group at once."""
@@ -393,6 +395,11 @@ class Manager:
                     os._exit(0)  # the exception was the group-mate's exit at the end, not a fault
                 self._leave_now(f"replica group {replica.index}'s rank {replica.local} failed: {value}")
                 hook(kind, value, traceback)
+                # The launcher relaunches the group once this process is
+                # gone: skip the interpreter's teardown (about a second).
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
 
             sys.excepthook = leave_then_report
         # Joined at the first step, not here: survivors keep training while
