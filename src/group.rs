@@ -1362,6 +1362,15 @@ impl ProcessGroup {
         self.links.get(rank)?.as_ref()
     }
 
+    /// Fault injection: cuts this rank's links to every peer while it keeps
+    /// running, as a network partition would; each peer's next collective
+    /// with it fails, telling `reason`.
+    pub fn cut_links(&self, reason: &str) {
+        for link in self.links.iter().flatten() {
+            link.cut(reason);
+        }
+    }
+
     /// The store the group met on.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store

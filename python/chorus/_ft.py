@@ -379,7 +379,7 @@ class Manager:
             replica = self._replica
             # Steps voted down because another shard's group failed are the
             # normal course of a group's loss, not a member's fault.
-            self._join_options += (replica.index, replica.groups, f"replica-shard-{replica.local}", True, 1000)
+            self._join_options += (replica.index, replica.groups, f"replica-shard-{replica.local}", 1000)
             self._objects["replica"] = self._applied_steps
             replica.on_leave, replica.job_ended = self._leave_now, self._job_ended
             # A group-mate's failure mostly surfaces inside the user's forward

@@ -316,11 +316,7 @@ impl Group {
     /// with it fails.
     fn cut_links(&self, reason: &str) {
         if let Some(group) = self.group.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            for rank in 0..group.world_size() {
-                if let Some(link) = group.link(rank) {
-                    link.cut(reason);
-                }
-            }
+            group.cut_links(reason);
         }
     }
 

@@ -360,14 +360,13 @@ impl Trainer {
     /// worker joins the running generation. `min_world`..`max_world` ranks
     /// may form a generation (None: the launcher's world size). A process
     /// that comes to join is admitted at the members' next step boundary
-    /// (the commit vote carries it), so no step under way is lost to it;
-    /// without `at_boundary`, the running generation restarts for it at
-    /// once. `rank`, `world_size` and `scope` make it one of several
+    /// (the commit vote carries it), so no step under way is lost to it.
+    /// `rank`, `world_size` and `scope` make it one of several
     /// elastic groups of the launcher's run (a replica group's shard
     /// `scope`, its place among the replica groups `rank`).
     #[new]
     #[pyo3(signature = (timeout = 300.0, heartbeat_timeout = None, min_world = None, max_world = None, last_call = 0.3,
-                        rank = None, world_size = None, scope = None, at_boundary = true, max_rejections = 3))]
+                        rank = None, world_size = None, scope = None, max_rejections = 3))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments
     fn new(
         py: Python<'_>,
@@ -379,7 +378,6 @@ impl Trainer {
         rank: Option<usize>,
         world_size: Option<usize>,
         scope: Option<String>,
-        at_boundary: bool,
         max_rejections: u32,
     ) -> PyResult<Self> {
         let mut options = InitOptions {
@@ -390,11 +388,7 @@ impl Trainer {
             last_call: Duration::from_secs_f64(last_call.max(0.0)),
             min_world,
             max_world,
-            admission: if at_boundary {
-                Admission::at_step_boundary()
-            } else {
-                Admission::Immediate
-            },
+            admission: Admission::at_step_boundary(),
             elastic_scope: scope,
             ..InitOptions::default()
         }
@@ -700,12 +694,7 @@ impl Trainer {
     /// generation while it keeps running: fault injection, what a network
     /// partition does to it. Every member's group aborts and re-forms.
     fn cut_links(&self, reason: &str) -> PyResult<()> {
-        let pg = self.group()?.current();
-        for rank in 0..pg.world_size() {
-            if let Some(link) = pg.link(rank) {
-                link.cut(reason);
-            }
-        }
+        self.group()?.current().cut_links(reason);
         Ok(())
     }
 

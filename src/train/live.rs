@@ -570,14 +570,7 @@ impl Publisher {
         match request.kind {
             FaultKind::Kill => process::signal_self(process::Signal::SIGKILL),
             FaultKind::Freeze => freeze(),
-            FaultKind::CutOff => {
-                let pg = self.groups.borrow().clone();
-                for rank in (0..pg.world_size()).filter(|&r| r != pg.rank()) {
-                    if let Some(link) = pg.link(rank) {
-                        link.cut("cut off from a dashboard");
-                    }
-                }
-            }
+            FaultKind::CutOff => self.groups.borrow().cut_links("cut off from a dashboard"),
             FaultKind::Slow => {
                 self.slow_until
                     .store(unix_us() + SLOW_FOR.as_micros() as i64, Ordering::Relaxed);
