@@ -615,12 +615,12 @@ impl ElasticGroup {
         let mut config = rendezvous::resolve(options.init_method.clone(), options.rank, options.world_size, &env)
             .map_err(InitError::from)?;
         // A launcher that restarts every worker (`--restart-policy all`) makes
-        // each attempt a job of its own: keys under `<run id>/<scope>`.
-        if let Some(scope) = env(SCOPE_ENV).filter(|s| !s.trim().is_empty()) {
-            config.run_id = format!("{}/{}", config.run_id, scope.trim());
-        }
-        if let Some(scope) = options.elastic_scope.as_deref().filter(|s| !s.trim().is_empty()) {
-            config.run_id = format!("{}/{}", config.run_id, scope.trim());
+        // each attempt a job of its own, and one run may hold several elastic
+        // groups (a replica group's shards): keys under `<run id>/<scope>...`.
+        for scope in [env(SCOPE_ENV), options.elastic_scope.clone()].into_iter().flatten() {
+            if !scope.trim().is_empty() {
+                config.run_id = format!("{}/{}", config.run_id, scope.trim());
+            }
         }
         let budget = budget_from(&options)?;
         let opened = rendezvous::open_store(&config, options.timeout)

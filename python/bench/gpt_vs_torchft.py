@@ -3,6 +3,7 @@ twin on torchft 0.2.0's wrappers and its twin under plain torch DDP,
 alternated round by round.
 
     python3 python/bench/gpt_vs_torchft.py [--rounds 3] [--world 4] [--steps 200] [--fault-step 80]
+                                           [--replica-group-size N]
 
 The three training loops below differ only where fault tolerance needs
 them to (the script prints how many lines each changed from the plain DDP
@@ -17,6 +18,13 @@ It prints each run's longest stall (the longest time without a new
 committed step), the kill to the replacement's first committed step, the
 median step, the final held-out loss against the fault-free run's, and
 whether every member's state hashed equal; then medians and ratios.
+
+With --replica-group-size N (HSDP) each replica is a group of N processes
+that shard the model with FSDP2: the example's `--replica-group-size N`
+against torchft's HSDP twin (FSDP2 over the group's Gloo group, a torchft
+Manager per rank, its all-reduce hook across the groups, the whole group
+relaunched when one of its processes dies, as torchrun restarts a group);
+plain DDP and standby do not run.
 Needs torch, torchft==0.2.0, the chorus package and the `chorus` command.
 """
 
@@ -141,6 +149,78 @@ def torchft_twin(args: argparse.Namespace) -> None:
     del store
 
 
+def torchft_hsdp_twin(args: argparse.Namespace) -> None:
+    """The replica-group script on torchft 0.2.0, as torchft's HSDP is
+    written: FSDP2 inside a replica group over the group's own Gloo
+    process group, a torchft Manager per rank whose all-reduce hook
+    averages each gradient shard across the groups (REPLICA_GROUP_ID,
+    GROUP_RANK, MASTER_PORT and ATTEMPT from vs_torchft's setup). Its
+    quorum is synchronous: with torchft's default asynchronous quorum a
+    healing peer's state dict is read by torchft's quorum thread while
+    FSDP2's forward pass has the parameters unsharded, and the job crashed
+    ("got mixed torch.Tensor and DTensor")."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torchft import DistributedSampler, Manager, Optimizer
+    from torchft.process_group import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
+    split = len(data) * 9 // 10
+    train_set, held_out = Sequences(data[:split], args.context), data[split:split + 64 * args.context + 1]
+    net = build_model(args)
+
+    rid, rank, size = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["GROUP_RANK"]), args.replica_group_size
+    port, timeout = int(os.environ["MASTER_PORT"]), timedelta(seconds=args.torchft_timeout)
+    store = dist.TCPStore("localhost", port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("group/", store), rank=rank, world_size=size,
+                            timeout=timeout)
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("shard",))
+    for block in net.blocks.layers:
+        fully_shard(block, mesh=mesh)
+    model = fully_shard(net, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args))
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["optim"]),
+                                   scheduler.load_state_dict(s["scheduler"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "scheduler": scheduler.state_dict()},
+        replica_id=f"replica_{rid}", timeout=timeout, rank=rank, world_size=size, store_addr="localhost",
+        store_port=port, use_async_quorum=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(lambda shard: manager.allreduce(shard).wait())
+    optimizer = Optimizer(manager, opt)
+    sampler = DistributedSampler(train_set, replica_rank=rid, num_replica_groups=args.world // size, group_rank=rank,
+                                 num_replicas=size, seed=args.seed)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch, sampler=sampler)
+
+    harness = Harness(args, int(os.environ["LOCAL_RANK"]), os.environ["ATTEMPT"] != "0")
+    while manager.current_step() < args.steps:
+        for x, y in loader:
+            if manager.current_step() >= args.steps:
+                break
+            optimizer.zero_grad()
+            harness.step_started(manager.current_step())
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            before = manager.current_step()
+            optimizer.step()
+            scheduler.step()
+            harness.step_ended(before, manager.current_step(), manager)
+    harness.finish(net, held_out, manager, steps=manager.current_step())
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+    del store
+
+
 def lines_changed(plain, other) -> int:
     """Lines added or removed going from `plain`'s body to `other`'s (the
     signature and docstring aside)."""
@@ -152,7 +232,8 @@ def lines_changed(plain, other) -> int:
 def model_flags(args) -> list:
     return ["--world", str(args.world), "--steps", str(args.steps), "--fault-step", str(args.fault_step),
             "--batch", str(args.batch), "--context", str(args.context), "--width", str(args.width),
-            "--layers", str(args.layers), "--lr", str(args.lr), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+            "--layers", str(args.layers), "--lr", str(args.lr), "--warmup", str(args.warmup), "--seed", str(args.seed),
+            "--replica-group-size", str(args.replica_group_size)]
 
 
 def run_plain(args, run: Path) -> dict:
@@ -177,8 +258,10 @@ def run_manager(args, fault: str, standby: int, fork_server: bool = True) -> dic
 
 def run_torchft(args, run: Path) -> dict:
     args.kill_frozen_after = 0.0  # only a kill here
-    out = vs_torchft.run_torchft(args, run, [str(HERE), "--worker", "torchft", "--fault", "kill",
-                                              "--torchft-timeout", str(args.torchft_timeout), *model_flags(args)])
+    worker = "torchft" if args.replica_group_size == 1 else "torchft-hsdp"
+    out = vs_torchft.run_torchft(args, run, [str(HERE), "--worker", worker, "--fault", "kill",
+                                              "--torchft-timeout", str(args.torchft_timeout), *model_flags(args)],
+                                 group_size=args.replica_group_size)
     out["state_verified"] = None  # torchft has no such check
     return out
 
@@ -196,22 +279,31 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replica-group-size", type=int, default=1,
+                   help="processes per replica, FSDP2 inside each (HSDP; default 1: DDP). With more than 1 the "
+                        "plain DDP and standby sides do not run")
     p.add_argument("--torchft-timeout", type=float, default=10.0,
                    help="torchft's Manager and Gloo timeout in seconds (default 10; its own default is 60)")
+    p.add_argument("--sides", help="the sides to run, comma-separated (default: all that apply; steady and "
+                                   "torchft always run, the ratios need them)")
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--worker", choices=["plain", "torchft"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["plain", "torchft", "torchft-hsdp"], help=argparse.SUPPRESS)
     p.add_argument("--backend", default="chorus", help=argparse.SUPPRESS)
     p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--fault", default="none", help=argparse.SUPPRESS)
-    p.set_defaults(fault_rank=None, replica_group_size=1)  # the example's Harness: the last worker fails
+    p.set_defaults(fault_rank=None)  # the example's Harness: the last worker fails
     args = p.parse_args()
     if args.worker:
-        {"plain": plain_ddp, "torchft": torchft_twin}[args.worker](args)
+        {"plain": plain_ddp, "torchft": torchft_twin, "torchft-hsdp": torchft_hsdp_twin}[args.worker](args)
         return
     changed = {"chorus": lines_changed(plain_ddp, gpt.worker), "torchft": lines_changed(plain_ddp, torchft_twin)}
     base = Path(tempfile.mkdtemp(prefix="chorus-gpt-vs-torchft-"))
-    sides = ("plain", "steady", "chorus", "afresh", "standby", "torchft")
+    hsdp = args.replica_group_size > 1
+    # Replica groups have no plain DDP twin and no standby groups.
+    sides = ("steady", "chorus", "afresh", "torchft") if hsdp else ("plain", "steady", "chorus", "afresh", "standby", "torchft")
+    if args.sides:
+        sides = tuple(side for side in sides if side in {"steady", "torchft", *args.sides.split(",")})
     results = {side: [] for side in sides}
     failed = []
     for r in range(args.rounds):
@@ -237,18 +329,28 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(f"# GPT ({args.layers} layers, width {args.width}, context {args.context}, batch {args.batch} per replica), "
-          f"{args.world} replicas x 1 process, {args.steps} steps, SIGKILL after step {args.fault_step}, "
-          f"{args.rounds} alternated rounds; lines changed from the plain DDP loop: chorus {changed['chorus']}, "
-          f"torchft {changed['torchft']}")
+          f"{args.world // args.replica_group_size} replicas x {args.replica_group_size} process(es)"
+          + (" (FSDP2 inside each)" if hsdp else "")
+          + f", {args.steps} steps, SIGKILL of rank {args.world - 1} after step {args.fault_step}, "
+          f"{args.rounds} alternated rounds"
+          + ("" if hsdp else f"; lines changed from the plain DDP loop: chorus {changed['chorus']}, "
+                             f"torchft {changed['torchft']}"))
     print(f"# {'':8} {'stall ms':>9} {'replacement ms':>15} {'step ms':>8} {'final loss':>10} {'verified':>8}")
     for side in sides:
         for out in results[side]:
             print(f"  {side:8} {fmt(out.get('longest_stall_ms')):>9} {fmt(out.get('replacement_ms')):>15} "
                   f"{out['median_step_ms']:>8.2f} {out['final_loss']:>10.4f} {str(out.get('state_verified', '-')):>8}")
     med = lambda side, key: statistics.median(o[key] for o in results[side] if o.get(key) is not None)  # noqa: E731
-    print(f"# steady step: the Manager {med('steady', 'median_step_ms'):.2f} ms against plain DDP on chorus "
-          f"{med('plain', 'median_step_ms'):.2f} ms: {med('steady', 'median_step_ms') / med('plain', 'median_step_ms'):.3f}x")
-    for side in ("chorus", "afresh", "standby"):
+    if results.get("plain"):
+        print(f"# steady step: the Manager {med('steady', 'median_step_ms'):.2f} ms against plain DDP on chorus "
+              f"{med('plain', 'median_step_ms'):.2f} ms: "
+              f"{med('steady', 'median_step_ms') / med('plain', 'median_step_ms'):.3f}x")
+    else:
+        print(f"# steady step: the Manager {med('steady', 'median_step_ms'):.2f} ms against torchft's "
+              f"{med('torchft', 'median_step_ms'):.2f} ms (with its kill): "
+              f"{med('steady', 'median_step_ms') / med('torchft', 'median_step_ms'):.3f}x")
+    faulted = [side for side in ("chorus", "afresh", "standby") if side in sides]
+    for side in faulted:
         print(f"# {side} against torchft: longest stall {med(side, 'longest_stall_ms'):.0f} vs "
               f"{med('torchft', 'longest_stall_ms'):.0f} ms "
               f"({med(side, 'longest_stall_ms') / med('torchft', 'longest_stall_ms'):.3f}x); replacement's first step "
@@ -257,14 +359,14 @@ def main() -> None:
                  if any(o.get("replacement_ms") for o in results[side])
                  and any(o.get("replacement_ms") for o in results["torchft"]) else "not in every side's runs"))
     steady = med("steady", "final_loss")
-    for side in ("chorus", "afresh", "standby", "torchft"):
+    for side in (*faulted, "torchft"):
         loss = med(side, "final_loss")
         print(f"# {side}: final loss {loss:.4f} against the fault-free Manager run's {steady:.4f} "
               f"({abs(loss - steady) / steady * 100:.2f}% apart)")
     for failure in failed:
         print(f"# FAILED, left out of the medians: {failure}")
     print("# state verified in every chorus run: "
-          + str(all(o["state_verified"] for side in ("steady", "chorus", "afresh", "standby") for o in results[side])))
+          + str(all(o["state_verified"] for side in ("steady", *faulted) for o in results[side])))
 
 
 if __name__ == "__main__":

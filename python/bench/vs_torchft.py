@@ -151,12 +151,15 @@ def torchft_replica(args) -> None:
     del store
 
 
-def run_torchft(args, run: Path, replica: Optional[List[str]] = None) -> dict:
-    """Runs a torchft job: a lighthouse and --world replica groups of one
-    process, each `replica` (default this file's MLP replica) with
-    `--run-dir`, relaunched when it dies. The replicas record their commits
-    in `commits.<replica>.<attempt>`, the fault in `killed_at`, the
-    replacement's first commit in `rejoined_at`, and replica 0 its result."""
+def run_torchft(args, run: Path, replica: Optional[List[str]] = None, group_size: int = 1) -> dict:
+    """Runs a torchft job: a lighthouse and --world processes in replica
+    groups of `group_size`, each `replica` (default this file's MLP
+    replica) with `--run-dir`; a group whose process died is relaunched
+    whole, as torchrun restarts a replica group. Each process gets
+    REPLICA_GROUP_ID, GROUP_RANK, LOCAL_RANK (its slot in the job),
+    ATTEMPT and its group's MASTER_PORT. The replicas record their commits
+    in `commits.<slot>.<attempt>`, the fault in `killed_at`, the
+    replacement's first commit in `rejoined_at`, and one of them the result."""
     if replica is None:
         replica = [__file__, "--torchft-replica", "--torchft-timeout", str(args.torchft_timeout), *common_flags(args)]
     run.mkdir(parents=True)
@@ -166,34 +169,43 @@ def run_torchft(args, run: Path, replica: Optional[List[str]] = None) -> dict:
          "--bind", f"[::]:{lport}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs, attempts = {}, {}
 
-    def start(rid: int) -> None:
-        attempts[rid] = attempts.get(rid, -1) + 1
+    def start(group: int) -> None:
+        attempts[group] = attempts.get(group, -1) + 1
         # torch's huge pages as `chorus launch` gives an elastic job's workers.
         env = dict(os.environ, OMP_NUM_THREADS="1", THP_MEM_ALLOC_ENABLE=os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
-                   MASTER_ADDR="localhost", MASTER_PORT=str(free_port()),
-                   REPLICA_GROUP_ID=str(rid), ATTEMPT=str(attempts[rid]), TORCHFT_LIGHTHOUSE=f"http://localhost:{lport}")
-        log = open(run / f"replica{rid}.{attempts[rid]}.log", "w")
-        procs[rid] = subprocess.Popen([sys.executable, *replica, "--run-dir", str(run)], env=env, stdout=log,
-                                      stderr=log)
+                   MASTER_ADDR="localhost", MASTER_PORT=str(free_port()), REPLICA_GROUP_ID=str(group),
+                   ATTEMPT=str(attempts[group]), TORCHFT_LIGHTHOUSE=f"http://localhost:{lport}")
+        for rank in range(group_size):
+            slot = group * group_size + rank
+            log = open(run / f"replica{slot}.{attempts[group]}.log", "w")
+            procs[slot] = subprocess.Popen([sys.executable, *replica, "--run-dir", str(run)],
+                                           env=dict(env, GROUP_RANK=str(rank), LOCAL_RANK=str(slot)),
+                                           stdout=log, stderr=log)
 
     try:
-        for rid in range(args.world):
-            start(rid)
+        for group in range(args.world // group_size):
+            start(group)
         deadline = time.monotonic() + args.timeout
         frozen = run / "frozen"
         while procs and time.monotonic() < deadline:
             if frozen.exists() and time.time() - frozen.stat().st_mtime >= args.kill_frozen_after:
                 os.kill(int(frozen.read_text()), signal.SIGKILL)
                 frozen.unlink()
-            for rid, proc in list(procs.items()):
+            for slot, proc in list(procs.items()):
                 code = proc.poll()
-                if code is None:
+                if code is None or slot not in procs:
                     continue
-                del procs[rid]
+                del procs[slot]
+                if code == 0:
+                    continue
+                group = slot // group_size
+                for mate in range(group * group_size, (group + 1) * group_size):
+                    if mate in procs:
+                        procs.pop(mate).kill()
                 # A replica started after the others finished would train
                 # the whole job alone.
-                if code != 0 and attempts[rid] < 3 and not (run / "result.json").exists():
-                    start(rid)
+                if attempts[group] < 3 and not (run / "result.json").exists():
+                    start(group)
             time.sleep(0.05)
         if procs:
             raise SystemExit(f"torchft run ran past {args.timeout} s; logs in {run}")
@@ -206,10 +218,12 @@ def run_torchft(args, run: Path, replica: Optional[List[str]] = None) -> dict:
     # replica and attempt (a survivor that crashed and restarted counts),
     # and the steps that restarted survivors committed again (progress
     # they lost; not a replica out of one quorum catching up).
+    victim = getattr(args, "fault_rank", None)
+    victim_group = (args.world - 1 if victim is None else victim) // group_size
     events = []
     for f in run.glob("commits.*"):
-        _, rid, attempt = f.name.split(".")
-        survivor_restart = int(attempt) > 0 and int(rid) != args.world - 1
+        _, slot, attempt = f.name.split(".")
+        survivor_restart = int(attempt) > 0 and int(slot) // group_size != victim_group
         events += [(float(t), int(s), survivor_restart)
                    for s, t in (line.split() for line in f.read_text().splitlines())]
     events.sort()
@@ -221,7 +235,7 @@ def run_torchft(args, run: Path, replica: Optional[List[str]] = None) -> dict:
             redone.add(s)
     outcome["longest_stall_ms"] = stall * 1e3
     outcome["redone"] = len(redone)
-    outcome["survivor_restarts"] = sum(n for rid, n in attempts.items() if rid != args.world - 1)
+    outcome["survivor_restarts"] = sum(n for group, n in attempts.items() if group != victim_group)
     at = float((run / "killed_at").read_text())
     rejoined = run / "rejoined_at"
     outcome["replacement_ms"] = (float(rejoined.read_text()) - at) * 1e3 if rejoined.exists() else None

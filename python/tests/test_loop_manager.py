@@ -63,6 +63,20 @@ def test_replica_groups_shard_the_gpt_and_survive_the_loss_of_any_rank(fault, vi
     assert run["replacement_ms"] is not None, run
 
 
+@needs_launcher
+def test_a_replica_group_relaunched_as_the_job_ends_leaves_it_a_success():
+    """Rank 0 is killed two steps before the end: its group is relaunched
+    as the other group finishes, and its ranks, arriving at the last
+    boundary or after it, find the job ended and exit 0 (the launcher
+    would report the job failed otherwise). The result comes from the
+    group that finished."""
+    run = gpt("--world", "4", "--replica-group-size", "2", "--steps", "60", "--fault", "kill", "--fault-step", "58",
+              "--fault-rank", "0")
+    assert run["steps"] == 60 and run["state_verified"] is True, run
+    assert run["within"] < 0.02, run
+    assert run["recoveries"][0]["world_size"] == 1 and run["recoveries"][0]["resumed_step"] == 58, run
+
+
 def launch(scenario, world, timeout=240, *extra):
     run = Path(tempfile.mkdtemp(prefix=f"chorus-loop-{scenario}-"))
     cmd = [str(CHORUS), "launch", "--nproc-per-node", str(world), "--restart-policy", "worker", "--max-restarts", "2",
