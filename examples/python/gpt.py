@@ -73,7 +73,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fault", choices=["none", "kill", "freeze", "partition"], default="kill")
     p.add_argument("--fault-step", type=int, default=120, help="the worker fails at this step (default 120)")
     p.add_argument("--fault-rank", type=int, help="the worker that fails (default: the last)")
-    p.add_argument("--standby", type=int, default=0, help="warm standby workers (default 0: relaunch)")
+    p.add_argument("--standby", type=int, default=0,
+                   help="warm standby workers (default 0: relaunch); with replica groups, as many as a group's "
+                        "ranks replace a whole group")
     p.add_argument("--no-fork-server", action="store_true",
                    help="start a relaunched worker afresh instead of forking it from chorus launch's fork server")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="heartbeat window (default 1000)")
@@ -93,8 +95,6 @@ def parse() -> argparse.Namespace:
     if args.replica_group_size < 1 or args.world % args.replica_group_size or args.world // args.replica_group_size < 2:
         p.error(f"--replica-group-size {args.replica_group_size} must divide --world {args.world} into at least 2 "
                 "groups")
-    if args.replica_group_size > 1 and args.standby:
-        p.error("--standby keeps single workers warm, not whole replica groups: use it without --replica-group-size")
     if args.fault_rank is not None and not 0 <= args.fault_rank < args.world:
         p.error(f"--fault-rank {args.fault_rank} is not a rank of --world {args.world}")
     if args.fault != "none" and not 0 < args.fault_step < args.steps:

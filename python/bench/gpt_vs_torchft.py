@@ -23,8 +23,9 @@ With --replica-group-size N (HSDP) each replica is a group of N processes
 that shard the model with FSDP2: the example's `--replica-group-size N`
 against torchft's HSDP twin (FSDP2 over the group's Gloo group, a torchft
 Manager per rank, its all-reduce hook across the groups, the whole group
-relaunched when one of its processes dies, as torchrun restarts a group);
-plain DDP and standby do not run.
+relaunched when one of its processes dies, as torchrun restarts a group),
+with N standbys on the standby side (one per rank of the lost group);
+plain DDP does not run.
 Needs torch, torchft==0.2.0, the chorus package and the `chorus` command.
 """
 
@@ -281,7 +282,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replica-group-size", type=int, default=1,
                    help="processes per replica, FSDP2 inside each (HSDP; default 1: DDP). With more than 1 the "
-                        "plain DDP and standby sides do not run")
+                        "plain DDP side does not run, the standby side keeps N standbys")
     p.add_argument("--torchft-timeout", type=float, default=10.0,
                    help="torchft's Manager and Gloo timeout in seconds (default 10; its own default is 60)")
     p.add_argument("--sides", help="the sides to run, comma-separated (default: all that apply; steady and "
@@ -300,8 +301,9 @@ def main() -> None:
     changed = {"chorus": lines_changed(plain_ddp, gpt.worker), "torchft": lines_changed(plain_ddp, torchft_twin)}
     base = Path(tempfile.mkdtemp(prefix="chorus-gpt-vs-torchft-"))
     hsdp = args.replica_group_size > 1
-    # Replica groups have no plain DDP twin and no standby groups.
-    sides = ("steady", "chorus", "afresh", "torchft") if hsdp else ("plain", "steady", "chorus", "afresh", "standby", "torchft")
+    sides = ("steady", "chorus", "afresh", "standby", "torchft")
+    if not hsdp:  # replica groups have no plain DDP twin
+        sides = ("plain", *sides)
     if args.sides:
         sides = tuple(side for side in sides if side in {"steady", "torchft", *args.sides.split(",")})
     results = {side: [] for side in sides}
@@ -319,7 +321,8 @@ def main() -> None:
                 elif side == "afresh":
                     out = run_manager(args, "kill", 0, fork_server=False)
                 else:
-                    out = run_manager(args, "kill", 1 if side == "standby" else 0)
+                    # A whole replica group's worth of standbys.
+                    out = run_manager(args, "kill", args.replica_group_size if side == "standby" else 0)
             except (Exception, SystemExit) as error:  # one broken run must not lose the others
                 failed.append(f"{side} in round {r + 1}: {str(error)[-500:]}")
                 print(f"  {side} failed: {str(error)[-500:]}", file=sys.stderr, flush=True)

@@ -194,7 +194,7 @@ class _ReplicaGroup:
     store prefix of their own, counted by arrivals)."""
 
     def __init__(self, size: int, timeout: float, heartbeat_timeout: Optional[float]) -> None:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         if size < 1 or world % size:
             raise InvalidArgument(f"replica_group_size {size} does not divide the launcher's world of {world} ranks")
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
@@ -203,10 +203,14 @@ class _ReplicaGroup:
         if dist.is_initialized():
             raise InvalidArgument("the manager makes the replica group's process group: do not call "
                                   "init_process_group() yourself")
-        self.size, self.index, self.local, self.groups = size, rank // size, rank % size, world // size
         wait = timedelta(seconds=timeout)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=wait)
+        promotion = os.environ.get("CHORUS_STANDBY", "").strip()
+        if promotion:
+            _take_promoted_slot(store, promotion)
+        rank = int(os.environ.get("RANK", "0"))
+        self.size, self.index, self.local, self.groups = size, rank // size, rank % size, world // size
         arrival = store.add(f"chorus/replica-group/{self.index}/arrivals", 1)
         self.incarnation = (arrival - 1) // size
         self._store, self._finished_key = store, f"chorus/replica-group/{self.index}/{self.incarnation}/finished"
@@ -272,6 +276,26 @@ class _ReplicaGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _take_promoted_slot(store: "dist.Store", key: str) -> None:
+    """A standby worker of a replica-group job (``chorus launch --standby``):
+    waits, as long as it takes, until the launcher promotes it into a failed
+    rank's slot (writing the slot's local rank under ``key``), then takes
+    that slot's ``RANK`` and ``LOCAL_RANK``: its replica group and shard
+    follow from them, so it forms its group only then."""
+    import torch._dynamo  # noqa: F401  (what the optimizer's first construction imports: done while waiting)
+
+    while True:
+        try:
+            store.wait([key], timedelta(hours=1))  # long: torch's client logs every wait that times out
+            break
+        except dist.DistStoreError as error:
+            if "timeout" not in str(error).lower():
+                raise
+    local = int(store.get(key).decode())
+    base = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ["RANK"], os.environ["LOCAL_RANK"] = str(base + local), str(local)
 
 
 class _Counter:

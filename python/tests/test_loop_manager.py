@@ -64,6 +64,21 @@ def test_replica_groups_shard_the_gpt_and_survive_the_loss_of_any_rank(fault, vi
 
 
 @needs_launcher
+def test_two_standbys_replace_a_whole_replica_group():
+    """HSDP with 2 warm standbys: rank 3 is killed, its group-mate leaves,
+    and a standby is promoted into each slot. Only then do they take the
+    slots' ranks and form the group anew; each receives its shard."""
+    run = gpt("--world", "4", "--replica-group-size", "2", "--steps", "60", "--fault", "kill", "--fault-step", "25",
+              "--standby", "2")
+    assert run["steps"] == 60 and run["state_verified"] is True, run
+    assert run["within"] < 0.02, run
+    assert run["standby_promotions"] == 2, run
+    rejoined = run["recoveries"][-1]
+    assert rejoined["world_size"] == 2 and rejoined["bytes"] > 1 << 20, run
+    assert run["replacement_ms"] is not None, run
+
+
+@needs_launcher
 def test_a_replica_group_relaunched_as_the_job_ends_leaves_it_a_success():
     """Rank 0 is killed two steps before the end: its group is relaunched
     as the other group finishes, and its ranks, arriving at the last

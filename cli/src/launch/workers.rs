@@ -73,6 +73,8 @@ struct Worker {
     tail: Arc<Mutex<VecDeque<String>>>,
     readers: Vec<JoinHandle<()>>,
     running: bool,
+    /// When it was started: the standby started first is the warmest.
+    started: std::time::Instant,
 }
 
 /// The workers of one attempt.
@@ -182,8 +184,10 @@ impl Workers {
         })
     }
 
-    /// Promotes the running standby worker with the lowest number into the
-    /// slot of `local_rank` (global `rank`), whose worker has ended; the
+    /// Promotes the running standby worker started first (the one furthest
+    /// through its start-up: a standby started behind a promoted one moments
+    /// ago is still importing) into the slot of `local_rank` (global
+    /// `rank`), whose worker has ended; the
     /// ended one's entry becomes that standby's, for
     /// [`Workers::relaunch`] to start a new standby in. Returns the
     /// standby's number and pid, or `None` when none is running.
@@ -193,9 +197,9 @@ impl Workers {
             .iter()
             .enumerate()
             .filter(|(_, w)| w.running)
-            .filter_map(|(i, w)| Some((w.standby?, i)))
+            .filter_map(|(i, w)| Some((w.started, w.standby?, i)))
             .min()?;
-        let (number, index) = spare;
+        let (_, number, index) = spare;
         let ended = self
             .workers
             .iter()
@@ -437,6 +441,7 @@ fn watch(
         tail,
         readers,
         running: true,
+        started: std::time::Instant::now(),
     }
 }
 
@@ -490,5 +495,64 @@ async fn relay(
             tail.pop_front();
         }
         tail.push_back(line.to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sleeper(local_rank: usize, standby: Option<usize>) -> WorkerSpec {
+        WorkerSpec {
+            rank: local_rank,
+            local_rank,
+            argv: vec!["sleep".into(), "30".into()],
+            env: Vec::new(),
+            console: false,
+            shown: Streams::BOTH,
+            log: None,
+            cpus: Vec::new(),
+            standby,
+        }
+    }
+
+    async fn end(workers: &mut Workers, pid: i32) -> Ended {
+        assert!(process::signal(pid, Signal::SIGKILL), "the worker is ours to stop");
+        tokio::time::timeout(Duration::from_secs(10), workers.next_exit())
+            .await
+            .expect("a killed worker's exit is seen within 10 s")
+            .expect("a worker ended")
+    }
+
+    /// Two workers fail one after the other (a replica group's ranks): the
+    /// second gets the standby that has waited longest, not the one started
+    /// behind the first promotion a moment ago, which is still starting up.
+    #[tokio::test]
+    async fn the_standby_started_first_is_promoted_first() {
+        let specs = vec![
+            sleeper(0, None),
+            sleeper(1, None),
+            sleeper(2, Some(0)),
+            sleeper(3, Some(1)),
+        ];
+        let mut workers = Workers::spawn(specs, Duration::from_secs(1))
+            .await
+            .expect("sleep starts");
+        let pids: Vec<i32> = workers.workers.iter().map(|w| w.pid).collect();
+
+        let ended = end(&mut workers, pids[0]).await;
+        assert_eq!((ended.rank, ended.standby), (0, None));
+        assert_eq!(workers.promote(0, 0), Some((0, pids[2])));
+        // A new standby takes the number of the one promoted.
+        let (fresh, _) = workers.relaunch(sleeper(2, Some(0))).await.expect("sleep starts");
+
+        let ended = end(&mut workers, pids[1]).await;
+        assert_eq!((ended.rank, ended.standby), (1, None));
+        assert_eq!(
+            workers.promote(1, 1),
+            Some((1, pids[3])),
+            "the fresh standby is pid {fresh}"
+        );
+        workers.stop(libc::SIGKILL, Duration::from_secs(1)).await;
     }
 }
