@@ -671,9 +671,12 @@ impl ElasticGroup {
             // when its members are re-forming it after a failure right now
             // and admit joiners at a step boundary, the one after, so that
             // the step they are in the middle of is not given up for it.
+            // Not when fewer than the minimum world re-form it so far: they
+            // may need this joiner to form at all (and, waiting for them in
+            // the generation after, it would wait out the formation timeout).
             Some(latest) => {
                 let after_failure = matches!(base.options.admission, Admission::AtStepBoundary { .. })
-                    && elastic_rdzv::forming(base.store.clone(), &base.rendezvous(latest + 1)).await?;
+                    && elastic_rdzv::forming(base.store.clone(), &base.rendezvous(latest + 1)).await? >= base.min_world;
                 base.form(latest + 1 + u64::from(after_failure), &mut None).await?
             }
             None => {

@@ -360,14 +360,15 @@ pub async fn newcomers(store: Arc<dyn Store>, config: &ElasticConfig) -> Result<
     Ok(scoped.add("newcomers", 0).await?.max(0) as usize)
 }
 
-/// Whether `config.generation` is being formed: someone joined it and it
-/// has not closed (a group re-forming after a failure, or a joiner waiting).
-pub async fn forming(store: Arc<dyn Store>, config: &ElasticConfig) -> Result<bool, StoreError> {
+/// How many have joined `config.generation` while it forms (a group
+/// re-forming after a failure, or a joiner waiting): 0 when nobody has yet,
+/// or when it closed.
+pub async fn forming(store: Arc<dyn Store>, config: &ElasticConfig) -> Result<usize, StoreError> {
     let scoped = scoped(store, config);
     if !scoped.check(&["count"]).await? || scoped.check(&["closed"]).await? {
-        return Ok(false);
+        return Ok(0);
     }
-    Ok(scoped.add("count", 0).await? > 0)
+    Ok(scoped.add("count", 0).await?.max(0) as usize)
 }
 
 /// The newest formed generation of `run_id`, if any formed through [`join`].
@@ -1054,20 +1055,24 @@ mod tests {
         let store: Arc<dyn Store> = Arc::new(HashStore::default());
         let mut c = config(2, 2);
         c.last_call = Duration::from_secs(60);
-        assert!(!forming(store.clone(), &c).await.unwrap(), "nobody came yet");
+        assert_eq!(forming(store.clone(), &c).await.unwrap(), 0, "nobody came yet");
         let first = tokio::spawn({
             let (store, c) = (store.clone(), c.clone());
             async move { join(store, &c, joiner(Some(0), 0)).await }
         });
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while !forming(store.clone(), &c).await.unwrap() {
+        while forming(store.clone(), &c).await.unwrap() == 0 {
             assert!(tokio::time::Instant::now() < deadline, "the first arrival never showed");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let second = tokio::time::timeout(Duration::from_secs(5), join(store.clone(), &c, joiner(Some(1), 1))).await;
         assert_eq!(second.expect("closing hung").unwrap().world_size(), 2);
         first.await.unwrap().unwrap();
-        assert!(!forming(store.clone(), &c).await.unwrap(), "closed: no longer forming");
+        assert_eq!(
+            forming(store.clone(), &c).await.unwrap(),
+            0,
+            "closed: no longer forming"
+        );
     }
 
     #[tokio::test]
