@@ -1,6 +1,6 @@
 """What a backend written in Python costs per call, against one in C++.
 
-    python3 python/bench/dispatch.py [--calls 20000]
+    python3 python/bench/dispatch.py [--calls 20000] [--cpp]
 
 chorus's torch backend is a Python `Backend` subclass: torch's dispatcher
 calls into Python for every operation, which then calls the Rust library.
@@ -9,8 +9,10 @@ that step alone, in one process (world 1, so no rank waits on another):
 `dist.all_reduce` of one float through (1) Gloo, C++ all the way, (2) a
 Python backend that does nothing (returns a finished work at once: torch's
 dispatch into Python and back), and (3) chorus. (2) is the whole cost of
-a call into a Python backend, so at most what writing the backend in C++
-could save per call; it prints the medians of 5 rounds.
+a call into a Python backend. With --cpp it adds (4) chorus as a C++
+`c10d::Backend` over the same library (cpp_backend.cpp), which skips the
+Python step: (3) - (4) is what writing the backend in C++ saves per call.
+It prints the medians of 5 rounds.
 """
 
 from __future__ import annotations
@@ -21,27 +23,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d
 
-import chorus.torch as chorus_torch
-
-
-class _Idle(c10d.Backend):
-    """A backend whose every all-reduce is already done."""
-
-    def __init__(self, rank: int, size: int):
-        super().__init__(rank, size)
-        self._options = c10d.Backend.Options("idle")
-
-    @property
-    def options(self):
-        return self._options
-
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return "idle"
-
-    def allreduce(self, tensors, opts=None):
-        return chorus_torch.ChorusWork([], list(tensors))
+import chorus.torch  # noqa: F401  (registers "chorus")
+import idle_backend
 
 
 def per_call_us(group, calls: int) -> float:
@@ -57,12 +41,20 @@ def per_call_us(group, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--cpp", action="store_true",
+                        help="also measure chorus as a C++ c10d::Backend (built on first use; needs ninja)")
     args = parser.parse_args()
-    dist.Backend.register_backend("idle", lambda store, rank, size, timeout: _Idle(rank, size), devices=["cpu"])
+    if args.cpp:
+        import cpp_backend
+
+        cpp_backend.register()
+    idle_backend.register()
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    groups = {"gloo": dist.group.WORLD, "python, idle": dist.new_group(backend="idle"),
+    groups = {"gloo": dist.group.WORLD, "python, idle": dist.new_group(backend=idle_backend.NAME),
               "chorus": dist.new_group(backend="chorus")}
+    if args.cpp:
+        groups["chorus, C++"] = dist.new_group(backend="chorus_cpp")
     rounds = {name: [] for name in groups}
     for _ in range(5):
         for name, group in groups.items():
@@ -73,6 +65,10 @@ def main() -> None:
     idle, whole = statistics.median(rounds["python, idle"]), statistics.median(rounds["chorus"])
     print(f"  a call into a Python backend that does nothing: {idle:.2f} us (at most what a C++ backend saves); "
           f"chorus's whole call: {whole:.2f} us, {whole - idle:.2f} us of it past the Python step")
+    if args.cpp:
+        cpp = statistics.median(rounds["chorus, C++"])
+        print(f"  chorus as a C++ backend: {cpp:.2f} us per call, {whole - cpp:.2f} us less than the Python backend "
+              f"({cpp / whole:.2f}x its time)")
     dist.destroy_process_group()
 
 

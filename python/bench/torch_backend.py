@@ -11,7 +11,11 @@ train a byte-level GPT the same way (AdamW, bf16 autocast). It prints,
 per world, an nccl-tests table per backend (medians over the rounds) with
 chorus's bus bandwidth over Gloo's, and the DDP step and exposed-sync
 medians with their ratio. Needs torch and the chorus package
-(`pip install ./python`).
+(`pip install ./python`). With --cpp it runs chorus a third way, as a C++
+`c10d::Backend` over the same library (cpp_backend.cpp), against the
+package's Python backend; with --floor it trains on a backend that does
+nothing ("idle"), whose exposed sync is DDP's own work, the part no
+backend can remove.
 """
 
 from __future__ import annotations
@@ -37,12 +41,27 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
 
     if backend == "chorus":
         import chorus.torch  # noqa: F401
+    elif backend == "chorus_cpp":
+        import cpp_backend
+
+        cpp_backend.register()
 
     torch.set_num_threads(1)
-    dist.init_process_group(backend)
+    ddp_group = None
+    if backend == "idle":
+        import idle_backend
+
+        # Gloo for the barriers; DDP syncs through a backend that does nothing.
+        idle_backend.register()
+        dist.init_process_group("gloo")
+        ddp_group = dist.new_group(backend=idle_backend.NAME)
+    else:
+        dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     sweep = []
     sizes = [8 << (2 * k) for k in range(30) if 8 << (2 * k) < max_bytes] + [max_bytes]
+    if ddp_group is not None:
+        sizes = []
     for size in sizes:
         t = torch.ones(size // 4)
         reps = max(3, min(iters, (64 << 20) // size))
@@ -69,7 +88,8 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
         def forward(self, scale):
             return sum((p * scale).sum() for p in self.ps)
 
-    model = torch.nn.parallel.DistributedDataParallel(Layers(), bucket_cap_mb=25, gradient_as_bucket_view=True)
+    model = torch.nn.parallel.DistributedDataParallel(Layers(), bucket_cap_mb=25, gradient_as_bucket_view=True,
+                                                      process_group=ddp_group)
     scale = torch.tensor(1.0)
     timed = {True: [], False: []}
     for i in range(2 + ddp_steps):
@@ -82,7 +102,7 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
             if i >= 2:
                 timed[sync].append((time.perf_counter() - start) * 1e3)
     step, local = statistics.median(timed[True]), statistics.median(timed[False])
-    gpt_step, gpt_local = gpt(rank, ddp_steps)
+    gpt_step, gpt_local = gpt(rank, ddp_steps, ddp_group)
     if rank == 0:
         print("RESULT " + json.dumps({"sweep": sweep, "step_ms": step, "exposed_ms": max(0.0, step - local),
                                       "gpt_step_ms": gpt_step, "gpt_exposed_ms": max(0.0, gpt_step - gpt_local)}),
@@ -90,11 +110,11 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
     dist.destroy_process_group()
 
 
-def gpt(rank: int, steps: int):
-    """A byte-level GPT under DDP as a researcher writes one (pre-norm
-    causal transformer, AdamW, bf16 autocast, gradient clipping), trained
-    on this file's own bytes: the median step with gradient sync and
-    without (`no_sync`), in ms."""
+def gpt(rank: int, steps: int, group=None):
+    """A byte-level GPT under DDP (over `group`, None: the default one) as a
+    researcher writes one (pre-norm causal transformer, AdamW, bf16
+    autocast, gradient clipping), trained on this file's own bytes: the
+    median step with gradient sync and without (`no_sync`), in ms."""
     import contextlib
 
     import torch
@@ -122,7 +142,7 @@ def gpt(rank: int, steps: int):
 
     with open(HERE, "rb") as f:
         corpus = torch.tensor(list(f.read()), dtype=torch.long)
-    model = torch.nn.parallel.DistributedDataParallel(GPT())
+    model = torch.nn.parallel.DistributedDataParallel(GPT(), process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(rank)
     timed = {True: [], False: []}
@@ -199,36 +219,54 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed all-reduces per size, at most (default 20)")
     parser.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per round (default 10)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a round may take (default 600)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also train on a backend that does nothing (idle_backend.py): the exposed sync no "
+                             "backend can remove")
+    parser.add_argument("--cpp", action="store_true",
+                        help="also run chorus as a C++ c10d::Backend (cpp_backend.cpp, built on first use; needs a "
+                             "C++ compiler and ninja) as the backend chorus_cpp")
     args = parser.parse_args()
+    backends = ["gloo", "chorus"]
+    if args.cpp:
+        import cpp_backend
+
+        cpp_backend.register()  # builds the extension once, before the ranks load it
+        backends.append(cpp_backend.NAME)
+    if args.floor:
+        backends.append("idle")
+    swept = [b for b in backends if b != "idle"]
     for world in [int(w) for w in args.worlds.split(",")]:
-        results = {"gloo": [], "chorus": []}
+        results = {b: [] for b in backends}
         for r in range(args.rounds):
-            for backend in ("gloo", "chorus") if r % 2 == 0 else ("chorus", "gloo"):
+            for backend in backends[r % len(backends):] + backends[: r % len(backends)]:
                 print(f"world {world} round {r + 1}/{args.rounds}: {backend}", file=sys.stderr, flush=True)
                 results[backend].append(run(backend, world, args))
-        bus = {b: table(b, world, results[b]) for b in ("gloo", "chorus")}
-        print(f"# world {world}: chorus busbw / gloo busbw")
-        for size in bus["gloo"]:
-            ratio = bus["chorus"][size] / bus["gloo"][size] if bus["gloo"][size] else float("nan")
-            print(f"  {size:>10} B  {ratio:6.2f}x")
-        step = {b: statistics.median(r["step_ms"] for r in results[b]) for b in results}
-        exposed = {b: statistics.median(r["exposed_ms"] for r in results[b]) for b in results}
-        print(f"# world {world}: DDP, 8 x 1 Mi float32 parameters, medians of {args.rounds} rounds x {args.ddp_steps} steps")
-        for b in ("gloo", "chorus"):
-            print(f"  {b:>6}: step {step[b]:8.2f} ms, exposed sync {exposed[b]:8.2f} ms  (rounds: "
-                  + ", ".join(f"{r['exposed_ms']:.1f}" for r in results[b]) + ")")
-        if exposed["gloo"]:
-            print(f"  chorus / gloo: step {step['chorus'] / step['gloo']:.2f}x, exposed sync {exposed['chorus'] / exposed['gloo']:.2f}x")
-        step = {b: statistics.median(r["gpt_step_ms"] for r in results[b]) for b in results}
-        exposed = {b: statistics.median(r["gpt_exposed_ms"] for r in results[b]) for b in results}
-        print(f"# world {world}: byte-level GPT under DDP (4 layers, width 192, AdamW, bf16 autocast), "
-              f"medians of {args.rounds} rounds x {args.ddp_steps} steps")
-        for b in ("gloo", "chorus"):
-            print(f"  {b:>6}: step {step[b]:8.2f} ms, exposed sync {exposed[b]:8.2f} ms  (rounds: "
-                  + ", ".join(f"{r['gpt_exposed_ms']:.1f}" for r in results[b]) + ")")
-        print(f"  chorus / gloo: step {step['chorus'] / step['gloo']:.2f}x, exposed sync "
-              + (f"{exposed['chorus'] / exposed['gloo']:.2f}x" if exposed["gloo"] else "n/a (gloo's is 0)"))
+        bus = {b: table(b, world, results[b]) for b in swept}
+        for b in swept[1:]:
+            print(f"# world {world}: {b} busbw / gloo busbw")
+            for size in bus["gloo"]:
+                ratio = bus[b][size] / bus["gloo"][size] if bus["gloo"][size] else float("nan")
+                print(f"  {size:>10} B  {ratio:6.2f}x")
+        training(results, world, args, "", f"DDP, 8 x 1 Mi float32 parameters, medians of {args.rounds} rounds x "
+                 f"{args.ddp_steps} steps")
+        training(results, world, args, "gpt_", f"byte-level GPT under DDP (4 layers, width 192, AdamW, bf16 autocast), "
+                 f"medians of {args.rounds} rounds x {args.ddp_steps} steps")
         print(flush=True)
+
+
+def training(results: dict, world: int, args, key: str, title: str) -> None:
+    """Prints one model's step and exposed sync per backend, and each
+    other backend's ratios to Gloo's."""
+    step = {b: statistics.median(r[f"{key}step_ms"] for r in rounds) for b, rounds in results.items()}
+    exposed = {b: statistics.median(r[f"{key}exposed_ms"] for r in rounds) for b, rounds in results.items()}
+    print(f"# world {world}: {title}")
+    for b, rounds in results.items():
+        print(f"  {b:>10}: step {step[b]:8.2f} ms, exposed sync {exposed[b]:8.2f} ms  (rounds: "
+              + ", ".join(f"{r[f'{key}exposed_ms']:.1f}" for r in rounds) + ")")
+    for b in list(results)[1:]:
+        label = "idle (no backend cost: DDP's own work)" if b == "idle" else b
+        print(f"  {label} / gloo: step {step[b] / step['gloo']:.2f}x, exposed sync "
+              + (f"{exposed[b] / exposed['gloo']:.2f}x" if exposed["gloo"] else "n/a (gloo's is 0)"))
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ impl Group {
         }
     }
 
-    fn with_group<T>(&self, what: &str, f: impl FnOnce(&ProcessGroup) -> T) -> PyResult<T> {
+    fn with_group<T>(&self, what: &str, f: impl FnOnce(&Arc<ProcessGroup>) -> T) -> PyResult<T> {
         let guard = self.group.lock().unwrap_or_else(|p| p.into_inner());
         match guard.as_ref() {
             Some(group) => Ok(f(group)),
@@ -318,6 +318,13 @@ impl Group {
         if let Some(group) = self.group.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             group.cut_links(reason);
         }
+    }
+
+    /// The address of the C entry table (`capi`) and a new handle to the
+    /// group, for a `c10d::Backend` in C++ over this group; the handle
+    /// holds the group until the table's `release` is called with it.
+    fn c_api(&self) -> PyResult<(usize, usize)> {
+        self.with_group("c_api", crate::capi::export)
     }
 
     /// Whether the group is still formed (not destroyed).

@@ -17,9 +17,12 @@
 //!   torch model and optimizer whose tensors are the state, read and
 //!   written in place: per-step commit in the user's loop (`begin_step`,
 //!   `commit_step`, a `Stepper`) or chorus's own loop (`train`).
+//! - `capi`: a C entry point into a group's all-reduce, for a
+//!   `c10d::Backend` written in C++ over the library.
 //! - `runtime`: the process's tokio runtime, which drives every
 //!   operation's completion.
 
+mod capi;
 mod group;
 mod manager;
 mod runtime;

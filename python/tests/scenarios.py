@@ -182,6 +182,8 @@ def async_work() -> None:
 
 
 def ddp(backend: str, steps: str = "5") -> None:
+    if backend == "chorus_cpp":
+        _register_cpp()
     dist.init_process_group(backend)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4), torch.nn.Linear(4, 4))
@@ -488,6 +490,71 @@ def _objects():
     at_root = [None] * WORLD if RANK == 0 else None
     dist.gather_object(RANK, at_root, dst=0)
     return [gathered, broadcast, scattered, at_root]
+
+
+def _register_cpp() -> None:
+    """Registers chorus as a C++ backend ("chorus_cpp", python/bench/
+    cpp_backend.cpp over the library's C entry point); the test built it."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import cpp_backend
+
+    cpp_backend.register()
+
+
+def cpp_backend(part: str) -> None:
+    """chorus as a C++ backend: `collectives` checks its all-reduce (dtypes,
+    ops, futures, a wait that times out on a late peer) and an operation
+    it hands to the Python backend; `failure` has the last rank die and the
+    others' next all-reduce raise, naming it."""
+    _register_cpp()
+    dist.init_process_group("chorus_cpp")
+    out = {"failures": [], "checked": 0}
+    if part == "failure":
+        t = torch.ones(8)
+        dist.all_reduce(t)
+        dist.barrier()
+        if RANK == WORLD - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        began = time.monotonic()
+        try:
+            for _ in range(100000):
+                dist.all_reduce(t)
+            out["error"] = "none"
+        except dist.DistBackendError as e:
+            out["error"], out["message"] = type(e).__name__, str(e)
+        out["elapsed"] = time.monotonic() - began
+        result(out)
+        return
+    for dtype in [torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]:
+        for op in ["sum", "avg", "min", "max"]:
+            if op == "avg" and dtype not in FLOATS:
+                continue
+            t = data(RANK, 1000, dtype)
+            dist.all_reduce(t, op=OPS[op])
+            out["checked"] += 1
+            if not same(t, reference(op, dtype, 1000)):
+                out["failures"].append(f"all_reduce {op} {dtype}")
+    t = torch.ones(1000)
+    work = dist.all_reduce(t, async_op=True)
+    out["chained"] = work.get_future().then(lambda f: f.value()[0][0].item() * 2).wait()
+    out["waited"] = work.wait() and t[0].item()
+    late = torch.ones(4)
+    if RANK == 1:
+        time.sleep(2)
+    work = dist.all_reduce(late, async_op=True)
+    if RANK == 0:
+        try:
+            work.wait(timeout=timedelta(milliseconds=200))
+            out["wait_timeout"] = "no error"
+        except RuntimeError as e:
+            out["wait_timeout"] = str(e)
+    work.wait()
+    out["late_value"] = late[0].item()
+    b = torch.full((5,), float(RANK))
+    dist.broadcast(b, src=1)
+    out["broadcast"] = b.tolist()
+    dist.destroy_process_group()
+    result(out)
 
 
 def _future():

@@ -1,0 +1,212 @@
+// chorus as a c10d::Backend written in C++, to measure against the
+// package's Python one (python/bench/dispatch.py, torch_backend.py --cpp).
+//
+// An all-reduce of one contiguous CPU tensor goes from torch's dispatcher
+// straight to the library's C entry point (python/src/capi.rs) and its
+// future completes from the library's thread: no Python on the way in or
+// out. The other operations the benchmarks issue (DDP's broadcast and
+// parameter check, barriers) go to the Python backend that formed the
+// group, with the GIL taken.
+#include <torch/extension.h>
+
+#include <condition_variable>
+#include <mutex>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/distributed/c10d/py/PyProcessGroup.hpp>
+
+namespace {
+
+using Done = void (*)(void*, int, const uint8_t*, size_t);
+
+// python/src/capi.rs's `Api`.
+struct Api {
+  int (*all_reduce)(const void* group, void* ptr, size_t bytes, const char* dtype, const char* op,
+                    double timeout_s, Done done, void* ctx);
+  void (*release)(const void* group);
+};
+
+const char* dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    default: return nullptr;
+  }
+}
+
+const char* op_name(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::SUM: return "sum";
+    case c10d::ReduceOp::AVG: return "avg";
+    case c10d::ReduceOp::PRODUCT: return "prod";
+    case c10d::ReduceOp::MIN: return "min";
+    case c10d::ReduceOp::MAX: return "max";
+    default: return nullptr;
+  }
+}
+
+// An all-reduce in flight; the library holds one reference to it until
+// `done`, so the tensor outlives the operation.
+class AllReduceWork : public c10d::Work {
+ public:
+  explicit AllReduceWork(at::Tensor tensor)
+      : Work(-1, c10d::OpType::ALLREDUCE),
+        tensor_(std::move(tensor)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  static void done(void* ctx, int failed, const uint8_t* message, size_t len) {
+    auto work = c10::intrusive_ptr<AllReduceWork>::reclaim(static_cast<AllReduceWork*>(ctx));
+    std::exception_ptr error;
+    if (failed) {
+      error = std::make_exception_ptr(
+          c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                std::string(reinterpret_cast<const char*>(message), len)));
+    }
+    {
+      std::lock_guard<std::mutex> lock(work->mutex_);
+      work->ended_ = true;
+      work->error_ = error;
+    }
+    work->ended_cv_.notify_all();
+    if (error) {
+      work->future_->setError(error);
+    } else {
+      work->future_->markCompleted(c10::IValue(std::vector<at::Tensor>{work->tensor_}));
+    }
+  }
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return ended_;
+  }
+
+  bool isSuccess() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return ended_ && !error_;
+  }
+
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (timeout == kNoTimeout) {
+      ended_cv_.wait(lock, [&] { return ended_; });
+    } else if (!ended_cv_.wait_for(lock, timeout, [&] { return ended_; })) {
+      TORCH_CHECK(false, "Timed out waiting ", timeout.count(), " ms for chorus's all_reduce");
+    }
+    if (error_) {
+      std::rethrow_exception(error_);
+    }
+    return true;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  std::vector<at::Tensor> result() override { return {tensor_}; }
+
+ private:
+  at::Tensor tensor_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  mutable std::mutex mutex_;
+  std::condition_variable ended_cv_;
+  bool ended_ = false;
+  std::exception_ptr error_;
+};
+
+class ChorusCppBackend : public c10d::Backend {
+ public:
+  ChorusCppBackend(py::object python, uintptr_t api, uintptr_t group, double timeout_s)
+      : Backend(python.attr("rank")().cast<int>(), python.attr("size")().cast<int>()),
+        python_(std::move(python)),
+        api_(reinterpret_cast<const Api*>(api)),
+        group_(reinterpret_cast<const void*>(group)),
+        timeout_s_(timeout_s) {}
+
+  ~ChorusCppBackend() override {
+    api_->release(group_);
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      python_ = py::object();
+    } else {
+      python_.release();  // the interpreter is gone: nothing left to free it with
+    }
+  }
+
+  const std::string getBackendName() const override { return "chorus"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    const char* op = op_name(opts.reduceOp.op_);
+    if (tensors.size() != 1 || !op) {
+      return forward("allreduce", tensors, opts);
+    }
+    at::Tensor& t = tensors[0];
+    const char* dtype = dtype_name(t.scalar_type());
+    if (!dtype || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous()) {
+      return forward("allreduce", tensors, opts);
+    }
+    auto work = c10::make_intrusive<AllReduceWork>(t);
+    double timeout_s = opts.timeout == c10d::kUnsetTimeout ? timeout_s_ : opts.timeout.count() / 1000.0;
+    // The library's reference, given back in `done`.
+    AllReduceWork* ctx = c10::intrusive_ptr<AllReduceWork>(work).release();
+    api_->all_reduce(group_, t.data_ptr(), t.numel() * t.element_size(), dtype, op, timeout_s,
+                     &AllReduceWork::done, ctx);
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    return forward("broadcast", tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    return forward("allgather", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    return forward("all_gather_single", output, input, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return forward("barrier", opts);
+  }
+
+  void shutdown() override {
+    py::gil_scoped_acquire gil;
+    python_.attr("shutdown")();
+  }
+
+ private:
+  template <typename... Args>
+  c10::intrusive_ptr<c10d::Work> forward(const char* name, Args&... args) {
+    py::gil_scoped_acquire gil;
+    py::object work = python_.attr(name)(args...);
+    return c10::make_intrusive<c10d::PyProcessGroup::PyWorkHolder>(std::move(work));
+  }
+
+  py::object python_;
+  const Api* api_;
+  const void* group_;
+  double timeout_s_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<ChorusCppBackend, c10d::Backend, c10::intrusive_ptr<ChorusCppBackend>>(m, "ChorusCppBackend")
+      .def(py::init<py::object, uintptr_t, uintptr_t, double>(), py::arg("python"), py::arg("api"),
+           py::arg("group"), py::arg("timeout_s"));
+}

@@ -1,0 +1,131 @@
+//! A C entry point into a group's all-reduce, for a `c10d::Backend`
+//! written in C++ over this library: torch's dispatcher then calls
+//! compiled code all the way to the ranks, with no Python step.
+//! `python/bench/cpp_backend.cpp` is such a backend; `python/bench/
+//! dispatch.py` and `torch_backend.py --cpp` measure it against the
+//! package's Python one.
+//!
+//! The C side gets the table below and a handle to the group (a strong
+//! reference it must release), and calls `all_reduce` with a contiguous
+//! CPU tensor's memory, which it must keep alive and leave alone until
+//! `done` is called (from one of the runtime's threads).
+
+use std::ffi::{CStr, c_char, c_void};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chorus::{Collective, CollectiveKind, DType, ProcessGroup, ReduceOp, Tensor};
+
+use crate::runtime::runtime;
+use crate::work::Failure;
+
+/// Called once with the operation's outcome: `failed` 0 for success, else
+/// 1 and `message` (UTF-8, `message_len` bytes, valid during the call).
+pub(crate) type Done = extern "C" fn(ctx: *mut c_void, failed: i32, message: *const u8, message_len: usize);
+
+/// What the C side calls.
+#[repr(C)]
+pub(crate) struct Api {
+    /// Submits an all-reduce of `bytes` bytes at `ptr`, in place; returns 0,
+    /// or 1 with `done` already called with the reason (bad arguments).
+    all_reduce: unsafe extern "C" fn(
+        group: *const ProcessGroup,
+        ptr: *mut u8,
+        bytes: usize,
+        dtype: *const c_char,
+        op: *const c_char,
+        timeout_s: f64,
+        done: Done,
+        ctx: *mut c_void,
+    ) -> i32,
+    /// Drops the handle's reference to the group.
+    release: unsafe extern "C" fn(group: *const ProcessGroup),
+}
+
+static API: Api = Api { all_reduce, release };
+
+/// The table's address and a new handle to `group`.
+pub(crate) fn export(group: &Arc<ProcessGroup>) -> (usize, usize) {
+    (&API as *const Api as usize, Arc::into_raw(group.clone()) as usize)
+}
+
+fn fail(done: Done, ctx: *mut c_void, message: &str) -> i32 {
+    done(ctx, 1, message.as_ptr(), message.len());
+    1
+}
+
+/// # Safety
+/// `group` is a live handle from [`export`]; `dtype` and `op` are
+/// NUL-terminated; `ptr` addresses `bytes` writable bytes that stay valid,
+/// and untouched by the caller, until `done` is called.
+unsafe extern "C" fn all_reduce(
+    group: *const ProcessGroup,
+    ptr: *mut u8,
+    bytes: usize,
+    dtype: *const c_char,
+    op: *const c_char,
+    timeout_s: f64,
+    done: Done,
+    ctx: *mut c_void,
+) -> i32 {
+    // SAFETY: NUL-terminated strings, per the contract.
+    let (dtype, op) = unsafe { (CStr::from_ptr(dtype), CStr::from_ptr(op)) };
+    let Some(dtype) = dtype.to_str().ok().and_then(|d| DType::from_str(d).ok()) else {
+        return fail(done, ctx, &format!("all_reduce: chorus does not reduce {dtype:?}"));
+    };
+    let Some(op) = op.to_str().ok().and_then(|o| ReduceOp::from_str(o).ok()) else {
+        return fail(done, ctx, &format!("all_reduce: no reduction named {op:?}"));
+    };
+    if !bytes.is_multiple_of(dtype.size()) || (bytes > 0 && !(ptr as usize).is_multiple_of(dtype.size())) {
+        return fail(
+            done,
+            ctx,
+            &format!("all_reduce: {bytes} bytes at {ptr:p} are not {dtype} elements"),
+        );
+    }
+    let Ok(rt) = runtime() else {
+        return fail(done, ctx, "chorus could not start its runtime threads");
+    };
+    // SAFETY: the caller keeps the memory alive and alone until `done`,
+    // which comes after the operation has dropped its buffer.
+    let tensor = unsafe { Tensor::from_raw_parts(dtype, ptr, bytes, Box::new(())) };
+    let collective = Collective {
+        kind: CollectiveKind::AllReduce,
+        dtype,
+        count: bytes / dtype.size(),
+        root: None,
+        op: Some(op),
+        input: Default::default(),
+        output: tensor.into_buffer(),
+        timeout: (timeout_s > 0.0 && timeout_s.is_finite()).then(|| Duration::from_secs_f64(timeout_s)),
+        tag: 0,
+    };
+    // SAFETY: a live handle, per the contract.
+    let group = unsafe { &*group };
+    let (work, failures) = {
+        let _enter = rt.enter();
+        (group.submit_tensor(collective), group.failures())
+    };
+    let ctx = ctx as usize;
+    rt.spawn(async move {
+        // The operation's buffer is dropped with its result, before `done`.
+        let failed = work
+            .await
+            .err()
+            .map(|e| Failure::from_collective(&e, &failures).message);
+        let ctx = ctx as *mut c_void;
+        match failed {
+            None => done(ctx, 0, std::ptr::null(), 0),
+            Some(message) => done(ctx, 1, message.as_ptr(), message.len()),
+        }
+    });
+    0
+}
+
+/// # Safety
+/// `group` is a handle from [`export`], released once.
+unsafe extern "C" fn release(group: *const ProcessGroup) {
+    // SAFETY: per the contract, this handle's reference is still held.
+    drop(unsafe { Arc::from_raw(group) });
+}
