@@ -4,9 +4,11 @@
 // An all-reduce of one contiguous CPU tensor goes from torch's dispatcher
 // straight to the library's C entry point (python/src/capi.rs) and its
 // future completes from the library's thread: no Python on the way in or
-// out. The other operations the benchmarks issue (DDP's broadcast and
-// parameter check, barriers) go to the Python backend that formed the
-// group, with the GIL taken.
+// out; a failure is raised from wait() as the Python backend raises it
+// (chorus.GroupAborted naming the ranks, chorus.WaitTimeout, ...). The
+// other operations the benchmarks issue (DDP's broadcast and parameter
+// check, barriers) go to the Python backend that formed the group, with
+// the GIL taken.
 #include <torch/extension.h>
 
 #include <condition_variable>
@@ -18,7 +20,17 @@
 
 namespace {
 
-using Done = void (*)(void*, int, const uint8_t*, size_t);
+// python/src/capi.rs's `CFailure`.
+struct CFailure {
+  const char* class_name;
+  size_t class_len;
+  const char* message;
+  size_t message_len;
+  const size_t* ranks;
+  size_t ranks_len;
+};
+
+using Done = void (*)(void*, const CFailure*);
 
 // python/src/capi.rs's `Api`.
 struct Api {
@@ -52,6 +64,18 @@ const char* op_name(c10d::ReduceOp::RedOpType op) {
   }
 }
 
+// Raises `chorus._errors.<class_name>(message)` with its `ranks`, as the
+// Python backend raises it, from a thread that may not hold the GIL.
+[[noreturn]] void raise_chorus_error(const std::string& class_name, const std::string& message,
+                                     const std::vector<size_t>& ranks) {
+  py::gil_scoped_acquire gil;
+  py::object type = py::module_::import("chorus._errors").attr(class_name.c_str());
+  py::object error = type(message);
+  error.attr("ranks") = py::cast(ranks);
+  PyErr_SetObject(type.ptr(), error.ptr());
+  throw py::error_already_set();
+}
+
 // An all-reduce in flight; the library holds one reference to it until
 // `done`, so the tensor outlives the operation.
 class AllReduceWork : public c10d::Work {
@@ -61,18 +85,22 @@ class AllReduceWork : public c10d::Work {
         tensor_(std::move(tensor)),
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
-  static void done(void* ctx, int failed, const uint8_t* message, size_t len) {
+  static void done(void* ctx, const CFailure* failure) {
     auto work = c10::intrusive_ptr<AllReduceWork>::reclaim(static_cast<AllReduceWork*>(ctx));
     std::exception_ptr error;
-    if (failed) {
-      error = std::make_exception_ptr(
-          c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                std::string(reinterpret_cast<const char*>(message), len)));
-    }
     {
       std::lock_guard<std::mutex> lock(work->mutex_);
+      if (failure) {
+        work->class_name_.assign(failure->class_name, failure->class_len);
+        work->message_.assign(failure->message, failure->message_len);
+        work->ranks_.assign(failure->ranks, failure->ranks + failure->ranks_len);
+        // What torch's future callers (DDP's reducer) see; wait() raises
+        // the typed exception.
+        error = std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                                              work->class_name_ + ": " + work->message_));
+        work->error_ = error;
+      }
       work->ended_ = true;
-      work->error_ = error;
     }
     work->ended_cv_.notify_all();
     if (error) {
@@ -102,10 +130,17 @@ class AllReduceWork : public c10d::Work {
     if (timeout == kNoTimeout) {
       ended_cv_.wait(lock, [&] { return ended_; });
     } else if (!ended_cv_.wait_for(lock, timeout, [&] { return ended_; })) {
-      TORCH_CHECK(false, "Timed out waiting ", timeout.count(), " ms for chorus's all_reduce");
+      lock.unlock();
+      raise_chorus_error("WaitTimeout",
+                         "work not finished within " + std::to_string(timeout.count()) +
+                             " ms; it goes on under its own deadline",
+                         {});
     }
     if (error_) {
-      std::rethrow_exception(error_);
+      std::string class_name = class_name_, message = message_;
+      std::vector<size_t> ranks = ranks_;
+      lock.unlock();
+      raise_chorus_error(class_name, message, ranks);
     }
     return true;
   }
@@ -121,6 +156,9 @@ class AllReduceWork : public c10d::Work {
   std::condition_variable ended_cv_;
   bool ended_ = false;
   std::exception_ptr error_;
+  std::string class_name_;
+  std::string message_;
+  std::vector<size_t> ranks_;
 };
 
 class ChorusCppBackend : public c10d::Backend {

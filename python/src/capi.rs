@@ -18,17 +18,31 @@ use std::time::Duration;
 use chorus::{Collective, CollectiveKind, DType, ProcessGroup, ReduceOp, Tensor};
 
 use crate::runtime::runtime;
-use crate::work::Failure;
+use crate::work::{Class, Failure};
 
-/// Called once with the operation's outcome: `failed` 0 for success, else
-/// 1 and `message` (UTF-8, `message_len` bytes, valid during the call).
-pub(crate) type Done = extern "C" fn(ctx: *mut c_void, failed: i32, message: *const u8, message_len: usize);
+/// Called once with the operation's outcome: `failure` null for success,
+/// else why (valid during the call only).
+pub(crate) type Done = extern "C" fn(ctx: *mut c_void, failure: *const CFailure);
+
+/// Why an operation failed, as the Python backend would raise it: the
+/// exception class of `chorus._errors` (`GroupAborted`, ...), its message
+/// and the ranks taken for failed; strings are UTF-8, not NUL-terminated.
+#[repr(C)]
+pub(crate) struct CFailure {
+    class: *const u8,
+    class_len: usize,
+    message: *const u8,
+    message_len: usize,
+    ranks: *const usize,
+    ranks_len: usize,
+}
 
 /// What the C side calls.
 #[repr(C)]
 pub(crate) struct Api {
     /// Submits an all-reduce of `bytes` bytes at `ptr`, in place; returns 0,
     /// or 1 with `done` already called with the reason (bad arguments).
+    /// `timeout_s` 0 or less: the group's own.
     all_reduce: unsafe extern "C" fn(
         group: *const ProcessGroup,
         ptr: *mut u8,
@@ -50,8 +64,21 @@ pub(crate) fn export(group: &Arc<ProcessGroup>) -> (usize, usize) {
     (&API as *const Api as usize, Arc::into_raw(group.clone()) as usize)
 }
 
-fn fail(done: Done, ctx: *mut c_void, message: &str) -> i32 {
-    done(ctx, 1, message.as_ptr(), message.len());
+fn report(done: Done, ctx: *mut c_void, failure: &Failure) {
+    let class = failure.class.name();
+    let c = CFailure {
+        class: class.as_ptr(),
+        class_len: class.len(),
+        message: failure.message.as_ptr(),
+        message_len: failure.message.len(),
+        ranks: failure.ranks.as_ptr(),
+        ranks_len: failure.ranks.len(),
+    };
+    done(ctx, &c);
+}
+
+fn fail(done: Done, ctx: *mut c_void, class: Class, message: String) -> i32 {
+    report(done, ctx, &Failure::new(class, message));
     1
 }
 
@@ -72,20 +99,32 @@ unsafe extern "C" fn all_reduce(
     // SAFETY: NUL-terminated strings, per the contract.
     let (dtype, op) = unsafe { (CStr::from_ptr(dtype), CStr::from_ptr(op)) };
     let Some(dtype) = dtype.to_str().ok().and_then(|d| DType::from_str(d).ok()) else {
-        return fail(done, ctx, &format!("all_reduce: chorus does not reduce {dtype:?}"));
-    };
-    let Some(op) = op.to_str().ok().and_then(|o| ReduceOp::from_str(o).ok()) else {
-        return fail(done, ctx, &format!("all_reduce: no reduction named {op:?}"));
-    };
-    if !bytes.is_multiple_of(dtype.size()) || (bytes > 0 && !(ptr as usize).is_multiple_of(dtype.size())) {
         return fail(
             done,
             ctx,
-            &format!("all_reduce: {bytes} bytes at {ptr:p} are not {dtype} elements"),
+            Class::InvalidArgument,
+            format!("all_reduce: chorus does not reduce {dtype:?}"),
         );
+    };
+    let Some(op) = op.to_str().ok().and_then(|o| ReduceOp::from_str(o).ok()) else {
+        return fail(
+            done,
+            ctx,
+            Class::InvalidArgument,
+            format!("all_reduce: no reduction named {op:?}"),
+        );
+    };
+    if !bytes.is_multiple_of(dtype.size()) || (bytes > 0 && !(ptr as usize).is_multiple_of(dtype.size())) {
+        let message = format!("all_reduce: {bytes} bytes at {ptr:p} are not {dtype} elements");
+        return fail(done, ctx, Class::InvalidArgument, message);
     }
     let Ok(rt) = runtime() else {
-        return fail(done, ctx, "chorus could not start its runtime threads");
+        return fail(
+            done,
+            ctx,
+            Class::Backend,
+            "chorus could not start its runtime threads".into(),
+        );
     };
     // SAFETY: the caller keeps the memory alive and alone until `done`,
     // which comes after the operation has dropped its buffer.
@@ -110,14 +149,11 @@ unsafe extern "C" fn all_reduce(
     let ctx = ctx as usize;
     rt.spawn(async move {
         // The operation's buffer is dropped with its result, before `done`.
-        let failed = work
-            .await
-            .err()
-            .map(|e| Failure::from_collective(&e, &failures).message);
+        let failed = work.await.err().map(|e| Failure::from_collective(&e, &failures));
         let ctx = ctx as *mut c_void;
         match failed {
-            None => done(ctx, 0, std::ptr::null(), 0),
-            Some(message) => done(ctx, 1, message.as_ptr(), message.len()),
+            None => done(ctx, std::ptr::null()),
+            Some(failure) => report(done, ctx, &failure),
         }
     });
     0

@@ -32,7 +32,7 @@ pub(crate) enum Class {
 }
 
 impl Class {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Class::GroupAborted => "GroupAborted",
             Class::Desync => "DesyncError",

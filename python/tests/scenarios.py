@@ -520,8 +520,9 @@ def cpp_backend(part: str) -> None:
             for _ in range(100000):
                 dist.all_reduce(t)
             out["error"] = "none"
-        except dist.DistBackendError as e:
-            out["error"], out["message"] = type(e).__name__, str(e)
+        except chorus.ChorusError as e:
+            out["error"], out["message"], out["ranks"] = type(e).__name__, str(e), list(e.ranks)
+            out["is_dist_backend_error"] = isinstance(e, dist.DistBackendError)
         out["elapsed"] = time.monotonic() - began
         result(out)
         return
@@ -546,8 +547,9 @@ def cpp_backend(part: str) -> None:
         try:
             work.wait(timeout=timedelta(milliseconds=200))
             out["wait_timeout"] = "no error"
-        except RuntimeError as e:
-            out["wait_timeout"] = str(e)
+        except chorus.WaitTimeout as e:
+            out["wait_timeout"] = type(e).__name__
+        out["done_after_timeout"] = work.is_completed()
     work.wait()
     out["late_value"] = late[0].item()
     b = torch.full((5,), float(RANK))
