@@ -5,10 +5,9 @@
 // straight to the library's C entry point (python/src/capi.rs) and its
 // future completes from the library's thread: no Python on the way in or
 // out; a failure is raised from wait() as the Python backend raises it
-// (chorus.GroupAborted naming the ranks, chorus.WaitTimeout, ...). The
-// other operations the benchmarks issue (DDP's broadcast and parameter
-// check, barriers) go to the Python backend that formed the group, with
-// the GIL taken.
+// (chorus.GroupAborted naming the ranks, chorus.WaitTimeout, ...). Every
+// other operation, and all-reduces issued while coalescing, go to the
+// Python backend that formed the group, with the GIL taken.
 #include <torch/extension.h>
 
 #include <condition_variable>
@@ -36,7 +35,6 @@ using Done = void (*)(void*, const CFailure*);
 struct Api {
   int (*all_reduce)(const void* group, void* ptr, size_t bytes, const char* dtype, const char* op,
                     double timeout_s, Done done, void* ctx);
-  void (*release)(const void* group);
 };
 
 const char* dtype_name(at::ScalarType type) {
@@ -170,8 +168,8 @@ class ChorusCppBackend : public c10d::Backend {
         group_(reinterpret_cast<const void*>(group)),
         timeout_s_(timeout_s) {}
 
+  // `group_` is the Python backend's `_core`, alive as long as `python_`.
   ~ChorusCppBackend() override {
-    api_->release(group_);
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
       python_ = py::object();
@@ -185,7 +183,7 @@ class ChorusCppBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     const char* op = op_name(opts.reduceOp.op_);
-    if (tensors.size() != 1 || !op) {
+    if (tensors.size() != 1 || !op || coalescing_) {
       return forward("allreduce", tensors, opts);
     }
     at::Tensor& t = tensors[0];
@@ -194,6 +192,7 @@ class ChorusCppBackend : public c10d::Backend {
       return forward("allreduce", tensors, opts);
     }
     auto work = c10::make_intrusive<AllReduceWork>(t);
+    ++fast_ops_;
     double timeout_s = opts.timeout == c10d::kUnsetTimeout ? timeout_s_ : opts.timeout.count() / 1000.0;
     // The library's reference, given back in `done`.
     AllReduceWork* ctx = c10::intrusive_ptr<AllReduceWork>(work).release();
@@ -202,29 +201,118 @@ class ChorusCppBackend : public c10d::Backend {
     return work;
   }
 
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
-                                           const c10d::BroadcastOptions& opts) override {
-    return forward("broadcast", tensors, opts);
+  bool supportsSplitting() const override { return true; }
+
+  // The split group's backend is the Python one's split, behind a C++ front.
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    py::gil_scoped_acquire gil;
+    py::object python = python_.attr("split")(store, ranks, opts);
+    auto handles = python.attr("_core").attr("c_api")().cast<std::pair<uintptr_t, uintptr_t>>();
+    double timeout_s = python.attr("_timeout").is_none() ? timeout_s_ : python.attr("_timeout").cast<double>();
+    return c10::make_intrusive<ChorusCppBackend>(python, handles.first, handles.second, timeout_s);
   }
 
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                           std::vector<at::Tensor>& inputs,
-                                           const c10d::AllgatherOptions& opts) override {
-    return forward("allgather", outputs, inputs, opts);
+  bool supportsCoalescing() const override { return true; }
+
+  // While coalescing, every operation goes through the Python backend,
+  // which gathers them into the one work `endCoalescing` returns.
+  void startCoalescing() override {
+    py::gil_scoped_acquire gil;
+    python_.attr("start_coalescing")();
+    coalescing_ = true;
   }
 
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts) override {
-    return forward("all_gather_single", output, input, opts);
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    coalescing_ = false;
+    return forward("end_coalescing");
   }
 
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
-    return forward("barrier", opts);
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    py::gil_scoped_acquire gil;
+    return python_.attr("options").cast<c10::intrusive_ptr<Options>>();
+  }
+
+  // Operations issued here and through the Python backend, in order
+  // (what torch's debug wrapper compares across ranks).
+  uint64_t getSequenceNumberForGroup() override {
+    py::gil_scoped_acquire gil;
+    return fast_ops_ + python_.attr("_get_sequence_number_for_group")().cast<uint64_t>();
+  }
+
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    py::gil_scoped_acquire gil;
+    python_.attr("monitored_barrier")(opts, wait_all_ranks);
+  }
+
+  void abort() override {
+    py::gil_scoped_acquire gil;
+    python_.attr("abort")();
   }
 
   void shutdown() override {
     py::gil_scoped_acquire gil;
     python_.attr("shutdown")();
+  }
+
+#define CHORUS_FORWARD(name, params, ...) \
+  c10::intrusive_ptr<c10d::Work> name params override { return forward(#name, __VA_ARGS__); }
+
+  CHORUS_FORWARD(broadcast, (std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts), tensors, opts)
+  CHORUS_FORWARD(allreduce_sparse, (std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts), tensors,
+                 opts)
+  CHORUS_FORWARD(allreduce_coalesced,
+                 (std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts), tensors, opts)
+  CHORUS_FORWARD(reduce, (std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts), tensors, opts)
+  CHORUS_FORWARD(allgather,
+                 (std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                  const c10d::AllgatherOptions& opts),
+                 outputs, inputs, opts)
+  CHORUS_FORWARD(all_gather_single, (at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts),
+                 output, input, opts)
+  CHORUS_FORWARD(allgather_coalesced,
+                 (std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                  const c10d::AllgatherOptions& opts),
+                 outputs, inputs, opts)
+  CHORUS_FORWARD(all_gather_single_coalesced,
+                 (std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                  const c10d::AllgatherOptions& opts),
+                 outputs, inputs, opts)
+  CHORUS_FORWARD(gather,
+                 (std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                  const c10d::GatherOptions& opts),
+                 outputs, inputs, opts)
+  CHORUS_FORWARD(scatter,
+                 (std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const c10d::ScatterOptions& opts),
+                 outputs, inputs, opts)
+  CHORUS_FORWARD(reduce_scatter,
+                 (std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const c10d::ReduceScatterOptions& opts),
+                 outputs, inputs, opts)
+  CHORUS_FORWARD(reduce_scatter_single,
+                 (at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts), output, input,
+                 opts)
+  CHORUS_FORWARD(reduce_scatter_single_coalesced,
+                 (std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                  const c10d::ReduceScatterOptions& opts),
+                 outputs, inputs, opts)
+  CHORUS_FORWARD(all_to_all_single,
+                 (at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+                  std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts),
+                 output, input, output_split_sizes, input_split_sizes, opts)
+  CHORUS_FORWARD(alltoall,
+                 (std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                  const c10d::AllToAllOptions& opts),
+                 outputs, inputs, opts)
+  CHORUS_FORWARD(send, (std::vector<at::Tensor>& tensors, int dst_rank, int tag), tensors, dst_rank, tag)
+  CHORUS_FORWARD(recv, (std::vector<at::Tensor>& tensors, int src_rank, int tag), tensors, src_rank, tag)
+  CHORUS_FORWARD(barrier, (const c10d::BarrierOptions& opts), opts)
+#undef CHORUS_FORWARD
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    return forward("recv_anysource", tensors, tag);
   }
 
  private:
@@ -239,6 +327,8 @@ class ChorusCppBackend : public c10d::Backend {
   const Api* api_;
   const void* group_;
   double timeout_s_;
+  bool coalescing_ = false;
+  uint64_t fast_ops_ = 0;
 };
 
 }  // namespace

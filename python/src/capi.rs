@@ -5,18 +5,21 @@
 //! dispatch.py` and `torch_backend.py --cpp` measure it against the
 //! package's Python one.
 //!
-//! The C side gets the table below and a handle to the group (a strong
-//! reference it must release), and calls `all_reduce` with a contiguous
-//! CPU tensor's memory, which it must keep alive and leave alone until
-//! `done` is called (from one of the runtime's threads).
+//! The C side gets the table below and a handle to the package's `Group`
+//! object, which it keeps alive by holding that Python object (so a
+//! destroyed group stays destroyed for it too), and calls `all_reduce`
+//! with a contiguous CPU tensor's memory, which it must keep alive and
+//! leave alone until `done` is called. `done` runs on a thread that may
+//! block (torch's future callbacks wait on further operations, as
+//! PowerSGD's do), never on one the runtime needs.
 
 use std::ffi::{CStr, c_char, c_void};
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use chorus::{Collective, CollectiveKind, DType, ProcessGroup, ReduceOp, Tensor};
+use chorus::{Collective, CollectiveKind, DType, ReduceOp, Tensor};
 
+use crate::group::Group;
 use crate::runtime::runtime;
 use crate::work::{Class, Failure};
 
@@ -44,7 +47,7 @@ pub(crate) struct Api {
     /// or 1 with `done` already called with the reason (bad arguments).
     /// `timeout_s` 0 or less: the group's own.
     all_reduce: unsafe extern "C" fn(
-        group: *const ProcessGroup,
+        group: *const Group,
         ptr: *mut u8,
         bytes: usize,
         dtype: *const c_char,
@@ -53,15 +56,14 @@ pub(crate) struct Api {
         done: Done,
         ctx: *mut c_void,
     ) -> i32,
-    /// Drops the handle's reference to the group.
-    release: unsafe extern "C" fn(group: *const ProcessGroup),
 }
 
-static API: Api = Api { all_reduce, release };
+static API: Api = Api { all_reduce };
 
-/// The table's address and a new handle to `group`.
-pub(crate) fn export(group: &Arc<ProcessGroup>) -> (usize, usize) {
-    (&API as *const Api as usize, Arc::into_raw(group.clone()) as usize)
+/// The table's address and the handle of `group`, valid while its Python
+/// object lives.
+pub(crate) fn export(group: &Group) -> (usize, usize) {
+    (&API as *const Api as usize, group as *const Group as usize)
 }
 
 fn report(done: Done, ctx: *mut c_void, failure: &Failure) {
@@ -83,11 +85,11 @@ fn fail(done: Done, ctx: *mut c_void, class: Class, message: String) -> i32 {
 }
 
 /// # Safety
-/// `group` is a live handle from [`export`]; `dtype` and `op` are
+/// `group` is a handle from [`export`] whose object lives; `dtype` and `op` are
 /// NUL-terminated; `ptr` addresses `bytes` writable bytes that stay valid,
 /// and untouched by the caller, until `done` is called.
 unsafe extern "C" fn all_reduce(
-    group: *const ProcessGroup,
+    group: *const Group,
     ptr: *mut u8,
     bytes: usize,
     dtype: *const c_char,
@@ -140,8 +142,12 @@ unsafe extern "C" fn all_reduce(
         timeout: (timeout_s > 0.0 && timeout_s.is_finite()).then(|| Duration::from_secs_f64(timeout_s)),
         tag: 0,
     };
-    // SAFETY: a live handle, per the contract.
+    // SAFETY: the handle's object lives, per the contract.
     let group = unsafe { &*group };
+    let Some(group) = group.live() else {
+        report(done, ctx, &group.destroyed("all_reduce"));
+        return 1;
+    };
     let (work, failures) = {
         let _enter = rt.enter();
         (group.submit_tensor(collective), group.failures())
@@ -150,18 +156,15 @@ unsafe extern "C" fn all_reduce(
     rt.spawn(async move {
         // The operation's buffer is dropped with its result, before `done`.
         let failed = work.await.err().map(|e| Failure::from_collective(&e, &failures));
-        let ctx = ctx as *mut c_void;
-        match failed {
-            None => done(ctx, std::ptr::null()),
-            Some(failure) => report(done, ctx, &failure),
-        }
+        // This thread leaves the runtime's work to another while `done`
+        // runs the future's callbacks, which may block.
+        tokio::task::block_in_place(|| {
+            let ctx = ctx as *mut c_void;
+            match failed {
+                None => done(ctx, std::ptr::null()),
+                Some(failure) => report(done, ctx, &failure),
+            }
+        });
     });
     0
-}
-
-/// # Safety
-/// `group` is a handle from [`export`], released once.
-unsafe extern "C" fn release(group: *const ProcessGroup) {
-    // SAFETY: per the contract, this handle's reference is still held.
-    drop(unsafe { Arc::from_raw(group) });
 }

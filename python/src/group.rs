@@ -106,18 +106,25 @@ impl Group {
         }
     }
 
-    fn with_group<T>(&self, what: &str, f: impl FnOnce(&Arc<ProcessGroup>) -> T) -> PyResult<T> {
+    fn with_group<T>(&self, what: &str, f: impl FnOnce(&ProcessGroup) -> T) -> PyResult<T> {
         let guard = self.group.lock().unwrap_or_else(|p| p.into_inner());
         match guard.as_ref() {
             Some(group) => Ok(f(group)),
-            None => Err(Python::attach(|py| {
-                Failure::new(
-                    Class::GroupAborted,
-                    format!("{what} on rank {}: the process group was destroyed", self.rank),
-                )
-                .to_err(py)
-            })),
+            None => Err(Python::attach(|py| self.destroyed(what).to_err(py))),
         }
+    }
+
+    /// The group, unless destroyed.
+    pub(crate) fn live(&self) -> Option<Arc<ProcessGroup>> {
+        self.group.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// What `what` fails with once the group is destroyed.
+    pub(crate) fn destroyed(&self, what: &str) -> Failure {
+        Failure::new(
+            Class::GroupAborted,
+            format!("{what} on rank {}: the process group was destroyed", self.rank),
+        )
     }
 }
 
@@ -320,11 +327,11 @@ impl Group {
         }
     }
 
-    /// The address of the C entry table (`capi`) and a new handle to the
-    /// group, for a `c10d::Backend` in C++ over this group; the handle
-    /// holds the group until the table's `release` is called with it.
-    fn c_api(&self) -> PyResult<(usize, usize)> {
-        self.with_group("c_api", crate::capi::export)
+    /// The address of the C entry table (`capi`) and this object's handle,
+    /// for a `c10d::Backend` in C++ over this group, which must hold this
+    /// object while it uses the handle.
+    fn c_api(&self) -> (usize, usize) {
+        crate::capi::export(self)
     }
 
     /// Whether the group is still formed (not destroyed).
