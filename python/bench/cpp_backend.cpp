@@ -2,9 +2,10 @@
 // package's Python one (python/bench/dispatch.py, torch_backend.py --cpp).
 //
 // An all-reduce of one contiguous CPU tensor goes from torch's dispatcher
-// straight to the library's C entry point (python/src/capi.rs) and its
-// future completes from the library's thread: no Python on the way in or
-// out; a failure is raised from wait() as the Python backend raises it
+// straight to the library's C entry point (python/src/capi.rs); its wait()
+// wakes from the library's thread and its future completes on one of the
+// library's blocking threads: no Python on the way in or out. A failure is
+// raised from wait() as the Python backend raises it
 // (chorus.GroupAborted naming the ranks, chorus.WaitTimeout, ...). Every
 // other operation, and all-reduces issued while coalescing, go to the
 // Python backend that formed the group, with the GIL taken.
@@ -35,6 +36,7 @@ using Done = void (*)(void*, const CFailure*);
 struct Api {
   int (*all_reduce)(const void* group, void* ptr, size_t bytes, const char* dtype, const char* op,
                     double timeout_s, Done done, void* ctx);
+  int (*run_blocking)(void (*f)(void*), void* arg);
 };
 
 const char* dtype_name(at::ScalarType type) {
@@ -78,14 +80,18 @@ const char* op_name(c10d::ReduceOp::RedOpType op) {
 // `done`, so the tensor outlives the operation.
 class AllReduceWork : public c10d::Work {
  public:
-  explicit AllReduceWork(at::Tensor tensor)
+  AllReduceWork(at::Tensor tensor, const Api* api)
       : Work(-1, c10d::OpType::ALLREDUCE),
+        api_(api),
         tensor_(std::move(tensor)),
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
+  // On the library's runtime thread: wakes wait() at once; the future,
+  // whose callbacks may block, completes on one of the library's blocking
+  // threads, and only once somebody asked for it.
   static void done(void* ctx, const CFailure* failure) {
     auto work = c10::intrusive_ptr<AllReduceWork>::reclaim(static_cast<AllReduceWork*>(ctx));
-    std::exception_ptr error;
+    bool future_asked;
     {
       std::lock_guard<std::mutex> lock(work->mutex_);
       if (failure) {
@@ -94,18 +100,33 @@ class AllReduceWork : public c10d::Work {
         work->ranks_.assign(failure->ranks, failure->ranks + failure->ranks_len);
         // What torch's future callers (DDP's reducer) see; wait() raises
         // the typed exception.
-        error = std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                                              work->class_name_ + ": " + work->message_));
-        work->error_ = error;
+        work->error_ = std::make_exception_ptr(c10::DistBackendError(
+            {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, work->class_name_ + ": " + work->message_));
       }
       work->ended_ = true;
+      future_asked = work->future_asked_;
     }
     work->ended_cv_.notify_all();
-    if (error) {
-      work->future_->setError(error);
-    } else {
-      work->future_->markCompleted(c10::IValue(std::vector<at::Tensor>{work->tensor_}));
+    if (future_asked) {
+      // The blocking thread's reference, given back in `complete_later`.
+      AllReduceWork* arg = c10::intrusive_ptr<AllReduceWork>(work).release();
+      if (work->api_->run_blocking(&AllReduceWork::complete_later, arg) != 0) {
+        complete_later(arg);
+      }
     }
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    bool ended;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ended = ended_ && !future_asked_;
+      future_asked_ = true;
+    }
+    if (ended) {
+      complete_future();  // it ended before anybody asked: done() left it
+    }
+    return future_;
   }
 
   bool isCompleted() override {
@@ -143,16 +164,28 @@ class AllReduceWork : public c10d::Work {
     return true;
   }
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
   std::vector<at::Tensor> result() override { return {tensor_}; }
 
  private:
+  static void complete_later(void* arg) {
+    c10::intrusive_ptr<AllReduceWork>::reclaim(static_cast<AllReduceWork*>(arg))->complete_future();
+  }
+
+  void complete_future() {
+    if (error_) {
+      future_->setError(error_);
+    } else {
+      future_->markCompleted(c10::IValue(std::vector<at::Tensor>{tensor_}));
+    }
+  }
+
+  const Api* api_;
   at::Tensor tensor_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   mutable std::mutex mutex_;
   std::condition_variable ended_cv_;
   bool ended_ = false;
+  bool future_asked_ = false;
   std::exception_ptr error_;
   std::string class_name_;
   std::string message_;
@@ -191,7 +224,7 @@ class ChorusCppBackend : public c10d::Backend {
     if (!dtype || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous()) {
       return forward("allreduce", tensors, opts);
     }
-    auto work = c10::make_intrusive<AllReduceWork>(t);
+    auto work = c10::make_intrusive<AllReduceWork>(t, api_);
     ++fast_ops_;
     double timeout_s = opts.timeout == c10d::kUnsetTimeout ? timeout_s_ : opts.timeout.count() / 1000.0;
     // The library's reference, given back in `done`.

@@ -9,9 +9,12 @@
 //! object, which it keeps alive by holding that Python object (so a
 //! destroyed group stays destroyed for it too), and calls `all_reduce`
 //! with a contiguous CPU tensor's memory, which it must keep alive and
-//! leave alone until `done` is called. `done` runs on a thread that may
-//! block (torch's future callbacks wait on further operations, as
-//! PowerSGD's do), never on one the runtime needs.
+//! leave alone until `done` is called. `done` runs on one of the runtime's
+//! threads, at once (a blocked `wait()` wakes with no hop in between), so
+//! it must not block: what may (torch's future callbacks wait on further
+//! operations, as PowerSGD's do) it hands to `run_blocking`, which runs it
+//! on the runtime's pool of blocking threads (grown as needed, so callbacks
+//! waiting on each other never run out of threads).
 
 use std::ffi::{CStr, c_char, c_void};
 use std::str::FromStr;
@@ -56,9 +59,15 @@ pub(crate) struct Api {
         done: Done,
         ctx: *mut c_void,
     ) -> i32,
+    /// Runs `f(arg)` on a blocking thread; returns 1 (and runs nothing)
+    /// when the runtime could not start.
+    run_blocking: unsafe extern "C" fn(f: extern "C" fn(arg: *mut c_void), arg: *mut c_void) -> i32,
 }
 
-static API: Api = Api { all_reduce };
+static API: Api = Api {
+    all_reduce,
+    run_blocking,
+};
 
 /// The table's address and the handle of `group`, valid while its Python
 /// object lives.
@@ -156,15 +165,22 @@ unsafe extern "C" fn all_reduce(
     rt.spawn(async move {
         // The operation's buffer is dropped with its result, before `done`.
         let failed = work.await.err().map(|e| Failure::from_collective(&e, &failures));
-        // This thread leaves the runtime's work to another while `done`
-        // runs the future's callbacks, which may block.
-        tokio::task::block_in_place(|| {
-            let ctx = ctx as *mut c_void;
-            match failed {
-                None => done(ctx, std::ptr::null()),
-                Some(failure) => report(done, ctx, &failure),
-            }
-        });
+        let ctx = ctx as *mut c_void;
+        match failed {
+            None => done(ctx, std::ptr::null()),
+            Some(failure) => report(done, ctx, &failure),
+        }
     });
+    0
+}
+
+/// # Safety
+/// `arg` may be used by `f` on another thread.
+unsafe extern "C" fn run_blocking(f: extern "C" fn(arg: *mut c_void), arg: *mut c_void) -> i32 {
+    let Ok(rt) = runtime() else {
+        return 1;
+    };
+    let arg = arg as usize;
+    rt.spawn_blocking(move || f(arg as *mut c_void));
     0
 }

@@ -206,10 +206,12 @@ def ddp(backend: str, steps: str = "5") -> None:
     result({"params": params.tolist()})
 
 
-def ddp_hooks(hook: str) -> None:
+def ddp_hooks(hook: str, backend: str = "chorus") -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    dist.init_process_group("chorus")
+    if backend == "chorus_cpp":
+        _register_cpp()
+    dist.init_process_group(backend)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     ddp_model = torch.nn.parallel.DistributedDataParallel(model)

@@ -49,6 +49,13 @@ def test_the_cpp_backend_gives_ddp_the_parameters_gloo_gives():
     assert len(cpp) == len(gloo) and worst < 1e-5, f"parameters differ by up to {worst}"
 
 
+def test_powersgds_callbacks_that_wait_on_further_all_reduces_run_on_the_cpp_backend():
+    # Its future callbacks block on the next all-reduce: run on the
+    # library's runtime threads, they would hang it.
+    checksums = {r.result()["checksum"] for r in run("ddp_hooks", 2, args=["powersgd", "chorus_cpp"])}
+    assert len(checksums) == 1, f"replicas diverged: {checksums}"
+
+
 def test_a_dead_rank_raises_group_aborted_naming_it_from_the_cpp_backend():
     window = 2.0
     ranks = run("cpp_backend", 3, args=["failure"], timeout=60, env={"CHORUS_HEARTBEAT_TIMEOUT": str(window)},
