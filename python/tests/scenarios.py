@@ -152,18 +152,9 @@ def collectives() -> None:
     result({"failures": failures, "checked": checked})
 
 
-def async_work() -> None:
-    dist.init_process_group("chorus")
-    out = {}
-    t = torch.ones(1000)
-    work = dist.all_reduce(t, async_op=True)
-    fut = work.get_future()
-    chained = fut.then(lambda f: f.value()[0] * 2)
-    assert work.wait()
-    out["completed"] = work.is_completed()
-    out["value"] = t[0].item()
-    out["chained"] = chained.wait()[0].item()
-    # A wait with a timeout returns first when a peer is late.
+def _late_peer_wait(out: dict) -> None:
+    """A wait with a timeout returns first when a peer is late: rank 1
+    all-reduces 2 s late, rank 0 waits 200 ms, then waits it out."""
     late = torch.ones(4)
     if RANK == 1:
         time.sleep(2)
@@ -177,6 +168,20 @@ def async_work() -> None:
         out["done_after_timeout"] = work.is_completed()
     work.wait()
     out["late_value"] = late[0].item()
+
+
+def async_work() -> None:
+    dist.init_process_group("chorus")
+    out = {}
+    t = torch.ones(1000)
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    chained = fut.then(lambda f: f.value()[0] * 2)
+    assert work.wait()
+    out["completed"] = work.is_completed()
+    out["value"] = t[0].item()
+    out["chained"] = chained.wait()[0].item()
+    _late_peer_wait(out)
     dist.destroy_process_group()
     result(out)
 
@@ -541,19 +546,7 @@ def cpp_backend(part: str) -> None:
     work = dist.all_reduce(t, async_op=True)
     out["chained"] = work.get_future().then(lambda f: f.value()[0][0].item() * 2).wait()
     out["waited"] = work.wait() and t[0].item()
-    late = torch.ones(4)
-    if RANK == 1:
-        time.sleep(2)
-    work = dist.all_reduce(late, async_op=True)
-    if RANK == 0:
-        try:
-            work.wait(timeout=timedelta(milliseconds=200))
-            out["wait_timeout"] = "no error"
-        except chorus.WaitTimeout as e:
-            out["wait_timeout"] = type(e).__name__
-        out["done_after_timeout"] = work.is_completed()
-    work.wait()
-    out["late_value"] = late[0].item()
+    _late_peer_wait(out)
     b = torch.full((5,), float(RANK))
     dist.broadcast(b, src=1)
     out["broadcast"] = b.tolist()
