@@ -11,8 +11,10 @@
 // Python backend that formed the group, with the GIL taken.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -76,6 +78,51 @@ const char* op_name(c10d::ReduceOp::RedOpType op) {
   throw py::error_already_set();
 }
 
+// The library's threads let go of works, and a work's tensor whose Python
+// object died meanwhile takes the GIL to free it. During interpreter
+// finalization taking the GIL ends the thread (pthread_exit), and that
+// unwinding through a noexcept destructor aborts the process. So an atexit
+// hook, which runs before finalization, closes this gate and waits out the
+// threads inside; after it, works are leaked rather than freed.
+class ExitGate {
+ public:
+  bool enter() {
+    inside_.fetch_add(1);
+    if (closed_.load()) {
+      inside_.fetch_sub(1);
+      return false;
+    }
+    return true;
+  }
+
+  void leave() { inside_.fetch_sub(1); }
+
+  void close() {
+    closed_.store(true);
+    py::gil_scoped_release nogil;  // a thread inside may be waiting for the GIL
+    while (inside_.load() != 0) {
+      std::this_thread::yield();
+    }
+  }
+
+ private:
+  std::atomic<bool> closed_{false};
+  std::atomic<int> inside_{0};
+};
+
+ExitGate exit_gate;
+
+// Drops `work` unless the interpreter is on its way out.
+template <typename T>
+void let_go(c10::intrusive_ptr<T> work) {
+  if (!exit_gate.enter()) {
+    work.release();
+    return;
+  }
+  work.reset();
+  exit_gate.leave();
+}
+
 // An all-reduce in flight; the library holds one reference to it until
 // `done`, so the tensor outlives the operation.
 class AllReduceWork : public c10d::Work {
@@ -114,6 +161,7 @@ class AllReduceWork : public c10d::Work {
         complete_later(arg);
       }
     }
+    let_go(std::move(work));
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
@@ -167,8 +215,16 @@ class AllReduceWork : public c10d::Work {
   std::vector<at::Tensor> result() override { return {tensor_}; }
 
  private:
+  // Callbacks may take the GIL, so they pass the exit gate too.
   static void complete_later(void* arg) {
-    c10::intrusive_ptr<AllReduceWork>::reclaim(static_cast<AllReduceWork*>(arg))->complete_future();
+    auto work = c10::intrusive_ptr<AllReduceWork>::reclaim(static_cast<AllReduceWork*>(arg));
+    if (!exit_gate.enter()) {
+      work.release();
+      return;
+    }
+    work->complete_future();
+    work.reset();
+    exit_gate.leave();
   }
 
   void complete_future() {
@@ -367,6 +423,7 @@ class ChorusCppBackend : public c10d::Backend {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::module_::import("atexit").attr("register")(py::cpp_function([] { exit_gate.close(); }));
   py::class_<ChorusCppBackend, c10d::Backend, c10::intrusive_ptr<ChorusCppBackend>>(m, "ChorusCppBackend")
       .def(py::init<py::object, uintptr_t, uintptr_t, double>(), py::arg("python"), py::arg("api"),
            py::arg("group"), py::arg("timeout_s"));
