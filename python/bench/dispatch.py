@@ -1,18 +1,17 @@
 """What a backend written in Python costs per call, against one in C++.
 
-    python3 python/bench/dispatch.py [--calls 20000] [--cpp]
+    python3 python/bench/dispatch.py [--calls 20000]
 
-chorus's torch backend is a Python `Backend` subclass: torch's dispatcher
-calls into Python for every operation, which then calls the Rust library.
-A `c10d::Backend` written in C++ would skip the Python step. This measures
-that step alone, in one process (world 1, so no rank waits on another):
-`dist.all_reduce` of one float through (1) Gloo, C++ all the way, (2) a
-Python backend that does nothing (returns a finished work at once: torch's
-dispatch into Python and back), and (3) chorus. (2) is the whole cost of
-a call into a Python backend. With --cpp it adds (4) chorus as a C++
-`c10d::Backend` over the same library (cpp_backend.cpp), which skips the
-Python step: (3) - (4) is what writing the backend in C++ saves per call.
-It prints the medians of 5 rounds.
+chorus's torch backend has two implementations: a C++ `c10d::Backend`
+front whose all-reduce goes from torch's dispatcher to the Rust library
+with no Python step, and the Python `Backend` behind it, which runs alone
+where the front cannot build. This measures the per-call cost in one
+process (world 1, so no rank waits on another): `dist.all_reduce` of one
+float through (1) Gloo, C++ all the way, (2) a Python backend that does
+nothing (returns a finished work at once: torch's dispatch into Python and
+back, the whole cost of a call into a Python backend), (3) chorus's Python
+backend and (4) chorus as users get it, the C++ front: (3) - (4) is what
+the front saves per call. It prints the medians of 5 rounds.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import chorus.torch  # noqa: F401  (registers "chorus")
+import chorus.torch
 import idle_backend
+from chorus import cpp_backend
 
 
 def per_call_us(group, calls: int) -> float:
@@ -41,20 +41,15 @@ def per_call_us(group, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
-    parser.add_argument("--cpp", action="store_true",
-                        help="also measure chorus as a C++ c10d::Backend (built on first use; needs ninja)")
     args = parser.parse_args()
-    if args.cpp:
-        import cpp_backend
-
-        cpp_backend.register()
+    if cpp_backend.load() is None:
+        raise SystemExit("the C++ front did not build (see the warning above); nothing to compare")
+    chorus.torch.register("chorus_python", "python")
     idle_backend.register()
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     groups = {"gloo": dist.group.WORLD, "python, idle": dist.new_group(backend=idle_backend.NAME),
-              "chorus": dist.new_group(backend="chorus")}
-    if args.cpp:
-        groups["chorus, C++"] = dist.new_group(backend="chorus_cpp")
+              "chorus, Python": dist.new_group(backend="chorus_python"), "chorus, C++": dist.new_group(backend="chorus")}
     rounds = {name: [] for name in groups}
     for _ in range(5):
         for name, group in groups.items():
@@ -62,13 +57,12 @@ def main() -> None:
     print(f"# dist.all_reduce of 1 float at world 1, us per call, medians of 5 rounds x {args.calls} calls")
     for name, values in rounds.items():
         print(f"  {name:>13}: {statistics.median(values):7.2f} us  (rounds: " + ", ".join(f"{v:.2f}" for v in values) + ")")
-    idle, whole = statistics.median(rounds["python, idle"]), statistics.median(rounds["chorus"])
+    idle, whole = statistics.median(rounds["python, idle"]), statistics.median(rounds["chorus, Python"])
     print(f"  a call into a Python backend that does nothing: {idle:.2f} us (at most what a C++ backend saves); "
-          f"chorus's whole call: {whole:.2f} us, {whole - idle:.2f} us of it past the Python step")
-    if args.cpp:
-        cpp = statistics.median(rounds["chorus, C++"])
-        print(f"  chorus as a C++ backend: {cpp:.2f} us per call, {whole - cpp:.2f} us less than the Python backend "
-              f"({cpp / whole:.2f}x its time)")
+          f"chorus's Python backend: {whole:.2f} us, {whole - idle:.2f} us of it past the Python step")
+    cpp = statistics.median(rounds["chorus, C++"])
+    print(f"  chorus's C++ front: {cpp:.2f} us per call, {whole - cpp:.2f} us less than the Python backend "
+          f"({cpp / whole:.2f}x its time)")
     dist.destroy_process_group()
 
 

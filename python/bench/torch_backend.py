@@ -7,15 +7,17 @@ rank processes on this host that (1) sweep dist.all_reduce (float32, sum,
 in place) from 8 B to --max-mib and (2) train a model with torch's
 DistributedDataParallel, timing each step with gradient sync and without
 (`no_sync`): the difference is the sync the step could not hide, and (3)
-train a byte-level GPT the same way (AdamW, bf16 autocast). It prints,
+train a byte-level GPT the same way (AdamW, bf16 autocast), and (4) under
+FSDP2 (`fully_shard`: all-gathers and reduce-scatters). It prints,
 per world, an nccl-tests table per backend (medians over the rounds) with
-chorus's bus bandwidth over Gloo's, and the DDP step and exposed-sync
-medians with their ratio. Needs torch and the chorus package
-(`pip install ./python`). With --cpp it runs chorus a third way, as a C++
-`c10d::Backend` over the same library (cpp_backend.cpp), against the
-package's Python backend; with --floor it trains on a backend that does
-nothing ("idle"), whose exposed sync is DDP's own work, the part no
-backend can remove.
+chorus's bus bandwidth over Gloo's, the DDP step and exposed-sync
+medians with their ratio, and the FSDP2 step medians with theirs. Needs torch and the chorus package
+(`pip install ./python`). "chorus" is the package's backend as users get
+it: its C++ front where that builds (it is built before the first round).
+With --python it runs chorus a third way, as the Python backend alone
+("chorus_python", what runs where the front cannot build); with --floor it
+trains on a backend that does nothing ("idle"), whose exposed sync is
+DDP's own work, the part no backend can remove.
 """
 
 from __future__ import annotations
@@ -39,12 +41,11 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    if backend == "chorus":
-        import chorus.torch  # noqa: F401
-    elif backend == "chorus_cpp":
-        import cpp_backend
+    if backend.startswith("chorus"):
+        import chorus.torch
 
-        cpp_backend.register()
+        if backend == "chorus_python":
+            chorus.torch.register(backend, "python")
 
     torch.set_num_threads(1)
     ddp_group = None
@@ -102,24 +103,22 @@ def worker(backend: str, max_bytes: int, iters: int, ddp_steps: int) -> None:
             if i >= 2:
                 timed[sync].append((time.perf_counter() - start) * 1e3)
     step, local = statistics.median(timed[True]), statistics.median(timed[False])
-    gpt_step, gpt_local = gpt(rank, ddp_steps, ddp_group)
+    gpt_ms, gpt_local = gpt(rank, ddp_steps, ddp_group)
+    # FSDP's gathers must hold the shards: not on the idle backend.
+    fsdp_ms = fsdp_gpt(rank, ddp_steps) if ddp_group is None else None
     if rank == 0:
         print("RESULT " + json.dumps({"sweep": sweep, "step_ms": step, "exposed_ms": max(0.0, step - local),
-                                      "gpt_step_ms": gpt_step, "gpt_exposed_ms": max(0.0, gpt_step - gpt_local)}),
+                                      "gpt_step_ms": gpt_ms, "gpt_exposed_ms": max(0.0, gpt_ms - gpt_local),
+                                      "fsdp_step_ms": fsdp_ms}),
               flush=True)
     dist.destroy_process_group()
 
 
-def gpt(rank: int, steps: int, group=None):
-    """A byte-level GPT under DDP (over `group`, None: the default one) as a
-    researcher writes one (pre-norm causal transformer, AdamW, bf16
-    autocast, gradient clipping), trained on this file's own bytes: the
-    median step with gradient sync and without (`no_sync`), in ms."""
-    import contextlib
-
+def gpt_model():
+    """A byte-level GPT as a researcher writes one (pre-norm causal
+    transformer), and a sampler of (input, target) batches from this file's
+    own bytes."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
     torch.manual_seed(0)
     width, layers, heads, context, batch = 192, 4, 4, 64, 8
@@ -142,28 +141,78 @@ def gpt(rank: int, steps: int, group=None):
 
     with open(HERE, "rb") as f:
         corpus = torch.tensor(list(f.read()), dtype=torch.long)
-    model = torch.nn.parallel.DistributedDataParallel(GPT(), process_group=group)
+
+    def sample(gen):
+        starts = torch.randint(0, len(corpus) - context - 1, (batch,), generator=gen)
+        return (torch.stack([corpus[s : s + context] for s in starts]),
+                torch.stack([corpus[s + 1 : s + context + 1] for s in starts]))
+
+    return GPT(), sample
+
+
+def gpt_step(model, opt, x, y) -> None:
+    """One training step: bf16 autocast, gradient clipping, AdamW."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def gpt(rank: int, steps: int, group=None):
+    """The GPT under DDP (over `group`, None: the default one): the median
+    step with gradient sync and without (`no_sync`), in ms."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    module, sample = gpt_model()
+    model = torch.nn.parallel.DistributedDataParallel(module, process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(rank)
     timed = {True: [], False: []}
     for i in range(2 + steps):
         for sync in (True, False):
-            starts = torch.randint(0, len(corpus) - context - 1, (batch,), generator=gen)
-            x = torch.stack([corpus[s : s + context] for s in starts])
-            y = torch.stack([corpus[s + 1 : s + context + 1] for s in starts])
+            x, y = sample(gen)
             dist.barrier()
             start = time.perf_counter()
             with contextlib.nullcontext() if sync else model.no_sync():
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+                gpt_step(model, opt, x, y)
             if i >= 2:
                 timed[sync].append((time.perf_counter() - start) * 1e3)
     return statistics.median(timed[True]), statistics.median(timed[False])
 
+
+def fsdp_gpt(rank: int, steps: int) -> float:
+    """The GPT under FSDP2 (each block and the root `fully_shard`ed over a
+    1-D CPU mesh: all-gathers into one tensor, reduce-scatters): the median
+    step, in ms."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, sample = gpt_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    timed = []
+    for i in range(2 + steps):
+        x, y = sample(gen)
+        dist.barrier()
+        start = time.perf_counter()
+        gpt_step(model, opt, x, y)
+        if i >= 2:
+            timed.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(timed)
 
 
 def run(backend: str, world: int, args) -> dict:
@@ -222,16 +271,16 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also train on a backend that does nothing (idle_backend.py): the exposed sync no "
                              "backend can remove")
-    parser.add_argument("--cpp", action="store_true",
-                        help="also run chorus as a C++ c10d::Backend (cpp_backend.cpp, built on first use; needs a "
-                             "C++ compiler and ninja) as the backend chorus_cpp")
+    parser.add_argument("--python", action="store_true",
+                        help="also run chorus's Python backend alone, without the C++ front (chorus_python)")
     args = parser.parse_args()
-    backends = ["gloo", "chorus"]
-    if args.cpp:
-        import cpp_backend
+    from chorus import cpp_backend
 
-        cpp_backend.register()  # builds the extension once, before the ranks load it
-        backends.append(cpp_backend.NAME)
+    if cpp_backend.load() is not None:  # built once, before the ranks load it
+        print(f"# chorus runs its C++ front ({cpp_backend.library_path()})", flush=True)
+    backends = ["gloo", "chorus"]
+    if args.python:
+        backends.append("chorus_python")
     if args.floor:
         backends.append("idle")
     swept = [b for b in backends if b != "idle"]
@@ -251,6 +300,7 @@ def main() -> None:
                  f"{args.ddp_steps} steps")
         training(results, world, args, "gpt_", f"byte-level GPT under DDP (4 layers, width 192, AdamW, bf16 autocast), "
                  f"medians of {args.rounds} rounds x {args.ddp_steps} steps")
+        fsdp(results, world, args)
         print(flush=True)
 
 
@@ -267,6 +317,16 @@ def training(results: dict, world: int, args, key: str, title: str) -> None:
         label = "idle (no backend cost: DDP's own work)" if b == "idle" else b
         print(f"  {label} / gloo: step {step[b] / step['gloo']:.2f}x, exposed sync "
               + (f"{exposed[b] / exposed['gloo']:.2f}x" if exposed["gloo"] else "n/a (gloo's is 0)"))
+
+
+def fsdp(results: dict, world: int, args) -> None:
+    """Prints the GPT's FSDP2 step per backend and its ratio to Gloo's."""
+    step = {b: statistics.median(r["fsdp_step_ms"] for r in rounds) for b, rounds in results.items() if b != "idle"}
+    print(f"# world {world}: the GPT under FSDP2 (fully_shard per block, 1-D CPU mesh), step medians of "
+          f"{args.rounds} rounds x {args.ddp_steps} steps")
+    for b, ms in step.items():
+        ratio = "" if b == "gloo" else f"  ({ms / step['gloo']:.2f}x gloo's)"
+        print(f"  {b:>13}: step {ms:8.2f} ms{ratio}")
 
 
 if __name__ == "__main__":

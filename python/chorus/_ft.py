@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from chorus import _chorus
 from chorus._errors import GroupAborted, InvalidArgument, JobFinished
+from chorus.torch import python_backend  # defined before chorus.torch imports this module
 
 Named = Tuple[str, torch.Tensor]
 #: Times one step's gradient sync is run again in a next generation.
@@ -271,7 +272,7 @@ class _ReplicaGroup:
     def cut_off(self, reason: str) -> None:
         """Fault injection: cuts this rank's links in the group's process
         group, so the group-mates' next collective with it fails."""
-        dist.group.WORLD._get_backend(torch.device("cpu"))._core.cut_links(reason)
+        python_backend(dist.group.WORLD._get_backend(torch.device("cpu")))._core.cut_links(reason)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -22,6 +22,13 @@ later operation of the group raises :class:`chorus.GroupAborted` (a
 (``CHORUS_HEARTBEAT_TIMEOUT`` seconds, default 5), naming the rank; ranks
 that call different collectives raise :class:`chorus.DesyncError`.
 
+The operations DDP and FSDP2 issue most (all-reduce, broadcast,
+all_gather_into_tensor, reduce_scatter_tensor on one dense tensor) go from
+torch's dispatcher to the library through a C++ front with no Python step
+(:mod:`chorus.cpp_backend`, built against the installed torch on first
+use); everything else goes to :class:`ChorusBackend` behind it, which runs
+alone where the front cannot build.
+
 Point-to-point operations run as Gloo's do: each send and receive starts
 at once, beside the collectives (a receive may be posted before its send,
 on either side); tags are matched, and ``recv`` from any source returns the
@@ -40,10 +47,10 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from chorus import _chorus
+from chorus import _chorus, cpp_backend
 from chorus._errors import ChorusError, CollectiveTimeout, InvalidArgument
 
-__all__ = ["ChorusBackend", "ChorusWork", "BACKEND"]
+__all__ = ["ChorusBackend", "ChorusWork", "BACKEND", "python_backend", "register"]
 
 BACKEND = "chorus"
 #: torch's default for a CPU group's timeouts, in seconds.
@@ -191,7 +198,9 @@ class ChorusWork(dist._Work):
 
 
 class ChorusBackend(_c10d.Backend):
-    """The chorus backend of a ``torch.distributed`` process group.
+    """The chorus backend of a ``torch.distributed`` process group, in
+    Python: alone, or behind the C++ front (:mod:`chorus.cpp_backend`),
+    which hands it what it does not run itself.
 
     torch makes the group (named, registered, with this backend for the
     CPU), so everything that looks a group's backend up works on it:
@@ -664,19 +673,46 @@ def _form(store, rank: int, world_size: int, timeout: Optional[float],
     return _chorus.Group.init(store, rank, world_size, seconds, seconds, _store_host(store), heartbeat_timeout)
 
 
-def _create(opts, backend_options=None) -> ChorusBackend:
-    """torch's backend constructor (the extended API): the group's store,
-    this rank's place in it and its timeout. ``backend_options`` is
-    ``init_process_group``'s ``pg_options``: a dict whose
-    ``"heartbeat_timeout"`` (seconds) is how long a silent peer is waited
-    for before it is taken for dead or frozen."""
-    timeout = _seconds(opts.timeout)
-    heartbeat = None
-    if backend_options is not None:
-        if not isinstance(backend_options, dict) or set(backend_options) - {"heartbeat_timeout"}:
-            raise InvalidArgument(f"chorus takes pg_options={{'heartbeat_timeout': seconds}}, not {backend_options!r}")
-        heartbeat = backend_options.get("heartbeat_timeout")
-    return ChorusBackend(_form(opts.store, opts.group_rank, opts.group_size, timeout, heartbeat), timeout)
+def _creator(implementation: Optional[str] = None):
+    """torch's backend constructor (the extended API) for `implementation`
+    ("cpp" or "python"; None reads ``CHORUS_TORCH_BACKEND`` when a group is
+    made, see :mod:`chorus.cpp_backend`)."""
+
+    def create(opts, backend_options=None):
+        """The group's store, this rank's place in it and its timeout.
+        ``backend_options`` is ``init_process_group``'s ``pg_options``: a
+        dict whose ``"heartbeat_timeout"`` (seconds) is how long a silent
+        peer is waited for before it is taken for dead or frozen."""
+        timeout = _seconds(opts.timeout)
+        heartbeat = None
+        if backend_options is not None:
+            if not isinstance(backend_options, dict) or set(backend_options) - {"heartbeat_timeout"}:
+                raise InvalidArgument(
+                    f"chorus takes pg_options={{'heartbeat_timeout': seconds}}, not {backend_options!r}")
+            heartbeat = backend_options.get("heartbeat_timeout")
+        front = cpp_backend.load(implementation)
+        python = ChorusBackend(_form(opts.store, opts.group_rank, opts.group_size, timeout, heartbeat), timeout)
+        if front is None:
+            return python
+        api, group = python._core.c_api()
+        return front.ChorusCppBackend(python, api, group, timeout or _DEFAULT_TIMEOUT)
+
+    return create
+
+
+def register(name: str, implementation: str) -> None:
+    """Registers chorus under another backend name with a fixed
+    implementation, "cpp" or "python" (the benchmarks run both side by
+    side)."""
+    if implementation not in ("cpp", "python"):
+        raise InvalidArgument(f"implementation {implementation!r}: expected 'cpp' or 'python'")
+    dist.Backend.register_backend(name, _creator(implementation), extended_api=True, devices=["cpu"])
+
+
+def python_backend(backend) -> ChorusBackend:
+    """The Python backend of a group's chorus backend, behind its C++ front
+    or itself (``group._get_backend(torch.device("cpu"))``)."""
+    return getattr(backend, "python", backend)
 
 
 #: The attribute a received tensor carries its sender's rank in, for
@@ -737,7 +773,7 @@ def _forward_work_state() -> None:
 
 
 _forward_work_state()
-dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+dist.Backend.register_backend(BACKEND, _creator(), extended_api=True, devices=["cpu"])
 
 from chorus._ft import (  # noqa: E402
     DiLoCo, DistributedDataParallel, DistributedSampler, LocalSGD, Manager, Optimizer, ReplicateShards)

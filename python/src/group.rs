@@ -191,7 +191,7 @@ impl Group {
 
     /// The number of ranks.
     #[getter]
-    fn world_size(&self) -> usize {
+    pub(crate) fn world_size(&self) -> usize {
         self.world_size
     }
 

@@ -187,8 +187,6 @@ def async_work() -> None:
 
 
 def ddp(backend: str, steps: str = "5") -> None:
-    if backend == "chorus_cpp":
-        _register_cpp()
     dist.init_process_group(backend)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4), torch.nn.Linear(4, 4))
@@ -211,11 +209,28 @@ def ddp(backend: str, steps: str = "5") -> None:
     result({"params": params.tolist()})
 
 
+def ddp_failure() -> None:
+    """DDP on "chorus"; the last rank dies after a first step, and the
+    others step until their backward pass raises: the gradients' future
+    carries the error, as chorus's own exception."""
+    dist.init_process_group("chorus")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    model(torch.randn(4, 64)).sum().backward()
+    dist.barrier()
+    if RANK == WORLD - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = {"error": "none"}
+    try:
+        for _ in range(100000):
+            model(torch.randn(4, 64)).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        out = {"error": type(e).__name__, "ranks": list(getattr(e, "ranks", [])), "message": str(e)[:300]}
+    result(out)
+
+
 def ddp_hooks(hook: str, backend: str = "chorus") -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    if backend == "chorus_cpp":
-        _register_cpp()
     dist.init_process_group(backend)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
@@ -499,23 +514,16 @@ def _objects():
     return [gathered, broadcast, scattered, at_root]
 
 
-def _register_cpp() -> None:
-    """Registers chorus as a C++ backend ("chorus_cpp", python/bench/
-    cpp_backend.cpp over the library's C entry point); the test built it."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-    import cpp_backend
-
-    cpp_backend.register()
-
-
 def cpp_backend(part: str) -> None:
-    """chorus as a C++ backend: `collectives` checks its all-reduce (dtypes,
-    ops, futures, a wait that times out on a late peer) and an operation
-    it hands to the Python backend; `failure` has the last rank die and the
-    others' next all-reduce raise, naming it."""
-    _register_cpp()
-    dist.init_process_group("chorus_cpp")
-    out = {"failures": [], "checked": 0}
+    """The operations the C++ front runs itself, on the implementation
+    CHORUS_TORCH_BACKEND picks (reported as "front"): `collectives` checks
+    all-reduce (dtypes, ops, futures, a wait that times out on a late
+    peer), broadcast, all_gather_into_tensor (in place too),
+    reduce_scatter_tensor, and an operation the front hands to the Python
+    backend; `failure` has the last rank die and the others' next
+    all-reduce raise, naming it."""
+    dist.init_process_group("chorus")
+    out = {"failures": [], "checked": 0, "front": type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__}
     if part == "failure":
         t = torch.ones(8)
         dist.all_reduce(t)
@@ -550,6 +558,34 @@ def cpp_backend(part: str) -> None:
     b = torch.full((5,), float(RANK))
     dist.broadcast(b, src=1)
     out["broadcast"] = b.tolist()
+    # all_gather_into_tensor out of place, and in place as FSDP2 gathers
+    # (the input is the output's own block).
+    for dtype in [torch.bfloat16, torch.float32, torch.int64]:
+        shard = data(RANK, 6, dtype)
+        want = torch.cat([data(r, 6, dtype) for r in range(WORLD)])
+        gathered = torch.zeros(6 * WORLD, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, shard)
+        in_place = torch.zeros(6 * WORLD, dtype=dtype)
+        in_place[RANK * 6 : (RANK + 1) * 6] = shard
+        dist.all_gather_into_tensor(in_place, in_place[RANK * 6 : (RANK + 1) * 6])
+        out["checked"] += 2
+        for name, got in [("all_gather_into_tensor", gathered), ("all_gather_into_tensor in place", in_place)]:
+            if not torch.equal(got, want):
+                out["failures"].append(f"{name} {dtype}")
+    # reduce_scatter_tensor: this rank's block of the reduction.
+    for dtype in [torch.bfloat16, torch.float32, torch.int32]:
+        for op in ["sum", "avg", "max"]:
+            if op == "avg" and dtype not in FLOATS:
+                continue
+            block = torch.empty(4, dtype=dtype)
+            dist.reduce_scatter_tensor(block, data(RANK, 4 * WORLD, dtype), op=OPS[op])
+            out["checked"] += 1
+            if not same(block, reference(op, dtype, 4 * WORLD)[RANK * 4 : (RANK + 1) * 4]):
+                out["failures"].append(f"reduce_scatter_tensor {op} {dtype}")
+    # A list all-gather: the C++ front hands it to the Python backend.
+    parts = [torch.zeros(3) for _ in range(WORLD)]
+    dist.all_gather(parts, torch.full((3,), float(RANK)))
+    out["all_gather"] = [p[0].item() for p in parts]
     dist.destroy_process_group()
     result(out)
 

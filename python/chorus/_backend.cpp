@@ -1,18 +1,20 @@
-// chorus as a c10d::Backend written in C++, to measure against the
-// package's Python one (python/bench/dispatch.py, torch_backend.py --cpp).
+// The C++ front of the "chorus" torch backend (cpp_backend.py builds it).
 //
-// An all-reduce of one contiguous CPU tensor goes from torch's dispatcher
-// straight to the library's C entry point (python/src/capi.rs); its wait()
-// wakes from the library's thread and its future completes on one of the
-// library's blocking threads: no Python on the way in or out. A failure is
-// raised from wait() as the Python backend raises it
-// (chorus.GroupAborted naming the ranks, chorus.WaitTimeout, ...). Every
-// other operation, and all-reduces issued while coalescing, go to the
-// Python backend that formed the group, with the GIL taken.
+// The operations DDP and FSDP issue most, on one contiguous CPU tensor
+// (all-reduce, broadcast, all-gather into one tensor, reduce-scatter of
+// one), go from torch's dispatcher straight to the library's C entry point
+// (python/src/capi.rs); their wait() wakes from the library's thread and
+// their future completes on one of the library's blocking threads: no
+// Python on the way in or out. A failure is raised from wait() as the
+// Python backend raises it (chorus.GroupAborted naming the ranks,
+// chorus.WaitTimeout, ...). Every other operation, and those issued while
+// coalescing, go to the Python backend that formed the group, with the GIL
+// taken.
 #include <torch/extension.h>
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -36,7 +38,8 @@ using Done = void (*)(void*, const CFailure*);
 
 // python/src/capi.rs's `Api`.
 struct Api {
-  int (*all_reduce)(const void* group, void* ptr, size_t bytes, const char* dtype, const char* op,
+  int (*collective)(const void* group, const char* kind, size_t count, const char* dtype, const void* input,
+                    size_t input_bytes, void* output, size_t output_bytes, const char* op, int64_t root,
                     double timeout_s, Done done, void* ctx);
   int (*run_blocking)(void (*f)(void*), void* arg);
 };
@@ -123,28 +126,47 @@ void let_go(c10::intrusive_ptr<T> work) {
   exit_gate.leave();
 }
 
-// An all-reduce in flight; the library holds one reference to it until
-// `done`, so the tensor outlives the operation.
-class AllReduceWork : public c10d::Work {
+// An operation in flight; the library holds one reference to it until
+// `done`, so its tensors outlive the operation.
+class CollectiveWork : public c10d::Work {
  public:
-  AllReduceWork(at::Tensor tensor, const Api* api)
-      : Work(-1, c10d::OpType::ALLREDUCE),
+  // `result` is what the future and result() give; `held` what else the
+  // operation reads or writes; `finish` runs once it succeeded, before
+  // anybody sees it ended (a copy out of a scratch tensor).
+  CollectiveWork(c10d::OpType type, const Api* api, std::vector<at::Tensor> result, std::vector<at::Tensor> held,
+                 std::function<void()> finish)
+      : Work(-1, type),
         api_(api),
-        tensor_(std::move(tensor)),
+        result_(std::move(result)),
+        held_(std::move(held)),
+        finish_(std::move(finish)),
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
   // On the library's runtime thread: wakes wait() at once; the future,
   // whose callbacks may block, completes on one of the library's blocking
   // threads, and only once somebody asked for it.
   static void done(void* ctx, const CFailure* failure) {
-    auto work = c10::intrusive_ptr<AllReduceWork>::reclaim(static_cast<AllReduceWork*>(ctx));
+    auto work = c10::intrusive_ptr<CollectiveWork>::reclaim(static_cast<CollectiveWork*>(ctx));
+    std::string finish_failed;
+    if (!failure && work->finish_) {
+      try {
+        work->finish_();
+      } catch (const std::exception& e) {
+        finish_failed = e.what();
+      }
+    }
     bool future_asked;
     {
       std::lock_guard<std::mutex> lock(work->mutex_);
-      if (failure) {
-        work->class_name_.assign(failure->class_name, failure->class_len);
-        work->message_.assign(failure->message, failure->message_len);
-        work->ranks_.assign(failure->ranks, failure->ranks + failure->ranks_len);
+      if (failure || !finish_failed.empty()) {
+        if (failure) {
+          work->class_name_.assign(failure->class_name, failure->class_len);
+          work->message_.assign(failure->message, failure->message_len);
+          work->ranks_.assign(failure->ranks, failure->ranks + failure->ranks_len);
+        } else {
+          work->class_name_ = "ChorusError";
+          work->message_ = "copying the result out failed: " + finish_failed;
+        }
         // What torch's future callers (DDP's reducer) see; wait() raises
         // the typed exception.
         work->error_ = std::make_exception_ptr(c10::DistBackendError(
@@ -156,8 +178,8 @@ class AllReduceWork : public c10d::Work {
     work->ended_cv_.notify_all();
     if (future_asked) {
       // The blocking thread's reference, given back in `complete_later`.
-      AllReduceWork* arg = c10::intrusive_ptr<AllReduceWork>(work).release();
-      if (work->api_->run_blocking(&AllReduceWork::complete_later, arg) != 0) {
+      CollectiveWork* arg = c10::intrusive_ptr<CollectiveWork>(work).release();
+      if (work->api_->run_blocking(&CollectiveWork::complete_later, arg) != 0) {
         complete_later(arg);
       }
     }
@@ -212,12 +234,12 @@ class AllReduceWork : public c10d::Work {
     return true;
   }
 
-  std::vector<at::Tensor> result() override { return {tensor_}; }
+  std::vector<at::Tensor> result() override { return result_; }
 
  private:
   // Callbacks may take the GIL, so they pass the exit gate too.
   static void complete_later(void* arg) {
-    auto work = c10::intrusive_ptr<AllReduceWork>::reclaim(static_cast<AllReduceWork*>(arg));
+    auto work = c10::intrusive_ptr<CollectiveWork>::reclaim(static_cast<CollectiveWork*>(arg));
     if (!exit_gate.enter()) {
       work.release();
       return;
@@ -231,12 +253,14 @@ class AllReduceWork : public c10d::Work {
     if (error_) {
       future_->setError(error_);
     } else {
-      future_->markCompleted(c10::IValue(std::vector<at::Tensor>{tensor_}));
+      future_->markCompleted(c10::IValue(result_));
     }
   }
 
   const Api* api_;
-  at::Tensor tensor_;
+  std::vector<at::Tensor> result_;
+  std::vector<at::Tensor> held_;
+  std::function<void()> finish_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   mutable std::mutex mutex_;
   std::condition_variable ended_cv_;
@@ -269,25 +293,57 @@ class ChorusCppBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "chorus"; }
 
+  py::object python() const { return python_; }
+
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     const char* op = op_name(opts.reduceOp.op_);
-    if (tensors.size() != 1 || !op || coalescing_) {
+    if (tensors.size() != 1 || !op || !fast(tensors[0])) {
       return forward("allreduce", tensors, opts);
     }
     at::Tensor& t = tensors[0];
-    const char* dtype = dtype_name(t.scalar_type());
-    if (!dtype || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous()) {
-      return forward("allreduce", tensors, opts);
+    return submit(c10d::OpType::ALLREDUCE, "all_reduce", t.numel(), t, nullptr, t, op, -1, opts.timeout, {t}, {},
+                  nullptr);
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    if (tensors.size() != 1 || opts.rootTensor != 0 || !fast(tensors[0])) {
+      return forward("broadcast", tensors, opts);
     }
-    auto work = c10::make_intrusive<AllReduceWork>(t, api_);
-    ++fast_ops_;
-    double timeout_s = opts.timeout == c10d::kUnsetTimeout ? timeout_s_ : opts.timeout.count() / 1000.0;
-    // The library's reference, given back in `done`.
-    AllReduceWork* ctx = c10::intrusive_ptr<AllReduceWork>(work).release();
-    api_->all_reduce(group_, t.data_ptr(), t.numel() * t.element_size(), dtype, op, timeout_s,
-                     &AllReduceWork::done, ctx);
-    return work;
+    at::Tensor& t = tensors[0];
+    return submit(c10d::OpType::BROADCAST, "broadcast", t.numel(), t, nullptr, t, nullptr, opts.rootRank,
+                  opts.timeout, {t}, {}, nullptr);
+  }
+
+  // all_gather_into_tensor. FSDP gathers in place (the input is the
+  // output's own block): the ranks read the input while writing the
+  // output, so an overlapping input is copied first.
+  c10::intrusive_ptr<c10d::Work> all_gather_single(at::Tensor& output, at::Tensor& input,
+                                                   const c10d::AllgatherOptions& opts) override {
+    if (!fast(output) || !fast(input) || output.scalar_type() != input.scalar_type() ||
+        output.numel() != input.numel() * getSize()) {
+      return forward("all_gather_single", output, input, opts);
+    }
+    at::Tensor source = overlaps(input, output) ? input.clone() : input;
+    return submit(c10d::OpType::_ALLGATHER_BASE, "all_gather", input.numel(), source, &source, output, nullptr, -1,
+                  opts.timeout, {output}, {source}, nullptr);
+  }
+
+  // reduce_scatter_tensor: the library reduces into a scratch tensor of the
+  // input's size, whose rank's block is copied out once it ended.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_single(at::Tensor& output, at::Tensor& input,
+                                                       const c10d::ReduceScatterOptions& opts) override {
+    const char* op = op_name(opts.reduceOp.op_);
+    if (!op || !fast(output) || !fast(input) || output.scalar_type() != input.scalar_type() ||
+        input.numel() != output.numel() * getSize()) {
+      return forward("reduce_scatter_single", output, input, opts);
+    }
+    at::Tensor scratch = at::empty_like(input);
+    at::Tensor block = scratch.flatten().narrow(0, getRank() * output.numel(), output.numel()).view_as(output);
+    std::function<void()> finish = [output, block]() mutable { output.copy_(block); };
+    return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter", output.numel(), input, &input, scratch, op,
+                  -1, opts.timeout, {output}, {input, scratch}, std::move(finish));
   }
 
   bool supportsSplitting() const override { return true; }
@@ -348,7 +404,6 @@ class ChorusCppBackend : public c10d::Backend {
 #define CHORUS_FORWARD(name, params, ...) \
   c10::intrusive_ptr<c10d::Work> name params override { return forward(#name, __VA_ARGS__); }
 
-  CHORUS_FORWARD(broadcast, (std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts), tensors, opts)
   CHORUS_FORWARD(allreduce_sparse, (std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts), tensors,
                  opts)
   CHORUS_FORWARD(allreduce_coalesced,
@@ -358,8 +413,6 @@ class ChorusCppBackend : public c10d::Backend {
                  (std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                   const c10d::AllgatherOptions& opts),
                  outputs, inputs, opts)
-  CHORUS_FORWARD(all_gather_single, (at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts),
-                 output, input, opts)
   CHORUS_FORWARD(allgather_coalesced,
                  (std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                   const c10d::AllgatherOptions& opts),
@@ -380,9 +433,6 @@ class ChorusCppBackend : public c10d::Backend {
                  (std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                   const c10d::ReduceScatterOptions& opts),
                  outputs, inputs, opts)
-  CHORUS_FORWARD(reduce_scatter_single,
-                 (at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts), output, input,
-                 opts)
   CHORUS_FORWARD(reduce_scatter_single_coalesced,
                  (std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                   const c10d::ReduceScatterOptions& opts),
@@ -405,6 +455,36 @@ class ChorusCppBackend : public c10d::Backend {
   }
 
  private:
+  // A tensor the library takes as it is: a dense, contiguous CPU tensor of
+  // a dtype it knows, outside coalescing (which the Python backend
+  // gathers into one work).
+  bool fast(const at::Tensor& t) const {
+    return !coalescing_ && dtype_name(t.scalar_type()) && t.device().is_cpu() && t.layout() == at::kStrided &&
+           t.is_contiguous();
+  }
+
+  static bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+    auto a_begin = static_cast<const char*>(a.data_ptr()), b_begin = static_cast<const char*>(b.data_ptr());
+    return a.numel() > 0 && b.numel() > 0 && a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
+  }
+
+  // Hands the operation to the library; `output` is written, `input` (if
+  // any) only read.
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* kind, int64_t count, const at::Tensor& typed,
+                                        const at::Tensor* input, at::Tensor& output, const char* op, int64_t root,
+                                        std::chrono::milliseconds timeout, std::vector<at::Tensor> result,
+                                        std::vector<at::Tensor> held, std::function<void()> finish) {
+    auto work = c10::make_intrusive<CollectiveWork>(type, api_, std::move(result), std::move(held), std::move(finish));
+    ++fast_ops_;
+    double timeout_s = timeout == c10d::kUnsetTimeout ? timeout_s_ : timeout.count() / 1000.0;
+    // The library's reference, given back in `done`.
+    CollectiveWork* ctx = c10::intrusive_ptr<CollectiveWork>(work).release();
+    api_->collective(group_, kind, static_cast<size_t>(count), dtype_name(typed.scalar_type()),
+                     input ? input->data_ptr() : nullptr, input ? input->nbytes() : 0, output.data_ptr(),
+                     output.nbytes(), op, root, timeout_s, &CollectiveWork::done, ctx);
+    return work;
+  }
+
   template <typename... Args>
   c10::intrusive_ptr<c10d::Work> forward(const char* name, Args&... args) {
     py::gil_scoped_acquire gil;
@@ -426,5 +506,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("atexit").attr("register")(py::cpp_function([] { exit_gate.close(); }));
   py::class_<ChorusCppBackend, c10d::Backend, c10::intrusive_ptr<ChorusCppBackend>>(m, "ChorusCppBackend")
       .def(py::init<py::object, uintptr_t, uintptr_t, double>(), py::arg("python"), py::arg("api"),
-           py::arg("group"), py::arg("timeout_s"));
+           py::arg("group"), py::arg("timeout_s"))
+      .def_property_readonly("python", [](const ChorusCppBackend& self) { return self.python(); },
+                             "The Python backend behind this front.");
 }
