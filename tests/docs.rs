@@ -142,6 +142,43 @@ fn string_literals(source: &str) -> Vec<String> {
 }
 
 /// The variable names (`PREFIX` and at least one more character) in `text`.
+/// The string literals of a Python source (docstrings too), outside its
+/// `#` comments.
+fn python_string_literals(source: &str) -> Vec<String> {
+    let chars: Vec<char> = source.chars().collect();
+    let mut literals = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '#' {
+            while i < chars.len() && chars[i] != '\n' {
+                i += 1;
+            }
+        } else if c == '"' || c == '\'' {
+            let triple = chars.get(i + 1) == Some(&c) && chars.get(i + 2) == Some(&c);
+            let quote = if triple { 3 } else { 1 };
+            let closes = |k: usize| (0..quote).all(|q| chars.get(k + q) == Some(&c));
+            let mut literal = String::new();
+            i += quote;
+            while i < chars.len() && !closes(i) && (triple || chars[i] != '\n') {
+                if chars[i] == '\\' {
+                    literal.push(chars[i]);
+                    i += 1;
+                }
+                if let Some(&ch) = chars.get(i) {
+                    literal.push(ch);
+                }
+                i += 1;
+            }
+            literals.push(literal);
+            i += quote;
+        } else {
+            i += 1;
+        }
+    }
+    literals
+}
+
 fn variables_in(text: &str) -> Vec<String> {
     let mut found = Vec::new();
     let mut rest = text;
@@ -185,9 +222,14 @@ fn table_variables() -> BTreeSet<String> {
 #[test]
 fn the_environment_table_lists_every_variable_the_code_reads_and_no_other() {
     let mut in_code: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for path in files(&["rs"]) {
+    for path in files(&["rs", "py"]) {
         let source = std::fs::read_to_string(&path).unwrap();
-        for literal in string_literals(&source) {
+        let literals = if path.extension().is_some_and(|e| e == "py") {
+            python_string_literals(&source)
+        } else {
+            string_literals(&source)
+        };
+        for literal in literals {
             for name in variables_in(&literal) {
                 in_code.entry(name).or_default().insert(relative(&path));
             }
