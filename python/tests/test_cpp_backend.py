@@ -26,7 +26,9 @@ def built():
 
 
 @pytest.mark.parametrize("implementation", ["cpp", "python"])
-def test_each_implementation_runs_the_fronts_collectives_and_the_front_hands_the_rest_to_python(built, implementation):
+def test_each_implementation_runs_the_fronts_collectives_and_the_front_hands_the_rest_to_python(request, implementation):
+    if implementation == "cpp":
+        request.getfixturevalue("built")
     ranks = run("cpp_backend", 2, args=["collectives"], timeout=120, env={cpp_backend.ENV: implementation})
     for rank in ranks:
         outcome = rank.result()
@@ -87,7 +89,9 @@ def test_a_dead_rank_raises_group_aborted_naming_it_from_the_cpp_front(built):
 
 
 @pytest.mark.parametrize("implementation", ["cpp", "python"])
-def test_a_dead_rank_fails_ddps_backward_with_group_aborted_naming_it(built, implementation):
+def test_a_dead_rank_fails_ddps_backward_with_group_aborted_naming_it(request, implementation):
+    if implementation == "cpp":
+        request.getfixturevalue("built")
     ranks = run("ddp_failure", 3, timeout=60, env={cpp_backend.ENV: implementation, "CHORUS_HEARTBEAT_TIMEOUT": "2"},
                 expect_exit={2: "kill"})
     for rank in ranks[:2]:
