@@ -107,20 +107,9 @@ fn string_literals(source: &str) -> Vec<String> {
             literals.push(chars[start..k.min(chars.len())].iter().collect());
             i = k + 1 + hashes;
         } else if c == '"' {
-            let mut literal = String::new();
-            i += 1;
-            while i < chars.len() && chars[i] != '"' {
-                if chars[i] == '\\' {
-                    literal.push(chars[i]);
-                    i += 1;
-                }
-                if let Some(&ch) = chars.get(i) {
-                    literal.push(ch);
-                }
-                i += 1;
-            }
+            let (literal, end) = literal_until(&chars, i + 1, |k| chars[k] == '"');
             literals.push(literal);
-            i += 1;
+            i = end + 1;
         } else if c == '\'' {
             // A char literal ('x', '\n', '\u{..}', '"'), or a lifetime or label.
             if next == Some('\\') {
@@ -142,6 +131,23 @@ fn string_literals(source: &str) -> Vec<String> {
 }
 
 /// The variable names (`PREFIX` and at least one more character) in `text`.
+/// A string literal's characters from `i` up to where `ends` holds (a
+/// backslash keeps the character after it, as written), and that index.
+fn literal_until(chars: &[char], mut i: usize, ends: impl Fn(usize) -> bool) -> (String, usize) {
+    let mut literal = String::new();
+    while i < chars.len() && !ends(i) {
+        if chars[i] == '\\' {
+            literal.push(chars[i]);
+            i += 1;
+        }
+        if let Some(&ch) = chars.get(i) {
+            literal.push(ch);
+        }
+        i += 1;
+    }
+    (literal, i)
+}
+
 /// The string literals of a Python source (docstrings too), outside its
 /// `#` comments.
 fn python_string_literals(source: &str) -> Vec<String> {
@@ -158,20 +164,9 @@ fn python_string_literals(source: &str) -> Vec<String> {
             let triple = chars.get(i + 1) == Some(&c) && chars.get(i + 2) == Some(&c);
             let quote = if triple { 3 } else { 1 };
             let closes = |k: usize| (0..quote).all(|q| chars.get(k + q) == Some(&c));
-            let mut literal = String::new();
-            i += quote;
-            while i < chars.len() && !closes(i) && (triple || chars[i] != '\n') {
-                if chars[i] == '\\' {
-                    literal.push(chars[i]);
-                    i += 1;
-                }
-                if let Some(&ch) = chars.get(i) {
-                    literal.push(ch);
-                }
-                i += 1;
-            }
+            let (literal, end) = literal_until(&chars, i + quote, |k| closes(k) || (!triple && chars[k] == '\n'));
             literals.push(literal);
-            i += quote;
+            i = end + quote;
         } else {
             i += 1;
         }
