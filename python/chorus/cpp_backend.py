@@ -1,9 +1,10 @@
 """The C++ front of the ``"chorus"`` torch backend (``_backend.cpp``).
 
-A dense CPU all-reduce, the operation DDP and FSDP issue most, goes from
-torch's dispatcher to the Rust library with no Python step; everything
-else goes to the Python backend (:class:`chorus.torch.ChorusBackend`)
-behind it. The front is compiled against the installed torch on first use
+The operations DDP and FSDP2 issue most (all-reduce, broadcast,
+all_gather_into_tensor, reduce_scatter_tensor on one dense CPU tensor) go
+from torch's dispatcher to the Rust library with no Python step;
+everything else goes to the Python backend
+(:class:`chorus.torch.ChorusBackend`) behind it. The front is compiled against the installed torch on first use
 (a C++ compiler and ``ninja``, about a minute), once per torch version, and
 loaded from the cache after::
 

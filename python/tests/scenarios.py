@@ -279,7 +279,7 @@ def failure(how: str) -> None:
     except chorus.GroupAborted:
         after = "GroupAborted"
     result({"error": error, "ranks": ranks, "message": message, "elapsed": elapsed, "next": after,
-            "is_dist_backend_error": is_torch})
+            "is_dist_backend_error": is_torch, "front": _front()})
 
 
 def fault_rules() -> None:
@@ -514,33 +514,20 @@ def _objects():
     return [gathered, broadcast, scattered, at_root]
 
 
-def cpp_backend(part: str) -> None:
+def _front() -> str:
+    """The class of the default group's CPU backend: which implementation
+    CHORUS_TORCH_BACKEND picked."""
+    return type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+
+
+def cpp_backend() -> None:
     """The operations the C++ front runs itself, on the implementation
-    CHORUS_TORCH_BACKEND picks (reported as "front"): `collectives` checks
-    all-reduce (dtypes, ops, futures, a wait that times out on a late
-    peer), broadcast, all_gather_into_tensor (in place too),
-    reduce_scatter_tensor, and an operation the front hands to the Python
-    backend; `failure` has the last rank die and the others' next
-    all-reduce raise, naming it."""
+    CHORUS_TORCH_BACKEND picks (reported as "front"): all-reduce (dtypes,
+    ops, futures, a wait that times out on a late peer), broadcast,
+    all_gather_into_tensor (in place too), reduce_scatter_tensor, and an
+    operation the front hands to the Python backend."""
     dist.init_process_group("chorus")
-    out = {"failures": [], "checked": 0, "front": type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__}
-    if part == "failure":
-        t = torch.ones(8)
-        dist.all_reduce(t)
-        dist.barrier()
-        if RANK == WORLD - 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        began = time.monotonic()
-        try:
-            for _ in range(100000):
-                dist.all_reduce(t)
-            out["error"] = "none"
-        except chorus.ChorusError as e:
-            out["error"], out["message"], out["ranks"] = type(e).__name__, str(e), list(e.ranks)
-            out["is_dist_backend_error"] = isinstance(e, dist.DistBackendError)
-        out["elapsed"] = time.monotonic() - began
-        result(out)
-        return
+    out = {"failures": [], "checked": 0, "front": _front()}
     for dtype in [torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]:
         for op in ["sum", "avg", "min", "max"]:
             if op == "avg" and dtype not in FLOATS:

@@ -29,7 +29,7 @@ def built():
 def test_each_implementation_runs_the_fronts_collectives_and_the_front_hands_the_rest_to_python(request, implementation):
     if implementation == "cpp":
         request.getfixturevalue("built")
-    ranks = run("cpp_backend", 2, args=["collectives"], timeout=120, env={cpp_backend.ENV: implementation})
+    ranks = run("cpp_backend", 2, timeout=120, env={cpp_backend.ENV: implementation})
     for rank in ranks:
         outcome = rank.result()
         assert outcome["front"] == FRONTS[implementation], outcome
@@ -51,7 +51,7 @@ def test_where_the_front_cannot_build_the_python_backend_runs_and_a_warning_says
     stale = cpp_backend.library_path().parent / "build" / "lock"
     stale.parent.mkdir(parents=True)
     stale.touch()
-    for rank in run("cpp_backend", 2, args=["collectives"], timeout=180, env=env):
+    for rank in run("cpp_backend", 2, timeout=180, env=env):
         assert rank.result()["front"] == "ChorusBackend" and rank.result()["failures"] == []
         assert "the C++ front of the torch backend did not build" in rank.output, rank.output
 
@@ -59,7 +59,7 @@ def test_where_the_front_cannot_build_the_python_backend_runs_and_a_warning_says
 def test_asking_for_the_front_where_it_cannot_build_is_an_error(tmp_path):
     env = {cpp_backend.ENV: "cpp", "CHORUS_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-compiler")}
     with pytest.raises(AssertionError, match="CHORUS_TORCH_BACKEND=cpp but the C\\+\\+ front of the torch backend did not"):
-        run("cpp_backend", 1, args=["collectives"], timeout=180, env=env)
+        run("cpp_backend", 1, timeout=180, env=env)
 
 
 def test_the_cpp_front_gives_ddp_the_parameters_gloo_gives(built):
@@ -76,16 +76,20 @@ def test_powersgds_callbacks_that_wait_on_further_all_reduces_run_on_the_cpp_fro
     assert len(checksums) == 1, f"replicas diverged: {checksums}"
 
 
-def test_a_dead_rank_raises_group_aborted_naming_it_from_the_cpp_front(built):
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_a_dead_or_frozen_rank_raises_group_aborted_naming_it_from_the_python_backend_alone(how):
+    # The same scenario under the default implementation (the C++ front
+    # where it builds) is test_backend.py's.
     window = 2.0
-    ranks = run("cpp_backend", 3, args=["failure"], timeout=60,
-                env={**CPP, "CHORUS_HEARTBEAT_TIMEOUT": str(window)}, expect_exit={2: "kill"})
+    ranks = run("failure", 3, args=[how], timeout=60,
+                env={cpp_backend.ENV: "python", "CHORUS_HEARTBEAT_TIMEOUT": str(window)}, expect_exit={2: how})
     for rank in ranks[:2]:
         outcome = rank.result()
-        assert outcome["front"] == "ChorusCppBackend", outcome
+        assert outcome["front"] == "ChorusBackend", outcome
         assert outcome["error"] == "GroupAborted" and outcome["is_dist_backend_error"], outcome
         assert 2 in outcome["ranks"] and "rank 2" in outcome["message"], outcome
         assert outcome["elapsed"] < window + 2.0, outcome
+        assert outcome["next"] == "GroupAborted"
 
 
 @pytest.mark.parametrize("implementation", ["cpp", "python"])
