@@ -302,7 +302,7 @@ class ChorusCppBackend : public c10d::Backend {
       return forward("allreduce", tensors, opts);
     }
     at::Tensor& t = tensors[0];
-    return submit(c10d::OpType::ALLREDUCE, "all_reduce", t.numel(), t, nullptr, t, op, -1, opts.timeout, {t}, {},
+    return submit(c10d::OpType::ALLREDUCE, "all_reduce", t.numel(), nullptr, t, op, -1, opts.timeout, {t}, {},
                   nullptr);
   }
 
@@ -312,7 +312,7 @@ class ChorusCppBackend : public c10d::Backend {
       return forward("broadcast", tensors, opts);
     }
     at::Tensor& t = tensors[0];
-    return submit(c10d::OpType::BROADCAST, "broadcast", t.numel(), t, nullptr, t, nullptr, opts.rootRank,
+    return submit(c10d::OpType::BROADCAST, "broadcast", t.numel(), nullptr, t, nullptr, opts.rootRank,
                   opts.timeout, {t}, {}, nullptr);
   }
 
@@ -326,7 +326,7 @@ class ChorusCppBackend : public c10d::Backend {
       return forward("all_gather_single", output, input, opts);
     }
     at::Tensor source = overlaps(input, output) ? input.clone() : input;
-    return submit(c10d::OpType::_ALLGATHER_BASE, "all_gather", input.numel(), source, &source, output, nullptr, -1,
+    return submit(c10d::OpType::_ALLGATHER_BASE, "all_gather", input.numel(), &source, output, nullptr, -1,
                   opts.timeout, {output}, {source}, nullptr);
   }
 
@@ -342,7 +342,7 @@ class ChorusCppBackend : public c10d::Backend {
     at::Tensor scratch = at::empty_like(input);
     at::Tensor block = scratch.flatten().narrow(0, getRank() * output.numel(), output.numel()).view_as(output);
     std::function<void()> finish = [output, block]() mutable { output.copy_(block); };
-    return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter", output.numel(), input, &input, scratch, op,
+    return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter", output.numel(), &input, scratch, op,
                   -1, opts.timeout, {output}, {input, scratch}, std::move(finish));
   }
 
@@ -469,9 +469,9 @@ class ChorusCppBackend : public c10d::Backend {
   }
 
   // Hands the operation to the library; `output` is written, `input` (if
-  // any) only read.
-  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* kind, int64_t count, const at::Tensor& typed,
-                                        const at::Tensor* input, at::Tensor& output, const char* op, int64_t root,
+  // any, of the output's dtype) only read.
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* kind, int64_t count, const at::Tensor* input,
+                                        at::Tensor& output, const char* op, int64_t root,
                                         std::chrono::milliseconds timeout, std::vector<at::Tensor> result,
                                         std::vector<at::Tensor> held, std::function<void()> finish) {
     auto work = c10::make_intrusive<CollectiveWork>(type, api_, std::move(result), std::move(held), std::move(finish));
@@ -479,7 +479,7 @@ class ChorusCppBackend : public c10d::Backend {
     double timeout_s = timeout == c10d::kUnsetTimeout ? timeout_s_ : timeout.count() / 1000.0;
     // The library's reference, given back in `done`.
     CollectiveWork* ctx = c10::intrusive_ptr<CollectiveWork>(work).release();
-    api_->collective(group_, kind, static_cast<size_t>(count), dtype_name(typed.scalar_type()),
+    api_->collective(group_, kind, static_cast<size_t>(count), dtype_name(output.scalar_type()),
                      input ? input->data_ptr() : nullptr, input ? input->nbytes() : 0, output.data_ptr(),
                      output.nbytes(), op, root, timeout_s, &CollectiveWork::done, ctx);
     return work;
